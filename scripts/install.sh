@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs everything slapo-lab needs on a fresh Debian machine, idempotently:
+# Debian packages (graphviz, chromium), a venv in .venv with torch==2.13.0 (CPU wheel) first,
+# then the package itself (`pip install -e .[test]`, whose build produces the labextension).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+need_apt=()
+command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "[install] apt-get install ${need_apt[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$VENV"
+fi
+"$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first, pinned, so that nothing later pulls the CUDA build.
+"$PY" -m pip install -q torch==2.13.0
+"$PY" -m pip install -q -e ".[test]"
+# DeepSpeed without its CUDA ops (pipeline runtime "deepspeed").
+DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.19" || echo "[install] deepspeed not installed; its runtime tests will be skipped"
+"$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
+echo "[install] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
