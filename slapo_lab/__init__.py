@@ -1,0 +1,40 @@
+"""slapo-lab: Slapo's schedule language on PyTorch 2.13, with a JupyterLab visual editor.
+
+The public API, and nothing else: the editor and exported scripts use only these names.
+"""
+from .errors import ScheduleError
+from .primitives import Primitive, list_primitives, register_primitive
+from .record import Call, Recorder, format_call, replay
+from .schedule import Schedule, ScheduleMetadata, create_schedule
+from .module_state import peek_meta as module_state
+from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
+from .verify import Verify, VerifyReport, verify_models
+from .sharding.sync_ops import TPGroup
+
+__version__ = "0.1.0"
+
+
+def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | None:
+    """Whether ``sch.<primitive>(*args, **kwargs)`` would apply: None if yes, else the error sentence.
+
+    Nothing is changed or recorded.
+    """
+    from .primitives import get_primitive
+
+    prim = get_primitive(primitive)
+    if prim is None:
+        return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
+    try:
+        bound = prim.bind(*args, **kwargs)
+        prim.check(sch, *bound.args, **bound.kwargs)
+    except ScheduleError as err:
+        return str(err)
+    return None
+
+
+__all__ = [
+    "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
+    "VerifyReport", "check_primitive", "checkpoint", "create_schedule", "format_call", "get_cuda_rng_tracker",
+    "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
+    "verify_models",
+]

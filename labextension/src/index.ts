@@ -1,0 +1,3 @@
+export * from './version';
+export * from './widget';
+export * from './sanitize';

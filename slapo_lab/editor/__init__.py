@@ -1,0 +1,5 @@
+"""Editor widgets of slapo-lab (JupyterLab)."""
+
+from .graph_widget import GraphWidget
+
+__all__ = ["GraphWidget"]

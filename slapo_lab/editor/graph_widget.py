@@ -1,0 +1,162 @@
+"""GraphWidget: a graphviz SVG shown in JupyterLab with pan, zoom, click and double-click.
+
+The browser half is the ``slapo-lab`` labextension (``labextension/src/widget.ts``): it sanitises
+the SVG (DOMPurify, SVG profile), lets the user pan (drag) and zoom (wheel), highlights the
+``selected`` node and sends custom messages back to the kernel::
+
+    {"event": "click", "node": "<token>"}
+    {"event": "dblclick", "node": "<token>"}
+
+A token is the ``id`` attribute graphviz gives a node's ``<g class="node">`` (set it with the
+node's ``id`` attribute in dot). ``node_ids`` maps each token of the current SVG to a module path;
+every message is checked against it, and anything malformed is reported to the ``on_error``
+callbacks as one sentence instead of raising.
+
+Zoom: the browser keeps its pan/zoom when ``svg`` changes (e.g. only colours changed). Call
+:meth:`GraphWidget.reset_zoom` (or pass ``reset_view=True`` to :meth:`GraphWidget.set_graph`) to
+fit the whole graph again, e.g. after showing a different level of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ipywidgets as widgets
+from traitlets import Int, Unicode
+
+__all__ = ["GraphWidget", "MODULE_NAME", "MODULE_VERSION"]
+
+#: npm package / widget module name of the browser half.
+MODULE_NAME = "slapo-lab"
+#: Semver range of the browser module this Python class talks to (package.json ``version``).
+MODULE_VERSION = "^0.1.0"
+
+_EVENTS = ("click", "dblclick")
+_log = logging.getLogger(__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class GraphWidget(widgets.DOMWidget):
+    """An interactive graphviz graph.
+
+    Parameters
+    ----------
+    svg:
+        The SVG text produced by graphviz (``dot -Tsvg``); shown after sanitising in the browser.
+    node_ids:
+        Token → module path for every clickable node of ``svg``.
+    **kwargs:
+        Other traits (``selected``, ``height``, layout, ...).
+
+    Synced traits
+    -------------
+    svg : str
+        The graphviz SVG.
+    selected : str
+        Token of the highlighted node ("" for none).
+    height : str
+        CSS height of the view, default ``"420px"``.
+    reset_view : int
+        A counter: each change makes the browser reset pan/zoom to "fit the whole graph".
+
+    Callbacks are called as ``callback(token, path)`` for clicks and double clicks, and as
+    ``callback(message)`` (one sentence) for malformed browser messages. A double click in the
+    browser also produces the two clicks before it.
+    """
+
+    _model_name = Unicode("GraphModel").tag(sync=True)
+    _model_module = Unicode(MODULE_NAME).tag(sync=True)
+    _model_module_version = Unicode(MODULE_VERSION).tag(sync=True)
+    _view_name = Unicode("GraphView").tag(sync=True)
+    _view_module = Unicode(MODULE_NAME).tag(sync=True)
+    _view_module_version = Unicode(MODULE_VERSION).tag(sync=True)
+
+    svg = Unicode("", help="graphviz SVG text; sanitised in the browser").tag(sync=True)
+    selected = Unicode("", help="token of the highlighted node, '' for none").tag(sync=True)
+    height = Unicode("420px", help="CSS height of the view").tag(sync=True)
+    reset_view = Int(0, help="bump to reset the browser's pan/zoom").tag(sync=True)
+
+    def __init__(self, svg: str = "", node_ids: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        #: Token (graphviz node ``id``) → module path, for the nodes of the current ``svg``.
+        self.node_ids: dict[str, str] = dict(node_ids or {})
+        self._click_handlers = widgets.CallbackDispatcher()
+        self._dblclick_handlers = widgets.CallbackDispatcher()
+        self._error_handlers = widgets.CallbackDispatcher()
+        super().__init__(svg=svg, **kwargs)
+        self.on_msg(self._on_browser_msg)
+
+    # ------------------------------------------------------------------ public API
+
+    def set_graph(self, svg: str, node_ids: Mapping[str, str], reset_view: bool = False) -> None:
+        """Show a new graph: set ``node_ids`` and ``svg`` together.
+
+        ``reset_view=True`` also resets the browser's pan/zoom (use it when the graph is a
+        different one, not a recoloured one).
+        """
+        self.node_ids = dict(node_ids)
+        with self.hold_sync():
+            self.svg = svg
+            if reset_view:
+                self.reset_view += 1
+
+    def reset_zoom(self) -> None:
+        """Make every browser view fit the whole graph again (resets pan and zoom)."""
+        self.reset_view += 1
+
+    def on_node_click(self, callback: Callable[[str, str], Any], remove: bool = False) -> None:
+        """Register ``callback(token, path)`` for clicks on a node (``remove=True`` unregisters)."""
+        self._click_handlers.register_callback(callback, remove=remove)
+
+    def on_node_dblclick(self, callback: Callable[[str, str], Any], remove: bool = False) -> None:
+        """Register ``callback(token, path)`` for double clicks on a node (``remove=True`` unregisters)."""
+        self._dblclick_handlers.register_callback(callback, remove=remove)
+
+    def on_error(self, callback: Callable[[str], Any], remove: bool = False) -> None:
+        """Register ``callback(message)``, called with one sentence for each malformed browser message."""
+        self._error_handlers.register_callback(callback, remove=remove)
+
+    # ------------------------------------------------------------------ internals
+
+    def _on_browser_msg(self, _widget: Any, content: Any, _buffers: Any = None) -> None:
+        """Validate one custom message from the browser and dispatch it; never raises."""
+        try:
+            problem = self._dispatch(content)
+        except Exception as exc:  # a bug here must not break the comm
+            problem = f"The graph widget failed to handle a browser message ({type(exc).__name__}: {exc})."
+            _log.exception("slapo-lab GraphWidget message handler failed")
+        if problem is not None:
+            self._report(problem)
+
+    def _dispatch(self, content: Any) -> str | None:
+        if not isinstance(content, dict):
+            return f"Ignored a graph message that is not a JSON object (got {type(content).__name__})."
+        event = content.get("event")
+        if event not in _EVENTS:
+            if "event" not in content:
+                return "Ignored a graph message without an 'event' field; expected 'click' or 'dblclick'."
+            return f"Ignored a graph message with unknown event {_short(event)}; expected 'click' or 'dblclick'."
+        if "node" not in content:
+            return f"Ignored a '{event}' message without a 'node' field."
+        token = content["node"]
+        if not isinstance(token, str):
+            return f"Ignored a '{event}' message whose node is not a string (got {type(token).__name__})."
+        if token not in self.node_ids:
+            return f"Ignored a '{event}' on node {_short(token)}, which is not in the current graph."
+        handlers = self._click_handlers if event == "click" else self._dblclick_handlers
+        handlers(token, self.node_ids[token])
+        return None
+
+    def _report(self, message: str) -> None:
+        if self._error_handlers.callbacks:
+            try:
+                self._error_handlers(message)
+            except Exception:  # CallbackDispatcher already catches; keep the promise anyway
+                _log.exception("slapo-lab GraphWidget error callback failed")
+        else:
+            _log.warning("%s", message)

@@ -1,0 +1,51 @@
+"""Activation checkpointing: ``checkpoint``.
+
+The module's forward runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint` (keyword
+arguments pass through; RNG state -- including the tensor-parallel tracker's -- is restored on
+recomputation), so only its inputs are saved for backward. Semantics after Slapo's
+``slapo/primitives/checkpoint.py``.
+"""
+from __future__ import annotations
+
+from ..errors import ScheduleError
+from ..module_state import install_forward, module_meta, peek_meta
+from .base import Primitive, register_primitive
+
+
+@register_primitive()
+class CheckpointPrimitive(Primitive):
+    """Recompute this module's activations in backward instead of storing them.
+
+    ``order_args_fn`` (Slapo compatibility) may map ``(*args, **kwargs)`` to positional arguments; with
+    the non-reentrant implementation keyword arguments already work, so it is only applied if given.
+
+    Raises:
+        ScheduleError: on the root module, when already checkpointed, or for an fx ``subgraph`` (use
+            ``replace`` to make the subgraph a module first).
+    """
+
+    name = "checkpoint"
+
+    @classmethod
+    def check(cls, sch, subgraph=None, order_args_fn=None) -> None:
+        if sch.parent is None:
+            raise ScheduleError(
+                "Cannot checkpoint the root module: nothing outside it would keep fewer activations; "
+                "checkpoint its blocks (e.g. each encoder layer) instead.")
+        meta = peek_meta(sch.mod)
+        if meta and meta["checkpoint"]:
+            raise ScheduleError(f"{sch.path} is already checkpointed.")
+        if subgraph is not None:
+            raise ScheduleError(
+                "checkpoint(subgraph=...) needs a traced parent; replace the subgraph with a module first, "
+                "then checkpoint that module.")
+        if order_args_fn is not None and not callable(order_args_fn):
+            raise ScheduleError("order_args_fn must be a callable.")
+
+    @staticmethod
+    def apply(sch, subgraph=None, order_args_fn=None):
+        CheckpointPrimitive.check(sch, subgraph, order_args_fn)
+        meta = module_meta(sch.mod)
+        meta["checkpoint"] = True
+        meta["order_args_fn"] = order_args_fn
+        install_forward(sch.mod)

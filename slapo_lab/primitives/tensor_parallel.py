@@ -1,0 +1,311 @@
+"""Tensor-parallel primitives: ``shard``, ``sync``, ``fork_rng``.
+
+Semantics follow Slapo (``slapo/primitives/shard.py``, ``sync.py``, ``fork_rng.py``) with
+Megatron-LM's communication pairs (see :mod:`slapo_lab.sharding.sync_ops`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ScheduleError
+from ..module_state import install_forward, module_meta, peek_meta
+from ..sharding import sync_ops
+from ..sharding.rules import get_shard_rule
+from .base import Primitive, register_primitive
+
+SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+
+
+def _where(sch) -> str:
+    return sch.path or "the root module"
+
+
+def _tensor(sch, tensor_name: Any) -> torch.Tensor:
+    if not isinstance(tensor_name, str):
+        raise ScheduleError(f"shard() takes a parameter or buffer name as a string, not {tensor_name!r}.")
+    mod = sch.mod
+    t = mod._parameters.get(tensor_name, None) if tensor_name in mod._parameters else mod._buffers.get(tensor_name)
+    if t is None:
+        names = [n for n, v in list(mod._parameters.items()) + list(mod._buffers.items()) if v is not None]
+        have = ", ".join(names) if names else "no parameters or buffers of its own"
+        raise ScheduleError(
+            f"{_where(sch)} ({type(mod).__name__}) has no parameter or buffer named {tensor_name!r}; it has {have}.")
+    return t
+
+
+def _owners(sch, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
+    from ..schedule import param_owners
+
+    owners = param_owners(sch.get_top_schedule().mod, tensor)
+    return owners or [(sch.mod, "")]
+
+
+def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
+    """Validate a shard call; return the tensor and the normalised axis (raises ScheduleError)."""
+    t = _tensor(sch, tensor_name)
+    full = f"{sch.path + '.' if sch.path else ''}{tensor_name}"
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise ScheduleError(f"The shard axis of {full} must be an integer, not {axis!r}.")
+    if not -t.dim() <= axis < t.dim():
+        raise ScheduleError(
+            f"Cannot shard {full} on axis {axis}: it has shape {tuple(t.shape)}, so the axis must be in "
+            f"[{-t.dim()}, {t.dim() - 1}]." if t.dim() else f"Cannot shard {full}: it is a scalar.")
+    axis = axis % t.dim()
+    meta = peek_meta(sch.mod)
+    if meta and tensor_name in meta["sharded"]:
+        raise ScheduleError(f"{full} is already sharded on axis {meta['sharded'][tensor_name]}; shard each tensor once.")
+    if getattr(t, "shard_axis", None) is not None:
+        raise ScheduleError(f"{full} is already sharded on axis {t.shard_axis} (it is tied to a sharded tensor).")
+    ws = sch.world_size
+    if t.shape[axis] % ws:
+        raise ScheduleError(
+            f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}.")
+    for mod, name in _owners(sch, t):
+        reason = get_shard_rule(mod).check(mod, name or tensor_name, axis)
+        if reason:
+            raise ScheduleError(f"Cannot shard {full} on axis {axis}: {reason}.")
+    return t, axis
+
+
+@register_primitive()
+class ShardPrimitive(Primitive):
+    """Split a parameter or buffer into ``world_size`` equal chunks along ``axis`` and keep this rank's.
+
+    The module's shard rule keeps it consistent (``Linear.out_features`` ...) and records its output
+    type (``partition`` along an axis, or ``partial`` sums that need a reduce). Tied tensors stay tied:
+    every module holding the same tensor receives the same shard. The new parameter carries
+    ``orig_shape`` (the full ``torch.Size``) and ``shard_axis``.
+
+    Raises:
+        ScheduleError: unknown tensor name, non-integer or out-of-range axis, a size not divisible by the
+            world size, a tensor already sharded, or a shard the module's rule refuses.
+    """
+
+    name = "shard"
+    positional = 1
+
+    @classmethod
+    def check(cls, sch, tensor_name: str, axis: int) -> None:
+        check_shard(sch, tensor_name, axis)
+
+    @staticmethod
+    def apply(sch, tensor_name: str, axis: int):
+        t, axis = check_shard(sch, tensor_name, axis)
+        ws, rank = sch.world_size, sch.rank
+        owners = _owners(sch, t)
+        with torch.no_grad():
+            chunk = t.detach().chunk(ws, dim=axis)[rank].clone() if ws > 1 else t.detach()
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(chunk, requires_grad=t.requires_grad)
+            for k, v in t.__dict__.items():  # annotations survive
+                new.__dict__.setdefault(k, v)
+        else:
+            new = chunk
+        new.orig_shape = t.shape
+        new.shard_axis = axis
+        for mod, name in owners:
+            name = name or tensor_name
+            if name in mod._parameters:
+                mod._parameters[name] = new
+            else:
+                mod._buffers[name] = new
+            module_meta(mod)["sharded"][name] = axis
+            get_shard_rule(mod).apply(mod, name, axis, ws, rank)
+        if len(owners) > 1:
+            sch.metadata.tie_weights[new] = [m for m, _ in owners]
+        return new
+
+
+def _first_tensor_index(args, kwargs):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return ("arg", i)
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return ("kw", k)
+    return None
+
+
+def _map_output(out, fn):
+    """Apply ``fn`` to the module output's primary tensor (itself, first tuple item, first dict value)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        new0 = fn(out[0])
+        if hasattr(out, "_fields"):
+            return type(out)(new0, *out[1:])
+        return (new0, *out[1:])
+    if isinstance(out, list) and out and isinstance(out[0], torch.Tensor):
+        return [fn(out[0]), *out[1:]]
+    if isinstance(out, dict) and out:
+        k = next(iter(out))
+        if isinstance(out[k], torch.Tensor):
+            out[k] = fn(out[k])
+    return out
+
+
+def _op_fn(op: str, sch, kw: dict):
+    g = sch.tp
+    axis = kw.get("axis", -1)
+    if op == "all_reduce":
+        return lambda x: sync_ops.all_reduce_forward(x, g)
+    if op == "all_gather":
+        tpo = kw.get("tensor_parallel_output_grad", True)
+        return lambda x: sync_ops.all_gather(x, axis, g, tpo)
+    if op == "reduce_scatter":
+        return lambda x: sync_ops.reduce_scatter(x, axis, g)
+    return lambda x: sync_ops.scatter(x, axis, g)
+
+
+def _has_shard_below(mod: nn.Module) -> bool:
+    for m in mod.modules():
+        meta = peek_meta(m)
+        if meta and meta["sharded"]:
+            return True
+    return False
+
+
+_OP_KWARGS = {"all_reduce": set(), "all_gather": {"axis", "tensor_parallel_output_grad"},
+              "reduce_scatter": {"axis"}, "scatter": {"axis"}}
+
+
+def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
+    """Validate a sync call (raises ScheduleError with one sentence)."""
+    where = _where(sch)
+    if mode not in SYNC_MODES:
+        raise ScheduleError(f"Unknown sync mode {mode!r}; use one of {', '.join(SYNC_MODES)}.")
+    if callable(sync_op_or_fn):
+        if kwargs:
+            raise ScheduleError("A custom sync function takes no extra keyword arguments.")
+        return
+    op = sync_op_or_fn
+    if op not in SYNC_OPS:
+        raise ScheduleError(f"Unknown sync op {op!r}; use one of {', '.join(SYNC_OPS)} or a callable hook.")
+    extra = set(kwargs) - _OP_KWARGS[op]
+    if extra:
+        raise ScheduleError(f"sync op {op} does not take {', '.join(sorted(extra))}.")
+    if "axis" in kwargs and (isinstance(kwargs["axis"], bool) or not isinstance(kwargs["axis"], int)):
+        raise ScheduleError(f"The sync axis must be an integer, not {kwargs['axis']!r}.")
+    if mode == "bwd_post" and op != "all_reduce":
+        raise ScheduleError(f"bwd_post supports only all_reduce (got {op}).")
+    meta = peek_meta(sch.mod)
+    if meta and (mode, op) in meta["syncs"]:
+        raise ScheduleError(f"{where} already has a {mode} {op}; a second one would apply it twice.")
+    out_type = meta["output_type"] if meta else None
+    sharded_inside = _has_shard_below(sch.mod)
+    if op == "all_reduce" and not sharded_inside:
+        raise ScheduleError(
+            f"{where} has no sharded parameters, so its {'output' if mode == 'fwd_post' else 'input gradient'} "
+            f"is already complete on every rank and an all_reduce would multiply it by {sch.world_size}; "
+            "shard a parameter first.")
+    if mode == "fwd_post" and op in ("all_reduce", "reduce_scatter") and out_type == "partition":
+        raise ScheduleError(
+            f"{where} has a partitioned output (its weight is split on the output features), so a {op} would "
+            "sum different slices; use all_gather, or shard the weight on the input axis for a partial sum.")
+    if mode == "fwd_post" and op in ("all_gather", "scatter") and out_type == "partial":
+        raise ScheduleError(
+            f"{where} produces partial sums (row parallel), so its output needs all_reduce or reduce_scatter, "
+            f"not {op}.")
+    if mode == "bwd_post" and out_type == "partial":
+        raise ScheduleError(
+            f"{where} is row parallel: its input is already split, so its input gradient must not be "
+            "all-reduced; put bwd_post all_reduce on the column-parallel layer before it.")
+    if mode == "fwd_pre" and op in ("all_reduce", "reduce_scatter"):
+        raise ScheduleError(f"fwd_pre supports all_gather and scatter on the input, not {op}.")
+
+
+@register_primitive()
+class SyncPrimitive(Primitive):
+    """Insert a tensor-parallel synchronisation at a module boundary.
+
+    Modes: ``fwd_pre`` (on the module's first tensor input: ``all_gather``, ``scatter``), ``fwd_post``
+    (on its output's primary tensor: ``all_reduce``, ``all_gather(axis, tensor_parallel_output_grad)``,
+    ``reduce_scatter(axis)``, ``scatter(axis)``), ``bwd_post`` (``all_reduce`` of the module's input
+    gradients: Megatron's ``f``). A callable registers a custom hook of that kind. A row-parallel
+    layer with a bias reduces *before* adding the bias. In simulated planning the ops change only
+    shapes.
+
+    Raises:
+        ScheduleError: unknown mode/op/kwargs, a duplicate sync, or a combination that contradicts the
+            module's output type (e.g. all_reduce after a column-parallel layer).
+    """
+
+    name = "sync"
+    positional = 0
+
+    @classmethod
+    def check(cls, sch, mode: str, sync_op_or_fn: Any, **kwargs) -> None:
+        check_sync(sch, mode, sync_op_or_fn, kwargs)
+
+    @staticmethod
+    def apply(sch, mode: str, sync_op_or_fn: Any, **kwargs):
+        check_sync(sch, mode, sync_op_or_fn, kwargs)
+        mod = sch.mod
+        meta = module_meta(mod)
+        if callable(sync_op_or_fn):
+            fn = sync_op_or_fn
+            if mode == "fwd_pre":
+                h = mod.register_forward_pre_hook(fn)
+            elif mode == "fwd_post":
+                h = mod.register_forward_hook(fn)
+            else:
+                h = mod.register_full_backward_hook(fn)
+            meta["hooks"].append(h)
+            meta["syncs"].append((mode, getattr(fn, "__name__", "custom")))
+            return
+        op = sync_op_or_fn
+        g = sch.tp
+        if mode == "bwd_post":
+            def pre(module, args, kw):
+                wrap = lambda x: sync_ops.all_reduce_backward(x, g) if (  # noqa: E731
+                    isinstance(x, torch.Tensor) and x.is_floating_point()) else x
+                return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
+
+            meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        elif mode == "fwd_pre":
+            fn = _op_fn(op, sch, kwargs)
+
+            def pre(module, args, kw):
+                idx = _first_tensor_index(args, kw)
+                if idx is None:
+                    return None
+                if idx[0] == "arg":
+                    args = (*args[: idx[1]], fn(args[idx[1]]), *args[idx[1] + 1:])
+                else:
+                    kw = dict(kw)
+                    kw[idx[1]] = fn(kw[idx[1]])
+                return args, kw
+
+            meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            fn = _op_fn(op, sch, kwargs)
+            if meta["output_type"] == "partial" and meta["impl"] is not None and op in ("all_reduce", "reduce_scatter"):
+                meta["partial_reducers"].append(fn)  # reduce before the bias add
+            else:
+                meta["hooks"].append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))
+        meta["syncs"].append((mode, op))
+        if mode == "fwd_post" and op in ("all_reduce", "all_gather"):
+            meta["output_synced"] = True
+
+
+@register_primitive()
+class ForkRNGPrimitive(Primitive):
+    """Run the module's forward under the tensor-parallel RNG tracker's fork (dropout in a TP region).
+
+    Raises:
+        ScheduleError: if already applied.
+    """
+
+    name = "fork_rng"
+
+    @staticmethod
+    def apply(sch):
+        meta = peek_meta(sch.mod)
+        if meta and meta["fork_rng"]:
+            raise ScheduleError(f"{_where(sch)} already runs under fork_rng().")
+        module_meta(sch.mod)["fork_rng"] = True
+        install_forward(sch.mod)

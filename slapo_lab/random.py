@@ -1,0 +1,174 @@
+"""Random-number state for tensor parallelism and activation checkpointing.
+
+Follows Megatron-LM's ``CudaRNGStatesTracker`` (``megatron/core/tensor_parallel/random.py``) and
+Slapo's ``slapo.random``: a tracker holds named RNG states; ``fork(name)`` runs a block under that
+state and saves the advanced state back. Works for CPU and CUDA generators. The checkpoint wrapper
+restores the tracker's states on recomputation so that dropout inside a tensor-parallel region
+draws the same masks twice.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _torch_ckpt
+
+_MODEL_PARALLEL_RNG = "model-parallel-rng"
+_SEED_SET = False
+
+
+def _device_state(device: str):
+    if device == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def _set_device_state(device: str, state) -> None:
+    if device == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named RNG states (Megatron's tracker), for the CUDA generator if available, else the CPU one."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, Any] = {}
+        self.seeds: set[int] = set()
+
+    @property
+    def device(self) -> str:
+        return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+
+    def reset(self) -> None:
+        """Forget every state."""
+        self.states.clear()
+        self.seeds.clear()
+
+    def get_states(self) -> dict[str, Any]:
+        """A copy of the named states."""
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        """Replace the named states (as returned by :meth:`get_states`)."""
+        self.states = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        """Create state ``name`` seeded with ``seed``.
+
+        Raises:
+            ValueError: if the seed or the name is already used.
+        """
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} already exists in the RNG tracker")
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        self.seeds.add(seed)
+        dev = self.device
+        orig = _device_state(dev)
+        if dev == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _device_state(dev)
+        _set_device_state(dev, orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG):
+        """Run the block under state ``name`` (a no-op if that state was never added)."""
+        if name not in self.states:
+            yield
+            return
+        dev = self.device
+        orig = _device_state(dev)
+        _set_device_state(dev, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _device_state(dev)
+            _set_device_state(dev, orig)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (named for Slapo/Megatron compatibility; it also serves the CPU)."""
+    return _TRACKER
+
+
+def set_random_seed(seed: int = 2013, dp_rank: int | None = None, pp_rank: int | None = None,
+                    tp_rank: int | None = None, always_enable_tp_seed: bool = False) -> int:
+    """Seed Python, NumPy and torch for reproducibility, Slapo's scheme.
+
+    The default seed is offset by ``100 * pp_rank`` and ``10 * dp_rank``; the tensor-parallel tracker
+    state gets ``seed + 2718 + tp_rank`` so that dropout inside a TP region differs across TP ranks.
+    With ``always_enable_tp_seed`` the TP seed becomes the default seed (sequence parallelism).
+
+    Returns:
+        int: the seed used for the default generator of this rank.
+    """
+    import random
+
+    global _SEED_SET
+    if pp_rank is not None:
+        seed += 100 * pp_rank
+    if dp_rank is not None:
+        seed += 10 * dp_rank
+    tp_seed = seed + 2718 + (tp_rank or 0)
+    if always_enable_tp_seed and tp_rank is not None:
+        seed = tp_seed
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover
+        pass
+    torch.manual_seed(seed)
+    _TRACKER.reset()
+    if tp_rank is not None:
+        _TRACKER.add(_MODEL_PARALLEL_RNG, tp_seed)
+    _SEED_SET = True
+    return seed
+
+
+def is_random_seed_set() -> bool:
+    """Whether :func:`set_random_seed` ran in this process."""
+    return _SEED_SET
+
+
+class _TrackerStateContext:
+    """Saves the tracker states at forward time and restores them around recomputation."""
+
+    def __init__(self) -> None:
+        self.saved = _TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def restore(self):
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(self.saved)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(current)
+
+
+def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
+    """Activation checkpointing that also preserves the tensor-parallel RNG tracker's states.
+
+    A thin layer over :func:`torch.utils.checkpoint.checkpoint` (non-reentrant by default, so
+    keyword arguments and non-tensor arguments pass through, ``preserve_rng_state=True``).
+    """
+    if not _TRACKER.states:
+        return _torch_ckpt.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                      preserve_rng_state=True, **kwargs)
+    ctx = _TrackerStateContext()
+
+    def context_fn():
+        return contextlib.nullcontext(), ctx.restore()
+
+    return _torch_ckpt.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                  context_fn=context_fn, **kwargs)

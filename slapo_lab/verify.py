@@ -1,0 +1,303 @@
+"""Verify: prove a scheduled model computes what the original computes.
+
+Both models run on the same inputs and weights; the forward outputs are compared, and -- beyond
+Slapo's ``Verify``, which checks only outputs -- so is every parameter gradient, with sharded
+gradients gathered across the tensor-parallel ranks first. The loss used for gradients is a fixed
+random projection of every output tensor, identical on every rank (a "replicated loss").
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .sharding.sync_ops import TPGroup
+
+
+def flatten_outputs(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
+    """Named floating-point tensors of a model output (tensor, tuple, dict or HF ``ModelOutput``)."""
+    items: list[tuple[str, torch.Tensor]] = []
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point():
+            items.append((prefix, out))
+    elif isinstance(out, dict):  # ModelOutput is an OrderedDict
+        for k, v in out.items():
+            items += flatten_outputs(v, f"{prefix}.{k}" if prefix != "output" else k)
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            items += flatten_outputs(v, f"{prefix}[{i}]")
+    return items
+
+
+def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Reassemble a sharded tensor (``like`` carries ``shard_axis``) into its full shape.
+
+    Raises:
+        RuntimeError: if the tensor is sharded but there is no process group to gather over.
+    """
+    axis = getattr(like, "shard_axis", None)
+    if axis is None or tp.world_size == 1:
+        return t
+    if tp.group is None:
+        raise RuntimeError("a sharded tensor can only be gathered with an initialised process group")
+    parts = [torch.empty_like(t) for _ in range(tp.world_size)]
+    dist.all_gather(parts, t.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=axis)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> tuple[float, float, bool, float, float]:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return math.inf, math.inf, False, 0.0, 0.0
+    d = (a - b).abs()
+    max_abs = float(d.max()) if d.numel() else 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    max_rel = max_abs / (scale + atol)  # stabilised: gradients that are exactly 0 in theory (e.g. a key bias)
+    return max_abs, max_rel, True, float(d.sum()), scale
+
+
+@dataclass
+class Comparison:
+    """One compared tensor: ``max_abs`` = max |a - b|, ``max_rel`` = max_abs / (max |reference| + atol)."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify_models`: per-output and per-gradient comparisons."""
+
+    outputs: list[Comparison] = field(default_factory=list)
+    grads: list[Comparison] = field(default_factory=list)
+    weights: list[Comparison] = field(default_factory=list)
+    atol: float = 1e-5
+    rtol: float = 1e-5
+    device: str = "cpu"
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.outputs + self.grads + self.weights) and bool(self.outputs)
+
+    def worst(self, items: list[Comparison]) -> Comparison | None:
+        return max(items, key=lambda c: c.max_abs, default=None)
+
+    def summary(self) -> str:
+        """Human-readable lines, the last one ``Verify: PASSED`` or ``Verify: FAILED ...``."""
+        lines = []
+        if self.note:
+            lines.append(f"Verify: {self.note}")
+        for c in self.outputs:
+            lines.append(f"Verify: output {c.name}: max abs diff {c.max_abs:.3e}, max rel diff {c.max_rel:.3e}"
+                         + ("" if c.ok else f"  <-- exceeds tolerance {c.note}"))
+        bad_w = [c for c in self.weights if not c.ok]
+        for c in bad_w[:5]:
+            lines.append(f"Verify: weight {c.name} differs from the reference slice (max abs {c.max_abs:.3e}) {c.note}")
+        w = self.worst(self.grads)
+        if w is not None:
+            n_bad = sum(not c.ok for c in self.grads)
+            lines.append(f"Verify: gradients of {len(self.grads)} parameters: max abs diff {w.max_abs:.3e} "
+                         f"({w.name}), max rel diff {max(c.max_rel for c in self.grads):.3e}"
+                         + (f", {n_bad} over tolerance" if n_bad else ""))
+            for c in [c for c in self.grads if not c.ok][:5]:
+                lines.append(f"Verify:   {c.name}: max abs diff {c.max_abs:.3e} {c.note}")
+        status = "PASSED" if self.passed else "FAILED"
+        lines.append(f"Verify: {status} (atol {self.atol:g}, rtol {self.rtol:g}, device {self.device})")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "device": self.device, "note": self.note,
+                "outputs": [c.__dict__ for c in self.outputs], "grads": [c.__dict__ for c in self.grads],
+                "weights_mismatched": [c.name for c in self.weights if not c.ok]}
+
+
+def _move_inputs(inputs, device):
+    if isinstance(inputs, dict):
+        return {k: _move_inputs(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_move_inputs(v, device) for v in inputs)
+    return inputs.to(device) if isinstance(inputs, torch.Tensor) else inputs
+
+
+def broadcast_inputs(inputs, tp: TPGroup, src: int = 0):
+    """Make every rank's example inputs equal rank ``src``'s (in place for tensors)."""
+    if tp.group is None or tp.world_size == 1:
+        return inputs
+    for t in _tensors(inputs):
+        dist.broadcast(t, src=dist.get_global_rank(tp.group, src) if tp.group is not dist.group.WORLD else src,
+                       group=tp.group)
+    return inputs
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _reduce_max(values: list[float], tp: TPGroup, device) -> list[float]:
+    if tp.group is None or tp.world_size == 1 or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.nan_to_num(t, nan=1e300, posinf=1e300)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp.group)
+    return t.tolist()
+
+
+def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp: TPGroup,
+                  device: str = "cpu", eval_mode: bool = True, atol: float = 1e-5, rtol: float = 1e-5,
+                  seed: int = 2013) -> VerifyReport:
+    """Compare ``scheduled`` (this rank's shard) with the full ``reference`` on ``example_inputs``.
+
+    Checks, in order: every scheduled parameter equals this rank's slice of the reference's; the
+    forward outputs (full tensors on every rank); and every parameter gradient of a replicated loss
+    ``sum_i <output_i, R_i> / numel_i`` (``R_i`` standard normal from ``seed``), with sharded gradients
+    all-gathered along their ``shard_axis``. A comparison passes when ``|a - b| <= atol + rtol * |b|``
+    elementwise; the reported figures are the maxima over all ranks.
+
+    Returns:
+        VerifyReport (``.passed``, ``.summary()``).
+    """
+    report = VerifyReport(atol=atol, rtol=rtol, device=device)
+    reference = reference.to(device)
+    scheduled = scheduled.to(device)
+    inputs = _move_inputs(example_inputs, device)
+    ref_params = dict(reference.named_parameters())
+    # 1. weights: the shard must be this rank's slice of the reference.
+    for name, p in scheduled.named_parameters():
+        r = ref_params.get(name)
+        if r is None:
+            continue
+        axis = getattr(p, "shard_axis", None)
+        want = r.detach().chunk(tp.world_size, dim=axis)[tp.rank] if axis is not None and tp.world_size > 1 else r
+        a, _, same, _, _ = _diff(p, want)
+        report.weights.append(Comparison(name, a, 0.0, same and a == 0.0))
+    # 2. forward + backward, same seed for both.
+    for m in (reference, scheduled):
+        m.train(not eval_mode)
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out_ref = flatten_outputs(_call(reference, inputs))
+    torch.manual_seed(seed)
+    out_sch = flatten_outputs(_call(scheduled, inputs))
+    gen = torch.Generator().manual_seed(seed)
+    projections = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device) for _, t in out_ref]
+    sch_by_name = dict(out_sch)
+    for (name, a_ref), proj in zip(out_ref, projections):
+        a = sch_by_name.get(name)
+        if a is None:
+            report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+            continue
+        max_abs, max_rel, same_shape, _, _ = _diff(a, a_ref)
+        ok = same_shape and torch.allclose(a.detach().double(), a_ref.detach().double(), atol=atol, rtol=rtol)
+        note = "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
+        report.outputs.append(Comparison(name, max_abs, max_rel, ok, note))
+
+    def loss_of(outs):
+        total = 0.0
+        for (name, t), proj in zip(outs, projections):
+            if t.requires_grad and t.shape == proj.shape:
+                total = total + (t.float() * proj).sum() / t.numel()
+        return total
+
+    ref_loss = loss_of(out_ref)
+    sch_loss = loss_of([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref])
+    if isinstance(ref_loss, torch.Tensor):
+        ref_loss.backward()
+    if isinstance(sch_loss, torch.Tensor):
+        sch_loss.backward()
+    for name, p in scheduled.named_parameters():
+        r = ref_params.get(name)
+        if r is None or not p.requires_grad:
+            continue
+        if p.grad is None and r.grad is None:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        full = gather_full(g, p, tp)
+        rg = r.grad if r.grad is not None else torch.zeros_like(r)
+        max_abs, max_rel, same_shape, _, _ = _diff(full, rg)
+        ok = same_shape and torch.allclose(full.double(), rg.double(), atol=atol, rtol=rtol)
+        report.grads.append(Comparison(name, max_abs, max_rel, ok))
+    # 3. agree across ranks: report the worst figures everywhere.
+    for items in (report.outputs, report.grads, report.weights):
+        vals = _reduce_max([c.max_abs for c in items] + [c.max_rel for c in items]
+                           + [0.0 if c.ok else 1.0 for c in items], tp, device)
+        n = len(items)
+        for i, c in enumerate(items):
+            c.max_abs, c.max_rel, c.ok = vals[i], vals[n + i], vals[2 * n + i] == 0.0
+    return report
+
+
+def resolve_device(device: str) -> tuple[str, str]:
+    """Map a requested device to one that exists here; returns (device, note for the user)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "cpu", "CUDA is not available here, so Verify ran on the CPU (gloo)."
+    return device, ""
+
+
+class Verify:
+    """Context manager (Slapo's ``Verify``): schedule inside the block, compare on exit.
+
+    ``with Verify(sch, example_inputs, device="cuda"): sch[...].shard(...)`` snapshots ``sch.mod``
+    (broadcasting rank 0's weights and inputs to every rank first) and on exit compares the scheduled
+    model with the snapshot, forward outputs and gradients (see :func:`verify_models`).
+
+    Raises:
+        AssertionError: on exit, with the summary, if the comparison fails.
+    """
+
+    def __init__(self, sch, example_inputs, device: str = "cuda", eval_mode: bool = True, enable: bool = True,
+                 atol: float = 1e-5, rtol: float = 1e-5) -> None:
+        self.sch = sch
+        self.example_inputs = example_inputs
+        self.device, self.note = resolve_device(device)
+        self.eval_mode = eval_mode
+        self.enable = enable
+        self.atol, self.rtol = atol, rtol
+        self.report: VerifyReport | None = None
+        self._reference: nn.Module | None = None
+
+    def __enter__(self):
+        if not self.enable:
+            return self
+        tp = self.sch.tp
+        if tp.group is not None and tp.world_size > 1:
+            with torch.no_grad():
+                for t in list(self.sch.mod.parameters()) + list(self.sch.mod.buffers()):
+                    if getattr(t, "shard_axis", None) is None:
+                        dist.broadcast(t.data, src=0, group=tp.group)
+            broadcast_inputs(self.example_inputs, tp)
+        self._reference = copy.deepcopy(self.sch.mod)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.enable or exc_type is not None:
+            return False
+        self.report = verify_models(self._reference, self.sch.mod, self.example_inputs, self.sch.tp,
+                                    device=self.device, eval_mode=self.eval_mode, atol=self.atol, rtol=self.rtol)
+        self.report.note = self.note
+        if not self.report.passed:
+            raise AssertionError(self.report.summary())
+        return False
