@@ -19,6 +19,7 @@ from .errors import ScheduleError
 from .primitives import get_primitive, list_primitives
 from .record import Call, Recorder
 from .sharding.sync_ops import TPGroup
+from .tracing import TracingMixin
 
 
 @dataclass
@@ -66,7 +67,7 @@ def _resolve_world(group, world_size: int | None, rank: int | None) -> tuple[Any
     return None, ws, r, True
 
 
-class Schedule:
+class Schedule(TracingMixin):
     """A node of the schedule tree (Slapo's ``Schedule``).
 
     Attributes:
