@@ -38,3 +38,12 @@ __all__ = [
     "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
     "verify_models",
 ]
+
+
+def __getattr__(name: str):
+    # The editor pulls in ipywidgets; import it only when asked for.
+    if name == "ScheduleEditor":
+        from .editor import ScheduleEditor
+
+        return ScheduleEditor
+    raise AttributeError(f"module 'slapo_lab' has no attribute {name!r}")

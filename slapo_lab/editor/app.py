@@ -1,0 +1,453 @@
+"""ScheduleEditor: the ipywidgets app — module tree | graph of one level | inspector, code panel below.
+
+Data flows one way: the editor owns a meta-device copy of the model and a schedule on it; a click
+calls a public primitive on ``editor.schedule`` (exactly what a person would type); the recorder
+notifies the editor, which redraws from the schedule and the record. Typing on ``editor.schedule``
+in a cell therefore shows up exactly as clicking does. The user's real model is never modified: it
+is the source for Verify and Export.
+"""
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any
+
+import ipywidgets as W
+import networkx as nx
+from torch import nn
+
+from .. import check_primitive, create_schedule, module_state
+from ..errors import ScheduleError
+from ..utils import meta_copy, to_meta
+from .graph_widget import GraphWidget
+
+_log = logging.getLogger("slapo_lab.editor")
+
+SYNC_CHOICES = [
+    ("fwd_post · all_reduce (after a row-parallel layer)", ("fwd_post", "all_reduce")),
+    ("bwd_post · all_reduce (before a column-parallel layer)", ("bwd_post", "all_reduce")),
+]
+
+_COL = "#c6dbef"   # column parallel / partitioned output
+_ROW = "#fdd0a2"   # row parallel / partial output
+_TP_INSIDE = "#e5f5e0"
+_CKPT = "#9e9ac8"
+_CUT = "#e6550d"
+
+
+class ScheduleEditor(W.VBox):
+    """A visual schedule editor for ``model``.
+
+    Args:
+        model: the model to schedule (any device; it is copied to the meta device, never modified).
+        example_inputs: keyword arguments of one forward call, e.g. ``{"input_ids": ids}`` with ``ids``
+            of shape ``(batch, seq)``; used for dataflow edges and shapes, Verify and Export.
+        world_size: the tensor-parallel width to plan for (simulated: no process group needed).
+        rank: the rank whose shard shapes are shown.
+        factory: ``"package.module:function"`` that rebuilds the model, for Export when the model is
+            not a transformers model built from a config.
+
+    Attributes:
+        schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
+        code: the recorded calls as Python text.
+
+    Raises:
+        ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
+    """
+
+    def __init__(self, model: nn.Module, example_inputs: dict | None = None, world_size: int = 1,
+                 rank: int = 0, factory: str | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
+        self.model = model
+        self.example_inputs = dict(example_inputs or {})
+        self.factory = factory
+        self.world_size = world_size
+        self.rank = rank
+        self._meta_model = meta_copy(model)
+        self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
+        self.schedule.record.add_listener(self._on_record)
+        self.level = ""          # path whose children the graph shows
+        self.selected = ""       # selected module path
+        self.expanded: set[str] = set()
+        self._flow = None
+        self._flow_error = ""
+        self._busy = False
+        self._build_widgets()
+        super().__init__(children=[self._header, self._body, self._message, self._code_box],
+                         layout=W.Layout(width="100%"))
+        self.add_class("slapo-editor")
+        self._record_flow()
+        self._refresh_all(reset_view=True)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def code(self) -> str:
+        """The recorded schedule as Python, one primitive call per line."""
+        return self.schedule.record.code()
+
+    @property
+    def message(self) -> str:
+        """The text of the last status or error message shown."""
+        return self._last_message
+
+    def select(self, path: str) -> str | None:
+        """Select the module at ``path`` (and show its parent's level); returns an error sentence or None."""
+        if not isinstance(path, str) or path not in self.schedule:
+            return self._error(f"There is no module {path!r} in this model.")
+        self.selected = path
+        node = self.schedule[path]
+        if path and not node.child:
+            self.level = node.parent.path
+        elif path and self.level != path:
+            self.level = node.parent.path
+        self._refresh_all()
+        return None
+
+    def open_level(self, path: str) -> str | None:
+        """Show the children of ``path`` in the graph (descend one level); error sentence or None."""
+        if not isinstance(path, str) or path not in self.schedule:
+            return self._error(f"There is no module {path!r} in this model.")
+        if not self.schedule[path].child:
+            return self._error(f"{path or 'The root module'} has no submodules to open.")
+        self.level = path
+        self.selected = path
+        self._refresh_all(reset_view=True)
+        return None
+
+    def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
+        """Apply ``primitive`` to the selected module (or ``path``), as a click does.
+
+        Returns:
+            None on success (the call is recorded), else the one-sentence reason shown in the editor.
+        """
+        target = self.selected if path is None else path
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        if not isinstance(target, str) or target not in self.schedule:
+            return self._error(f"There is no module {target!r} in this model.")
+        self._busy = True
+        try:
+            getattr(self.schedule[target], primitive)(*args, **kwargs)
+        except ScheduleError as err:
+            return self._error(str(err))
+        except AttributeError as err:
+            return self._error(str(err))
+        except Exception as err:  # never let a click kill the kernel or lose the record
+            _log.exception("primitive failed")
+            return self._error(f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged.")
+        finally:
+            self._busy = False
+        return None
+
+    def export(self, path: str, launcher: str = "torchrun") -> str:
+        """Write the schedule as a launchable script to ``path``; returns the path written.
+
+        Raises:
+            ExportError: (a ValueError) with one sentence, e.g. for a read-only folder or a model that
+                cannot be rebuilt.
+        """
+        from ..export import export_script
+
+        out = export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
+                            world_size=self.world_size, launcher=launcher, factory=self.factory)
+        self._info(f"Exported {out} — launch: torchrun --nproc_per_node={self.world_size} {out.name} --device cuda")
+        return str(out)
+
+    # ------------------------------------------------------------------ widgets
+    def _build_widgets(self) -> None:
+        name = type(self.model).__name__
+        nparams = sum(p.numel() for p in self.model.parameters())
+        self._header = W.HTML(
+            f"<b>slapo-lab</b> · {html.escape(name)} · {nparams / 1e6:.1f} M parameters · "
+            f"world size {self.world_size} (planning for rank {self.rank})")
+        self._tree = W.Select(options=self._tree_options(), rows=22, layout=W.Layout(width="100%"))
+        self._tree.observe(self._on_tree, names="value")
+        self._crumbs = W.HBox(layout=W.Layout(flex_flow="row wrap"))
+        self._graph = GraphWidget(height="440px", layout=W.Layout(width="100%"))
+        self._graph.on_node_click(lambda tok, path: self._on_node_click(path))
+        self._graph.on_node_dblclick(lambda tok, path: self._on_node_dblclick(path))
+        self._graph.on_error(self._error)
+        self._inspector = W.HTML()
+        self._param = W.Dropdown(description="tensor", layout=W.Layout(width="95%"))
+        self._axis = W.Dropdown(description="axis", options=[0, 1], layout=W.Layout(width="95%"))
+        self._param.observe(lambda ch: self._update_axes(), names="value")
+        self._btn_shard = W.Button(description="shard", icon="cut", tooltip="shard(tensor, axis)")
+        self._sync = W.Dropdown(options=SYNC_CHOICES, description="sync", layout=W.Layout(width="95%"))
+        self._btn_sync = W.Button(description="sync", icon="exchange")
+        self._btn_ckpt = W.Button(description="checkpoint", icon="history")
+        self._btn_cut = W.Button(description="cut pipeline stage", icon="scissors")
+        for b in (self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut):
+            b.layout = W.Layout(width="95%")
+        self._btn_shard.on_click(lambda _: self.apply("shard", self._param.value, axis=self._axis.value))
+        self._btn_sync.on_click(lambda _: self.apply("sync", mode=self._sync.value[0], sync_op_or_fn=self._sync.value[1]))
+        self._btn_ckpt.on_click(lambda _: self.apply("checkpoint"))
+        self._btn_cut.on_click(lambda _: self.apply("cut_pipeline_stage"))
+        self._reasons = W.HTML()
+        actions = W.VBox([self._param, self._axis, self._btn_shard, self._sync, self._btn_sync,
+                          self._btn_ckpt, self._btn_cut, self._reasons])
+        left = W.VBox([W.HTML("<b>Modules</b>"), self._tree], layout=W.Layout(width="24%"))
+        center = W.VBox([self._crumbs, self._graph], layout=W.Layout(width="50%"))
+        right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions], layout=W.Layout(width="26%"))
+        self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
+        self._message = W.HTML()
+        self._last_message = ""
+        self._code = W.HTML()
+        self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script")
+        self._btn_export = W.Button(description="Export", icon="download")
+        self._btn_export.on_click(lambda _: self._on_export())
+        self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
+                                        "lands here too)"), self._code,
+                                 W.HBox([self._export_path, self._btn_export])])
+        self._code.add_class("slapo-code")
+
+    def _tree_options(self) -> list[tuple[str, str]]:
+        opts = []
+        for path, node in self.schedule.named_schedules():
+            depth = path.count(".") + 1 if path else 0
+            label = ("\u2003" * depth) + (node.name or "(model)") + f" · {type(node.mod).__name__}"
+            opts.append((label, path))
+        return opts
+
+    # ------------------------------------------------------------------ events
+    def _on_record(self, _rec) -> None:
+        try:
+            self._refresh_all()
+            last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
+            if last is not None:
+                from ..record import format_call
+
+                self._info(f"Applied {format_call(last)}")
+        except Exception:  # the view must never break the engine
+            _log.exception("editor refresh failed")
+
+    def _on_tree(self, change) -> None:
+        path = change["new"]
+        if path is None or path == self.selected:
+            return
+        self.select(path)
+
+    def _on_node_click(self, path: str) -> None:
+        path = self._resolve_node(path)
+        if path is None:
+            return
+        self.select(path)
+
+    def _on_node_dblclick(self, path: str) -> None:
+        if self._is_folded(path):
+            self.expanded.add(path)
+            self._refresh_all(reset_view=True)
+            return
+        path = self._resolve_node(path)
+        if path is not None and self.schedule[path].child:
+            self.open_level(path)
+
+    def _on_export(self) -> None:
+        try:
+            self.export(self._export_path.value)
+        except Exception as err:
+            self._error(str(err))
+
+    # ------------------------------------------------------------------ helpers
+    def _is_folded(self, node_path: str) -> bool:
+        return node_path not in self.schedule and "-" in node_path.rsplit(".", 1)[-1]
+
+    def _resolve_node(self, node_path: str) -> str | None:
+        """Map a graph node (module path, folded range 'a.b.0-11', input/output) to a module path."""
+        if node_path in self.schedule:
+            return node_path
+        if self._is_folded(node_path):
+            head, rng = node_path.rsplit(".", 1)
+            first = f"{head}.{rng.split('-')[0]}"
+            if first in self.schedule:
+                return first
+        return None
+
+    def _info(self, text: str) -> None:
+        self._last_message = text
+        self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
+
+    def _error(self, text: str) -> str:
+        self._last_message = text
+        self._message.value = f"<div class='slapo-msg slapo-err' style='color:#b00020'>&#9888; {html.escape(text)}</div>"
+        return text
+
+    def _record_flow(self) -> None:
+        if not self.example_inputs:
+            self._flow_error = "No example inputs were given, so the graph shows modules without dataflow."
+            return
+        try:
+            from ..graph import record_dataflow
+
+            self._flow = record_dataflow(meta_copy(self.model), to_meta(self.example_inputs))
+        except Exception as err:
+            self._flow = None
+            self._flow_error = (f"The dataflow could not be recorded ({str(err).splitlines()[0][:200]}), "
+                                "so the graph shows modules without edges; every action still works.")
+
+    def _level_graph(self) -> nx.DiGraph:
+        if self._flow is not None:
+            try:
+                return self._flow.level_graph(self.level, expanded=frozenset(self.expanded))
+            except Exception as err:  # fall back to the plain tree level
+                _log.warning("level_graph failed: %s", err)
+        G = nx.DiGraph()
+        node = self.schedule[self.level]
+        for name, child in node.child.items():
+            G.add_node(child.path, path=child.path, label=f"{name}\n{type(child.mod).__name__}",
+                       type=type(child.mod).__name__, kind="module",
+                       params=sum(p.numel() for p in child.mod.parameters()))
+        return G
+
+    def _style(self, path: str) -> dict[str, Any]:
+        if path not in self.schedule:
+            return {}
+        mod = self.schedule[path].mod
+        meta = module_state(mod) or {}
+        badges, fill = [], None
+        if meta.get("sharded"):
+            badges.append("TP " + ",".join(f"{n}:{a}" for n, a in meta["sharded"].items()))
+            fill = _ROW if meta.get("output_type") == "partial" else _COL
+        elif any((module_state(m) or {}).get("sharded") for m in mod.modules()):
+            fill = _TP_INSIDE
+            badges.append("TP inside")
+        for mode, op in meta.get("syncs", []):
+            badges.append(f"{mode}:{op}")
+        style: dict[str, Any] = {}
+        if meta.get("checkpoint"):
+            badges.append("ckpt")
+            style["color"] = _CKPT
+            style["penwidth"] = 3
+        if meta.get("cut"):
+            badges.append("cut ▸ stage end")
+            style["color"] = _CUT
+            style["penwidth"] = 3
+        if fill:
+            style["fill"] = fill
+        if badges:
+            style["badges"] = badges
+        return style
+
+    def _refresh_graph(self, reset_view: bool = False) -> None:
+        from ..graph import render_svg
+
+        G = self._level_graph()
+        styles = {}
+        for n, data in G.nodes(data=True):
+            p = data.get("path", n)
+            st = self._style(self._resolve_node(p) or p)
+            if p == self.selected:
+                st = dict(st, penwidth=max(st.get("penwidth", 1), 2))
+            if st:
+                styles[p] = st
+        svg, node_ids = render_svg(G, styles)
+        self._graph.set_graph(svg, node_ids, reset_view=reset_view)
+        inverse = {p: t for t, p in node_ids.items()}
+        self._graph.selected = inverse.get(self.selected, "")
+
+    def _refresh_crumbs(self) -> None:
+        parts = self.level.split(".") if self.level else []
+        buttons = []
+        acc = ""
+        b = W.Button(description=type(self.model).__name__, layout=W.Layout(width="auto"))
+        b.on_click(lambda _: self.open_level(""))
+        buttons.append(b)
+        for part in parts:
+            acc = f"{acc}.{part}" if acc else part
+            b = W.Button(description=part, layout=W.Layout(width="auto"))
+            b.on_click(lambda _, p=acc: self.open_level(p))
+            buttons.append(b)
+        self._crumbs.children = buttons
+
+    def _refresh_inspector(self) -> None:
+        node = self.schedule[self.selected]
+        mod = node.mod
+        rows = []
+        tensors = [(n, t, "param") for n, t in mod.named_parameters(recurse=False)] + \
+                  [(n, t, "buffer") for n, t in mod.named_buffers(recurse=False)]
+        for n, t, kind in tensors:
+            full = tuple(getattr(t, "orig_shape", t.shape))
+            local = tuple(t.shape)
+            axis = getattr(t, "shard_axis", None)
+            rows.append(f"<tr><td>{html.escape(n)}</td><td>{'×'.join(map(str, full)) or 'scalar'}</td>"
+                        f"<td>{'×'.join(map(str, local)) or 'scalar'}</td><td>{'' if axis is None else axis}</td></tr>")
+        total = sum(p.numel() for p in mod.parameters())
+        table = ("<table class='slapo-params'><tr><th>tensor</th><th>global</th>"
+                 f"<th>rank {self.rank}</th><th>axis</th></tr>" + "".join(rows) + "</table>") if rows else \
+            "<i>no parameters of its own</i>"
+        flow = ""
+        if self._flow is not None:
+            try:
+                info = self._flow.module_info(self.selected)
+                ins = info.get("inputs") or info.get("input_shapes")
+                outs = info.get("outputs") or info.get("output_shapes")
+                if ins or outs:
+                    flow = f"<div>in: {html.escape(str(ins))}<br>out: {html.escape(str(outs))}</div>"
+            except Exception:
+                flow = ""
+        meta = module_state(mod) or {}
+        state = []
+        if meta.get("checkpoint"):
+            state.append("checkpointed")
+        if meta.get("cut"):
+            state.append("ends a pipeline stage")
+        for mode, op in meta.get("syncs", []):
+            state.append(f"sync {mode} {op}")
+        self._inspector.value = (
+            f"<div><b>{html.escape(self.selected or '(model)')}</b><br>{html.escape(type(mod).__name__)} · "
+            f"{total:,} parameters (this rank)</div>{table}{flow}"
+            + (f"<div>{html.escape(', '.join(state))}</div>" if state else ""))
+        names = [n for n, _, _ in tensors]
+        self._param.options = names
+        if names:
+            self._param.value = "weight" if "weight" in names else names[0]
+        self._update_axes()
+
+    def _update_axes(self) -> None:
+        node = self.schedule[self.selected]
+        name = self._param.value
+        t = None
+        if name is not None:
+            t = dict(node.mod.named_parameters(recurse=False)).get(name)
+            if t is None:
+                t = dict(node.mod.named_buffers(recurse=False)).get(name)
+        dims = list(range(t.dim())) if t is not None and t.dim() else [0]
+        self._axis.options = dims
+        self._axis.value = 0 if 0 in dims else dims[0]
+        self._refresh_reasons()
+
+    def _refresh_reasons(self) -> None:
+        node = self.schedule[self.selected]
+        reasons = {}
+        if self._param.value is None:
+            reasons[self._btn_shard] = f"{self.selected or 'The root module'} has no parameters of its own."
+        else:
+            reasons[self._btn_shard] = check_primitive(node, "shard", self._param.value, axis=self._axis.value)
+        mode, op = self._sync.value
+        reasons[self._btn_sync] = check_primitive(node, "sync", mode=mode, sync_op_or_fn=op)
+        reasons[self._btn_ckpt] = check_primitive(node, "checkpoint")
+        reasons[self._btn_cut] = check_primitive(node, "cut_pipeline_stage")
+        lines = []
+        for btn, why in reasons.items():
+            btn.tooltip = why or ""
+            btn.button_style = "" if why else "primary"
+            if why:
+                lines.append(f"<li><b>{html.escape(btn.description)}</b>: {html.escape(why)}</li>")
+        # Buttons stay clickable: a click on an invalid action explains itself in the message line.
+        self._reasons.value = f"<ul class='slapo-reasons'>{''.join(lines)}</ul>" if lines else ""
+
+    def _refresh_code(self) -> None:
+        code = self.code or "# no primitives yet: click a module, then an action — or type on editor.schedule"
+        self._code.value = f"<pre class='slapo-code-pre'>{html.escape(code)}</pre>"
+
+    def _refresh_all(self, reset_view: bool = False) -> None:
+        self._refresh_crumbs()
+        self._refresh_graph(reset_view=reset_view)
+        self._refresh_inspector()
+        self._refresh_code()
+        if self._tree.value != self.selected:
+            self._tree.unobserve(self._on_tree, names="value")
+            self._tree.value = self.selected
+            self._tree.observe(self._on_tree, names="value")
+        if self._flow_error and not self._last_message:
+            self._info(self._flow_error)

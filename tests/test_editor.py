@@ -1,0 +1,144 @@
+"""Kernel-side tests of the ScheduleEditor: simulated front-end messages and button clicks."""
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+import slapo_lab as sl
+
+
+def _msg(widget, content):
+    widget._handle_msg({"content": {"data": {"method": "custom", "content": content}}, "buffers": []})
+
+
+@pytest.fixture(scope="module")
+def bert():
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=120, max_position_embeddings=64)
+    return BertModel(cfg), torch.randint(0, 120, (2, 16))
+
+
+@pytest.fixture
+def editor(bert):
+    model, ids = bert
+    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+
+
+def _token(editor, path):
+    for tok, p in editor._graph.node_ids.items():
+        if p == path:
+            return tok
+    raise AssertionError(f"{path} not in graph nodes {sorted(editor._graph.node_ids.values())}")
+
+
+def test_editor_leaves_user_model_untouched(bert, editor):
+    model, _ = bert
+    editor.apply("shard", "weight", axis=0, path="encoder.layer.0.attention.self.query")
+    assert model.encoder.layer[0].attention.self.query.weight.shape == (64, 64)
+    assert model.encoder.layer[0].attention.self.query.weight.device.type == "cpu"
+    assert editor.schedule["encoder.layer.0.attention.self.query"].mod.weight.shape == (32, 64)
+
+
+def test_root_graph_has_children_and_svg(editor):
+    paths = set(editor._graph.node_ids.values())
+    assert {"embeddings", "encoder", "pooler"} <= paths
+    assert "<svg" in editor._graph.svg
+
+
+def test_node_click_selects_and_dblclick_opens(editor):
+    _msg(editor._graph, {"event": "click", "node": _token(editor, "encoder")})
+    assert editor.selected == "encoder"
+    assert "BertEncoder" in editor._inspector.value
+    _msg(editor._graph, {"event": "dblclick", "node": _token(editor, "encoder")})
+    assert editor.level == "encoder"
+
+
+def test_click_each_action_button_records_exact_call(editor):
+    q = "encoder.layer.0.attention.self.query"
+    editor.select(q)
+    assert "64×64" in editor._inspector.value and "32×64" not in editor._inspector.value
+    editor._param.value, editor._axis.value = "weight", 0
+    editor._btn_shard.click()
+    editor._param.value, editor._axis.value = "bias", 0
+    editor._btn_shard.click()
+    editor._sync.value = ("bwd_post", "all_reduce")
+    editor._btn_sync.click()
+    assert "32×64" in editor._inspector.value  # per-rank shape after the shard
+    editor.select("encoder.layer.0")
+    editor._btn_ckpt.click()
+    editor.select("encoder.layer.1")
+    editor._btn_cut.click()
+    assert editor.code.splitlines() == [
+        f'sch["{q}"].shard("weight", axis=0)',
+        f'sch["{q}"].shard("bias", axis=0)',
+        f'sch["{q}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")',
+        'sch["encoder.layer.0"].checkpoint()',
+        'sch["encoder.layer.1"].cut_pipeline_stage()',
+    ]
+    assert "checkpoint()" in editor._code.value
+
+
+def test_typing_equals_clicking(bert):
+    model, ids = bert
+    clicked = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    typed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    d = "encoder.layer.1.output.dense"
+    clicked.select(d)
+    clicked._param.value, clicked._axis.value = "weight", 1
+    clicked._btn_shard.click()
+    clicked._sync.value = ("fwd_post", "all_reduce")
+    clicked._btn_sync.click()
+    typed.schedule[d].shard("weight", 1)
+    typed.schedule[d].sync("fwd_post", "all_reduce")
+    assert clicked.code == typed.code != ""
+    assert typed.code in typed._code.value.replace("&quot;", '"')
+
+
+def test_invalid_click_says_why_and_changes_nothing(bert):
+    model, ids = bert
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=3)
+    ed.select("encoder.layer.0.intermediate.dense")
+    ed._param.value, ed._axis.value = "weight", 0
+    ed._btn_shard.click()
+    assert "not divisible by the world size 3" in ed.message
+    assert "128" in ed.message
+    assert ed.code == ""
+    assert ed.schedule["encoder.layer.0.intermediate.dense"].mod.weight.shape == (128, 64)
+    # the reason is also shown before clicking
+    assert "not divisible" in ed._reasons.value
+
+
+def test_sync_before_shard_is_refused(editor):
+    editor.select("encoder.layer.0.output.dense")
+    editor._sync.value = ("fwd_post", "all_reduce")
+    editor._btn_sync.click()
+    assert "no sharded parameters" in editor.message
+    assert editor.code == ""
+
+
+@pytest.mark.parametrize("content", [
+    {"event": "explode", "node": "n0"},
+    {"node": "n0"},
+    {"event": "click"},
+    {"event": "click", "node": 42},
+    {"event": "click", "node": "no-such-token"},
+    "just a string",
+    {"event": "click", "node": "x" * 100000},
+])
+def test_malformed_messages_are_reported_not_raised(editor, content):
+    editor.apply("checkpoint", path="encoder.layer.0")
+    before = editor.code
+    _msg(editor._graph, content)
+    assert editor.message.startswith("Ignored")
+    assert len(editor.message) < 300
+    assert editor.code == before
+
+
+def test_folded_layers_expand(editor):
+    editor.open_level("encoder.layer")
+    nodes = set(editor._graph.node_ids.values())
+    folded = [p for p in nodes if p not in editor.schedule]
+    if folded:  # BertLayer × 2 folded into one node
+        _msg(editor._graph, {"event": "dblclick", "node": _token(editor, folded[0])})
+        nodes = set(editor._graph.node_ids.values())
+    assert {"encoder.layer.0", "encoder.layer.1"} <= nodes
