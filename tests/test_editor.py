@@ -137,8 +137,28 @@ def test_malformed_messages_are_reported_not_raised(editor, content):
 def test_folded_layers_expand(editor):
     editor.open_level("encoder.layer")
     nodes = set(editor._graph.node_ids.values())
-    folded = [p for p in nodes if p not in editor.schedule]
-    if folded:  # BertLayer × 2 folded into one node
-        _msg(editor._graph, {"event": "dblclick", "node": _token(editor, folded[0])})
-        nodes = set(editor._graph.node_ids.values())
+    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"]
+    assert folded, "two BertLayers should fold into one node"
+    assert editor._last_graph.nodes[folded[0]]["label"].startswith("BertLayer")
+    _msg(editor._graph, {"event": "dblclick", "node": _token(editor, folded[0])})
+    nodes = set(editor._graph.node_ids.values())
     assert {"encoder.layer.0", "encoder.layer.1"} <= nodes
+
+
+def test_undo_redo_clear(editor):
+    q = "encoder.layer.0.attention.self.query"
+    editor.apply("shard", "weight", axis=0, path=q)
+    editor.apply("checkpoint", path="encoder.layer.0")
+    assert len(editor.schedule.record.calls) == 2
+    assert editor.undo() is None
+    assert editor.code == f'sch["{q}"].shard("weight", axis=0)'
+    assert editor.schedule[q].mod.weight.shape == (32, 64)
+    assert editor.redo() is None
+    assert editor.code.endswith('sch["encoder.layer.0"].checkpoint()')
+    assert editor.undo() is None and editor.undo() is None
+    assert editor.schedule[q].mod.weight.shape == (64, 64)
+    assert "Nothing to undo" in editor.undo()
+    editor.apply("checkpoint", path="encoder.layer.1")  # a new action drops the redo stack
+    assert "Nothing to redo" in editor.redo()
+    editor.clear()
+    assert editor.code == ""

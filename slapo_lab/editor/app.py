@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import check_primitive, create_schedule, module_state
 from ..errors import ScheduleError
+from ..record import format_call
 from ..utils import meta_copy, to_meta
 from .graph_widget import GraphWidget
 
@@ -73,6 +74,7 @@ class ScheduleEditor(W.VBox):
         self._flow = None
         self._flow_error = ""
         self._busy = False
+        self._redo: list = []
         self._build_widgets()
         super().__init__(children=[self._header, self._body, self._message, self._code_box],
                          layout=W.Layout(width="100%"))
@@ -140,6 +142,53 @@ class ScheduleEditor(W.VBox):
             self._busy = False
         return None
 
+    def undo(self) -> str | None:
+        """Undo the last recorded call (rebuild from the original model and replay the rest).
+
+        Returns None, or one sentence if there is nothing to undo.
+        """
+        calls = list(self.schedule.record.calls)
+        if not calls:
+            return self._error("Nothing to undo: the schedule is empty.")
+        self._redo.append(calls[-1])
+        self._rebuild(calls[:-1])
+        self._info(f"Undid {format_call(self._redo[-1])}")
+        return None
+
+    def redo(self) -> str | None:
+        """Re-apply the last undone call; returns None or one sentence if there is nothing to redo."""
+        if not self._redo:
+            return self._error("Nothing to redo.")
+        call = self._redo.pop()
+        redo_rest = self._redo
+        self._redo = []  # the listener clears the redo stack on new calls; keep the rest
+        err = self.apply(call.primitive, *call.args, path=call.path, **call.kwargs)
+        self._redo = redo_rest
+        return err
+
+    def clear(self) -> None:
+        """Forget every recorded call (can be undone call by call with redo)."""
+        calls = list(self.schedule.record.calls)
+        self._redo.extend(reversed(calls))
+        self._rebuild([])
+        self._info(f"Cleared {len(calls)} recorded calls.")
+
+    def _rebuild(self, calls) -> None:
+        """Fresh meta copy + schedule, replaying ``calls``; the new schedule replaces ``self.schedule``."""
+        from .. import replay
+
+        old = self.schedule
+        meta = meta_copy(self.model)
+        sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
+        replay(sch, calls)
+        old.record.remove_listener(self._on_record)
+        self._meta_model, self.schedule = meta, sch
+        sch.record.add_listener(self._on_record)
+        for path in (self.selected, self.level):
+            if path not in sch:
+                self.selected = self.level = ""
+        self._refresh_all()
+
     def export(self, path: str, launcher: str = "torchrun") -> str:
         """Write the schedule as a launchable script to ``path``; returns the path written.
 
@@ -196,9 +245,13 @@ class ScheduleEditor(W.VBox):
         self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script")
         self._btn_export = W.Button(description="Export", icon="download")
         self._btn_export.on_click(lambda _: self._on_export())
+        self._btn_undo = W.Button(description="Undo", icon="undo")
+        self._btn_redo = W.Button(description="Redo", icon="repeat")
+        self._btn_undo.on_click(lambda _: self.undo())
+        self._btn_redo.on_click(lambda _: self.redo())
         self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
                                         "lands here too)"), self._code,
-                                 W.HBox([self._export_path, self._btn_export])])
+                                 W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export])])
         self._code.add_class("slapo-code")
 
     def _tree_options(self) -> list[tuple[str, str]]:
@@ -213,10 +266,9 @@ class ScheduleEditor(W.VBox):
     def _on_record(self, _rec) -> None:
         try:
             self._refresh_all()
+            self._redo.clear()
             last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
             if last is not None:
-                from ..record import format_call
-
                 self._info(f"Applied {format_call(last)}")
         except Exception:  # the view must never break the engine
             _log.exception("editor refresh failed")
@@ -250,15 +302,17 @@ class ScheduleEditor(W.VBox):
 
     # ------------------------------------------------------------------ helpers
     def _is_folded(self, node_path: str) -> bool:
-        return node_path not in self.schedule and "-" in node_path.rsplit(".", 1)[-1]
+        G = getattr(self, "_last_graph", None)
+        if G is not None and node_path in G:
+            return G.nodes[node_path].get("kind") == "folded"
+        return False
 
     def _resolve_node(self, node_path: str) -> str | None:
         """Map a graph node (module path, folded range 'a.b.0-11', input/output) to a module path."""
         if node_path in self.schedule:
             return node_path
         if self._is_folded(node_path):
-            head, rng = node_path.rsplit(".", 1)
-            first = f"{head}.{rng.split('-')[0]}"
+            first = self._last_graph.nodes[node_path].get("path")
             if first in self.schedule:
                 return first
         return None
@@ -332,6 +386,7 @@ class ScheduleEditor(W.VBox):
         from ..graph import render_svg
 
         G = self._level_graph()
+        self._last_graph = G
         styles = {}
         for n, data in G.nodes(data=True):
             p = data.get("path", n)
