@@ -37,9 +37,13 @@ def flatten_outputs(out: Any, prefix: str = "output") -> list[tuple[str, torch.T
 def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Reassemble a sharded tensor (``like`` carries ``shard_axis``) into its full shape.
 
+    A strided shard (``like.shard_stride`` > 1, GPT-2's fused q, k, v) is put back block by block.
+
     Raises:
         RuntimeError: if the tensor is sharded but there is no process group to gather over.
     """
+    from .sharding.rules import merge_shards
+
     axis = getattr(like, "shard_axis", None)
     if axis is None or tp.world_size == 1:
         return t
@@ -47,7 +51,7 @@ def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tenso
         raise RuntimeError("a sharded tensor can only be gathered with an initialised process group")
     parts = [torch.empty_like(t) for _ in range(tp.world_size)]
     dist.all_gather(parts, t.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=axis)
+    return merge_shards(parts, axis, getattr(like, "shard_stride", 1))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> tuple[float, float, bool, float, float]:
@@ -180,6 +184,8 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
     Returns:
         VerifyReport (``.passed``, ``.summary()``).
     """
+    from .sharding.rules import local_shard
+
     report = VerifyReport(atol=atol, rtol=rtol, device=device)
     reference = reference.to(device)
     scheduled = scheduled.to(device)
@@ -191,7 +197,8 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
         if r is None:
             continue
         axis = getattr(p, "shard_axis", None)
-        want = r.detach().chunk(tp.world_size, dim=axis)[tp.rank] if axis is not None and tp.world_size > 1 else r
+        want = local_shard(r.detach(), axis, tp.world_size, tp.rank, getattr(p, "shard_stride", 1)) if (
+            axis is not None and tp.world_size > 1) else r
         a, _, same, _, _ = _diff(p, want)
         report.weights.append(Comparison(name, a, 0.0, same and a == 0.0))
     # 2. forward + backward, same seed for both.

@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from ..sharding import sync_ops
-from ..sharding.rules import get_shard_rule
+from ..sharding.rules import ShardSite, get_shard_rule, local_shard
 from .base import Primitive, register_primitive
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -44,6 +44,39 @@ def _owners(sch, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
     return owners or [(sch.mod, "")]
 
 
+def _sites(sch, t: torch.Tensor, tensor_name: str) -> list[ShardSite]:
+    """One :class:`ShardSite` per owner of ``t`` (tied tensors have several), with each owner's parent."""
+    owners = _owners(sch, t)
+    top = sch.get_top_schedule().mod
+    parents: dict[int, tuple[nn.Module, str, str]] = {}
+    if any(mod is not sch.mod for mod, _ in owners):
+        for ppath, pmod in top.named_modules():
+            for cname, cmod in pmod.named_children():
+                parents.setdefault(id(cmod), (pmod, cname, f"{ppath}.{cname}" if ppath else cname))
+    sites = []
+    for mod, name in owners:
+        if mod is sch.mod:
+            parent, cname, path = (sch.parent.mod if sch.parent is not None else None), sch.name, sch.path
+        else:
+            parent, cname, path = parents.get(id(mod), (None, "", ""))
+        sites.append(ShardSite(mod, name or tensor_name, parent, cname, path))
+    return sites
+
+
+def _rule_hook(site: ShardSite, name: str):
+    """The rule's optional site-aware method ``name`` (rules written before it existed lack it), or None."""
+    return getattr(get_shard_rule(site.mod), name, None)
+
+
+def _stride(sites: list[ShardSite], axis: int, full: str) -> int:
+    strides = {(_rule_hook(s, "stride") or (lambda site, ax: 1))(s, axis) for s in sites}
+    if len(strides) > 1:
+        raise ScheduleError(
+            f"Cannot shard {full} on axis {axis}: the modules it is tied to store it in different layouts "
+            f"(strides {sorted(strides)}).")
+    return strides.pop()
+
+
 def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
     """Validate a shard call; return the tensor and the normalised axis (raises ScheduleError)."""
     t = _tensor(sch, tensor_name)
@@ -60,7 +93,22 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
         raise ScheduleError(f"{full} is already sharded on axis {meta['sharded'][tensor_name]}; shard each tensor once.")
     if getattr(t, "shard_axis", None) is not None:
         raise ScheduleError(f"{full} is already sharded on axis {t.shard_axis} (it is tied to a sharded tensor).")
+    if meta and tensor_name in meta.get("grad_allreduce_params", ()):
+        raise ScheduleError(
+            f"{full} has its gradient all-reduced by sync(param_grads=True) (a replicated parameter under "
+            "sequence parallelism), so it must stay replicated.")
     ws = sch.world_size
+    sites = _sites(sch, t, tensor_name)
+    for site in sites:  # attention heads first: the more telling reason
+        check_site = _rule_hook(site, "check_site")
+        reason = check_site(site, axis, ws) if check_site else None
+        if reason:
+            raise ScheduleError(f"Cannot shard {full} on axis {axis} across {ws} ranks: {reason}.")
+    stride = _stride(sites, axis, full)
+    if stride > 1 and t.shape[axis] % (stride * ws):
+        raise ScheduleError(
+            f"Cannot shard {full} on axis {axis}: it stores {stride} projections of size {t.shape[axis] // stride} "
+            f"back to back (fused q, k, v), and {t.shape[axis] // stride} is not divisible by the world size {ws}.")
     if t.shape[axis] % ws:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}.")
@@ -78,11 +126,17 @@ class ShardPrimitive(Primitive):
     The module's shard rule keeps it consistent (``Linear.out_features`` ...) and records its output
     type (``partition`` along an axis, or ``partial`` sums that need a reduce). Tied tensors stay tied:
     every module holding the same tensor receives the same shard. The new parameter carries
-    ``orig_shape`` (the full ``torch.Size``) and ``shard_axis``.
+    ``orig_shape`` (the full ``torch.Size``), ``shard_axis`` and ``shard_stride``.
+
+    A fused projection that stores several blocks back to back on ``axis`` (GPT-2's ``c_attn``: q, k, v)
+    is sharded *strided* (``shard_stride`` = 3): this rank keeps its chunk of each block, so it holds
+    whole heads of q, k and v. An attention projection's head features must split into whole heads
+    (and whole key/value heads under grouped-query attention) on every rank.
 
     Raises:
         ScheduleError: unknown tensor name, non-integer or out-of-range axis, a size not divisible by the
-            world size, a tensor already sharded, or a shard the module's rule refuses.
+            world size, attention heads (or key/value heads) not divisible by the world size, a tensor
+            already sharded, or a shard the module's rule refuses.
     """
 
     name = "shard"
@@ -97,8 +151,10 @@ class ShardPrimitive(Primitive):
         t, axis = check_shard(sch, tensor_name, axis)
         ws, rank = sch.world_size, sch.rank
         owners = _owners(sch, t)
+        sites = _sites(sch, t, tensor_name)
+        stride = _stride(sites, axis, tensor_name)
         with torch.no_grad():
-            chunk = t.detach().chunk(ws, dim=axis)[rank].clone() if ws > 1 else t.detach()
+            chunk = local_shard(t.detach(), axis, ws, rank, stride).clone() if ws > 1 else t.detach()
         if isinstance(t, nn.Parameter):
             new = nn.Parameter(chunk, requires_grad=t.requires_grad)
             for k, v in t.__dict__.items():  # annotations survive
@@ -107,6 +163,7 @@ class ShardPrimitive(Primitive):
             new = chunk
         new.orig_shape = t.shape
         new.shard_axis = axis
+        new.shard_stride = stride
         for mod, name in owners:
             name = name or tensor_name
             if name in mod._parameters:
@@ -115,6 +172,10 @@ class ShardPrimitive(Primitive):
                 mod._buffers[name] = new
             module_meta(mod)["sharded"][name] = axis
             get_shard_rule(mod).apply(mod, name, axis, ws, rank)
+        for site in sites:
+            apply_site = _rule_hook(site, "apply_site")
+            if apply_site:
+                apply_site(site, axis, ws, rank)
         if len(owners) > 1:
             sch.metadata.tie_weights[new] = [m for m, _ in owners]
         return new
@@ -169,8 +230,32 @@ def _has_shard_below(mod: nn.Module) -> bool:
     return False
 
 
-_OP_KWARGS = {"all_reduce": set(), "all_gather": {"axis", "tensor_parallel_output_grad"},
+_OP_KWARGS = {"all_reduce": {"param_grads"}, "all_gather": {"axis", "tensor_parallel_output_grad"},
               "reduce_scatter": {"axis"}, "scatter": {"axis"}}
+PARAM_GRADS_OP = "all_reduce_param_grads"  # the label of sync(..., param_grads=True) in _slapo_meta["syncs"]
+
+
+def _replicated_params(mod: nn.Module) -> list[str]:
+    """Names of ``mod``'s own trainable parameters that are not sharded."""
+    return [n for n, p in mod._parameters.items()
+            if p is not None and p.requires_grad and getattr(p, "shard_axis", None) is None]
+
+
+def _check_param_grads(sch, mode, value) -> None:
+    where = _where(sch)
+    if value is not True:
+        raise ScheduleError(f"param_grads must be True (or left out), not {value!r}.")
+    if mode != "bwd_post":
+        raise ScheduleError(
+            f"param_grads=True all-reduces parameter gradients in backward, so it needs mode='bwd_post', "
+            f"not {mode!r}.")
+    meta = peek_meta(sch.mod)
+    if meta and ("bwd_post", PARAM_GRADS_OP) in meta["syncs"]:
+        raise ScheduleError(f"{where} already all-reduces its parameter gradients; a second one would apply it twice.")
+    if not _replicated_params(sch.mod):
+        raise ScheduleError(
+            f"{where} ({type(sch.mod).__name__}) has no replicated trainable parameters of its own, so there is "
+            "no parameter gradient to all-reduce.")
 
 
 def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
@@ -190,6 +275,9 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
         raise ScheduleError(f"sync op {op} does not take {', '.join(sorted(extra))}.")
     if "axis" in kwargs and (isinstance(kwargs["axis"], bool) or not isinstance(kwargs["axis"], int)):
         raise ScheduleError(f"The sync axis must be an integer, not {kwargs['axis']!r}.")
+    if "param_grads" in kwargs:
+        _check_param_grads(sch, mode, kwargs["param_grads"])
+        return
     if mode == "bwd_post" and op != "all_reduce":
         raise ScheduleError(f"bwd_post supports only all_reduce (got {op}).")
     meta = peek_meta(sch.mod)
@@ -229,6 +317,15 @@ class SyncPrimitive(Primitive):
     layer with a bias reduces *before* adding the bias. In simulated planning the ops change only
     shapes.
 
+    ``sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)`` instead all-reduces the
+    gradients of the module's own *replicated* (unsharded) parameters. Sequence parallelism needs it:
+    a LayerNorm, or the bias of a row-parallel layer followed by ``reduce_scatter``, sees only this
+    rank's part of the sequence, so each rank's gradient of its replicated parameters is a partial sum
+    (Megatron all-reduces these "sequence_parallel" gradients after backward). Here each forward call
+    routes those parameters through an identity whose backward all-reduces, so the gradients are exact
+    as soon as ``backward()`` returns, with no change to the training loop; the parameters get the
+    annotation ``sequence_parallel = True``.
+
     Raises:
         ScheduleError: unknown mode/op/kwargs, a duplicate sync, or a combination that contradicts the
             module's output type (e.g. all_reduce after a column-parallel layer).
@@ -259,6 +356,9 @@ class SyncPrimitive(Primitive):
             return
         op = sync_op_or_fn
         g = sch.tp
+        if kwargs.get("param_grads"):
+            _install_param_grad_all_reduce(sch.mod, g)
+            return
         if mode == "bwd_post":
             def pre(module, args, kw):
                 wrap = lambda x: sync_ops.all_reduce_backward(x, g) if (  # noqa: E731
@@ -290,6 +390,40 @@ class SyncPrimitive(Primitive):
         meta["syncs"].append((mode, op))
         if mode == "fwd_post" and op in ("all_reduce", "all_gather"):
             meta["output_synced"] = True
+
+
+def _install_param_grad_all_reduce(mod: nn.Module, g) -> None:
+    """Make every forward call of ``mod`` use its replicated parameters through ``all_reduce_backward``.
+
+    A forward pre-hook swaps each parameter in ``mod._parameters`` for ``all_reduce_backward(param)``
+    (identity forward, all-reduced gradient) and a forward hook (``always_call``) puts the parameter
+    objects back, so outside a forward call the module holds its ordinary parameters. Module hooks
+    survive ``copy.deepcopy`` (tensor hooks would not). Re-entrant calls stack.
+    """
+    meta = module_meta(mod)
+    names = _replicated_params(mod)
+    meta["grad_allreduce_params"] = list(names)
+    for n in names:
+        mod._parameters[n].sequence_parallel = True
+
+    def pre(module, args):
+        saved = {}
+        for n in names:
+            p = module._parameters.get(n)
+            if p is None or getattr(p, "shard_axis", None) is not None:
+                continue
+            saved[n] = p
+            module._parameters[n] = sync_ops.all_reduce_backward(p, g)
+        module.__dict__.setdefault("_slapo_param_stash", []).append(saved)
+
+    def post(module, args, out):
+        stash = module.__dict__.get("_slapo_param_stash")
+        if stash:
+            module._parameters.update(stash.pop())
+
+    meta["hooks"].append(mod.register_forward_pre_hook(pre))
+    meta["hooks"].append(mod.register_forward_hook(post, always_call=True))
+    meta["syncs"].append(("bwd_post", PARAM_GRADS_OP))
 
 
 @register_primitive()

@@ -10,6 +10,7 @@ reduce; a vocab-parallel embedding masks ids outside this rank's range). Semanti
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,8 +20,156 @@ from torch import nn
 from ..module_state import install_forward, module_meta
 
 
+@dataclass
+class ShardSite:
+    """Where a sharded tensor lives: the owning module, the tensor's name on it, and the module's parent.
+
+    Tied tensors have one site per owner. ``parent`` / ``child_name`` let a rule look at the
+    surrounding attention module (head counts, GPT-2's fused ``c_attn``); ``parent`` is None for the
+    root module.
+    """
+
+    mod: nn.Module
+    name: str
+    parent: nn.Module | None = None
+    child_name: str = ""
+    path: str = ""
+
+
+def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride: int = 1) -> torch.Tensor:
+    """This rank's shard of ``t`` along ``axis`` (a view).
+
+    ``stride`` > 1 means ``t`` stores ``stride`` equal blocks back to back along ``axis`` (GPT-2's fused
+    q, k, v): the shard is this rank's chunk of *each* block, concatenated (a strided shard, as
+    Megatron's ``partition_stride``).
+    """
+    if world_size == 1:
+        return t
+    if stride == 1:
+        return t.chunk(world_size, dim=axis)[rank]
+    blocks = t.unflatten(axis, (stride, t.shape[axis] // stride))
+    return blocks.chunk(world_size, dim=axis + 1)[rank].flatten(axis, axis + 1)
+
+
+def merge_shards(parts: list[torch.Tensor], axis: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of :func:`local_shard`: the full tensor from every rank's shard, in rank order."""
+    if len(parts) == 1:
+        return parts[0]
+    axis = axis % parts[0].dim()
+    if stride == 1:
+        return torch.cat(parts, dim=axis)
+    blocks = [p.unflatten(axis, (stride, p.shape[axis] // stride)) for p in parts]
+    return torch.cat(blocks, dim=axis + 1).flatten(axis, axis + 1)
+
+
+# --- attention awareness ---------------------------------------------------------------------------
+# Names of the projections inside an attention module (HF BERT, GPT-2, Llama, OPT, T5, DistilBERT ...).
+_Q_NAMES = frozenset({"q_proj", "query", "q", "wq", "q_lin", "q_attn", "query_proj"})
+_K_NAMES = frozenset({"k_proj", "key", "k", "wk", "k_lin", "key_proj"})
+_V_NAMES = frozenset({"v_proj", "value", "v", "wv", "v_lin", "value_proj"})
+_O_NAMES = frozenset({"o_proj", "out_proj", "o", "wo", "out_lin"})
+
+
+def _pos_int(obj, *attrs) -> int | None:
+    if obj is None:
+        return None
+    for a in attrs:
+        v = getattr(obj, a, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def attention_heads(parent: nn.Module | None) -> tuple[int, int] | None:
+    """``(attention heads, key/value heads)`` of an attention module, from its attributes or ``config``.
+
+    The *global* counts: primitives never rewrite these attributes or the (shared) config, so they stay
+    the full model's numbers after sharding. None when the module does not look like attention.
+    """
+    if parent is None:
+        return None
+    cfg = getattr(parent, "config", None)
+    n = _pos_int(parent, "num_heads", "num_attention_heads", "n_head", "n_heads") or _pos_int(
+        cfg, "num_attention_heads", "n_head")
+    if n is None:
+        return None
+    kv = _pos_int(parent, "num_key_value_heads", "num_kv_heads") or _pos_int(cfg, "num_key_value_heads") or n
+    return n, kv
+
+
+def fused_qkv_blocks(site: ShardSite) -> int:
+    """How many projections a GPT-2-style fused ``c_attn`` stores back to back (3 = q, k, v; 2 = k, v).
+
+    Detected as an HF ``Conv1D`` named ``c_attn`` whose parent has an integer ``split_size`` (the
+    per-projection width: ``GPT2Attention`` and its copies) with ``nf == 3 * split_size`` (self
+    attention) or ``2 * split_size`` (cross attention: k and v; q is the separate ``q_attn``).
+    Returns 1 for anything else.
+    """
+    mod, parent = site.mod, site.parent
+    if site.child_name != "c_attn" or parent is None or not hasattr(mod, "nf"):
+        return 1
+    split = getattr(parent, "split_size", None)
+    if not isinstance(split, int) or split <= 0:
+        return 1
+    for k in (3, 2):
+        if mod.nf == k * split:
+            return k
+    return 1
+
+
+def attention_role(site: ShardSite) -> str | None:
+    """``"q"``, ``"k"``, ``"v"``, ``"o"`` (output projection), ``"qkv"`` / ``"kv"`` (fused) or None."""
+    name, parent = site.child_name, site.parent
+    if parent is None or attention_heads(parent) is None:
+        return None
+    if name in _Q_NAMES:
+        return "q"
+    if name in _K_NAMES:
+        return "k"
+    if name in _V_NAMES:
+        return "v"
+    if name in _O_NAMES or (name == "c_proj" and hasattr(parent, "c_attn")):
+        return "o"
+    blocks = fused_qkv_blocks(site)
+    if blocks == 3:
+        return "qkv"
+    if blocks == 2:
+        return "kv"
+    return None
+
+
+def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | None:
+    """Why splitting an attention projection's head features (``side`` "out" for q/k/v, "in" for the
+    output projection) across ``world_size`` ranks breaks attention, or None.
+
+    Every rank must hold whole heads, and whole key/value heads for grouped-query attention (the ratio
+    ``heads / kv heads`` that HF's ``repeat_kv`` uses must stay the same on every rank).
+    """
+    if side is None or world_size == 1:
+        return None
+    role = attention_role(site)
+    if role is None or (role == "o") != (side == "in"):
+        return None
+    n, kv = attention_heads(site.parent)
+    if n == kv:
+        order = [("attention", n)]
+    elif role in ("k", "v", "kv"):
+        order = [("key/value", kv), ("attention", n)]
+    else:
+        order = [("attention", n), ("key/value", kv)]
+    for what, count in order:
+        if count % world_size:
+            return f"the {count} {what} heads do not divide by {world_size}"
+    return None
+
+
 class ShardRule:
-    """Base rule: any tensor, any axis; the output type stays unknown."""
+    """Base rule: any tensor, any axis; the output type stays unknown.
+
+    Besides ``check`` / ``apply`` (module only), a rule may look at the tensor's :class:`ShardSite`
+    (the parent module): ``check_site`` (refuse, e.g. heads that do not divide), ``stride`` (a strided
+    shard of fused blocks) and ``apply_site`` (fix the parent's attributes). The defaults do nothing.
+    """
 
     def matches(self, mod: nn.Module) -> bool:
         return True
@@ -32,6 +181,16 @@ class ShardRule:
     def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         """Update the module after ``name`` was sliced on ``axis`` into ``world_size`` chunks."""
         return None
+
+    def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
+        """Like :meth:`check` with the parent in view; the reason is shown after "across N ranks: "."""
+
+    def stride(self, site: ShardSite, axis: int) -> int:
+        """How many equal blocks the tensor stores back to back along ``axis`` (see :func:`local_shard`)."""
+        return 1
+
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
+        """Update the parent after the shard (runs after :meth:`apply`)."""
 
 
 def _set_output(mod: nn.Module, kind: str, axis: int | None = None) -> None:
@@ -94,6 +253,11 @@ class LinearRule(ShardRule):
             return "the bias is sharded, which only fits a column-parallel weight (axis 0)"
         return None
 
+    def check_site(self, site, axis, world_size):
+        side = "out" if (site.name == "weight" and axis == 0) or site.name == "bias" else (
+            "in" if site.name == "weight" and axis == 1 else None)
+        return heads_reason(site, side, world_size)
+
     def apply(self, mod, name, axis, world_size, rank):
         if name != "weight":
             return
@@ -108,7 +272,32 @@ class LinearRule(ShardRule):
 
 
 class Conv1DRule(ShardRule):
-    """HF ``Conv1D`` (weight ``(in, out)``, transposed): axis 1 = column parallel, axis 0 = row parallel."""
+    """HF ``Conv1D`` (weight ``(in, out)``, transposed): axis 1 = column parallel, axis 0 = row parallel.
+
+    GPT-2's fused ``c_attn`` (see :func:`fused_qkv_blocks`) stores q, k and v back to back on its output
+    axis, so a column-parallel shard of it (``weight`` axis 1, ``bias`` axis 0) is *strided*: each rank
+    keeps its chunk of each of q, k and v (``param.shard_stride == 3``), i.e. whole heads of all three,
+    and the parent's ``split_size`` (used by ``GPT2Attention.forward`` to split the fused output) becomes
+    the local width. ``GPT2Attention`` reshapes with ``-1`` heads, so ``num_heads`` / ``embed_dim`` stay
+    the global numbers (head checks read them).
+    """
+
+    @staticmethod
+    def _out_side(name, axis):
+        return (name == "weight" and axis == 1) or name == "bias"
+
+    def check_site(self, site, axis, world_size):
+        side = "out" if self._out_side(site.name, axis) else ("in" if site.name == "weight" and axis == 0 else None)
+        return heads_reason(site, side, world_size)
+
+    def stride(self, site, axis):
+        return fused_qkv_blocks(site) if self._out_side(site.name, axis) else 1
+
+    def apply_site(self, site, axis, world_size, rank):
+        # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
+        blocks = getattr(site.mod.weight, "shard_stride", 1) if site.name == "weight" and axis == 1 else 1
+        if blocks > 1 and site.parent is not None and isinstance(getattr(site.parent, "split_size", None), int):
+            site.parent.split_size = site.mod.nf // blocks
 
     def matches(self, mod):
         return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")

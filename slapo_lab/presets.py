@@ -1,0 +1,399 @@
+"""Canonical schedules, applied through ordinary primitive calls (so they are recorded and exportable).
+
+Every preset calls ``sch[path].shard(...)`` / ``.sync(...)`` / ``.checkpoint()`` like a user would and
+returns the :class:`~slapo_lab.record.Call` objects it appended to ``sch.record``. A failing call raises
+its :class:`~slapo_lab.errors.ScheduleError`; calls made before it stay applied (as with ``replay``).
+Most failures (heads not divisible by the world size ...) happen on the first block, before anything
+changed.
+
+Megatron-LM tensor parallelism per transformer block (Slapo's canonical schedules, reference.md):
+
+* column parallel (q, k, v, fused ``c_attn``, MLP up / gate / ``c_fc`` / ``intermediate.dense``): shard the
+  weight on its output features (``nn.Linear`` axis 0, HF ``Conv1D`` axis 1) and the bias on axis 0, then
+  ``sync(mode="bwd_post", sync_op_or_fn="all_reduce")`` (Megatron's *f*: all-reduce the input gradient);
+* row parallel (attention output / ``o_proj`` / ``c_proj`` / ``output.dense``, MLP down): shard the weight on
+  its input features (``nn.Linear`` axis 1, ``Conv1D`` axis 0), ``sync(mode="fwd_post", sync_op_or_fn=
+  "all_reduce")`` (Megatron's *g*; the bias is added once, after the reduce);
+* vocab parallel (``vocab_parallel=True``): the input embedding's weight on axis 0 + ``fwd_post all_reduce``;
+  the output embedding (``lm_head``, BERT's MLM decoder) -- tied, so already sharded by the embedding, or
+  sharded on axis 0 here -- becomes column parallel with a vocabulary-partitioned output, so it gets
+  ``bwd_post all_reduce`` plus ``fwd_post all_gather(axis=-1, tensor_parallel_output_grad=False)`` and the
+  loss sees full logits. (With the replicated loss every rank computes, the gradient of the gathered
+  logits is already complete on each rank: backward just keeps this rank's slice, a reduce-scatter would
+  multiply it by the world size.)
+
+Sequence parallelism (``sequence_parallel=True``, GPT-2): between the tensor-parallel regions each rank holds
+a slice of the sequence (axis 1 of ``(batch, seq, hidden)``): ``scatter(axis=1)`` after the embeddings
+(``fwd_post`` on ``transformer.drop``), ``fwd_pre all_gather(axis=1)`` before each column-parallel layer (its
+backward reduce-scatter replaces *f*), ``fwd_post reduce_scatter(axis=1)`` after each row-parallel layer (replacing
+*g*), and ``fwd_pre all_gather(axis=1, tensor_parallel_output_grad=False)`` on ``transformer.ln_f`` to return to
+the full sequence. The LayerNorms inside the blocks and the row-parallel biases stay replicated but see only
+this rank's tokens, so their gradients are partial sums: ``sync(mode="bwd_post", sync_op_or_fn="all_reduce",
+param_grads=True)`` all-reduces them in backward (what Megatron does for its ``sequence_parallel`` parameters).
+The sequence length must divide by the world size.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from .errors import ScheduleError
+from .record import Call
+
+FAMILIES = ("bert", "gpt2", "llama")
+_BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("LlamaDecoderLayer",)}
+
+# Projections by their attribute name (last path component) or path suffix inside a block.
+COLUMN_NAMES = frozenset({
+    "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "q_lin", "k_lin",
+    "v_lin", "q_attn", "c_attn", "c_fc", "gate_proj", "up_proj", "fc1", "w1", "w3", "fc_in", "dense_h_to_4h", "lin1",
+    "intermediate.dense",
+})
+ROW_NAMES = frozenset({
+    "o_proj", "out_proj", "o", "wo", "out_lin", "c_proj", "down_proj", "fc2", "w2", "fc_out", "dense_4h_to_h", "lin2",
+    "output.dense",
+})
+
+
+def _is_conv1d(mod: nn.Module) -> bool:
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def _since(sch, n: int) -> list[Call]:
+    return list(sch.record.calls[n:])
+
+
+def detect_family(sch) -> str | None:
+    """``"bert"``, ``"gpt2"`` or ``"llama"`` from the block classes under ``sch``, else None."""
+    names = {type(m).__name__ for m in sch.mod.modules()}
+    for fam, classes in _BLOCK_CLASSES.items():
+        if names.intersection(classes):
+            return fam
+    return None
+
+
+def find_blocks(sch) -> list[str]:
+    """Paths (relative to ``sch``) of the repeated transformer blocks, in order.
+
+    The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
+    the children of the largest ``nn.ModuleList`` whose children all share one class and have parameters.
+    """
+    fam = detect_family(sch)
+    if fam is not None:
+        classes = _BLOCK_CLASSES[fam]
+        return [p for p, node in sch.named_schedules() if p and type(node.mod).__name__ in classes]
+    best: list[str] = []
+    for p, node in sch.named_schedules():
+        if not isinstance(node.mod, nn.ModuleList) or len(node.mod) < 1:
+            continue
+        kids = list(node.mod)
+        if len({type(k) for k in kids}) != 1 or not any(True for _ in kids[0].parameters()):
+            continue
+        if len(kids) > len(best):
+            best = [f"{p}.{name}" if p else name for name in node.child]
+    return best
+
+
+def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
+    """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` column parallel (Megatron ``ColumnParallelLinear``).
+
+    Weight on its output features, bias on axis 0, then ``bwd_post all_reduce`` -- or, with
+    ``sequence_parallel``, ``fwd_pre all_gather(axis=1)`` (whose backward reduce-scatter also sums the input
+    gradient).
+    """
+    n = len(sch.record)
+    node = sch[path]
+    mod = node.mod
+    if not isinstance(mod, nn.Linear) and not _is_conv1d(mod):
+        raise ScheduleError(f"column_parallel needs an nn.Linear or HF Conv1D at {path}, not a {type(mod).__name__}.")
+    node.shard("weight", axis=1 if _is_conv1d(mod) else 0)
+    if getattr(mod, "bias", None) is not None:
+        node.shard("bias", axis=0)
+    if sequence_parallel:
+        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1)
+    else:
+        node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    return _since(sch, n)
+
+
+def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
+    """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` row parallel (Megatron ``RowParallelLinear``).
+
+    Weight on its input features, then ``fwd_post all_reduce`` -- or, with ``sequence_parallel``,
+    ``fwd_post reduce_scatter(axis=1)`` plus ``bwd_post all_reduce(param_grads=True)`` for the replicated bias
+    (added after the reduce-scatter, so it sees only this rank's tokens).
+    """
+    n = len(sch.record)
+    node = sch[path]
+    mod = node.mod
+    if not isinstance(mod, nn.Linear) and not _is_conv1d(mod):
+        raise ScheduleError(f"row_parallel needs an nn.Linear or HF Conv1D at {path}, not a {type(mod).__name__}.")
+    node.shard("weight", axis=0 if _is_conv1d(mod) else 1)
+    if sequence_parallel:
+        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)
+        if getattr(mod, "bias", None) is not None:
+            node.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+    else:
+        node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    return _since(sch, n)
+
+
+def _classify(rel: str) -> str | None:
+    parts = rel.split(".")
+    last, last2 = parts[-1], ".".join(parts[-2:])
+    for key in (last2, last):
+        if key in COLUMN_NAMES:
+            return "column"
+        if key in ROW_NAMES:
+            return "row"
+    return None
+
+
+def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
+    """``(path, "column" | "row" | "norm")`` for the projections and norms of one block, in module order.
+
+    Projections are ``nn.Linear`` / HF ``Conv1D`` recognised by name (``q_proj``, ``query``, ``c_attn``,
+    ``gate_proj``, ``intermediate.dense`` ... column; ``o_proj``, ``c_proj``, ``output.dense``, ``down_proj``
+    ... row, see ``COLUMN_NAMES`` / ``ROW_NAMES``); other linears stay replicated.
+    """
+    block = sch[block_path]
+    out = []
+    for rel, node in block.named_schedules():
+        if not rel:
+            continue
+        path = f"{block_path}.{rel}" if block_path else rel
+        mod = node.mod
+        if isinstance(mod, nn.Linear) or _is_conv1d(mod):
+            kind = _classify(rel)
+            if kind:
+                out.append((path, kind))
+        elif _is_norm(mod) and any(p is not None for p in mod._parameters.values()):
+            out.append((path, "norm"))
+    return out
+
+
+def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call]:
+    """Megatron tensor parallelism for one transformer block at ``block_path`` (any family).
+
+    Finds its q/k/v/out and up/down projections (:func:`block_layers`) and makes them column / row
+    parallel; with ``sequence_parallel`` the block's norms get ``bwd_post all_reduce(param_grads=True)``.
+
+    Raises:
+        ScheduleError: when the block has no column- or no row-parallel projection, or a primitive fails.
+    """
+    layers = block_layers(sch, block_path)
+    kinds = {k for _, k in layers}
+    if "column" not in kinds or "row" not in kinds:
+        names = ", ".join(p for p, _ in layers) or "none"
+        raise ScheduleError(
+            f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
+            f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead.")
+    n = len(sch.record)
+    for path, kind in layers:
+        if kind == "column":
+            column_parallel(sch, path, sequence_parallel)
+        elif kind == "row":
+            row_parallel(sch, path, sequence_parallel)
+        elif sequence_parallel:
+            sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+    return _since(sch, n)
+
+
+def _path_of(sch, mod: nn.Module) -> str | None:
+    for p, node in sch.named_schedules():
+        if node.mod is mod:
+            return p
+    return None
+
+
+def vocab_parallel_embeddings(sch) -> list[Call]:
+    """Vocab-parallel input embedding and, if the model has one, a vocab-parallel output embedding.
+
+    Uses HF's ``get_input_embeddings()`` / ``get_output_embeddings()``. The output layer (``lm_head``) is
+    tied to the embedding in GPT-2 and BERT-MLM, so sharding the embedding already shards it (the
+    tensor stays one object); an untied one (Llama) is sharded on axis 0 here.
+
+    Raises:
+        ScheduleError: when the model has no ``nn.Embedding`` input embedding.
+    """
+    top = sch.mod
+    get_in = getattr(top, "get_input_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if not isinstance(emb, nn.Embedding):
+        raise ScheduleError("vocab_parallel needs a model whose get_input_embeddings() is an nn.Embedding.")
+    emb_path = _path_of(sch, emb)
+    n = len(sch.record)
+    sch[emb_path].shard("weight", axis=0)
+    sch[emb_path].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    get_out = getattr(top, "get_output_embeddings", None)
+    try:
+        head = get_out() if callable(get_out) else None
+    except NotImplementedError:  # pragma: no cover - some HF models
+        head = None
+    if isinstance(head, nn.Linear):
+        hp = _path_of(sch, head)
+        node = sch[hp]
+        if getattr(head.weight, "shard_axis", None) is None:  # untied
+            node.shard("weight", axis=0)
+        if head.bias is not None and getattr(head.bias, "shard_axis", None) is None:
+            node.shard("bias", axis=0)
+        node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+    return _since(sch, n)
+
+
+def _gpt2_base(sch) -> str:
+    for p, node in sch.named_schedules():
+        if type(node.mod).__name__ == "GPT2Model":
+            return p
+    raise ScheduleError("sequence parallelism presets need a GPT2Model (transformer.drop / transformer.ln_f).")
+
+
+def hf_tp_plan(sch) -> dict[str, str]:
+    """HF's tensor-parallel plan for the model's blocks, with paths relative to ``sch``.
+
+    ``config.base_model_tp_plan`` (e.g. Llama: ``{"layers.*.self_attn.q_proj": "colwise", ...}``) is keyed
+    relative to the base model (``model.base_model_prefix``, e.g. ``model``); ``*`` matches one path
+    component. Empty when the config has no plan.
+    """
+    cfg = getattr(sch.mod, "config", None)
+    plan = getattr(cfg, "base_model_tp_plan", None) or {}
+    prefix = getattr(sch.mod, "base_model_prefix", "") or ""
+    if prefix and prefix not in sch.child:
+        prefix = ""
+    return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
+
+
+_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather"}
+
+
+def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
+    """Apply an HF tensor-parallel plan (default :func:`hf_tp_plan`) with our primitives.
+
+    ``"colwise"`` -> :func:`column_parallel`, ``"rowwise"`` -> :func:`row_parallel`,
+    ``"colwise_gather_output"`` -> column parallel plus ``fwd_post all_gather(axis=-1,
+    tensor_parallel_output_grad=False)``. Modules are visited in tree order.
+
+    Raises:
+        ScheduleError: for an empty plan, a style with no mapping, or a pattern that matches nothing
+            (all checked before anything changes).
+    """
+    plan = hf_tp_plan(sch) if plan is None else plan
+    if not plan:
+        raise ScheduleError("The model's config has no base_model_tp_plan; use megatron_tp(sch, family=...) instead.")
+    compiled = []
+    for pat, style in plan.items():
+        if style not in _HF_STYLES:
+            raise ScheduleError(
+                f"HF tensor-parallel style {style!r} (for {pat}) has no preset mapping; supported: "
+                f"{', '.join(_HF_STYLES)}.")
+        rx = re.compile("^" + r"\.".join("[^.]+" if c == "*" else re.escape(c) for c in pat.split(".")) + "$")
+        compiled.append((pat, rx, _HF_STYLES[style]))
+    targets = []
+    hit = set()
+    for p, _node in sch.named_schedules():
+        for pat, rx, kind in compiled:
+            if rx.match(p):
+                targets.append((p, kind))
+                hit.add(pat)
+                break
+    missing = [pat for pat, _, _ in compiled if pat not in hit]
+    if missing:
+        raise ScheduleError(f"The tensor-parallel plan entry {missing[0]!r} matches no module.")
+    n = len(sch.record)
+    for p, kind in targets:
+        if kind == "row":
+            row_parallel(sch, p)
+        else:
+            column_parallel(sch, p)
+            if kind == "column_gather":
+                sch[p].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+    return _since(sch, n)
+
+
+def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, sequence_parallel: bool = False,
+                use_hf_plan: bool = False) -> list[Call]:
+    """Slapo's canonical Megatron tensor-parallel schedule for BERT, GPT-2, Llama (or any block stack).
+
+    Args:
+        sch: the root schedule (its ``world_size`` is the TP width).
+        family: ``"bert"``, ``"gpt2"``, ``"llama"`` or ``"generic"``; None detects it from the block classes
+            (``"generic"`` = :func:`find_blocks` + :func:`tp_block` by projection names).
+        vocab_parallel: also shard the word embedding (and the output embedding) by vocabulary
+            (:func:`vocab_parallel_embeddings`).
+        sequence_parallel: Megatron sequence parallelism between the TP regions (GPT-2 only; see the
+            module docstring).
+        use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
+            instead of by names.
+
+    Returns:
+        list[Call]: the recorded calls this preset made.
+
+    Raises:
+        ScheduleError: unknown family, sequence parallelism for a family other than GPT-2, no blocks found,
+            or the first primitive call that fails (e.g. heads not divisible by the world size).
+    """
+    fam = family or detect_family(sch) or "generic"
+    if fam not in (*FAMILIES, "generic"):
+        raise ScheduleError(f"Unknown model family {family!r}; use one of {', '.join(FAMILIES)}, generic or None.")
+    if sequence_parallel and fam != "gpt2":
+        raise ScheduleError(
+            f"The sequence-parallel preset exists for GPT-2 only (not {fam}): it needs a dropout after the "
+            "embeddings to scatter at and a final LayerNorm to gather at.")
+    if sequence_parallel and use_hf_plan:
+        raise ScheduleError("use_hf_plan does not combine with sequence_parallel: HF plans carry no sequence layout.")
+    base = _gpt2_base(sch) if sequence_parallel else ""
+    blocks = find_blocks(sch)
+    if not blocks and not use_hf_plan:
+        raise ScheduleError("megatron_tp found no repeated transformer blocks (an nn.ModuleList of one block class).")
+    n = len(sch.record)
+    if use_hf_plan:
+        apply_hf_tp_plan(sch)
+    else:
+        for b in blocks:
+            tp_block(sch, b, sequence_parallel)
+    if vocab_parallel:
+        vocab_parallel_embeddings(sch)
+    if sequence_parallel:
+        pre = f"{base}." if base else ""
+        sch[f"{pre}drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", axis=1)
+        sch[f"{pre}ln_f"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=False)
+    return _since(sch, n)
+
+
+def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
+    """Activation-checkpoint the transformer blocks (:func:`find_blocks`).
+
+    Checkpoints block ``i`` of the first ``int(len(blocks) * ratio)`` blocks (Slapo's ``ckpt_ratio``) when
+    ``i % every == 0``; blocks already checkpointed are skipped.
+
+    Raises:
+        ScheduleError: for a bad ``every`` / ``ratio`` or when no blocks are found.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ScheduleError(f"every must be a positive integer, not {every!r}.")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ScheduleError(f"ratio must be a number in [0, 1], not {ratio!r}.")
+    blocks = find_blocks(sch)
+    if not blocks:
+        raise ScheduleError("checkpoint_blocks found no repeated blocks (an nn.ModuleList of one block class).")
+    from .module_state import peek_meta
+
+    n = len(sch.record)
+    for i, b in enumerate(blocks[: int(len(blocks) * ratio)]):
+        meta = peek_meta(sch[b].mod)
+        if i % every == 0 and not (meta and meta["checkpoint"]):
+            sch[b].checkpoint()
+    return _since(sch, n)
+
+
+__all__ = [
+    "COLUMN_NAMES", "FAMILIES", "ROW_NAMES", "apply_hf_tp_plan", "block_layers", "checkpoint_blocks",
+    "column_parallel", "detect_family", "find_blocks", "hf_tp_plan", "megatron_tp", "row_parallel", "tp_block",
+    "vocab_parallel_embeddings",
+]

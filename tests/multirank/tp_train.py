@@ -1,0 +1,240 @@
+"""Multi-rank tensor-parallel check, run by torchrun (see tests/test_multirank_tp.py).
+
+    torchrun --nproc_per_node=2 tests/multirank/tp_train.py [all | bert gpt2 llama ...] [case names ...]
+
+For each case of the family: build a small HF model with random weights (same seed on every rank), keep a
+deep copy as the single-process reference, schedule the model (inside ``sl.Verify``, which must pass:
+outputs, gathered gradients and weight slices), then train scheduled and reference model for three SGD
+steps on the same batches and compare, at every step, the loss, every gradient (sharded ones gathered
+across ranks) and every updated parameter. Rank 0 prints one ``RESULT {json}`` line per case; the exit
+status is non-zero when any comparison exceeds the tolerance (atol = rtol = 1e-5, fp32) on any rank.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.verify import gather_full
+
+warnings.filterwarnings("ignore")
+ATOL = RTOL = 1e-5
+STEPS = 3
+BATCH, SEQ, VOCAB = 2, 8, 128
+
+
+def bert_model():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return BertModel(cfg)
+
+
+def bert_mlm_model():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(cfg)
+
+
+def gpt2_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=32,
+                      tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def bert_manual(sch):
+    """Slapo's canonical BERT schedule written out call by call (the reference.md list)."""
+    for i in range(2):
+        p = f"encoder.layer.{i}"
+        for n in ("query", "key", "value"):
+            sch[f"{p}.attention.self.{n}"].shard("weight", axis=0)
+            sch[f"{p}.attention.self.{n}"].shard("bias", axis=0)
+            sch[f"{p}.attention.self.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        sch[f"{p}.attention.output.dense"].shard("weight", axis=1)
+        sch[f"{p}.attention.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        sch[f"{p}.intermediate.dense"].shard("weight", axis=0)
+        sch[f"{p}.intermediate.dense"].shard("bias", axis=0)
+        sch[f"{p}.intermediate.dense"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        sch[f"{p}.output.dense"].shard("weight", axis=1)
+        sch[f"{p}.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    sch["embeddings.word_embeddings"].shard("weight", axis=0)
+    sch["embeddings.word_embeddings"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+
+
+def gpt2_manual(sch):
+    """GPT-2 Megatron TP by hand: strided fused c_attn, row c_proj, tied vocab-parallel wte / lm_head."""
+    for i in range(2):
+        p = f"transformer.h.{i}"
+        for col in (f"{p}.attn.c_attn", f"{p}.mlp.c_fc"):
+            sch[col].shard("weight", axis=1)
+            sch[col].shard("bias", axis=0)
+            sch[col].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        for row in (f"{p}.attn.c_proj", f"{p}.mlp.c_proj"):
+            sch[row].shard("weight", axis=0)
+            sch[row].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    sch["transformer.wte"].shard("weight", axis=0)
+    sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    sch["lm_head"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    sch["lm_head"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+
+
+CASES = {
+    "bert": [
+        ("bert_manual", bert_model, bert_manual),
+        ("bert_megatron_tp", bert_model, lambda s: presets.megatron_tp(s)),
+        ("bert_mlm_tied_decoder", bert_mlm_model, lambda s: presets.megatron_tp(s)),
+    ],
+    "gpt2": [
+        ("gpt2_manual_tied_vocab", gpt2_model, gpt2_manual),
+        ("gpt2_megatron_tp", gpt2_model, lambda s: presets.megatron_tp(s)),
+        ("gpt2_sequence_parallel", gpt2_model, lambda s: presets.megatron_tp(s, sequence_parallel=True)),
+        ("gpt2_sequence_parallel_checkpointed", gpt2_model,
+         lambda s: presets.megatron_tp(s, sequence_parallel=True) + presets.checkpoint_blocks(s)),
+    ],
+    "llama": [
+        ("llama_megatron_tp", llama_model, lambda s: presets.megatron_tp(s)),
+        ("llama_hf_plan", llama_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
+    ],
+}
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, labels
+
+
+def loss_of(model, ids, labels):
+    """A replicated scalar loss: the LM / MLM loss, or a fixed projection of BertModel's outputs."""
+    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+        return model(input_ids=ids, labels=labels).loss
+    out = model(input_ids=ids)
+    g = torch.Generator().manual_seed(7)
+    h, pooled = out.last_hidden_state, out.pooler_output
+    return ((h * torch.randn(h.shape, generator=g)).mean() + (pooled * torch.randn(pooled.shape, generator=g)).mean())
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool]:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf"), False
+    return float((a - b).abs().max()), bool(torch.allclose(a, b, atol=ATOL, rtol=RTOL))
+
+
+def run_case(name, make, schedule, tp) -> dict:
+    torch.manual_seed(1234)
+    model = make()
+    model.train()
+    ref = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    sch = sl.create_schedule(model)
+    ids, labels = batch(-1)
+    inputs = {"input_ids": ids}
+    if name.startswith(("gpt2", "llama")):
+        inputs["use_cache"] = False
+    with sl.Verify(sch, inputs, device="cpu", eval_mode=False) as v:
+        calls = schedule(sch)
+    n_calls = len(sch.record.calls)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_params = dict(ref.named_parameters())
+    res = {"case": name, "calls": n_calls, "preset_calls": len(calls) if isinstance(calls, list) else None,
+           "verify": v.report.passed, "verify_max_grad_diff": max((c.max_abs for c in v.report.grads), default=0.0),
+           "loss": [], "max_loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0, "bad": []}
+    sharded = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_axis", None) is not None)
+    res["n_sharded"] = len(sharded)
+    res["strided"] = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_stride", 1) > 1)
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, ids, labels)
+        ref_loss = loss_of(ref, ids, labels)
+        d, ok = max_diff(loss, ref_loss)
+        res["loss"].append(float(ref_loss))
+        res["max_loss_diff"] = max(res["max_loss_diff"], d)
+        if not ok:
+            res["bad"].append(f"step {step} loss {float(loss)} vs {float(ref_loss)}")
+        loss.backward()
+        ref_loss.backward()
+        for pname, p in model.named_parameters():
+            r = ref_params[pname]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            rg = r.grad if r.grad is not None else torch.zeros_like(r)
+            d, ok = max_diff(gather_full(g, p, tp), rg)
+            res["max_grad_diff"] = max(res["max_grad_diff"], d)
+            if not ok:
+                res["bad"].append(f"step {step} grad {pname} max diff {d:.3e}")
+        opt.step()
+        ref_opt.step()
+        for pname, p in model.named_parameters():
+            d, ok = max_diff(gather_full(p.detach(), p, tp), ref_params[pname])
+            res["max_param_diff"] = max(res["max_param_diff"], d)
+            if not ok:
+                res["bad"].append(f"step {step} param {pname} max diff {d:.3e}")
+    if name.startswith("gpt2"):
+        res["tied"] = model.lm_head.weight is model.transformer.wte.weight
+        if not res["tied"]:
+            res["bad"].append("lm_head.weight is no longer transformer.wte.weight")
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    # agree across ranks: the worst figures, and every rank's failures
+    t = torch.tensor([res["max_loss_diff"], res["max_grad_diff"], res["max_param_diff"], float(len(res["bad"]))],
+                     dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    res["max_loss_diff"], res["max_grad_diff"], res["max_param_diff"], n_bad = t.tolist()
+    if n_bad and not res["bad"]:
+        res["bad"].append("another rank reported a mismatch")
+    res["bad"] = res["bad"][:8]
+    return res
+
+
+def main() -> int:
+    args = sys.argv[1:] or ["all"]
+    families = list(CASES) if "all" in args else [a for a in args if a in CASES]
+    only = {a for a in args if a not in CASES and a != "all"}  # optional case names
+    dist.init_process_group("gloo")
+    tp = sl.TPGroup(dist.get_world_size(), dist.get_rank(), dist.group.WORLD)
+    failed = 0
+    for name, make, schedule in [c for f in families for c in CASES[f]]:
+        if only and name not in only:
+            continue
+        try:
+            res = run_case(name, make, schedule, tp)
+        except Exception as err:  # noqa: BLE001 - report it; Verify failures are raised on every rank alike
+            res = {"case": name, "bad": [f"{type(err).__name__}: {err}"]}
+        failed += bool(res["bad"])
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(res), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
