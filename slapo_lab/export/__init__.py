@@ -1,0 +1,41 @@
+"""Export a recorded schedule as a standalone training script (``torchrun``; ``deepspeed`` later).
+
+::
+
+    from slapo_lab.export import export_script
+    export_script("train_bert.py", model, sch.record.calls, {"input_ids": ids}, world_size=2)
+    # torchrun --nproc_per_node=2 train_bert.py --device cuda
+
+Pieces: :func:`model_spec` / :func:`input_spec` describe the model and its inputs as JSON data;
+:func:`render_script` turns them and the calls into Python text (loops over layers, ``repr``'d
+literals only); :func:`save_schedule` / :func:`load_schedule` persist all of it
+(``slapo-lab export schedule.json -o train.py`` renders a saved file).
+"""
+from .fold import find_runs, schedule_lines
+from .io import ScheduleFile, load_schedule, save_schedule
+from .script import LAUNCHERS, export_script, render_script
+from .spec import (
+    ExportError,
+    input_spec,
+    model_spec,
+    validate_calls,
+    validate_input_spec,
+    validate_model_spec,
+)
+
+__all__ = [
+    "LAUNCHERS",
+    "ExportError",
+    "ScheduleFile",
+    "export_script",
+    "find_runs",
+    "input_spec",
+    "load_schedule",
+    "model_spec",
+    "render_script",
+    "save_schedule",
+    "schedule_lines",
+    "validate_calls",
+    "validate_input_spec",
+    "validate_model_spec",
+]

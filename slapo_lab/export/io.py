@@ -1,0 +1,153 @@
+"""Schedule files: ``slapo_lab.record.dumps(calls, meta)`` JSON with what export needs in ``meta``.
+
+::
+
+    {"schema": "slapo-lab/schedule", "version": 1,
+     "meta": {"model": <model spec>, "inputs": <input spec>, "world_size": 2, "slapo_lab": "0.1.0"},
+     "calls": [{"path": "encoder.layer.0.attention.self.query", "primitive": "shard",
+                "args": ["weight"], "kwargs": {"axis": 0}}, ...]}
+
+:func:`load_schedule` validates the whole file before returning anything (so a caller that replays
+it never applies half a file): a corrupt file, another schema, a newer version, an unknown
+primitive or malformed arguments each raise :class:`ExportError` with one sentence.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps
+from .script import write_text_atomic
+from .spec import (
+    ExportError,
+    _check_json,
+    check_factory,
+    input_spec,
+    model_spec,
+    validate_calls,
+    validate_input_spec,
+    validate_model_spec,
+)
+
+
+class ScheduleFile(NamedTuple):
+    """A loaded schedule file: ``calls, meta = load_schedule(path)``."""
+
+    calls: list[Call]
+    meta: dict
+
+    @property
+    def world_size(self) -> int | None:
+        """The tensor-parallel width the calls were recorded for (None if the file has none)."""
+        return self.meta.get("world_size")
+
+
+def save_schedule(path, calls, model: nn.Module | None = None, example_inputs: dict | None = None,
+                  world_size: int | None = None, factory: str | None = None, meta: dict | None = None) -> Path:
+    """Write ``calls`` (and what export needs) to a JSON schedule file.
+
+    Args:
+        path: the file to write (its folder must exist); replaced atomically.
+        calls: ``sch.record.calls`` (or the Recorder).
+        model: if given, its :func:`~slapo_lab.export.model_spec` is stored as ``meta["model"]``.
+        example_inputs: if given, their :func:`~slapo_lab.export.input_spec` is ``meta["inputs"]``.
+        world_size: stored as ``meta["world_size"]``.
+        factory: passed to ``model_spec``.
+        meta: extra JSON-able entries (the editor may keep its own keys here).
+
+    Returns:
+        The absolute path written.
+
+    Raises:
+        ExportError: a call or meta value that cannot be saved, a model export cannot rebuild, or
+            an unwritable path.
+    """
+    calls = validate_calls(calls)
+    out = dict(meta or {})
+    if model is not None:
+        out["model"] = model_spec(model, factory)
+    elif factory is not None:
+        check_factory(factory, importable=True)
+        out["model"] = {"kind": "factory", "factory": factory}
+    if example_inputs is not None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        out["inputs"] = input_spec(example_inputs, vocab if isinstance(vocab, int) else None)
+    if world_size is not None:
+        out["world_size"] = _check_world_size(world_size)
+    from .. import __version__
+
+    out.setdefault("slapo_lab", __version__)
+    _check_json("The schedule's meta", out)
+    try:
+        text = dumps(calls, out)
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"The schedule cannot be saved as JSON: {str(err).rstrip('.')}.") from None
+    path = Path(os.fspath(path)).expanduser()
+    write_text_atomic(path, text + "\n")
+    return path.resolve()
+
+
+def _check_world_size(ws: Any) -> int:
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+        raise ExportError(f"world_size must be a positive integer, not {ws!r}.")
+    return ws
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_schedule(path) -> ScheduleFile:
+    """Read and fully validate a schedule file written by :func:`save_schedule`.
+
+    Returns:
+        ``ScheduleFile(calls, meta)``; ``meta["model"]``, ``meta["inputs"]`` and
+        ``meta["world_size"]`` are validated when present.
+
+    Raises:
+        ExportError: a missing/unreadable file, invalid JSON (NaN included), another schema, a
+            version newer than this slapo-lab reads, or any bad call or meta entry.
+    """
+    path = Path(os.fspath(path)).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ExportError(f"The schedule file {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ExportError(f"Cannot read the schedule file {path}: {reason}.") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}).") \
+            from None
+    except ValueError as err:
+        raise ExportError(f"{path} is not valid JSON ({err}).") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ExportError(f"{path} is not a slapo-lab schedule file (no \"schema\": \"{SCHEMA}\").")
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ExportError(f"{path} has an invalid schedule format version {version!r}.")
+    if version > SCHEMA_VERSION:
+        raise ExportError(f"{path} uses schedule format version {version}, newer than this slapo-lab reads "
+                          f"(up to {SCHEMA_VERSION}); upgrade slapo-lab.")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path} has a \"meta\" entry that is not a JSON object.")
+    if not isinstance(data.get("calls"), list):
+        raise ExportError(f"{path} has no list of calls.")
+    try:
+        calls = validate_calls(data["calls"])
+        if "model" in meta:
+            validate_model_spec(meta["model"])
+        if "inputs" in meta:
+            validate_input_spec(meta["inputs"])
+        if "world_size" in meta:
+            _check_world_size(meta["world_size"])
+    except ExportError as err:
+        raise ExportError(f"{path}: {err}") from None
+    return ScheduleFile(calls, meta)

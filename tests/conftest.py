@@ -1,0 +1,116 @@
+"""Shared pytest fixtures (add new ones; do not remove: other test files use them)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (holds the ``slapo_lab`` package)."""
+    return REPO_ROOT
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's --master_port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    """Environment for child Pythons: the repo on PYTHONPATH, HF offline, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_HOME", str(REPO_ROOT / ".cache" / "hf"))
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (no shell) in its own process group; on timeout kill the whole group and fail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} ran over {timeout} s and was killed\n"
+                    f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+    finally:
+        if proc.poll() is None:  # pragma: no cover - an exception while waiting
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.fixture
+def run_bounded():
+    """``run_bounded(cmd, timeout, cwd=..., env=...)``: a subprocess bounded by ``timeout`` seconds.
+
+    The child runs in a new process group that is killed (SIGKILL) if it overruns, so torchrun's
+    workers never outlive the test; returns a ``CompletedProcess`` with text stdout/stderr.
+    """
+    return _run_bounded
+
+
+@pytest.fixture
+def torchrun_cmd():
+    """``torchrun_cmd(nproc, port, script, *args)``: the argv of a local CPU torchrun launch."""
+    def cmd(nproc: int, port: int, script, *args: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                "--master_addr=127.0.0.1", f"--master_port={port}", str(script), *args]
+
+    return cmd
+
+
+@pytest.fixture
+def tiny_bert():
+    """A small randomly initialised HF BertModel: 4 layers, hidden 128, 4 heads, intermediate 256, vocab 1000."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=256,
+                     vocab_size=1000, max_position_embeddings=128)
+    return BertModel(cfg)
+
+
+def _apply_bert_tp(sch, num_layers: int, checkpoint: bool = True) -> None:
+    """Issue 2's Megatron-style tensor-parallel schedule for every layer of an HF BERT encoder."""
+    for i in range(num_layers):
+        p = f"encoder.layer.{i}"
+        for n in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+            sch[f"{p}.{n}"].shard("weight", axis=0)
+            sch[f"{p}.{n}"].shard("bias", axis=0)
+            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        for n in ("attention.output.dense", "output.dense"):
+            sch[f"{p}.{n}"].shard("weight", axis=1)
+            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        if checkpoint:
+            sch[p].checkpoint()
+
+
+@pytest.fixture
+def apply_bert_tp():
+    """``apply_bert_tp(sch, num_layers, checkpoint=True)``: issue 2's BERT tensor-parallel schedule.
+
+    On every layer: query/key/value and intermediate.dense shard weight and bias on axis 0 plus
+    ``sync(mode="bwd_post", sync_op_or_fn="all_reduce")``; attention.output.dense and output.dense
+    shard weight on axis 1 plus ``sync(mode="fwd_post", sync_op_or_fn="all_reduce")``; then
+    ``sch["encoder.layer.<i>"].checkpoint()``.
+    """
+    return _apply_bert_tp

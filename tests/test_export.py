@@ -1,0 +1,535 @@
+"""Export: loop folding, safe rendering, model/input specs, schedule files, CLI, build (fast, no torchrun)."""
+from __future__ import annotations
+
+import ast
+import errno
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import slapo_lab as sl
+from slapo_lab.build import build
+from slapo_lab.export import (
+    ExportError,
+    export_script,
+    find_runs,
+    input_spec,
+    load_schedule,
+    model_spec,
+    render_script,
+    save_schedule,
+    schedule_lines,
+)
+from slapo_lab.record import SCHEMA_VERSION, Call
+
+HOSTILE = ['a"b', "x\ny", "__import__('os')", "{i}", "c'd\\", "e}{", "f\"]); import os; (\""]
+
+
+def _one_sentence(err) -> str:
+    text = str(err.value if hasattr(err, "value") else err)
+    assert "\n" not in text and text.endswith("."), text
+    return text
+
+
+class _RecordingSchedule:
+    """Stands in for ``sch``: records ``sch[path].<primitive>(*args, **kwargs)`` as Calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, path):
+        rec = self
+
+        class Node:
+            def __getattr__(self, name):
+                return lambda *a, **k: rec.calls.append(Call(path, name, tuple(a), dict(k)))
+
+        return Node()
+
+
+def _load_script(text: str) -> dict:
+    """Run a generated script's module-level code (not ``main``): its constants and functions."""
+    ns = {"__name__": "exported"}
+    exec(compile(text, "train.py", "exec"), ns)  # noqa: S102 - running generated code is the test
+    return ns
+
+
+def _replay_lines(lines):
+    ns = _load_script("def schedule(sch):\n" + "\n".join("    " + ln for ln in lines))
+    sch = _RecordingSchedule()
+    ns["schedule"](sch)
+    return sch.calls
+
+
+def _ruff(path: Path) -> subprocess.CompletedProcess:
+    """``ruff check`` with default rules, run from the repo root and from the script's folder.
+
+    (Whether ``slapo_lab`` counts as first-party for import sorting depends on the folder.)
+    """
+    ruff = Path(sys.executable).with_name("ruff")
+    cmd = [str(ruff)] if ruff.exists() else [sys.executable, "-m", "ruff"]
+    for cwd in (Path(__file__).resolve().parents[1], path.parent):
+        r = subprocess.run([*cmd, "check", "--isolated", "--no-cache", str(path)], capture_output=True, text=True,
+                           timeout=60, cwd=cwd, check=False)
+        if r.returncode:
+            break
+    return r
+
+
+@pytest.fixture
+def bert_tp(tiny_bert, apply_bert_tp):
+    """(model, calls): issue 2's schedule recorded on the tiny BERT, simulated for 2 ranks."""
+    sch = sl.create_schedule(tiny_bert, world_size=2)
+    apply_bert_tp(sch, 4)
+    return tiny_bert, list(sch.record.calls)
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+
+
+# --------------------------------------------------------------------------------------- folding
+def test_bert_schedule_folds_into_one_loop(bert_tp):
+    _, calls = bert_tp
+    lines = schedule_lines(calls)
+    assert lines[0] == "for i in range(4):"
+    assert len(lines) == 1 + len(calls) // 4
+    assert '    sch[f"encoder.layer.{i}.attention.self.query"].shard("weight", axis=0)' in lines
+    assert '    sch[f"encoder.layer.{i}"].checkpoint()' in lines
+    assert '    sch[f"encoder.layer.{i}.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")' in lines
+    assert _replay_lines(lines) == calls
+
+
+def _c(path, prim="checkpoint", *args, **kwargs):
+    return Call(path, prim, args, kwargs)
+
+
+@pytest.mark.parametrize("calls, expected", [
+    # one call per layer, layers not starting at 0
+    ([_c("h.2.mlp"), _c("h.3.mlp"), _c("h.4.mlp")], ["for i in range(2, 5):", '    sch[f"h.{i}.mlp"].checkpoint()']),
+    # the index at the end of the path
+    ([_c("h.0"), _c("h.1")], ["for i in range(2):", '    sch[f"h.{i}"].checkpoint()']),
+    # a gap in the indices: no loop
+    ([_c("h.0"), _c("h.2")], ['sch["h.0"].checkpoint()', 'sch["h.2"].checkpoint()']),
+    # non-canonical index (f"{i}" would write "1", not "01"): no loop
+    ([_c("h.00"), _c("h.01")], ['sch["h.00"].checkpoint()', 'sch["h.01"].checkpoint()']),
+    # different arguments: no loop
+    ([_c("h.0", "shard", "weight", axis=0), _c("h.1", "shard", "weight", axis=1)],
+     ['sch["h.0"].shard("weight", axis=0)', 'sch["h.1"].shard("weight", axis=1)']),
+    # two indices change together: no loop
+    ([_c("h.0.e.0"), _c("h.1.e.1")], ['sch["h.0.e.0"].checkpoint()', 'sch["h.1.e.1"].checkpoint()']),
+])
+def test_fold_cases(calls, expected):
+    assert schedule_lines(calls) == expected
+    assert _replay_lines(expected) == calls
+
+
+def test_fold_keeps_surrounding_calls_and_order():
+    calls = ([_c("embeddings.word_embeddings", "shard", "weight", axis=0)]
+             + [c for i in range(3) for c in (_c(f"enc.layer.{i}.q", "shard", "weight", axis=0),
+                                              _c(f"enc.layer.{i}"))]
+             + [_c("pooler.dense", "shard", "weight", axis=0), _c("enc.layer.7")])
+    lines = schedule_lines(calls)
+    assert lines == ['sch["embeddings.word_embeddings"].shard("weight", axis=0)',
+                     "for i in range(3):",
+                     '    sch[f"enc.layer.{i}.q"].shard("weight", axis=0)',
+                     '    sch[f"enc.layer.{i}"].checkpoint()',
+                     'sch["pooler.dense"].shard("weight", axis=0)',
+                     'sch["enc.layer.7"].checkpoint()']
+    assert _replay_lines(lines) == calls
+    runs = find_runs(calls)
+    assert len(runs) == 4 and runs[1].count == 3 and runs[1].length == 2
+
+
+def test_fold_prefers_the_longest_cover():
+    # all queries first, then all keys: two one-line loops
+    calls = [_c(f"l.{i}.q", "shard", "weight", axis=0) for i in range(3)] + \
+            [_c(f"l.{i}.k", "shard", "weight", axis=0) for i in range(3)]
+    lines = schedule_lines(calls)
+    assert [ln for ln in lines if ln.startswith("for")] == ["for i in range(3):", "for i in range(3):"]
+    assert _replay_lines(lines) == calls
+
+
+class _Hostile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d = nn.ModuleDict({k: nn.Linear(4, 4) for k in HOSTILE})
+        self.layers = nn.ModuleList([nn.ModuleDict({k: nn.Linear(4, 4) for k in HOSTILE}) for _ in range(3)])
+        self.safe = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x):
+        return x
+
+
+@pytest.fixture
+def hostile_calls():
+    sch = sl.create_schedule(_Hostile(), world_size=2)
+    for k in HOSTILE:
+        sch[f"d.{k}"].shard("weight", axis=0)
+        sch[f"d.{k}"].shard("bias", axis=0)
+    for i in range(3):  # repeats over layers, but with hostile suffixes: never an f-string
+        for k in HOSTILE:
+            sch[f"layers.{i}.{k}"].shard("weight", axis=0)
+    for i in range(3):  # safe paths still fold
+        sch[f"safe.{i}"].shard("weight", axis=1)
+    return list(sch.record.calls)
+
+
+def test_hostile_module_names_render_as_literals(hostile_calls):
+    lines = schedule_lines(hostile_calls)
+    loops = [ln for ln in lines if ln.startswith("for ")]
+    assert loops == ["for i in range(3):"]               # only the safe run folded
+    fstrings = [ln for ln in lines if 'sch[f"' in ln]
+    assert fstrings == ['    sch[f"safe.{i}"].shard("weight", axis=1)']
+    assert _replay_lines(lines) == hostile_calls          # every path comes back byte for byte
+    # the code is nothing but subscripts of sch with literal (or f-string) paths and literal arguments
+    tree = ast.parse("def schedule(sch):\n" + "\n".join("    " + ln for ln in lines))
+    allowed = (ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Expr, ast.Call, ast.Attribute,
+               ast.Subscript, ast.Name, ast.Constant, ast.keyword, ast.For, ast.JoinedStr, ast.FormattedValue,
+               ast.Load, ast.Store)
+    for node in ast.walk(tree):
+        assert isinstance(node, allowed), ast.dump(node)
+        if isinstance(node, ast.Name):
+            assert node.id in ("sch", "i", "range")
+
+
+def test_hostile_schedule_script_compiles_and_is_ruff_clean(hostile_calls, tmp_path):
+    spec = {"kind": "factory", "factory": "hostile_models:build"}
+    text = render_script(spec, hostile_calls, {"x": {"shape": [2, 4], "dims": ["batch", 4], "dtype": "float32"}},
+                         world_size=2)
+    compile(text, "train.py", "exec")
+    out = tmp_path / "train.py"
+    out.write_text(text)
+    r = _ruff(out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "from hostile_models import build as model_factory  # isort: skip" in text
+
+
+# ----------------------------------------------------------------------------------------- render
+def test_bert_script_compiles_is_ruff_clean_and_replays(bert_tp, ids, tmp_path):
+    model, calls = bert_tp
+    path = export_script(tmp_path / "train_bert.py", model, calls, {"input_ids": ids}, world_size=2)
+    assert path == (tmp_path / "train_bert.py").resolve()
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    r = _ruff(path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for cmd in ("torchrun --nproc_per_node=2 train_bert.py --device cuda",
+                ("torchrun --nnodes=M --nproc_per_node=N --node_rank=R --master_addr=HOST --master_port=29500 "
+                 "train_bert.py"),
+                "torchrun --nproc_per_node=2 --master_addr=127.0.0.1 train_bert.py --device cpu"):
+        assert cmd in text
+    imports = {ln.split()[1].split(".")[0] for ln in text.splitlines() if ln.startswith(("import ", "from "))}
+    assert imports <= {"argparse", "copy", "json", "os", "resource", "sys", "time", "torch", "transformers",
+                       "slapo_lab"}
+    # run the module-level code (not main): constants, model, schedule
+    ns = _load_script(text)
+    assert ns["CONFIG"] == json.loads(json.dumps(model.config.to_dict())) and ns["WORLD_SIZE"] == 2
+    rebuilt = ns["build_model"](0)
+    assert type(rebuilt) is type(model)
+    assert {n: p.shape for n, p in rebuilt.named_parameters()} == \
+        {n: p.orig_shape if hasattr(p, "orig_shape") else p.shape for n, p in model.named_parameters()}
+    a, b = ns["build_model"](5), ns["build_model"](5)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))   # same on every rank
+    sch = sl.create_schedule(rebuilt, world_size=2)
+    ns["schedule"](sch)
+    assert sch.record.calls == calls
+    args = ns["parse_args"]([])
+    assert (args.verify, args.batch_size, args.seq_len, args.micro_batches, args.bf16) == (True, 4, 32, 1, False)
+    assert ns["parse_args"](["--no-verify", "--device", "cpu"]).verify is False
+    inputs = ns["make_inputs"](3, 16, 7, "cpu")
+    assert inputs["input_ids"].shape == (3, 16) and inputs["input_ids"].max() < 1000
+    assert torch.equal(inputs["input_ids"], ns["make_inputs"](3, 16, 7, "cpu")["input_ids"])
+    assert ns["LM_LABELS"] is False
+
+
+def test_hostile_config_values_stay_data(tiny_bert, ids):
+    evil = "'''\"\"\"\n<<SCHEDULE_BODY>> __import__('os').system('echo pwned') #\\"
+    tiny_bert.config.evil_note = evil
+    spec = model_spec(tiny_bert)
+    text = render_script(spec, [], input_spec({"input_ids": ids}, 1000), world_size=1, script_name='x"; rm.py')
+    ns = _load_script(text)
+    assert ns["CONFIG"]["evil_note"] == evil
+    assert "pass  # no recorded calls" in text
+    assert "python train.py --device cpu" in text   # the unsafe script name is not used
+
+
+def test_lm_head_trains_on_labels(ids):
+    from transformers import BertConfig, BertForMaskedLM
+
+    m = BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                   intermediate_size=64, vocab_size=100))
+    text = render_script(model_spec(m), [], input_spec({"input_ids": ids % 100}, 100), world_size=1)
+    ns = _load_script(text)
+    assert ns["LM_LABELS"] is True
+    batch = ns["make_inputs"](2, 8, 0, "cpu")
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    loss = ns["compute_loss"](ns["build_model"](0)(**batch), 0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_script_main_refuses_a_wrong_world_size(bert_tp, ids, tmp_path, monkeypatch, capsys):
+    model, calls = bert_tp
+    ns = _load_script(export_script(tmp_path / "t.py", model, calls, {"input_ids": ids}, 2).read_text())
+    monkeypatch.delenv("RANK", raising=False)       # one plain process, as `python t.py`
+    assert ns["main"](["--device", "cpu", "--steps", "1"]) == 2
+    assert "planned for 2 tensor-parallel ranks, but 1 process(es) were launched; use torchrun " \
+           "--nproc_per_node=2." in capsys.readouterr().err
+
+
+def test_script_main_single_process_lm(monkeypatch, capsys):
+    """World size 1 without torchrun: Verify, then an LM head trains on labels=input_ids (AdamW, 2 micro-batches)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                       intermediate_size=128, vocab_size=200, max_position_embeddings=64))
+    sch = sl.create_schedule(model)
+    for i in range(2):
+        sch[f"bert.encoder.layer.{i}"].checkpoint()
+    ids = torch.randint(0, 200, (4, 16))
+    text = render_script(model_spec(model), sch.record.calls,
+                         input_spec({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 200), world_size=1)
+    assert "for i in range(2):" in text and "python train.py --device cpu" in text
+    ns = _load_script(text)
+    monkeypatch.delenv("RANK", raising=False)
+    assert ns["main"](["--device", "cpu", "--steps", "2", "--micro-batches", "2", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "Verify: PASSED" in out
+    losses = [float(m) for m in re.findall(r"^step \d/2 loss (\S+) \| [\d.]+ samples/s \| \d+ tokens/s \| "
+                                           r"peak mem \d+ MiB$", out, re.MULTILINE)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), out
+    assert 3.0 < losses[0] < 8.0, out   # cross-entropy over 200 tokens starts near ln(200) = 5.3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"launcher": "deepspeed"}, "not supported yet"),
+    ({"launcher": "mpirun"}, "not supported yet"),
+    ({"world_size": 0}, "positive integer"),
+    ({"world_size": True}, "positive integer"),
+])
+def test_render_argument_errors(bert_tp, ids, kwargs, match):
+    model, calls = bert_tp
+    args = {"world_size": 2, **kwargs}
+    with pytest.raises(ExportError, match=match) as err:
+        render_script(model_spec(model), calls, input_spec({"input_ids": ids}), **args)
+    _one_sentence(err)
+
+
+@pytest.mark.parametrize("call, match", [
+    ({"path": "a", "primitive": "os.system", "args": [], "kwargs": {}}, "unknown primitive"),
+    ({"path": "a", "primitive": "nonexistent", "args": [], "kwargs": {}}, "unknown primitive"),
+    ({"path": "a", "primitive": "shard", "args": ["weight"], "kwargs": {"axis=0),x(": 1}}, "not a Python name"),
+    ({"path": "a", "primitive": "shard", "args": ["weight"], "kwargs": {"axis": float("nan")}}, "Python literal"),
+    ({"path": "a", "primitive": "shard", "args": ["weight"], "kwargs": {"bogus": 1}}, "wrong arguments"),
+    ({"path": 3, "primitive": "shard"}, "string path"),
+    (Call("a", "sync", (), {"mode": "fwd_post", "sync_op_or_fn": print}), "named sync op"),
+    (Call("a", "shard", (nn.Linear(2, 2),), {"axis": 0}), "Linear module object"),
+])
+def test_bad_calls_are_refused(call, match, ids):
+    spec = {"kind": "factory", "factory": "pkg.mod:fn"}
+    with pytest.raises(ExportError, match=match) as err:
+        render_script(spec, [call], input_spec({"input_ids": ids}), world_size=2)
+    _one_sentence(err)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"kind": "hf", "class": "os", "config_class": "BertConfig", "config": {}}, "not a transformers model"),
+    ({"kind": "hf", "class": "BertModel", "config_class": "__import__", "config": {}}, "config_class"),
+    ({"kind": "hf", "class": "BertModel", "config_class": "BertConfig", "config": []}, "JSON object"),
+    ({"kind": "hf", "class": "BertModel", "config_class": "BertConfig", "config": {},
+      "attn_implementation": "x\"); import os; ("}, "plain name"),
+    ({"kind": "factory", "factory": "os; import x:y"}, "package.module:function"),
+    ({"kind": "factory", "factory": "pkg.class:fn"}, "package.module:function"),
+    ({"kind": "pickle"}, "kind"),
+])
+def test_bad_model_specs_are_refused(spec, match, ids):
+    with pytest.raises(ExportError, match=match) as err:
+        render_script(spec, [], input_spec({"input_ids": ids}), world_size=1)
+    _one_sentence(err)
+
+
+# ------------------------------------------------------------------------------------ model_spec
+def test_model_spec_hf(tiny_bert):
+    spec = model_spec(tiny_bert)
+    assert spec["kind"] == "hf" and spec["class"] == "BertModel" and spec["module"] == "transformers"
+    assert spec["config_class"] == "BertConfig" and spec["config"] == json.loads(json.dumps(tiny_bert.config.to_dict()))
+    json.dumps(spec)
+
+
+def test_model_spec_of_scheduled_model(bert_tp):
+    model, _ = bert_tp      # sharded in place: orig_shape is compared
+    assert model_spec(model)["class"] == "BertModel"
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+
+def test_model_spec_needs_a_factory():
+    from transformers import BertConfig, BertModel
+
+    class MyBert(BertModel):
+        pass
+
+    cfg = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    for model in (_Custom(), MyBert(cfg), BertModel(cfg, add_pooling_layer=False)):
+        with pytest.raises(ExportError, match=r'factory="package\.module:function"') as err:
+            model_spec(model)
+        _one_sentence(err)
+
+
+def test_model_spec_factory(tmp_path, monkeypatch):
+    (tmp_path / "my_factories.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert model_spec(_Custom(), factory="my_factories:make") == {"kind": "factory", "factory": "my_factories:make"}
+    for bad, match in [("my_factories.make", "package.module:function"), ("no_such_mod_xyz:f", "does not import"),
+                       ("my_factories:missing", "has no function"), ("__main__:f", "__main__")]:
+        with pytest.raises(ExportError, match=match) as err:
+            model_spec(_Custom(), factory=bad)
+        _one_sentence(err)
+
+
+# ------------------------------------------------------------------------------------ input_spec
+def test_input_spec():
+    ids = torch.randint(0, 50, (4, 16))
+    spec = input_spec({"input_ids": ids, "attention_mask": torch.ones(4, 16, dtype=torch.long),
+                       "token_type_ids": torch.zeros(4, 16, dtype=torch.long), "pixel": torch.randn(4, 3),
+                       "labels": torch.tensor([0, 2, 1, -100]), "return_dict": True}, vocab_size=1000)
+    assert spec["input_ids"] == {"shape": [4, 16], "dims": ["batch", "seq"], "dtype": "int64", "low": 0,
+                                 "high": 1000}
+    assert spec["attention_mask"]["fill"] == 1 and spec["token_type_ids"]["fill"] == 0
+    assert spec["pixel"]["dims"] == ["batch", 3] and "low" not in spec["pixel"]
+    assert spec["labels"] == {"shape": [4], "dims": ["batch"], "dtype": "int64", "low": 0, "high": 3}
+    assert spec["return_dict"] == {"value": True}
+    assert input_spec({"input_ids": ids})["input_ids"]["high"] == int(ids.max()) + 1
+    meta = input_spec({"input_ids": ids.to("meta"), "attention_mask": ids.to("meta")}, vocab_size=7)
+    assert meta["input_ids"]["high"] == 7 and meta["attention_mask"] == {
+        "shape": [4, 16], "dims": ["batch", "seq"], "dtype": "int64", "fill": 1}
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ([1, 2], "must be a dict"),
+    ({"x": torch.zeros(2, dtype=torch.complex64)}, "does not support"),
+    ({"x": object()}, "only tensors"),
+    ({1: torch.zeros(2)}, "strings"),
+])
+def test_input_spec_errors(inputs, match):
+    with pytest.raises(ExportError, match=match) as err:
+        input_spec(inputs)
+    _one_sentence(err)
+
+
+# ---------------------------------------------------------------------------------- export errors
+def test_export_script_path_errors(bert_tp, ids, tmp_path, monkeypatch):
+    model, calls = bert_tp
+    with pytest.raises(ExportError, match="does not exist") as err:
+        export_script(tmp_path / "missing" / "train.py", model, calls, {"input_ids": ids}, 2)
+    _one_sentence(err)
+    with pytest.raises(ExportError, match="is a folder") as err:
+        export_script(tmp_path, model, calls, {"input_ids": ids}, 2)
+    _one_sentence(err)
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("slapo_lab.export.script.tempfile.mkstemp", denied)
+    with pytest.raises(ExportError, match="permission denied") as err:
+        export_script(tmp_path / "train.py", model, calls, {"input_ids": ids}, 2)
+    _one_sentence(err)
+    assert not (tmp_path / "train.py").exists()
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores folder permissions")
+def test_export_script_read_only_folder(bert_tp, ids, tmp_path):
+    model, calls = bert_tp
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ExportError, match="Cannot write") as err:
+            export_script(ro / "train.py", model, calls, {"input_ids": ids}, 2)
+        _one_sentence(err)
+    finally:
+        ro.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------- schedule files, CLI
+def test_save_load_round_trip_and_cli(bert_tp, ids, tmp_path, capsys):
+    from slapo_lab.cli import main
+
+    model, calls = bert_tp
+    f = save_schedule(tmp_path / "bert.schedule.json", calls, model=model, example_inputs={"input_ids": ids},
+                      world_size=2)
+    loaded = load_schedule(f)
+    assert loaded.calls == calls and loaded.world_size == 2
+    assert loaded.meta["model"] == model_spec(model) and loaded.meta["inputs"]["input_ids"]["high"] == 1000
+    out = tmp_path / "train.py"
+    assert main(["export", str(f), "-o", str(out)]) == 0
+    assert "torchrun --nproc_per_node=2" in capsys.readouterr().out
+    assert out.read_text() == render_script(loaded.meta["model"], calls, loaded.meta["inputs"], 2)
+
+
+def _write(tmp_path, data) -> Path:
+    p = tmp_path / "s.json"
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"schema": "slapo-lab/schedule", "version": 1, "calls": [', "not valid JSON"),
+    ('{"schema": "slapo-lab/schedule", "version": 1, "calls": [], "meta": {"x": NaN}}', "not valid JSON"),
+    ({"schema": "slapo-lab/schedule", "version": SCHEMA_VERSION + 1, "calls": []}, "newer than this slapo-lab"),
+    ({"schema": "other", "version": 1, "calls": []}, "not a slapo-lab schedule file"),
+    ({"schema": "slapo-lab/schedule", "version": "1", "calls": []}, "invalid schedule format version"),
+    ({"schema": "slapo-lab/schedule", "version": 1, "calls": {}}, "no list of calls"),
+    ({"schema": "slapo-lab/schedule", "version": 1,
+      "calls": [{"path": "a", "primitive": "checkpoint"}, {"path": "b", "primitive": "rm -rf"}]}, "Call 2"),
+    ({"schema": "slapo-lab/schedule", "version": 1, "calls": [], "meta": {"world_size": -1}}, "positive integer"),
+])
+def test_load_schedule_errors(tmp_path, content, match, capsys):
+    from slapo_lab.cli import main
+
+    p = _write(tmp_path, content)
+    with pytest.raises(ExportError, match=match) as err:
+        load_schedule(p)
+    _one_sentence(err)
+    out = tmp_path / "train.py"
+    assert main(["export", str(p), "-o", str(out)]) == 2
+    assert not out.exists()
+    assert capsys.readouterr().err.startswith("slapo-lab export: error: ")
+
+
+def test_load_missing_file_and_cli_missing_meta(tmp_path, capsys):
+    from slapo_lab.cli import main
+
+    with pytest.raises(ExportError, match="does not exist") as err:
+        load_schedule(tmp_path / "nope.json")
+    _one_sentence(err)
+    f = save_schedule(tmp_path / "s.json", [Call("a", "checkpoint")])
+    assert main(["export", str(f), "-o", str(tmp_path / "t.py")]) == 2
+    assert "meta.model, meta.inputs, meta.world_size" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ build
+def test_build_minimal(tiny_bert):
+    sch = sl.create_schedule(tiny_bert, world_size=2)
+    assert build(sch) == (tiny_bert, None) and build(sch["encoder"], target="torch")[0] is tiny_bert
+    with pytest.raises(NotImplementedError, match="deepspeed"):
+        build(sch, target="deepspeed")
+    with pytest.raises(ValueError, match="Unknown build target"):
+        build(sch, target="jax")
+    sch["encoder.layer.1"].cut_pipeline_stage()
+    with pytest.raises(NotImplementedError, match="pipeline cut"):
+        build(sch)
