@@ -10,6 +10,14 @@ from .module_state import peek_meta as module_state
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .verify import Verify, VerifyReport, verify_models
 from .sharding.sync_ops import TPGroup
+from .export import ExportError, export_script, load_schedule, save_schedule
+from .build import build
+from . import presets
+from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
+from .primitives.replace import LinearWithSeparateBias
+from .plan import Plan, plan
+from .init import consolidate_model, init_empty_weights
+from .tune import Database, Space, Symbol
 
 __version__ = "0.1.0"
 
@@ -33,6 +41,9 @@ def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | Non
 
 
 __all__ = [
+    "ExportError", "export_script", "load_schedule", "save_schedule", "build", "presets",
+    "LinearWithSeparateBias", "ModulePattern", "Pattern", "call_module", "record_example_inputs",
+    "Database", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
     "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
     "VerifyReport", "check_primitive", "checkpoint", "create_schedule", "format_call", "get_cuda_rng_tracker",
     "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",

@@ -162,3 +162,48 @@ def test_undo_redo_clear(editor):
     assert "Nothing to redo" in editor.redo()
     editor.clear()
     assert editor.code == ""
+
+
+def test_save_load_and_restore_from_schedule_file(bert, tmp_path):
+    model, ids = bert
+    f = tmp_path / "bert.schedule.json"
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, schedule_file=str(f))
+    ed.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")
+    ed.apply("checkpoint", path="encoder.layer.1")
+    assert f.exists()
+    # a "restarted kernel": a new editor on a freshly built model restores the work
+    again = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, schedule_file=str(f))
+    assert again.code == ed.code != ""
+    assert "Restored 2 recorded calls" in again.message
+    assert again.schedule["encoder.layer.0.intermediate.dense"].mod.weight.shape == (64, 64)
+    # explicit save / load, and a wrong world size is refused without touching the schedule
+    p = ed.save(str(tmp_path / "copy.json"))
+    other = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=4)
+    other.apply("checkpoint", path="encoder.layer.0")
+    msg = other.load(p)
+    assert "world size 2" in msg and other.code == 'sch["encoder.layer.0"].checkpoint()'
+    fresh = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    assert fresh.load(p) is None and fresh.code == ed.code
+
+
+def test_corrupt_or_future_schedule_file_is_refused_whole(bert, tmp_path):
+    import json
+
+    model, ids = bert
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    ed.apply("checkpoint", path="encoder.layer.0")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert ed.load(str(bad)) is not None
+    future = tmp_path / "future.json"
+    good = json.loads(open(ed.save(str(tmp_path / "good.json"))).read())
+    good["version"] = 999
+    future.write_text(json.dumps(good))
+    assert "newer" in ed.load(str(future))
+    half = tmp_path / "half.json"
+    good = json.loads(open(str(tmp_path / "good.json")).read())
+    good["calls"].append({"path": "encoder.layer.0", "primitive": "checkpoint", "args": [], "kwargs": {}})
+    half.write_text(json.dumps(good))
+    msg = ed.load(str(half))
+    assert msg is not None and "already checkpointed" in msg
+    assert ed.code == 'sch["encoder.layer.0"].checkpoint()'

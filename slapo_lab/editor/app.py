@@ -47,6 +47,9 @@ class ScheduleEditor(W.VBox):
         rank: the rank whose shard shapes are shown.
         factory: ``"package.module:function"`` that rebuilds the model, for Export when the model is
             not a transformers model built from a config.
+        schedule_file: a JSON schedule path kept in sync with the editor: restored (replayed) when the
+            editor is created — so re-running the cell after a kernel restart brings the work back —
+            and rewritten after every change.
 
     Attributes:
         schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
@@ -57,7 +60,7 @@ class ScheduleEditor(W.VBox):
     """
 
     def __init__(self, model: nn.Module, example_inputs: dict | None = None, world_size: int = 1,
-                 rank: int = 0, factory: str | None = None) -> None:
+                 rank: int = 0, factory: str | None = None, schedule_file: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
         self.model = model
@@ -80,7 +83,16 @@ class ScheduleEditor(W.VBox):
                          layout=W.Layout(width="100%"))
         self.add_class("slapo-editor")
         self._record_flow()
+        self.schedule_file = schedule_file
+        restored = None
+        if schedule_file is not None:
+            import os
+
+            if os.path.exists(schedule_file):
+                restored = self.load(schedule_file)
         self._refresh_all(reset_view=True)
+        if restored is None and schedule_file is not None and self.schedule.record.calls:
+            self._info(f"Restored {len(self.schedule.record.calls)} recorded calls from {schedule_file}.")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -188,6 +200,48 @@ class ScheduleEditor(W.VBox):
             if path not in sch:
                 self.selected = self.level = ""
         self._refresh_all()
+        self._autosave()
+
+    def save(self, path: str) -> str:
+        """Write the recorded schedule as versioned JSON (``sl.load_schedule`` reads it back).
+
+        Raises:
+            ExportError: (a ValueError) with one sentence if the file cannot be written.
+        """
+        from ..export import save_schedule
+
+        save_schedule(path, self.schedule.record.calls, model=self.model, example_inputs=self.example_inputs,
+                      world_size=self.world_size, factory=self.factory)
+        return str(path)
+
+    def load(self, path: str) -> str | None:
+        """Replace the schedule by the one in JSON file ``path``, all or nothing.
+
+        Returns None on success, else the one-sentence reason (the current schedule is kept).
+        """
+        from ..export import load_schedule
+
+        try:
+            sf = load_schedule(path)
+            ws = (sf.meta or {}).get("world_size")
+            if ws is not None and ws != self.world_size:
+                return self._error(f"{path} was planned for world size {ws}, but this editor plans for "
+                                   f"{self.world_size}; create the editor with world_size={ws}.")
+            self._rebuild(sf.calls)
+        except ScheduleError as err:
+            return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
+        except Exception as err:
+            return self._error(str(err) if str(err).endswith(".") else f"{path} could not be loaded: {err}")
+        self._info(f"Loaded {len(self.schedule.record.calls)} recorded calls from {path}.")
+        return None
+
+    def _autosave(self) -> None:
+        if self.schedule_file is None:
+            return
+        try:
+            self.save(self.schedule_file)
+        except Exception as err:
+            self._error(f"Could not keep the schedule in {self.schedule_file}: {err}")
 
     def export(self, path: str, launcher: str = "torchrun") -> str:
         """Write the schedule as a launchable script to ``path``; returns the path written.
@@ -267,6 +321,7 @@ class ScheduleEditor(W.VBox):
         try:
             self._refresh_all()
             self._redo.clear()
+            self._autosave()
             last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
             if last is not None:
                 self._info(f"Applied {format_call(last)}")
