@@ -12,7 +12,7 @@ from .verify import Verify, VerifyReport, verify_models
 from .sharding.sync_ops import TPGroup
 from .export import ExportError, export_script, load_schedule, save_schedule
 from .build import build
-from . import presets
+from . import graph, presets
 from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
 from .primitives.replace import LinearWithSeparateBias
 from .plan import Plan, plan
@@ -41,7 +41,7 @@ def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | Non
 
 
 __all__ = [
-    "ExportError", "export_script", "load_schedule", "save_schedule", "build", "presets",
+    "ExportError", "export_script", "load_schedule", "save_schedule", "build", "graph", "presets",
     "LinearWithSeparateBias", "ModulePattern", "Pattern", "call_module", "record_example_inputs",
     "Database", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
     "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",

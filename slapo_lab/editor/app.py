@@ -78,6 +78,8 @@ class ScheduleEditor(W.VBox):
         self._flow_error = ""
         self._busy = False
         self._redo: list = []
+        self._runner = None
+        self._log_lines: list[str] = []
         self._build_widgets()
         super().__init__(children=[self._header, self._body, self._message, self._code_box],
                          layout=W.Layout(width="100%"))
@@ -243,6 +245,65 @@ class ScheduleEditor(W.VBox):
         except Exception as err:
             self._error(f"Could not keep the schedule in {self.schedule_file}: {err}")
 
+    def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
+        """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
+
+        Exports the script to a temporary folder and runs it with ``--verify --steps 1`` on
+        ``world_size`` ranks; output streams into the editor's log. Without enough GPUs it says so in
+        one sentence and verifies on the CPU with gloo. A crash, hang (past ``timeout`` seconds) or
+        Cancel ends the subprocess tree, never the kernel.
+
+        Returns:
+            The :class:`VerifyResult` if ``wait`` (None if it could not start), else the runner.
+        """
+        import tempfile
+
+        from .verify_runner import VerifyRunner, plan_device
+
+        if self._runner is not None and self._runner.running:
+            self._error("A Verify run is already in progress; wait for it or press Cancel.")
+            return None
+        try:
+            folder = tempfile.mkdtemp(prefix="slapo-verify-")
+            script = self.export(f"{folder}/verify_{type(self.model).__name__.lower()}.py")
+        except Exception as err:
+            self._error(f"Verify could not start: {err}")
+            return None
+        dev, note = plan_device(self.world_size, device)
+        self._log_lines = []
+        self._log.value = ""
+        self._progress.layout.visibility = "visible"
+        self._progress.value = 0
+        self._btn_cancel.disabled = False
+        self._btn_verify.disabled = True
+        self._info((note + " " if note else "") + f"Verifying on {self.world_size} rank(s)…")
+        self._runner = VerifyRunner(on_line=self._on_verify_line, on_done=self._on_verify_done)
+        self._runner.start(script, self.world_size, dev, timeout=timeout, note=note)
+        if wait:
+            return self._runner.wait()
+        return self._runner
+
+    def cancel_verify(self) -> bool:
+        """Cancel a running Verify; returns whether one was running."""
+        return self._runner is not None and self._runner.cancel()
+
+    def _on_verify_line(self, line: str) -> None:
+        self._log_lines.append(line)
+        del self._log_lines[:-200]
+        self._progress.value = min(self._progress.max - 1, self._progress.value + 1)
+        self._log.value = f"<pre class='slapo-log'>{html.escape(chr(10).join(self._log_lines[-40:]))}</pre>"
+
+    def _on_verify_done(self, result) -> None:
+        self._progress.value = self._progress.max
+        self._progress.bar_style = "success" if result.status == "passed" else "danger"
+        self._btn_cancel.disabled = True
+        self._btn_verify.disabled = False
+        text = ((result.note + " ") if result.note else "") + result.summary
+        if result.status == "passed":
+            self._info(text)
+        else:
+            self._error(text)
+
     def export(self, path: str, launcher: str = "torchrun") -> str:
         """Write the schedule as a launchable script to ``path``; returns the path written.
 
@@ -301,11 +362,19 @@ class ScheduleEditor(W.VBox):
         self._btn_export.on_click(lambda _: self._on_export())
         self._btn_undo = W.Button(description="Undo", icon="undo")
         self._btn_redo = W.Button(description="Redo", icon="repeat")
+        self._btn_verify = W.Button(description="Verify on GPU", icon="check", button_style="success",
+                                    tooltip="run the exported script with --verify under torchrun (CPU/gloo without GPUs)")
+        self._btn_cancel = W.Button(description="Cancel", icon="stop", disabled=True)
+        self._btn_verify.on_click(lambda _: self.verify())
+        self._btn_cancel.on_click(lambda _: self.cancel_verify())
+        self._progress = W.IntProgress(value=0, min=0, max=60, layout=W.Layout(visibility="hidden", width="30%"))
+        self._log = W.HTML()
         self._btn_undo.on_click(lambda _: self.undo())
         self._btn_redo.on_click(lambda _: self.redo())
         self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
                                         "lands here too)"), self._code,
-                                 W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export])])
+                                 W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export]),
+                                 W.HBox([self._btn_verify, self._btn_cancel, self._progress]), self._log])
         self._code.add_class("slapo-code")
 
     def _tree_options(self) -> list[tuple[str, str]]:

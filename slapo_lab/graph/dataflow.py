@@ -1,0 +1,491 @@
+"""One recorded forward pass and the per-level dataflow graphs built from it."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+
+import networkx as nx
+import torch
+from torch import nn
+
+from ._record import PASSTHROUGH, Call, Recorder
+from .tree import count_params, join, snapshot
+
+INPUT_PREFIX = ".input:"
+OUTPUT_NODE = ".output"
+_MAX_EDGE_SHAPES = 3
+
+
+class DataflowError(RuntimeError):
+    """The recorded forward pass failed; ``str()`` is one sentence naming the module that raised."""
+
+
+def shape_str(shape) -> str:
+    """``(8, 128, 256)`` -> ``"8×128×256"``; a 0-d shape -> ``"scalar"``."""
+    return "×".join(str(int(s)) for s in shape) if len(shape) else "scalar"
+
+
+def _dtype_str(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def record_dataflow(
+    model: nn.Module, example_inputs, *, cache_meta_ops: bool = True, assume_bool: bool | None = None
+) -> Dataflow:
+    """Run ONE forward pass of ``model`` under ``torch.no_grad`` and record its dataflow.
+
+    Args:
+      model: the model as given (not copied, not moved, train/eval mode untouched).  Normally on the
+        ``meta`` device, so the pass allocates nothing and is cheap even for a 70B-parameter model.
+      example_inputs: a dict of keyword arguments (``{"input_ids": ids}``) or a tuple of positional
+        arguments for ``model.forward``; normally meta tensors of the real shapes, e.g. ``(8, 128)``.
+      cache_meta_ops: replay results of out-of-place ops on meta tensors from a cache keyed by the
+        op and its argument metadata (shapes, strides, dtypes, scalar values).  Meta kernels are pure
+        functions of that metadata, so this only changes speed; set False to run every kernel.
+      assume_bool: meta tensors have no values, so a data-dependent ``if t.all():`` fails on them.
+        With ``True`` / ``False``, ``bool()`` of a one-element meta tensor returns that value instead
+        (a guess: the recorded branch may differ from a real run); every guess is listed in
+        ``Dataflow.assumptions`` as ``(module path, "__bool__")``.  ``.item()`` still fails.
+        Example: HF BERT with an ``attention_mask`` on meta needs ``assume_bool=True``.
+
+    Returns:
+      a :class:`Dataflow`: every module call (path, class, call number, named input/output tensor
+      shapes and dtypes) and every torch-level op (producer/consumer tensors, module stack).
+
+    Raises:
+      DataflowError: if the forward raises (e.g. ``.item()`` on a meta tensor in data-dependent
+        control flow); the message is one sentence naming the innermost module that was running.
+        The recorder's hooks are always removed.  :func:`module_tree` still works without a pass.
+      TypeError: if ``model`` is not an ``nn.Module`` or ``example_inputs`` is not a dict/tuple/list.
+
+    Every tensor seen during the pass is kept alive until the Dataflow is dropped (object ids must not
+    be reused); on meta that costs nothing, on real tensors it holds all activations.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"record_dataflow needs a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    else:
+        raise TypeError(
+            "example_inputs must be a dict of keyword arguments or a tuple of positional arguments, "
+            f"got {type(example_inputs).__name__}."
+        )
+    modules, path_of = snapshot(model)
+    rec = Recorder(path_of, use_cache=cache_meta_ops, assume_bool=assume_bool)
+    handles = []
+    # the pass allocates thousands of small objects; a full collection over a process holding a big
+    # import graph (transformers) costs more than the pass itself, and the pass makes no cycles
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        seen = set()
+        for mod in model.modules():
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            handles.append(mod.register_forward_pre_hook(rec.pre_hook, prepend=True, with_kwargs=True))
+            handles.append(mod.register_forward_hook(rec.post_hook, with_kwargs=True))
+        try:
+            with torch.no_grad(), rec:
+                output = model(*args, **kwargs)
+        except Exception as e:
+            where = rec.innermost_path()
+            where = f"module '{where}'" if where else "the model itself"
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+            raise DataflowError(
+                f"The forward pass of {type(model).__name__} failed in {where} ({msg})."
+            ) from e
+    finally:
+        for h in handles:
+            h.remove()
+        if gc_was_enabled:
+            gc.enable()
+    return Dataflow(model, modules, rec, output)
+
+
+class Dataflow:
+    """The recorded forward pass of one model (see :func:`record_dataflow`).
+
+    Attributes:
+      model_type: class name of the model.
+      calls: list of ``Call`` records in execution (pre-)order.
+      num_ops: number of recorded torch-level ops (including synthetic passthroughs).
+      cache_hits / cache_misses: meta-op cache statistics of the pass.
+      assumptions: ``(module path, "__bool__")`` for every guessed meta bool (see ``assume_bool``).
+
+    The module structure is snapshotted at record time; re-record after changing the model.
+    """
+
+    def __init__(self, model: nn.Module, modules: dict, rec: Recorder, output):
+        self.model_type = type(model).__name__
+        self._modules = modules
+        self.calls: list[Call] = rec.calls
+        self._producer = rec.producer
+        self._shape = rec.shape
+        self._dtype = rec.dtype
+        self._tensors = rec.tensors  # keep alive: tids refer to these objects
+        self._op_func = rec.op_func
+        self._op_call = rec.op_call
+        self._op_in = rec.op_in
+        self._op_out = rec.op_out
+        self.output = output
+        self.cache_hits = rec.cache_hits
+        self.cache_misses = rec.cache_misses
+        self.assumptions: list[tuple[str, str]] = list(rec.assumptions)
+        self._calls_of: dict[str, list[int]] = {}
+        for c in self.calls:
+            self._calls_of.setdefault(c.path, []).append(c.index)
+        self._param_memo: dict = {}
+        # paths with at least one called descendant (or themselves called)
+        self._active: set[str] = set()
+        for p in self._calls_of:
+            while True:
+                if p in self._active:
+                    break
+                self._active.add(p)
+                if not p:
+                    break
+                p = p.rsplit(".", 1)[0] if "." in p else ""
+
+    # -- small queries -----------------------------------------------------------------------------
+    @property
+    def num_ops(self) -> int:
+        return len(self._op_func)
+
+    @property
+    def paths(self) -> list[str]:
+        """Every module path of the model (``""`` = root), pre-order."""
+        return list(self._modules)
+
+    def call_count(self, path: str) -> int:
+        """How many times the module at ``path`` ran in the pass (0 if never)."""
+        self._check(path)
+        return len(self._calls_of.get(path, ()))
+
+    def op_names(self, path: str = "") -> list[str]:
+        """Names of the ops run directly in ``path``'s own forward (not in a submodule), all calls."""
+        self._check(path)
+        out = []
+        for ci in self._calls_of.get(path, ()):
+            c = self.calls[ci]
+            for o in range(c.start, c.end if c.end >= 0 else len(self._op_func)):
+                if self._op_call[o] == ci:
+                    out.append(getattr(self._op_func[o], "__name__", str(self._op_func[o])))
+        return out
+
+    def _check(self, path: str) -> None:
+        if not isinstance(path, str) or path not in self._modules:
+            raise KeyError(f"No module at path {path!r} in {self.model_type}.")
+
+    def _spec(self, named) -> list[dict]:
+        return [
+            {
+                "name": name,
+                "shapes": [tuple(int(s) for s in self._shape[t]) for t in tids],
+                "dtypes": [_dtype_str(self._dtype[t]) for t in tids],
+            }
+            for name, tids in named
+        ]
+
+    def params(self, path: str) -> int:
+        """Parameter elements in the subtree at ``path`` (shared parameters counted once)."""
+        self._check(path)
+        return count_params(self._modules, path, self._param_memo)
+
+    def module_info(self, path: str) -> dict:
+        """Facts about the module at ``path`` for an inspector panel.
+
+        Returns a dict: ``path``, ``type`` (class name), ``calls`` (times it ran), ``inputs`` /
+        ``outputs`` of the first call as ``[{"name", "shapes": [tuple], "dtypes": [str]}]``
+        (names are forward argument names / output keys), ``per_call`` (the same for every call),
+        ``parameters`` (``{relative name: {"shape": tuple, "dtype": str, "numel": int}}``, whole
+        subtree), ``buffers`` (same form), ``params`` (total parameter elements, shared counted
+        once), ``children`` (child names).  Shapes are element counts per dimension, as recorded.
+
+        Raises ``KeyError`` (one sentence) when no module has that path.
+        """
+        self._check(path)
+        snap = self._modules[path]
+        per_call = [
+            {"inputs": self._spec(self.calls[ci].inputs), "outputs": self._spec(self.calls[ci].outputs)}
+            for ci in self._calls_of.get(path, ())
+        ]
+        parameters: dict = {}
+        buffers: dict = {}
+        stack = [(path, "")]
+        while stack:
+            p, rel = stack.pop()
+            s = self._modules[p]
+            for name, _, shape, dtype, numel in s.params:
+                parameters[join(rel, name)] = {"shape": shape, "dtype": _dtype_str(dtype), "numel": numel}
+            for name, _, shape, dtype, numel in s.buffers:
+                buffers[join(rel, name)] = {"shape": shape, "dtype": _dtype_str(dtype), "numel": numel}
+            stack.extend((join(p, c), join(rel, c)) for c in reversed(s.children))
+        return {
+            "path": path,
+            "type": snap.type,
+            "calls": len(per_call),
+            "inputs": per_call[0]["inputs"] if per_call else [],
+            "outputs": per_call[0]["outputs"] if per_call else [],
+            "per_call": per_call,
+            "parameters": parameters,
+            "buffers": buffers,
+            "params": self.params(path),
+            "children": list(snap.children),
+        }
+
+    # -- levels ------------------------------------------------------------------------------------
+    def _visible_children(self, path: str) -> list[str]:
+        """Children of ``path``, with containers lifted: ModuleList / ModuleDict children, and
+        children of modules that never ran themselves while something inside them did."""
+        out = []
+        for name in self._modules[path].children:
+            p = join(path, name)
+            snap = self._modules[p]
+            lift = snap.children and (
+                snap.container in ("list", "dict") or (p not in self._calls_of and p in self._active)
+            )
+            if lift:
+                out.extend(self._visible_children(p))
+            else:
+                out.append(p)
+        return out
+
+    def _groups(self, members: list[str], expanded: frozenset, fold: bool) -> list[tuple[str, list[str]]]:
+        """Fold runs of same-class siblings of a ModuleList / Sequential into one group."""
+        groups: list[tuple[str, list[str]]] = []
+        i = 0
+        while i < len(members):
+            p = members[i]
+            parent = p.rsplit(".", 1)[0] if "." in p else ""
+            j = i + 1
+            if fold and self._modules[parent].container in ("list", "seq"):
+                t = self._modules[p].type
+                while j < len(members):
+                    q = members[j]
+                    qp = q.rsplit(".", 1)[0] if "." in q else ""
+                    if qp != parent or self._modules[q].type != t:
+                        break
+                    j += 1
+            run = members[i:j]
+            if len(run) > 1:
+                first = run[0].rsplit(".", 1)[-1]
+                last = run[-1].rsplit(".", 1)[-1]
+                key = join(parent, f"{first}-{last}")
+                if key in expanded:
+                    groups.extend((m, [m]) for m in run)
+                else:
+                    groups.append((key, run))
+            else:
+                groups.append((p, run))
+            i = j
+        return groups
+
+    def level_graph(
+        self, path: str = "", expanded: Iterable[str] = frozenset(), fold: bool = True
+    ) -> nx.DiGraph:
+        """The dataflow between the children of the module at ``path`` as a networkx DiGraph.
+
+        Nodes (ids are strings):
+          * one per visible child, id = its full module path (``"encoder"``, ``"encoder.layer.3"``);
+            ModuleList / ModuleDict containers, and modules that never ran themselves while their
+            children did, are see-through (their children are shown instead);
+          * folded runs: consecutive same-class children of a ModuleList / Sequential become one node,
+            id ``"<container path>.<first>-<last>"`` (e.g. ``"encoder.layer.0-11"``), label
+            ``"BertLayer × 12"``, unless that id is in ``expanded`` (or ``fold`` is False);
+          * one per forward argument of ``path`` that holds tensors, id ``".input:<name>"``;
+          * one ``".output"`` node.  (No module path starts with ".", so ids never collide.)
+
+        Node attributes: ``path`` (module path; the first member for a folded node; ``path`` itself
+        for input/output nodes), ``label``, ``sub`` (second display line: class name, member range, or
+        shapes), ``type`` (class name; "input"/"output"), ``kind`` in {"module", "folded", "input",
+        "output"}, ``params`` (parameter elements, shared counted once), ``count`` (members, 1 unless
+        folded), ``members`` (module paths), ``ran`` (whether it ran), ``calls``.
+
+        Edges ``u -> v``: a tensor produced in ``u`` (or an input) is consumed in ``v`` (or returned),
+        directly or through ops run in ``path``'s own forward (followed transitively).  Attributes
+        ``label`` (shapes such as ``"8×128×256"``, distinct ones joined by ", ") and ``shapes``.
+        Children that never ran appear without edges.  When the module at ``path`` never ran, edges
+        are taken from its nearest ancestor that did, with everything outside the visible children
+        treated as see-through.  All calls of ``path`` are merged.  Graph attributes: ``path``,
+        ``model``, ``frame`` (path whose calls gave the edges, or None).
+
+        Raises ``KeyError`` (one sentence) when no module has that path.
+        """
+        self._check(path)
+        expanded = frozenset(expanded)
+        children = self._visible_children(path)
+        groups = self._groups(children, expanded, fold)
+        node_of_path: dict[str, str] = {}
+        G = nx.DiGraph(path=path, model=self.model_type, frame=None)
+
+        # frames: the calls whose op ranges give the edges
+        frame_path = path
+        while frame_path not in self._calls_of and frame_path:
+            frame_path = frame_path.rsplit(".", 1)[0] if "." in frame_path else ""
+        frames = [self.calls[i] for i in self._calls_of.get(frame_path, ())]
+        if frames:
+            G.graph["frame"] = frame_path
+
+        input_names: list[str] = []
+        for f in frames:
+            for name, _ in f.inputs:
+                if name not in input_names:
+                    input_names.append(name)
+        for name in input_names:
+            shapes = self._input_shapes(frames, name)
+            G.add_node(
+                INPUT_PREFIX + name, path=path, label=name, sub=shapes, type="input", kind="input",
+                params=0, count=1, members=[], ran=True, calls=len(frames),
+            )
+        for node, members in groups:
+            snap = self._modules[members[0]]
+            calls = sum(len(self._calls_of.get(m, ())) for m in members)
+            folded = len(members) > 1
+            if folded:
+                rel = node[len(path) + 1 :] if path else node
+                label, sub = f"{snap.type} × {len(members)}", rel
+                params = sum(self.params(m) for m in members)
+            else:
+                rel = members[0][len(path) + 1:] if path else members[0]
+                label, sub = rel, snap.type
+                params = self.params(members[0])
+            G.add_node(
+                node, path=members[0], label=label, sub=sub, type=snap.type,
+                kind="folded" if folded else "module", params=params, count=len(members),
+                members=list(members), ran=any(m in self._active for m in members), calls=calls,
+            )
+            for m in members:
+                node_of_path[m] = node
+        out_shapes = []
+        for f in frames:
+            for _, tids in f.outputs:
+                for t in tids:
+                    s = shape_str(self._shape[t])
+                    if s not in out_shapes:
+                        out_shapes.append(s)
+        G.add_node(
+            OUTPUT_NODE, path=path, label="output", sub=", ".join(out_shapes[:_MAX_EDGE_SHAPES]),
+            type="output", kind="output", params=0, count=1, members=[], ran=bool(frames),
+            calls=len(frames),
+        )
+
+        edge_shapes: dict[tuple[str, str], list[str]] = {}
+        for f in frames:
+            self._frame_edges(f, node_of_path, edge_shapes)
+        for (u, v), shapes in edge_shapes.items():
+            if u == v and G.nodes[u]["kind"] == "folded":
+                continue  # the chain inside a folded run
+            label = ", ".join(shapes[:_MAX_EDGE_SHAPES]) + (", …" if len(shapes) > _MAX_EDGE_SHAPES else "")
+            G.add_edge(u, v, label=label, shapes=list(shapes))
+        return G
+
+    def _input_shapes(self, frames, name) -> str:
+        shapes: list[str] = []
+        for f in frames:
+            for n, tids in f.inputs:
+                if n == name:
+                    for t in tids:
+                        s = shape_str(self._shape[t])
+                        if s not in shapes:
+                            shapes.append(s)
+        return ", ".join(shapes[:_MAX_EDGE_SHAPES])
+
+    def _frame_edges(self, f: Call, node_of_path: dict, edge_shapes: dict) -> None:
+        calls = self.calls
+        s = f.start
+        e = f.end if f.end >= 0 else len(self._op_func)
+        # owner node / owner call of every call nested in f (pre-order: parents come first)
+        owner: dict[int, str | None] = {f.index: None}
+        owner_call: dict[int, int] = {f.index: -1}
+        ci = f.index + 1
+        while ci < len(calls) and calls[ci].start < e and calls[ci].depth > f.depth:
+            c = calls[ci]
+            up = owner.get(c.parent)
+            if up is not None:
+                owner[ci] = up
+                owner_call[ci] = owner_call[c.parent]
+            else:
+                node = node_of_path.get(c.path)
+                owner[ci] = node
+                owner_call[ci] = ci if node is not None else -1
+            ci += 1
+
+        input_of: dict[int, str] = {}
+        for name, tids in f.inputs:
+            for t in tids:
+                input_of.setdefault(t, INPUT_PREFIX + name)
+
+        producer = self._producer
+        op_call = self._op_call
+        op_in = self._op_in
+        shape = self._shape
+        src_op: dict[int, frozenset] = {}  # direct op -> source nodes
+        empty: frozenset = frozenset()
+
+        def sources(t: int) -> frozenset:
+            inp = input_of.get(t)
+            if inp is not None:
+                return frozenset((inp,))
+            p = producer[t]
+            if p < s or p >= e:
+                return empty
+            node = owner.get(op_call[p])
+            if node is not None:
+                return frozenset((node,))
+            return src_op.get(p, empty)
+
+        def add(u: str, v: str, t: int) -> None:
+            lst = edge_shapes.setdefault((u, v), [])
+            st = shape_str(shape[t])
+            if st not in lst:
+                lst.append(st)
+
+        for o in range(s, e):
+            c = op_call[o]
+            node = owner.get(c)
+            if node is None:
+                # an op of f's own forward (or of a see-through module): pass sources through
+                acc: set = set()
+                for t in op_in[o]:
+                    acc.update(sources(t))
+                if acc:
+                    src_op[o] = frozenset(acc)
+                continue
+            oc = owner_call[c]
+            oc_call = calls[oc]
+            lo, hi = oc_call.start, oc_call.end if oc_call.end >= 0 else e
+            for t in op_in[o]:
+                p = producer[t]
+                if lo <= p < hi:
+                    continue  # produced inside the same node call
+                for u in sources(t):
+                    add(u, node, t)
+        for _, tids in f.outputs:
+            for t in tids:
+                for u in sources(t):
+                    add(u, OUTPUT_NODE, t)
+
+    def module_tree(self) -> nx.DiGraph:
+        """The module tree as snapshotted at record time (same form as :func:`module_tree`)."""
+        G = nx.DiGraph(model=self.model_type)
+        for path, snap in self._modules.items():
+            name = path.rsplit(".", 1)[-1] if path else ""
+            G.add_node(
+                path, path=path, name=name, label=name or snap.type, type=snap.type, kind="module",
+                params=self.params(path), own_params=sum(x[4] for x in snap.params),
+                depth=0 if not path else path.count(".") + 1, calls=len(self._calls_of.get(path, ())),
+            )
+        for path, snap in self._modules.items():
+            for c in snap.children:
+                G.add_edge(path, join(path, c))
+        return G
+
+
+__all__ = ["PASSTHROUGH", "Dataflow", "DataflowError", "record_dataflow", "shape_str"]

@@ -1,0 +1,89 @@
+"""The editor's "Verify on GPU": a real torchrun subprocess, plus crash / hang / cancel handling."""
+import sys
+import time
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+import slapo_lab as sl
+from slapo_lab.editor.verify_runner import VerifyRunner, plan_device
+
+
+@pytest.mark.multirank
+def test_verify_button_runs_torchrun_and_passes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                 intermediate_size=128, vocab_size=200, max_position_embeddings=64))
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 200, (2, 16))}, world_size=2)
+    sl.presets.megatron_tp(ed.schedule)
+    ed.apply("checkpoint", path="encoder.layer.0")
+    ed._btn_verify.click()
+    assert ed._runner is not None and ed._btn_cancel.disabled is False
+    result = ed._runner.wait(300)
+    assert result is not None, "verify did not finish in 300 s"
+    assert result.status == "passed", "\n".join(result.lines[-30:])
+    assert result.max_abs_diffs and max(result.max_abs_diffs) <= 1e-5
+    if not torch.cuda.is_available():
+        assert "CUDA is not available on this machine, so Verify runs on the CPU with gloo." in ed.message
+    assert "Verify passed" in ed.message
+    assert "Verify: PASSED" in ed._log.value
+    assert ed._btn_verify.disabled is False
+
+
+def _script(tmp_path, body):
+    p = tmp_path / "fake.py"
+    p.write_text("import sys, time, os\n" + body)
+    return str(p)
+
+
+def test_crash_is_reported_in_one_sentence(tmp_path):
+    r = VerifyRunner()
+    r.start(_script(tmp_path, "raise ValueError('boom from rank')\n"), 1, "cpu", timeout=120)
+    res = r.wait(150)
+    assert res.status == "crashed" and res.returncode != 0
+    assert "crashed" in res.summary and "boom from rank" in res.summary
+
+
+def test_hang_past_timeout_is_killed(tmp_path):
+    r = VerifyRunner()
+    t0 = time.monotonic()
+    r.start(_script(tmp_path, "print('started', flush=True)\ntime.sleep(600)\n"), 1, "cpu", timeout=8)
+    res = r.wait(120)
+    assert res.status == "timeout"
+    assert time.monotonic() - t0 < 60
+    assert "time limit" in res.summary
+
+
+def test_cancel_stops_the_run(tmp_path):
+    lines = []
+    r = VerifyRunner(on_line=lines.append)
+    r.start(_script(tmp_path, "print('working', flush=True)\ntime.sleep(600)\n"), 1, "cpu", timeout=300)
+    deadline = time.monotonic() + 60
+    while not any("working" in ln for ln in lines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.cancel() is True
+    res = r.wait(60)
+    assert res.status == "cancelled"
+    assert r.cancel() is False
+
+
+def test_failed_verify_is_reported(tmp_path):
+    r = VerifyRunner()
+    body = "print('Verify: output x: max abs diff 3.0e-01, max rel diff 1.0e+00')\nprint('Verify: FAILED')\nsys.exit(1)\n"
+    r.start(_script(tmp_path, body), 1, "cpu", timeout=120)
+    res = r.wait(150)
+    assert res.status == "failed" and res.max_abs_diffs == [0.3]
+    assert "differs" in res.summary
+
+
+def test_more_ranks_than_gpus_falls_back_to_cpu():
+    dev, note = plan_device(64, "cuda")
+    assert dev == "cpu" and "gloo" in note
+
+
+def test_runner_never_uses_a_shell(tmp_path):
+    r = VerifyRunner()
+    cmd = r.command("a b; rm -rf x.py", 2, "cpu")
+    assert cmd[0] == sys.executable and "a b; rm -rf x.py" in cmd
