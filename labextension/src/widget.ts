@@ -27,6 +27,40 @@ import { MODULE_NAME, MODULE_VERSION } from './version';
 const SELECTED_CLASS = 'slapo-selected';
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
+/** The drawing's own viewBox and how many CSS px one user unit is at 1:1. */
+interface INaturalGeometry {
+  x: number;
+  y: number;
+  w: number;
+  h: number;
+  pxPerUnit: number;
+}
+
+const UNIT_PX: { [unit: string]: number } = { '': 1, px: 1, pt: 4 / 3, pc: 16, in: 96, cm: 96 / 2.54, mm: 96 / 25.4 };
+
+function lengthPx(value: string | null): number {
+  const m = /^\s*([0-9.eE+-]+)\s*([a-z]*)\s*$/.exec(value || '');
+  if (!m || !(m[2] in UNIT_PX)) {
+    return NaN;
+  }
+  return parseFloat(m[1]) * UNIT_PX[m[2]];
+}
+
+/** Read viewBox / width / height of a graphviz root (graphviz: width="123pt", viewBox="0 0 123 45"). */
+function naturalGeometry(svg: SVGSVGElement): INaturalGeometry | null {
+  const widthPx = lengthPx(svg.getAttribute('width'));
+  const heightPx = lengthPx(svg.getAttribute('height'));
+  const vb = (svg.getAttribute('viewBox') || '').trim().split(/[\s,]+/).map(Number);
+  if (vb.length === 4 && vb.every(Number.isFinite) && vb[2] > 0 && vb[3] > 0) {
+    const pxPerUnit = widthPx > 0 ? widthPx / vb[2] : 1;
+    return { x: vb[0], y: vb[1], w: vb[2], h: vb[3], pxPerUnit };
+  }
+  if (widthPx > 0 && heightPx > 0) {
+    return { x: 0, y: 0, w: widthPx, h: heightPx, pxPerUnit: 1 };
+  }
+  return null;
+}
+
 export class GraphModel extends DOMWidgetModel {
   defaults(): Record<string, unknown> {
     return {
@@ -57,6 +91,7 @@ export class GraphModel extends DOMWidgetModel {
 }
 
 export class GraphView extends DOMWidgetView {
+  private _box!: HTMLDivElement;
   private _canvas!: HTMLDivElement;
   private _tooltip!: HTMLDivElement;
   private _message!: HTMLDivElement;
@@ -64,18 +99,25 @@ export class GraphView extends DOMWidgetView {
   private _zoom: ZoomBehavior<SVGSVGElement, unknown> | null = null;
   private _transform: ZoomTransform = zoomIdentity;
   private _tips = new WeakMap<Element, string>();
+  private _natural: INaturalGeometry | null = null;
+  private _resizeObserver: ResizeObserver | null = null;
 
   render(): void {
+    // this.el belongs to ipywidgets (its `layout` styles are applied to it, and
+    // an unset layout.height clears el.style.height), so the sized box is an
+    // inner element.
     this.el.classList.add('slapo-graph');
-    this.el.setAttribute('tabindex', '-1');
+    this._box = document.createElement('div');
+    this._box.className = 'slapo-graph-box';
+    this.el.appendChild(this._box);
 
     this._canvas = document.createElement('div');
     this._canvas.className = 'slapo-graph-canvas';
-    this.el.appendChild(this._canvas);
+    this._box.appendChild(this._canvas);
 
     this._message = document.createElement('div');
     this._message.className = 'slapo-graph-message';
-    this.el.appendChild(this._message);
+    this._box.appendChild(this._message);
 
     const fit = document.createElement('button');
     fit.className = 'slapo-graph-fit jp-Button';
@@ -83,12 +125,12 @@ export class GraphView extends DOMWidgetView {
     fit.title = 'Fit the whole graph (reset pan and zoom)';
     fit.textContent = 'Fit';
     fit.addEventListener('click', () => this.resetView());
-    this.el.appendChild(fit);
+    this._box.appendChild(fit);
 
     this._tooltip = document.createElement('div');
     this._tooltip.className = 'slapo-graph-tooltip';
     this._tooltip.style.display = 'none';
-    this.el.appendChild(this._tooltip);
+    this._box.appendChild(this._tooltip);
 
     this._canvas.addEventListener('click', this._onClick);
     this._canvas.addEventListener('dblclick', this._onDblClick);
@@ -102,12 +144,19 @@ export class GraphView extends DOMWidgetView {
     this.listenTo(this.model, 'change:height', this._applyHeight);
     this.listenTo(this.model, 'change:reset_view', this.resetView);
 
+    if (typeof ResizeObserver !== 'undefined') {
+      this._resizeObserver = new ResizeObserver(() => this._fitViewBox());
+      this._resizeObserver.observe(this._canvas);
+    }
+
     this._applyHeight();
     this._renderSvg();
   }
 
   remove(): void {
     this._hideTooltip();
+    this._resizeObserver?.disconnect();
+    this._resizeObserver = null;
     if (this._svg) {
       select(this._svg).on('.zoom', null);
     }
@@ -124,7 +173,7 @@ export class GraphView extends DOMWidgetView {
 
   private _applyHeight(): void {
     const h = this.model.get('height');
-    this.el.style.height = typeof h === 'string' && h ? h : '420px';
+    this._box.style.height = typeof h === 'string' && h ? h : '420px';
   }
 
   private _renderSvg(): void {
@@ -163,15 +212,10 @@ export class GraphView extends DOMWidgetView {
     });
     stripNativeTooltips(svg);
 
-    // Fit: the viewBox scales the drawing into the box; the zoom transform is
-    // applied to one wrapper group around the whole drawing.
-    if (!svg.getAttribute('viewBox')) {
-      const w = parseFloat(svg.getAttribute('width') || '');
-      const h = parseFloat(svg.getAttribute('height') || '');
-      if (w > 0 && h > 0) {
-        svg.setAttribute('viewBox', `0 0 ${w} ${h}`);
-      }
-    }
+    // Fit: the drawing is scaled into the box by the viewBox (never above its
+    // natural size, so a three-node graph is not blown up); the zoom transform
+    // is applied to one wrapper group around the whole drawing.
+    this._natural = naturalGeometry(svg);
     svg.removeAttribute('width');
     svg.removeAttribute('height');
     svg.setAttribute('preserveAspectRatio', 'xMidYMid meet');
@@ -185,6 +229,7 @@ export class GraphView extends DOMWidgetView {
     svg.appendChild(layer);
     this._canvas.appendChild(svg);
     this._svg = svg;
+    this._fitViewBox();
 
     const behaviour = zoom<SVGSVGElement, unknown>()
       .scaleExtent([0.05, 40])
@@ -200,6 +245,33 @@ export class GraphView extends DOMWidgetView {
     sel.call(behaviour.transform, this._transform);
 
     this._applySelection();
+  }
+
+  /**
+   * Set the viewBox so that the drawing fits the box, centred, at most at its
+   * natural size. Called on render and whenever the box is resized; a no-op
+   * while the box has no size (not attached yet).
+   */
+  private _fitViewBox(): void {
+    const svg = this._svg;
+    const nat = this._natural;
+    if (!svg || !nat) {
+      return;
+    }
+    const width = this._canvas.clientWidth;
+    const height = this._canvas.clientHeight;
+    if (width <= 0 || height <= 0) {
+      if (!svg.getAttribute('viewBox')) {
+        svg.setAttribute('viewBox', `${nat.x} ${nat.y} ${nat.w} ${nat.h}`);
+      }
+      return;
+    }
+    const scale = Math.min(width / nat.w, height / nat.h, nat.pxPerUnit); // px per user unit
+    const vw = width / scale;
+    const vh = height / scale;
+    const vx = nat.x + nat.w / 2 - vw / 2;
+    const vy = nat.y + nat.h / 2 - vh / 2;
+    svg.setAttribute('viewBox', `${vx} ${vy} ${vw} ${vh}`);
   }
 
   private _showMessage(text: string): void {
@@ -292,7 +364,7 @@ export class GraphView extends DOMWidgetView {
   };
 
   private _placeTooltip(event: MouseEvent): void {
-    const box = this.el.getBoundingClientRect();
+    const box = this._box.getBoundingClientRect();
     const tip = this._tooltip;
     let x = event.clientX - box.left + 14;
     let y = event.clientY - box.top + 14;

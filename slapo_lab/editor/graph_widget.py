@@ -26,7 +26,7 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Int, Unicode
 
-__all__ = ["GraphWidget", "MODULE_NAME", "MODULE_VERSION"]
+__all__ = ["MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
 
 #: npm package / widget module name of the browser half.
 MODULE_NAME = "slapo-lab"
@@ -127,7 +127,7 @@ class GraphWidget(widgets.DOMWidget):
         """Validate one custom message from the browser and dispatch it; never raises."""
         try:
             problem = self._dispatch(content)
-        except Exception as exc:  # a bug here must not break the comm
+        except Exception as exc:  # noqa: BLE001 - a bug here must not break the comm
             problem = f"The graph widget failed to handle a browser message ({type(exc).__name__}: {exc})."
             _log.exception("slapo-lab GraphWidget message handler failed")
         if problem is not None:
@@ -140,7 +140,9 @@ class GraphWidget(widgets.DOMWidget):
         if event not in _EVENTS:
             if "event" not in content:
                 return "Ignored a graph message without an 'event' field; expected 'click' or 'dblclick'."
-            return f"Ignored a graph message with unknown event {_short(event)}; expected 'click' or 'dblclick'."
+            return (
+                f"Ignored a graph message with unknown event {_short(event)}; expected 'click' or 'dblclick'."
+            )
         if "node" not in content:
             return f"Ignored a '{event}' message without a 'node' field."
         token = content["node"]
@@ -156,7 +158,7 @@ class GraphWidget(widgets.DOMWidget):
         if self._error_handlers.callbacks:
             try:
                 self._error_handlers(message)
-            except Exception:  # CallbackDispatcher already catches; keep the promise anyway
+            except Exception:  # noqa: BLE001 - CallbackDispatcher catches already; keep the promise anyway
                 _log.exception("slapo-lab GraphWidget error callback failed")
         else:
             _log.warning("%s", message)
