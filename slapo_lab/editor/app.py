@@ -20,7 +20,9 @@ from .. import check_primitive, create_schedule, module_state
 from ..errors import ScheduleError
 from ..record import format_call
 from ..utils import meta_copy, to_meta
+from .costs import GPU_SIZES, cost_chart_svg, cost_summary
 from .graph_widget import GraphWidget
+from .highlight import highlight_python
 
 _log = logging.getLogger("slapo_lab.editor")
 
@@ -81,7 +83,7 @@ class ScheduleEditor(W.VBox):
         self._runner = None
         self._log_lines: list[str] = []
         self._build_widgets()
-        super().__init__(children=[self._header, self._body, self._message, self._code_box],
+        super().__init__(children=[self._header, self._body, self._message, self._costs_box, self._code_box],
                          layout=W.Layout(width="100%"))
         self.add_class("slapo-editor")
         self._record_flow()
@@ -142,9 +144,19 @@ class ScheduleEditor(W.VBox):
             return self._error("Still applying the previous action; try again in a moment.")
         if not isinstance(target, str) or target not in self.schedule:
             return self._error(f"There is no module {target!r} in this model.")
+        if not isinstance(primitive, str):
+            return self._error(f"Unknown action {primitive!r}.")
+        targets = [target]
+        if path is None and self._similar.value:
+            targets = self.similar(target)
+            for t in targets:  # all or nothing: check every target first
+                why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
+                if why:
+                    return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
         self._busy = True
         try:
-            getattr(self.schedule[target], primitive)(*args, **kwargs)
+            for t in targets:
+                getattr(self.schedule[t], primitive)(*args, **kwargs)
         except ScheduleError as err:
             return self._error(str(err))
         except AttributeError as err:
@@ -154,6 +166,78 @@ class ScheduleEditor(W.VBox):
             return self._error(f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged.")
         finally:
             self._busy = False
+        return None
+
+    def similar(self, path: str) -> list[str]:
+        """``path`` and the modules of the same type at the same relative path in every repeated block.
+
+        E.g. ``encoder.layer.0.attention.self.query`` → the ``query`` of every ``encoder.layer.i``.
+        The block index is the first numeric path component whose container holds more than one child.
+        """
+        parts = path.split(".")
+        typ = type(self.schedule[path].mod)
+        for i, part in enumerate(parts):
+            if not part.isdigit():
+                continue
+            container = ".".join(parts[:i])
+            siblings = self.schedule[container].child if container in self.schedule else {}
+            if len(siblings) < 2:
+                continue
+            out = []
+            for name in siblings:
+                cand = ".".join(parts[:i] + [name] + parts[i + 1:])
+                if cand in self.schedule and type(self.schedule[cand].mod) is typ:
+                    out.append(cand)
+            return out
+        return [path]
+
+    def search(self, text: str) -> int:
+        """Filter the module tree to names or types containing ``text`` (case-insensitive); returns matches."""
+        text = (text or "").strip().lower()
+        opts = self._all_tree_options if not text else [
+            (label, path) for label, path in self._all_tree_options if text in label.lower() or text in path.lower()]
+        keep = self.selected if any(p == self.selected for _, p in opts) else None
+        self._tree.unobserve(self._on_tree, names="value")
+        self._tree.options = opts
+        self._tree.value = keep
+        self._tree.observe(self._on_tree, names="value")
+        return len(opts)
+
+    def apply_preset(self, name: str, k: int = 1) -> str | None:
+        """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
+
+        Presets: ``"megatron"`` (column-parallel q/k/v and up projections, row-parallel output
+        projections with the right syncs, vocab-parallel embeddings), ``"hf_plan"`` (the config's
+        ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
+        pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
+        """
+        from .. import presets
+
+        before = list(self.schedule.record.calls)
+        self._busy = True
+        try:
+            if name == "megatron":
+                presets.megatron_tp(self.schedule)
+            elif name == "hf_plan":
+                presets.megatron_tp(self.schedule, use_hf_plan=True)
+            elif name == "checkpoint":
+                presets.checkpoint_blocks(self.schedule, every=int(k))
+            elif name == "stages":
+                from ..pipeline import suggest_cuts
+
+                suggest_cuts(self.schedule, int(k), by="params", apply=True)
+            else:
+                return self._error(f"Unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+        except Exception as err:
+            self._busy = False
+            if len(self.schedule.record.calls) != len(before):
+                self._rebuild(before)
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            return self._error(f"The {name} preset was not applied: {msg}")
+        finally:
+            self._busy = False
+        n = len(self.schedule.record.calls) - len(before)
+        self._info(f"Preset {name} recorded {n} calls.")
         return None
 
     def undo(self) -> str | None:
@@ -325,8 +409,11 @@ class ScheduleEditor(W.VBox):
         self._header = W.HTML(
             f"<b>slapo-lab</b> · {html.escape(name)} · {nparams / 1e6:.1f} M parameters · "
             f"world size {self.world_size} (planning for rank {self.rank})")
-        self._tree = W.Select(options=self._tree_options(), rows=22, layout=W.Layout(width="100%"))
+        self._all_tree_options = self._tree_options()
+        self._tree = W.Select(options=self._all_tree_options, rows=22, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
+        self._search = W.Text(placeholder="search name or type", layout=W.Layout(width="100%"))
+        self._search.observe(lambda ch: self.search(ch["new"]), names="value")
         self._crumbs = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self._graph = GraphWidget(height="440px", layout=W.Layout(width="100%"))
         self._graph.on_node_click(lambda tok, path: self._on_node_click(path))
@@ -348,14 +435,37 @@ class ScheduleEditor(W.VBox):
         self._btn_ckpt.on_click(lambda _: self.apply("checkpoint"))
         self._btn_cut.on_click(lambda _: self.apply("cut_pipeline_stage"))
         self._reasons = W.HTML()
+        self._similar = W.Checkbox(value=False, description="apply to all similar", indent=False,
+                                   tooltip="also apply to the modules of the same type at the same relative "
+                                           "path in every repeated block")
+        self._similar_info = W.HTML()
         actions = W.VBox([self._param, self._axis, self._btn_shard, self._sync, self._btn_sync,
-                          self._btn_ckpt, self._btn_cut, self._reasons])
-        left = W.VBox([W.HTML("<b>Modules</b>"), self._tree], layout=W.Layout(width="24%"))
+                          self._btn_ckpt, self._btn_cut, self._similar, self._similar_info, self._reasons])
+        self._preset = W.Dropdown(options=[("Megatron tensor parallelism (every block)", "megatron"),
+                                           ("HF base_model_tp_plan (from the config)", "hf_plan"),
+                                           ("checkpoint every k-th block", "checkpoint"),
+                                           ("cut into N balanced pipeline stages", "stages")],
+                                  description="preset", layout=W.Layout(width="95%"))
+        self._preset_k = W.BoundedIntText(value=1, min=1, max=4096, description="k / N",
+                                          layout=W.Layout(width="95%"))
+        self._btn_preset = W.Button(description="apply preset", icon="magic", layout=W.Layout(width="95%"))
+        self._btn_preset.on_click(lambda _: self.apply_preset(self._preset.value, self._preset_k.value))
+        self._gpu = W.Dropdown(options=list(GPU_SIZES.items()), value=80e9, description="GPU",
+                               layout=W.Layout(width="95%"))
+        self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
+        self._costs = W.HTML()
+        self._costs_text = W.HTML()
+        left = W.VBox([W.HTML("<b>Modules</b>"), self._search, self._tree], layout=W.Layout(width="24%"))
         center = W.VBox([self._crumbs, self._graph], layout=W.Layout(width="50%"))
-        right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions], layout=W.Layout(width="26%"))
+        right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions, W.HTML("<b>Presets</b>"),
+                        self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="26%"))
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
+        self._costs_box = W.VBox([W.HTML("<b>Memory per rank</b> (parameters, gradients, Adam states, "
+                                         "activations of one micro-batch)"), self._gpu, self._costs_text,
+                                  self._costs])
         self._message = W.HTML()
         self._last_message = ""
+        self.last_plan = None
         self._code = W.HTML()
         self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script")
         self._btn_export = W.Button(description="Export", icon="download")
@@ -617,14 +727,36 @@ class ScheduleEditor(W.VBox):
 
     def _refresh_code(self) -> None:
         code = self.code or "# no primitives yet: click a module, then an action — or type on editor.schedule"
-        self._code.value = f"<pre class='slapo-code-pre'>{html.escape(code)}</pre>"
+        self._code.value = highlight_python(code)
+
+    def _refresh_costs(self) -> None:
+        try:
+            from ..plan import plan
+
+            small = sum(p.numel() for p in self._meta_model.parameters()) < 2e9
+            note = "" if small else " <i>(activations not estimated above 2B parameters)</i>"
+            try:
+                pl = plan(self.schedule, example_inputs=self.example_inputs if small else None,
+                          activation="estimate" if (small and self.example_inputs) else None)
+            except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
+                pl = plan(self.schedule, activation=None)
+                note = f" <i>(activations not estimated: {html.escape(str(err)[:160])})</i>"
+            self.last_plan = pl
+            gpu = float(self._gpu.value)
+            self._costs_text.value = html.escape(cost_summary(pl, gpu)) + note
+            self._costs.value = cost_chart_svg(pl, gpu)
+        except Exception as err:
+            self._costs_text.value = html.escape(f"Memory could not be estimated: {str(err)[:200]}")
 
     def _refresh_all(self, reset_view: bool = False) -> None:
         self._refresh_crumbs()
         self._refresh_graph(reset_view=reset_view)
         self._refresh_inspector()
         self._refresh_code()
-        if self._tree.value != self.selected:
+        self._refresh_costs()
+        n_sim = len(self.similar(self.selected)) if self.selected else 1
+        self._similar_info.value = (f"<small>{n_sim} similar modules</small>" if n_sim > 1 else "")
+        if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
             self._tree.unobserve(self._on_tree, names="value")
             self._tree.value = self.selected
             self._tree.observe(self._on_tree, names="value")

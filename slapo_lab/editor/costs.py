@@ -1,0 +1,70 @@
+"""The editor's cost panel: per-rank memory per pipeline stage as a stacked bar chart (inline SVG).
+
+Reads a :class:`slapo_lab.plan.Plan`; draws one bar per stage (one rank of that stage) split into
+parameters, gradients, optimizer states and activations, with the chosen GPU's memory as a line.
+Colours are fixed six-digit hex; text uses JupyterLab's theme font colour, so light and dark both read.
+"""
+from __future__ import annotations
+
+import html
+
+from ..utils import human_bytes
+
+GPU_SIZES = {"80 GB (A100/H100)": 80e9, "141 GB (H200)": 141e9, "24 GB": 24e9, "40 GB": 40e9, "192 GB (B200)": 192e9}
+PARTS = (("param_bytes", "parameters", "#4c78a8"), ("grad_bytes", "gradients", "#f58518"),
+         ("optimizer_bytes", "optimizer (Adam)", "#54a24b"), ("activation_bytes", "activations", "#b279a2"))
+
+
+def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) -> str:
+    """An SVG bar chart of ``plan.per_stage`` (bytes of one rank per stage) against ``gpu_bytes``.
+
+    Args:
+        plan: a Plan (``per_stage`` dicts with the byte fields of :data:`PARTS`).
+        gpu_bytes: the GPU memory line, in bytes (decimal GB as vendors state them).
+    Returns:
+        SVG text (no scripts), ``width`` px wide, one row of ``bar_h`` px per stage plus a legend.
+    """
+    stages = plan.per_stage
+    peak = max([s["total_bytes"] for s in stages] + [gpu_bytes]) or 1
+    left, right = 70, 80
+    scale = (width - left - right) / peak
+    rows = []
+    y = 18
+    for s in stages:
+        x = left
+        label = f"stage {s['stage']}" if len(stages) > 1 else "each rank"
+        rows.append(f"<text x='4' y='{y + bar_h * 0.7:.0f}' class='t'>{html.escape(label)}</text>")
+        for key, name, colour in PARTS:
+            v = s.get(key) or 0
+            w = v * scale
+            if w > 0:
+                rows.append(f"<rect x='{x:.1f}' y='{y}' width='{max(w, 0.5):.1f}' height='{bar_h}' fill='{colour}'>"
+                            f"<title>{html.escape(name)}: {human_bytes(v)}</title></rect>")
+            x += w
+        over = s["total_bytes"] > gpu_bytes
+        rows.append(f"<text x='{x + 4:.1f}' y='{y + bar_h * 0.7:.0f}' class='t{' over' if over else ''}'>"
+                    f"{human_bytes(s['total_bytes'])}</text>")
+        y += bar_h + 6
+    gx = left + gpu_bytes * scale
+    rows.append(f"<line x1='{gx:.1f}' y1='8' x2='{gx:.1f}' y2='{y}' stroke='#d62728' stroke-width='2' "
+                f"stroke-dasharray='5,3'/><text x='{gx + 3:.1f}' y='12' class='t' fill='#d62728'>GPU "
+                f"{gpu_bytes / 1e9:.0f} GB</text>")
+    lx = left
+    y += 8
+    for _, name, colour in PARTS:
+        rows.append(f"<rect x='{lx}' y='{y}' width='10' height='10' fill='{colour}'/>"
+                    f"<text x='{lx + 14}' y='{y + 9}' class='t'>{html.escape(name)}</text>")
+        lx += 16 + 7 * len(name)
+    height = y + 18
+    style = ("<style>.t{font:11px var(--jp-ui-font-family, sans-serif);fill:var(--jp-ui-font-color1,#222222)}"
+             ".over{fill:#d62728;font-weight:bold}</style>")
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+            f"viewBox='0 0 {width} {height}'>{style}{''.join(rows)}</svg>")
+
+
+def cost_summary(plan, gpu_bytes: float) -> str:
+    """One line: the busiest rank's bytes and whether it fits the GPU."""
+    busiest = plan.total_bytes
+    fits = busiest <= gpu_bytes
+    return (f"Busiest rank needs {human_bytes(busiest)} ({plan.num_stages} stage(s) × TP {plan.world_size} = "
+            f"{plan.num_ranks} GPUs): {'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB.")
