@@ -430,7 +430,7 @@ class ScheduleEditor(W.VBox):
         self._btn_cut = W.Button(description="cut pipeline stage", icon="scissors")
         for b in (self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut):
             b.layout = W.Layout(width="95%")
-        self._btn_shard.on_click(lambda _: self.apply("shard", self._param.value, axis=self._axis.value))
+        self._btn_shard.on_click(lambda _: self._on_shard())
         self._btn_sync.on_click(lambda _: self.apply("sync", mode=self._sync.value[0], sync_op_or_fn=self._sync.value[1]))
         self._btn_ckpt.on_click(lambda _: self.apply("checkpoint"))
         self._btn_cut.on_click(lambda _: self.apply("cut_pipeline_stage"))
@@ -527,6 +527,13 @@ class ScheduleEditor(W.VBox):
         path = self._resolve_node(path)
         if path is not None and self.schedule[path].child:
             self.open_level(path)
+
+    def _on_shard(self) -> None:
+        if self._param.value is None:
+            self._error(f"{self.selected or 'The root module'} ({type(self.schedule[self.selected].mod).__name__}) "
+                        "has no parameters or buffers of its own to shard; select one of its submodules.")
+            return
+        self.apply("shard", self._param.value, axis=self._axis.value)
 
     def _on_export(self) -> None:
         try:
