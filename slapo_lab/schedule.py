@@ -207,9 +207,51 @@ class Schedule(TracingMixin):
         call.__doc__ = prim.__doc__
         return call
 
+    def owners_of(self, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
+        """Every (module, attribute name) in this tree holding exactly ``tensor`` (tied weights).
+
+        Backed by an index of the whole tree, built once and dropped whenever a primitive that may
+        change the module structure runs; entries are re-checked on every look-up.
+        """
+        top = self._top
+        root = self.get_top_schedule().mod
+        idx = top.extra.get("owners")
+        if idx is None or top.extra.get("owners_root") is not root:
+            idx = {}
+            seen = set()
+            for mod in root.modules():
+                if id(mod) in seen:
+                    continue
+                seen.add(id(mod))
+                for n, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                    if t is not None:
+                        idx.setdefault(id(t), (t, []))[1].append((mod, n))
+            top.extra["owners"], top.extra["owners_root"] = idx, root
+        entry = idx.get(id(tensor))
+        owners = []
+        if entry is not None and entry[0] is tensor:
+            owners = [(m, n) for m, n in entry[1] if m._parameters.get(n, m._buffers.get(n)) is tensor]
+        if not owners:  # stale (the model was edited by hand): rebuild once
+            top.extra.pop("owners", None)
+            if entry is not None:
+                return param_owners(root, tensor)
+            owners = param_owners(root, tensor)
+        return owners
+
+    def _note_replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Keep the owner index current after a primitive swapped ``old`` for ``new`` in place."""
+        idx = self._top.extra.get("owners")
+        if idx is not None and id(old) in idx:
+            _, owners = idx.pop(id(old))
+            idx[id(new)] = (new, owners)
+
+    _STRUCTURE_SAFE = frozenset({"shard", "sync", "checkpoint", "cut_pipeline_stage", "fork_rng", "annotate"})
+
     def _dispatch(self, prim, args: tuple, kwargs: dict):
         """The one dispatch point: bind, apply (which validates first), record on success."""
         bound = prim.bind(*args, **kwargs)
+        if prim.name not in self._STRUCTURE_SAFE:
+            self._top.extra.pop("owners", None)
         result = prim.apply(self, *bound.args, **bound.kwargs)
         if prim.recordable:
             self.record.append(_canonical_call(self.path, prim, bound))

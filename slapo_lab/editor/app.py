@@ -81,6 +81,7 @@ class ScheduleEditor(W.VBox):
         self._busy = False
         self._redo: list = []
         self._runner = None
+        self._rendered_key = None
         self._log_lines: list[str] = []
         self._build_widgets()
         super().__init__(children=[self._header, self._body, self._message, self._costs_box, self._code_box],
@@ -636,9 +637,12 @@ class ScheduleEditor(W.VBox):
                 st = dict(st, penwidth=max(st.get("penwidth", 1), 2))
             if st:
                 styles[p] = st
-        svg, node_ids = render_svg(G, styles)
-        self._graph.set_graph(svg, node_ids, reset_view=reset_view)
-        inverse = {p: t for t, p in node_ids.items()}
+        key = (self.level, tuple(G.nodes), tuple(G.edges), repr(sorted(styles.items())))
+        if key != self._rendered_key or reset_view:  # redraw only what is visible and changed
+            svg, node_ids = render_svg(G, styles)
+            self._graph.set_graph(svg, node_ids, reset_view=reset_view)
+            self._rendered_key = key
+        inverse = {p: t for t, p in self._graph.node_ids.items()}
         self._graph.selected = inverse.get(self.selected, "")
 
     def _refresh_crumbs(self) -> None:

@@ -1,6 +1,7 @@
 """Python syntax highlighting for the code panel (pygments), coloured by JupyterLab's theme variables."""
 from __future__ import annotations
 
+import functools
 import html
 
 _CSS = """<style>
@@ -16,17 +17,24 @@ _CSS = """<style>
 </style>"""
 
 
-def highlight_python(code: str) -> str:
-    """HTML for ``code`` inside ``<pre class="slapo-code-pre">`` with pygments token classes.
-
-    Falls back to escaped plain text if pygments is missing. Output contains no script.
-    """
+@functools.lru_cache(maxsize=20000)
+def _line(line: str) -> str:
     try:
         from pygments import highlight
         from pygments.formatters import HtmlFormatter
         from pygments.lexers import PythonLexer
 
-        body = highlight(code, PythonLexer(), HtmlFormatter(nowrap=True))
+        return highlight(line, PythonLexer(), HtmlFormatter(nowrap=True)).rstrip("\n")
     except ImportError:  # pragma: no cover
-        body = html.escape(code)
+        return html.escape(line)
+
+
+def highlight_python(code: str) -> str:
+    """HTML for ``code`` inside ``<pre class="slapo-code-pre">`` with pygments token classes.
+
+    Lines are highlighted one by one and memoised (the recorded schedule is one call per line and only
+    grows at the end, so a click costs one line). Falls back to escaped plain text without pygments.
+    Output contains no script.
+    """
+    body = "\n".join(_line(ln) for ln in code.split("\n"))
     return f"{_CSS}<pre class='slapo-code-pre'>{body}</pre>"

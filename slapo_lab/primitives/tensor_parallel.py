@@ -38,9 +38,7 @@ def _tensor(sch, tensor_name: Any) -> torch.Tensor:
 
 
 def _owners(sch, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
-    from ..schedule import param_owners
-
-    owners = param_owners(sch.get_top_schedule().mod, tensor)
+    owners = sch.owners_of(tensor)
     return owners or [(sch.mod, "")]
 
 
@@ -176,6 +174,7 @@ class ShardPrimitive(Primitive):
             apply_site = _rule_hook(site, "apply_site")
             if apply_site:
                 apply_site(site, axis, ws, rank)
+        sch._note_replaced(t, new)
         if len(owners) > 1:
             sch.metadata.tie_weights[new] = [m for m, _ in owners]
         return new

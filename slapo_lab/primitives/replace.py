@@ -1,0 +1,639 @@
+"""Module and graph replacement: ``replace``, ``replace_all``, ``fuse``, ``decompose``.
+
+Semantics follow Slapo (``slapo/primitives/replace.py``, ``fusion.py``; ``slapo.op.LinearWithSeparateBias``):
+
+* ``replace(new_module)`` swaps the module at this path (the path stays; the schedule's children
+  are re-mirrored from the new module);
+* ``replace(new_module_or_fn, target_ops=subgraph)`` replaces a subgraph found with ``find()`` in a
+  traced graph by one call (one subgraph = vertical fusion, several = horizontal fusion: the new
+  module returns one result per subgraph);
+* ``replace(fn, target_ops=(path, node))`` swaps the function of one ``call_function`` node;
+* ``fuse(subgraph)`` turns a found subgraph into one module (a ``GraphModule`` of its nodes,
+  compiled with ``torch.compile`` by default);
+* ``decompose()`` turns an ``nn.Linear`` into :class:`LinearWithSeparateBias`.
+
+Everything is validated before the first change; every refusal is a :class:`ScheduleError` with one
+sentence.
+"""
+from __future__ import annotations
+
+import inspect
+import keyword
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..errors import ScheduleError
+from ..module_state import module_meta, peek_meta
+from ..tracing import edit_graph, is_traced, needs_call, orig_class, refresh, set_child
+from .base import Primitive, register_primitive
+
+
+class LinearWithSeparateBias(nn.Linear):
+    """An ``nn.Linear`` that adds its bias as a separate op: ``F.linear(x, weight) + bias``.
+
+    Shapes: ``x`` ``(*, in_features)`` -> ``(*, out_features)``. Same parameters (names and objects)
+    as the Linear it replaces, so shard rules for ``nn.Linear`` apply; traced with ``flatten=True``
+    the bias add shows as its own node, ready to be fused with what follows (e.g. a GELU).
+    Slapo's ``slapo.op.LinearWithSeparateBias``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = F.linear(input, self.weight)
+        return out + self.bias if self.bias is not None else out
+
+
+def _where(sch) -> str:
+    return sch.path or "the root module"
+
+
+# ------------------------------------------------------------------------------------------------
+# Signatures
+# ------------------------------------------------------------------------------------------------
+def _forward_signature(mod: nn.Module) -> inspect.Signature | None:
+    """``forward``'s signature without ``self`` (the class's forward: primitives may wrap the instance's)."""
+    try:
+        sig = inspect.signature(type(mod).forward)
+    except (TypeError, ValueError):
+        return None
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+def _fn_signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sig_text(owner: str, sig: inspect.Signature | None) -> str:
+    return f"{owner}{sig if sig is not None else '(...)'}"
+
+
+def _calls_compatible(old: inspect.Signature, new: inspect.Signature) -> bool:
+    """Whether ``new`` accepts every call ``old`` requires (its required arguments) and needs no more."""
+    P = inspect.Parameter
+    pos = [p for p in old.parameters.values()
+           if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) and p.default is P.empty]
+    kw = {p.name: None for p in old.parameters.values() if p.kind == P.KEYWORD_ONLY and p.default is P.empty}
+    try:
+        new.bind(*range(len(pos)), **kw)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_module_signature(sch, new: nn.Module) -> None:
+    old = sch.mod
+    new_sig = _forward_signature(new)
+    if new_sig is None:
+        return
+    recorded = sch._top.extra.get("example_inputs", {}).get(sch.path)
+    old_sig = _forward_signature(old)
+    old_txt = _sig_text(f"{orig_class(old).__name__}.forward", old_sig)
+    new_txt = _sig_text(f"{type(new).__name__}.forward", new_sig)
+    if recorded is not None:  # the real call is known: it must bind
+        args, kwargs = recorded
+        try:
+            new_sig.bind(*args, **kwargs)
+        except TypeError as err:
+            raise ScheduleError(
+                f"{new_txt} cannot take the call {_where(sch)} receives ({len(args)} positional, keywords "
+                f"{', '.join(kwargs) or 'none'}: {err}), unlike {old_txt}.") from None
+    for owner_path, node in _graph_calls(sch):  # traced ancestors call it with these arguments
+        try:
+            new_sig.bind(*node.args, **node.kwargs)
+        except TypeError as err:
+            raise ScheduleError(
+                f"{new_txt} cannot take the call {node.name} in the traced graph of {owner_path or 'the root'} "
+                f"makes ({len(node.args)} positional, keywords {', '.join(node.kwargs) or 'none'}: {err}).") from None
+    if old_sig is not None and not _calls_compatible(old_sig, new_sig):
+        raise ScheduleError(f"{new_txt} does not take the same required arguments as {old_txt}.")
+
+
+def _graph_calls(sch):
+    """``(ancestor path, call_module node)`` for every traced ancestor's call of ``sch``'s module."""
+    rel, anc = sch.name, sch.parent
+    while anc is not None:
+        if is_traced(anc.mod):
+            for node in anc.mod.graph.nodes:
+                if node.op == "call_module" and node.target == rel:
+                    yield anc.path, node
+        rel = f"{anc.name}.{rel}" if anc.name else rel
+        anc = anc.parent
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole-module replacement
+# ------------------------------------------------------------------------------------------------
+def check_module_swap(sch, new: Any) -> None:
+    """Validate replacing ``sch.mod`` by module ``new`` (raises ScheduleError)."""
+    from torch.export.unflatten import InterpreterModule
+
+    where = _where(sch)
+    if isinstance(new, type):
+        raise ScheduleError(f"replace() takes a module instance, not the class {new.__name__}; call it first.")
+    if not isinstance(new, nn.Module):
+        raise ScheduleError(f"replace() takes an nn.Module or a function, not {type(new).__name__}.")
+    if new is sch.mod:
+        raise ScheduleError(f"{where} would be replaced by itself.")
+    top = sch.get_top_schedule().mod
+    for qn, m in top.named_modules():
+        if m is new:
+            raise ScheduleError(f"The new module is already in the model at {qn or 'the root'}; pass a fresh module.")
+    if isinstance(sch.mod, InterpreterModule):
+        raise ScheduleError(
+            f"{where} was traced by torch.export as part of its parent, which does not keep its call signature; "
+            "trace the parent with this path in leaf_modules (or replace before tracing) to replace it.")
+    state = needs_call(sch.mod)
+    if state:
+        raise ScheduleError(f"{where} already carries {', '.join(state)}; replace it before applying those primitives.")
+    _check_module_signature(sch, new)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+               "_backward_hooks")
+
+
+def swap_module(sch, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``sch``'s path (no checks, no record): move plain hooks, keep parameter tags
+    and the pipeline cut, re-mirror the children."""
+    old = sch.mod
+    for attr in _HOOK_DICTS:
+        src = getattr(old, attr, None)
+        if src:
+            getattr(new, attr).update(src)
+            src.clear()
+    tags = sch.metadata.param_tags
+    if tags:
+        new_params = dict(new.named_parameters())
+        for pname, p in old.named_parameters():
+            q = new_params.get(pname)
+            if q is not None and q is not p:
+                for k in tags:
+                    if k in p.__dict__ and k not in q.__dict__:
+                        setattr(q, k, p.__dict__[k])
+    meta = peek_meta(old)
+    if meta and meta.get("cut"):
+        module_meta(new)["cut"] = True
+    new.train(old.training)
+    if sch.parent is not None:
+        set_child(sch.parent.mod, sch.name, new)
+    sch.mod = new
+    sch._rebuild_children()
+    return new
+
+
+# ------------------------------------------------------------------------------------------------
+# Subgraph replacement
+# ------------------------------------------------------------------------------------------------
+def _is_pair(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], fx.Node)
+
+
+def as_subgraphs(target_ops) -> list[list[tuple[str, fx.Node]]]:
+    """Normalise what ``find()`` returns: a pair, one subgraph (a list of pairs) or a list of subgraphs."""
+    if _is_pair(target_ops):
+        return [[target_ops]]
+    if isinstance(target_ops, (list, tuple)) and target_ops:
+        if all(_is_pair(x) for x in target_ops):
+            return [list(target_ops)]
+        if all(isinstance(x, (list, tuple)) and x and all(_is_pair(y) for y in x) for x in target_ops):
+            return [list(x) for x in target_ops]
+    raise ScheduleError(
+        "target_ops must be what find() returns: a (path, node) pair, a list of them (one subgraph) or a "
+        "non-empty list of such lists.")
+
+
+@dataclass
+class SubgraphPlan:
+    owner_path: str  # relative to the schedule node replace() was called on
+    owner: nn.Module
+    subgraphs: list[list[fx.Node]]
+    outs: list[fx.Node]
+    inputs: list[fx.Node]
+    order: dict
+    anchor: tuple[str, fx.Node]
+
+
+def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
+    """Validate found subgraphs for replacement by one call (raises ScheduleError)."""
+    subs = as_subgraphs(target_ops)
+    nodes = [n for sub in subs for _, n in sub]
+    graph = nodes[0].graph
+    if any(n.graph is not graph for n in nodes):
+        raise ScheduleError("The nodes in target_ops come from different graphs; one replacement works inside one graph.")
+    if any(getattr(n, "_erased", False) for n in nodes):
+        raise ScheduleError("Some nodes in target_ops were removed by an earlier replacement; call find() again.")
+    owner_path = owner = None
+    for qn, m in sch.mod.named_modules():
+        if getattr(m, "graph", None) is graph and is_traced(m):
+            owner_path, owner = qn, m
+            break
+    if owner is None:
+        raise ScheduleError(
+            f"The nodes in target_ops are not in a traced graph under {_where(sch)}; call replace() on the "
+            "schedule you called find() on (or on an ancestor).")
+    if len(set(nodes)) != len(nodes):
+        raise ScheduleError("A node appears twice in target_ops; subgraphs must not overlap.")
+    for n in nodes:
+        if n.op not in ("call_module", "call_function", "call_method"):
+            raise ScheduleError(f"target_ops may only hold operations, not the {n.op} node {n.name}.")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    all_nodes = set(nodes)
+    groups, outs, inputs = [], [], []
+    for sub in subs:
+        group = sorted((n for _, n in sub), key=order.__getitem__)
+        members = set(group)
+        out = [n for n in group if any(u not in members for u in n.users)]
+        if not out:
+            raise ScheduleError(f"The subgraph {', '.join(n.name for n in group)} has no result used outside it.")
+        if len(out) > 1:
+            raise ScheduleError(
+                f"The subgraph {', '.join(n.name for n in group)} has {len(out)} results used outside it "
+                f"({', '.join(n.name for n in out)}); one call can stand for one result per subgraph.")
+        for n in group:
+            for a in n.all_input_nodes:
+                if a in members:
+                    continue
+                if a in all_nodes:
+                    raise ScheduleError(
+                        f"Subgraphs that feed each other ({a.name} -> {n.name}) cannot be fused horizontally.")
+                if a not in inputs:
+                    inputs.append(a)
+        groups.append(group)
+        outs.append(out[0])
+    first = min(all_nodes, key=order.__getitem__)
+    last_in = max((order[a] for a in inputs), default=-1)
+    anchor = ("before", first) if last_in < order[first] else ("after", max(inputs, key=order.__getitem__))
+    pos = order[first] - 0.5 if anchor[0] == "before" else last_in + 0.5
+    for out in outs:
+        for u in out.users:
+            if u not in all_nodes and order[u] < pos:
+                raise ScheduleError(
+                    f"The subgraphs cannot become one call: {u.name} uses {out.name} before input "
+                    f"{anchor[1].name} is computed.")
+    return SubgraphPlan(owner_path, owner, groups, outs, inputs, order, anchor)
+
+
+def _check_call_signature(sig: inspect.Signature | None, label: str, plan: SubgraphPlan, concrete_args) -> None:
+    if sig is None:
+        return
+    try:
+        sig.bind(*plan.inputs, **(concrete_args or {}))
+    except TypeError:
+        extra = f" and concrete_args {', '.join(concrete_args)}" if concrete_args else ""
+        raise ScheduleError(
+            f"{_sig_text(label, sig)} cannot take the subgraph's {len(plan.inputs)} input(s) "
+            f"({', '.join(a.name for a in plan.inputs) or 'none'}){extra}; adjust it or pass concrete_args.") from None
+
+
+def _unique_name(owner: nn.Module, base: str) -> str:
+    if not hasattr(owner, base):
+        return base
+    i = 1
+    while hasattr(owner, f"{base}_{i}"):
+        i += 1
+    return f"{base}_{i}"
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise ScheduleError(f"A module name must be a Python identifier without dots, not {name!r}.")
+
+
+def apply_subgraphs(sch, plan: SubgraphPlan, new, name: str | None, concrete_args) -> fx.Node:
+    """Replace the planned subgraphs by one ``call_module(name)`` (``new`` a module) or
+    ``call_function(new)`` node; prune what became unused; refresh code and schedule."""
+    owner, graph = plan.owner, edit_graph(plan.owner)
+    is_module = isinstance(new, nn.Module)
+    if is_module:
+        owner.add_module(name, new)
+    where, node = plan.anchor
+    ctx = graph.inserting_before(node) if where == "before" else graph.inserting_after(node)
+    with ctx:
+        if is_module:
+            call = graph.call_module(name, tuple(plan.inputs), dict(concrete_args or {}))
+        else:
+            call = graph.call_function(new, tuple(plan.inputs), dict(concrete_args or {}))
+    if len(plan.outs) == 1:
+        plan.outs[0].replace_all_uses_with(call)
+    else:
+        prev = call
+        for i, out in enumerate(plan.outs):
+            with graph.inserting_after(prev):
+                item = graph.call_function(operator.getitem, (call, i))
+            out.replace_all_uses_with(item)
+            prev = item
+    erased = sorted((n for g in plan.subgraphs for n in g), key=plan.order.__getitem__, reverse=True)
+    targets = {n.target for n in erased if n.op == "call_module"}
+    for n in erased:
+        graph.erase_node(n)
+    _prune_modules(owner, targets)
+    refresh(owner)
+    (sch[plan.owner_path] if plan.owner_path else sch)._rebuild_children()
+    return call
+
+
+def _prune_modules(owner: nn.Module, targets: set[str]) -> None:
+    """Delete submodules that only the erased nodes called (Slapo: ``delete_all_unused_submodules``)."""
+    used = [n.target for n in owner.graph.nodes if n.op in ("call_module", "get_attr")]
+    for t in targets:
+        if any(u == t or u.startswith(t + ".") for u in used):
+            continue
+        prefix, _, last = t.rpartition(".")
+        try:
+            parent = owner.get_submodule(prefix) if prefix else owner
+        except AttributeError:
+            continue
+        if last in parent._modules:
+            del parent._modules[last]
+
+
+def subgraph_module(plan: SubgraphPlan, name: str) -> fx.GraphModule:
+    """A ``GraphModule`` computing one planned subgraph: inputs -> its result (Slapo's ``_construct_fx_graph``)."""
+    owner = plan.owner
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in plan.inputs:
+        env[a] = graph.placeholder(a.name)
+    root: dict[str, Any] = {}
+    for n in plan.subgraphs[0]:
+        env[n] = graph.node_copy(n, lambda x: env[x])
+        if n.op == "call_module" and n.target not in root:
+            root[n.target] = owner.get_submodule(n.target)
+    graph.output(env[plan.outs[0]])
+    gm = fx.GraphModule(root, graph, class_name=name)
+    gm.training = owner.training
+    return gm
+
+
+def _is_function(x) -> bool:
+    return callable(x) and not isinstance(x, (nn.Module, type))
+
+
+# ------------------------------------------------------------------------------------------------
+# Primitives
+# ------------------------------------------------------------------------------------------------
+@register_primitive()
+class ReplacePrimitive(Primitive):
+    """Replace this module, a found subgraph, or a found function call (Slapo's ``replace``).
+
+    * ``replace(new_module)``: the module at this path becomes ``new_module``; its ``forward`` must take
+      the same required arguments as the old one (and the recorded call, if example inputs were
+      recorded). Plain hooks move to the new module; the path, parameter tags and a pipeline cut stay.
+    * ``replace(new_module_or_fn, target_ops=subgraph, name=None, concrete_args=None)``: the subgraph
+      (``find()`` output, in a traced graph under this node) becomes one call taking the subgraph's
+      external inputs in graph order plus ``concrete_args`` as keywords; several subgraphs become one
+      call whose i-th result replaces subgraph i (horizontal fusion). The module is registered under
+      ``name`` (default: its class name, made unique) next to the graph's other submodules; modules
+      only the subgraph called are removed.
+    * ``replace(fn, target_ops=(path, node))``: a ``call_function`` node calls ``fn`` with the same
+      arguments.
+
+    Returns:
+        The new module, or the new ``fx.Node`` for a function.
+
+    Raises:
+        ScheduleError: a class instead of an instance, a module already in the model, incompatible
+            signatures (both named), malformed or stale ``target_ops``, a subgraph with several
+            results, a bad ``name``, a module carrying hook-based primitives, or an export-traced
+            submodule that lost its call signature.
+    """
+
+    name = "replace"
+    positional = 1
+
+    @classmethod
+    def check(cls, sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+        if concrete_args is not None and (not isinstance(concrete_args, dict)
+                                          or not all(isinstance(k, str) for k in concrete_args)):
+            raise ScheduleError("concrete_args must be a dict from argument names to values.")
+        if target_ops is None:
+            if _is_function(new_mod_or_func):
+                raise ScheduleError("A function can only replace a found node or subgraph: pass target_ops=.")
+            if name is not None and name != sch.name:
+                raise ScheduleError(
+                    f"name= only names a module replacing a subgraph; {_where(sch)} keeps its path when replaced.")
+            if concrete_args:
+                raise ScheduleError("concrete_args only applies when replacing a subgraph (target_ops=).")
+            check_module_swap(sch, new_mod_or_func)
+            return None
+        if isinstance(new_mod_or_func, type):
+            raise ScheduleError(f"replace() takes a module instance, not the class {new_mod_or_func.__name__}.")
+        if not isinstance(new_mod_or_func, nn.Module) and not _is_function(new_mod_or_func):
+            raise ScheduleError(f"replace() takes an nn.Module or a function, not {type(new_mod_or_func).__name__}.")
+        subs = as_subgraphs(target_ops)
+        if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
+            node = subs[0][0][1]
+            plan = plan_subgraphs(sch, target_ops)
+            if node.op != "call_function":
+                raise ScheduleError(
+                    f"A function can replace a call_function node, but {node.name} is a {node.op}; replace "
+                    "the module at its path instead.")
+            sig = _fn_signature(new_mod_or_func)
+            if sig is not None:
+                try:
+                    sig.bind(*node.args, **{**node.kwargs, **(concrete_args or {})})
+                except TypeError:
+                    raise ScheduleError(
+                        f"{_sig_text(getattr(new_mod_or_func, '__name__', 'the function'), sig)} cannot take the "
+                        f"arguments of {node.name} ({len(node.args)} positional, keywords "
+                        f"{', '.join(node.kwargs) or 'none'}).") from None
+            return plan
+        if isinstance(new_mod_or_func, nn.Module):
+            if new_mod_or_func is sch.mod or any(m is new_mod_or_func for m in sch.get_top_schedule().mod.modules()):
+                raise ScheduleError("The new module is already in the model; pass a fresh module.")
+            if name is not None:
+                _check_name(name)
+        plan = plan_subgraphs(sch, target_ops)
+        if isinstance(new_mod_or_func, nn.Module):
+            if name is not None and hasattr(plan.owner, name):
+                raise ScheduleError(f"{plan.owner_path or _where(sch)} already has an attribute {name!r}; pick another name.")
+            label = f"{type(new_mod_or_func).__name__}.forward"
+            _check_call_signature(_forward_signature(new_mod_or_func), label, plan, concrete_args)
+        else:
+            label = getattr(new_mod_or_func, "__name__", "the function")
+            _check_call_signature(_fn_signature(new_mod_or_func), label, plan, concrete_args)
+        return plan
+
+    @staticmethod
+    def apply(sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+        plan = ReplacePrimitive.check(sch, new_mod_or_func, target_ops, name, concrete_args)
+        if plan is None:
+            return swap_module(sch, new_mod_or_func)
+        subs = as_subgraphs(target_ops)
+        if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
+            node = subs[0][0][1]
+            graph = edit_graph(plan.owner)
+            with graph.inserting_after(node):
+                call = graph.call_function(new_mod_or_func, node.args, {**node.kwargs, **(concrete_args or {})})
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            refresh(plan.owner)
+            return call
+        if isinstance(new_mod_or_func, nn.Module):
+            name = name or _unique_name(plan.owner, type(new_mod_or_func).__name__)
+            apply_subgraphs(sch, plan, new_mod_or_func, name, concrete_args)
+            return new_mod_or_func
+        return apply_subgraphs(sch, plan, new_mod_or_func, None, concrete_args)
+
+
+@register_primitive()
+class ReplaceAllPrimitive(Primitive):
+    """Replace every submodule of ``target_type`` (this node included) with ``make_mod_fn(path, module)``
+    (Slapo's ``replace_all``). ``path`` is relative to this node; a match inside another match is left
+    to the outer replacement.
+
+    Returns:
+        list[str]: the replaced paths (from the root).
+
+    Raises:
+        ScheduleError: a ``target_type`` that is not a module class, a ``make_mod_fn`` that is not
+            callable, raises or returns a non-module, no submodule of that type, or any replacement
+            ``replace()`` would refuse (checked for all before the first swap).
+    """
+
+    name = "replace_all"
+    positional = 2
+
+    @staticmethod
+    def _targets(sch, target_type):
+        found = []
+        for rel, sub in sch.named_schedules():
+            if isinstance(sub.mod, target_type) and not any(rel.startswith(f"{r}.") or r == "" for r, _ in found):
+                found.append((rel, sub))
+        return found
+
+    @classmethod
+    def check(cls, sch, target_type, make_mod_fn):
+        types_ = target_type if isinstance(target_type, tuple) else (target_type,)
+        if not types_ or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types_):
+            raise ScheduleError(f"replace_all() takes an nn.Module class (or a tuple of them), not {target_type!r}.")
+        if not callable(make_mod_fn):
+            raise ScheduleError("make_mod_fn must be a callable (path, module) -> new module.")
+        targets = cls._targets(sch, types_)
+        if not targets:
+            names = ", ".join(t.__name__ for t in types_)
+            raise ScheduleError(f"No module of type {names} under {_where(sch)}.")
+        return targets
+
+    @staticmethod
+    def apply(sch, target_type, make_mod_fn):
+        targets = ReplaceAllPrimitive.check(sch, target_type, make_mod_fn)
+        news = []
+        for rel, sub in targets:
+            try:
+                new = make_mod_fn(rel, sub.mod)
+            except Exception as err:
+                raise ScheduleError(f"make_mod_fn failed for {sub.path or 'the root'}: {type(err).__name__}: {err}.") from err
+            if not isinstance(new, nn.Module):
+                raise ScheduleError(f"make_mod_fn returned a {type(new).__name__} for {sub.path or 'the root'}, not an nn.Module.")
+            if any(new is n for n in news):
+                raise ScheduleError("make_mod_fn returned the same module object twice; return a fresh module per path.")
+            check_module_swap(sub, new)
+            news.append(new)
+        for (_, sub), new in zip(targets, news):
+            swap_module(sub, new)
+        return [sub.path for _, sub in targets]
+
+
+_COMPILERS = (None, "torch.compile", "TorchScript")
+
+
+@register_primitive()
+class FusePrimitive(Primitive):
+    """Fuse one found subgraph into a single module (Slapo's ``fuse``, vertical fusion).
+
+    The module is a ``GraphModule`` (class name ``name``) of the subgraph's nodes, sharing the
+    submodules they call; it takes the subgraph's external inputs in graph order and returns its
+    result. ``compiler="torch.compile"`` (default) compiles it with ``nn.Module.compile()`` (lazily, at
+    the first call); ``None`` leaves it uncompiled. ``"TorchScript"`` (Slapo's default, deprecated in
+    PyTorch 2.x) is mapped to ``torch.compile`` with a ``FutureWarning``. The module is registered as
+    ``name`` (made unique: ``FusedModule``, ``FusedModule_1`` ...) in the graph's owner.
+
+    Returns:
+        The fused module.
+
+    Raises:
+        ScheduleError: an unknown compiler or bad name, anything but exactly one subgraph of two or more
+            nodes, or a subgraph ``replace()`` would refuse.
+    """
+
+    name = "fuse"
+    positional = 1
+
+    @classmethod
+    def check(cls, sch, subgraph, compiler="torch.compile", name="FusedModule"):
+        if compiler not in _COMPILERS:
+            raise ScheduleError(f"Unknown compiler {compiler!r}; use 'torch.compile' or None.")
+        _check_name(name)
+        subs = as_subgraphs(subgraph)
+        if len(subs) != 1 or len(subs[0]) < 2:
+            raise ScheduleError(
+                f"fuse() fuses one subgraph of two or more nodes (vertical fusion), not {len(subs)} subgraph(s) "
+                f"of {', '.join(str(len(s)) for s in subs)} node(s).")
+        return plan_subgraphs(sch, subgraph)
+
+    @staticmethod
+    def apply(sch, subgraph, compiler="torch.compile", name="FusedModule"):
+        plan = FusePrimitive.check(sch, subgraph, compiler, name)
+        if compiler == "TorchScript":
+            warnings.warn("fuse(compiler='TorchScript'): TorchScript is deprecated in PyTorch 2.x; using "
+                          "torch.compile instead.", FutureWarning, stacklevel=3)
+            compiler = "torch.compile"
+        uname = _unique_name(plan.owner, name)
+        fused = subgraph_module(plan, name)
+        if compiler == "torch.compile":
+            fused.compile()
+        apply_subgraphs(sch, plan, fused, uname, None)
+        return fused
+
+
+@register_primitive()
+class DecomposePrimitive(Primitive):
+    """Turn this ``nn.Linear`` into :class:`LinearWithSeparateBias` (Slapo's ``decompose``): the same
+    weight and bias objects, but the bias is added as a separate op. Must come before ``shard``.
+
+    Raises:
+        ScheduleError: if the module is not an ``nn.Linear``, is already decomposed, has no bias, has a
+            sharded weight or bias, or carries hook-based primitives.
+    """
+
+    name = "decompose"
+    positional = 0
+
+    @classmethod
+    def check(cls, sch):
+        mod, where = sch.mod, _where(sch)
+        if isinstance(mod, LinearWithSeparateBias):
+            raise ScheduleError(f"{where} is already decomposed.")
+        if not isinstance(mod, nn.Linear):
+            raise ScheduleError(f"decompose() applies to an nn.Linear, but {where} is a {orig_class(mod).__name__}.")
+        if mod.bias is None:
+            raise ScheduleError(f"{where} has no bias to separate.")
+        meta = peek_meta(mod)
+        sharded = (meta or {}).get("sharded") or {}
+        if sharded or getattr(mod.weight, "shard_axis", None) is not None or \
+                getattr(mod.bias, "shard_axis", None) is not None:
+            raise ScheduleError(f"{where} is already sharded; decompose() must come before shard().")
+        state = needs_call(mod)
+        if state:
+            raise ScheduleError(f"{where} already carries {', '.join(state)}; decompose it before those primitives.")
+
+    @staticmethod
+    def apply(sch):
+        DecomposePrimitive.check(sch)
+        old = sch.mod
+        with torch.device("meta"):
+            new = LinearWithSeparateBias(old.in_features, old.out_features, bias=True)
+        new.weight = old.weight
+        new.bias = old.bias
+        return swap_module(sch, new)
+
