@@ -183,6 +183,7 @@ class Schedule(TracingMixin):
 
     def _rebuild_children(self) -> None:
         """Re-mirror the children after a primitive replaced modules below this node."""
+        self._top.extra.pop("owners", None)  # the tied-tensor owner index may be stale now
         self.child = OrderedDict()
         for cname, cmod in self.mod.named_children():
             cpath = f"{self.path}.{cname}" if self.path else cname
