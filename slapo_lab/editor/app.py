@@ -8,6 +8,8 @@ is the source for Verify and Export.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import html
 import logging
 from typing import Any
@@ -30,6 +32,13 @@ SYNC_CHOICES = [
     ("fwd_post · all_reduce (after a row-parallel layer)", ("fwd_post", "all_reduce")),
     ("bwd_post · all_reduce (before a column-parallel layer)", ("bwd_post", "all_reduce")),
 ]
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
 
 _COL = "#c6dbef"   # column parallel / partitioned output
 _ROW = "#fdd0a2"   # row parallel / partial output
@@ -82,6 +91,9 @@ class ScheduleEditor(W.VBox):
         self._redo: list = []
         self._runner = None
         self._rendered_key = None
+        self._pending = False
+        self._flush_scheduled = False
+        self._batch_depth = 0
         self._log_lines: list[str] = []
         self._build_widgets()
         super().__init__(children=[self._header, self._body, self._message, self._costs_box, self._code_box],
@@ -156,8 +168,9 @@ class ScheduleEditor(W.VBox):
                     return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
         self._busy = True
         try:
-            for t in targets:
-                getattr(self.schedule[t], primitive)(*args, **kwargs)
+            with self._batch():
+                for t in targets:
+                    getattr(self.schedule[t], primitive)(*args, **kwargs)
         except ScheduleError as err:
             return self._error(str(err))
         except AttributeError as err:
@@ -217,18 +230,8 @@ class ScheduleEditor(W.VBox):
         before = list(self.schedule.record.calls)
         self._busy = True
         try:
-            if name == "megatron":
-                presets.megatron_tp(self.schedule)
-            elif name == "hf_plan":
-                presets.megatron_tp(self.schedule, use_hf_plan=True)
-            elif name == "checkpoint":
-                presets.checkpoint_blocks(self.schedule, every=int(k))
-            elif name == "stages":
-                from ..pipeline import suggest_cuts
-
-                suggest_cuts(self.schedule, int(k), by="params", apply=True)
-            else:
-                return self._error(f"Unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+            with self._batch():
+                self._run_preset(name, k)
         except Exception as err:
             self._busy = False
             if len(self.schedule.record.calls) != len(before):
@@ -240,6 +243,23 @@ class ScheduleEditor(W.VBox):
         n = len(self.schedule.record.calls) - len(before)
         self._info(f"Preset {name} recorded {n} calls.")
         return None
+
+    def _run_preset(self, name: str, k: int) -> None:
+        from .. import presets
+
+        if True:
+            if name == "megatron":
+                presets.megatron_tp(self.schedule)
+            elif name == "hf_plan":
+                presets.megatron_tp(self.schedule, use_hf_plan=True)
+            elif name == "checkpoint":
+                presets.checkpoint_blocks(self.schedule, every=int(k))
+            elif name == "stages":
+                from ..pipeline import suggest_cuts
+
+                suggest_cuts(self.schedule, int(k), by="params", apply=True)
+            else:
+                raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
 
     def undo(self) -> str | None:
         """Undo the last recorded call (rebuild from the original model and replay the rest).
@@ -498,15 +518,42 @@ class ScheduleEditor(W.VBox):
 
     # ------------------------------------------------------------------ events
     def _on_record(self, _rec) -> None:
+        """A call was recorded (clicked or typed): redraw once the current cell / click / preset is done."""
+        self._redo.clear()
+        self._pending = True
+        if self._batch_depth:
+            return
+        loop = _running_loop()
+        if loop is None:
+            self._flush()
+        elif not self._flush_scheduled:  # in a kernel: after the cell or the click handler returns
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        self._pending = False
         try:
-            self._refresh_all()
-            self._redo.clear()
             self._autosave()
+            self._refresh_all()
             last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
             if last is not None:
                 self._info(f"Applied {format_call(last)}")
         except Exception:  # the view must never break the engine
             _log.exception("editor refresh failed")
+
+    @contextlib.contextmanager
+    def _batch(self):
+        """Record many calls with one redraw at the end."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth:
+                self._flush()
 
     def _on_tree(self, change) -> None:
         path = change["new"]

@@ -1,0 +1,340 @@
+"""Empty-model construction and reproducible per-rank weight materialisation.
+
+:func:`init_empty_weights` builds a model whose parameters live on the ``meta`` device (no memory,
+no initialisation cost), the way Hugging Face Accelerate's context manager of the same name does
+(and Slapo re-exports). After scheduling such a model (``shard`` slices meta tensors for free),
+:func:`consolidate_model` gives every rank real weights: each parameter is initialised at its
+*full* size from a seed derived from its module path, then this rank keeps its slice. Every rank
+therefore holds a slice of the same full model, whatever the world size, and no rank ever needs more
+than one full parameter at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .errors import ScheduleError
+
+__all__ = ["consolidate_model", "init_empty_weights", "param_seed"]
+
+
+@contextlib.contextmanager
+def init_empty_weights(enable: bool = True, include_buffers: bool = False) -> Iterator[None]:
+    """Inside the block, every parameter registered on a module is moved to the ``meta`` device.
+
+    ``with init_empty_weights(): model = BertModel(config)`` builds a model of any size in
+    milliseconds with no tensor memory. Parameters keep their class, ``requires_grad`` and attributes;
+    initialisers run on meta tensors and cost nothing. Buffers stay real unless ``include_buffers``
+    (then all tensor creation inside the block defaults to meta, as with ``torch.device("meta")``).
+    Semantics of Accelerate's ``init_empty_weights`` (``accelerate/big_modeling.py``), as exported by
+    Slapo.
+
+    Args:
+        enable: False makes the block a no-op.
+        include_buffers: also put buffers (and every tensor created without an explicit device) on meta.
+
+    The patch of ``nn.Module.register_parameter`` is process-wide while the block runs (not
+    thread-safe) and is always undone on exit.
+    """
+    if not enable:
+        yield
+        return
+    meta = torch.device("meta")
+    old_register_parameter = nn.Module.register_parameter
+    old_register_buffer = nn.Module.register_buffer
+
+    def register_parameter(module, name, param):
+        old_register_parameter(module, name, param)
+        if param is not None and not param.is_meta:
+            p = module._parameters[name]
+            attrs = dict(p.__dict__)
+            new = type(p)(p.to(meta), requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else p.to(meta)
+            new.__dict__.update(attrs)
+            module._parameters[name] = new
+
+    def register_buffer(module, name, tensor, persistent=True):
+        old_register_buffer(module, name, tensor, persistent)
+        if tensor is not None:
+            module._buffers[name] = module._buffers[name].to(meta)
+
+    nn.Module.register_parameter = register_parameter
+    if include_buffers:
+        nn.Module.register_buffer = register_buffer
+    device_ctx = torch.device("meta") if include_buffers else contextlib.nullcontext()
+    try:
+        with device_ctx:
+            yield
+    finally:
+        nn.Module.register_parameter = old_register_parameter
+        nn.Module.register_buffer = old_register_buffer
+
+
+def param_seed(seed: int, path: str) -> int:
+    """The generator seed of the module at ``path``: a stable 63-bit mix of ``seed`` and the path's CRC32."""
+    return (int(seed) * 1_000_003 + zlib.crc32(path.encode("utf-8"))) % (2**63 - 1)
+
+
+def _hf_init_owner(sch) -> Callable[[nn.Module], None] | None:
+    """``_init_weights`` of the nearest Hugging Face ``PreTrainedModel`` at or above ``sch``."""
+    node = sch
+    while node is not None:
+        fn = getattr(type(node.mod), "_init_weights", None)
+        if fn is not None and hasattr(node.mod, "config"):
+            return node.mod._init_weights
+        node = node.parent
+    return None
+
+
+def _sentinel_fill(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(False)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _is_filled(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return not bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return True
+    return not bool((t == torch.iinfo(t.dtype).min).any())
+
+
+def _full_shape(t: torch.Tensor) -> torch.Size:
+    return torch.Size(getattr(t, "orig_shape", None) or t.shape)
+
+
+def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | None) -> nn.Module:
+    """A shallow copy of ``mod`` whose tensors in ``own`` are full-size CPU tensors (sentinel-filled) and
+    whose other tensors (and children's) are full-size meta tensors, so that an init function can run
+    on it without touching the real module."""
+    sh = copy.copy(mod)
+    sh._parameters = dict(mod._parameters)
+    sh._buffers = dict(mod._buffers)
+    for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+        if t is None:
+            continue
+        full = _full_shape(t)
+        if name in own:
+            new = torch.empty(full, dtype=t.dtype, device="cpu")
+            _sentinel_fill(new)
+        else:
+            new = torch.empty(full, dtype=t.dtype, device="meta")
+        if name in mod._parameters:
+            sh._parameters[name] = nn.Parameter(new, requires_grad=False)
+        else:
+            sh._buffers[name] = new
+    sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
+    if meta_state:  # undo what shard rules changed on the module so init sees the full layer
+        if "orig_padding_idx" in meta_state and isinstance(mod, nn.Embedding):
+            sh.padding_idx = meta_state["orig_padding_idx"]
+        for attr, name, axis in (("out_features", "weight", 0), ("in_features", "weight", 1),
+                                 ("num_embeddings", "weight", 0), ("embedding_dim", "weight", 1)):
+            if hasattr(sh, attr) and meta_state["sharded"].get(name) == axis:
+                setattr(sh, attr, _full_shape(mod._parameters[name])[axis])
+    sh.__dict__.pop("forward", None)
+    return sh
+
+
+def _meta_shadow(mod: nn.Module | None) -> nn.Module | None:
+    if mod is None:
+        return None
+    sh = copy.copy(mod)
+    sh._parameters = {k: (None if t is None else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype,
+                                                                          device="meta"), requires_grad=False))
+                      for k, t in mod._parameters.items()}
+    sh._buffers = {k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
+                   for k, t in mod._buffers.items()}
+    sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
+    return sh
+
+
+def _default_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """Fallback: N(0, 0.02) for matrices, ones for 1-D ``*weight``, zeros otherwise."""
+    if not (t.is_floating_point() or t.is_complex()):
+        t.zero_()
+    elif t.dim() >= 2:
+        t.normal_(0.0, 0.02, generator=gen)
+    elif name.endswith("weight"):
+        t.fill_(1.0)
+    else:
+        t.zero_()
+
+
+def consolidate_model(sch, target: str | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
+                      seed: int = 2013, device: str | torch.device | None = None,
+                      stage: int | None = None):
+    """Materialise the weights of schedule ``sch`` on this rank, reproducibly (Slapo's ``consolidate_model``).
+
+    For every module that owns parameters (and every module owning ``meta`` buffers), a temporary
+    full-size copy is initialised on the CPU under ``torch.manual_seed(param_seed(seed, path))`` with
+    the first init function that fills it: ``param_init_fn(module)`` if given; otherwise the nearest
+    Hugging Face ancestor's ``_init_weights(module)``; otherwise ``module.reset_parameters()``;
+    tensors still unset get :func:`_default_init` (parameters) or raise (meta buffers). Then this rank
+    keeps ``full.chunk(world_size, shard_axis)[rank]`` of every sharded tensor and the whole of every
+    replicated one. So a TP=2 model consolidated on ranks 0 and 1 concatenates to the same tensors as
+    the unsharded model consolidated with world size 1 -- on every process, without communication.
+
+    Tied parameters stay tied (the first owner in module order initialises them). Real, non-meta
+    buffers keep their values (moved to ``device``). Peak extra memory: the parameters of one module at
+    full size. Global RNG state is saved and restored.
+
+    Args:
+        sch: any node of the schedule (its top is used); ``sch.world_size`` / ``sch.rank`` pick the slice.
+        target: None or "deepspeed" (accepted for Slapo compatibility; no effect here).
+        param_init_fn: ``fn(module)`` that initialises ``module``'s own parameters in place (it receives a
+            full-size CPU copy of the module).
+        seed: base seed; the same seed gives the same full model on every rank and world size.
+        device: where the materialised tensors go; default: the tensor's device, or CPU for meta tensors.
+        stage: only materialise modules of this pipeline stage (see :func:`slapo_lab.plan.stage_assignment`);
+            the others stay as they are.
+
+    Returns:
+        The top module (modified in place).
+
+    Raises:
+        ScheduleError: for an unknown target or stage, or a meta buffer nothing could initialise.
+    """
+    if target not in (None, "deepspeed", "torch"):
+        raise ScheduleError(f"Unknown target {target!r}; consolidate_model takes None or 'deepspeed'.")
+    top = sch.get_top_schedule()
+    ws, rank = top.world_size, top.rank
+    stage_of = None
+    if stage is not None:
+        from .plan import stage_assignment
+
+        assign = stage_assignment(top)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < assign.num_stages:
+            raise ScheduleError(f"stage must be an integer in [0, {assign.num_stages}), not {stage!r}.")
+        stage_of = assign.stage_of
+
+    # Every (module, name) holding each tensor, in module order (tied weights have several owners).
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    nodes = list(top.named_schedules())
+    for _, node in nodes:
+        for name, t in list(node.mod._parameters.items()) + list(node.mod._buffers.items()):
+            if t is not None:
+                lst = owners.setdefault(id(t), [])
+                if not any(m is node.mod and n == name for m, n in lst):
+                    lst.append((node.mod, name))
+    done: set[int] = set()
+    replaced: dict[int, torch.Tensor] = {}
+    for path, node in nodes:
+        if stage_of is not None and stage_of.get(path) != stage:
+            continue
+        mod = node.mod
+        own: dict[str, torch.Tensor] = {}
+        for name, t in mod._parameters.items():
+            if t is not None and id(t) not in done:
+                own[name] = t
+        for name, t in mod._buffers.items():
+            if t is not None and id(t) not in done and t.is_meta:
+                own[name] = t
+        if not own:
+            for name, t in mod._buffers.items():  # real buffers: only move them
+                if t is not None and id(t) not in done:
+                    done.add(id(t))
+                    if device is not None:
+                        new = t.to(device)
+                        _assign(owners[id(t)], name, new, replaced, old=t)
+                        done.add(id(new))
+            continue
+        full = _init_full(node, own, param_init_fn, param_seed(seed, path))
+        for name, t in own.items():
+            value = full[name]
+            axis = getattr(t, "shard_axis", None)
+            if axis is not None and ws > 1:
+                value = value.chunk(ws, dim=axis)[rank]
+            dev = device if device is not None else ("cpu" if t.is_meta else t.device)
+            value = value.to(dev).contiguous()
+            if isinstance(t, nn.Parameter):
+                try:
+                    new = type(t)(value, requires_grad=t.requires_grad)
+                except TypeError:  # a Parameter subclass with another constructor
+                    new = nn.Parameter(value, requires_grad=t.requires_grad)
+                for k, v in t.__dict__.items():
+                    new.__dict__.setdefault(k, v)
+            else:
+                new = value
+                for k in ("orig_shape", "shard_axis"):
+                    if hasattr(t, k):
+                        setattr(new, k, getattr(t, k))
+            _assign(owners[id(t)], name, new, replaced, old=t)
+            done.update((id(t), id(new)))
+        for name, t in mod._buffers.items():
+            if t is not None and id(t) not in done and name not in own:
+                done.add(id(t))
+                if device is not None:
+                    new = t.to(device)
+                    _assign(owners[id(t)], name, new, replaced, old=t)
+                    done.add(id(new))
+    # keep the schedule's tie table pointing at the live tensors
+    ties = top.metadata.tie_weights
+    for old_key in list(ties):
+        new = replaced.get(id(old_key))
+        if new is not None:
+            ties[new] = ties.pop(old_key)
+    return top.mod
+
+
+def _assign(owner_list, name, new, replaced, old=None) -> None:
+    for m, n in owner_list:
+        if n in m._parameters:
+            m._parameters[n] = new
+        else:
+            m._buffers[n] = new
+    if old is not None:
+        replaced[id(old)] = new
+
+
+def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> dict[str, torch.Tensor]:
+    """Full-size CPU values for the tensors in ``own`` of ``node.mod`` (see :func:`consolidate_model`)."""
+    from .module_state import peek_meta
+
+    mod = node.mod
+    meta_state = peek_meta(mod)
+    steps: list[Callable[[nn.Module], None]] = []
+    if param_init_fn is not None:
+        steps.append(param_init_fn)
+    else:
+        hf = _hf_init_owner(node)
+        if hf is not None:
+            steps.append(hf)
+        for attr in ("reset_parameters", "_reset_parameters"):
+            if callable(getattr(mod, attr, None)):
+                steps.append(lambda m, a=attr: getattr(m, a)())
+                break
+    values: dict[str, torch.Tensor] = {}
+    missing = dict(own)
+    for step in steps:
+        if not missing:
+            break
+        sh = _shadow(mod, missing, meta_state)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                step(sh)
+        for name in list(missing):
+            t = sh._parameters.get(name) if name in mod._parameters else sh._buffers.get(name)
+            if t is not None and not t.is_meta and _is_filled(t):
+                values[name] = t.detach()
+                del missing[name]
+    for name, t in missing.items():
+        if name in mod._buffers:
+            raise ScheduleError(
+                f"consolidate_model cannot rebuild the meta buffer {node.path + '.' if node.path else ''}{name}: "
+                "no init function sets it; build the model with init_empty_weights(include_buffers=False) so "
+                "buffers keep their values.")
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+        value = torch.empty(_full_shape(t), dtype=t.dtype)
+        with torch.no_grad():
+            _default_init(name, value, gen)
+        values[name] = value
+    return values

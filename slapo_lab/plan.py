@@ -1,0 +1,749 @@
+"""Simulated planning: how many bytes each rank of a scheduled model needs, per pipeline stage.
+
+``plan(sch)`` reads a schedule (normally a *simulated* one, ``create_schedule(model, world_size=8)``
+on a ``meta`` model, where every sharded parameter already has its per-rank shape) and reports, for
+one rank of every pipeline stage:
+
+* **parameters** -- sharded parameters at their per-rank shape, replicated ones in full; a tensor
+  shared by several modules (tied weights) is counted once per stage that uses it;
+* **gradients** -- one per trainable parameter, in ``grad_dtype``;
+* **optimizer states** -- Adam/AdamW: two fp32 moments per trainable element (8 B); SGD: none, or
+  one fp32 momentum buffer (4 B) with ``"sgd_momentum"``; plus a 4-byte fp32 master copy per
+  trainable element with ``master_weights=True`` (mixed precision, as Megatron-LM and DeepSpeed keep);
+* **activations** (optional) -- the bytes saved for backward by one micro-batch, from one forward
+  pass on meta tensors, two ways:
+
+  - ``activation="estimate"`` (:func:`estimate_activations`): the outputs of every leaf module, and
+    only the inputs of a checkpointed module. Misses tensors saved inside non-leaf modules
+    (attention scores, functional ops), so it undercounts: 0.72x the measured bytes on BERT-base
+    without checkpointing, 1.02x with every layer checkpointed (``benchmarks/engine_bench.py``).
+    One pass serves every checkpoint/cut variant of a sharding (cached).
+  - ``activation="autograd"`` (:func:`saved_activations`): what autograd really saves, via
+    ``torch.autograd.graph.saved_tensors_hooks`` on the meta forward, one count per storage; equal
+    to the bytes measured on real tensors (BERT-base, with and without checkpointing). A checkpoint
+    change needs a new pass (cached per checkpoint set).
+
+The parameter/gradient/optimizer part only walks the module tree (a 70B Llama with full TP: a few
+milliseconds). The activation part runs one meta forward (seconds for 80 large layers), whose result
+is cached per model, sharding and input shapes.
+
+Pipeline stages (``sch[p].cut_pipeline_stage()``, recorded in
+``sch.metadata.primitives["cut_pipeline_stage"]``) follow Slapo's rule: the cut module is the
+*last* module of its stage. Modules are ordered by registration order (depth first), which for
+Hugging Face models is forward order: embeddings before the first block land in stage 0, the final
+norm and head after the last block land in the last stage. A stage is served by ``world_size``
+tensor-parallel ranks, so a plan covers ``num_stages * world_size`` ranks.
+
+Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule follow the ZeRO paper
+(Rajbhandari et al., 2020, section 3.1); the stage rule follows Slapo's ``cut_pipeline_stage``.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ScheduleError
+from .module_state import peek_meta
+from .utils import human_bytes, meta_copy, to_meta
+
+__all__ = [
+    "ActivationProfile",
+    "Plan",
+    "SavedProfile",
+    "StageAssignment",
+    "estimate_activations",
+    "plan",
+    "saved_activations",
+    "stage_assignment",
+]
+
+_OPTIMIZERS = {
+    # name -> fp32 state elements per trainable parameter element
+    "adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1, "none": 0,
+}
+_FP32 = 4
+
+
+def _elem_bytes(dtype_or_bytes: Any, what: str) -> int | None:
+    """Bytes per element for a ``torch.dtype`` or a positive int; None passes through."""
+    if dtype_or_bytes is None:
+        return None
+    if isinstance(dtype_or_bytes, torch.dtype):
+        return torch.empty((), dtype=dtype_or_bytes, device="meta").element_size()
+    if isinstance(dtype_or_bytes, (int, float)) and not isinstance(dtype_or_bytes, bool) and dtype_or_bytes > 0:
+        return dtype_or_bytes
+    raise ScheduleError(f"{what} must be a torch.dtype or a positive number of bytes per element, "
+                        f"not {dtype_or_bytes!r}.")
+
+
+def _optimizer_states(optimizer: Any) -> int:
+    if optimizer is None:
+        return 0
+    name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
+    if not isinstance(name, str) or name.lower().replace("-", "_") not in _OPTIMIZERS:
+        raise ScheduleError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(sorted(_OPTIMIZERS))} "
+                            "(or None).")
+    return _OPTIMIZERS[name.lower().replace("-", "_")]
+
+
+# --------------------------------------------------------------------------------------------------
+# stage assignment
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class StageAssignment:
+    """Which pipeline stage each module belongs to.
+
+    Attributes:
+        num_stages: ``len(cuts) + 1``.
+        cuts: the cut paths that end a stage, sorted by module order (one per stage boundary).
+        stage_of: module path -> stage index (every path of the schedule tree; "" is the root).
+        order: module paths in registration (depth-first) order.
+        blocks: path of the top-level repeated blocks (the longest ``ModuleList``/``Sequential``), or None.
+        num_blocks: how many blocks it holds.
+        merged: cuts that end at the same place as an outer cut (a module's last descendant), so add
+            no stage.
+    """
+
+    num_stages: int
+    cuts: list[str]
+    stage_of: dict[str, int]
+    order: list[str]
+    blocks: str | None = None
+    num_blocks: int = 0
+    merged: list[str] = field(default_factory=list)
+
+
+def _find_blocks(sch) -> tuple[str | None, int]:
+    best, best_n, best_depth = None, 1, math.inf
+    for path, node in sch.named_schedules():
+        if isinstance(node.mod, (nn.ModuleList, nn.Sequential)):
+            n, depth = len(node.child), path.count(".")
+            if n > best_n or (n == best_n and depth < best_depth):
+                best, best_n, best_depth = path, n, depth
+    return best, (best_n if best is not None else 0)
+
+
+def stage_assignment(sch) -> StageAssignment:
+    """Assign every module of ``sch`` to a pipeline stage from the recorded cuts.
+
+    A module belongs to the stage in which it starts in depth-first registration order; a cut at
+    ``p`` ends its stage after ``p``'s whole subtree, so everything inside ``p`` shares ``p``'s stage.
+    With no cuts every module is in stage 0.
+
+    Raises:
+        ScheduleError: if a recorded cut names a module that is no longer in the schedule.
+    """
+    order: list[str] = []
+    end: dict[str, int] = {}
+
+    def walk(node, path):
+        order.append(path)
+        for name, c in node.child.items():
+            walk(c, f"{path}.{name}" if path else name)
+        end[path] = len(order) - 1
+
+    walk(sch, "")
+    cuts = list(sch.metadata.primitives.get("cut_pipeline_stage", []) or [])
+    for c in cuts:
+        if c not in end:
+            raise ScheduleError(f"The pipeline cut at {c!r} names a module that is no longer in the schedule.")
+    index = {p: i for i, p in enumerate(order)}
+    by_end: dict[int, list[str]] = {}
+    for c in sorted(set(cuts), key=lambda c: index[c]):
+        by_end.setdefault(end[c], []).append(c)
+    boundaries = sorted(by_end)
+    cuts = [by_end[b][0] for b in boundaries]  # the outermost cut at each boundary
+    merged = [c for b in boundaries for c in by_end[b][1:]]
+    stage_of: dict[str, int] = {}
+    s = 0
+    for i, path in enumerate(order):
+        while s < len(boundaries) and boundaries[s] < i:
+            s += 1
+        stage_of[path] = s
+    blocks, n_blocks = _find_blocks(sch)
+    return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged)
+
+
+# --------------------------------------------------------------------------------------------------
+# activations
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class ActivationProfile:
+    """What one meta forward pass recorded (independent of checkpoints and cuts).
+
+    Attributes:
+        leaf_out: leaf module path -> list of ``(tensor id, numel, element size, is floating)`` of its
+            outputs (all calls).
+        mod_in: module path -> the same for its tensor inputs (all calls).
+        batch: the batch size (dim 0 of the first tensor input), or None.
+        seconds: wall time of the forward pass.
+        fake: whether the pass ran under ``FakeTensorMode`` (needed by models whose forward
+            inspects tensor values, e.g. Hugging Face's packed-sequence check).
+    """
+
+    leaf_out: dict[str, list[tuple[int, int, int, bool]]] = field(default_factory=dict)
+    mod_in: dict[str, list[tuple[int, int, int, bool]]] = field(default_factory=dict)
+    batch: int | None = None
+    seconds: float = 0.0
+    fake: bool = False
+
+
+def _tensors(x: Any) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+    elif hasattr(x, "to_tuple") and callable(x.to_tuple):  # HF ModelOutput
+        yield from _tensors(x.to_tuple())
+
+
+def _first_batch(inputs: Any) -> int | None:
+    for t in _tensors(inputs):
+        return int(t.shape[0]) if t.dim() else None
+    return None
+
+
+def _call_model(model: nn.Module, inputs: Any):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationProfile:
+    """Run one forward pass of ``model`` on meta tensors and record tensor bytes per module.
+
+    Every leaf module's outputs and every module's tensor inputs are recorded with an identity, so
+    that a tensor counted twice (a checkpointed block's input is the previous block's output) is
+    summed once. The pass runs under ``torch.no_grad`` in training mode (dropout active; every
+    module's mode is restored afterwards). A model with real weights is copied to meta first
+    (:func:`slapo_lab.utils.meta_copy`); a meta model runs as is. If the forward reads a tensor value
+    (``.item()``, ``bool(t)``), the pass is retried under ``FakeTensorMode``, which Hugging Face
+    models treat as tracing.
+
+    Args:
+        model: the (scheduled) model; sync hooks of a simulated schedule keep per-rank shapes.
+        example_inputs: dict of keyword arguments, tuple of positional arguments, or one tensor; any
+            device (converted to meta).
+
+    Returns:
+        ActivationProfile.
+
+    Raises:
+        ScheduleError: when the forward pass fails (one sentence with the original error).
+    """
+    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model = meta_copy(model)
+    inputs = to_meta(example_inputs)
+    path_of: dict[int, str] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(m), path)
+    leaves = {id(m) for m in model.modules() if not m._modules}
+
+    def run(fake: bool) -> ActivationProfile:
+        prof = ActivationProfile(batch=_first_batch(inputs), fake=fake)
+        ids: dict[int, int] = {}
+        keep: list[torch.Tensor] = []  # keep ids unique while the pass runs
+
+        def items(x) -> list[tuple[int, int, int, bool]]:
+            out = []
+            for t in _tensors(x):
+                tid = ids.get(id(t))
+                if tid is None:
+                    tid = ids[id(t)] = len(ids)
+                    keep.append(t)
+                out.append((tid, t.numel(), t.element_size(), t.is_floating_point()))
+            return out
+
+        def pre(mod, args, kwargs):
+            prof.mod_in.setdefault(path_of[id(mod)], []).extend(items((args, kwargs)))
+
+        def post(mod, args, kwargs, out):
+            if id(mod) in leaves:
+                inputs_ids = {id(t) for t in _tensors((args, kwargs))}
+                got = [it for t, it in zip(_tensors(out), items(out)) if id(t) not in inputs_ids]
+                prof.leaf_out.setdefault(path_of[id(mod)], []).extend(got)
+
+        handles, modes = [], []
+        seen = set()
+        try:
+            for m in model.modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                modes.append((m, m.training))
+                m.training = True
+                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(m.register_forward_hook(post, with_kwargs=True))
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if fake:
+                    from torch._subclasses.fake_tensor import FakeTensorMode
+
+                    with FakeTensorMode(allow_non_fake_inputs=True):
+                        _call_model(model, inputs)
+                else:
+                    _call_model(model, inputs)
+            prof.seconds = time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
+            for m, mode in modes:
+                m.training = mode
+        return prof
+
+    return _run_with_fallback(run)
+
+
+def _fail_sentence(err: Exception) -> str:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"The meta forward pass for the activation estimate failed ({type(err).__name__}: {msg})."
+
+
+@dataclass
+class SavedProfile:
+    """Tensors autograd saved for backward during one meta forward (see :func:`saved_activations`).
+
+    Attributes:
+        items: one ``(module path, bytes, element size, is floating)`` per unique storage, attributed to
+            the innermost module running when it was first saved ("" = the root, outside every child).
+        batch / seconds / fake: as in :class:`ActivationProfile`.
+    """
+
+    items: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    batch: int | None = None
+    seconds: float = 0.0
+    fake: bool = False
+
+
+def saved_activations(model: nn.Module, example_inputs: Any) -> SavedProfile:
+    """Count the bytes autograd saves for backward in one forward pass on meta tensors.
+
+    The forward runs with gradients enabled, in training mode, under
+    ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor's storage is counted once
+    (views of one storage share it; storages of parameters and buffers are not activations). A
+    checkpointed module saves only its inputs, exactly as in a real run, so this matches what
+    ``saved_tensors_hooks`` measures on real tensors (the engine benchmark checks it on BERT-base).
+    Costs one meta forward with autograd recording (slower than :func:`estimate_activations`, and
+    checkpoint changes need a new pass).
+
+    Args / Raises: as :func:`estimate_activations`.
+    """
+    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model = meta_copy(model)
+    inputs = to_meta(example_inputs)
+    path_of: dict[int, str] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(m), path)
+    weights = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
+
+    def run(fake: bool) -> SavedProfile:
+        prof = SavedProfile(batch=_first_batch(inputs), fake=fake)
+        where = [""]
+        seen: dict[int, int] = {}  # storage -> index in prof.items
+        keep: list[Any] = []
+
+        def pack(t):
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in weights:
+                return t
+            i = seen.get(key)
+            nbytes = st.nbytes()
+            if i is None:
+                seen[key] = len(prof.items)
+                keep.append(st)
+                prof.items.append((where[0], nbytes, t.element_size(), t.is_floating_point()))
+            elif nbytes > prof.items[i][1]:
+                path, _, esize, is_float = prof.items[i]
+                prof.items[i] = (path, nbytes, esize, is_float)
+            return t
+
+        def pre(mod, args, kwargs):
+            p = path_of[id(mod)]
+            if p:
+                where[0] = p
+
+        def post(mod, args, kwargs, out):
+            p = path_of[id(mod)]
+            if p:
+                where[0] = p
+
+        handles, modes, seen_mods = [], [], set()
+        try:
+            for m in model.modules():
+                if id(m) in seen_mods:
+                    continue
+                seen_mods.add(id(m))
+                modes.append((m, m.training))
+                m.training = True
+                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(m.register_forward_hook(post, with_kwargs=True))
+            t0 = time.perf_counter()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if fake:
+                    from torch._subclasses.fake_tensor import FakeTensorMode
+
+                    with FakeTensorMode(allow_non_fake_inputs=True):
+                        _call_model(model, inputs)
+                else:
+                    _call_model(model, inputs)
+            prof.seconds = time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
+            for m, mode in modes:
+                m.training = mode
+        return prof
+
+    return _run_with_fallback(run)
+
+
+def _run_with_fallback(run):
+    try:
+        return run(False)
+    except Exception as first:
+        text = str(first)
+        if "meta" not in text and "data-dependent" not in text.lower():
+            raise ScheduleError(_fail_sentence(first)) from first
+        try:
+            return run(True)
+        except Exception as err:
+            raise ScheduleError(_fail_sentence(err)) from err
+
+
+_PROFILE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def _input_signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), str(x.dtype))
+    if isinstance(x, dict):
+        return tuple((k, _input_signature(v)) for k, v in x.items())
+    if isinstance(x, (tuple, list)):
+        return tuple(_input_signature(v) for v in x)
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def _profile_key(sch, example_inputs, mode: str) -> tuple:
+    from .record import format_call
+
+    # the leaf-output estimate does not depend on checkpoints; what autograd saves does
+    skip = ("checkpoint", "cut_pipeline_stage") if mode == "estimate" else ("cut_pipeline_stage",)
+    calls = tuple(format_call(c) for c in sch.record.calls if c.primitive not in skip)
+    shapes = tuple((n, tuple(p.shape), p.requires_grad) for n, p in sch.mod.named_parameters())
+    ckpt = () if mode == "estimate" else tuple(
+        p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint"))
+    return mode, calls, shapes, ckpt, _input_signature(example_inputs)
+
+
+def _cached_profile(sch, example_inputs, cache: bool, mode: str = "estimate"):
+    fn = estimate_activations if mode == "estimate" else saved_activations
+    if not cache:
+        return fn(sch.mod, example_inputs), False
+    key = _profile_key(sch, example_inputs, mode)
+    per_model = _PROFILE_CACHE.setdefault(sch.mod, {})
+    if key in per_model:
+        return per_model[key], True
+    prof = fn(sch.mod, example_inputs)
+    if len(per_model) >= 8:
+        per_model.pop(next(iter(per_model)))
+    per_model[key] = prof
+    return prof, False
+
+
+def _activation_per_stage(sch, prof: ActivationProfile, assign: StageAssignment, act_scale: float,
+                          elem_bytes: int | None) -> list[int]:
+    """Sum saved bytes per stage: leaf outputs outside checkpoints + inputs of outermost checkpoints."""
+    ckpt = [p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint")]
+    ckpt_set = set(ckpt)
+
+    def outer_ckpt(path: str) -> str | None:
+        # the outermost checkpointed ancestor-or-self of path
+        parts = path.split(".") if path else []
+        for i in range(1, len(parts) + 1):
+            q = ".".join(parts[:i])
+            if q in ckpt_set:
+                return q
+        return None
+
+    counted: list[set[int]] = [set() for _ in range(assign.num_stages)]
+    totals = [0] * assign.num_stages
+
+    def add(stage: int, its):
+        for tid, numel, esize, is_float in its:
+            if tid in counted[stage]:
+                continue
+            counted[stage].add(tid)
+            totals[stage] += numel * (elem_bytes if (is_float and elem_bytes is not None) else esize)
+
+    for path, its in prof.leaf_out.items():
+        if outer_ckpt(path) is None:
+            add(assign.stage_of.get(path, 0), its)
+    for c in ckpt:
+        if outer_ckpt(c) == c:
+            add(assign.stage_of.get(c, 0), prof.mod_in.get(c, []))
+    return [round(t * act_scale) for t in totals]
+
+
+def _saved_per_stage(prof: SavedProfile, assign: StageAssignment, act_scale: float,
+                     elem_bytes: int | None) -> list[int]:
+    totals = [0] * assign.num_stages
+    for path, nbytes, esize, is_float in prof.items:
+        if is_float and elem_bytes is not None:
+            nbytes = nbytes // esize * elem_bytes
+        totals[assign.stage_of.get(path, 0)] += nbytes
+    return [round(t * act_scale) for t in totals]
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------------
+_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "buffer_bytes")
+
+
+@dataclass
+class Plan:
+    """Per-rank memory of a schedule, one entry per pipeline stage (bytes; binary units in text).
+
+    Attributes:
+        world_size: tensor-parallel ranks per stage (the schedule's world size).
+        num_stages: pipeline stages (cuts + 1); the plan covers ``num_stages * world_size`` ranks.
+        per_stage: one dict per stage with keys ``stage``, ``ranks`` ([first, last] global rank),
+            ``first`` / ``last`` (first module path of the stage in module order; the cut that ends it,
+            or for the last stage its last module path), ``blocks`` ([lo, hi] indices
+            of the top-level repeated blocks in it, or None), ``num_params`` (elements on one rank),
+            ``sharded_params`` / ``replicated_params`` (elements), ``param_bytes``, ``grad_bytes``,
+            ``optimizer_bytes``, ``activation_bytes`` (None when not estimated), ``buffer_bytes``,
+            ``total_bytes``.
+        settings: the arguments the plan was made with (JSON-able).
+        activation: "estimated", "cached" (reused an earlier pass), "given" or "skipped".
+        activation_method: "estimate" or "autograd" (how activations were counted), or None.
+        activation_seconds: wall time of the meta forward (0 when cached or skipped).
+        notes: sentences worth showing (e.g. an empty stage).
+    """
+
+    world_size: int
+    num_stages: int
+    per_stage: list[dict]
+    settings: dict
+    blocks: str | None = None
+    activation: str = "skipped"
+    activation_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    activation_method: str | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the plan covers: ``num_stages * world_size``."""
+        return self.num_stages * self.world_size
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the busiest rank needs (the maximum over stages of ``total_bytes``)."""
+        return max(s["total_bytes"] for s in self.per_stage)
+
+    @property
+    def cluster_bytes(self) -> int:
+        """Bytes over all ranks (each stage's per-rank total times ``world_size``)."""
+        return sum(s["total_bytes"] for s in self.per_stage) * self.world_size
+
+    def fits(self, gpu_bytes: float) -> bool:
+        """Whether every rank's total fits in ``gpu_bytes`` (e.g. ``80 * 2**30``).
+
+        Raises:
+            ScheduleError: if ``gpu_bytes`` is not a positive number.
+        """
+        if isinstance(gpu_bytes, bool) or not isinstance(gpu_bytes, (int, float)) or gpu_bytes <= 0:
+            raise ScheduleError(f"fits() needs the GPU memory as a positive number of bytes, not {gpu_bytes!r}.")
+        return self.total_bytes <= gpu_bytes
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict: settings, stages, totals."""
+        return {"world_size": self.world_size, "num_stages": self.num_stages, "num_ranks": self.num_ranks,
+                "blocks": self.blocks, "settings": dict(self.settings), "activation": self.activation,
+                "activation_method": self.activation_method,
+                "activation_seconds": self.activation_seconds, "per_stage": [dict(s) for s in self.per_stage],
+                "total_bytes": self.total_bytes, "cluster_bytes": self.cluster_bytes, "notes": list(self.notes)}
+
+    def table(self) -> str:
+        """A fixed-width text table, one row per stage (bytes of ONE rank of that stage)."""
+        head = ["stage", "ranks", "modules", "params", "grads", "optimizer", "activations", "total"]
+        rows = []
+        for s in self.per_stage:
+            if s["blocks"] is not None:
+                lo, hi = s["blocks"]
+                span = f"{self.blocks}[{lo}]" if lo == hi else f"{self.blocks}[{lo}..{hi}]"
+            else:
+                span = s["last"] or "(root)"
+            act = "-" if s["activation_bytes"] is None else human_bytes(s["activation_bytes"])
+            rows.append([str(s["stage"]), f"{s['ranks'][0]}-{s['ranks'][1]}", span, human_bytes(s["param_bytes"]),
+                         human_bytes(s["grad_bytes"]), human_bytes(s["optimizer_bytes"]), act,
+                         human_bytes(s["total_bytes"])])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+        lines.append("  ".join("-" * w for w in widths))
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(f"busiest rank: {human_bytes(self.total_bytes)} of {self.num_ranks} rank(s) "
+                     f"({self.num_stages} stage(s) x TP {self.world_size})")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Plan(world_size={self.world_size}, num_stages={self.num_stages}, "
+                f"total_bytes={self.total_bytes} ({human_bytes(self.total_bytes)}))")
+
+
+def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dtype: Any = None,
+         master_weights: bool = False, micro_batch_size: int | None = None, example_inputs: Any = None,
+         activation: Any = "estimate", activation_dtype: Any = None, cache: bool = True) -> Plan:
+    """Plan the per-rank memory of schedule ``sch`` (see the module docstring).
+
+    Args:
+        sch: a schedule (any node; its top is used). Simulated schedules give per-rank shapes for free.
+        optimizer: "adam" / "adamw" (2 fp32 states), "sgd" (0), "sgd_momentum" (1), None / "none", or an
+            optimizer class (``torch.optim.AdamW``; looked up by name).
+        param_dtype: the training dtype of parameters, a ``torch.dtype`` or bytes per element; None uses
+            each parameter's own dtype. Default fp32 (4 B).
+        grad_dtype: gradient dtype (or bytes); None = same as the parameter.
+        master_weights: add a 4-byte fp32 master copy per trainable element to the optimizer bytes.
+        micro_batch_size: scale the activation estimate from the example inputs' batch size (dim 0 of
+            the first tensor) to this one (activations are linear in the batch).
+        example_inputs: inputs of one forward (dict of kwargs / tuple / tensor, any device, real
+            shapes); needed for ``activation="estimate"`` / ``"autograd"``.
+        activation: "estimate" (leaf outputs, one cached meta forward), "autograd" (exact saved
+            tensors, one cached meta forward per checkpoint set) -- both skipped with a note when there
+            are no ``example_inputs`` --, None / "none" (skip), or a number of bytes per micro-batch for
+            the whole model (split over stages in proportion to their parameters).
+        activation_dtype: count floating activations at this size (dtype or bytes); None = as run.
+        cache: reuse an earlier activation pass of the same model, sharding and input shapes.
+
+    Returns:
+        Plan (``per_stage``, ``total_bytes``, ``to_dict()``, ``table()``, ``fits(gpu_bytes)``).
+
+    Raises:
+        ScheduleError: for an unknown optimizer or dtype, a bad micro-batch size, a stale cut, or a
+            failed activation pass.
+    """
+    top = sch.get_top_schedule()
+    pbytes = _elem_bytes(param_dtype, "param_dtype")
+    gbytes = _elem_bytes(grad_dtype, "grad_dtype")
+    abytes = _elem_bytes(activation_dtype, "activation_dtype")
+    states = _optimizer_states(optimizer)
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                         or micro_batch_size < 1):
+        raise ScheduleError(f"micro_batch_size must be a positive integer, not {micro_batch_size!r}.")
+    bad_number = isinstance(activation, bool) or (isinstance(activation, (int, float)) and activation < 0)
+    if bad_number or not (activation is None or isinstance(activation, (int, float))
+                          or activation in ("estimate", "autograd", "none")):
+        raise ScheduleError(
+            f"activation must be 'estimate', 'autograd', None or a number of bytes, not {activation!r}.")
+
+    assign = stage_assignment(top)
+    n = assign.num_stages
+    ws = top.world_size
+    stats = [{"num_params": 0, "sharded_params": 0, "replicated_params": 0, "param_bytes": 0, "grad_bytes": 0,
+              "optimizer_bytes": 0, "buffer_bytes": 0} for _ in range(n)]
+    seen: list[set[int]] = [set() for _ in range(n)]
+    first: list[str | None] = [None] * n
+    last: list[str | None] = [None] * n
+    blk_lo: list[int | None] = [None] * n
+    blk_hi: list[int | None] = [None] * n
+    bprefix = (assign.blocks + ".") if assign.blocks else None
+    for path, node in top.named_schedules():
+        s = assign.stage_of[path]
+        mod = node.mod
+        if path:
+            if first[s] is None:
+                first[s] = path
+            last[s] = path
+        if bprefix is not None and path.startswith(bprefix) and "." not in path[len(bprefix):]:
+            idx = list(node.parent.child).index(node.name) if node.parent is not None else 0
+            blk_lo[s] = idx if blk_lo[s] is None else min(blk_lo[s], idx)
+            blk_hi[s] = idx if blk_hi[s] is None else max(blk_hi[s], idx)
+        st = stats[s]
+        for p in mod._parameters.values():
+            if p is None or id(p) in seen[s]:
+                continue
+            seen[s].add(id(p))
+            numel = p.numel()
+            eb = pbytes if pbytes is not None else p.element_size()
+            st["num_params"] += numel
+            if getattr(p, "shard_axis", None) is not None:
+                st["sharded_params"] += numel
+            else:
+                st["replicated_params"] += numel
+            st["param_bytes"] += numel * eb
+            if p.requires_grad:
+                st["grad_bytes"] += numel * (gbytes if gbytes is not None else eb)
+                st["optimizer_bytes"] += numel * (states * _FP32 + (_FP32 if master_weights else 0))
+        for b in mod._buffers.values():
+            if b is None or id(b) in seen[s]:
+                continue
+            seen[s].add(id(b))
+            st["buffer_bytes"] += b.numel() * b.element_size()
+
+    notes: list[str] = []
+    for c in assign.merged:
+        notes.append(f"The cut at {c} ends where an outer cut already ends a stage, so it adds no stage.")
+    act: list[int | None] = [None] * n
+    act_mode, act_seconds = "skipped", 0.0
+    if isinstance(activation, (int, float)) and not isinstance(activation, bool):
+        total_p = sum(st["num_params"] for st in stats) or 1
+        act = [round(activation * st["num_params"] / total_p) for st in stats]
+        act_mode = "given"
+    elif activation in ("estimate", "autograd"):
+        if example_inputs is None:
+            notes.append("No example_inputs were given, so activations were not estimated.")
+        else:
+            prof, hit = _cached_profile(top, example_inputs, cache, activation)
+            scale = 1.0
+            if micro_batch_size is not None:
+                if not prof.batch:
+                    raise ScheduleError("micro_batch_size needs example inputs whose first tensor has a batch "
+                                        "dimension (dim 0).")
+                scale = micro_batch_size / prof.batch
+            if activation == "estimate":
+                act = _activation_per_stage(top, prof, assign, scale, abytes)
+            else:
+                act = _saved_per_stage(prof, assign, scale, abytes)
+            act_mode = "cached" if hit else "estimated"
+            act_seconds = 0.0 if hit else prof.seconds
+            if prof.fake:
+                notes.append("The activation pass ran under FakeTensorMode (the forward reads tensor values).")
+
+    for s, cut in enumerate(assign.cuts):  # a cut module is the last module of its stage
+        last[s] = cut
+    per_stage = []
+    for s in range(n):
+        st = stats[s]
+        total = st["param_bytes"] + st["grad_bytes"] + st["optimizer_bytes"] + st["buffer_bytes"] + (act[s] or 0)
+        blocks = [blk_lo[s], blk_hi[s]] if blk_lo[s] is not None else None
+        per_stage.append({"stage": s, "ranks": [s * ws, (s + 1) * ws - 1], "first": first[s], "last": last[s],
+                          "blocks": blocks, **st, "activation_bytes": act[s], "total_bytes": total})
+        if st["num_params"] == 0 and n > 1:
+            notes.append(f"Stage {s} holds no parameters; check the cuts.")
+    settings = {"optimizer": optimizer.__name__ if isinstance(optimizer, type) else optimizer,
+                "param_dtype": str(param_dtype) if param_dtype is not None else None,
+                "grad_dtype": str(grad_dtype) if grad_dtype is not None else None,
+                "master_weights": bool(master_weights), "micro_batch_size": micro_batch_size,
+                "activation_dtype": str(activation_dtype) if activation_dtype is not None else None}
+    method = activation if activation in ("estimate", "autograd") and act_mode != "skipped" else None
+    return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method)
+

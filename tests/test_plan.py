@@ -1,0 +1,319 @@
+"""Simulated planning (slapo_lab.plan): numbers checked against hand computation."""
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+import slapo_lab as sl
+from slapo_lab.plan import estimate_activations, stage_assignment
+
+L, H, I, V = 4, 64, 256, 1000  # small BERT
+COL = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
+ROW = ("attention.output.dense", "output.dense")
+
+
+def _bert():
+    cfg = BertConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=4, intermediate_size=I,
+                     vocab_size=V, max_position_embeddings=128)
+    with torch.device("meta"):
+        return BertModel(cfg)
+
+
+def _tp(sch, layers=range(L)):
+    for i in layers:
+        p = f"encoder.layer.{i}"
+        for n in COL:
+            sch[f"{p}.{n}"].shard("weight", axis=0)
+            sch[f"{p}.{n}"].shard("bias", axis=0)
+            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        for n in ROW:
+            sch[f"{p}.{n}"].shard("weight", axis=1)
+            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+
+
+def _split_counts(model):
+    """(elements that TP shards, elements that stay replicated), from the unsharded model."""
+    sharded = 0
+    for i in range(L):
+        layer = model.encoder.layer[i]
+        for n in COL:
+            m = layer.get_submodule(n)
+            sharded += m.weight.numel() + m.bias.numel()
+        for n in ROW:
+            sharded += layer.get_submodule(n).weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    return sharded, total - sharded
+
+
+def test_tp_param_bytes_exact():
+    ref = _bert()
+    sharded, replicated = _split_counts(ref)
+    sch = sl.create_schedule(_bert(), world_size=2)
+    _tp(sch)
+    pl = sl.plan(sch)
+    st = pl.per_stage[0]
+    per_rank = replicated + sharded // 2
+    assert st["num_params"] == per_rank
+    assert st["sharded_params"] == sharded // 2 and st["replicated_params"] == replicated
+    assert st["param_bytes"] == 4 * per_rank
+    assert st["grad_bytes"] == 4 * per_rank
+    assert st["optimizer_bytes"] == 8 * per_rank  # Adam: 2 fp32 moments
+    assert st["activation_bytes"] is None and pl.activation == "skipped"
+    assert pl.total_bytes == st["total_bytes"] == 16 * per_rank + st["buffer_bytes"]
+    assert pl.num_ranks == 2 and pl.world_size == 2
+
+    # mixed precision: bf16 params and grads, fp32 Adam moments + fp32 master copy = 16 B/param (ZeRO)
+    mp = sl.plan(sch, param_dtype=torch.bfloat16, master_weights=True).per_stage[0]
+    assert (mp["param_bytes"], mp["grad_bytes"], mp["optimizer_bytes"]) == (2 * per_rank, 2 * per_rank, 12 * per_rank)
+    assert sl.plan(sch, optimizer="sgd").per_stage[0]["optimizer_bytes"] == 0
+    assert sl.plan(sch, optimizer="sgd_momentum").per_stage[0]["optimizer_bytes"] == 4 * per_rank
+    assert sl.plan(sch, optimizer=torch.optim.AdamW).per_stage[0]["optimizer_bytes"] == 8 * per_rank
+    assert sl.plan(sch, param_dtype=2, grad_dtype=torch.float32).per_stage[0]["grad_bytes"] == 4 * per_rank
+    assert sl.plan(sch, param_dtype=None).per_stage[0]["param_bytes"] == 4 * per_rank  # own dtype: fp32
+
+
+def test_frozen_params_have_no_grads_or_states():
+    sch = sl.create_schedule(_bert(), world_size=1)
+    emb = sch.mod.embeddings.word_embeddings.weight
+    emb.requires_grad_(False)
+    st = sl.plan(sch).per_stage[0]
+    assert st["param_bytes"] - st["grad_bytes"] == 4 * emb.numel()
+    assert st["param_bytes"] * 2 - st["optimizer_bytes"] == 8 * emb.numel()
+
+
+def test_stages_split_params():
+    ref = _bert()
+    sch = sl.create_schedule(_bert(), world_size=2)
+    _tp(sch)
+    sch["encoder.layer.2"].cut_pipeline_stage()  # recorded out of order on purpose
+    sch["encoder.layer.0"].cut_pipeline_stage()
+    pl = sl.plan(sch)
+    assert pl.num_stages == 3 and pl.num_ranks == 6
+    s0, s1, s2 = pl.per_stage
+
+    def layer_rank(i):  # per-rank elements of one layer under TP 2
+        layer = ref.encoder.layer[i]
+        sharded = sum(layer.get_submodule(n).weight.numel() + layer.get_submodule(n).bias.numel() for n in COL)
+        sharded += sum(layer.get_submodule(n).weight.numel() for n in ROW)
+        total = sum(p.numel() for p in layer.parameters())
+        return total - sharded + sharded // 2
+
+    emb = sum(p.numel() for p in ref.embeddings.parameters())
+    pool = sum(p.numel() for p in ref.pooler.parameters())
+    assert s0["num_params"] == emb + layer_rank(0)
+    assert s1["num_params"] == layer_rank(1) + layer_rank(2)
+    assert s2["num_params"] == layer_rank(3) + pool
+    assert (s0["blocks"], s1["blocks"], s2["blocks"]) == ([0, 0], [1, 2], [3, 3])
+    assert s0["first"] == "embeddings" and s0["last"] == "encoder.layer.0" and s1["first"] == "encoder.layer.1"
+    assert s1["last"] == "encoder.layer.2" and s2["last"].startswith("pooler")
+    assert [s["ranks"] for s in pl.per_stage] == [[0, 1], [2, 3], [4, 5]]
+    assert pl.total_bytes == max(s["total_bytes"] for s in pl.per_stage)
+    assert pl.blocks == "encoder.layer"
+    assign = stage_assignment(sch)
+    assert assign.cuts == ["encoder.layer.0", "encoder.layer.2"]
+    assert assign.stage_of["encoder.layer.0.attention.self.query"] == 0  # inside the cut module
+    assert assign.stage_of["encoder.layer.1"] == 1
+
+
+def test_stale_and_coinciding_cuts():
+    sch = sl.create_schedule(_bert())
+    sch["encoder.layer.1"].cut_pipeline_stage()
+    # recorded behind the primitive's back: a cut ending where the outer one ends adds no stage
+    sch.metadata.primitives["cut_pipeline_stage"].append("encoder.layer.1.output")
+    pl = sl.plan(sch)
+    assert pl.num_stages == 2 and any("encoder.layer.1.output" in n for n in pl.notes)
+    sch.metadata.primitives["cut_pipeline_stage"].append("encoder.layer.9")
+    with pytest.raises(sl.ScheduleError, match="encoder.layer.9"):
+        sl.plan(sch)
+
+
+def test_tied_weights_counted_per_stage():
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=100, tie_word_embeddings=True)
+    with torch.device("meta"):
+        m = LlamaForCausalLM(cfg)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    sch = sl.create_schedule(m)
+    one = sl.plan(sch).per_stage[0]["num_params"]
+    assert one == sum(p.numel() for p in m.parameters())  # counted once
+    sch["model.layers.0"].cut_pipeline_stage()
+    s0, s1 = sl.plan(sch).per_stage
+    assert s0["num_params"] + s1["num_params"] == one + 100 * 64  # both stages hold the tied matrix
+
+
+def test_activation_estimate_hand_count():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 8)
+    pl = sl.plan(sl.create_schedule(model), example_inputs=(x,), optimizer=None)
+    assert pl.per_stage[0]["activation_bytes"] == 4 * (2 * 16 + 2 * 16 + 2 * 4)
+    # TP 2: the hidden (2 x 16) is split; the row-parallel output is full after the all-reduce
+    sch = sl.create_schedule(model, world_size=2)
+    sch["0"].shard("weight", axis=0)
+    sch["0"].shard("bias", axis=0)
+    sch["0"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    sch["2"].shard("weight", axis=1)
+    sch["2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    pl = sl.plan(sch, example_inputs=(x,))
+    assert pl.per_stage[0]["activation_bytes"] == 4 * (2 * 8 + 2 * 8 + 2 * 4)
+    assert sl.plan(sch, example_inputs=(x,), micro_batch_size=4).per_stage[0]["activation_bytes"] == 8 * 40
+    assert sl.plan(sch, example_inputs=(x,), activation_dtype=torch.bfloat16).per_stage[0]["activation_bytes"] == 80
+    assert sl.plan(sch, example_inputs=(x,), activation=None).per_stage[0]["activation_bytes"] is None
+    assert sl.plan(sch, activation=1000).per_stage[0]["activation_bytes"] == 1000
+    # the pass ran on a meta copy in training mode; the model keeps its device and mode
+    assert model[0].weight.device.type == "cpu" and not any(m.training for m in model.modules())
+
+
+def test_checkpoint_reduces_activation_estimate():
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    sch = sl.create_schedule(_bert(), world_size=2)
+    _tp(sch)
+    before = sl.plan(sch, example_inputs={"input_ids": ids})
+    assert before.activation == "estimated"
+    again = sl.plan(sch, example_inputs={"input_ids": ids})
+    assert again.activation == "cached" and again.per_stage == before.per_stage
+    for i in range(L):
+        sch[f"encoder.layer.{i}"].checkpoint()
+    after = sl.plan(sch, example_inputs={"input_ids": ids})
+    assert after.activation == "cached"  # checkpoints do not change shapes: the pass is reused
+    a0, a1 = before.per_stage[0]["activation_bytes"], after.per_stage[0]["activation_bytes"]
+    assert 0 < a1 < a0 / 3
+    # hand count: the leaves outside the encoder (embeddings, pooler) plus every checkpointed layer's
+    # hidden-state input (2 x 32 x 64 fp32); layer 0's input is the embeddings' dropout output, already
+    # counted, so L - 1 inputs add
+    prof = estimate_activations(sch.mod, {"input_ids": ids})
+    leaf_outside = sum(n * e for p, its in prof.leaf_out.items() if not p.startswith("encoder.")
+                       for _, n, e, _ in its)
+    emb = 4 * 2 * 32 * H  # word, token-type, LayerNorm, dropout: (2, 32, 64); position: (1, 32, 64)
+    assert leaf_outside == 4 * emb + emb // 2 + 2 * 4 * 2 * H  # + pooler dense and tanh: (2, 64)
+    assert a1 == leaf_outside + (L - 1) * 2 * 32 * H * 4
+    fresh = sl.plan(sch, example_inputs={"input_ids": ids}, cache=False)
+    assert fresh.activation == "estimated" and fresh.per_stage[0]["activation_bytes"] == a1
+
+
+def _measured_saved_bytes(model, ids):
+    """Bytes of unique storages autograd saves in a real forward (parameters and buffers excluded)."""
+    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids)
+    return sum(seen.values())
+
+
+def test_autograd_activation_matches_real_saved_tensors():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pl = sl.plan(sl.create_schedule(model), example_inputs=(torch.randn(2, 8),), activation="autograd")
+    # Linear 0 saves its input x (2 x 8); ReLU saves its output (2 x 16), which Linear 2 saves too
+    assert pl.per_stage[0]["activation_bytes"] == 4 * (2 * 8 + 2 * 16) and pl.activation_method == "autograd"
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=4, intermediate_size=I,
+                     vocab_size=V, max_position_embeddings=128)
+    real = BertModel(cfg).train()
+    ids = torch.randint(0, V, (2, 32))
+    sch = sl.create_schedule(real)
+    whole = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd")
+    assert whole.per_stage[0]["activation_bytes"] == _measured_saved_bytes(real, ids)
+    for i in range(L):
+        sch[f"encoder.layer.{i}"].checkpoint()
+    ck = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd")
+    assert ck.activation == "estimated"  # a new checkpoint set needs a new pass
+    assert ck.per_stage[0]["activation_bytes"] == _measured_saved_bytes(real, ids)
+    assert ck.per_stage[0]["activation_bytes"] < whole.per_stage[0]["activation_bytes"] / 3
+    sch["encoder.layer.1"].cut_pipeline_stage()
+    cut = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd")
+    assert cut.activation == "cached"  # cuts only regroup the same pass
+    assert sum(s["activation_bytes"] for s in cut.per_stage) == ck.per_stage[0]["activation_bytes"]
+    assert all(s["activation_bytes"] > 0 for s in cut.per_stage)
+
+
+def test_plan_to_dict_table_fits_and_errors():
+    sch = sl.create_schedule(_bert(), world_size=2)
+    _tp(sch)
+    sch["encoder.layer.1"].cut_pipeline_stage()
+    pl = sl.plan(sch, example_inputs={"input_ids": torch.zeros(1, 16, dtype=torch.long)})
+    d = json.loads(json.dumps(pl.to_dict()))
+    assert d["num_stages"] == 2 and d["total_bytes"] == pl.total_bytes and len(d["per_stage"]) == 2
+    text = pl.table()
+    assert "encoder.layer[0..1]" in text and "encoder.layer[2..3]" in text and "busiest rank" in text
+    assert pl.fits(pl.total_bytes) and not pl.fits(pl.total_bytes - 1)
+    assert pl.cluster_bytes == 2 * sum(s["total_bytes"] for s in pl.per_stage)
+    for bad in ({"optimizer": "lion"}, {"param_dtype": "fp8"}, {"micro_batch_size": 0},
+                {"activation": "guess"}, {"activation": True}, {"activation": -1}):
+        with pytest.raises(sl.ScheduleError):
+            sl.plan(sch, **bad)
+    with pytest.raises(sl.ScheduleError):
+        pl.fits("80GB")
+
+
+def test_activation_failure_is_one_sentence():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    with pytest.raises(sl.ScheduleError, match="boom"):
+        sl.plan(sl.create_schedule(Bad()), example_inputs=(torch.zeros(1, 4),))
+
+
+# --- a 70B Llama, tensor parallel 8, on meta ------------------------------------------------------
+H70, KV70, I70, V70, L70 = 8192, 8, 28672, 32000, 80
+
+
+@pytest.fixture(scope="module")
+def llama70b_tp8():
+    cfg = LlamaConfig(num_hidden_layers=L70, hidden_size=H70, num_attention_heads=64, num_key_value_heads=KV70,
+                      intermediate_size=I70, vocab_size=V70)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    sch = sl.create_schedule(model, world_size=8)
+    for i in range(L70):
+        p = f"model.layers.{i}"
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            sch[f"{p}.{n}"].shard("weight", axis=0)
+            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            sch[f"{p}.{n}"].shard("weight", axis=1)
+            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    return sch
+
+
+def test_llama70b_tp8_plan_fast_and_exact(llama70b_tp8):
+    sch = llama70b_tp8
+    sl.plan(sch)  # warm
+    t0 = time.perf_counter()
+    pl = sl.plan(sch, param_dtype=torch.bfloat16, master_weights=True)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"planning took {elapsed:.2f} s"
+    # independent count from the config
+    kv = KV70 * (H70 // 64)
+    sharded_layer = 2 * H70 * H70 + 2 * H70 * kv + 3 * H70 * I70  # q, o, k, v, gate, up, down
+    replicated = L70 * 2 * H70 + 2 * V70 * H70 + H70  # 2 norms per layer, embed + lm_head, final norm
+    full = L70 * sharded_layer + replicated
+    assert 68e9 < full < 71e9  # a "70B" model
+    per_rank = L70 * sharded_layer // 8 + replicated
+    st = pl.per_stage[0]
+    assert st["num_params"] == per_rank
+    assert st["param_bytes"] == 2 * per_rank and st["optimizer_bytes"] == 12 * per_rank
+    assert pl.total_bytes == 16 * per_rank + st["buffer_bytes"]
+    assert not pl.fits(80 * 2**30) and pl.fits(200 * 2**30)
+    # 4 pipeline stages of 20 layers: 32 ranks; stage 0 adds the embedding, stage 3 the head and norm
+    for i in (19, 39, 59):
+        sch[f"model.layers.{i}"].cut_pipeline_stage()
+    pp = sl.plan(sch, param_dtype=torch.bfloat16)
+    layer_rank = sharded_layer // 8 + 2 * H70
+    assert [s["num_params"] for s in pp.per_stage] == [
+        V70 * H70 + 20 * layer_rank, 20 * layer_rank, 20 * layer_rank, 20 * layer_rank + H70 + V70 * H70]
+    assert pp.num_ranks == 32
