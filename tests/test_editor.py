@@ -254,7 +254,7 @@ def test_presets_record_calls_and_undo(editor):
     assert editor.code.endswith('sch["encoder.layer.0"].checkpoint()')
     assert "not applied" in editor.apply_preset("megatron")  # already sharded: nothing changes
     assert editor.code.endswith('sch["encoder.layer.0"].checkpoint()')
-    assert "Unknown preset" in editor.apply_preset("nonsense")
+    assert "unknown preset" in editor.apply_preset("nonsense")
 
 
 def test_costs_update_live(editor):

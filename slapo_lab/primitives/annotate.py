@@ -16,7 +16,7 @@ from ..errors import ScheduleError
 from .base import Primitive, register_primitive
 
 #: attributes that primitives set themselves and that an annotation must not overwrite
-RESERVED = frozenset({"orig_shape", "shard_axis"})
+RESERVED = frozenset({"orig_shape", "shard_axis", "shard_stride", "sequence_parallel"})
 
 
 def _param(sch, param_name: Any) -> nn.Parameter:
