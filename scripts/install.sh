@@ -5,6 +5,8 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
+# pip here warns once per package about local index folders that do not exist: keep the log readable.
+exec 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)
