@@ -1,0 +1,64 @@
+"""One device mesh for tensor x pipeline x data parallelism.
+
+Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (dp, pp, tp),
+mesh_dim_names=("dp", "pp", "tp"))``: global rank ``= (d * pp + p) * tp + t``; tensor-parallel
+groups are the innermost (neighbouring ranks), as in Megatron-LM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ScheduleError
+
+
+@dataclass
+class PipelineMesh:
+    """The groups of one rank in a ``(dp, pp, tp)`` mesh.
+
+    Attributes:
+        mesh: the ``DeviceMesh`` (dims ``("dp", "pp", "tp")``).
+        tp_group / pp_group / dp_group: this rank's process groups along each dim.
+        tp / pp / dp: the sizes; tp_rank / pp_rank / dp_rank: this rank's coordinates.
+    """
+
+    mesh: Any
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+def make_mesh(tp: int = 1, pp: int = 1, dp: int = 1, device: str = "cpu") -> PipelineMesh:
+    """Create the ``(dp, pp, tp)`` device mesh over the initialised default process group.
+
+    Create the schedule with ``group=mesh.tp_group`` (so ``sch.world_size == tp``) and pass
+    ``pp_group=mesh.pp_group, dp_group=mesh.dp_group`` to :func:`build_pipeline`.
+
+    Raises:
+        ScheduleError: if ``torch.distributed`` is not initialised, a size is not a positive
+            integer, or the world size is not ``tp * pp * dp``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ScheduleError(f"make_mesh: {name} must be a positive integer, not {v!r}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ScheduleError("make_mesh needs an initialised torch.distributed process group "
+                            "(torch.distributed.init_process_group, e.g. under torchrun).")
+    ws = dist.get_world_size()
+    if ws != tp * pp * dp:
+        raise ScheduleError(f"The world size is {ws}, but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}; "
+                            "the mesh must cover every rank exactly once.")
+    mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    r = dist.get_rank()
+    return PipelineMesh(mesh, mesh.get_group("tp"), mesh.get_group("pp"), mesh.get_group("dp"), tp, pp, dp,
+                        r % tp, (r // tp) % pp, r // (tp * pp))

@@ -1,0 +1,580 @@
+"""Split a scheduled model into pipeline stages at its recorded cuts.
+
+Slapo (seed ``002``: ``generate_pipeline_partition`` / ``propagate_partition``) traces every level of
+the hierarchy with ``torch.fx`` and propagates each cut up to the common ancestor; the marked module
+is the *last* module of its stage, and a cut at a parent closes the stage its children's cuts left
+open (the T5 example: cuts after ``encoder.block.11``, ``encoder`` and ``decoder.block.11`` give 4
+stages; without the ``encoder`` cut, 3). ``torch.fx`` fails on every full Hugging Face 5.x model, so
+here the whole model is captured once with ``torch.export`` and split by PyTorch's pipelining
+frontend (seed ``003``: ``pipe_split`` / ``pipeline()``): a forward hook placed after each cut module's
+own hooks calls ``pipe_split()``, which marks the end of that module in the exported graph. Because a
+cut is a point in the flat execution order, cuts at any depth compose exactly as in Slapo: ``n``
+honoured cuts give ``n + 1`` stages.
+
+What crosses stages (torchgpipe's ``SkipLayout``, seed ``004``; Slapo's ``analyze_pipeline_module``
+liveness) comes from the split graph: a value defined in stage ``i`` and used in stage ``j > i + 1``
+is sent from ``i`` to ``j`` directly by the torch runtime, and carried through the stages between by
+the DeepSpeed runtime (see :attr:`PipelinePartition.liveness`).
+
+Tied weights used by several stages (GPT-2's ``wte`` / ``lm_head``) are replicated: each stage gets
+its own copy (PyTorch's ``MultiUseParameterConfig.REPLICATE``), and :attr:`PipelinePartition.tied`
+lists them so the runtimes can sum their gradients (Slapo's ``analyze_tie_weights``). Every other
+parameter of a stage *is* the schedule's parameter object, so training a pipeline updates ``sch.mod``
+in place (tied copies excepted) and sharding annotations (``shard_axis``, ``orig_shape``) stay on.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..errors import ScheduleError
+from ._collectives import exportable_sync_ops
+from .order import _split_inputs, check_cuts, record_call_order, stage_ops
+
+ROOT_PREFIX = "model."
+
+
+def default_output_fn(out: Any) -> torch.Tensor:
+    """The first floating-point tensor of a model output (tensor, tuple, dict or HF ``ModelOutput``).
+
+    For HF models this is ``logits`` (heads) or ``last_hidden_state`` (base models).
+
+    Raises:
+        ScheduleError: if the output holds no floating-point tensor.
+    """
+    from ..verify import flatten_outputs
+
+    items = flatten_outputs(out)
+    if not items:
+        raise ScheduleError("The model output has no floating-point tensor for the pipeline to return; "
+                            "pass output_fn= to pick one.")
+    return items[0][1]
+
+
+class _Root(nn.Module):
+    """``model`` under the attribute ``model`` (FQN prefix ``model.``), returning ``output_fn(model(...))``."""
+
+    def __init__(self, model: nn.Module, output_fn: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self._output_fn = output_fn
+
+    def forward(self, *args, **kwargs):
+        return self._output_fn(self.model(*args, **kwargs))
+
+
+@dataclass
+class StageInfo:
+    """One pipeline stage of a :class:`PipelinePartition`.
+
+    Attributes:
+        index: stage index (0-based, in forward order).
+        module: the stage's ``torch.fx.GraphModule`` (the original hierarchy under ``model.``).
+        params: original parameter FQN -> this stage's parameter object (tied copies included).
+        inputs: names of the split-graph values the stage consumes (in call order).
+        outputs: names of the values it produces (in output order).
+        n_params: number of parameter elements held by the stage.
+    """
+
+    index: int
+    module: nn.Module
+    params: dict[str, nn.Parameter]
+    inputs: list[str]
+    outputs: list[str]
+    n_params: int = 0
+
+
+@dataclass
+class PipelinePartition:
+    """The result of :func:`partition_pipeline`.
+
+    Attributes:
+        pipe: PyTorch's ``torch.distributed.pipelining.Pipe`` (``pipe.build_stage(i, device, group)``).
+        cuts: the cut paths in forward order.
+        stages: one :class:`StageInfo` per stage.
+        tied: one dict per tied parameter used by several stages: stage index -> original FQN.
+        liveness: ``liveness[b]`` = names of the values alive when stage ``b`` starts (``b = 0``: the
+            model inputs, in placeholder order; ``b = num_stages``: the model output); Slapo's
+            ``analyze_pipeline_module``.
+        input_names: the model inputs (placeholders of the split graph), in order.
+        mb_args / mb_kwargs: the micro-batch example inputs the model was exported with.
+    """
+
+    pipe: Any
+    cuts: list[str]
+    stages: list[StageInfo]
+    tied: list[dict[int, str]]
+    liveness: list[list[str]]
+    input_names: list[str]
+    mb_args: tuple = ()
+    mb_kwargs: dict = field(default_factory=dict)
+    value_producer: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def flat_inputs(self, args: tuple = (), kwargs: dict | None = None) -> list:
+        """The model inputs in placeholder order (positional first, then keywords in example order).
+
+        Raises:
+            ScheduleError: if the keyword names or the count differ from the example inputs.
+        """
+        kwargs = dict(kwargs or {})
+        if set(kwargs) != set(self.mb_kwargs) or len(args) != len(self.mb_args):
+            raise ScheduleError(f"The pipeline was built for {len(self.mb_args)} positional inputs and keyword inputs "
+                                f"{sorted(self.mb_kwargs)}; got {len(args)} positional and {sorted(kwargs)}.")
+        return list(args) + [kwargs[k] for k in self.mb_kwargs]
+
+    def stage0_inputs(self, args: tuple = (), kwargs: dict | None = None) -> tuple:
+        """The positional inputs of stage 0 for these model inputs (the ones it reads, in order)."""
+        flat = dict(zip(self.input_names, self.flat_inputs(args, kwargs)))
+        return tuple(flat[n] for n in self.stages[0].inputs)
+
+    def stage_module(self, i: int) -> nn.Module:
+        """The GraphModule of stage ``i``."""
+        return self.stages[i].module
+
+    def describe(self) -> str:
+        """One line per stage: index, parameter count, first and last parameter FQNs, crossing values."""
+        lines = []
+        for s in self.stages:
+            names = list(s.params)
+            span = f"{names[0]} .. {names[-1]}" if names else "(no parameters)"
+            lines.append(f"stage {s.index}: {s.n_params} params, {span}; receives {len(self.liveness[s.index])} "
+                         f"values, passes on {len(self.liveness[s.index + 1])}")
+        for t in self.tied:
+            lines.append("tied: " + ", ".join(f"stage {k}: {v}" for k, v in sorted(t.items())))
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _split_hooks(root: nn.Module, cuts: list[str]):
+    from torch.distributed.pipelining import pipe_split
+
+    handles = []
+
+    def hook(mod, args, out):
+        pipe_split()
+
+    try:
+        for p in cuts:
+            mod = root.get_submodule(ROOT_PREFIX + p)
+            handles.append(mod.register_forward_hook(hook))  # appended: runs after the schedule's syncs
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _chunk0(x, n: int):
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 or x.shape[0] % n:
+            raise ScheduleError(f"The batch dimension of an example input of shape {tuple(x.shape)} is not divisible "
+                                f"by n_microbatches={n}.")
+        return x.chunk(n, dim=0)[0]
+    if isinstance(x, dict):
+        return {k: _chunk0(v, n) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_chunk0(v, n) for v in x)
+    return x
+
+
+def microbatch(example_inputs, n_microbatches: int):
+    """The first of ``n_microbatches`` equal chunks (dim 0) of ``example_inputs``: ``(args, kwargs)``."""
+    args, kwargs = _split_inputs(example_inputs)
+    return _chunk0(args, n_microbatches), _chunk0(kwargs, n_microbatches)
+
+
+def _graph_modules(mod: nn.Module):
+    for m in mod.modules():
+        g = getattr(m, "graph", None)
+        if isinstance(g, fx.Graph):
+            yield m, g
+
+
+def _prune_unused_params(stage: nn.Module) -> None:
+    """Delete parameter/buffer aliases no graph of the stage reads (stale tied aliases)."""
+    used: set[int] = set()
+    for m, g in _graph_modules(stage):
+        for node in g.nodes:
+            if node.op == "get_attr":
+                try:
+                    t = m.get_parameter(node.target)
+                except AttributeError:
+                    try:
+                        t = m.get_buffer(node.target)
+                    except AttributeError:
+                        t = None
+                if isinstance(t, torch.Tensor):
+                    used.add(id(t))
+    for name, p in list(stage.named_parameters(remove_duplicate=False)):
+        if id(p) not in used:
+            owner, _, attr = name.rpartition(".")
+            sub = stage.get_submodule(owner) if owner else stage
+            if attr in sub._parameters:
+                del sub._parameters[attr]
+
+
+def _contiguous_val(val):
+    if isinstance(val, torch.Tensor) and not val.is_contiguous():
+        return val.contiguous()
+    return val
+
+
+def _output_node(g: fx.Graph) -> fx.Node:
+    return next(n for n in g.nodes if n.op == "output")
+
+
+def _add_passthrough(split: fx.GraphModule, stage_node: fx.Node, value: fx.Node) -> fx.Node:
+    """Make ``stage_node``'s stage also return its input ``value`` (a contiguous copy); return the new getitem."""
+    sub = split.get_submodule(stage_node.target)
+    g = sub.graph
+    pos = list(stage_node.args).index(value)
+    ph = [n for n in g.nodes if n.op == "placeholder"][pos]
+    out = _output_node(g)
+    with g.inserting_before(out):
+        cl = g.call_function(torch.ops.aten.clone.default, (ph,), {"memory_format": torch.contiguous_format})
+    cl.meta["val"] = _contiguous_val(ph.meta.get("val"))
+    top = split.graph
+    res = out.args[0]
+    if isinstance(res, (tuple, list)):
+        new_idx = len(res)
+        out.args = (tuple(res) + (cl,),)
+    else:  # single output -> tuple: existing users read item 0
+        out.args = ((res, cl),)
+        with top.inserting_after(stage_node):
+            gi0 = top.call_function(operator.getitem, (stage_node, 0))
+        stage_node.replace_all_uses_with(gi0, delete_user_cb=lambda u: u is not gi0)
+        new_idx = 1
+    last = max((u for u in stage_node.users), key=lambda u: _position(top, u), default=stage_node)
+    with top.inserting_after(last if _position(top, last) > _position(top, stage_node) else stage_node):
+        gi = top.call_function(operator.getitem, (stage_node, new_idx))
+    sub.recompile()
+    return gi
+
+
+def _position(g: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(g.nodes):
+        if n is node:
+            return i
+    return -1
+
+
+def _value_meta(split: fx.GraphModule, v: fx.Node):
+    """The recorded example value (``meta["val"]``) of a value of the top split graph."""
+    if v.op == "placeholder":
+        for u in v.users:
+            if u.op == "call_module":
+                sub = split.get_submodule(u.target)
+                return [n for n in sub.graph.nodes if n.op == "placeholder"][list(u.args).index(v)].meta.get("val")
+        return None
+    if v.op == "call_function" and v.target is operator.getitem:
+        res = _output_node(split.get_submodule(v.args[0].target).graph).args[0]
+        x = res[v.args[1]]
+    else:
+        x = _output_node(split.get_submodule(v.target).graph).args[0]
+    return x.meta.get("val") if isinstance(x, fx.Node) else None
+
+
+def _add_input(split: fx.GraphModule, stage_node: fx.Node, value: fx.Node, val) -> None:
+    """Give ``stage_node``'s stage one more input (unused inside) fed with ``value``."""
+    sub = split.get_submodule(stage_node.target)
+    g = sub.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes))):
+        ph = g.placeholder(f"carry_{value.name}")
+    ph.meta["val"] = val
+    stage_node.args = tuple(stage_node.args) + (value,)
+    sub.recompile()
+
+
+def _next_carry(top: fx.Graph, sidx: dict):
+    """A value whose consumers are not just the next stage: ``(value, producer stage, consumer stages)``."""
+    for v in top.nodes:
+        if v.op == "placeholder":
+            prod = 0
+        elif v.op == "call_function" and v.target is operator.getitem and v.args[0] in sidx:
+            prod = sidx[v.args[0]]
+        elif v.op == "call_module" and not any(u.op == "call_function" and u.target is operator.getitem
+                                               for u in v.users):
+            prod = sidx[v]
+        else:
+            continue
+        consumers = {sidx[u] for u in v.users if u.op == "call_module"}
+        if v.op == "placeholder":
+            if consumers - {0}:
+                return v, prod, consumers
+        elif consumers - {prod + 1}:
+            return v, prod, consumers
+    return None
+
+
+def _align_outputs(split: fx.GraphModule, stage_nodes: list[fx.Node]) -> None:
+    """Order each stage's outputs as the next stage reads them.
+
+    The runtime matches point-to-point messages by posting order only: the sender posts its outputs
+    by index, the receiver its inputs by placeholder position. Two same-shaped tensors (a hidden
+    state and a carried skip value) would silently swap unless both orders agree.
+    """
+    top = split.graph
+    for i, node in enumerate(stage_nodes[:-1]):
+        getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+        if len(getitems) < 2:
+            continue
+        nxt = stage_nodes[i + 1]
+        pos = {a: k for k, a in enumerate(nxt.args) if isinstance(a, fx.Node)}
+        order = sorted(getitems, key=lambda u: (pos.get(u, len(pos)), u.args[1]))
+        if [u.args[1] for u in order] == list(range(len(order))) and list(node.users) == order:
+            continue
+        sub = split.get_submodule(node.target)
+        out = _output_node(sub.graph)
+        res = list(out.args[0])
+        out.args = (tuple(res[u.args[1]] for u in order),)
+        sub.recompile()
+        anchor = node
+        for k, old in enumerate(order):
+            with top.inserting_after(anchor):
+                new = top.call_function(operator.getitem, (node, k))
+            new.meta = dict(old.meta)
+            anchor = new
+        news = [u for u in node.users if u not in getitems]
+        for old, new in zip(order, news):
+            old.replace_all_uses_with(new)
+            top.erase_node(old)
+
+
+def _add_root_input(split: fx.GraphModule, stage0: fx.Node, v: fx.Node) -> None:
+    """Make stage 0 take the model input ``v`` too (a placeholder of the same name, in model order)."""
+    top_order = {n: i for i, n in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
+    sub = split.get_submodule(stage0.target)
+    g = sub.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    args = list(stage0.args)
+    k = next((i for i, a in enumerate(args) if top_order.get(a, -1) > top_order[v]), len(args))
+    val = _value_meta(split, v)
+    if k < len(phs):
+        with g.inserting_before(phs[k]):
+            ph = g.placeholder(v.target)
+    else:
+        with g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes))):
+            ph = g.placeholder(v.target)
+    ph.meta["val"] = val
+    args.insert(k, v)
+    stage0.args = tuple(args)
+    sub.recompile()
+
+
+def _normalize_pipe(pipe) -> None:
+    """Adapt the split for ``torch.distributed.pipelining``'s stage runtime (in place).
+
+    * Only adjacent stages talk (the multi-stage schedules reject other sends, and a value with
+      several consumers gets no backward: "Backward of skip connections not supported yet"). A
+      value produced by stage ``i`` and read by stage ``j > i + 1`` -- a skip connection, T5's
+      encoder output, an attention mask -- is therefore carried through stages ``i + 1 .. j - 1``:
+      each passes a contiguous copy on (Slapo's liveness forwarding, torchgpipe's skip layout, made
+      explicit). Gradients of the copies flow back along the same chain, so they sum correctly.
+    * Model inputs reach only stage 0; one read later (T5's ``decoder_input_ids``) becomes an input of
+      stage 0 as well and is carried from there the same way.
+    * Every stage output is made contiguous (and so is the receiving placeholder's recorded value,
+      from which receive buffers are allocated): gloo sends only contiguous tensors, and exported
+      values can be expanded views (BERT's attention mask has stride 0).
+    """
+    split = pipe.split_gm
+    top = split.graph
+    stage_nodes = [n for n in top.nodes if n.op == "call_module"]
+    sidx = {n: i for i, n in enumerate(stage_nodes)}
+    while True:
+        job = _next_carry(top, sidx)
+        if job is None:
+            break
+        v, prod, consumers = job
+        if v.op == "placeholder" and 0 not in consumers:
+            _add_root_input(split, stage_nodes[0], v)
+        last = max(consumers)
+        start = 1 if v.op == "placeholder" else prod + 1
+        val = _contiguous_val(_value_meta(split, v))
+        cur = v
+        holder = stage_nodes[start - 1]  # the stage holding `cur` (as output or input) before stage `start`
+        for s in range(start, last + 1):
+            node = stage_nodes[s]
+            if v.op == "placeholder" or s - 1 != prod:
+                cur = _add_passthrough(split, holder, cur)  # the previous stage passes its input on
+            if s in consumers:
+                node.args = tuple(cur if a is v else a for a in node.args)
+            else:
+                _add_input(split, node, cur, val)
+            holder = node
+    _align_outputs(split, stage_nodes)
+    # contiguous outputs and receive buffers
+    for n in stage_nodes:
+        sub = split.get_submodule(n.target)
+        g = sub.graph
+        out = _output_node(g)
+        res = out.args[0]
+        items = list(res) if isinstance(res, (tuple, list)) else [res]
+        changed = False
+        for i, x in enumerate(items):
+            val = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+                with g.inserting_before(out):
+                    c = g.call_method("contiguous", (x,))
+                c.meta["val"] = val.contiguous()
+                items[i] = c
+                changed = True
+        if changed:
+            out.args = (tuple(items),) if isinstance(res, (tuple, list)) else (items[0],)
+        for ph in g.nodes:
+            if ph.op == "placeholder" and isinstance(ph.meta.get("val"), torch.Tensor):
+                ph.meta["val"] = _contiguous_val(ph.meta["val"])
+        sub.recompile()
+    # stage 0 takes its inputs positionally, in model-input order (the runtime may hand keyword
+    # arguments to every local stage, so none of them accepts any)
+    sub0 = split.get_submodule(stage_nodes[0].target)
+    if type(sub0.graph._codegen) is not fx.graph.CodeGen:
+        sub0.graph._codegen = fx.graph.CodeGen()
+        sub0.recompile()
+    top.lint()
+    split.recompile()
+
+
+def _orig_name(stage_fqn: str) -> str | None:
+    return stage_fqn[len(ROOT_PREFIX):] if stage_fqn.startswith(ROOT_PREFIX) else None
+
+
+def _analyze_split(split_gm: fx.GraphModule, n: int):
+    """Stage inputs/outputs and liveness from the top split graph (Slapo's analyze_pipeline_module)."""
+    nodes = list(split_gm.graph.nodes)
+    stage_nodes = [nd for nd in nodes if nd.op == "call_module"]
+    stage_of = {nd.name: i for i, nd in enumerate(stage_nodes)}
+    # value name -> (producing stage, output index or None for a single output); stage -1 = model input
+    producer: dict[str, tuple[int, int | None]] = {}
+    input_names = [nd.name for nd in nodes if nd.op == "placeholder"]
+    for nm in input_names:
+        producer[nm] = (-1, None)
+    for nd in nodes:
+        if nd.op == "call_module":
+            if not any(u.op == "call_function" and u.target is operator.getitem for u in nd.users):
+                producer[nd.name] = (stage_of[nd.name], None)
+        elif nd.op == "call_function" and nd.target is operator.getitem and nd.args[0].name in stage_of:
+            producer[nd.name] = (stage_of[nd.args[0].name], nd.args[1])
+    def_order = {nd.name: i for i, nd in enumerate(nodes)}
+    inputs = [[a.name for a in nd.args if isinstance(a, fx.Node)] for nd in stage_nodes]
+    outputs: list[list[str]] = [[] for _ in range(n)]
+    for v, (s, _k) in producer.items():
+        if s >= 0:
+            outputs[s].append(v)
+    for s in range(n):
+        outputs[s].sort(key=lambda v: producer[v][1] if producer[v][1] is not None else -1)
+    out_node = next(nd for nd in nodes if nd.op == "output")
+    final: list[str] = []
+    fx.node.map_arg(out_node.args, lambda x: final.append(x.name) or x)
+    users_after: list[set[str]] = [set() for _ in range(n + 1)]  # used by stages >= b or the output
+    users_after[n] = set(final)
+    for b in range(n - 1, -1, -1):
+        users_after[b] = users_after[b + 1] | set(inputs[b])
+    liveness = [list(input_names)]
+    for b in range(1, n + 1):
+        live = [v for v in producer if producer[v][0] < b and v in users_after[b]]
+        live.sort(key=lambda v: def_order[v])
+        liveness.append(live)
+    return inputs, outputs, liveness, input_names, producer
+
+
+def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
+                       output_fn: Callable[[Any], Any] | None = None) -> PipelinePartition:
+    """Split ``sch.mod`` into pipeline stages at ``sch.metadata.primitives["cut_pipeline_stage"]``.
+
+    Args:
+        sch: the (root) schedule; its cuts are Slapo's: each marked module is the last of its stage.
+        example_inputs: one *full* batch: a tuple of positional tensors, a dict of keyword tensors, or
+            one tensor; dim 0 is the batch. The model is exported on the first of ``n_microbatches``
+            chunks, so every later batch must have these shapes.
+        n_microbatches: micro-batches per step (dim 0 must divide by it).
+        output_fn: picks the tensor(s) the last stage returns from the model output (default: the
+            first floating-point tensor: HF ``logits`` / ``last_hidden_state``); ``loss_fn`` receives it.
+
+    Returns:
+        PipelinePartition with ``len(cuts) + 1`` stages.
+
+    Raises:
+        ScheduleError: no cuts; a cut that cannot be honoured (runs twice, never runs, empty stage);
+            ``torch.export`` failing on the model; a stage count that differs from the cuts.
+    """
+    from torch.distributed.pipelining import pipeline
+
+    sch = sch.get_top_schedule()
+    cuts = list(sch.metadata.primitives["cut_pipeline_stage"])
+    if not cuts:
+        raise ScheduleError("The schedule has no pipeline cuts: call sch[path].cut_pipeline_stage() first "
+                            "(or slapo_lab.pipeline.suggest_cuts(sch, num_stages, apply=True)).")
+    model = sch.mod
+    mb_args, mb_kwargs = microbatch(example_inputs, n_microbatches)
+    order = record_call_order(model, args=mb_args, kwargs=mb_kwargs)
+    check_cuts(cuts, order)
+    if order.ok:
+        cuts, _ = stage_ops(cuts, order)
+    root = _Root(model, output_fn or default_output_fn)
+    was_training = model.training
+    model.train()
+    try:
+        with _split_hooks(root, cuts), exportable_sync_ops():
+            pipe = pipeline(root, mb_args, mb_kwargs or None)
+    except ScheduleError:
+        raise
+    except Exception as err:  # torch.export failures
+        msg = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        raise ScheduleError(f"Could not capture the model for pipelining with torch.export ({msg}).") from err
+    finally:
+        model.train(was_training)
+    n = pipe.num_stages
+    if n == len(cuts) + 1:
+        _normalize_pipe(pipe)
+    if n != len(cuts) + 1:
+        raise ScheduleError(f"The {len(cuts)} cuts produced {n} pipeline stages instead of {len(cuts) + 1}: a cut "
+                            "module probably runs more than once or its stage is empty.")
+    orig_params = dict(model.named_parameters(remove_duplicate=False))
+    split_gm = pipe.split_gm
+    ins, outs, liveness, input_names, producer = _analyze_split(split_gm, n)
+    if len(input_names) != len(mb_args) + len(mb_kwargs):
+        raise ScheduleError(f"The exported model has {len(input_names)} inputs but {len(mb_args) + len(mb_kwargs)} "
+                            "example inputs were given; pass tensors only (constants such as use_cache=False belong "
+                            "in the model config).")
+    stages = []
+    for i in range(n):
+        mod = pipe.get_stage_module(i)
+        _prune_unused_params(mod)
+        params = {}
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            orig = _orig_name(name)
+            if orig is None:
+                continue
+            src = orig_params.get(orig)
+            if src is not None and p is not src:  # a replicated (tied) copy: keep the annotations
+                for k, v in src.__dict__.items():
+                    p.__dict__.setdefault(k, v)
+            params[orig] = p
+        seen, numel = set(), 0
+        for p in params.values():
+            if id(p) not in seen:
+                seen.add(id(p))
+                numel += p.numel()
+        stages.append(StageInfo(i, mod, params, ins[i], outs[i], numel))
+    tied = []
+    for mapping in pipe.replicated_params:
+        t = {}
+        for sub, q in mapping.items():
+            idx = int(sub.rsplit("_", 1)[1])
+            orig = _orig_name(q)
+            if orig is not None:
+                t[idx] = orig
+        if len(t) > 1:
+            tied.append(t)
+    return PipelinePartition(pipe, cuts, stages, tied, liveness, input_names, tuple(mb_args), dict(mb_kwargs),
+                             producer)

@@ -1,0 +1,276 @@
+"""Run a cut schedule on a pipeline runtime: PyTorch's ``torch.distributed.pipelining`` or DeepSpeed.
+
+:func:`build_pipeline` partitions the schedule (:func:`~slapo_lab.pipeline.partition_pipeline`),
+builds this rank's stage(s) and returns a :class:`PipelineModel` whose :meth:`~PipelineModel.train_step`
+runs one whole batch: the runtime's micro-batch schedule, then the gradient reductions the split
+introduced (tied weights replicated across stages, Slapo's ``analyze_tie_weights``; data-parallel
+replicas), then the optimizer step.
+
+Runtimes (the ``target``):
+
+* ``"torch"``: ``torch.distributed.pipelining`` -- ``Pipe.build_stage`` per local stage and
+  ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per rank) or ``ScheduleInterleaved1F1B`` (``stages_per_rank``
+  > 1, stage ``s`` on pipeline rank ``s % pp``). Gradients are scaled by ``1 / n_microbatches``
+  (``scale_grads=True``), so a ``loss_fn`` that averages gives the full-batch gradient.
+* ``"deepspeed"``: ``deepspeed.pipe.PipelineModule`` with one layer per stage (see
+  :mod:`slapo_lab.pipeline.deepspeed_runtime`) and ``engine.train_batch``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ScheduleError
+from .partition import PipelinePartition, partition_pipeline
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+TARGETS = ("torch", "deepspeed")
+
+
+def _group_size(g) -> int:
+    return 1 if g is None else dist.get_world_size(g)
+
+
+def _group_rank(g) -> int:
+    return 0 if g is None else dist.get_rank(g)
+
+
+class PipelineModel:
+    """This rank's part of a built pipeline.
+
+    Attributes:
+        partition: the :class:`~slapo_lab.pipeline.PipelinePartition` (all stages; every rank has it).
+        target: ``"torch"`` or ``"deepspeed"``.
+        stage_ids: the stage indices this rank runs.
+        stage_modules: their GraphModules (``stage_modules[k]`` runs stage ``stage_ids[k]``).
+        schedule: the ``torch.distributed.pipelining`` schedule (torch target) or None.
+        engine: the DeepSpeed ``PipelineEngine`` (deepspeed target) or None.
+        optimizer: the optimizer over this rank's parameters, or None.
+        n_microbatches: micro-batches per step.
+    """
+
+    def __init__(self, partition: PipelinePartition, target: str, stage_ids: list[int], pp_group, dp_group,
+                 n_microbatches: int) -> None:
+        self.partition = partition
+        self.target = target
+        self.stage_ids = stage_ids
+        self.stage_modules = [partition.stage_module(i) for i in stage_ids]
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        self.n_microbatches = n_microbatches
+        self.schedule = None
+        self.engine = None
+        self.optimizer = None
+        self.stages: list = []
+
+    # --- parameters --------------------------------------------------------------------------------
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """``(original FQN, parameter)`` for this rank's stages; each FQN once (tied copies included)."""
+        seen = set()
+        for i in self.stage_ids:
+            for name, p in self.partition.stages[i].params.items():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, p
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameter objects, each once."""
+        out, seen = [], set()
+        for i in self.stage_ids:
+            for p in self.partition.stages[i].params.values():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs stage 0 (it feeds the inputs)."""
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (it holds the targets and losses)."""
+        return self.partition.num_stages - 1 in self.stage_ids
+
+    # --- gradient reductions -------------------------------------------------------------------------
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of each tied parameter over all its stage copies (then every copy has the sum).
+
+        An all-reduce over the pipeline group per tied parameter; ranks that hold no copy add zeros
+        (every pipeline rank takes part, so no extra process groups are needed).
+        """
+        for group in self.partition.tied:
+            local = []
+            shape_src = None
+            for s, name in group.items():
+                p = self.partition.stages[s].params[name]
+                shape_src = p
+                if s in self.stage_ids:
+                    local.append(p)
+            uniq = list({id(p): p for p in local}.values())
+            total = torch.zeros_like(shape_src, memory_format=torch.contiguous_format)
+            for p in uniq:
+                if p.grad is not None:
+                    total += p.grad
+            if self.pp_group is not None and _group_size(self.pp_group) > 1:
+                dist.all_reduce(total, group=self.pp_group)
+            for p in uniq:
+                p.grad = total.clone()
+
+    def reduce_dp_grads(self) -> None:
+        """Average gradients over the data-parallel group (one flat all-reduce)."""
+        n = _group_size(self.dp_group)
+        if n <= 1:
+            return
+        params = [p for p in self.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= n
+        off = 0
+        for p, g in zip(params, grads):
+            k = g.numel()
+            p.grad = flat[off:off + k].view_as(g).clone()
+            off += k
+
+    # --- training ------------------------------------------------------------------------------------
+    def train_step(self, *args, target=None, **kwargs) -> float:
+        """Run one full batch through the pipeline and step the optimizer (if any).
+
+        Args:
+            *args / **kwargs: the full-batch model inputs (dim 0 = batch, divisible by
+                ``n_microbatches``, same shapes as the example inputs). Only stage 0's rank needs
+                real values; others may pass the same tensors (they are ignored there).
+            target: the full-batch target for ``loss_fn`` (used on the last stage's rank).
+
+        Returns:
+            float: the mean of the micro-batch losses, the same on every rank of the pipeline.
+        """
+        if self.target == "deepspeed":
+            from .deepspeed_runtime import deepspeed_train_step
+
+            return deepspeed_train_step(self, args, kwargs, target)
+        for m in self.stage_modules:
+            m.train()
+        losses: list | None = [] if self.is_last else None
+        inputs = self.partition.stage0_inputs(args, kwargs) if self.is_first else ()
+        self.schedule.step(*inputs, target=target if self.is_last else None, losses=losses)
+        self.reduce_tied_grads()
+        self.reduce_dp_grads()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return self._broadcast_loss(losses)
+
+    def _broadcast_loss(self, losses) -> float:
+        val = torch.zeros((), dtype=torch.float64)
+        if losses:
+            val = torch.stack([torch.as_tensor(x).detach().double() for x in losses]).mean()
+        if self.pp_group is not None and _group_size(self.pp_group) > 1:
+            last = (self.partition.num_stages - 1) % _group_size(self.pp_group)
+            dist.broadcast(val, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
+        return float(val)
+
+    def zero_grad(self) -> None:
+        """Clear this rank's gradients."""
+        for p in self.parameters():
+            p.grad = None
+
+
+def _default_pp_group():
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Callable, schedule: str = "1F1B",
+                   n_microbatches: int | None = None, pp_group=None, dp_group=None, stages_per_rank: int = 1,
+                   optimizer: Callable[[list], Any] | None = None, output_fn: Callable | None = None,
+                   device: str | torch.device = "cpu", ds_config: dict | None = None) -> PipelineModel:
+    """Build this rank's pipeline stages from a cut schedule (Slapo's ``build(sch, target=...)`` for pipelines).
+
+    Every rank of ``pp_group`` calls this with the same schedule (same cuts, same shapes); with tensor
+    parallelism, ``sch`` is this rank's tensor-parallel shard (``create_schedule(model, group=tp_group)``
+    plus the TP primitives), and the exported stages run its sync ops on ``tp_group``.
+
+    Args:
+        sch: a schedule with ``cut_pipeline_stage`` cuts (n cuts -> n + 1 stages).
+        target: ``"torch"`` (``torch.distributed.pipelining``) or ``"deepspeed"`` (``deepspeed.pipe``).
+        example_inputs: one full batch of model inputs (tuple of positional tensors, dict of keyword
+            tensors, or one tensor); dim 0 = batch; later batches must have the same shapes.
+        loss_fn: ``loss_fn(output, target) -> scalar`` applied per micro-batch on the last stage;
+            ``output`` is ``output_fn(model(...))``. Use a mean so the result matches the full batch.
+        schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (torch target; needed for
+            ``stages_per_rank > 1``). DeepSpeed always runs its own 1F1B-style ``TrainSchedule``.
+        n_microbatches: micro-batches per step (default: the pipeline size).
+        pp_group: the pipeline process group (default: the whole world); its size ``pp`` times
+            ``stages_per_rank`` must equal the number of stages.
+        dp_group: data-parallel replicas whose gradients are averaged after each step (None: no DP).
+        stages_per_rank: stages per pipeline rank (rank ``r`` runs stages ``r, r + pp, ...``).
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` over this rank's parameters; None to
+            step yourself (``PipelineModel.parameters()``). For DeepSpeed an optimizer is required
+            (a torch one avoids DeepSpeed's fused-op builds).
+        output_fn: picks the last stage's output from the model output (default: first float tensor).
+        device: the device stages run on ("cpu" with gloo here).
+        ds_config: extra DeepSpeed config entries (merged over the generated batch-size settings).
+
+    Returns:
+        PipelineModel: ``train_step(*inputs, target=y) -> loss``; ``.optimizer``; ``.named_parameters()``
+        under the original FQNs.
+
+    Raises:
+        ScheduleError: unknown target or schedule; no cuts or a cut that cannot be honoured; a stage
+            count that does not match ``pp * stages_per_rank``; ``stages_per_rank > 1`` with a
+            single-stage schedule or with DeepSpeed; a batch not divisible by ``n_microbatches``; no
+            optimizer for DeepSpeed.
+    """
+    if target not in TARGETS:
+        raise ScheduleError(f"Unknown pipeline target {target!r}; use one of {', '.join(TARGETS)}.")
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"Unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}.")
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ScheduleError(f"stages_per_rank must be a positive integer, not {stages_per_rank!r}.")
+    if not callable(loss_fn):
+        raise ScheduleError("build_pipeline needs loss_fn(output, target) -> scalar loss.")
+    if pp_group is None:
+        pp_group = _default_pp_group()
+    pp = _group_size(pp_group)
+    pp_rank = _group_rank(pp_group)
+    if n_microbatches is None:
+        n_microbatches = max(pp, 1) * stages_per_rank if schedule == "Interleaved1F1B" else max(pp, 1)
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ScheduleError(f"n_microbatches must be a positive integer, not {n_microbatches!r}.")
+    if stages_per_rank > 1 and target == "deepspeed":
+        raise ScheduleError("DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'.")
+    if stages_per_rank > 1 and schedule != "Interleaved1F1B":
+        raise ScheduleError(f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' ({schedule} runs "
+                            "one stage per rank).")
+    n_cuts = len(sch.get_top_schedule().metadata.primitives["cut_pipeline_stage"])
+    if n_cuts + 1 != pp * stages_per_rank:
+        raise ScheduleError(f"The schedule has {n_cuts} cuts, i.e. {n_cuts + 1} stages, but the pipeline group has "
+                            f"{pp} ranks x stages_per_rank={stages_per_rank} = {pp * stages_per_rank} stage slots.")
+    partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
+    stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
+    if target == "deepspeed":
+        from .deepspeed_runtime import build_deepspeed
+
+        build_deepspeed(pm, loss_fn, optimizer, ds_config or {}, example_inputs, device)
+        return pm
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    dev = torch.device(device)
+    pm.stages = [partition.pipe.build_stage(i, dev, pp_group) for i in stage_ids]
+    if schedule == "Interleaved1F1B":
+        pm.schedule = ScheduleInterleaved1F1B(pm.stages, n_microbatches, loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
+        pm.schedule = cls(pm.stages[0], n_microbatches, loss_fn=loss_fn)
+    if optimizer is not None:
+        pm.optimizer = optimizer(pm.parameters())
+    return pm
