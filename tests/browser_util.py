@@ -307,9 +307,16 @@ def _js_with_timeout(body: str, timeout_s: float) -> str:
 }}"""
 
 
-def open_notebook(page: Any, base_url: str, token: str, name: str, timeout: float = 90.0) -> None:
-    """Open ``name`` (relative to the server root) in JupyterLab and wait until its kernel is idle."""
-    page.goto(f"{base_url}/lab/tree/{quote(name)}?token={token}", wait_until="domcontentloaded",
+def open_notebook(
+    page: Any, base_url: str, token: str, name: str, timeout: float = 90.0, reset: bool = False
+) -> None:
+    """Open ``name`` (relative to the server root) in JupyterLab and wait until its kernel is idle.
+
+    ``reset=True`` clears the saved workspace first, so documents opened earlier in the same browser
+    profile are not reopened (and do not start kernels of their own).
+    """
+    query = f"token={token}" + ("&reset" if reset else "")
+    page.goto(f"{base_url}/lab/tree/{quote(name)}?{query}", wait_until="domcontentloaded",
               timeout=timeout * 1000)  # fmt: skip
     page.wait_for_function("() => !!window.jupyterapp", timeout=timeout * 1000)
     page.wait_for_function(

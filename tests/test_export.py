@@ -526,10 +526,12 @@ def test_load_missing_file_and_cli_missing_meta(tmp_path, capsys):
 def test_build_minimal(tiny_bert):
     sch = sl.create_schedule(tiny_bert, world_size=2)
     assert build(sch) == (tiny_bert, None) and build(sch["encoder"], target="torch")[0] is tiny_bert
-    with pytest.raises(NotImplementedError, match="deepspeed"):
+    with pytest.raises(sl.ScheduleError, match="DeepSpeed target needs example_inputs and loss_fn"):
         build(sch, target="deepspeed")
     with pytest.raises(ValueError, match="Unknown build target"):
         build(sch, target="jax")
-    sch["encoder.layer.1"].cut_pipeline_stage()
-    with pytest.raises(NotImplementedError, match="pipeline cut"):
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        build(sch, loss_fn=None)
+    sch["encoder.layer.0"].cut_pipeline_stage()
+    with pytest.raises(sl.ScheduleError, match="1 pipeline cut"):
         build(sch)

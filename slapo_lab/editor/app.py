@@ -81,6 +81,7 @@ class ScheduleEditor(W.VBox):
         self.rank = rank
         self._meta_model = meta_copy(model)
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
+        self._remember_inputs(self.schedule)
         self.schedule.record.add_listener(self._on_record)
         self.level = ""          # path whose children the graph shows
         self.selected = ""       # selected module path
@@ -299,6 +300,7 @@ class ScheduleEditor(W.VBox):
         old = self.schedule
         meta = meta_copy(self.model)
         sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
+        self._remember_inputs(sch)
         replay(sch, calls)
         old.record.remove_listener(self._on_record)
         self._meta_model, self.schedule = meta, sch
@@ -341,6 +343,17 @@ class ScheduleEditor(W.VBox):
             return self._error(str(err) if str(err).endswith(".") else f"{path} could not be loaded: {err}")
         self._info(f"Loaded {len(self.schedule.record.calls)} recorded calls from {path}.")
         return None
+
+    def _remember_inputs(self, sch) -> None:
+        """Give the schedule the example inputs, so that a cut is checked at click time."""
+        if not self.example_inputs:
+            return
+        try:
+            from ..pipeline.order import set_example_inputs
+
+            set_example_inputs(sch, self.example_inputs)
+        except Exception as err:  # the cut check then happens at build time
+            _log.warning("example inputs not usable for cut checks: %s", err)
 
     def _autosave(self) -> None:
         if self.schedule_file is None:
@@ -625,8 +638,9 @@ class ScheduleEditor(W.VBox):
             self._flow = record_dataflow(meta_copy(self.model), to_meta(self.example_inputs))
         except Exception as err:
             self._flow = None
-            self._flow_error = (f"The dataflow could not be recorded ({str(err).splitlines()[0][:200]}), "
-                                "so the graph shows modules without edges; every action still works.")
+            reason = str(err).splitlines()[0][:200].rstrip(".")
+            self._flow_error = ("The dataflow could not be recorded, so the graph shows modules without edges and "
+                                f"every action still works: {reason}.")
 
     def _level_graph(self) -> nx.DiGraph:
         if self._flow is not None:

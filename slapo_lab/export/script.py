@@ -443,6 +443,8 @@ def write_text_atomic(path: Path, text: str) -> None:
     if path.is_dir():
         raise ExportError(f"{path} is a folder; give a file name such as {path / 'train.py'}.")
     if not folder.is_dir():
+        if folder.exists():
+            raise ExportError(f"Cannot write {path}: {folder} is a file, not a folder.")
         raise ExportError(f"Cannot write {path}: the folder {folder} does not exist.")
     tmp = None
     try:

@@ -291,7 +291,7 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
             "shard a parameter first.")
     if mode == "fwd_post" and op in ("all_reduce", "reduce_scatter") and out_type == "partition":
         raise ScheduleError(
-            f"{where} has a partitioned output (its weight is split on the output features), so a {op} would "
+            f"{where} has a partitioned output (its weight is split on the output features), so an {op} would "
             "sum different slices; use all_gather, or shard the weight on the input axis for a partial sum.")
     if mode == "fwd_post" and op in ("all_gather", "scatter") and out_type == "partial":
         raise ScheduleError(

@@ -1,0 +1,440 @@
+"""The ScheduleEditor in a real JupyterLab, driven by headless Chromium (issues 2 and 6).
+
+1. ``notebooks/quickstart.ipynb`` as shipped: run all cells, click into the graph (encoder →
+   the folded ``BertLayer × 4`` → ``layer.2``), press *checkpoint*, read the call in the code panel.
+2. A small BERT notebook: expand a folded block by double-click, apply a preset, Undo, Export,
+   Verify (CPU/gloo without CUDA), and screenshots of the editor in the light and dark themes.
+
+One JupyterLab server and one browser serve both tests (module fixture); every wait is bounded and
+a failure prints the editor's message line, code panel and Verify log, the kernel-side state, the
+notebook's stream output, the browser console and the server log. Screenshots land in
+``artifacts/`` (git-ignored): ``editor_quickstart.png``, ``editor_light.png``, ``editor_dark.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO_ROOT / "notebooks" / "quickstart.ipynb"
+
+SMALL_BERT_CELL = textwrap.dedent(
+    """
+    import torch
+    import slapo_lab as sl
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                 intermediate_size=128, vocab_size=200, max_position_embeddings=64))
+    ids = torch.randint(0, 200, (2, 16))
+    editor = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    editor
+    """
+)
+
+# Kernel-side state printed when a test fails (every notebook here names its editor ``editor``).
+KERNEL_STATE = textwrap.dedent(
+    """
+    try:
+        print("editor.message:", editor.message)
+        print("editor.level:", repr(editor.level), "selected:", repr(editor.selected),
+              "expanded:", sorted(editor.expanded))
+        print("editor.code:\\n" + editor.code)
+        print("verify log tail:\\n" + "\\n".join(editor._log_lines[-30:]))
+    except Exception as err:
+        print("no editor state:", type(err).__name__, err)
+    """
+)
+
+WAIT_UI = 60_000  # ms: a kernel round trip that redraws the editor (heavily loaded 2-core machine)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _kernel_eval(page, code: str, timeout: float = 30.0) -> str:
+    """Run ``code`` in the current notebook's kernel (no cell); return its text output."""
+    from browser_util import _js_with_timeout
+
+    body = """
+      const k = nb.sessionContext.session && nb.sessionContext.session.kernel;
+      if (!k) return '(no kernel)';
+      const fut = k.requestExecute({code: CODE, silent: false, store_history: false});
+      let out = '';
+      fut.onIOPub = (msg) => {
+        const t = msg.header.msg_type, c = msg.content;
+        if (t === 'stream') out += c.text;
+        else if (t === 'error') out += `${c.ename}: ${c.evalue}\\n`;
+        else if (t === 'execute_result') out += (c.data['text/plain'] || '') + '\\n';
+      };
+      await fut.done;
+      return out;
+    """
+    return page.evaluate(_js_with_timeout(body.replace("CODE", "code"), timeout).replace(
+        "async () =>", "async (code) =>", 1), code)
+
+
+def _notebook_streams(page, limit: int = 3000) -> str:
+    """The tail of every stream / error output of the current notebook (the kernel's printed text)."""
+    from browser_util import _CURRENT_NB
+
+    text = page.evaluate(
+        f"""() => {{
+  const nb = ({_CURRENT_NB})();
+  if (!nb) return '(no notebook panel)';
+  let out = '';
+  nb.content.widgets.forEach((cell, i) => {{
+    const outputs = cell.model.outputs;
+    if (!outputs) return;
+    for (let j = 0; j < outputs.length; j++) {{
+      const o = outputs.get(j).toJSON();
+      if (o.output_type === 'stream') out += `[cell ${{i}} ${{o.name}}] ` + [].concat(o.text).join('');
+      if (o.output_type === 'error') out += `[cell ${{i}} error] ${{o.ename}}: ${{o.evalue}}\\n`;
+    }}
+  }});
+  return out.replace(/\\u001b\\[[0-9;]*m/g, '');
+}}"""
+    )
+    return text[-limit:]
+
+
+def _text(locator, timeout: float = 2_000) -> str:
+    with contextlib.suppress(Exception):
+        return locator.first.inner_text(timeout=timeout)
+    return "(not found)"
+
+
+def _report_failure(page, tmp_path: Path, shot: str) -> None:
+    """Print everything that helps to understand a failed browser step."""
+    from browser_util import save_screenshot, server_log
+
+    with contextlib.suppress(Exception):
+        print(f"failure screenshot: {save_screenshot(page, shot)}")
+    editor = page.locator(".slapo-editor")
+    print("message line:", _text(editor.locator(".slapo-msg")))
+    print("code panel:\n" + _text(editor.locator(".slapo-code")))
+    print("verify log:\n" + _text(editor.locator(".slapo-log"))[-3000:])
+    with contextlib.suppress(Exception):
+        print("graph nodes:", editor.locator(".slapo-graph g.node").all_text_contents())
+    try:
+        print("kernel state:\n" + _kernel_eval(page, KERNEL_STATE, timeout=30))
+    except Exception as err:
+        print(f"kernel state unavailable: {err}")
+    with contextlib.suppress(Exception):
+        print("notebook output:\n" + _notebook_streams(page))
+    print("console:\n" + "\n".join(getattr(page, "console_messages", [])[-40:]))
+    print("server log:\n" + server_log(tmp_path))
+
+
+def _node(graph, label: str | re.Pattern):
+    """Locator of the graph node with a text line that is exactly ``label`` (or matches the pattern)."""
+    pattern = label if isinstance(label, re.Pattern) else re.compile(rf"^\s*{re.escape(label)}\s*$")
+    return graph.locator("g.node").filter(has=graph.page.locator("css=text").filter(has_text=pattern))
+
+
+def _layer(i: int) -> re.Pattern:
+    """A BertLayer node: labelled ``layer.<i>`` at the encoder's level, ``<i>`` at encoder.layer's."""
+    return re.compile(rf"^\s*(layer\.)?{i}\s*$")
+
+
+def _wait_selected(graph, label: str | re.Pattern, timeout: float = WAIT_UI) -> None:
+    """Wait until the kernel marked the node labelled ``label`` as selected in the SVG."""
+    _node(graph, label).and_(graph.locator("g.node.slapo-selected")).wait_for(timeout=timeout)
+
+
+def _button(editor, name: str):
+    """An ipywidgets Button by its description (the Font Awesome icon's glyph is in the accessible
+    name, so ``get_by_role(name=...)`` does not match; the text content does)."""
+    text = re.compile(rf"^\s*{re.escape(name)}\s*$")
+    return editor.locator("button.jupyter-button").filter(has_text=text)
+
+
+def _wait_text(locator, text: str, present: bool = True, timeout: float = WAIT_UI) -> str:
+    """Wait until ``locator``'s text contains ``text`` (or, ``present=False``, no longer does).
+
+    The locator is re-resolved on every poll: the editor's HTML widgets replace their content.
+    Returns the text at that moment.
+    """
+    from playwright.sync_api import expect
+
+    if present:
+        expect(locator.first).to_contain_text(text, timeout=timeout)
+    else:
+        expect(locator.first).not_to_contain_text(text, timeout=timeout)
+    return locator.first.inner_text()
+
+
+def _shutdown_kernel(page, timeout: float = 30.0) -> None:
+    from browser_util import _js_with_timeout
+
+    with contextlib.suppress(Exception):
+        page.evaluate(_js_with_timeout("await nb.sessionContext.shutdown();", timeout))
+
+
+# WCAG contrast ratio of an element's text colour against the first opaque background behind it.
+_CONTRAST_JS = """(selectors) => {
+  const rgb = c => (c.match(/[\\d.]+/g) || []).map(Number);
+  const lum = c => {
+    const [r, g, b] = rgb(c).slice(0, 3).map(v => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const bgOf = el => {
+    for (let e = el; e; e = e.parentElement) {
+      const m = rgb(getComputedStyle(e).backgroundColor);
+      if (m.length === 3 || (m.length === 4 && m[3] > 0.5)) return getComputedStyle(e).backgroundColor;
+    }
+    return 'rgb(255, 255, 255)';
+  };
+  const out = {};
+  for (const s of selectors) {
+    const el = document.querySelector(s);
+    if (!el) { out[s] = null; continue; }
+    const fg = getComputedStyle(el).color, bg = bgOf(el);
+    const a = lum(fg), b = lum(bg);
+    out[s] = [Math.round((Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05) * 100) / 100, fg, bg];
+  }
+  return out;
+}"""
+
+# Text of the editor that must stay readable in both themes (the code panel's own string colour too).
+READABLE = [
+    ".slapo-editor .widget-html-content",  # the header line
+    ".slapo-editor select",  # the module tree
+    ".slapo-editor .slapo-msg",
+    ".slapo-editor .slapo-code-pre",
+    ".slapo-editor .slapo-code-pre .s2",
+    ".slapo-editor .slapo-log",
+    ".slapo-editor .slapo-graph-box",
+]
+MIN_CONTRAST = 3.0  # WCAG AA for large text; normal text wants 4.5
+
+
+def _unreadable(page, selectors=READABLE) -> dict:
+    """{selector: [ratio, colour, background]} of the elements whose contrast is below MIN_CONTRAST."""
+    found = page.evaluate(_CONTRAST_JS, selectors)
+    missing = [s for s, v in found.items() if v is None]
+    assert not missing, f"not on the page: {missing}"
+    return {s: v for s, v in found.items() if v[0] < MIN_CONTRAST}
+
+
+# ------------------------------------------------------------------------------------ fixture
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab server and one Chromium page for this module: ``(page, base_url, token, nb_dir, tmp)``."""
+    from browser_util import browser_available, browser_page, jupyter_lab
+
+    why = browser_available()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("browser_editor")
+    nb_dir = tmp / "notebooks"
+    nb_dir.mkdir()
+    t0 = time.monotonic()
+    # tall enough that the whole editor is inside the notebook's scroll area for the screenshots
+    with jupyter_lab(tmp, nb_dir, startup_timeout=180) as (base_url, token), \
+            browser_page(tmp, width=1500, height=2300, default_timeout_ms=60_000) as page:
+        print(f"\n[lab] server + browser up in {time.monotonic() - t0:.1f} s")
+        yield page, base_url, token, nb_dir, tmp
+        t1 = time.monotonic()
+    print(f"[lab] cleanup {time.monotonic() - t1:.1f} s")
+
+
+def _open_and_run(page, base_url, token, name: str) -> tuple[float, float]:
+    from browser_util import notebook_errors, open_notebook, run_all_cells
+
+    t0 = time.monotonic()
+    open_notebook(page, base_url, token, name, timeout=180, reset=True)
+    t1 = time.monotonic()
+    run_all_cells(page, timeout=420)
+    t2 = time.monotonic()
+    errors = notebook_errors(page)
+    assert errors == [], "\n\n".join(errors)
+    return t1 - t0, t2 - t1
+
+
+# ------------------------------------------------------------------------------------ issue 2
+
+
+@pytest.mark.timeout(900)
+def test_quickstart_click_to_checkpoint(lab):
+    from browser_util import save_screenshot
+
+    page, base_url, token, nb_dir, tmp = lab
+    shutil.copy(QUICKSTART, nb_dir / "quickstart.ipynb")
+    t0 = time.monotonic()
+    try:
+        t_open, t_run = _open_and_run(page, base_url, token, "quickstart.ipynb")
+        editor = page.locator(".slapo-editor").first
+        graph = editor.locator(".slapo-graph").first
+        code = editor.locator(".slapo-code")
+        _node(graph, "encoder").wait_for(state="visible", timeout=WAIT_UI)
+        # the typed cells (layer 0's attention) are already in the code panel
+        assert 'sch["encoder.layer.0.attention.self.query"].shard("weight", axis=0)' in code.inner_text()
+        assert "encoder.layer.2" not in code.inner_text()
+
+        t_click = time.monotonic()
+        _node(graph, "encoder").click()
+        _wait_selected(graph, "encoder")
+        t_click = time.monotonic() - t_click
+        _node(graph, "encoder").dblclick()  # open the encoder's level
+        folded = _node(graph, "BertLayer × 4")
+        folded.wait_for(state="visible", timeout=WAIT_UI)
+        folded.dblclick()  # expand the folded block into its members
+        for i in range(4):
+            _node(graph, _layer(i)).wait_for(state="visible", timeout=WAIT_UI)
+        assert _node(graph, "BertLayer × 4").count() == 0
+
+        _node(graph, _layer(2)).click()
+        _wait_selected(graph, _layer(2))
+        _button(editor, "checkpoint").click()
+        expected = 'sch["encoder.layer.2"].checkpoint()'
+        _wait_text(code, expected)
+        assert code.inner_text().strip().splitlines()[-1].strip() == expected
+        _wait_text(editor.locator(".slapo-msg"), f"Applied {expected}")
+        # the graph redrew with the checkpoint badge on layer.2
+        _node(graph, _layer(2)).filter(has_text="ckpt").wait_for(timeout=WAIT_UI)
+        # typing and clicking share one record: the kernel sees the same last call
+        assert _kernel_eval(page, "print(editor.code.splitlines()[-1])").strip() == expected
+        shot = save_screenshot(page.locator(".jp-OutputArea-output:has(.slapo-editor)").first,
+                               "editor_quickstart.png")
+        print(f"\n[quickstart] open {t_open:.1f} s, run all {t_run:.1f} s, click→selected {t_click:.2f} s, "
+              f"whole {time.monotonic() - t0:.1f} s; screenshot {shot}")
+    except BaseException:
+        _report_failure(page, tmp, "editor_quickstart_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)  # free the CPU for the next test
+
+
+# ------------------------------------------------------------------------------------ issue 6
+
+
+@pytest.mark.timeout(900)
+def test_editor_preset_undo_export_verify_themes(lab):
+    from browser_util import save_screenshot, write_notebook
+
+    page, base_url, token, nb_dir, tmp = lab
+    write_notebook(nb_dir / "small_bert.ipynb", [SMALL_BERT_CELL], hide_input=True)
+    exported = nb_dir / "exported" / "train_small_bert.py"
+    t0 = time.monotonic()
+    timings = {}
+    try:
+        timings["open"], timings["run all"] = _open_and_run(page, base_url, token, "small_bert.ipynb")
+        editor = page.locator(".slapo-editor").first
+        graph = editor.locator(".slapo-graph").first
+        code = editor.locator(".slapo-code")
+        message = editor.locator(".slapo-msg")
+        _node(graph, "encoder").wait_for(state="visible", timeout=WAIT_UI)
+        assert "no primitives yet" in code.inner_text()
+
+        # double-click: open the encoder, then expand the folded block into its member nodes
+        t = time.monotonic()
+        _node(graph, "encoder").dblclick()
+        _node(graph, "BertLayer × 2").wait_for(state="visible", timeout=WAIT_UI)
+        assert _node(graph, _layer(0)).count() == 0
+        _node(graph, "BertLayer × 2").dblclick()
+        for i in range(2):
+            _node(graph, _layer(i)).wait_for(state="visible", timeout=WAIT_UI)
+        assert _node(graph, "BertLayer × 2").count() == 0
+        _node(graph, _layer(1)).click()
+        _wait_selected(graph, _layer(1))
+        timings["navigate"] = time.monotonic() - t
+
+        # preset: checkpoint every k-th block (k = 1) → one call per layer
+        t = time.monotonic()
+        editor.locator(".widget-dropdown:has(label:text-is('preset')) select").select_option(
+            label="checkpoint every k-th block")
+        k_box = editor.locator(".widget-inline-hbox:has(label:text-is('k / N')) input")
+        assert k_box.input_value() == "1"
+        _button(editor, "apply preset").click()
+        calls = ['sch["encoder.layer.0"].checkpoint()', 'sch["encoder.layer.1"].checkpoint()']
+        _wait_text(code, calls[1])
+        assert [ln.strip() for ln in code.inner_text().strip().splitlines()] == calls
+        _wait_text(message, "Preset checkpoint recorded 2 calls.")
+        _node(graph, _layer(1)).filter(has_text="ckpt").wait_for(timeout=WAIT_UI)
+        timings["preset"] = time.monotonic() - t
+
+        # Undo: the last call disappears
+        t = time.monotonic()
+        _button(editor, "Undo").click()
+        _wait_text(code, calls[1], present=False)
+        assert [ln.strip() for ln in code.inner_text().strip().splitlines()] == calls[:1]
+        _wait_text(message, f"Undid {calls[1]}")
+        timings["undo"] = time.monotonic() - t
+
+        # Export to a path typed into the "script" box
+        t = time.monotonic()
+        exported.parent.mkdir()
+        script_box = editor.locator(".widget-text:has(label:text-is('script')) input")
+        script_box.fill(str(exported))
+        script_box.press("Tab")  # commits the value (continuous_update or not)
+        _button(editor, "Export").click()
+        msg = _wait_text(message, "Exported")
+        assert f"Exported {exported}" in msg, msg
+        assert "torchrun --nproc_per_node=2" in msg, msg
+        assert exported.is_file(), f"{exported} is missing although the editor said: {msg}"
+        text = exported.read_text()
+        assert calls[0] in text and calls[1] not in text
+        timings["export"] = time.monotonic() - t
+
+        # Verify on GPU (CPU/gloo here): wait for the verdict in the message line
+        t = time.monotonic()
+        _button(editor, "Verify on GPU").click()
+        cancel = _button(editor, "Cancel")
+        _wait_text(message, "Verifying on 2 rank(s)")
+        # the verdict replaces "Verifying on …" when the torchrun run ends (passed, failed, timed out)
+        msg = _wait_text(message, "Verifying on", present=False, timeout=330_000)
+        assert "Verify passed" in msg, msg
+        import torch
+
+        if not torch.cuda.is_available():
+            assert "CUDA is not available on this machine, so Verify runs on the CPU with gloo." in msg, msg
+        assert "PASSED" in editor.locator(".slapo-log").inner_text()
+        assert cancel.is_disabled() and _button(editor, "Verify on GPU").is_enabled()
+        timings["verify"] = time.monotonic() - t
+
+        # screenshots: light, then dark theme (restored to light afterwards)
+        out = page.locator(".jp-OutputArea-output:has(.slapo-editor)").first
+        _node(graph, _layer(1)).click()  # a selected node and a filled inspector in the pictures
+        _wait_selected(graph, _layer(1))
+        page.mouse.move(2, 2)  # no hover tooltip in the pictures
+        light = save_screenshot(out, "editor_light.png")
+        bad = _unreadable(page)
+        assert bad == {}, f"text hard to read in the light theme: {bad}"
+        page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', "
+                      "{theme: 'JupyterLab Dark'})")
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
+        page.wait_for_timeout(1_000)  # let the theme's CSS variables settle
+        dark = save_screenshot(out, "editor_dark.png")
+        bad = _unreadable(page)
+        assert bad == {}, f"text hard to read in the dark theme: {bad}"
+        # an action that cannot apply: its one-sentence error must be readable on the dark background
+        _button(editor, "shard").click()
+        _wait_selected(graph, _layer(1))
+        msg = _wait_text(editor.locator(".slapo-msg.slapo-err"), "has no parameters or buffers of its own")
+        bad = _unreadable(page, [".slapo-editor .slapo-msg.slapo-err"])
+        assert bad == {}, f"the error line is hard to read in the dark theme: {bad}"
+        assert [ln.strip() for ln in code.inner_text().strip().splitlines()] == calls[:1]  # unchanged
+        timings["whole"] = time.monotonic() - t0
+        print("\n[editor] " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+              + f"; screenshots {light}, {dark}")
+    except BaseException:
+        _report_failure(page, tmp, "editor_failure.png")
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', "
+                          "{theme: 'JupyterLab Light'})")
+        _shutdown_kernel(page)
