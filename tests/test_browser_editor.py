@@ -80,8 +80,10 @@ def _kernel_eval(page, code: str, timeout: float = 30.0) -> str:
       await fut.done;
       return out;
     """
-    return page.evaluate(_js_with_timeout(body.replace("CODE", "code"), timeout).replace(
-        "async () =>", "async (code) =>", 1), code)
+    return page.evaluate(
+        _js_with_timeout(body.replace("CODE", "code"), timeout).replace("async () =>", "async (code) =>", 1),
+        code,
+    )
 
 
 def _notebook_streams(page, limit: int = 3000) -> str:
@@ -126,9 +128,11 @@ def _report_failure(page, tmp_path: Path, shot: str) -> None:
     print("verify log:\n" + _text(editor.locator(".slapo-log"))[-3000:])
     with contextlib.suppress(Exception):
         print("graph nodes:", editor.locator(".slapo-graph g.node").all_text_contents())
+    from playwright.sync_api import Error as PlaywrightError
+
     try:
         print("kernel state:\n" + _kernel_eval(page, KERNEL_STATE, timeout=30))
-    except Exception as err:
+    except PlaywrightError as err:
         print(f"kernel state unavailable: {err}")
     with contextlib.suppress(Exception):
         print("notebook output:\n" + _notebook_streams(page))
@@ -243,8 +247,10 @@ def lab(tmp_path_factory):
     nb_dir.mkdir()
     t0 = time.monotonic()
     # tall enough that the whole editor is inside the notebook's scroll area for the screenshots
-    with jupyter_lab(tmp, nb_dir, startup_timeout=180) as (base_url, token), \
-            browser_page(tmp, width=1500, height=2300, default_timeout_ms=60_000) as page:
+    with (
+        jupyter_lab(tmp, nb_dir, startup_timeout=180) as (base_url, token),
+        browser_page(tmp, width=1500, height=2300, default_timeout_ms=60_000) as page,
+    ):
         print(f"\n[lab] server + browser up in {time.monotonic() - t0:.1f} s")
         yield page, base_url, token, nb_dir, tmp
         t1 = time.monotonic()
@@ -307,10 +313,13 @@ def test_quickstart_click_to_checkpoint(lab):
         _node(graph, _layer(2)).filter(has_text="ckpt").wait_for(timeout=WAIT_UI)
         # typing and clicking share one record: the kernel sees the same last call
         assert _kernel_eval(page, "print(editor.code.splitlines()[-1])").strip() == expected
-        shot = save_screenshot(page.locator(".jp-OutputArea-output:has(.slapo-editor)").first,
-                               "editor_quickstart.png")
-        print(f"\n[quickstart] open {t_open:.1f} s, run all {t_run:.1f} s, click→selected {t_click:.2f} s, "
-              f"whole {time.monotonic() - t0:.1f} s; screenshot {shot}")
+        shot = save_screenshot(
+            page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "editor_quickstart.png"
+        )
+        print(
+            f"\n[quickstart] open {t_open:.1f} s, run all {t_run:.1f} s, click→selected {t_click:.2f} s, "
+            f"whole {time.monotonic() - t0:.1f} s; screenshot {shot}"
+        )
     except BaseException:
         _report_failure(page, tmp, "editor_quickstart_failure.png")
         raise
@@ -355,7 +364,8 @@ def test_editor_preset_undo_export_verify_themes(lab):
         # preset: checkpoint every k-th block (k = 1) → one call per layer
         t = time.monotonic()
         editor.locator(".widget-dropdown:has(label:text-is('preset')) select").select_option(
-            label="checkpoint every k-th block")
+            label="checkpoint every k-th block"
+        )
         k_box = editor.locator(".widget-inline-hbox:has(label:text-is('k / N')) input")
         assert k_box.input_value() == "1"
         _button(editor, "apply preset").click()
@@ -413,8 +423,9 @@ def test_editor_preset_undo_export_verify_themes(lab):
         light = save_screenshot(out, "editor_light.png")
         bad = _unreadable(page)
         assert bad == {}, f"text hard to read in the light theme: {bad}"
-        page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', "
-                      "{theme: 'JupyterLab Dark'})")
+        page.evaluate(
+            "() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})"
+        )
         page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
         page.wait_for_timeout(1_000)  # let the theme's CSS variables settle
         dark = save_screenshot(out, "editor_dark.png")
@@ -428,13 +439,18 @@ def test_editor_preset_undo_export_verify_themes(lab):
         assert bad == {}, f"the error line is hard to read in the dark theme: {bad}"
         assert [ln.strip() for ln in code.inner_text().strip().splitlines()] == calls[:1]  # unchanged
         timings["whole"] = time.monotonic() - t0
-        print("\n[editor] " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-              + f"; screenshots {light}, {dark}")
+        print(
+            "\n[editor] "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+            + f"; screenshots {light}, {dark}"
+        )
     except BaseException:
         _report_failure(page, tmp, "editor_failure.png")
         raise
     finally:
         with contextlib.suppress(Exception):
-            page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', "
-                          "{theme: 'JupyterLab Light'})")
+            page.evaluate(
+                "() => window.jupyterapp.commands.execute('apputils:change-theme', "
+                "{theme: 'JupyterLab Light'})"
+            )
         _shutdown_kernel(page)

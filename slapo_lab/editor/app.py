@@ -33,6 +33,18 @@ SYNC_CHOICES = [
     ("bwd_post · all_reduce (before a column-parallel layer)", ("bwd_post", "all_reduce")),
 ]
 
+def _io_text(v) -> str:
+    """``[{"name": "x", "shapes": [(8, 128)], "dtypes": ["float32"]}]`` → ``x 8×128 float32``."""
+    if not isinstance(v, list):
+        return str(v)
+    parts = []
+    for d in v:
+        if isinstance(d, dict):
+            shapes = "/".join("×".join(map(str, sh)) for sh in d.get("shapes", []))
+            parts.append(" ".join(x for x in (str(d.get("name", "")), shapes, "/".join(d.get("dtypes", []))) if x))
+    return ", ".join(parts)
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -92,6 +104,7 @@ class ScheduleEditor(W.VBox):
         self._redo: list = []
         self._runner = None
         self._rendered_key = None
+        self._last_graph = None
         self._pending = False
         self._flush_scheduled = False
         self._batch_depth = 0
@@ -119,6 +132,11 @@ class ScheduleEditor(W.VBox):
         return self.schedule.record.code()
 
     @property
+    def num_ranks(self) -> int:
+        """Processes one replica needs: tensor-parallel width × pipeline stages."""
+        return self.world_size * (len(self.schedule.metadata.primitives.get("cut_pipeline_stage", [])) + 1)
+
+    @property
     def message(self) -> str:
         """The text of the last status or error message shown."""
         return self._last_message
@@ -129,9 +147,9 @@ class ScheduleEditor(W.VBox):
             return self._error(f"There is no module {path!r} in this model.")
         self.selected = path
         node = self.schedule[path]
-        if path and not node.child:
-            self.level = node.parent.path
-        elif path and self.level != path:
+        shown = {d.get("path", n) for n, d in self._last_graph.nodes(data=True)} if self._last_graph is not None \
+            else set()
+        if path and path not in shown and self.level != path:  # stay on the level when it shows the module
             self.level = node.parent.path
         self._refresh_all()
         return None
@@ -387,16 +405,17 @@ class ScheduleEditor(W.VBox):
         except Exception as err:
             self._error(f"Verify could not start: {err}")
             return None
-        dev, note = plan_device(self.world_size, device)
+        nproc = self.num_ranks
+        dev, note = plan_device(nproc, device)
         self._log_lines = []
         self._log.value = ""
         self._progress.layout.visibility = "visible"
         self._progress.value = 0
         self._btn_cancel.disabled = False
         self._btn_verify.disabled = True
-        self._info((note + " " if note else "") + f"Verifying on {self.world_size} rank(s)…")
+        self._info((note + " " if note else "") + f"Verifying on {nproc} rank(s)…")
         self._runner = VerifyRunner(on_line=self._on_verify_line, on_done=self._on_verify_done)
-        self._runner.start(script, self.world_size, dev, timeout=timeout, note=note)
+        self._runner.start(script, nproc, dev, timeout=timeout, note=note)
         if wait:
             return self._runner.wait()
         return self._runner
@@ -433,7 +452,7 @@ class ScheduleEditor(W.VBox):
 
         out = export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
                             world_size=self.world_size, launcher=launcher, factory=self.factory)
-        self._info(f"Exported {out} — launch: torchrun --nproc_per_node={self.world_size} {out.name} --device cuda")
+        self._info(f"Exported {out} — launch: torchrun --nproc_per_node={self.num_ranks} {out.name} --device cuda")
         return str(out)
 
     # ------------------------------------------------------------------ widgets
@@ -444,12 +463,12 @@ class ScheduleEditor(W.VBox):
             f"<b>slapo-lab</b> · {html.escape(name)} · {nparams / 1e6:.1f} M parameters · "
             f"world size {self.world_size} (planning for rank {self.rank})")
         self._all_tree_options = self._tree_options()
-        self._tree = W.Select(options=self._all_tree_options, rows=22, layout=W.Layout(width="100%"))
+        self._tree = W.Select(options=self._all_tree_options, rows=30, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
         self._search = W.Text(placeholder="search name or type", layout=W.Layout(width="100%"))
         self._search.observe(lambda ch: self.search(ch["new"]), names="value")
         self._crumbs = W.HBox(layout=W.Layout(flex_flow="row wrap"))
-        self._graph = GraphWidget(height="440px", layout=W.Layout(width="100%"))
+        self._graph = GraphWidget(height="600px", layout=W.Layout(width="100%"))
         self._graph.on_node_click(lambda tok, path: self._on_node_click(path))
         self._graph.on_node_dblclick(lambda tok, path: self._on_node_dblclick(path))
         self._graph.on_error(self._error)
@@ -485,19 +504,25 @@ class ScheduleEditor(W.VBox):
         self._btn_preset = W.Button(description="apply preset", icon="magic", layout=W.Layout(width="95%"))
         self._btn_preset.on_click(lambda _: self.apply_preset(self._preset.value, self._preset_k.value))
         self._gpu = W.Dropdown(options=list(GPU_SIZES.items()), value=80e9, description="GPU",
-                               layout=W.Layout(width="95%"))
+                               layout=W.Layout(width="320px"))
         self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
         self._costs = W.HTML()
         self._costs_text = W.HTML()
-        left = W.VBox([W.HTML("<b>Modules</b>"), self._search, self._tree], layout=W.Layout(width="24%"))
-        center = W.VBox([self._crumbs, self._graph], layout=W.Layout(width="50%"))
+        narrow = {"description_width": "48px"}
+        for w in (self._param, self._axis, self._sync, self._preset, self._preset_k):
+            w.style = narrow
+        left = W.VBox([W.HTML("<b>Modules</b>"), self._search, self._tree], layout=W.Layout(width="22%"))
+        center = W.VBox([self._crumbs, self._graph], layout=W.Layout(width="48%"))
         right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions, W.HTML("<b>Presets</b>"),
-                        self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="26%"))
+                        self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="30%"))
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
         self._costs_box = W.VBox([W.HTML("<b>Memory per rank</b> (parameters, gradients, Adam states, "
                                          "activations of one micro-batch)"), self._gpu, self._costs_text,
                                   self._costs])
         self._message = W.HTML()
+        self._message.add_class("slapo-message")
+        self._inspector.add_class("slapo-inspector")
+        self._tree.add_class("slapo-tree")
         self._last_message = ""
         self.last_plan = None
         self._code = W.HTML()
@@ -625,7 +650,7 @@ class ScheduleEditor(W.VBox):
 
     def _error(self, text: str) -> str:
         self._last_message = text
-        self._message.value = f"<div class='slapo-msg slapo-err' style='color:#b00020'>&#9888; {html.escape(text)}</div>"
+        self._message.value = f"<div class='slapo-msg slapo-err'>&#9888; {html.escape(text)}</div>"
         return text
 
     def _record_flow(self) -> None:
@@ -743,7 +768,8 @@ class ScheduleEditor(W.VBox):
                 ins = info.get("inputs") or info.get("input_shapes")
                 outs = info.get("outputs") or info.get("output_shapes")
                 if ins or outs:
-                    flow = f"<div>in: {html.escape(str(ins))}<br>out: {html.escape(str(outs))}</div>"
+                    flow = (f"<div class='slapo-io'>in: {html.escape(_io_text(ins))}<br>"
+                            f"out: {html.escape(_io_text(outs))}</div>")
             except Exception:
                 flow = ""
         meta = module_state(mod) or {}
@@ -759,6 +785,9 @@ class ScheduleEditor(W.VBox):
             f"{total:,} parameters (this rank)</div>{table}{flow}"
             + (f"<div>{html.escape(', '.join(state))}</div>" if state else ""))
         names = [n for n, _, _ in tensors]
+        shard_display = None if names else "none"
+        for w in (self._param, self._axis, self._btn_shard):
+            w.layout.display = shard_display
         self._param.options = names
         if names:
             self._param.value = "weight" if "weight" in names else names[0]
