@@ -432,9 +432,9 @@ def test_editor_preset_undo_export_verify_themes(lab):
         bad = _unreadable(page)
         assert bad == {}, f"text hard to read in the dark theme: {bad}"
         # an action that cannot apply: its one-sentence error must be readable on the dark background
-        _button(editor, "shard").click()
+        _button(editor, "sync").click()  # a BertLayer has no sharded parameters: the sync is refused
         _wait_selected(graph, _layer(1))
-        msg = _wait_text(editor.locator(".slapo-msg.slapo-err"), "has no parameters or buffers of its own")
+        msg = _wait_text(editor.locator(".slapo-msg.slapo-err"), "has no sharded parameters")
         bad = _unreadable(page, [".slapo-editor .slapo-msg.slapo-err"])
         assert bad == {}, f"the error line is hard to read in the dark theme: {bad}"
         assert [ln.strip() for ln in code.inner_text().strip().splitlines()] == calls[:1]  # unchanged
