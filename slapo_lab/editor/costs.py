@@ -25,7 +25,9 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
         SVG text (no scripts), ``width`` px wide, one row of ``bar_h`` px per stage plus a legend.
     """
     stages = plan.per_stage
-    peak = max([s["total_bytes"] for s in stages] + [gpu_bytes]) or 1
+    busiest = max(s["total_bytes"] for s in stages) or 1
+    off_scale = gpu_bytes > 20 * busiest  # a tiny model: draw to the data's scale, the GPU line at the edge
+    peak = busiest * 1.1 if off_scale else max(busiest, gpu_bytes)
     left, right = 70, 80
     scale = (width - left - right) / peak
     rows = []
@@ -45,10 +47,11 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
         rows.append(f"<text x='{x + 4:.1f}' y='{y + bar_h * 0.7:.0f}' class='t{' over' if over else ''}'>"
                     f"{human_bytes(s['total_bytes'])}</text>")
         y += bar_h + 6
-    gx = left + gpu_bytes * scale
+    gx = width - right + 10 if off_scale else left + gpu_bytes * scale
+    tag = f"GPU {gpu_bytes / 1e9:.0f} GB" + (" (off scale)" if off_scale else "")
     rows.append(f"<line x1='{gx:.1f}' y1='8' x2='{gx:.1f}' y2='{y}' stroke='#d62728' stroke-width='2' "
-                f"stroke-dasharray='5,3'/><text x='{gx + 3:.1f}' y='12' class='t' fill='#d62728'>GPU "
-                f"{gpu_bytes / 1e9:.0f} GB</text>")
+                f"stroke-dasharray='5,3'/><text x='{max(gx - 110, left):.1f}' y='12' class='t' fill='#d62728'>"
+                f"{tag}</text>")
     lx = left
     y += 8
     for _, name, colour in PARTS:

@@ -1,4 +1,4 @@
-"""Export a recorded schedule as a standalone training script (``torchrun``; ``deepspeed`` later).
+"""Export a recorded schedule as a standalone training script (``torchrun`` or ``deepspeed``).
 
 ::
 
@@ -13,7 +13,7 @@ literals only); :func:`save_schedule` / :func:`load_schedule` persist all of it
 """
 from .fold import find_runs, schedule_lines
 from .io import ScheduleFile, load_schedule, save_schedule
-from .script import LAUNCHERS, export_script, render_script
+from .script import LAUNCHERS, export_script, launch_command, pipeline_stages, processes, render_script
 from .spec import (
     ExportError,
     input_spec,
@@ -30,8 +30,11 @@ __all__ = [
     "export_script",
     "find_runs",
     "input_spec",
+    "launch_command",
     "load_schedule",
     "model_spec",
+    "pipeline_stages",
+    "processes",
     "render_script",
     "save_schedule",
     "schedule_lines",
