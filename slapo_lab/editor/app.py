@@ -660,7 +660,8 @@ class ScheduleEditor(W.VBox):
         try:
             from ..graph import record_dataflow
 
-            self._flow = record_dataflow(meta_copy(self.model), to_meta(self.example_inputs))
+            # the schedule's meta copy, before any primitive touched it (one copy fewer at start-up)
+            self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs))
         except Exception as err:
             self._flow = None
             reason = str(err).splitlines()[0][:200].rstrip(".")
