@@ -2,11 +2,13 @@
 
 ::
 
-    slapo-lab export schedule.json -o train.py [--launcher torchrun]
+    slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed]
 
 ``schedule.json`` is a file written by :func:`slapo_lab.export.save_schedule` (or the editor): the
-recorded calls plus ``meta.model``, ``meta.inputs`` and ``meta.world_size``. Errors are printed as
-one sentence on stderr with exit status 2; nothing is written unless the whole file is valid.
+recorded calls plus ``meta.model``, ``meta.inputs`` and ``meta.world_size`` (the tensor-parallel
+width; a schedule with pipeline cuts launches ``world_size x stages`` processes per replica). Errors
+are printed as one sentence on stderr with exit status 2; nothing is written unless the whole file
+is valid.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ def _parser() -> argparse.ArgumentParser:
                        description="Render a saved schedule (JSON) as a standalone training script.")
     e.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
     e.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
-    e.add_argument("--launcher", default="torchrun", help="launcher the script is written for (torchrun)")
+    e.add_argument("--launcher", default="torchrun", choices=["torchrun", "deepspeed"],
+                   help="launcher the script is written for (default: torchrun)")
     return p
 
 
-def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tuple[str, int]:
-    """Render ``schedule`` (a schedule file) to ``output``; returns (path written, world size).
+def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tuple[str, str]:
+    """Render ``schedule`` (a schedule file) to ``output``; returns (path written, one-node launch command).
 
     Raises:
         ExportError: an invalid file, one without a model/input spec or world size, or an
@@ -34,7 +37,7 @@ def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tu
     """
     from pathlib import Path
 
-    from .export import ExportError, load_schedule, render_script
+    from .export import ExportError, launch_command, load_schedule, render_script
     from .export.script import write_text_atomic
 
     calls, meta = load_schedule(schedule)
@@ -45,7 +48,8 @@ def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tu
     out = Path(output).expanduser()
     text = render_script(meta["model"], calls, meta["inputs"], meta["world_size"], launcher, script_name=out.name)
     write_text_atomic(out, text)
-    return str(out.resolve()), meta["world_size"]
+    path = str(out.resolve())
+    return path, launch_command(calls, meta["world_size"], path, launcher)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "export":
         try:
-            path, ws = export_command(args.schedule, args.output, args.launcher)
+            path, command = export_command(args.schedule, args.output, args.launcher)
         except ExportError as err:
             print(f"slapo-lab export: error: {err}", file=sys.stderr)
             return 2
-        print(f"wrote {path}\nlaunch: torchrun --nproc_per_node={ws} {path} --device cuda")
+        print(f"wrote {path}\nlaunch: {command}")
         return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
 

@@ -312,8 +312,8 @@ def test_script_main_single_process_lm(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"launcher": "deepspeed"}, "not supported yet"),
-    ({"launcher": "mpirun"}, "not supported yet"),
+    ({"launcher": "mpirun"}, "is not supported"),
+    ({"launcher": None}, "is not supported"),
     ({"world_size": 0}, "positive integer"),
     ({"world_size": True}, "positive integer"),
 ])
@@ -535,3 +535,177 @@ def test_build_minimal(tiny_bert):
     sch["encoder.layer.0"].cut_pipeline_stage()
     with pytest.raises(sl.ScheduleError, match="1 pipeline cut"):
         build(sch)
+
+
+# ------------------------------------------------------------------------ pipelines and DeepSpeed
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture
+def gpt2_pipeline():
+    """(model, calls, inputs): GPT-2 with the Megatron preset for 2 ranks (tied vocab-parallel head), cut in 2."""
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    sch = sl.create_schedule(model, world_size=2)
+    sl.presets.megatron_tp(sch)
+    sch["transformer.h.0"].cut_pipeline_stage()
+    return model, list(sch.record.calls), {"input_ids": ids}
+
+
+def test_pipeline_script(gpt2_pipeline, tmp_path, capsys, monkeypatch):
+    from slapo_lab.export import launch_command, pipeline_stages, processes
+
+    model, calls, inputs = gpt2_pipeline
+    assert pipeline_stages(calls) == 2 and processes(calls, 2) == 4
+    assert launch_command(calls, 2, "t.py") == "torchrun --nproc_per_node=4 t.py --device cuda"
+    path = export_script(tmp_path / "train_gpt2.py", model, calls, inputs, world_size=2)
+    text = path.read_text()
+    r = _ruff(path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("2 pipeline stages x 2-way tensor parallelism",
+                 "torchrun --nproc_per_node=4 train_gpt2.py --device cuda",
+                 "torchrun --nproc_per_node=8 train_gpt2.py --device cuda",
+                 "torchrun --nproc_per_node=4 --master_addr=127.0.0.1 train_gpt2.py --device cpu",
+                 "slapo_lab.pipeline.make_mesh(tp=tp, pp=pp, dp=dp, device=args.device)",
+                 "slapo_lab.create_schedule(model, group=mesh.tp_group)",
+                 "pm, _ = slapo_lab.build(sch, TARGET, example_inputs=example",
+                 "pm.train_step(**inputs, target=target)"):
+        assert line in text, line
+    ns = _load_script(text)
+    assert (ns["WORLD_SIZE"], ns["NUM_STAGES"], ns["TARGET"], ns["LOSS"]) == (2, 2, "torch", "causal_lm")
+    args = ns["parse_args"]([])
+    assert (args.pp_schedule, args.micro_batches, args.stages_per_rank, args.dp, args.verify) == ("1F1B", 2, 1, None,
+                                                                                                 True)
+    assert not hasattr(args, "bf16")
+    for bad in (["--pp-schedule", "PipeDream"], ["--stages-per-rank", "2"],
+                ["--stages-per-rank", "3", "--pp-schedule", "Interleaved1F1B"], ["--dp", "0"]):
+        with pytest.raises(SystemExit):
+            ns["parse_args"](bad)
+    capsys.readouterr()
+    # the process layout: a multiple of tp x pp = 4 processes, --dp must agree
+    assert ns["check_layout"](ns["parse_args"]([]), 0, 4) == 1
+    assert ns["check_layout"](ns["parse_args"]([]), 0, 8) == 2
+    assert ns["check_layout"](ns["parse_args"](["--dp", "2"]), 0, 8) == 2
+    assert ns["check_layout"](ns["parse_args"]([]), 0, 6) is None
+    assert "world size must be a multiple of 4, but 6 process(es) were launched; use torchrun --nproc_per_node=4." \
+        in capsys.readouterr().err
+    assert ns["check_layout"](ns["parse_args"](["--dp", "2"]), 0, 4) is None
+    assert "must be --dp 2 x 4 = 8, but 4 process(es)" in capsys.readouterr().err
+    assert ns["check_layout"](ns["parse_args"](["--batch-size", "6"]), 0, 8) is None   # 2 replicas x 2 micro-batches
+    assert "does not split into 2 data-parallel replica(s) of 2 micro-batch(es)" in capsys.readouterr().err
+    monkeypatch.delenv("RANK", raising=False)          # one plain process: refused before any process group
+    assert ns["main"](["--device", "cpu", "--steps", "1"]) == 2
+    assert "use torchrun --nproc_per_node=4." in capsys.readouterr().err
+    # the schedule function replays the calls; the loss is transformers' causal-LM loss
+    sch = sl.create_schedule(ns["build_model"](0), world_size=2)
+    ns["schedule"](sch)
+    assert sch.record.calls == calls
+    batch = ns["make_inputs"](2, 8, 0, "cpu")
+    x, y = ns["pipeline_batch"](batch, 2, "cpu")
+    assert set(x) == {"input_ids"} and torch.equal(y, batch["input_ids"])
+    ref = ns["build_model"](0)
+    out = ref(**batch)
+    assert torch.allclose(ns["make_loss_fn"](0)(out.logits, y), out.loss, atol=1e-6)
+    saved = ns["dropout_off"](model)
+    assert saved == [] and ns["compare"](torch.ones(2), torch.ones(2)) == (0.0, 0.0, True)
+
+
+def test_interleaved_pipeline_script_options():
+    model = _tiny_gpt2()
+    sch = sl.create_schedule(model)
+    for i in (0, 1):
+        sch[f"transformer.h.{i}"].cut_pipeline_stage()
+    sch["transformer.ln_f"].cut_pipeline_stage()
+    ids = torch.randint(0, 128, (8, 16))
+    text = render_script(model_spec(model), sch.record.calls, input_spec({"input_ids": ids}, 128), world_size=1)
+    ns = _load_script(text)
+    assert ns["NUM_STAGES"] == 4 and "torchrun --nproc_per_node=4 train.py --device cuda" in text
+    args = ns["parse_args"](["--stages-per-rank", "2", "--pp-schedule", "Interleaved1F1B"])
+    assert ns["check_layout"](args, 0, 2) == 1 and ns["check_layout"](args, 0, 4) == 2
+    assert ns["parse_args"]([]).micro_batches == 4
+
+
+def test_deepspeed_pipeline_script(tmp_path, capsys, monkeypatch):
+    from slapo_lab.cli import main
+
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 128, (4, 16))
+    sch = sl.create_schedule(model)
+    sch["transformer.h.0"].cut_pipeline_stage()
+    f = save_schedule(tmp_path / "gpt2.json", sch.record.calls, model=model, example_inputs={"input_ids": ids},
+                      world_size=1)
+    out = tmp_path / "train_ds.py"
+    assert main(["export", str(f), "-o", str(out), "--launcher", "deepspeed"]) == 0
+    assert f"launch: deepspeed --num_gpus 2 {out} --device cuda" in capsys.readouterr().out
+    text = out.read_text()
+    r = _ruff(out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("deepspeed --num_gpus 2 train_ds.py --device cuda",
+                 "deepspeed --hostfile hostfile --num_nodes M --num_gpus N train_ds.py --device cuda",
+                 "python train_ds.py --print-ds-config", "ds_config=ds_config(args, dp)"):
+        assert line in text, line
+    assert "import deepspeed" not in text   # DeepSpeed itself is imported by slapo_lab.build
+    ns = _load_script(text)
+    assert ns["TARGET"] == "deepspeed" and ns["DS_CONFIG"]["zero_optimization"] == {"stage": 0}
+    assert "optimizer" not in ns["DS_CONFIG"]   # a torch optimizer: no fused-op builds
+    assert ns["parse_args"](["--local_rank=1"]).local_rank == 1   # the deepspeed launcher passes it
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ns["main"](["--print-ds-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg == {**ns["DS_CONFIG"], "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                   "gradient_accumulation_steps": 2}
+    assert ns["main"](["--print-ds-config", "--batch-size", "16", "--micro-batches", "4", "--dp", "2"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
+        (16, 2, 4)
+    monkeypatch.setenv("WORLD_SIZE", "8")    # under a launcher: dp = 8 / 2
+    assert ns["main"](["--print-ds-config", "--batch-size", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_deepspeed_tp_script(bert_tp, ids, tmp_path, monkeypatch, capsys):
+    model, calls = bert_tp
+    path = export_script(tmp_path / "train_bert_ds.py", model, calls, {"input_ids": ids}, world_size=2,
+                         launcher="deepspeed")
+    text = path.read_text()
+    r = _ruff(path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "deepspeed --num_gpus 2 train_bert_ds.py --device cuda" in text and "class ModelParallelUnit" in text
+    assert "mpu=ModelParallelUnit(mesh)" in text
+    ns = _load_script(text)
+    assert ns["NUM_STAGES"] == 1 and ns["parse_args"](["--bf16"]).bf16
+    monkeypatch.delenv("RANK", raising=False)
+    assert ns["main"](["--device", "cpu"]) == 2
+    assert "run this script with a launcher" in capsys.readouterr().err
+
+
+def test_pipeline_export_refusals(gpt2_pipeline):
+    model, calls, inputs = gpt2_pipeline
+    spec = model_spec(model)
+    with pytest.raises(ExportError, match="tensor x pipeline x data parallelism") as err:
+        render_script(spec, calls, input_spec(inputs, 128), world_size=2, launcher="deepspeed")
+    _one_sentence(err)
+    with pytest.raises(ExportError, match="'return_dict' is a constant") as err:
+        render_script(spec, calls, input_spec({**inputs, "return_dict": True}, 128), world_size=2)
+    _one_sentence(err)
+    # without cuts a constant input is fine (the tensor-parallel script passes it through)
+    tp_calls = [c for c in calls if c.primitive != "cut_pipeline_stage"]
+    render_script(spec, tp_calls, input_spec({**inputs, "return_dict": True}, 128), world_size=2)
+
+
+def test_cli_pipeline_launch_line(gpt2_pipeline, tmp_path, capsys):
+    from slapo_lab.cli import main
+
+    model, calls, inputs = gpt2_pipeline
+    f = save_schedule(tmp_path / "s.json", calls, model=model, example_inputs=inputs, world_size=2)
+    out = tmp_path / "t.py"
+    assert main(["export", str(f), "-o", str(out)]) == 0
+    assert f"launch: torchrun --nproc_per_node=4 {out} --device cuda" in capsys.readouterr().out
+    assert main(["export", str(f), "-o", str(out), "--launcher", "deepspeed"]) == 2
+    assert "tensor x pipeline x data parallelism" in capsys.readouterr().err

@@ -1,4 +1,6 @@
-"""Exported scripts really run: issue 2's BERT schedule under ``torchrun`` with 2 CPU ranks (gloo).
+"""Exported scripts really run on CPU ranks (gloo): issue 2's BERT schedule (TP=2) under ``torchrun``;
+GPT-2 pipelines (PP=2 and TP=2 x PP=2 under ``torchrun``, PP=2 under the ``deepspeed`` launcher) with
+``--verify`` checking one training step against the unscheduled model.
 
 Every subprocess is bounded by a timeout and killed with its whole process group on overrun.
 """
@@ -6,7 +8,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +58,156 @@ def test_bert_tp_script_runs_on_two_cpu_ranks(bert_script, run_bounded, torchrun
     assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")], _explain(r)   # printed by rank 0 only
     for s in steps:
         assert math.isfinite(float(s[2])) and float(s[3]) > 0 and int(s[5]) > 0
+
+
+# ------------------------------------------------------------------------------------ pipelines
+# Exported pipeline scripts (GPT-2 with its tied LM head, 2 layers, hidden 64, no dropout) under torchrun or
+# the deepspeed launcher; --verify checks one training step (loss, every gradient, every updated weight).
+LOSS_DIFF = re.compile(r"^Verify: loss of step 1: max abs diff (\S+), max rel diff \S+ \(pipeline (\S+), reference "
+                       r"(\S+)\)$", re.MULTILINE)
+PP_GRADS = re.compile(r"^Verify: gradients of (\d+) parameters: max abs diff (\S+) ", re.MULTILINE)
+PP_WEIGHTS = re.compile(r"^Verify: updated weights of (\d+) parameters: max abs diff (\S+) ", re.MULTILINE)
+GPT2_PARAMS = 29  # 28 parameters + the last stage's copy of the tied lm_head / wte
+_RUNS: dict[str, tuple] = {}
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _export_gpt2(folder, tp: int, launcher: str = "torchrun"):
+    model = _gpt2()
+    sch = sl.create_schedule(model, world_size=tp)
+    if tp > 1:
+        sl.presets.megatron_tp(sch)   # column/row-parallel blocks (strided c_attn), vocab-parallel wte + lm_head
+    sch["transformer.h.0"].cut_pipeline_stage()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    name = f"train_gpt2_tp{tp}_{launcher}.py"
+    return export_script(folder / name, model, sch.record.calls, {"input_ids": ids}, world_size=tp, launcher=launcher)
+
+
+def _pp_env(env):
+    env = dict(env)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return env
+
+
+def _run_pipeline(key, folder, run_bounded, cmd_of, env, timeout):
+    """Launch once per session (the DeepSpeed test compares its losses with the torchrun PP=2 run)."""
+    if key not in _RUNS:
+        start = time.perf_counter()
+        r = run_bounded(cmd_of(folder), timeout=timeout, cwd=folder, env=_pp_env(env))
+        wall = time.perf_counter() - start
+        print(f"{key}: wall time {wall:.1f} s")
+        _RUNS[key] = (r, wall)
+    return _RUNS[key][0]
+
+
+def _check_pipeline_verify(r, n_steps=2):
+    out = r.stdout
+    assert r.returncode == 0 and "Verify: PASSED" in out, _explain(r)
+    (loss_diff, loss, ref), = LOSS_DIFF.findall(out)
+    (n_grads, grad_diff), = PP_GRADS.findall(out)
+    (n_weights, weight_diff), = PP_WEIGHTS.findall(out)
+    assert int(n_grads) == int(n_weights) == GPT2_PARAMS, _explain(r)
+    for d in (loss_diff, grad_diff, weight_diff):
+        assert float(d) <= 1e-5, _explain(r)
+    assert 4.0 < float(ref) < 6.0   # cross entropy over 128 tokens starts near ln(128) = 4.85
+    steps = STEP.findall(out)
+    assert [(s[0], s[1]) for s in steps] == [(str(i), str(n_steps)) for i in range(1, n_steps + 1)], _explain(r)
+    assert all(math.isfinite(float(s[2])) for s in steps)
+    assert abs(float(steps[0][2]) - float(loss)) <= 1e-5   # no dropout: step 1 repeats the verified step
+    return [float(s[2]) for s in steps]
+
+
+def _torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port, subprocess_env):
+    folder = tmp_path_factory.mktemp("pp2")
+    script = _export_gpt2(folder, tp=1)
+    return _run_pipeline("pp2", folder, run_bounded,
+                         lambda f: torchrun_cmd(2, free_port, script, "--device", "cpu", "--steps", "2"),
+                         subprocess_env, timeout=180)
+
+
+def test_gpt2_pp2_script_verifies_on_two_cpu_ranks(tmp_path_factory, run_bounded, torchrun_cmd, free_port,
+                                                    subprocess_env):
+    r = _torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port, subprocess_env)
+    _check_pipeline_verify(r)
+    assert "tp 1 x pp 2 x dp 1" in r.stdout and "(1F1B, 2 micro-batches)" in r.stdout
+
+
+def test_gpt2_tp2_pp2_script_verifies_on_four_cpu_ranks(tmp_path, run_bounded, torchrun_cmd, free_port,
+                                                        subprocess_env):
+    script = _export_gpt2(tmp_path, tp=2)
+    r = _run_pipeline("tp2pp2", tmp_path, run_bounded,
+                      lambda f: torchrun_cmd(4, free_port, script, "--device", "cpu", "--steps", "2",
+                                             "--pp-schedule", "GPipe"),
+                      subprocess_env, timeout=240)
+    _check_pipeline_verify(r)
+    assert "tp 2 x pp 2 x dp 1" in r.stdout and "(GPipe, 2 micro-batches)" in r.stdout
+
+
+def test_gpt2_pp2_script_under_the_deepspeed_launcher(tmp_path, tmp_path_factory, run_bounded, torchrun_cmd,
+                                                      free_port, subprocess_env):
+    pytest.importorskip("deepspeed")
+    script = _export_gpt2(tmp_path, tp=1, launcher="deepspeed")
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--hostfile", str(tmp_path / "no-hostfile"),
+           "--num_gpus", "2", "--master_port", str(free_port), str(script), "--device", "cpu", "--steps", "2"]
+    # the first DeepSpeed start on a machine JIT-compiles its shm op (~50-90 s, then cached)
+    r = _run_pipeline("pp2_deepspeed", tmp_path, run_bounded, lambda f: cmd, subprocess_env, timeout=300)
+    losses = _check_pipeline_verify(r)
+    assert "(DeepSpeed 1F1B, 2 micro-batches)" in r.stdout and "--local_rank=1" in r.stdout + r.stderr
+    # the same model, data and optimizer as the torchrun PP=2 run: the same training losses
+    torch_losses = _check_pipeline_verify(_torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port,
+                                                        subprocess_env))
+    assert all(abs(a - b) <= 2e-6 for a, b in zip(losses, torch_losses)), (losses, torch_losses)
+
+
+def test_bert_tp2_script_under_the_deepspeed_launcher(tmp_path, apply_bert_tp, run_bounded, free_port,
+                                                      subprocess_env):
+    """Tensor parallelism on DeepSpeed's engine (a model-parallel unit keeps its data parallelism off the shards):
+    the losses equal single-process training of the unsharded model with the script's own functions."""
+    pytest.importorskip("deepspeed")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                 vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0))
+    sch = sl.create_schedule(model, world_size=2)
+    apply_bert_tp(sch, 2)
+    ids = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))
+    script = export_script(tmp_path / "train_bert_ds.py", model, sch.record.calls, {"input_ids": ids}, world_size=2,
+                           launcher="deepspeed")
+    opts = ["--steps", "3", "--micro-batches", "2", "--lr", "0.1"]
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--hostfile", str(tmp_path / "no-hostfile"),
+           "--num_gpus", "2", "--master_port", str(free_port), str(script), "--device", "cpu", *opts]
+    start = time.perf_counter()
+    r = run_bounded(cmd, timeout=300, cwd=tmp_path, env=_pp_env(subprocess_env))
+    print(f"deepspeed TP=2: wall time {time.perf_counter() - start:.1f} s")
+    assert r.returncode == 0 and "Verify: PASSED" in r.stdout, _explain(r)
+    assert "tp 2 x dp 1 (DeepSpeed engine)" in r.stdout, _explain(r)
+    losses = [float(s[2]) for s in STEP.findall(r.stdout)]
+    # the reference: the unsharded model trained in this process by the script's own functions
+    ns = {"__name__": "exported"}
+    exec(compile(script.read_text(), str(script), "exec"), ns)  # noqa: S102 - running generated code is the test
+    args = ns["parse_args"](opts)
+    ref = ns["build_model"](args.seed)
+    opt = ns["make_optimizer"](args, ref.parameters())
+    want = []
+    for step in range(1, args.steps + 1):
+        batch = ns["make_inputs"](args.batch_size, args.seq_len, args.seed + 1 + step, "cpu")
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for chunk in ns["split_batch"](batch, args.micro_batches, args.batch_size):
+            loss = ns["compute_loss"](ref(**chunk), args.seed) / args.micro_batches
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        want.append(total)
+    assert len(losses) == 3 and all(abs(a - b) <= 2e-5 for a, b in zip(losses, want)), (losses, want)

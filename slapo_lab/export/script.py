@@ -211,7 +211,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help=<<VERIFY_HELP>>)
-<<EXTRA_ARGS>>    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU for MFU")
+<<EXTRA_ARGS>>    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per GPU for MFU")
     args = p.parse_args(argv)
     bad = args.steps < 0 or args.batch_size < 1 or args.micro_batches < 1
     if bad or args.batch_size % args.micro_batches:
@@ -307,7 +308,8 @@ def train(args, rank, world_size, local_rank):
 _LAYOUT_FUNCS = '''
 
 def check_layout(args, rank, world_size):
-    """The data-parallel size of ``world_size`` processes laid out as tp x pp x dp, or None (error printed)."""
+    """The data-parallel size of ``world_size`` processes laid out as tp x pp x dp; None (and an error) if
+    they do not fit."""
     tp, pp = WORLD_SIZE, NUM_STAGES // getattr(args, "stages_per_rank", 1)
     unit = tp * pp
     dp = world_size // unit
@@ -315,14 +317,15 @@ def check_layout(args, rank, world_size):
         if rank == 0:
             want = unit * (args.dp or max(dp, 1))
             need = f"--dp {args.dp} x {unit} = {want}" if args.dp else f"a multiple of {unit}"
-            print(f"error: this schedule runs on tp x pp x dp processes with tp={tp} (tensor parallel) and pp={pp} "
-                  f"(pipeline), so the world size must be {need}, but {world_size} process(es) were launched; "
-                  f"use <<LAUNCH_HINT>>{want}.", file=sys.stderr)
+            print(f"error: this schedule runs on tp x pp x dp processes with tp={tp} (tensor parallel) and "
+                  f"pp={pp} (pipeline), so the world size must be {need}, but {world_size} process(es) were "
+                  f"launched; use <<LAUNCH_HINT>>{want}.", file=sys.stderr)
         return None
     if args.batch_size % (dp * args.micro_batches):
         if rank == 0:
-            print(f"error: --batch-size {args.batch_size} does not split into {dp} data-parallel replica(s) of "
-                  f"{args.micro_batches} micro-batch(es); use a multiple of {dp * args.micro_batches}.", file=sys.stderr)
+            print(f"error: --batch-size {args.batch_size} does not split into {dp} data-parallel replica(s) "
+                  f"of {args.micro_batches} micro-batch(es); use a multiple of {dp * args.micro_batches}.",
+                  file=sys.stderr)
         return None
     return dp
 
@@ -366,7 +369,8 @@ def make_loss_fn(seed):
             return torch.nn.functional.cross_entropy(output[:, :-1].reshape(-1, output.shape[-1]).float(),
                                                      target[:, 1:].reshape(-1))
         if LOSS == "lm":
-            return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+            return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(),
+                                                     target.reshape(-1))
         return probe_loss(output, seed)
     return loss_fn
 
@@ -380,8 +384,8 @@ def pipeline_batch(inputs, batch_size, device):
     return inputs, target
 
 
-DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-           torch.nn.FeatureAlphaDropout)
+DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+           torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
 def dropout_off(model):
@@ -406,9 +410,9 @@ def build_pipeline(args, sch, mesh, dp, example, device):
         return made[-1]
 
     pm, _ = slapo_lab.build(sch, TARGET, example_inputs=example, loss_fn=make_loss_fn(args.seed),
-                            schedule=<<PP_SCHEDULE>>, n_microbatches=args.micro_batches, pp_group=mesh.pp_group,
-                            dp_group=mesh.dp_group if dp > 1 else None, stages_per_rank=<<SPR>>,
-                            optimizer=optimizer, device=device<<DS_KW>>)
+                            schedule=<<PP_SCHEDULE>>, n_microbatches=args.micro_batches,
+                            pp_group=mesh.pp_group, dp_group=mesh.dp_group if dp > 1 else None,
+                            stages_per_rank=<<SPR>>, optimizer=optimizer, device=device<<DS_KW>>)
     return pm, made[-1]
 
 
@@ -447,7 +451,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
         return local_shard(t.detach(), axis, mesh.tp, mesh.tp_rank, getattr(p, "shard_stride", 1))
 
     unknown = [name for name in params if name not in refs]
-    init_bad = [name for name in params if name in refs and not torch.equal(before[name], mine(name, refs[name]))]
+    init_bad = [name for name in params
+                if name in refs and not torch.equal(before[name], mine(name, refs[name]))]
     grads = {}
 
     def grab(optimizer, a, kw):
@@ -470,8 +475,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
     for name, p in params.items():
         if name in refs:
             g = grads.get(name, torch.zeros_like(p))
-            rows[name] = compare(g, mine(name, ref_grads[name]), atol, rtol) + compare(p, mine(name, refs[name]),
-                                                                                          atol, rtol)
+            rows[name] = (compare(g, mine(name, ref_grads[name]), atol, rtol)
+                          + compare(p, mine(name, refs[name]), atol, rtol))
     mine_all = {"rows": rows, "init_bad": init_bad, "unknown": unknown}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine_all)
@@ -499,8 +504,9 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
     opt.state.clear()
     pm.zero_grad()
     if dist.get_rank() == 0:
-        lines = [f"Verify: one training step ({TARGET} pipeline of {NUM_STAGES} stages on tp {mesh.tp} x pp {mesh.pp} "
-                 f"x dp {dp} ranks, {args.micro_batches} micro-batches, {args.optimizer} lr {args.lr:g}"
+        lines = [f"Verify: one training step ({TARGET} pipeline of {NUM_STAGES} stages on tp {mesh.tp} x pp "
+                 f"{mesh.pp} x dp {dp} ranks, {args.micro_batches} micro-batches, {args.optimizer} lr "
+                 f"{args.lr:g}"
                  + (", dropout off" if dropout else "") + ") against the unscheduled model",
                  f"Verify: loss of step 1: max abs diff {loss_diff:.3e}, max rel diff "
                  f"{loss_diff / (abs(ref_value) + atol):.3e} (pipeline {loss:.6f}, reference {ref_value:.6f})"
@@ -509,8 +515,9 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
             if merged:
                 worst = max(merged, key=lambda name: merged[name][k])
                 bad = [name for name, row in merged.items() if not row[k + 2]]
-                lines.append(f"Verify: {what} of {len(merged)} parameters: max abs diff {merged[worst][k]:.3e} "
-                             f"({worst}), max rel diff {max(row[k + 1] for row in merged.values()):.3e}"
+                lines.append(f"Verify: {what} of {len(merged)} parameters: max abs diff "
+                             f"{merged[worst][k]:.3e} ({worst}), max rel diff "
+                             f"{max(row[k + 1] for row in merged.values()):.3e}"
                              + (f", {len(bad)} over tolerance" if bad else ""))
                 lines += [f"Verify:   {name}: max abs diff {merged[name][k]:.3e}" for name in bad[:5]]
         for name in init_bad[:5]:
@@ -519,7 +526,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
             lines.append(f"Verify: parameters held by no rank: {', '.join(missing[:5])}")
         if unknown:
             lines.append(f"Verify: parameters the reference lacks: {', '.join(unknown[:5])}")
-        lines.append(f"Verify: {'PASSED' if passed else 'FAILED'} (atol {atol:g}, rtol {rtol:g}, device {args.device})")
+        status = "PASSED" if passed else "FAILED"
+        lines.append(f"Verify: {status} (atol {atol:g}, rtol {rtol:g}, device {args.device})")
         print("\\n".join(lines), flush=True)
     return passed
 '''
@@ -535,7 +543,7 @@ def train(args, rank, world_size, local_rank):
     mesh = slapo_lab.pipeline.make_mesh(tp=tp, pp=pp, dp=dp, device=args.device)
     model = build_model(args.seed)
     reference = copy.deepcopy(model) if args.verify else None
-    sch = slapo_lab.create_schedule(model, group=mesh.tp_group)  # shards over this rank's tensor-parallel group
+    sch = slapo_lab.create_schedule(model, group=mesh.tp_group)  # this rank's tensor-parallel group
     schedule(sch)
     sch.mod.to(device)
     local = args.batch_size // dp
@@ -559,8 +567,8 @@ def train(args, rank, world_size, local_rank):
         pm, opt = build_pipeline(args, sch, mesh, dp, example, device)
     n_params = sum(full_numel(p) for p in sch.mod.parameters())
     if rank == 0:
-        print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s) = tp {tp} x pp {pp} x dp {dp}, "
-              f"{NUM_STAGES} pipeline stages (<<SCHEDULE_DOC>>, {args.micro_batches} micro-batches), "
+        print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s) = tp {tp} x pp {pp} x dp "
+              f"{dp}, {NUM_STAGES} pipeline stages (<<SCHEDULE_DOC>>, {args.micro_batches} micro-batches), "
               f"device {args.device}, batch {args.batch_size}" + (f" x {seq_len} tokens" if seq_len else ""),
               flush=True)
     for step in range(1, args.steps + 1):
@@ -581,7 +589,8 @@ def train(args, rank, world_size, local_rank):
 _TRAIN_DS_TP = '''\
 class ModelParallelUnit:
     """DeepSpeed's ``mpu``: the tensor-parallel group is the model-parallel group, the replicas are data
-    parallel (so DeepSpeed broadcasts weights and averages gradients between replicas, never across shards)."""
+    parallel (so DeepSpeed broadcasts weights and averages gradients between replicas, never across
+    shards)."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -613,8 +622,8 @@ def train(args, rank, world_size, local_rank):
     import deepspeed
 
     if not dist.is_initialized():
-        print("error: run this script with a launcher: deepspeed --num_gpus N (or torchrun --nproc_per_node=N).",
-              file=sys.stderr)
+        print("error: run this script with a launcher: deepspeed --num_gpus N (or torchrun "
+              "--nproc_per_node=N).", file=sys.stderr)
         return 2
     dp = check_layout(args, rank, world_size)
     if dp is None:
@@ -624,7 +633,7 @@ def train(args, rank, world_size, local_rank):
     mesh = slapo_lab.pipeline.make_mesh(tp=WORLD_SIZE, pp=1, dp=dp, device=args.device)
     model = build_model(args.seed)
     reference = copy.deepcopy(model) if args.verify else None
-    sch = slapo_lab.create_schedule(model, group=mesh.tp_group)  # shards over this rank's tensor-parallel group
+    sch = slapo_lab.create_schedule(model, group=mesh.tp_group)  # this rank's tensor-parallel group
     schedule(sch)
     model = sch.mod.to(device)
 
@@ -638,6 +647,7 @@ def train(args, rank, world_size, local_rank):
             return 1
 
     model.train()
+    model.zero_grad(set_to_none=True)  # Verify's gradients must not reach the first step
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(full_numel(p) for p in params)
     deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -689,8 +699,8 @@ _LAUNCH_PIPE = '''\
     torchrun --nproc_per_node=<<NPROC>> <<SCRIPT>> --device cuda
   with data parallelism on top (any multiple of <<NPROC>> processes, dp = processes / <<NPROC>>):
     torchrun --nproc_per_node=<<NPROC_DP>> <<SCRIPT>> --device cuda
-  several nodes (M nodes x N processes per node, M * N a multiple of <<NPROC>>; run on every node, R = 0 .. M-1):
-    torchrun --nnodes=M --nproc_per_node=N --node_rank=R --master_addr=HOST --master_port=29500 <<SCRIPT>> --device cuda
+  several nodes (M nodes x N processes per node, M * N a multiple of <<NPROC>>; on every node, R = 0 .. M-1):
+    torchrun --nnodes=M --nproc_per_node=N --node_rank=R --master_addr=HOST --master_port=29500 <<SCRIPT>>
   CPU test on one machine (gloo on 127.0.0.1):
     torchrun --nproc_per_node=<<NPROC>> --master_addr=127.0.0.1 <<SCRIPT>> --device cpu
 '''
@@ -723,12 +733,14 @@ _PIPE_ARGS = '''\
 '''
 
 _DP_ARG = '''\
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world size / (tp x pp))")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel replicas (default: world size / (tp x pp))")
 '''
 
 _DS_ARGS = '''\
     p.add_argument("--print-ds-config", action="store_true", help="print the DeepSpeed config and exit")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed passes it
+    # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 '''
 
 _PIPE_CHECK = '''\
@@ -904,9 +916,10 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
                 "it puts the weights back and trains for --steps steps on synthetic inputs of the example's "
                 "shapes (seeded), each data-parallel replica on its slice of the batch. " + loss_doc)
         headline = f"{stages} pipeline stages" + (f" x {world_size}-way tensor parallelism" if world_size > 1 else "")
-        layout = (f"Processes are laid out as tensor x pipeline x data parallelism (tp = {world_size}, pp = "
-                  f"{stages}, neighbouring ranks form a tensor-parallel group): launch a multiple of {nproc}; "
-                  f"the data-parallel size is the world size / {nproc}.")
+        layout = ((f"Processes are laid out as tensor x pipeline x data parallelism (tp = {world_size}, pp = "
+                   f"{stages}, neighbouring ranks form a tensor-parallel group)" if world_size > 1 else
+                   f"Processes are laid out as pipeline x data parallelism (pp = {stages})")
+                  + f": launch a multiple of {nproc}; the data-parallel size is the world size / {nproc}.")
     else:
         micro = 1
         if labels:
@@ -954,8 +967,8 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
     if pipeline:
         values.update({
             "PIPE_CONSTANTS": (f"NUM_STAGES = {stages}  # pipeline stages: the recorded cuts + 1\n"
-                               f"TARGET = {'deepspeed' if ds else 'torch'!r}  # the slapo_lab.build target\n"
-                               f"LOSS = {loss_kind!r}  # the last stage's loss: causal_lm, lm or probe\n"),
+                               f"TARGET = {json.dumps('deepspeed' if ds else 'torch')}  # the slapo_lab.build target\n"
+                               f"LOSS = {json.dumps(loss_kind)}  # the last stage's loss: causal_lm, lm or probe\n"),
             "BATCH_HELP": '"samples per step, over all data-parallel replicas"',
             "MICRO_HELP": '"micro-batches per step and replica (the pipeline\'s n_microbatches)"',
             "VERIFY_HELP": '"first check one training step against the unscheduled model"',

@@ -1,0 +1,36 @@
+"""The example notebooks run end to end headless (``python -m slapo_lab.tools.run_notebook``, exit 0).
+
+* ``llama70b_plan.ipynb``: a 70B Llama on the meta device, Megatron TP 8 x 4 pipeline stages, the plan;
+* ``gpt2_tp_pp.ipynb``: a small GPT-2 in the editor, Megatron TP 2 (tied vocab-parallel head) x 2 stages,
+  the plan, the exported script, which it then runs on 4 CPU processes (torchrun, gloo) with --verify.
+
+The quickstart is covered by ``scripts/lab.sh --headless`` and the browser tests. Each run is bounded (its
+process group -- kernel, torchrun and ranks -- is killed on overrun).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _run(name, run_bounded, env, timeout):
+    start = time.perf_counter()
+    r = run_bounded([sys.executable, "-m", "slapo_lab.tools.run_notebook", str(NOTEBOOKS / name)], timeout=timeout,
+                    cwd=NOTEBOOKS, env=env)
+    print(f"{name}: {time.perf_counter() - start:.1f} s")
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
+    assert "ran end to end" in r.stdout
+
+
+def test_llama70b_plan_notebook(run_bounded, subprocess_env):
+    _run("llama70b_plan.ipynb", run_bounded, subprocess_env, timeout=300)
+
+
+@pytest.mark.multirank
+def test_gpt2_tp_pp_notebook(run_bounded, subprocess_env):
+    _run("gpt2_tp_pp.ipynb", run_bounded, subprocess_env, timeout=420)
