@@ -452,7 +452,10 @@ class ScheduleEditor(W.VBox):
 
         out = export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
                             world_size=self.world_size, launcher=launcher, factory=self.factory)
-        self._info(f"Exported {out} — launch: torchrun --nproc_per_node={self.num_ranks} {out.name} --device cuda")
+        from ..export import launch_command
+
+        cmd = launch_command(self.schedule.record.calls, self.world_size, out.name, launcher=launcher)
+        self._info(f"Exported {out} — launch: {cmd}")
         return str(out)
 
     # ------------------------------------------------------------------ widgets
