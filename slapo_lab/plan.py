@@ -39,10 +39,10 @@ Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule fo
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,17 +195,7 @@ class ActivationProfile:
     fake: bool = False
 
 
-def _tensors(x: Any) -> Iterable[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _tensors(v)
-    elif hasattr(x, "to_tuple") and callable(x.to_tuple):  # HF ModelOutput
-        yield from _tensors(x.to_tuple())
+from .utils import iter_tensors as _tensors  # noqa: E402  (one walker for nested tensors)
 
 
 def _first_batch(inputs: Any) -> int | None:
@@ -220,6 +210,46 @@ def _call_model(model: nn.Module, inputs: Any):
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
+
+
+def _meta_pass_inputs(model: nn.Module, example_inputs: Any):
+    """(meta model, meta inputs, id(module) -> first path) for a recording pass (copies real models)."""
+    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model = meta_copy(model)
+    path_of: dict[int, str] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(m), path)
+    return model, to_meta(example_inputs), path_of
+
+
+def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) -> float:
+    """One forward in training mode with ``pre``/``post`` hooks on every module, inside ``context``
+    (and ``FakeTensorMode`` if ``fake``); hooks and modes are restored. Returns seconds."""
+    handles, modes, seen = [], [], set()
+    try:
+        for m in model.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            modes.append((m, m.training))
+            m.training = True
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        t0 = time.perf_counter()
+        with context:
+            if fake:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    _call_model(model, inputs)
+            else:
+                _call_model(model, inputs)
+        return time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes:
+            m.training = mode
 
 
 def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationProfile:
@@ -244,12 +274,7 @@ def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationPro
     Raises:
         ScheduleError: when the forward pass fails (one sentence with the original error).
     """
-    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        model = meta_copy(model)
-    inputs = to_meta(example_inputs)
-    path_of: dict[int, str] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        path_of.setdefault(id(m), path)
+    model, inputs, path_of = _meta_pass_inputs(model, example_inputs)
     leaves = {id(m) for m in model.modules() if not m._modules}
 
     def run(fake: bool) -> ActivationProfile:
@@ -276,32 +301,7 @@ def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationPro
                 got = [it for t, it in zip(_tensors(out), items(out)) if id(t) not in inputs_ids]
                 prof.leaf_out.setdefault(path_of[id(mod)], []).extend(got)
 
-        handles, modes = [], []
-        seen = set()
-        try:
-            for m in model.modules():
-                if id(m) in seen:
-                    continue
-                seen.add(id(m))
-                modes.append((m, m.training))
-                m.training = True
-                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(m.register_forward_hook(post, with_kwargs=True))
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                if fake:
-                    from torch._subclasses.fake_tensor import FakeTensorMode
-
-                    with FakeTensorMode(allow_non_fake_inputs=True):
-                        _call_model(model, inputs)
-                else:
-                    _call_model(model, inputs)
-            prof.seconds = time.perf_counter() - t0
-        finally:
-            for h in handles:
-                h.remove()
-            for m, mode in modes:
-                m.training = mode
+        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, torch.no_grad())
         return prof
 
     return _run_with_fallback(run)
@@ -341,12 +341,7 @@ def saved_activations(model: nn.Module, example_inputs: Any) -> SavedProfile:
 
     Args / Raises: as :func:`estimate_activations`.
     """
-    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        model = meta_copy(model)
-    inputs = to_meta(example_inputs)
-    path_of: dict[int, str] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        path_of.setdefault(id(m), path)
+    model, inputs, path_of = _meta_pass_inputs(model, example_inputs)
     weights = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
 
     def run(fake: bool) -> SavedProfile:
@@ -381,31 +376,10 @@ def saved_activations(model: nn.Module, example_inputs: Any) -> SavedProfile:
             if p:
                 where[0] = p
 
-        handles, modes, seen_mods = [], [], set()
-        try:
-            for m in model.modules():
-                if id(m) in seen_mods:
-                    continue
-                seen_mods.add(id(m))
-                modes.append((m, m.training))
-                m.training = True
-                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(m.register_forward_hook(post, with_kwargs=True))
-            t0 = time.perf_counter()
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                if fake:
-                    from torch._subclasses.fake_tensor import FakeTensorMode
-
-                    with FakeTensorMode(allow_non_fake_inputs=True):
-                        _call_model(model, inputs)
-                else:
-                    _call_model(model, inputs)
-            prof.seconds = time.perf_counter() - t0
-        finally:
-            for h in handles:
-                h.remove()
-            for m, mode in modes:
-                m.training = mode
+        grad_ctx = contextlib.ExitStack()
+        grad_ctx.enter_context(torch.enable_grad())
+        grad_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, grad_ctx)
         return prof
 
     return _run_with_fallback(run)

@@ -27,6 +27,20 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def iter_tensors(x: Any):
+    """Every tensor in a nested structure (tensor, dict — HF ``ModelOutput`` included —, tuple, list)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from iter_tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from iter_tensors(v)
+    elif hasattr(x, "to_tuple") and callable(x.to_tuple):
+        yield from iter_tensors(x.to_tuple())
+
+
 def to_meta(x: Any) -> Any:
     """Tensors in a nested structure (dict / tuple / list) moved to the meta device."""
     if isinstance(x, torch.Tensor):

@@ -142,15 +142,7 @@ def broadcast_inputs(inputs, tp: TPGroup, src: int = 0):
     return inputs
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _tensors(v)
+from .utils import iter_tensors as _tensors  # noqa: E402  (one walker for nested tensors)
 
 
 def _call(model, inputs):

@@ -244,7 +244,6 @@ class ScheduleEditor(W.VBox):
         ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
         pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
         """
-        from .. import presets
 
         before = list(self.schedule.record.calls)
         self._busy = True
@@ -266,19 +265,18 @@ class ScheduleEditor(W.VBox):
     def _run_preset(self, name: str, k: int) -> None:
         from .. import presets
 
-        if True:
-            if name == "megatron":
-                presets.megatron_tp(self.schedule)
-            elif name == "hf_plan":
-                presets.megatron_tp(self.schedule, use_hf_plan=True)
-            elif name == "checkpoint":
-                presets.checkpoint_blocks(self.schedule, every=int(k))
-            elif name == "stages":
-                from ..pipeline import suggest_cuts
+        if name == "megatron":
+            presets.megatron_tp(self.schedule)
+        elif name == "hf_plan":
+            presets.megatron_tp(self.schedule, use_hf_plan=True)
+        elif name == "checkpoint":
+            presets.checkpoint_blocks(self.schedule, every=int(k))
+        elif name == "stages":
+            from ..pipeline import suggest_cuts
 
-                suggest_cuts(self.schedule, int(k), by="params", apply=True)
-            else:
-                raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+            suggest_cuts(self.schedule, int(k), by="params", apply=True)
+        else:
+            raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
 
     def undo(self) -> str | None:
         """Undo the last recorded call (rebuild from the original model and replay the rest).
