@@ -168,9 +168,13 @@ class PipelineModel:
         return self._broadcast_loss(losses)
 
     def _broadcast_loss(self, losses) -> float:
-        val = torch.zeros((), dtype=torch.float64)
+        # NCCL only moves CUDA tensors: put the loss on this rank's device (CPU for gloo)
+        dev = torch.device("cuda", torch.cuda.current_device()) if (
+            dist.is_initialized() and self.pp_group is not None and dist.get_backend(self.pp_group) == "nccl") \
+            else torch.device("cpu")
+        val = torch.zeros((), dtype=torch.float64, device=dev)
         if losses:
-            val = torch.stack([torch.as_tensor(x).detach().double() for x in losses]).mean()
+            val = torch.stack([torch.as_tensor(x).detach().double().to(dev) for x in losses]).mean()
         if self.pp_group is not None and _group_size(self.pp_group) > 1:
             last = (self.partition.num_stages - 1) % _group_size(self.pp_group)
             dist.broadcast(val, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
