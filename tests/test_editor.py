@@ -269,3 +269,17 @@ def test_costs_update_live(editor):
     assert editor.last_plan.per_stage[0]["activation_bytes"] > 0
     editor._gpu.value = 141e9
     assert "141 GB" in editor._costs.value
+
+
+def test_graph_styles_folded_badges_stage_bands_and_legend(editor):
+    editor.apply("checkpoint", path="encoder.layer.0")
+    editor.open_level("encoder")
+    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"][0]
+    st = editor._folded_style(editor._last_graph.nodes[folded]["members"], None)
+    assert "ckpt 1/2" in st["badges"]
+    assert "ckpt 1/2" in editor._graph.svg
+    editor.apply("cut_pipeline_stage", path="encoder.layer.0")
+    assert "stages 0–1" in editor._graph.svg  # the folded run spans both stages
+    editor.open_level("")
+    assert "stage 0" in editor._graph.svg and "stage 1" in editor._graph.svg  # embeddings / pooler
+    assert "<svg" in editor._legend.value and "stage 1 (border)" in editor._legend.value

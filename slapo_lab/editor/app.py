@@ -56,6 +56,7 @@ _COL = "#c6dbef"   # column parallel / partitioned output
 _ROW = "#fdd0a2"   # row parallel / partial output
 _TP_INSIDE = "#e5f5e0"
 _CKPT = "#9e9ac8"
+_STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 _CUT = "#e6550d"
 
 
@@ -513,7 +514,9 @@ class ScheduleEditor(W.VBox):
         for w in (self._param, self._axis, self._sync, self._preset, self._preset_k):
             w.style = narrow
         left = W.VBox([W.HTML("<b>Modules</b>"), self._search, self._tree], layout=W.Layout(width="22%"))
-        center = W.VBox([self._crumbs, self._graph], layout=W.Layout(width="48%"))
+        self._legend = W.HTML()
+        self._legend.add_class("slapo-legend")
+        center = W.VBox([self._crumbs, self._graph, self._legend], layout=W.Layout(width="48%"))
         right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions, W.HTML("<b>Presets</b>"),
                         self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="30%"))
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
@@ -683,7 +686,8 @@ class ScheduleEditor(W.VBox):
                        params=sum(p.numel() for p in child.mod.parameters()))
         return G
 
-    def _style(self, path: str) -> dict[str, Any]:
+    def _style(self, path: str, stage_of: dict[str, int] | None = None) -> dict[str, Any]:
+        """Colours and badges of one module: TP fill, sync badges, checkpoint / cut borders, stage band."""
         if path not in self.schedule:
             return {}
         mod = self.schedule[path].mod
@@ -698,6 +702,10 @@ class ScheduleEditor(W.VBox):
         for mode, op in meta.get("syncs", []):
             badges.append(f"{mode}:{op}")
         style: dict[str, Any] = {}
+        if stage_of is not None and path in stage_of:
+            badges.append(f"stage {stage_of[path]}")
+            style["color"] = _STAGES[stage_of[path] % len(_STAGES)]
+            style["penwidth"] = 2
         if meta.get("checkpoint"):
             badges.append("ckpt")
             style["color"] = _CKPT
@@ -712,19 +720,57 @@ class ScheduleEditor(W.VBox):
             style["badges"] = badges
         return style
 
+    def _folded_style(self, members: list[str], stage_of: dict[str, int] | None) -> dict[str, Any]:
+        """A folded run's style: the first member's colours, badges that count over all members."""
+        members = [m for m in members if m in self.schedule]
+        if not members:
+            return {}
+        style = {k: v for k, v in self._style(members[0], stage_of).items() if k != "badges"}
+        metas = [module_state(self.schedule[m].mod) or {} for m in members]
+        badges = []
+        n_tp = sum(any((module_state(x) or {}).get("sharded") for x in self.schedule[m].mod.modules()) for m in members)
+        if n_tp:
+            badges.append(f"TP {n_tp}/{len(members)}")
+        n_ck = sum(bool(m.get("checkpoint")) for m in metas)
+        if n_ck:
+            badges.append(f"ckpt {n_ck}/{len(members)}")
+        n_cut = sum(bool(m.get("cut")) for m in metas)
+        if n_cut:
+            badges.append(f"{n_cut} cut{'s' if n_cut > 1 else ''}")
+        if stage_of is not None:
+            stages = sorted({stage_of[m] for m in members if m in stage_of})
+            if stages:
+                badges.append(f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}")
+        if badges:
+            style["badges"] = badges
+        return style
+
     def _refresh_graph(self, reset_view: bool = False) -> None:
         from ..graph import render_svg
 
         G = self._level_graph()
         self._last_graph = G
+        stage_of = None
+        if self.schedule.metadata.primitives.get("cut_pipeline_stage"):
+            try:
+                from ..plan import stage_assignment
+
+                stage_of = stage_assignment(self.schedule).stage_of
+            except Exception:  # a stale cut: show no bands rather than fail the view
+                stage_of = None
         styles = {}
         for n, data in G.nodes(data=True):
-            p = data.get("path", n)
-            st = self._style(self._resolve_node(p) or p)
-            if p == self.selected:
+            kind = data.get("kind")
+            if kind in ("input", "output"):
+                continue
+            if kind == "folded":
+                st = self._folded_style(list(data.get("members") or []), stage_of)
+            else:
+                st = self._style(data.get("path", n), stage_of)
+            if data.get("path", n) == self.selected:
                 st = dict(st, penwidth=max(st.get("penwidth", 1), 2))
             if st:
-                styles[p] = st
+                styles[n] = st
         key = (self.level, tuple(G.nodes), tuple(G.edges), repr(sorted(styles.items())))
         if key != self._rendered_key or reset_view:  # redraw only what is visible and changed
             svg, node_ids = render_svg(G, styles)
@@ -732,6 +778,19 @@ class ScheduleEditor(W.VBox):
             self._rendered_key = key
         inverse = {p: t for t, p in self._graph.node_ids.items()}
         self._graph.selected = inverse.get(self.selected, "")
+        self._legend.value = self._legend_html(stage_of)
+
+    def _legend_html(self, stage_of) -> str:
+        from ..graph import legend_svg
+
+        entries = [("column parallel (partitioned output)", _COL), ("row parallel (partial sums)", _ROW),
+                   ("contains sharded modules", _TP_INSIDE), ("checkpointed (border)", _CKPT),
+                   ("ends a pipeline stage (border)", _CUT)]
+        if stage_of:
+            n = max(stage_of.values()) + 1
+            entries += [(f"stage {i} (border)", _STAGES[i % len(_STAGES)]) for i in range(min(n, 8))]
+        return ("<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>"
+                + legend_svg(entries))
 
     def _refresh_crumbs(self) -> None:
         parts = self.level.split(".") if self.level else []
