@@ -283,3 +283,17 @@ def test_graph_styles_folded_badges_stage_bands_and_legend(editor):
     editor.open_level("")
     assert "stage 0" in editor._graph.svg and "stage 1" in editor._graph.svg  # embeddings / pooler
     assert "<svg" in editor._legend.value and "stage 1 (border)" in editor._legend.value
+
+
+def test_fold_back_and_per_rank_tooltips(editor):
+    editor.open_level("encoder")
+    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"][0]
+    editor._on_node_dblclick(folded)
+    assert "encoder.layer.0" in editor._graph.node_ids.values()
+    fold = [b for b in editor._crumbs.children if b.description == "fold repeats"]
+    assert fold
+    fold[0].click()
+    assert "encoder.layer.0" not in editor._graph.node_ids.values() and not editor.expanded
+    editor.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")
+    editor.open_level("encoder.layer.0.intermediate")
+    assert "4,224 on this rank" in editor._graph.svg  # half of the 128×64 weight + the whole bias (tooltip)

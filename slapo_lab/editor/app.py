@@ -166,6 +166,11 @@ class ScheduleEditor(W.VBox):
         self._refresh_all(reset_view=True)
         return None
 
+    def collapse(self) -> None:
+        """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
+        self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
+        self._refresh_all(reset_view=True)
+
     def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
         """Apply ``primitive`` to the selected module (or ``path``), as a click does.
 
@@ -763,6 +768,8 @@ class ScheduleEditor(W.VBox):
             kind = data.get("kind")
             if kind in ("input", "output"):
                 continue
+            members = [m for m in (data.get("members") or [data.get("path", n)]) if m in self.schedule]
+            data["params_rank"] = sum(p.numel() for m in members for p in self.schedule[m].mod.parameters())
             if kind == "folded":
                 st = self._folded_style(list(data.get("members") or []), stage_of)
             else:
@@ -804,6 +811,11 @@ class ScheduleEditor(W.VBox):
             b = W.Button(description=part, layout=W.Layout(width="auto"))
             b.on_click(lambda _, p=acc: self.open_level(p))
             buttons.append(b)
+        if any(k.startswith(self.level) for k in self.expanded):
+            fold = W.Button(description="fold repeats", icon="compress", layout=W.Layout(width="auto"),
+                            tooltip="fold expanded repeated blocks back into one node")
+            fold.on_click(lambda _: self.collapse())
+            buttons.append(fold)
         self._crumbs.children = buttons
 
     def _refresh_inspector(self) -> None:

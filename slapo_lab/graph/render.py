@@ -228,6 +228,10 @@ def _tooltip(node, attrs: Mapping) -> str:
             lines.append(str(attrs["type"]))
         if attrs.get("params") is not None:
             lines.append(f"{int(attrs['params']):,} parameters")
+        if attrs.get("params_rank") is not None and attrs.get("params_rank") != attrs.get("params"):
+            lines.append(f"{int(attrs['params_rank']):,} on this rank")
+        if attrs.get("shapes"):
+            lines.append(str(attrs["shapes"]))
         if attrs.get("ran") is False:
             lines.append("did not run in the recorded forward")
     return "\n".join(display(line, 200) for line in lines if line)

@@ -444,6 +444,66 @@ def _normalize_pipe(pipe) -> None:
     split.recompile()
 
 
+_CKPT_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(base: type) -> type:
+    """A subclass of ``base`` whose forward runs under :func:`slapo_lab.random.checkpoint` (cached)."""
+    cls = _CKPT_CLASSES.get(base)
+    if cls is None:
+        def forward(self, *args, **kwargs):
+            if torch.is_grad_enabled():
+                from ..random import checkpoint as _ckpt
+
+                return _ckpt(base.forward, self, *args, **kwargs)
+            return base.forward(self, *args, **kwargs)
+
+        cls = type(base.__name__, (base,), {"forward": forward, "_slapo_checkpointed": True,
+                                            "__module__": base.__module__})
+        cls.__qualname__ = base.__qualname__
+        _CKPT_CLASSES[base] = cls
+    return cls
+
+
+def _checkpointed_paths(model: nn.Module) -> list[str]:
+    """Paths of the submodules of ``model`` that the ``checkpoint`` primitive marked."""
+    from ..module_state import peek_meta
+
+    out = []
+    for qn, m in model.named_modules():
+        meta = peek_meta(m)
+        if qn and meta and meta.get("checkpoint"):
+            out.append(qn)
+    return out
+
+
+def _keep_checkpoints(stage: nn.Module, paths: list[str]) -> list[str]:
+    """Re-apply activation checkpointing inside a stage module (in place); return the paths wrapped.
+
+    ``torch.export`` inlines ``torch.utils.checkpoint`` (the recomputation would be lost), but the
+    pipelining frontend unflattens each stage back into the original hierarchy, so every checkpointed
+    module still has its own submodule (an ``InterpreterModule``) at ``model.<path>``. Its class is
+    swapped for a subclass whose forward runs the module under non-reentrant checkpoint again, so
+    only its inputs are saved and it is recomputed in backward (RNG state restored, as in
+    ``slapo_forward``). Parameter names and objects are unchanged. The module's own forward hooks
+    (the schedule's sync ops) were recorded inside its graph, so unlike ``slapo_forward`` they are
+    recomputed too. Paths with no submodule in this stage are skipped.
+    """
+    done = []
+    for p in paths:
+        try:
+            sub = stage.get_submodule(ROOT_PREFIX + p)
+        except AttributeError:
+            continue
+        if sub is stage or getattr(type(sub), "_slapo_checkpointed", False):
+            continue
+        if not isinstance(getattr(sub, "graph", None), fx.Graph):
+            continue
+        sub.__class__ = _checkpointed_class(type(sub))
+        done.append(p)
+    return done
+
+
 def _orig_name(stage_fqn: str) -> str | None:
     return stage_fqn[len(ROOT_PREFIX):] if stage_fqn.startswith(ROOT_PREFIX) else None
 
@@ -547,9 +607,11 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
                             "example inputs were given; pass tensors only (constants such as use_cache=False belong "
                             "in the model config).")
     stages = []
+    ckpt_paths = _checkpointed_paths(model)
     for i in range(n):
         mod = pipe.get_stage_module(i)
         _prune_unused_params(mod)
+        _keep_checkpoints(mod, ckpt_paths)
         params = {}
         for name, p in mod.named_parameters(remove_duplicate=False):
             orig = _orig_name(name)
