@@ -155,6 +155,13 @@ def _stop_process_tree(proc: subprocess.Popen, shutdown_url: str | None = None, 
 # ------------------------------------------------------------------------------------ JupyterLab
 
 
+# The front ends :func:`jupyter_server` can start: (python -m module, app config class, name in errors).
+_APPS = {
+    "lab": ("jupyterlab", "LabApp", "JupyterLab"),
+    "notebook": ("notebook", "JupyterNotebookApp", "Notebook 7"),
+}
+
+
 @contextlib.contextmanager
 def jupyter_lab(
     tmp_path: Path, notebook_dir: Path, startup_timeout: float = 90.0, extra_args: list[str] | None = None
@@ -164,6 +171,28 @@ def jupyter_lab(
     Config, data, runtime dirs and HOME live under ``tmp_path/jupyter``; the server log is
     ``tmp_path/jupyter/server.log`` (its tail is in every error raised here).
     """
+    with jupyter_server(tmp_path, notebook_dir, app="lab", startup_timeout=startup_timeout,
+                        extra_args=extra_args) as served:  # fmt: skip
+        yield served
+
+
+@contextlib.contextmanager
+def jupyter_server(
+    tmp_path: Path,
+    notebook_dir: Path,
+    app: str = "lab",
+    startup_timeout: float = 90.0,
+    extra_args: list[str] | None = None,
+) -> Iterator[tuple[str, str]]:
+    """Run ``app`` — ``"lab"`` (JupyterLab) or ``"notebook"`` (Notebook 7) — on 127.0.0.1 (free port,
+    random token), isolated like :func:`jupyter_lab`; yield ``(base_url, token)``.
+
+    Both expose the front end as ``window.jupyterapp``, so the notebook helpers below work in either
+    (pass ``app=`` to :func:`open_notebook`).
+    """
+    if app not in _APPS:
+        raise ValueError(f"app must be one of {sorted(_APPS)}, not {app!r}")
+    module, app_class, app_name = _APPS[app]
     root = Path(tmp_path) / "jupyter"
     dirs = {name: root / name for name in ("config", "data", "runtime", "home", "ipython")}
     for d in dirs.values():
@@ -194,7 +223,7 @@ def jupyter_lab(
     ):
         env.pop(var, None)
     cmd = [
-        sys.executable, "-m", "jupyterlab",
+        sys.executable, "-m", module,
         "--no-browser",
         "--allow-root",
         "--ServerApp.ip=127.0.0.1",
@@ -202,8 +231,8 @@ def jupyter_lab(
         "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={Path(notebook_dir).resolve()}",
-        "--LabApp.expose_app_in_browser=True",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--{app_class}.expose_app_in_browser=True",
+        *(["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"] if app == "lab" else []),
         *(extra_args or []),
     ]  # fmt: skip
     log_path = root / "server.log"
@@ -217,7 +246,7 @@ def jupyter_lab(
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with code {proc.returncode}:\n{_tail(log_path)}")
+                raise RuntimeError(f"{app_name} exited with code {proc.returncode}:\n{_tail(log_path)}")
             try:
                 with urllib.request.urlopen(f"{base_url}/api/status?token={token}", timeout=2) as r:
                     if r.status == 200:
@@ -226,7 +255,7 @@ def jupyter_lab(
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"JupyterLab did not answer within {startup_timeout:.0f} s:\n{_tail(log_path)}"
+                    f"{app_name} did not answer within {startup_timeout:.0f} s:\n{_tail(log_path)}"
                 )
             time.sleep(0.2)
         yield base_url, token
@@ -308,16 +337,25 @@ def _js_with_timeout(body: str, timeout_s: float) -> str:
 
 
 def open_notebook(
-    page: Any, base_url: str, token: str, name: str, timeout: float = 90.0, reset: bool = False
+    page: Any,
+    base_url: str,
+    token: str,
+    name: str,
+    timeout: float = 90.0,
+    reset: bool = False,
+    app: str = "lab",
 ) -> None:
     """Open ``name`` (relative to the server root) in JupyterLab and wait until its kernel is idle.
 
     ``reset=True`` clears the saved workspace first, so documents opened earlier in the same browser
-    profile are not reopened (and do not start kernels of their own).
+    profile are not reopened (and do not start kernels of their own). ``app="notebook"`` opens it in
+    Notebook 7 (``/notebooks/<name>``, one document per page: ``reset`` does not apply) instead.
     """
-    query = f"token={token}" + ("&reset" if reset else "")
-    page.goto(f"{base_url}/lab/tree/{quote(name)}?{query}", wait_until="domcontentloaded",
-              timeout=timeout * 1000)  # fmt: skip
+    if app == "notebook":
+        url = f"{base_url}/notebooks/{quote(name)}?token={token}"
+    else:
+        url = f"{base_url}/lab/tree/{quote(name)}?token={token}" + ("&reset" if reset else "")
+    page.goto(url, wait_until="domcontentloaded", timeout=timeout * 1000)
     page.wait_for_function("() => !!window.jupyterapp", timeout=timeout * 1000)
     page.wait_for_function(
         f"""(name) => {{
@@ -421,6 +459,6 @@ def write_notebook(path: Path, cells: list[str], hide_input: bool = False) -> Pa
 
 __all__ = [
     "ARTIFACTS", "CHROMIUM", "CHROMIUM_ARGS", "browser_available", "browser_page", "cell_locator",
-    "free_port", "jupyter_lab", "notebook_errors", "open_notebook", "run_all_cells", "run_cell",
+    "free_port", "jupyter_lab", "jupyter_server", "notebook_errors", "open_notebook", "run_all_cells", "run_cell",
     "save_screenshot", "server_log", "wait_kernel_idle", "write_notebook",
 ]  # fmt: skip
