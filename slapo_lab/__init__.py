@@ -47,7 +47,7 @@ __all__ = [
     "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
     "VerifyReport", "check_primitive", "checkpoint", "create_schedule", "format_call", "get_cuda_rng_tracker",
     "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
-    "verify_models",
+    "verify_models", "ScheduleEditor",
 ]
 
 

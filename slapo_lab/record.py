@@ -31,6 +31,7 @@ class Call:
 
     @staticmethod
     def from_json(d: dict) -> "Call":
+        """The inverse of :meth:`to_json` (raises KeyError for a dict without path/primitive)."""
         return Call(d["path"], d["primitive"], tuple(d.get("args", ())), dict(d.get("kwargs", {})))
 
 
@@ -89,10 +90,12 @@ class Recorder:
         self._listeners.append(fn)
 
     def remove_listener(self, fn) -> None:
+        """Stop calling ``fn`` (no error if it was not registered)."""
         if fn in self._listeners:
             self._listeners.remove(fn)
 
     def append(self, call: Call) -> None:
+        """Record one successful call and notify the listeners (the schedule's dispatch point calls this)."""
         self.calls.append(call)
         self._notify()
 
@@ -110,6 +113,7 @@ class Recorder:
         return "\n".join(format_call(c, var) for c in self.calls)
 
     def to_json(self) -> list[dict]:
+        """Every call as a JSON-able dict (raises TypeError naming a non-JSON argument)."""
         return [c.to_json() for c in self.calls]
 
 

@@ -90,9 +90,11 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
+        """True when every output, gradient and weight comparison is within tolerance (and there were outputs)."""
         return all(c.ok for c in self.outputs + self.grads + self.weights) and bool(self.outputs)
 
     def worst(self, items: list[Comparison]) -> Comparison | None:
+        """The comparison with the largest ``max_abs`` in ``items`` (None if empty)."""
         return max(items, key=lambda c: c.max_abs, default=None)
 
     def summary(self) -> str:
@@ -119,6 +121,7 @@ class VerifyReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """A JSON-able dict of the figures (for the editor and scripts)."""
         return {"passed": self.passed, "device": self.device, "note": self.note,
                 "outputs": [c.__dict__ for c in self.outputs], "grads": [c.__dict__ for c in self.grads],
                 "weights_mismatched": [c.name for c in self.weights if not c.ok]}
