@@ -99,6 +99,17 @@ def find_blocks(sch) -> list[str]:
     return best
 
 
+def _dense(sch, path: str, what: str):
+    """The node at ``path`` and its dense-layer shard rule (which weight axis is out / in)."""
+    from .sharding.rules import DenseRule, get_shard_rule
+
+    node = sch[path]
+    rule = get_shard_rule(node.mod)
+    if not isinstance(rule, DenseRule):
+        raise ScheduleError(f"{what} needs an nn.Linear or HF Conv1D at {path}, not a {type(node.mod).__name__}.")
+    return node, rule
+
+
 def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` column parallel (Megatron ``ColumnParallelLinear``).
 
@@ -107,11 +118,9 @@ def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Cal
     gradient).
     """
     n = len(sch.record)
-    node = sch[path]
+    node, rule = _dense(sch, path, "column_parallel")
     mod = node.mod
-    if not isinstance(mod, nn.Linear) and not _is_conv1d(mod):
-        raise ScheduleError(f"column_parallel needs an nn.Linear or HF Conv1D at {path}, not a {type(mod).__name__}.")
-    node.shard("weight", axis=1 if _is_conv1d(mod) else 0)
+    node.shard("weight", axis=rule.out_axis)
     if getattr(mod, "bias", None) is not None:
         node.shard("bias", axis=0)
     if sequence_parallel:
@@ -129,11 +138,9 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     (added after the reduce-scatter, so it sees only this rank's tokens).
     """
     n = len(sch.record)
-    node = sch[path]
+    node, rule = _dense(sch, path, "row_parallel")
     mod = node.mod
-    if not isinstance(mod, nn.Linear) and not _is_conv1d(mod):
-        raise ScheduleError(f"row_parallel needs an nn.Linear or HF Conv1D at {path}, not a {type(mod).__name__}.")
-    node.shard("weight", axis=0 if _is_conv1d(mod) else 1)
+    node.shard("weight", axis=rule.in_axis)
     if sequence_parallel:
         node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)
         if getattr(mod, "bias", None) is not None:

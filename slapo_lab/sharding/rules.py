@@ -235,43 +235,83 @@ def _vocab_parallel_embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Te
     return _reduce_partial(self, out)
 
 
-class LinearRule(ShardRule):
-    """``nn.Linear`` (weight ``(out, in)``): axis 0 = column parallel, axis 1 = row parallel."""
+class DenseRule(ShardRule):
+    """A dense layer ``y = x W (+ b)``: sharding ``W`` on its output axis is column parallel (partitioned
+    output), on its input axis row parallel (partial sums; the bias, kept replicated, is added after the
+    reduce). Subclasses name the layer and say which weight axis holds the output features.
 
-    def matches(self, mod):
-        return isinstance(mod, nn.Linear)
+    Attributes:
+        kind: the layer's name in messages ("Linear", "Conv1D").
+        out_axis: the weight axis of the output features (``nn.Linear``: 0; HF ``Conv1D``: 1).
+        row_forward: the row-parallel forward (reduce, then add the bias).
+    """
+
+    kind = "dense layer"
+    out_axis = 0
+    row_forward = None
+
+    @property
+    def in_axis(self) -> int:
+        """The weight axis of the input features."""
+        return 1 - self.out_axis
+
+    def _side(self, name: str, axis: int) -> str | None:
+        """Which head features a shard splits: "out" (q/k/v side), "in" (output projection) or None."""
+        if name == "bias" or (name == "weight" and axis == self.out_axis):
+            return "out"
+        return "in" if name == "weight" and axis == self.in_axis else None
 
     def check(self, mod, name, axis):
         meta = module_meta(mod)
         if name == "bias":
             if axis != 0:
-                return "a Linear bias has a single axis, 0"
-            if meta["sharded"].get("weight") == 1:
-                return ("the weight is sharded on axis 1 (row parallel), so the bias must stay replicated: "
-                        "it is added once, after the all_reduce")
-        if name == "weight" and axis == 1 and "bias" in meta["sharded"]:
-            return "the bias is sharded, which only fits a column-parallel weight (axis 0)"
+                return f"a {self.kind} bias has a single axis, 0"
+            if meta["sharded"].get("weight") == self.in_axis:
+                return (f"the weight is sharded on axis {self.in_axis} (row parallel), so the bias must stay "
+                        "replicated: it is added once, after the all_reduce")
+        if name == "weight" and axis == self.in_axis and "bias" in meta["sharded"]:
+            return (f"the bias is sharded, which only fits a column-parallel {self.kind} weight "
+                    f"(axis {self.out_axis})")
         return None
 
     def check_site(self, site, axis, world_size):
-        side = "out" if (site.name == "weight" and axis == 0) or site.name == "bias" else (
-            "in" if site.name == "weight" and axis == 1 else None)
-        return heads_reason(site, side, world_size)
+        return heads_reason(site, self._side(site.name, axis), world_size)
+
+    def set_features(self, mod, out_features: int | None = None, in_features: int | None = None) -> None:
+        """Keep the module's own feature-count attributes equal to its (sharded) weight."""
+        raise NotImplementedError
 
     def apply(self, mod, name, axis, world_size, rank):
         if name != "weight":
             return
-        if axis == 0:
-            mod.out_features = mod.weight.shape[0]
+        if axis == self.out_axis:
+            self.set_features(mod, out_features=mod.weight.shape[self.out_axis])
             _set_output(mod, "partition", -1)
         else:
-            mod.in_features = mod.weight.shape[1]
+            self.set_features(mod, in_features=mod.weight.shape[self.in_axis])
             _set_output(mod, "partial")
-            module_meta(mod)["impl"] = _row_parallel_linear
+            module_meta(mod)["impl"] = type(self).row_forward
             install_forward(mod)
 
 
-class Conv1DRule(ShardRule):
+class LinearRule(DenseRule):
+    """``nn.Linear`` (weight ``(out, in)``): axis 0 = column parallel, axis 1 = row parallel."""
+
+    kind = "Linear"
+    out_axis = 0
+    row_forward = staticmethod(_row_parallel_linear)
+
+    def matches(self, mod):
+        return isinstance(mod, nn.Linear)
+
+    def set_features(self, mod, out_features=None, in_features=None):
+        if out_features is not None:
+            mod.out_features = out_features
+        if in_features is not None:
+            mod.in_features = in_features
+
+
+class Conv1DRule(DenseRule):
     """HF ``Conv1D`` (weight ``(in, out)``, transposed): axis 1 = column parallel, axis 0 = row parallel.
 
     GPT-2's fused ``c_attn`` (see :func:`fused_qkv_blocks`) stores q, k and v back to back on its output
@@ -282,50 +322,27 @@ class Conv1DRule(ShardRule):
     the global numbers (head checks read them).
     """
 
-    @staticmethod
-    def _out_side(name, axis):
-        return (name == "weight" and axis == 1) or name == "bias"
+    kind = "Conv1D"
+    out_axis = 1
+    row_forward = staticmethod(_row_parallel_conv1d)
 
-    def check_site(self, site, axis, world_size):
-        side = "out" if self._out_side(site.name, axis) else ("in" if site.name == "weight" and axis == 0 else None)
-        return heads_reason(site, side, world_size)
+    def matches(self, mod):
+        return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
+
+    def set_features(self, mod, out_features=None, in_features=None):
+        if out_features is not None:
+            mod.nf = out_features
+        if in_features is not None and hasattr(mod, "nx"):
+            mod.nx = in_features
 
     def stride(self, site, axis):
-        return fused_qkv_blocks(site) if self._out_side(site.name, axis) else 1
+        return fused_qkv_blocks(site) if self._side(site.name, axis) == "out" else 1
 
     def apply_site(self, site, axis, world_size, rank):
         # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
         blocks = getattr(site.mod.weight, "shard_stride", 1) if site.name == "weight" and axis == 1 else 1
         if blocks > 1 and site.parent is not None and isinstance(getattr(site.parent, "split_size", None), int):
             site.parent.split_size = site.mod.nf // blocks
-
-    def matches(self, mod):
-        return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
-
-    def check(self, mod, name, axis):
-        meta = module_meta(mod)
-        if name == "bias":
-            if axis != 0:
-                return "a Conv1D bias has a single axis, 0"
-            if meta["sharded"].get("weight") == 0:
-                return ("the weight is sharded on axis 0 (row parallel), so the bias must stay replicated: "
-                        "it is added once, after the all_reduce")
-        if name == "weight" and axis == 0 and "bias" in meta["sharded"]:
-            return "the bias is sharded, which only fits a column-parallel Conv1D weight (axis 1)"
-        return None
-
-    def apply(self, mod, name, axis, world_size, rank):
-        if name != "weight":
-            return
-        if axis == 1:
-            mod.nf = mod.weight.shape[1]
-            _set_output(mod, "partition", -1)
-        else:
-            if hasattr(mod, "nx"):
-                mod.nx = mod.weight.shape[0]
-            _set_output(mod, "partial")
-            module_meta(mod)["impl"] = _row_parallel_conv1d
-            install_forward(mod)
 
 
 class EmbeddingRule(ShardRule):
