@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import harness
 import pytest
+from harness import apply_bert_tp as apply_bert_tp_fn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,9 +23,7 @@ def repo_root() -> Path:
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's --master_port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return harness.free_port()
 
 
 @pytest.fixture
@@ -89,21 +88,6 @@ def tiny_bert():
     return BertModel(cfg)
 
 
-def _apply_bert_tp(sch, num_layers: int, checkpoint: bool = True) -> None:
-    """Issue 2's Megatron-style tensor-parallel schedule for every layer of an HF BERT encoder."""
-    for i in range(num_layers):
-        p = f"encoder.layer.{i}"
-        for n in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
-            sch[f"{p}.{n}"].shard("weight", axis=0)
-            sch[f"{p}.{n}"].shard("bias", axis=0)
-            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        for n in ("attention.output.dense", "output.dense"):
-            sch[f"{p}.{n}"].shard("weight", axis=1)
-            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-        if checkpoint:
-            sch[p].checkpoint()
-
-
 @pytest.fixture
 def apply_bert_tp():
     """``apply_bert_tp(sch, num_layers, checkpoint=True)``: issue 2's BERT tensor-parallel schedule.
@@ -113,4 +97,4 @@ def apply_bert_tp():
     shard weight on axis 1 plus ``sync(mode="fwd_post", sync_op_or_fn="all_reduce")``; then
     ``sch["encoder.layer.<i>"].checkpoint()``.
     """
-    return _apply_bert_tp
+    return apply_bert_tp_fn

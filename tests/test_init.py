@@ -1,14 +1,14 @@
 """init_empty_weights and consolidate_model: empty construction, reproducible per-rank slices."""
 import pytest
 import torch
+from harness import BERT_COL as COL
+from harness import BERT_ROW as ROW
+from harness import apply_bert_tp
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 import slapo_lab as sl
 from slapo_lab.init import consolidate_model, init_empty_weights
-
-COL = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
-ROW = ("attention.output.dense", "output.dense")
 
 
 def _bert_cfg():
@@ -23,15 +23,7 @@ def _bert_tp(world_size, rank, **kw):
     if world_size > 1:
         sch["embeddings.word_embeddings"].shard("weight", axis=0)  # vocab parallel
         sch["embeddings.word_embeddings"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-        for i in range(2):
-            p = f"encoder.layer.{i}"
-            for n in COL:
-                sch[f"{p}.{n}"].shard("weight", axis=0)
-                sch[f"{p}.{n}"].shard("bias", axis=0)
-                sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-            for n in ROW:
-                sch[f"{p}.{n}"].shard("weight", axis=1)
-                sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        apply_bert_tp(sch, 2, checkpoint=False)
     consolidate_model(sch, **kw)
     return model
 

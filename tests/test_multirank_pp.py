@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import launch_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "pp_train.py"
@@ -48,36 +44,8 @@ LAUNCHES = {
 DS_CASES = {"gpt2_deepspeed", "bert_deepspeed", "skip_deepspeed", "skip3_deepspeed", "gpt2_dp2_pp2_deepspeed"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nproc: int, timeout: int, cases: list[str]) -> tuple[int, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    if Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(SCRIPT), *cases]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (their own session)
-        out, _ = proc.communicate()
-        return -9, f"timed out after {timeout} s\n{out}"
-    finally:
-        if proc.poll() is None:  # pragma: no cover - interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out
+    return launch_torchrun(SCRIPT, nproc, cases, timeout)
 
 
 _RESULTS: dict[str, tuple[int, str, dict]] = {}

@@ -9,14 +9,10 @@ per-case tests below.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import launch_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
@@ -27,35 +23,8 @@ CASES = ["bert_manual", "bert_megatron_tp", "bert_mlm_tied_decoder", "gpt2_manua
 pytestmark = pytest.mark.multirank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str]) -> tuple[int, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(SCRIPT), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started (its own session)
-        out, _ = proc.communicate()
-        return -9, f"timed out after {TIMEOUT_S} s\n{out}"
-    finally:
-        if proc.poll() is None:  # pragma: no cover - interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out
+    return launch_torchrun(SCRIPT, 2, args, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

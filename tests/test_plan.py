@@ -4,6 +4,9 @@ import time
 
 import pytest
 import torch
+from harness import BERT_COL as COL
+from harness import BERT_ROW as ROW
+from harness import apply_bert_tp
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
@@ -11,8 +14,6 @@ import slapo_lab as sl
 from slapo_lab.plan import estimate_activations, stage_assignment
 
 L, H, I, V = 4, 64, 256, 1000  # small BERT
-COL = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
-ROW = ("attention.output.dense", "output.dense")
 
 
 def _bert():
@@ -22,16 +23,8 @@ def _bert():
         return BertModel(cfg)
 
 
-def _tp(sch, layers=range(L)):
-    for i in layers:
-        p = f"encoder.layer.{i}"
-        for n in COL:
-            sch[f"{p}.{n}"].shard("weight", axis=0)
-            sch[f"{p}.{n}"].shard("bias", axis=0)
-            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        for n in ROW:
-            sch[f"{p}.{n}"].shard("weight", axis=1)
-            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+def _tp(sch):
+    apply_bert_tp(sch, L, checkpoint=False)
 
 
 def _split_counts(model):

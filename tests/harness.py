@@ -1,0 +1,84 @@
+"""Plain helpers shared by test modules (importable from module-scoped fixtures, unlike fixtures).
+
+* :func:`apply_bert_tp` — issue 2's Megatron-style BERT schedule, typed call by call;
+* :func:`free_port`, :func:`child_env`, :func:`launch_torchrun` — a bounded local CPU torchrun launch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+BERT_COL = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
+BERT_ROW = ("attention.output.dense", "output.dense")
+
+
+def apply_bert_tp(sch, num_layers: int, checkpoint: bool = True, prefix: str = "encoder.layer") -> None:
+    """Issue 2's BERT tensor-parallel schedule on layers ``0..num_layers-1`` of ``prefix``.
+
+    Column parallel (weight and bias on axis 0 + ``bwd_post all_reduce``): query, key, value,
+    intermediate.dense; row parallel (weight on axis 1 + ``fwd_post all_reduce``): attention.output.dense,
+    output.dense; then ``checkpoint()`` on each layer when ``checkpoint``.
+    """
+    for i in range(num_layers):
+        p = f"{prefix}.{i}"
+        for n in BERT_COL:
+            sch[f"{p}.{n}"].shard("weight", axis=0)
+            sch[f"{p}.{n}"].shard("bias", axis=0)
+            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        for n in BERT_ROW:
+            sch[f"{p}.{n}"].shard("weight", axis=1)
+            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        if checkpoint:
+            sch[p].checkpoint()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's --master_port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict:
+    """Environment for child Pythons: the repo on PYTHONPATH, HF offline, one thread, gloo on loopback."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_HOME", str(REPO_ROOT / ".cache" / "hf"))
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(extra)
+    return env
+
+
+def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``torchrun --nproc_per_node=nproc script *args`` on 127.0.0.1 (no shell), bounded.
+
+    The launch runs in its own process session, killed whole on timeout (return code -9 and the
+    output so far). Returns ``(returncode, stdout + stderr)``.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started (its own session)
+        out, _ = proc.communicate()
+        return -9, f"timed out after {timeout} s\n{out}"
+    finally:
+        if proc.poll() is None:  # pragma: no cover - interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out
