@@ -11,7 +11,7 @@ import harness
 import pytest
 from harness import apply_bert_tp as apply_bert_tp_fn
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +29,7 @@ def free_port() -> int:
 @pytest.fixture
 def subprocess_env() -> dict:
     """Environment for child Pythons: the repo on PYTHONPATH, HF offline, one thread per process."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("HF_HOME", str(REPO_ROOT / ".cache" / "hf"))
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return harness.child_env()
 
 
 def _run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
