@@ -29,31 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import slapo_lab as sl
 
-COL_BERT = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
-ROW_BERT = ("attention.output.dense", "output.dense")
-
-
-def bert_tp(sch, layers: int) -> None:
-    for i in range(layers):
-        p = f"encoder.layer.{i}"
-        for n in COL_BERT:
-            sch[f"{p}.{n}"].shard("weight", axis=0)
-            sch[f"{p}.{n}"].shard("bias", axis=0)
-            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        for n in ROW_BERT:
-            sch[f"{p}.{n}"].shard("weight", axis=1)
-            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-
-
-def llama_tp(sch, layers: int) -> None:
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            sch[f"{p}.{n}"].shard("weight", axis=0)
-            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            sch[f"{p}.{n}"].shard("weight", axis=1)
-            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+def megatron_tp(sch) -> None:
+    """Full Megatron tensor parallelism on every block (the editor's preset; embeddings stay replicated)."""
+    sl.presets.megatron_tp(sch, vocab_parallel=False)
 
 
 def make_step(model, ids):
@@ -96,7 +74,7 @@ def bench_overhead(quick: bool) -> dict:
     plain = copy.deepcopy(eager)
     sl.create_schedule(plain)  # world size 1, no primitives
     tp1 = copy.deepcopy(eager)
-    bert_tp(sl.create_schedule(tp1, world_size=1), cfg.num_hidden_layers)
+    megatron_tp(sl.create_schedule(tp1, world_size=1))
     ids = torch.randint(0, cfg.vocab_size, (4, 128))
     med = interleaved({"eager": make_step(eager, ids), "schedule_ws1": make_step(plain, ids),
                        "tp_schedule_ws1": make_step(tp1, ids)}, reps=10 if quick else 40, warmup=3)
@@ -175,15 +153,12 @@ def bench_checkpoint(quick: bool) -> dict:
 
 
 def bench_llama70b(quick: bool) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from editor_bench import llama70b  # the same 70B config the editor benchmark uses
 
     layers = 80
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=32000)
 
     def build():
-        with torch.device("meta"):
-            return LlamaForCausalLM(cfg)
+        return llama70b(layers)
 
     build()  # warm imports
     builds, tps = [], []
@@ -194,7 +169,7 @@ def bench_llama70b(quick: bool) -> dict:
         builds.append(time.perf_counter() - t0)
         sch = sl.create_schedule(model, world_size=8)
         t0 = time.perf_counter()
-        llama_tp(sch, layers)
+        megatron_tp(sch)
         tps.append(time.perf_counter() - t0)
     sl.plan(sch)
     t0 = time.perf_counter()
