@@ -18,12 +18,14 @@ BERT_COL = ("attention.self.query", "attention.self.key", "attention.self.value"
 BERT_ROW = ("attention.output.dense", "output.dense")
 
 
-def apply_bert_tp(sch, num_layers: int, checkpoint: bool = True, prefix: str = "encoder.layer") -> None:
+def apply_bert_tp(sch, num_layers: int, checkpoint: bool = True, prefix: str = "encoder.layer",
+                  embeddings: str | None = None) -> None:
     """Issue 2's BERT tensor-parallel schedule on layers ``0..num_layers-1`` of ``prefix``.
 
     Column parallel (weight and bias on axis 0 + ``bwd_post all_reduce``): query, key, value,
     intermediate.dense; row parallel (weight on axis 1 + ``fwd_post all_reduce``): attention.output.dense,
-    output.dense; then ``checkpoint()`` on each layer when ``checkpoint``.
+    output.dense; then ``checkpoint()`` on each layer when ``checkpoint``; finally, when ``embeddings``
+    names the word embedding, vocab parallelism there (weight on axis 0 + ``fwd_post all_reduce``).
     """
     for i in range(num_layers):
         p = f"{prefix}.{i}"
@@ -36,6 +38,9 @@ def apply_bert_tp(sch, num_layers: int, checkpoint: bool = True, prefix: str = "
             sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
         if checkpoint:
             sch[p].checkpoint()
+    if embeddings is not None:
+        sch[embeddings].shard("weight", axis=0)
+        sch[embeddings].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
 
 
 def free_port() -> int:

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared harness
 import pp_models as M
+from harness import apply_bert_tp
 
 import slapo_lab as sl
 from slapo_lab.pipeline import build_pipeline, make_mesh
@@ -64,17 +66,8 @@ CASES = {
 
 def bert_tp(sch, layers: int = 4) -> None:
     """Slapo's canonical BERT tensor parallelism (reference.md), on ``bert.*`` inside the classifier."""
-    for i in range(layers):
-        p = f"bert.encoder.layer.{i}"
-        for n in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
-            sch[f"{p}.{n}"].shard("weight", axis=0)
-            sch[f"{p}.{n}"].shard("bias", axis=0)
-            sch[f"{p}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        for n in ("attention.output.dense", "output.dense"):
-            sch[f"{p}.{n}"].shard("weight", axis=1)
-            sch[f"{p}.{n}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-    sch["bert.embeddings.word_embeddings"].shard("weight", axis=0)
-    sch["bert.embeddings.word_embeddings"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    apply_bert_tp(sch, layers, checkpoint=False, prefix="bert.encoder.layer",
+                  embeddings="bert.embeddings.word_embeddings")
 
 
 def gpt2_tp(sch, layers: int = 4) -> None:

@@ -16,13 +16,17 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import slapo_lab as sl
-from slapo_lab import presets
-from slapo_lab.verify import gather_full
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness
+from harness import apply_bert_tp  # noqa: E402
+
+import slapo_lab as sl  # noqa: E402
+from slapo_lab import presets  # noqa: E402
+from slapo_lab.verify import gather_full  # noqa: E402
 
 warnings.filterwarnings("ignore")
 ATOL = RTOL = 1e-5
@@ -67,21 +71,7 @@ def llama_model():
 
 def bert_manual(sch):
     """Slapo's canonical BERT schedule written out call by call (the reference.md list)."""
-    for i in range(2):
-        p = f"encoder.layer.{i}"
-        for n in ("query", "key", "value"):
-            sch[f"{p}.attention.self.{n}"].shard("weight", axis=0)
-            sch[f"{p}.attention.self.{n}"].shard("bias", axis=0)
-            sch[f"{p}.attention.self.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        sch[f"{p}.attention.output.dense"].shard("weight", axis=1)
-        sch[f"{p}.attention.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-        sch[f"{p}.intermediate.dense"].shard("weight", axis=0)
-        sch[f"{p}.intermediate.dense"].shard("bias", axis=0)
-        sch[f"{p}.intermediate.dense"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        sch[f"{p}.output.dense"].shard("weight", axis=1)
-        sch[f"{p}.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-    sch["embeddings.word_embeddings"].shard("weight", axis=0)
-    sch["embeddings.word_embeddings"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    apply_bert_tp(sch, 2, checkpoint=False, embeddings="embeddings.word_embeddings")
 
 
 def gpt2_manual(sch):
