@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness
-from harness import apply_bert_tp  # noqa: E402
+from harness import apply_bert_tp
 
-import slapo_lab as sl  # noqa: E402
-from slapo_lab import presets  # noqa: E402
-from slapo_lab.verify import gather_full  # noqa: E402
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.verify import gather_full
 
 warnings.filterwarnings("ignore")
 ATOL = RTOL = 1e-5
