@@ -1,4 +1,6 @@
 """Kernel-side tests of the ScheduleEditor: simulated front-end messages and button clicks."""
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import BertConfig, BertModel
@@ -10,7 +12,7 @@ def _panel_text(html_value):
     import html
     import re
 
-    no_style = re.sub(r"<style>.*?</style>", "", html_value, flags=re.S)
+    no_style = re.sub(r"<style>.*?</style>", "", html_value, flags=re.DOTALL)
     return html.unescape(re.sub(r"<[^>]+>", "", no_style))
 
 
@@ -204,12 +206,12 @@ def test_corrupt_or_future_schedule_file_is_refused_whole(bert, tmp_path):
     bad.write_text("{not json")
     assert ed.load(str(bad)) is not None
     future = tmp_path / "future.json"
-    good = json.loads(open(ed.save(str(tmp_path / "good.json"))).read())
+    good = json.loads(Path(ed.save(str(tmp_path / "good.json"))).read_text())
     good["version"] = 999
     future.write_text(json.dumps(good))
     assert "newer" in ed.load(str(future))
     half = tmp_path / "half.json"
-    good = json.loads(open(str(tmp_path / "good.json")).read())
+    good = json.loads((tmp_path / "good.json").read_text())
     good["calls"].append({"path": "encoder.layer.0", "primitive": "checkpoint", "args": [], "kwargs": {}})
     half.write_text(json.dumps(good))
     msg = ed.load(str(half))
@@ -274,7 +276,7 @@ def test_costs_update_live(editor):
 def test_graph_styles_folded_badges_stage_bands_and_legend(editor):
     editor.apply("checkpoint", path="encoder.layer.0")
     editor.open_level("encoder")
-    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"][0]
+    folded = next(n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded")
     st = editor._folded_style(editor._last_graph.nodes[folded]["members"], None)
     assert "ckpt 1/2" in st["badges"]
     assert "ckpt 1/2" in editor._graph.svg
@@ -287,7 +289,7 @@ def test_graph_styles_folded_badges_stage_bands_and_legend(editor):
 
 def test_fold_back_and_per_rank_tooltips(editor):
     editor.open_level("encoder")
-    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"][0]
+    folded = next(n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded")
     editor._on_node_dblclick(folded)
     assert "encoder.layer.0" in editor._graph.node_ids.values()
     fold = [b for b in editor._crumbs.children if b.description == "fold repeats"]

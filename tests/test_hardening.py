@@ -444,10 +444,10 @@ def test_kernel_restart_restores_schedule(tmp_path):
         NotebookClient(nb, timeout=300, kernel_name="python3",
                        resources={"metadata": {"path": str(tmp_path)}}).execute()
         outs.append("".join(o.get("text", "") for o in nb.cells[0].outputs))
-    code_first = [ln for ln in outs[0].splitlines() if ln.startswith("CODE")][0]
-    code_second = [ln for ln in outs[1].splitlines() if ln.startswith("CODE")][0]
+    code_first = next(ln for ln in outs[0].splitlines() if ln.startswith("CODE"))
+    code_second = next(ln for ln in outs[1].splitlines() if ln.startswith("CODE"))
     assert code_first == code_second and "checkpoint()" in code_first and "shard(" in code_first
-    msg = [ln for ln in outs[1].splitlines() if ln.startswith("MSG")][0][4:]
+    msg = next(ln for ln in outs[1].splitlines() if ln.startswith("MSG"))[4:]
     RESULTS["restart: a new kernel re-runs the cell"] = one_sentence(msg)
 
 
