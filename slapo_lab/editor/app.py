@@ -152,7 +152,7 @@ class ScheduleEditor(W.VBox):
             else set()
         if path and path not in shown and self.level != path:  # stay on the level when it shows the module
             self.level = node.parent.path
-        self._refresh_all()
+        self._refresh_view()
         return None
 
     def open_level(self, path: str) -> str | None:
@@ -163,13 +163,13 @@ class ScheduleEditor(W.VBox):
             return self._error(f"{path or 'The root module'} has no submodules to open.")
         self.level = path
         self.selected = path
-        self._refresh_all(reset_view=True)
+        self._refresh_view(reset_view=True)
         return None
 
     def collapse(self) -> None:
         """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
         self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
-        self._refresh_all(reset_view=True)
+        self._refresh_view(reset_view=True)
 
     def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
         """Apply ``primitive`` to the selected module (or ``path``), as a click does.
@@ -617,7 +617,7 @@ class ScheduleEditor(W.VBox):
     def _on_node_dblclick(self, path: str) -> None:
         if self._is_folded(path):
             self.expanded.add(path)
-            self._refresh_all(reset_view=True)
+            self._refresh_view(reset_view=True)
             return
         path = self._resolve_node(path)
         if path is not None and self.schedule[path].child:
@@ -923,11 +923,16 @@ class ScheduleEditor(W.VBox):
             self._costs_text.value = html.escape(f"Memory could not be estimated: {str(err)[:200]}")
 
     def _refresh_all(self, reset_view: bool = False) -> None:
+        """Redraw after the schedule changed: the view, the code panel and the costs."""
+        self._refresh_code()
+        self._refresh_costs()
+        self._refresh_view(reset_view)
+
+    def _refresh_view(self, reset_view: bool = False) -> None:
+        """Redraw after navigation (selection, level, folding): nothing that depends only on the schedule."""
         self._refresh_crumbs()
         self._refresh_graph(reset_view=reset_view)
         self._refresh_inspector()
-        self._refresh_code()
-        self._refresh_costs()
         n_sim = len(self.similar(self.selected)) if self.selected else 1
         self._similar_info.value = (f"<small>{n_sim} similar modules</small>" if n_sim > 1 else "")
         if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
