@@ -57,7 +57,7 @@ log = logging.getLogger("slapo_lab")
 
 __all__ = ["ModulePattern", "Pattern", "TracingMixin", "call_module", "is_traced", "record_example_inputs"]
 
-_EXAMPLES_KEY = "example_inputs"
+_EXAMPLES_KEY = "module_example_inputs"  # per-module (args, kwargs); the model's own inputs live under "example_inputs"
 _TRACERS = ("auto", "fx", "export")
 
 #: Export tensor dimensions as ``Dim.AUTO`` (dynamic where the code allows). Off by default: it makes

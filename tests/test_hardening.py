@@ -18,6 +18,7 @@ from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 import slapo_lab as sl
+from slapo_lab.pipeline.order import set_example_inputs
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 RESULTS: dict[str, str] = {}
@@ -143,10 +144,7 @@ class Twice(nn.Module):
 
 def test_module_used_twice_cut_refused():
     sch = sl.create_schedule(Twice(), world_size=1)
-    pytest.importorskip("slapo_lab.pipeline")
-    from slapo_lab.pipeline import record_call_order  # noqa: F401  (the cut check needs the call order)
-
-    sch.get_top_schedule()._top.extra["example_inputs"] = {"x": torch.randn(2, 8)}
+    set_example_inputs(sch, {"x": torch.randn(2, 8)})
     check_api_case("model: cut inside a module that runs twice", sch, lambda s: s["shared"].cut_pipeline_stage())
 
 
@@ -237,9 +235,8 @@ def test_not_divisible(sch):
 
 
 def test_cut_making_an_empty_stage():
-    pytest.importorskip("slapo_lab.pipeline")
     s = sl.create_schedule(sl.utils.meta_copy(tiny_bert()), world_size=1)
-    s.get_top_schedule()._top.extra["example_inputs"] = {"input_ids": IDS}
+    set_example_inputs(s, {"input_ids": IDS})
     check_api_case("primitive: a cut that makes an empty stage (after the last module)", s,
                    lambda s: s["pooler"].cut_pipeline_stage())
 

@@ -389,3 +389,21 @@ def test_deepspeed_codecs_are_bit_exact():
     assert torch.equal(_decode(_encode(m, _codec(m)), _codec(m)), m)
     g = torch.randn(2, requires_grad=True) * 2
     assert _codec(g) == ("float",) and _encode(g, ("float",)) is g
+
+
+def test_model_inputs_and_traced_module_inputs_do_not_share_a_store():
+    """record_example_inputs (per-module args for tracing) must not overwrite the model inputs that the
+    cut checks run on: after both, a cut leaving the last stage empty is still refused."""
+    from slapo_lab.pipeline.order import set_example_inputs
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                 intermediate_size=128, vocab_size=120, max_position_embeddings=64))
+    ids = torch.randint(0, 120, (2, 16))
+    sch = sl.create_schedule(model)
+    set_example_inputs(sch, {"input_ids": ids})
+    sl.record_example_inputs(sch, {"input_ids": ids})
+    assert set(sch._top.extra["example_inputs"]) == {"input_ids"}
+    with pytest.raises(sl.ScheduleError, match="empty"):
+        sch["pooler"].cut_pipeline_stage()

@@ -263,7 +263,9 @@ def suggest_cuts(sch, num_stages: int, by: str = "params", example_inputs=None, 
                             f"({', '.join(top.metadata.primitives['cut_pipeline_stage'])}); apply to a fresh schedule.")
     inputs = example_inputs
     if inputs is None:
-        inputs = top._top.extra.get("example_inputs")
+        from .order import _INPUTS_KEY
+
+        inputs = top._top.extra.get(_INPUTS_KEY)
     if inputs is None:
         inputs = dummy_inputs(model)
     if inputs is None:

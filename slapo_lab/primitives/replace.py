@@ -93,7 +93,9 @@ def _check_module_signature(sch, new: nn.Module) -> None:
     new_sig = _forward_signature(new)
     if new_sig is None:
         return
-    recorded = sch._top.extra.get("example_inputs", {}).get(sch.path)
+    from ..tracing import _EXAMPLES_KEY
+
+    recorded = sch._top.extra.get(_EXAMPLES_KEY, {}).get(sch.path)
     old_sig = _forward_signature(old)
     old_txt = _sig_text(f"{orig_class(old).__name__}.forward", old_sig)
     new_txt = _sig_text(f"{type(new).__name__}.forward", new_sig)
