@@ -284,7 +284,7 @@ def test_graph_styles_folded_badges_stage_bands_and_legend(editor):
     assert "stages 0–1" in editor._graph.svg  # the folded run spans both stages
     editor.open_level("")
     assert "stage 0" in editor._graph.svg and "stage 1" in editor._graph.svg  # embeddings / pooler
-    assert "<svg" in editor._legend.value and "stage 1 (border)" in editor._legend.value
+    assert "<svg" in editor._legend.value and "stage 1 (band on the left)" in editor._legend.value
 
 
 def test_fold_back_and_per_rank_tooltips(editor):

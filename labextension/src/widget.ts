@@ -5,7 +5,9 @@
  * - `svg`: the graphviz SVG string; sanitised here before it is shown;
  * - `selected`: the token (graphviz node `id`) of the highlighted node, or '';
  * - `height`: CSS height of the box (default '420px');
- * - `reset_view`: a counter; each change resets pan/zoom to "fit".
+ * - `reset_view`: a counter; each change resets pan/zoom to "fit";
+ * - `render_id`: the id of the drawing in `svg` (the kernel bumps it with
+ *   every new SVG; node tokens are positional, so a click names its drawing).
  *
  * Zoom state: the view keeps its pan/zoom transform when `svg` changes (a
  * recolouring after a primitive call should not move the picture); it goes
@@ -13,9 +15,10 @@
  * when the user presses the fit button. Mouse: drag pans, wheel zooms.
  *
  * Messages to the kernel (custom messages):
- *   {event: 'click', node: token} and {event: 'dblclick', node: token},
- * where token is the `id` of the clicked `<g class="node">`. A double click
- * also produces the two clicks before it, as in the DOM.
+ *   {event: 'click', node: token, render: id} and {event: 'dblclick', node: token, render: id},
+ * where token is the `id` of the clicked `<g class="node">` and id the
+ * `render_id` the shown SVG arrived with (the kernel ignores clicks on an older
+ * drawing). A double click also produces the two clicks before it, as in the DOM.
  */
 import { DOMWidgetModel, DOMWidgetView, ISerializers } from '@jupyter-widgets/base';
 import { select, Selection } from 'd3-selection';
@@ -25,6 +28,12 @@ import { nodeTooltip, sanitizeSvg, stripNativeTooltips } from './sanitize';
 import { MODULE_NAME, MODULE_VERSION } from './version';
 
 const SELECTED_CLASS = 'slapo-selected';
+/**
+ * The smallest scale (CSS px per SVG user unit = point) the fit uses: 12-pt node names stay at
+ * least 9 px and 10-pt badges 7.5 px. A drawing that would need less is shown from its top at this
+ * scale (or fitted to the width, if that is larger) and the user pans; the wheel still zooms out.
+ */
+const MIN_FIT_SCALE = 0.75;
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** The drawing's own viewBox and how many CSS px one user unit is at 1:1. */
@@ -74,7 +83,8 @@ export class GraphModel extends DOMWidgetModel {
       svg: '',
       selected: '',
       height: '420px',
-      reset_view: 0
+      reset_view: 0,
+      render_id: 0
     };
   }
 
@@ -101,6 +111,8 @@ export class GraphView extends DOMWidgetView {
   private _tips = new WeakMap<Element, string>();
   private _natural: INaturalGeometry | null = null;
   private _resizeObserver: ResizeObserver | null = null;
+  /** `render_id` of the SVG on screen (sent back with every click). */
+  private _renderId = 0;
 
   render(): void {
     // this.el belongs to ipywidgets (its `layout` styles are applied to it, and
@@ -179,6 +191,8 @@ export class GraphView extends DOMWidgetView {
   private _renderSvg(): void {
     this._hideTooltip();
     const text: string = this.model.get('svg') || '';
+    const rid = Number(this.model.get('render_id'));
+    this._renderId = Number.isInteger(rid) ? rid : 0;
     if (this._svg) {
       select(this._svg).on('.zoom', null);
     }
@@ -249,8 +263,10 @@ export class GraphView extends DOMWidgetView {
 
   /**
    * Set the viewBox so that the drawing fits the box, centred, at most at its
-   * natural size. Called on render and whenever the box is resized; a no-op
-   * while the box has no size (not attached yet).
+   * natural size and at least at MIN_FIT_SCALE (a bigger drawing is shown from
+   * its top-left; pan to see the rest). Called on render and whenever the box is
+   * resized; a no-op while the box has no size (not attached yet). The scale is
+   * left in the SVG's `data-fit-scale` attribute (tests read it).
    */
   private _fitViewBox(): void {
     const svg = this._svg;
@@ -266,12 +282,20 @@ export class GraphView extends DOMWidgetView {
       }
       return;
     }
-    const scale = Math.min(width / nat.w, height / nat.h, nat.pxPerUnit); // px per user unit
+    // px per user unit: the whole drawing, centred, never above its natural size ...
+    let scale = Math.min(width / nat.w, height / nat.h, nat.pxPerUnit);
+    let fromTop = false;
+    if (scale < MIN_FIT_SCALE) {
+      // ... unless its text would be unreadably small: then the top of it, as wide as fits
+      scale = Math.min(Math.max(MIN_FIT_SCALE, width / nat.w), nat.pxPerUnit);
+      fromTop = true;
+    }
     const vw = width / scale;
     const vh = height / scale;
-    const vx = nat.x + nat.w / 2 - vw / 2;
-    const vy = nat.y + nat.h / 2 - vh / 2;
+    const vx = fromTop && vw < nat.w ? nat.x : nat.x + nat.w / 2 - vw / 2;
+    const vy = fromTop ? nat.y : nat.y + nat.h / 2 - vh / 2;
     svg.setAttribute('viewBox', `${vx} ${vy} ${vw} ${vh}`);
+    svg.dataset.fitScale = scale.toFixed(3);
   }
 
   private _showMessage(text: string): void {
@@ -319,7 +343,7 @@ export class GraphView extends DOMWidgetView {
     event.preventDefault();
     const node = this._nodeOf(event);
     if (node) {
-      this.send({ event: 'click', node: node.id });
+      this.send({ event: 'click', node: node.id, render: this._renderId });
     }
   };
 
@@ -327,7 +351,7 @@ export class GraphView extends DOMWidgetView {
     event.preventDefault();
     const node = this._nodeOf(event);
     if (node) {
-      this.send({ event: 'dblclick', node: node.id });
+      this.send({ event: 'dblclick', node: node.id, render: this._renderId });
     }
   };
 

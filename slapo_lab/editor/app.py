@@ -52,12 +52,15 @@ def _running_loop():
         return None
 
 
-_COL = "#c6dbef"   # column parallel / partitioned output
-_ROW = "#fdd0a2"   # row parallel / partial output
+# One visual channel per fact: fill = tensor parallelism, band on the left = pipeline stage,
+# dashed border = checkpointed, bar on the outgoing edges = cut, halo (browser) = selected.
+_COL = "#c6dbef"   # column parallel / partitioned output (fill)
+_ROW = "#fdd0a2"   # row parallel / partial output (fill)
 _TP_INSIDE = "#e5f5e0"
-_CKPT = "#9e9ac8"
+_CKPT = "#6a51a3"  # legend swatch of the dashed border
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
-_CUT = "#e6550d"
+_CUT = "#d6336c"   # the bar after a cut (render.CUT_COLOUR)
+_OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
 
 
 class ScheduleEditor(W.VBox):
@@ -692,33 +695,34 @@ class ScheduleEditor(W.VBox):
         return G
 
     def _style(self, path: str, stage_of: dict[str, int] | None = None) -> dict[str, Any]:
-        """Colours and badges of one module: TP fill, sync badges, checkpoint / cut borders, stage band."""
+        """Look of one module, one channel per fact: TP fill, stage band, checkpoint dashed border,
+        cut bar on the outgoing edges; short badges (``TP col``, ``AR fwd``, ``ckpt``, ``stage 1``, ``cut``),
+        repeated in the node's tooltip (render_svg cuts the badge line to fit the node)."""
         if path not in self.schedule:
             return {}
         mod = self.schedule[path].mod
         meta = module_state(mod) or {}
         badges, fill = [], None
         if meta.get("sharded"):
-            badges.append("TP " + ",".join(f"{n}:{a}" for n, a in meta["sharded"].items()))
-            fill = _ROW if meta.get("output_type") == "partial" else _COL
+            partial = meta.get("output_type") == "partial"
+            badges.append("TP row" if partial else "TP col")
+            fill = _ROW if partial else _COL
         elif any((module_state(m) or {}).get("sharded") for m in mod.modules()):
             fill = _TP_INSIDE
             badges.append("TP inside")
         for mode, op in meta.get("syncs", []):
-            badges.append(f"{mode}:{op}")
+            op_name = op if isinstance(op, str) else getattr(op, "__name__", "fn")
+            badges.append(f"{_OPS.get(op_name, op_name)} {str(mode).split('_')[0]}")
         style: dict[str, Any] = {}
         if stage_of is not None and path in stage_of:
             badges.append(f"stage {stage_of[path]}")
-            style["color"] = _STAGES[stage_of[path] % len(_STAGES)]
-            style["penwidth"] = 2
+            style["band"] = _STAGES[stage_of[path] % len(_STAGES)]
         if meta.get("checkpoint"):
             badges.append("ckpt")
-            style["color"] = _CKPT
-            style["penwidth"] = 3
+            style["dashed"] = True
         if meta.get("cut"):
-            badges.append("cut ▸ stage end")
-            style["color"] = _CUT
-            style["penwidth"] = 3
+            badges.append("cut")
+            style["cut"] = True
         if fill:
             style["fill"] = fill
         if badges:
@@ -730,8 +734,12 @@ class ScheduleEditor(W.VBox):
         members = [m for m in members if m in self.schedule]
         if not members:
             return {}
-        style = {k: v for k, v in self._style(members[0], stage_of).items() if k != "badges"}
+        style = {k: v for k, v in self._style(members[0], stage_of).items() if k in ("fill", "band")}
         metas = [module_state(self.schedule[m].mod) or {} for m in members]
+        if any(m.get("checkpoint") for m in metas):
+            style["dashed"] = True
+        if metas[-1].get("cut"):
+            style["cut"] = True
         badges = []
         n_tp = sum(any((module_state(x) or {}).get("sharded") for x in self.schedule[m].mod.modules()) for m in members)
         if n_tp:
@@ -746,6 +754,8 @@ class ScheduleEditor(W.VBox):
             stages = sorted({stage_of[m] for m in members if m in stage_of})
             if stages:
                 badges.append(f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}")
+                if len(stages) > 1:
+                    style.pop("band", None)
         if badges:
             style["badges"] = badges
         return style
@@ -753,7 +763,12 @@ class ScheduleEditor(W.VBox):
     def _refresh_graph(self, reset_view: bool = False) -> None:
         from ..graph import render_svg
 
+        from ..graph.dataflow import per_rank_edges
+
         G = self._level_graph()
+        # edge labels: the shapes this rank sees after sharding (e.g. 2×16×64→32 after a column split)
+        per_rank_edges(G, self.world_size, lambda p: self.schedule[p].mod if p in self.schedule else None,
+                       module_state)
         self._last_graph = G
         stage_of = None
         if self.schedule.metadata.primitives.get("cut_pipeline_stage"):
@@ -790,12 +805,16 @@ class ScheduleEditor(W.VBox):
     def _legend_html(self, stage_of) -> str:
         from ..graph import legend_svg
 
-        entries = [("column parallel (partitioned output)", _COL), ("row parallel (partial sums)", _ROW),
-                   ("contains sharded modules", _TP_INSIDE), ("checkpointed (border)", _CKPT),
-                   ("ends a pipeline stage (border)", _CUT)]
+        entries = [("column parallel (partitioned output): TP col", _COL),
+                   ("row parallel (partial sums): TP row", _ROW),
+                   ("contains sharded modules: TP inside", _TP_INSIDE),
+                   ("checkpointed: dashed border, ckpt", _CKPT, "dashed"),
+                   ("a pipeline stage ends after it: bar on its edges", _CUT, "bar"),
+                   ("selected: halo", "#2196f3", "halo")]
         if stage_of:
             n = max(stage_of.values()) + 1
-            entries += [(f"stage {i} (border)", _STAGES[i % len(_STAGES)]) for i in range(min(n, 8))]
+            entries += [(f"stage {i} (band on the left)", _STAGES[i % len(_STAGES)], "band")
+                        for i in range(min(n, 8))]
         return ("<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>"
                 + legend_svg(entries))
 

@@ -4,13 +4,18 @@ The browser half is the ``slapo-lab`` labextension (``labextension/src/widget.ts
 the SVG (DOMPurify, SVG profile), lets the user pan (drag) and zoom (wheel), highlights the
 ``selected`` node and sends custom messages back to the kernel::
 
-    {"event": "click", "node": "<token>"}
-    {"event": "dblclick", "node": "<token>"}
+    {"event": "click", "node": "<token>", "render": <render id>}
+    {"event": "dblclick", "node": "<token>", "render": <render id>}
 
 A token is the ``id`` attribute graphviz gives a node's ``<g class="node">`` (set it with the
-node's ``id`` attribute in dot). ``node_ids`` maps each token of the current SVG to a module path;
-every message is checked against it, and anything malformed is reported to the ``on_error``
-callbacks as one sentence instead of raising.
+node's ``id`` attribute in dot). Tokens are positional (``n0, n1, ...``), so the same token names a
+different module after a redraw; every :meth:`GraphWidget.set_graph` therefore bumps ``render_id``
+(synced together with ``svg``), and the browser sends the ``render_id`` of the drawing the user
+clicked. A click on an older drawing (sent before the new SVG arrived) is reported as one sentence
+and selects nothing. ``node_ids`` maps each token of the current SVG to a module path; every message
+is checked against it, and anything malformed is reported to the ``on_error`` callbacks as one
+sentence instead of raising. (A message without ``render`` is checked against the current drawing:
+kernel-side drivers and tests that send messages directly need not know the id.)
 
 Zoom: the browser keeps its pan/zoom when ``svg`` changes (e.g. only colours changed). Call
 :meth:`GraphWidget.reset_zoom` (or pass ``reset_view=True`` to :meth:`GraphWidget.set_graph`) to
@@ -64,6 +69,8 @@ class GraphWidget(widgets.DOMWidget):
         CSS height of the view, default ``"420px"``.
     reset_view : int
         A counter: each change makes the browser reset pan/zoom to "fit the whole graph".
+    render_id : int
+        Id of the current drawing; :meth:`set_graph` increments it together with ``svg``.
 
     Callbacks are called as ``callback(token, path)`` for clicks and double clicks, and as
     ``callback(message)`` (one sentence) for malformed browser messages. A double click in the
@@ -81,6 +88,7 @@ class GraphWidget(widgets.DOMWidget):
     selected = Unicode("", help="token of the highlighted node, '' for none").tag(sync=True)
     height = Unicode("420px", help="CSS height of the view").tag(sync=True)
     reset_view = Int(0, help="bump to reset the browser's pan/zoom").tag(sync=True)
+    render_id = Int(0, help="id of the current drawing; clicks carry it back").tag(sync=True)
 
     def __init__(self, svg: str = "", node_ids: Mapping[str, str] | None = None, **kwargs: Any) -> None:
         #: Token (graphviz node ``id``) → module path, for the nodes of the current ``svg``.
@@ -97,10 +105,12 @@ class GraphWidget(widgets.DOMWidget):
         """Show a new graph: set ``node_ids`` and ``svg`` together.
 
         ``reset_view=True`` also resets the browser's pan/zoom (use it when the graph is a
-        different one, not a recoloured one).
+        different one, not a recoloured one). Increments ``render_id``: clicks the browser sends
+        for the previous drawing are ignored from now on (with one sentence to ``on_error``).
         """
         self.node_ids = dict(node_ids)
         with self.hold_sync():
+            self.render_id += 1
             self.svg = svg
             if reset_view:
                 self.reset_view += 1
@@ -148,6 +158,15 @@ class GraphWidget(widgets.DOMWidget):
         token = content["node"]
         if not isinstance(token, str):
             return f"Ignored a '{event}' message whose node is not a string (got {type(token).__name__})."
+        if "render" in content:
+            rid = content["render"]
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                return f"Ignored a '{event}' message whose render id is not an integer (got {type(rid).__name__})."
+            if rid != self.render_id:
+                return (
+                    f"Ignored a '{event}' on the graph as drawn before the last redraw (drawing {rid}, "
+                    f"now {self.render_id}); click the node again."
+                )
         if token not in self.node_ids:
             return f"Ignored a '{event}' on node {_short(token)}, which is not in the current graph."
         handlers = self._click_handlers if event == "click" else self._dblclick_handlers

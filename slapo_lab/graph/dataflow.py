@@ -488,4 +488,103 @@ class Dataflow:
         return G
 
 
-__all__ = ["PASSTHROUGH", "Dataflow", "DataflowError", "record_dataflow", "shape_str"]
+def _fwd_ops(meta: dict) -> set:
+    return {
+        op if isinstance(op, str) else getattr(op, "__name__", "fn")
+        for mode, op in meta.get("syncs", ()) if str(mode).startswith("fwd_post")
+    }
+
+
+def output_split(mod: nn.Module, state_of) -> tuple[str, int] | None:
+    """How one rank holds the output of ``mod`` after sharding: ``("partition", axis)`` (a slice
+    along ``axis``), ``("partial", -1)`` (partial sums, all-reduce pending) or None (whole).
+
+    ``state_of(module)`` returns the module's schedule state (``slapo_lab.module_state``: a dict
+    with ``output_type``, ``output_axis``, ``syncs``) or None.  Rules (Megatron's column / row
+    parallel pairs): the module's own ``output_type`` unless a ``fwd_post`` all-reduce / all-gather
+    makes it whole again; a module that is not sharded itself but contains column-parallel modules
+    and no row-parallel or gathering one (an attention block's q/k/v, an MLP's up projection)
+    outputs a slice on the last axis; one that contains both (a transformer layer) outputs whole.
+    """
+    meta = state_of(mod) or {}
+    ops = _fwd_ops(meta)
+    if ops & {"all_reduce", "all_gather"}:
+        return None
+    kind = meta.get("output_type")
+    if kind == "partition":
+        axis = meta.get("output_axis")
+        return ("partition", -1 if axis is None else int(axis))
+    if kind == "partial":
+        return ("partial", -1)
+    col = whole = False
+    for sub in mod.modules():
+        if sub is mod:
+            continue
+        m = state_of(sub) or {}
+        if m.get("output_type") == "partial" or _fwd_ops(m) & {"all_reduce", "all_gather"}:
+            whole = True
+        elif m.get("output_type") == "partition":
+            col = True
+    return ("partition", -1) if col and not whole else None
+
+
+def per_rank_edges(G: nx.DiGraph, world_size: int, module_of, state_of) -> nx.DiGraph:
+    """Relabel the edges of a level graph with the shapes ONE rank sees after sharding.
+
+    Args:
+      G: a graph from :meth:`Dataflow.level_graph` (edge ``shapes`` are whole-tensor shapes such as
+        ``"8×128×768"``); changed in place and returned.
+      world_size: ranks the tensor-parallel dimension is split over (nothing changes when 1).
+      module_of: ``path -> nn.Module`` (or None when the path is unknown).
+      state_of: ``module -> dict | None``, e.g. ``slapo_lab.module_state``.
+
+    An edge leaving a node whose output is split (see :func:`output_split`; a folded run uses its
+    last member) is labelled with the split dimension as ``whole→per rank``, e.g. ``8×128×768→384``
+    on the output of a column-parallel projection with 2 ranks, and ``… partial`` for partial sums;
+    the edge's ``tooltip`` says it in words, and ``rank_shapes`` holds the per-rank shape strings.
+    Other edges keep their labels.
+    """
+    if world_size <= 1:
+        return G
+    for u, _v, attrs in G.edges(data=True):
+        node = G.nodes[u]
+        if node.get("kind") not in ("module", "folded"):
+            continue
+        members = node.get("members") or [node.get("path", u)]
+        mod = module_of(members[-1])
+        split = output_split(mod, state_of) if mod is not None else None
+        if split is None:
+            continue
+        kind, axis = split
+        shapes = list(attrs.get("shapes") or [])
+        labels, per_rank = [], []
+        for st in shapes:
+            dims = st.split("×") if st != "scalar" else []
+            if kind == "partial" or not dims:
+                labels.append(f"{st} partial" if kind == "partial" else st)
+                per_rank.append(st)
+                continue
+            a = axis if axis >= 0 else len(dims) + axis
+            if not 0 <= a < len(dims) or not dims[a].isdigit():
+                labels.append(st)
+                per_rank.append(st)
+                continue
+            whole = int(dims[a])
+            part = whole // world_size if whole % world_size == 0 else -(-whole // world_size)
+            labels.append("×".join(dims[:a] + [f"{whole}→{part}"] + dims[a + 1 :]))
+            per_rank.append("×".join(dims[:a] + [str(part)] + dims[a + 1 :]))
+        if not shapes:
+            continue
+        attrs["label"] = ", ".join(labels[:_MAX_EDGE_SHAPES]) + (", …" if len(labels) > _MAX_EDGE_SHAPES else "")
+        attrs["rank_shapes"] = per_rank
+        how = (
+            "partial sums on every rank (all-reduce pending)" if kind == "partial"
+            else f"split over {world_size} ranks on dim {axis}"
+        )
+        attrs["tooltip"] = f"per rank: {', '.join(per_rank[:_MAX_EDGE_SHAPES])} ({how}); whole: {', '.join(shapes[:3])}"
+    return G
+
+
+__all__ = [
+    "PASSTHROUGH", "Dataflow", "DataflowError", "output_split", "per_rank_edges", "record_dataflow", "shape_str",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import itertools
 import json
 import re
 import shutil
@@ -23,15 +24,27 @@ import networkx as nx
 
 HEX = re.compile(r"^#[0-9a-fA-F]{6}$")
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_STYLE_KEYS = frozenset({"fill", "color", "badges", "penwidth"})
+_STYLE_KEYS = frozenset({"fill", "color", "badges", "penwidth", "band", "dashed", "cut"})
 _MAX_LABEL = 48
 _MAX_BADGE = 24
 _MAX_BADGES = 6
+#: Characters of the badge line drawn in a node; the rest is summarised as "+k" (full list in the
+#: tooltip), so badges never make a node wider than about this many 10-pt characters.
+MAX_BADGE_LINE = 28
 FAN = 6  # edges of a node with at least this many out (in) edges are drawn unlabelled and merged
+#: Font sizes (points = SVG user units at 1:1): node names, second lines and badges, edge labels.
+LABEL_PT, SMALL_PT, EDGE_PT = 12, 10, 10
+#: A chain of more than this many single-node ranks (e.g. 80 expanded decoder layers) is wrapped
+#: into rows, so the fitted drawing keeps a readable scale instead of becoming a 1-px line.
+MAX_CHAIN = 12
+#: Colour of the bar and pen of the edges that leave a node that ends a pipeline stage.
+CUT_COLOUR = "#d6336c"
 
 FONT = "Helvetica,Arial,sans-serif"
 
-# kind -> (shape, style, default fill, default border)
+# kind -> (shape, style, default fill, default border).  The border colour is the node kind's
+# only; stage (band), checkpoint (dashed border), cut (bar on the outgoing edges) and selection
+# (halo, drawn by the browser) each have their own channel.
 _KIND_LOOK = {
     "module": ("box", "rounded,filled", "#ffffff", "#4a5568"),
     "folded": ("box3d", "filled", "#ffffff", "#4a5568"),
@@ -162,10 +175,12 @@ def _node_style(node, attrs: Mapping, style: Mapping | None):
     kind = attrs.get("kind", "module")
     shape, gv_style, fill, border = _KIND_LOOK.get(kind, _KIND_LOOK["module"])
     if kind in ("module", "folded") and attrs.get("ran") is False:
-        gv_style += ",dashed"
+        gv_style += ",dotted"
         fill = "#f4f4f4"
     penwidth = 1.0
     badges: list[str] = []
+    band = None
+    cut = False
     if style:
         unknown = set(style) - _STYLE_KEYS
         if unknown:
@@ -188,27 +203,68 @@ def _node_style(node, attrs: Mapping, style: Mapping | None):
         if isinstance(raw, str):
             raw = (raw,)
         badges = [display(b, _MAX_BADGE) for b in list(raw)[:_MAX_BADGES]]
-    return kind, shape, gv_style, fill, border, penwidth, badges
+        if style.get("band") is not None:
+            band = _check_colour(style["band"], "band", node)
+        if style.get("dashed"):
+            gv_style = gv_style.replace(",dotted", "") + ",dashed"
+            penwidth = max(penwidth, 1.6)
+        cut = bool(style.get("cut"))
+    return kind, shape, gv_style, fill, border, penwidth, badges, band, cut
 
 
-def _label(attrs: Mapping, node, badges: list[str]) -> str:
+def badge_line(badges: list[str], limit: int = MAX_BADGE_LINE) -> str:
+    """The badges as drawn in a node: joined by " · ", cut to about ``limit`` characters.
+
+    Badges that do not fit are summarised as ``"+k"`` (the full list is in the node's tooltip); a
+    first badge longer than ``limit`` is cut with "…".  ``[]`` -> ``""``.
+    """
+    if not badges:
+        return ""
+    shown: list[str] = []
+    used = 0
+    for i, b in enumerate(badges):
+        rest = len(badges) - i - 1
+        extra = len(b) + (3 if shown else 0)
+        more = len(f" · +{rest}") if rest else 0
+        if used + extra + more <= limit:
+            shown.append(b)
+            used += extra
+            continue
+        if not shown:
+            shown.append(display(b, max(4, limit - more)))
+            if rest:
+                shown.append(f"+{rest}")
+        else:
+            shown.append(f"+{len(badges) - i}")
+        break
+    return " · ".join(shown)
+
+
+def _label(attrs: Mapping, node, badges: list[str], band: str | None = None) -> str:
     label = attrs.get("label")
     if label is None:
         label = str(node)
     parts = [f"<B>{_html(label)}</B>" if attrs.get("kind") in (None, "module", "folded") else _html(label)]
     sub = attrs.get("sub")
     if sub:
-        parts.append(f'<FONT POINT-SIZE="9" COLOR="#555555">{_html(sub)}</FONT>')
+        parts.append(f'<FONT POINT-SIZE="{SMALL_PT}" COLOR="#555555">{_html(sub)}</FONT>')
     if badges:
         parts.append(
-            '<FONT POINT-SIZE="9" COLOR="#8a3b00"><B>'
-            + " · ".join(_html(b, _MAX_BADGE) for b in badges)
+            f'<FONT POINT-SIZE="{SMALL_PT}" COLOR="#8a3b00"><B>'
+            + _html(badge_line(badges), MAX_BADGE_LINE + 4)
             + "</B></FONT>"
         )
-    return "<" + "<BR/>".join(parts) + ">"
+    text = "<BR/>".join(parts)
+    if band is None:
+        return "<" + text + ">"
+    # the pipeline stage: a coloured band down the node's left side (a table cell)
+    return (
+        '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0"><TR>'
+        f'<TD BGCOLOR="{band}" WIDTH="7"> </TD><TD CELLPADDING="3">{text}</TD></TR></TABLE>>'
+    )
 
 
-def _tooltip(node, attrs: Mapping) -> str:
+def _tooltip(node, attrs: Mapping, badges: list[str] = ()) -> str:
     kind = attrs.get("kind", "module")
     if kind == "input":
         lines = [f"input {attrs.get('label', node)}", str(attrs.get("sub", ""))]
@@ -234,48 +290,124 @@ def _tooltip(node, attrs: Mapping) -> str:
             lines.append(str(attrs["shapes"]))
         if attrs.get("ran") is False:
             lines.append("did not run in the recorded forward")
+        lines.extend(badges)
     return "\n".join(display(line, 200) for line in lines if line)
 
 
-def _build(G: nx.DiGraph, styles: Mapping | None):
-    """Returns (tokens, node_ids, structure_lines, node_style_attrs, edge_lines)."""
+def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = ()):
+    """Returns (tokens, node_ids, structure_lines, node_style_attrs, edge_lines, busy)."""
+    flat = {(r[k], r[k + 1]) for r in rows for k in range(len(r) - 1)}
+    wrap = {(a[-1], b[0]) for a, b in itertools.pairwise(rows)}
     styles = styles or {}
     tokens: dict = {}
     node_ids: dict[str, object] = {}
     struct: list[str] = []
     looks: dict[str, str] = {}
+    cut_nodes: set = set()
     for i, (node, attrs) in enumerate(G.nodes(data=True)):
         tok = f"n{i}"
         tokens[node] = tok
         node_ids[tok] = node
-        kind, shape, gv_style, fill, border, pw, badges = _node_style(node, attrs, styles.get(node))
+        kind, shape, gv_style, fill, border, pw, badges, band, cut = _node_style(node, attrs, styles.get(node))
         cls = f"slapo-node slapo-{kind}" if kind in _KIND_LOOK else "slapo-node"
-        struct.append(f'{tok} [id="{tok}", class="{cls}", shape={shape}, label={_label(attrs, node, badges)}]')
+        if band is not None:
+            cls += " slapo-staged"
+        if "dashed" in gv_style:
+            cls += " slapo-ckpt"
+        if cut:
+            cls += " slapo-cut"
+            cut_nodes.add(node)
+        struct.append(
+            f'{tok} [id="{tok}", class="{cls}", shape={shape}, label={_label(attrs, node, badges, band)}]'
+        )
         looks[tok] = (
             f'style="{gv_style}", fillcolor="{fill}", color="{border}", penwidth={pw:g}, '
-            f"tooltip={_dot_string(_tooltip(node, attrs))}"
+            f"tooltip={_dot_string(_tooltip(node, attrs, badges))}"
         )
     edges: list[tuple[str, str, str, str]] = []
     busy_any = False
     for j, (u, v, attrs) in enumerate(G.edges(data=True)):
         eid = f"e{j}"
         lab = attrs.get("label")
-        if G.out_degree(u) >= FAN or G.in_degree(v) >= FAN:
+        tip = attrs.get("tooltip") or lab
+        if (u, v) in flat or G.out_degree(u) >= FAN or G.in_degree(v) >= FAN:
             # one of many edges leaving / entering a node: no label (shape in the tooltip), and the
             # graph is drawn with concentrate=true; labelled long fan-outs make dot very slow
             busy_any = True
-            lab_s = f", tooltip={_dot_string(str(lab))}" if lab else ""
+            lab_s = f", tooltip={_dot_string(str(tip))}" if tip else ""
         else:
             lab_s = f", label=<{_html(lab, 80)}>" if lab else ""
+            if tip and tip != lab:
+                lab_s += f", tooltip={_dot_string(str(tip))}"
+        if (u, v) in wrap or (rows and G.out_degree(u) >= FAN):
+            # wrapped rows: the row-to-row edge and the fan-out of a shared source (the rotary
+            # embedding feeding every layer) must not pull the rows out of their grid
+            lab_s += ", constraint=false"
+        if u in cut_nodes:
+            # a pipeline stage ends here: a thick bar across the start of each outgoing edge
+            lab_s += f', class="slapo-cut-edge", dir=both, arrowtail=tee, color="{CUT_COLOUR}", penwidth=3'
         edges.append((eid, tokens[u], tokens[v], lab_s))
     return tokens, node_ids, struct, looks, edges, busy_any
+
+
+def _chain_rows(G: nx.DiGraph, max_chain: int = MAX_CHAIN) -> list[list]:
+    """Rows (lists of nodes) that wrap the long chains of ``G`` (empty when nothing is long).
+
+    Ranks are longest-path layers (``networkx.topological_generations`` of the DAG); a run of more
+    than ``max_chain`` consecutive layers that hold one node each (the layers of a model, expanded)
+    is cut into rows of about ``sqrt(0.6 * run)`` nodes (a node is about twice as wide as a row is
+    tall), so 80 layers become 12 rows of 7 instead of one column 80 nodes tall.
+    """
+    if G.number_of_nodes() <= max_chain or not nx.is_directed_acyclic_graph(G):
+        return []
+    layer: dict = {}
+    for i, gen in enumerate(nx.topological_generations(G)):
+        for n in gen:
+            layer[n] = i
+    # sources (inputs) sit just above their first consumer, not all in layer 0
+    for n in list(layer):
+        succ = [layer[m] for m in G.successors(n)]
+        if succ and G.in_degree(n) == 0:
+            layer[n] = min(succ) - 1
+    by_layer: dict[int, list] = {}
+    for n, i in layer.items():
+        by_layer.setdefault(i, []).append(n)
+    runs: list[list] = []
+    run: list = []
+    for i in sorted(by_layer):
+        nodes = by_layer[i]
+        single = len(nodes) == 1 and not str(nodes[0]).startswith(".")
+        if single and run and G.has_edge(run[-1], nodes[0]):
+            run.append(nodes[0])
+            continue
+        if len(run) > max_chain:
+            runs.append(run)
+        run = list(nodes) if single else []
+    if len(run) > max_chain:
+        runs.append(run)
+    rows = []
+    for run in runs:
+        width = max(4, round((0.6 * len(run)) ** 0.5))
+        rows.extend(run[k : k + width] for k in range(0, len(run), width))
+    return rows
+
+
+def _row_lines(rows: list[list], tokens: dict) -> list[str]:
+    """DOT for wrapped rows: one ``rank=same`` subgraph each, and invisible heavy edges between
+    the first nodes of consecutive rows so the rows stack left-aligned (layout pass only)."""
+    out = ["{rank=same; " + "; ".join(tokens[n] for n in r) + "}" for r in rows]
+    out += [
+        f"{tokens[a[0]]} -> {tokens[b[0]]} [style=invis, weight=20];"
+        for a, b in itertools.pairwise(rows)
+    ]
+    return out
 
 
 _GRAPH_HEAD = (
     "digraph slapo {{\n"
     '  graph [rankdir={rankdir}, nodesep=0.3, ranksep=0.4, fontname="{font}", id="slapo-graph"{extra}];\n'
-    '  node [fontname="{font}", fontsize=11, margin="0.12,0.05"];\n'
-    '  edge [fontname="{font}", fontsize=9, color="#777777", fontcolor="#444444", arrowsize=0.7];\n'
+    '  node [fontname="{font}", fontsize={label_pt}, margin="0.12,0.05"];\n'
+    '  edge [fontname="{font}", fontsize={edge_pt}, color="#777777", fontcolor="#444444", arrowsize=0.7];\n'
 )
 
 
@@ -317,10 +449,16 @@ def render_svg(
     """
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be one of TB, LR, BT, RL, got {display(repr(rankdir))}.")
-    _tokens, node_ids, struct, looks, edges, busy = _build(G, styles)
+    rows = _chain_rows(G) if rankdir == "TB" else []
+    tokens, node_ids, struct, looks, edges, busy = _build(G, styles, rows)
     head = ", concentrate=true" if busy else ""
-    struct_text = _GRAPH_HEAD.format(rankdir=rankdir, font=FONT, extra=head) + "\n".join(
-        [f"  {s};" for s in struct] + [f"  {u} -> {v} [id=\"{e}\"{lab}];" for e, u, v, lab in edges]
+    if rows:
+        head += ", newrank=true"
+    struct_text = _GRAPH_HEAD.format(
+        rankdir=rankdir, font=FONT, label_pt=LABEL_PT, edge_pt=EDGE_PT, extra=head
+    ) + "\n".join(
+        [f"  {s};" for s in struct] + [f"  {r}" for r in _row_lines(rows, tokens)]
+        + [f"  {u} -> {v} [id=\"{e}\"{lab}];" for e, u, v, lab in edges]
     )
     key = hashlib.sha1(struct_text.encode("utf-8")).hexdigest()
     layout = _CACHE.get(key)
@@ -337,7 +475,7 @@ def render_svg(
 def _compose(rankdir, struct, looks, edges, layout, extra: str = "") -> str:
     if layout is not None:
         extra += f', bb="{layout["bb"]}"'
-    lines = [_GRAPH_HEAD.format(rankdir=rankdir, font=FONT, extra=extra)]
+    lines = [_GRAPH_HEAD.format(rankdir=rankdir, font=FONT, label_pt=LABEL_PT, edge_pt=EDGE_PT, extra=extra)]
     for s in struct:
         tok = s.split(" ", 1)[0]
         geo = ""
@@ -379,8 +517,12 @@ def _strip_svg(svg: str) -> str:
 def legend_svg(entries: Mapping[str, str] | Iterable[tuple[str, str]], title: str | None = None) -> str:
     """A small standalone SVG legend: one swatch + text row per ``(text, "#rrggbb")`` entry.
 
-    ``entries`` is a mapping text -> colour or an iterable of pairs (order kept).  Text is escaped.
-    Raises ``ValueError`` for a colour that is not six-digit hex.
+    ``entries`` is a mapping text -> colour or an iterable of pairs (order kept), or of triples
+    ``(text, colour, swatch)`` where ``swatch`` draws the channel the colour is shown in: ``"fill"``
+    (a filled square, the default), ``"band"`` (a node with a coloured left band), ``"dashed"`` (a
+    dashed border), ``"bar"`` (an edge with a bar across its start) or ``"halo"`` (a glow).
+    Text is escaped.  Raises ``ValueError`` for a colour that is not six-digit hex or an unknown
+    swatch.
     """
     items = list(entries.items()) if isinstance(entries, Mapping) else [tuple(x) for x in entries]
     row, pad, sw = 18, 6, 12
@@ -394,12 +536,33 @@ def legend_svg(entries: Mapping[str, str] | Iterable[tuple[str, str]], title: st
         )
         y += row
         width = max(width, 2 * pad + 7 * len(display(title, 60)))
-    for text, colour in items:
+    sw = 18
+    for item in items:
+        text, colour, kind = (*item, "fill") if len(item) == 2 else item
         colour = _check_colour(colour, "legend", text)
         label = display(text, 60)
+        x, t = pad, y + 2
+        if kind == "fill":
+            mark = f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="{colour}" stroke="#4a5568"/>'
+        elif kind == "band":
+            mark = (f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="#ffffff" stroke="#4a5568"/>'
+                    f'<rect x="{x + 1}" y="{t + 1}" width="5" height="10" fill="{colour}"/>')
+        elif kind == "dashed":
+            mark = (f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="none" stroke="{colour}" '
+                    'stroke-width="1.6" stroke-dasharray="4,2"/>')
+        elif kind == "bar":
+            mark = (f'<line x1="{x + 2}" y1="{t}" x2="{x + 2}" y2="{t + 12}" stroke="{colour}" stroke-width="3"/>'
+                    f'<line x1="{x + 2}" y1="{t + 6}" x2="{x + sw}" y2="{t + 6}" stroke="{colour}" stroke-width="3"/>')
+        elif kind == "halo":
+            mark = (f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
+                    f'stroke="{colour}" stroke-width="4" stroke-opacity="0.45"/>'
+                    f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
+                    'stroke="#4a5568"/>')
+        else:
+            raise ValueError(f"Unknown legend swatch {display(repr(kind))}; use fill, band, dashed, bar or halo.")
         rows.append(
-            f'<rect x="{pad}" y="{y + 2}" width="{sw}" height="{sw}" rx="2" fill="{colour}" stroke="#4a5568"/>'
-            f'<text x="{pad + sw + 6}" y="{y + 12}" font-family="{FONT}" font-size="11">{html.escape(label)}</text>'
+            mark + f'<text x="{pad + sw + 6}" y="{y + 12}" font-family="{FONT}" font-size="11">'
+            f"{html.escape(label)}</text>"
         )
         y += row
         width = max(width, pad * 2 + sw + 6 + 7 * len(label))
