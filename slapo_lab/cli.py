@@ -7,8 +7,8 @@
 ``schedule.json`` is a file written by :func:`slapo_lab.export.save_schedule` (or the editor): the
 recorded calls plus ``meta.model``, ``meta.inputs`` and ``meta.world_size`` (the tensor-parallel
 width; a schedule with pipeline cuts launches ``world_size x stages`` processes per replica). Errors
-are printed as one sentence on stderr with exit status 2; nothing is written unless the whole file
-is valid.
+are printed as one sentence on stderr with exit status 2 (1 for an unexpected failure, still one
+sentence and no traceback); nothing is written unless the whole file is valid.
 """
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         except ExportError as err:
             print(f"slapo-lab export: error: {err}", file=sys.stderr)
             return 2
+        except RecursionError:
+            print(f"slapo-lab export: error: {args.schedule} is nested too deeply to be a schedule file.",
+                  file=sys.stderr)
+            return 2
+        except Exception as err:  # one sentence, never a traceback
+            reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
+            print(f"slapo-lab export: error: the export failed unexpectedly ({type(err).__name__}"
+                  + (f": {reason}" if reason else "") + ").", file=sys.stderr)
+            return 1
         print(f"wrote {path}\nlaunch: {command}")
         return 0
     return 2  # pragma: no cover - argparse rejects unknown commands

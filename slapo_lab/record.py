@@ -6,9 +6,11 @@ editor's ``shard("weight", axis=0)`` record -- and render -- identically.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 SCHEMA = "slapo-lab/schedule"
 SCHEMA_VERSION = 1
@@ -33,6 +35,62 @@ class Call:
     def from_json(d: dict) -> "Call":
         """The inverse of :meth:`to_json` (raises KeyError for a dict without path/primitive)."""
         return Call(d["path"], d["primitive"], tuple(d.get("args", ())), dict(d.get("kwargs", {})))
+
+    def keep_pristine(self) -> "Call":
+        """Keep private copies of the ``nn.Module`` arguments (e.g. ``replace(new_module)``) as they are now.
+
+        Call this *before* the primitive runs: later primitives mutate the module object that went
+        into the model in place (``shard`` slices its weight, ``replace`` moves hooks onto it), so
+        replaying the very same object would replay those later changes too. Returns ``self``;
+        a no-op (no copy) when no argument is a module.
+        """
+        if _has_module((self.args, self.kwargs)):
+            object.__setattr__(self, "_pristine", _copy_modules((self.args, self.kwargs)))
+        return self
+
+    def replay_args(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` to replay this call with: fresh copies of the pristine module arguments."""
+        pristine = self.__dict__.get("_pristine")
+        if pristine is None:
+            return self.args, dict(self.kwargs)
+        args, kwargs = _copy_modules(pristine)
+        return tuple(args), dict(kwargs)
+
+
+def _is_module(v: Any) -> bool:
+    from torch import nn
+
+    return isinstance(v, nn.Module)
+
+
+def _has_module(v: Any, depth: int = 0) -> bool:
+    if depth > 50:
+        return False
+    if isinstance(v, (list, tuple)):
+        return any(_has_module(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return any(_has_module(x, depth + 1) for x in v.values())
+    return _is_module(v)
+
+
+def _copy_modules(v: Any, depth: int = 0) -> Any:
+    """``v`` with every ``nn.Module`` inside (lists, tuples, dicts) deep-copied; other values shared."""
+    if depth > 50:
+        return v
+    if isinstance(v, tuple):
+        return tuple(_copy_modules(x, depth + 1) for x in v)
+    if isinstance(v, list):
+        return [_copy_modules(x, depth + 1) for x in v]
+    if isinstance(v, dict):
+        return {k: _copy_modules(x, depth + 1) for k, x in v.items()}
+    return copy.deepcopy(v) if _is_module(v) else v
+
+
+class Action(NamedTuple):
+    """One user action: a click, a preset, an "apply to all similar", or one typed call."""
+
+    label: str
+    calls: tuple
 
 
 def _check_jsonable(v: Any, where: str) -> None:
@@ -81,6 +139,50 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
         self._listeners: list[Callable[["Recorder"], None]] = []
+        self._starts: list[tuple[int, str]] = []   # (index of an action's first call, label)
+        self._open: list[str] = []                  # labels of the open ``action()`` blocks
+        self._open_started = False                  # the outermost open block has recorded a call
+
+    @contextlib.contextmanager
+    def action(self, label: str):
+        """Group the calls recorded inside the block into one action (undo/redo pop whole actions).
+
+        Nested blocks join the outermost one. A call recorded outside any block is an action of its
+        own (one typed line). An empty block records nothing::
+
+            with sch.record.action("Megatron TP preset"):
+                sl.presets.megatron_tp(sch)
+        """
+        outer = not self._open
+        self._open.append(str(label))
+        if outer:
+            self._open_started = False
+        try:
+            yield self
+        finally:
+            self._open.pop()
+            if outer:
+                self._open_started = False
+
+    def actions(self) -> list[Action]:
+        """The calls grouped into actions, oldest first (calls edited by hand count one action each)."""
+        n = len(self.calls)
+        starts = [(i, lab) for i, lab in self._starts if 0 <= i < n]
+        out: list[Action] = []
+        pos = 0
+        for k, (i, lab) in enumerate(starts):
+            if i < pos:
+                continue
+            while pos < i:  # calls without a recorded start (appended to .calls by hand)
+                out.append(Action(format_call(self.calls[pos]), (self.calls[pos],)))
+                pos += 1
+            end = next((j for j, _ in starts[k + 1:] if j > i), n)
+            out.append(Action(lab, tuple(self.calls[i:end])))
+            pos = end
+        while pos < n:
+            out.append(Action(format_call(self.calls[pos]), (self.calls[pos],)))
+            pos += 1
+        return out
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -96,6 +198,11 @@ class Recorder:
 
     def append(self, call: Call) -> None:
         """Record one successful call and notify the listeners (the schedule's dispatch point calls this)."""
+        if not self._open:
+            self._starts.append((len(self.calls), format_call(call)))
+        elif not self._open_started:
+            self._starts.append((len(self.calls), self._open[0]))
+            self._open_started = True
         self.calls.append(call)
         self._notify()
 
@@ -126,10 +233,35 @@ def dumps(calls: list[Call], meta: dict | None = None) -> str:
 def replay(sch, calls) -> None:
     """Apply ``calls`` (Call objects or their JSON dicts) to schedule ``sch`` in order.
 
+    Only registered primitives are called (like :func:`slapo_lab.load_schedule`): every call is
+    checked for a known primitive name, a string path and list/dict arguments before the first one
+    is applied. Module arguments recorded with :meth:`Call.keep_pristine` are replayed as fresh
+    copies of their state at record time.
+
     Raises:
-        ScheduleError: from the first call that fails (earlier calls stay applied).
+        ScheduleError: a malformed call or an unknown primitive (nothing applied), or the error of
+            the first call that fails (earlier calls stay applied).
     """
-    for c in calls:
+    from .errors import ScheduleError
+    from .primitives import get_primitive, list_primitives
+
+    checked = []
+    for n, c in enumerate(calls, 1):
         if isinstance(c, dict):
-            c = Call.from_json(c)
-        getattr(sch[c.path], c.primitive)(*c.args, **c.kwargs)
+            try:
+                if not isinstance(c.get("args", []), (list, tuple)) or not isinstance(c.get("kwargs", {}), dict):
+                    raise TypeError
+                c = Call.from_json(c)
+            except (KeyError, TypeError, ValueError):
+                raise ScheduleError(f"Call {n} is not a {{path, primitive, args, kwargs}} object.") from None
+        if not isinstance(c, Call) or not isinstance(c.path, str):
+            raise ScheduleError(f"Call {n} is not a recorded call with a string path.")
+        if not isinstance(c.primitive, str) or get_primitive(c.primitive) is None:
+            raise ScheduleError(f"Call {n} (on {c.path!r}) names {c.primitive!r}, which is not a primitive; "
+                                f"known: {', '.join(list_primitives())}.")
+        if not all(isinstance(k, str) for k in c.kwargs):
+            raise ScheduleError(f"Call {n} (sch[{c.path!r}].{c.primitive}) has a keyword that is not a string.")
+        checked.append(c)
+    for c in checked:
+        args, kwargs = c.replay_args()
+        getattr(sch[c.path], c.primitive)(*args, **kwargs)

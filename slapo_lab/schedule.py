@@ -253,9 +253,11 @@ class Schedule(TracingMixin):
         bound = prim.bind(*args, **kwargs)
         if prim.name not in self._STRUCTURE_SAFE:
             self._top.extra.pop("owners", None)
+        # module arguments are copied before they enter the model (later primitives mutate them)
+        call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
         result = prim.apply(self, *bound.args, **bound.kwargs)
-        if prim.recordable:
-            self.record.append(_canonical_call(self.path, prim, bound))
+        if call is not None:
+            self.record.append(call)
         return result
 
 

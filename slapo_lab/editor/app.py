@@ -45,6 +45,32 @@ def _io_text(v) -> str:
     return ", ".join(parts)
 
 
+def _describe(action) -> str:
+    """``shard on a.b`` / ``preset megatron (1125 calls)``."""
+    n = len(action.calls)
+    return action.label + (f" ({n} calls)" if n > 1 else "")
+
+
+def _file_actions(sf, path) -> list:
+    """The calls of a loaded schedule file grouped into the editor's actions (``meta.editor_actions``,
+    ``[[label, number of calls], ...]``); one action for the whole file when that entry is missing or
+    does not add up."""
+    from ..record import Action
+
+    calls = list(sf.calls)
+    spec = (sf.meta or {}).get("editor_actions")
+    ok = isinstance(spec, list) and all(
+        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int)
+        and not isinstance(x[1], bool) and x[1] > 0 for x in spec) and sum(x[1] for x in spec) == len(calls)
+    if not ok:
+        return [Action(f"load {path}", tuple(calls))] if calls else []
+    out, i = [], 0
+    for label, n in spec:
+        out.append(Action(label, tuple(calls[i:i + n])))
+        i += n
+    return out
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -126,7 +152,9 @@ class ScheduleEditor(W.VBox):
             if os.path.exists(schedule_file):
                 restored = self.load(schedule_file)
         self._refresh_all(reset_view=True)
-        if restored is None and schedule_file is not None and self.schedule.record.calls:
+        if restored is not None:  # never autosave over a file that could not be restored
+            self._keep_unrestorable(schedule_file, restored)
+        elif schedule_file is not None and self.schedule.record.calls:
             self._info(f"Restored {len(self.schedule.record.calls)} recorded calls from {schedule_file}.")
 
     # ------------------------------------------------------------------ public API
@@ -189,25 +217,26 @@ class ScheduleEditor(W.VBox):
             return self._error(f"Unknown action {primitive!r}.")
         targets = [target]
         if path is None and self._similar.value:
+            self._similar.value = False  # one action only: never carried over to the next click
             targets = self.similar(target)
             for t in targets:  # all or nothing: check every target first
                 why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
                 if why:
                     return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
-        self._busy = True
+        label = f"{primitive} on {target}" + (f" and {len(targets) - 1} similar modules" if len(targets) > 1 else "")
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
         try:
-            with self._batch():
+            with self._working(label), self._batch(), self.schedule.record.action(label):
                 for t in targets:
                     getattr(self.schedule[t], primitive)(*args, **kwargs)
-        except ScheduleError as err:
-            return self._error(str(err))
-        except AttributeError as err:
-            return self._error(str(err))
         except Exception as err:  # never let a click kill the kernel or lose the record
+            if len(self.schedule.record.calls) != n0:  # a later target failed: all or nothing
+                self._rebuild(before)
+            if isinstance(err, (ScheduleError, AttributeError)):
+                return self._error(str(err))
             _log.exception("primitive failed")
             return self._error(f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged.")
-        finally:
-            self._busy = False
         return None
 
     def similar(self, path: str) -> list[str]:
@@ -254,30 +283,28 @@ class ScheduleEditor(W.VBox):
         pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
         """
 
-        before = list(self.schedule.record.calls)
-        self._busy = True
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
         try:
-            with self._batch():
+            with self._working(f"preset {name}"), self._batch(), self.schedule.record.action(f"preset {name}"):
                 self._run_preset(name, k)
         except Exception as err:
-            self._busy = False
-            if len(self.schedule.record.calls) != len(before):
+            if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             return self._error(f"The {name} preset was not applied: {msg}")
-        finally:
-            self._busy = False
-        n = len(self.schedule.record.calls) - len(before)
+        n = len(self.schedule.record.calls) - n0
         self._info(f"Preset {name} recorded {n} calls.")
         return None
 
     def _run_preset(self, name: str, k: int) -> None:
         from .. import presets
 
-        if name == "megatron":
-            presets.megatron_tp(self.schedule)
-        elif name == "hf_plan":
-            presets.megatron_tp(self.schedule, use_hf_plan=True)
+        if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
+            presets.megatron_tp(self.schedule, use_hf_plan=name == "hf_plan",
+                                vocab_parallel=presets.has_vocab_embedding(self.schedule))
         elif name == "checkpoint":
             presets.checkpoint_blocks(self.schedule, every=int(k))
         elif name == "stages":
@@ -288,45 +315,81 @@ class ScheduleEditor(W.VBox):
             raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
 
     def undo(self) -> str | None:
-        """Undo the last recorded call (rebuild from the original model and replay the rest).
+        """Undo the last user action: a click, a preset, an "apply to all similar", a typed line.
 
-        Returns None, or one sentence if there is nothing to undo.
+        Rebuilds from a fresh meta copy of the original model and replays the earlier actions (module
+        arguments such as ``replace``'s are replayed from copies taken before they entered the model).
+        Returns None, or one sentence if there is nothing to undo (the schedule is then unchanged).
         """
-        calls = list(self.schedule.record.calls)
-        if not calls:
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        actions = self.schedule.record.actions()
+        if not actions:
             return self._error("Nothing to undo: the schedule is empty.")
-        self._redo.append(calls[-1])
-        self._rebuild(calls[:-1])
-        self._info(f"Undid {format_call(self._redo[-1])}")
+        last = actions[-1]
+        try:
+            with self._working(f"undoing {last.label}"):
+                self._rebuild(actions[:-1])
+        except Exception as err:
+            _log.exception("undo failed")
+            return self._error(f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged.")
+        self._redo.append(last)
+        self._info(f"Undid {_describe(last)}.")
         return None
 
     def redo(self) -> str | None:
-        """Re-apply the last undone call; returns None or one sentence if there is nothing to redo."""
+        """Re-apply the last undone action; returns None or one sentence (nothing to redo, or why it failed).
+
+        The action stays on the redo stack until it has been applied whole; a failure leaves the
+        schedule as it was.
+        """
+        from .. import replay
+
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
         if not self._redo:
             return self._error("Nothing to redo.")
-        call = self._redo.pop()
-        redo_rest = self._redo
-        self._redo = []  # the listener clears the redo stack on new calls; keep the rest
-        err = self.apply(call.primitive, *call.args, path=call.path, **call.kwargs)
-        self._redo = redo_rest
-        return err
+        act = self._redo[-1]
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
+        self._replaying = True  # the recorder's listener must not clear the redo stack
+        try:
+            with self._working(f"redoing {act.label}"), self._batch(), self.schedule.record.action(act.label):
+                replay(self.schedule, act.calls)
+        except Exception as err:
+            if len(self.schedule.record.calls) != n0:
+                self._rebuild(before)
+            return self._error(f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged.")
+        finally:
+            self._replaying = False
+        self._redo.pop()
+        self._info(f"Redid {_describe(act)}.")
+        return None
 
     def clear(self) -> None:
-        """Forget every recorded call (can be undone call by call with redo)."""
-        calls = list(self.schedule.record.calls)
-        self._redo.extend(reversed(calls))
-        self._rebuild([])
-        self._info(f"Cleared {len(calls)} recorded calls.")
+        """Forget every recorded call (redo brings the actions back, one per redo)."""
+        actions = self.schedule.record.actions()
+        n = len(self.schedule.record.calls)
+        with self._working("clearing the schedule"):
+            self._rebuild([])
+        self._redo.extend(reversed(actions))
+        self._info(f"Cleared {n} recorded calls.")
 
-    def _rebuild(self, calls) -> None:
-        """Fresh meta copy + schedule, replaying ``calls``; the new schedule replaces ``self.schedule``."""
+    def _rebuild(self, actions) -> None:
+        """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
+        plain calls: one action each); the new schedule replaces ``self.schedule`` only on success."""
         from .. import replay
+        from ..record import Action
 
         old = self.schedule
         meta = meta_copy(self.model)
         sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
         self._remember_inputs(sch)
-        replay(sch, calls)
+        for act in actions:
+            if not isinstance(act, Action):
+                act = Action(format_call(act), (act,))
+            with sch.record.action(act.label):
+                replay(sch, act.calls)
         old.record.remove_listener(self._on_record)
         self._meta_model, self.schedule = meta, sch
         sch.record.add_listener(self._on_record)
@@ -344,9 +407,42 @@ class ScheduleEditor(W.VBox):
         """
         from ..export import save_schedule
 
-        save_schedule(path, self.schedule.record.calls, model=self.model, example_inputs=self.example_inputs,
-                      world_size=self.world_size, factory=self.factory)
+        rec = self.schedule.record
+        actions = [[a.label, len(a.calls)] for a in rec.actions()]  # undo per action after a restore
+        save_schedule(path, rec.calls, model=self.model, example_inputs=self.example_inputs,
+                      world_size=self.world_size, factory=self.factory, meta={"editor_actions": actions})
         return str(path)
+
+    def _keep_unrestorable(self, path: str, reason: str) -> None:
+        """Copy a schedule file that could not be restored to ``<name>.bak-<time>`` before any autosave.
+
+        An identical earlier backup is reused; if no copy can be written, autosave is switched off.
+        """
+        import shutil
+        import time
+        from pathlib import Path
+
+        src = Path(path)
+        backup = None
+        try:
+            data = src.read_bytes()
+            for old in sorted(src.parent.glob(src.name + ".bak-*")):
+                if old.is_file() and old.read_bytes() == data:
+                    backup = old
+                    break
+            if backup is None:
+                stem = src.with_name(f"{src.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+                backup, n = stem, 1
+                while backup.exists():
+                    backup, n = stem.with_name(f"{stem.name}-{n}"), n + 1
+                shutil.copy2(src, backup)
+        except OSError as err:
+            self.schedule_file = None
+            self._error(f"{reason.rstrip('.')}. It could not be backed up ({err.strerror or err}), so autosave is "
+                        f"off and {path} is left as it is.")
+            return
+        self._error(f"{reason.rstrip('.')}. The file is kept unchanged as {backup}; this editor starts empty "
+                    f"and autosaves to {path}.")
 
     def load(self, path: str) -> str | None:
         """Replace the schedule by the one in JSON file ``path``, all or nothing.
@@ -361,7 +457,9 @@ class ScheduleEditor(W.VBox):
             if ws is not None and ws != self.world_size:
                 return self._error(f"{path} was planned for world size {ws}, but this editor plans for "
                                    f"{self.world_size}; create the editor with world_size={ws}.")
-            self._rebuild(sf.calls)
+            with self._working(f"loading {path}"):
+                self._rebuild(_file_actions(sf, path))
+            self._redo = []
         except ScheduleError as err:
             return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
         except Exception as err:
@@ -569,7 +667,8 @@ class ScheduleEditor(W.VBox):
     # ------------------------------------------------------------------ events
     def _on_record(self, _rec) -> None:
         """A call was recorded (clicked or typed): redraw once the current cell / click / preset is done."""
-        self._redo.clear()
+        if not getattr(self, "_replaying", False):
+            self._redo.clear()
         self._pending = True
         if self._batch_depth:
             return
@@ -593,6 +692,23 @@ class ScheduleEditor(W.VBox):
                 self._info(f"Applied {format_call(last)}")
         except Exception:  # the view must never break the engine
             _log.exception("editor refresh failed")
+
+    @contextlib.contextmanager
+    def _working(self, what: str):
+        """A visible busy state while an action runs: 'Working: …' and the action buttons disabled."""
+        buttons = [self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut, self._btn_preset,
+                   self._btn_undo, self._btn_redo]
+        was = [b.disabled for b in buttons]
+        self._busy = True
+        for b in buttons:
+            b.disabled = True
+        self._info(f"Working: {what}…")
+        try:
+            yield
+        finally:
+            self._busy = False
+            for b, w in zip(buttons, was):
+                b.disabled = w
 
     @contextlib.contextmanager
     def _batch(self):

@@ -66,7 +66,10 @@ def save_schedule(path, calls, model: nn.Module | None = None, example_inputs: d
         ExportError: a call or meta value that cannot be saved, a model export cannot rebuild, or
             an unwritable path.
     """
-    calls = validate_calls(calls)
+    try:
+        calls = validate_calls(calls)
+    except RecursionError:
+        raise ExportError("A call argument is nested too deeply to be saved.") from None
     out = dict(meta or {})
     if model is not None:
         out["model"] = model_spec(model, factory)
@@ -81,9 +84,11 @@ def save_schedule(path, calls, model: nn.Module | None = None, example_inputs: d
     from .. import __version__
 
     out.setdefault("slapo_lab", __version__)
-    _check_json("The schedule's meta", out)
     try:
+        _check_json("The schedule's meta", out)
         text = dumps(calls, out)
+    except RecursionError:
+        raise ExportError("The schedule's meta is nested too deeply to be saved.") from None
     except (TypeError, ValueError) as err:
         raise ExportError(f"The schedule cannot be saved as JSON: {str(err).rstrip('.')}.") from None
     path = Path(os.fspath(path)).expanduser()
@@ -127,6 +132,8 @@ def load_schedule(path) -> ScheduleFile:
             from None
     except ValueError as err:
         raise ExportError(f"{path} is not valid JSON ({err}).") from None
+    except RecursionError:
+        raise ExportError(f"{path} nests its JSON too deeply to be a schedule file.") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ExportError(f"{path} is not a slapo-lab schedule file (no \"schema\": \"{SCHEMA}\").")
     version = data.get("version")
@@ -150,4 +157,6 @@ def load_schedule(path) -> ScheduleFile:
             _check_world_size(meta["world_size"])
     except ExportError as err:
         raise ExportError(f"{path}: {err}") from None
+    except RecursionError:
+        raise ExportError(f"{path} nests a call argument or meta entry too deeply to be a schedule file.") from None
     return ScheduleFile(calls, meta)

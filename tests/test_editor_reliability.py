@@ -1,0 +1,262 @@
+"""Issue 11: no lost schedules, undo/redo per user action, replay only primitives, one-sentence errors."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel
+
+import slapo_lab as sl
+from slapo_lab.errors import ScheduleError
+
+Q0 = "encoder.layer.0.attention.self.query"
+Q1 = "encoder.layer.1.attention.self.query"
+FC = "encoder.layer.0.intermediate.dense"
+
+
+@pytest.fixture(scope="module")
+def bert():
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=120, max_position_embeddings=64)
+    return BertModel(cfg), torch.randint(0, 120, (2, 16))
+
+
+def _editor(bert, **kw):
+    model, ids = bert
+    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, **{"world_size": 2, **kw})
+
+
+# ------------------------------------------------------------------ schedule_file restore failures
+def _saved_file(bert, tmp_path, world_size=2):
+    f = tmp_path / "bert.schedule.json"
+    ed = _editor(bert, world_size=world_size, schedule_file=str(f))
+    ed.apply("shard", "weight", axis=0, path=FC)
+    ed.apply("checkpoint", path="encoder.layer.1")
+    return f
+
+
+def _newer_version(f):
+    d = json.loads(f.read_text())
+    d["version"] = 99
+    f.write_text(json.dumps(d))
+
+
+def _stale_call(f):
+    d = json.loads(f.read_text())  # a call that no longer applies: checkpointing the same layer twice
+    d["calls"].append({"path": "encoder.layer.1", "primitive": "checkpoint", "args": [], "kwargs": {}})
+    d["meta"].pop("editor_actions", None)
+    f.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("cause", ["world_size", "newer_version", "stale_call"])
+def test_unrestorable_schedule_file_is_backed_up_not_overwritten(bert, tmp_path, cause):
+    f = _saved_file(bert, tmp_path)
+    ws = 2
+    if cause == "world_size":
+        ws = 4
+    elif cause == "newer_version":
+        _newer_version(f)
+    else:
+        _stale_call(f)
+    original = f.read_bytes()
+    ed = _editor(bert, world_size=ws, schedule_file=str(f))
+    assert ed.code == ""
+    backups = list(tmp_path.glob("bert.schedule.json.bak-*"))
+    assert len(backups) == 1 and backups[0].read_bytes() == original
+    assert str(backups[0]) in ed.message and "kept unchanged" in ed.message
+    # the next click autosaves the new work; the unrestorable content survives in the backup
+    ed.apply("checkpoint", path="encoder.layer.0")
+    assert backups[0].read_bytes() == original
+    assert json.loads(f.read_text())["calls"] == [
+        {"path": "encoder.layer.0", "primitive": "checkpoint", "args": [], "kwargs": {}}]
+    # opening the editor again on the (restorable) new file makes no further backup
+    again = _editor(bert, world_size=ws, schedule_file=str(f))
+    assert again.code == 'sch["encoder.layer.0"].checkpoint()'
+    assert len(list(tmp_path.glob("bert.schedule.json.bak-*"))) == 1
+
+
+def test_same_unrestorable_file_twice_makes_one_backup(bert, tmp_path):
+    f = _saved_file(bert, tmp_path)
+    _newer_version(f)
+    _editor(bert, schedule_file=str(f))
+    _editor(bert, schedule_file=str(f))
+    assert len(list(tmp_path.glob("bert.schedule.json.bak-*"))) == 1
+
+
+def test_restore_keeps_actions_for_undo(bert, tmp_path):
+    f = tmp_path / "s.json"
+    ed = _editor(bert, schedule_file=str(f))
+    assert ed.apply_preset("megatron") is None
+    ed.apply("checkpoint", path="encoder.layer.0")
+    again = _editor(bert, schedule_file=str(f))
+    assert again.code == ed.code
+    n_preset = len(ed.schedule.record.calls) - 1
+    assert again.undo() is None and len(again.schedule.record.calls) == n_preset
+    assert again.undo() is None and again.code == ""
+
+
+# ------------------------------------------------------------------ undo / redo per user action
+def test_undo_pops_a_whole_preset_and_redo_brings_it_back(bert):
+    ed = _editor(bert)
+    ed.apply("checkpoint", path="encoder.layer.1")
+    first = ed.code
+    assert ed.apply_preset("megatron") is None
+    full = ed.code
+    assert len(ed.schedule.record.calls) > 10
+    assert ed.undo() is None
+    assert ed.code == first and "preset megatron" in ed.message
+    assert ed.schedule[Q0].mod.weight.shape == (64, 64)
+    assert ed.redo() is None and ed.code == full
+    assert ed.schedule[Q0].mod.weight.shape == (32, 64)
+    assert ed.undo() is None and ed.undo() is None and ed.code == ""
+
+
+def test_apply_to_all_similar_is_one_action_and_unticks(bert):
+    ed = _editor(bert)
+    ed.select(Q0)
+    ed._similar.value = True
+    ed._param.value, ed._axis.value = "weight", 0
+    ed._btn_shard.click()
+    assert len(ed.schedule.record.calls) == 2
+    assert ed._similar.value is False  # the next click applies to one module only
+    ed.select("encoder.layer.0")
+    ed._btn_cut.click()
+    assert ed.code.splitlines()[-1] == 'sch["encoder.layer.0"].cut_pipeline_stage()'
+    assert len(ed.schedule.record.calls) == 3
+    assert ed.undo() is None and len(ed.schedule.record.calls) == 2
+    assert ed.undo() is None and ed.code == ""
+    assert ed.schedule[Q1].mod.weight.shape == (64, 64)
+
+
+def test_typed_lines_are_one_action_each(bert):
+    ed = _editor(bert)
+    ed.schedule[Q0].shard("weight", axis=0)
+    ed.schedule[Q0].shard("bias", axis=0)
+    assert ed.undo() is None and ed.code == f'sch["{Q0}"].shard("weight", axis=0)'
+    with ed.schedule.record.action("two at once"):
+        ed.schedule[Q1].shard("weight", axis=0)
+        ed.schedule[Q1].shard("bias", axis=0)
+    assert ed.undo() is None and ed.code == f'sch["{Q0}"].shard("weight", axis=0)'
+
+
+def test_undo_after_replace_then_shard_replays_the_pristine_module(bert):
+    ed = _editor(bert)
+    with torch.device("meta"):
+        new = nn.Linear(64, 128)
+    ed.schedule[FC].replace(new)
+    ed.apply("shard", "weight", axis=0, path=FC)
+    assert ed.schedule[FC].mod.weight.shape == (64, 64)
+    assert ed.undo() is None
+    assert ed.schedule[FC].mod.weight.shape == (128, 64)
+    assert not hasattr(ed.schedule[FC].mod.weight, "shard_axis")
+    assert ed.redo() is None and ed.schedule[FC].mod.weight.shape == (64, 64)
+    assert ed.undo() is None and ed.undo() is None
+    assert type(ed.schedule[FC].mod).__name__ == "Linear" and ed.schedule[FC].mod is not new
+
+
+def test_replay_uses_a_copy_of_module_arguments():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    sch = sl.create_schedule(model, world_size=2)
+    sch["0"].replace(nn.Linear(8, 16))
+    sch["0"].shard("weight", axis=0)
+    again = sl.create_schedule(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), world_size=2)
+    sl.replay(again, sch.record.calls[:1])
+    assert again["0"].mod.weight.shape == (16, 8)
+
+
+def test_redo_failure_keeps_the_action_and_the_schedule(bert, monkeypatch):
+    from slapo_lab.primitives.tensor_parallel import ShardPrimitive
+
+    ed = _editor(bert)
+    ed.apply("checkpoint", path="encoder.layer.0")
+    ed.select(Q0)
+    ed._similar.value = True
+    ed._param.value, ed._axis.value = "weight", 0
+    ed._btn_shard.click()  # one action of two calls
+    assert ed.undo() is None
+    before = ed.code
+    real = ShardPrimitive.apply
+
+    def flaky(sch, *a, **k):
+        if sch.path == Q1:
+            raise ScheduleError("injected failure on the second call.")
+        return real(sch, *a, **k)
+
+    monkeypatch.setattr(ShardPrimitive, "apply", staticmethod(flaky))
+    msg = ed.redo()
+    assert msg is not None and "injected failure" in msg
+    assert ed.code == before and ed.schedule[Q0].mod.weight.shape == (64, 64)
+    monkeypatch.setattr(ShardPrimitive, "apply", staticmethod(real))
+    assert ed.redo() is None  # the action was not lost
+    assert len(ed.schedule.record.calls) == 3
+
+
+def test_busy_state_while_an_action_runs(bert):
+    ed = _editor(bert)
+    seen, nested = [], []
+
+    def probe(rec):
+        seen.append((ed._btn_undo.disabled, ed._btn_preset.disabled, ed.message))
+        if not nested:  # a second click while the preset runs is refused, not interleaved
+            nested.append(ed.apply("checkpoint", path="encoder.layer.0"))
+
+    ed.schedule.record.add_listener(probe)
+    assert ed.apply_preset("megatron") is None
+    assert seen and all(u and p for u, p, _ in seen) and seen[0][2].startswith("Working: preset megatron")
+    assert nested and "Still applying" in nested[0] and "checkpoint" not in ed.code
+    assert not ed._btn_undo.disabled and not ed._btn_preset.disabled and not ed._btn_shard.disabled
+    assert "Preset megatron recorded" in ed.message
+
+
+# ------------------------------------------------------------------ replay whitelist, deep JSON, CLI
+def test_replay_refuses_what_is_not_a_primitive():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    sch = sl.create_schedule(model, world_size=2)
+    bad = [{"path": "0", "primitive": "checkpoint", "args": [], "kwargs": {}},
+           {"path": "0", "primitive": "__setattr__", "args": ["mod", None], "kwargs": {}}]
+    with pytest.raises(ScheduleError, match="not a primitive"):
+        sl.replay(sch, bad)
+    assert sch.record.calls == [] and isinstance(sch["0"].mod, nn.Linear)  # nothing applied
+    for junk in ([{"path": "0"}], [{"path": 0, "primitive": "checkpoint"}], ["checkpoint"],
+                 [{"path": "0", "primitive": "checkpoint", "args": 5}]):
+        with pytest.raises(ScheduleError):
+            sl.replay(sch, junk)
+    assert sch.record.calls == []
+
+
+def _deep_file(tmp_path, depth=100_000):
+    p = tmp_path / "deep.json"
+    p.write_text('{"schema": "slapo-lab/schedule", "version": 1, "meta": {}, "calls": '
+                 + "[" * depth + "]" * depth + "}")
+    return p
+
+
+def test_deep_json_is_one_sentence(tmp_path):
+    with pytest.raises(sl.export.ExportError, match="too deeply") as err:
+        sl.export.load_schedule(_deep_file(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_cli_prints_one_sentence_without_traceback(tmp_path, run_bounded, subprocess_env):
+    import sys
+
+    r = run_bounded([sys.executable, "-m", "slapo_lab.cli", "export", str(_deep_file(tmp_path)), "-o",
+                     str(tmp_path / "t.py")], 120, env=subprocess_env)
+    assert r.returncode == 2
+    assert r.stderr.startswith("slapo-lab export: error: ") and "too deeply" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t.py").exists()
+
+
+def test_cli_unexpected_error_is_one_sentence(tmp_path, capsys, monkeypatch):
+    from slapo_lab import cli
+
+    def boom(*a, **k):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(cli, "export_command", boom)
+    assert cli.main(["export", str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("slapo-lab export: error: ") and "KeyError" in err and len(err.strip().splitlines()) == 1
