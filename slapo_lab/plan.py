@@ -226,6 +226,17 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) 
     """One forward in training mode with ``pre``/``post`` hooks on every module, inside ``context``
     (and ``FakeTensorMode`` if ``fake``); hooks and modes are restored. Returns seconds."""
     handles, modes, seen = [], [], set()
+    running: list[nn.Module] = []  # modules whose forward is open: the last one is where a failure is
+
+    def enter(mod, args, kwargs):
+        running.append(mod)
+        return pre(mod, args, kwargs)
+
+    def leave(mod, args, kwargs, out):
+        if running and running[-1] is mod:
+            running.pop()
+        return post(mod, args, kwargs, out)
+
     try:
         for m in model.modules():
             if id(m) in seen:
@@ -233,8 +244,8 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) 
             seen.add(id(m))
             modes.append((m, m.training))
             m.training = True
-            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-            handles.append(m.register_forward_hook(post, with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+            handles.append(m.register_forward_hook(leave, with_kwargs=True))
         t0 = time.perf_counter()
         with context:
             if fake:
@@ -245,6 +256,12 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) 
             else:
                 _call_model(model, inputs)
         return time.perf_counter() - t0
+    except Exception as err:
+        if running:
+            names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+            with contextlib.suppress(AttributeError):  # exceptions without a __dict__
+                err._slapo_failed_in = names.get(id(running[-1]), "")
+        raise
     finally:
         for h in handles:
             h.remove()
@@ -309,7 +326,17 @@ def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationPro
 
 def _fail_sentence(err: Exception) -> str:
     msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return f"The meta forward pass for the activation estimate failed ({type(err).__name__}: {msg})."
+    where = getattr(err, "_slapo_failed_in", None)
+    where = f" in {where}" if where else (" in the model itself" if where == "" else "")
+    return f"The meta forward pass for the activation estimate failed{where} ({type(err).__name__}: {msg})."
+
+
+def _pass_error(err: Exception) -> ScheduleError:
+    """The ScheduleError for a failed activation pass; ``.module`` is the path of the innermost module
+    that was running (``""`` for the root, None when unknown)."""
+    out = ScheduleError(_fail_sentence(err))
+    out.module = getattr(err, "_slapo_failed_in", None)
+    return out
 
 
 @dataclass
@@ -391,11 +418,11 @@ def _run_with_fallback(run):
     except Exception as first:
         text = str(first)
         if "meta" not in text and "data-dependent" not in text.lower():
-            raise ScheduleError(_fail_sentence(first)) from first
+            raise _pass_error(first) from first
         try:
             return run(True)
         except Exception as err:
-            raise ScheduleError(_fail_sentence(err)) from err
+            raise _pass_error(err) from err
 
 
 _PROFILE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()

@@ -22,7 +22,7 @@ from .. import check_primitive, create_schedule, module_state
 from ..errors import ScheduleError
 from ..record import format_call
 from ..utils import meta_copy, to_meta
-from .costs import GPU_SIZES, cost_chart_svg, cost_summary
+from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
 
@@ -905,9 +905,7 @@ class ScheduleEditor(W.VBox):
                 st = self._folded_style(list(data.get("members") or []), stage_of)
             else:
                 st = self._style(data.get("path", n), stage_of)
-            if data.get("path", n) == self.selected:
-                st = dict(st, penwidth=max(st.get("penwidth", 1), 2))
-            if st:
+            if st:  # no selection here: the browser draws it, so a click never reruns graphviz
                 styles[n] = st
         key = (self.level, tuple(G.nodes), tuple(G.edges), repr(sorted(styles.items())))
         if key != self._rendered_key or reset_view:  # redraw only what is visible and changed
@@ -935,6 +933,10 @@ class ScheduleEditor(W.VBox):
                 + legend_svg(entries))
 
     def _refresh_crumbs(self) -> None:
+        key = (self.level, any(k.startswith(self.level) for k in self.expanded))
+        if key == getattr(self, "_crumbs_key", None):
+            return
+        self._crumbs_key = key
         parts = self.level.split(".") if self.level else []
         buttons = []
         acc = ""
@@ -1035,27 +1037,53 @@ class ScheduleEditor(W.VBox):
         self._reasons.value = f"<ul class='slapo-reasons'>{''.join(lines)}</ul>" if lines else ""
 
     def _refresh_code(self) -> None:
-        code = self.code or "# no primitives yet: click a module, then an action — or type on editor.schedule"
-        self._code.value = highlight_python(code)
+        """The code panel: the recorded calls with repeats over layers folded into ``for`` loops, exactly
+        as the exported script writes them (:func:`slapo_lab.export.fold.schedule_lines`); ``editor.code``
+        keeps one line per call."""
+        self._code.value = highlight_python(self._panel_code())
+
+    def _panel_code(self) -> str:
+        calls = list(self.schedule.record.calls)
+        if not calls:
+            return "# no primitives yet: click a module, then an action — or type on editor.schedule"
+        try:
+            from ..export.fold import schedule_lines
+
+            lines = schedule_lines(calls)
+        except Exception as err:  # an unexportable argument: show the calls one per line
+            _log.warning("code panel folding failed: %s", err)
+            return self.code
+        if len(lines) == len(calls):
+            return "\n".join(lines)
+        return "\n".join([f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
+                         + lines)
 
     def _refresh_costs(self) -> None:
-        try:
-            from ..plan import plan
+        """The memory line and chart. A failure shows one sentence (what failed, where, why), never an
+        exception's text (that goes to the log); the rest of the view is unaffected."""
+        from ..plan import plan
 
-            small = sum(p.numel() for p in self._meta_model.parameters()) < 2e9
-            note = "" if small else " <i>(activations not estimated above 2B parameters)</i>"
+        if getattr(self, "_n_params", None) is None:  # of the user's model: sharding shrinks the meta copy
+            self._n_params = sum(p.numel() for p in self.model.parameters())
+        small = self._n_params < 2e9
+        note = "" if small else " <i>(activations not estimated above 2B parameters)</i>"
+        try:
             try:
                 pl = plan(self.schedule, example_inputs=self.example_inputs if small else None,
                           activation="estimate" if (small and self.example_inputs) else None)
             except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
+                _log.info("activation estimate failed: %s", err)
                 pl = plan(self.schedule, activation=None)
-                note = f" <i>(activations not estimated: {html.escape(str(err)[:160])})</i>"
+                note = f" <i>— {html.escape(memory_failure(err, 'activations not estimated'))}</i>"
             self.last_plan = pl
             gpu = float(self._gpu.value)
             self._costs_text.value = html.escape(cost_summary(pl, gpu)) + note
             self._costs.value = cost_chart_svg(pl, gpu)
         except Exception as err:
-            self._costs_text.value = html.escape(f"Memory could not be estimated: {str(err)[:200]}")
+            _log.warning("memory plan failed", exc_info=True)
+            self.last_plan = None
+            self._costs.value = ""
+            self._costs_text.value = html.escape(memory_failure(err, "Memory plan unavailable"))
 
     def _refresh_all(self, reset_view: bool = False) -> None:
         """Redraw after the schedule changed: the view, the code panel and the costs."""

@@ -71,3 +71,55 @@ def cost_summary(plan, gpu_bytes: float) -> str:
     fits = busiest <= gpu_bytes
     return (f"Busiest rank needs {human_bytes(busiest)} ({plan.num_stages} stage(s) × TP {plan.world_size} = "
             f"{plan.num_ranks} GPUs): {'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB.")
+
+
+_SHAPES = ("shapes cannot be multiplied", "size mismatch", "must match the size", "broadcast", "mismatching",
+           "size of tensor", "shape", "expected input")
+_VALUES = ("item()", "data-dependent", "on meta tensors", "meta tensor")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    seen = set()
+    while err.__cause__ is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = err.__cause__
+    return err
+
+
+def memory_failure(err: BaseException, what: str) -> str:
+    """One sentence for the memory line when a plan (or its activation pass) failed.
+
+    Says what failed, where (the innermost module running, from ``err.module`` as set by
+    :func:`slapo_lab.plan.plan`'s activation pass) and why, in words: the exception's own text is never
+    included (callers log it). Example::
+
+        activations not estimated: the meta forward pass failed in encoder.layer.0.intermediate.dense
+        because tensor shapes do not match, usually a weight sharded without its bias or its partner layer.
+
+    Args:
+        err: the exception raised by ``plan`` (a ScheduleError chained to the pass's error, or any other).
+        what: the sentence's subject, e.g. ``"Memory plan unavailable"``.
+    Returns:
+        One sentence ending in a full stop.
+    """
+    cause = _root_cause(err)
+    text = str(cause).lower()
+    module = getattr(err, "module", None)
+    if module is None and cause is not err:
+        module = getattr(cause, "_slapo_failed_in", None)
+    if isinstance(cause, MemoryError):
+        why = "the planning process ran out of memory"
+    elif any(s in text for s in _VALUES):
+        why = "the model reads tensor values, which meta tensors do not have"
+    elif any(s in text for s in _SHAPES):
+        why = "tensor shapes do not match, usually a weight sharded without its bias or its partner layer"
+    else:
+        why = f"of an unexpected {type(cause).__name__}; the details are in the log"
+    if module is not None:
+        where = f"in {module}" if module else "in the model's own forward"
+        return f"{what}: the meta forward pass failed {where} because {why}."
+    if cause is err and type(err).__name__ == "ScheduleError" and str(err).strip():
+        # the engine's own one-sentence refusal (no wrapped exception): it already says what and why
+        sentence = str(err).strip().splitlines()[0].rstrip(".")
+        return f"{what}: {sentence[:1].lower() + sentence[1:]}."
+    return f"{what}: the plan could not be computed because {why}."

@@ -1,0 +1,135 @@
+"""Issue 11 (speed at 70B, code panel, memory line): structural regressions, no timing.
+
+* a selection never runs graphviz (the browser draws the selection halo);
+* the memory line is one sentence naming the module and the reason, never an exception's text, and
+  the rest of the editor keeps working when the plan fails;
+* the code panel folds repeats over layers into loops, as the export does: the Megatron preset on a
+  Llama-70B config (meta device) is a few dozen lines, and the folded text replays the same record.
+"""
+import importlib
+import re
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+import slapo_lab as sl
+import slapo_lab.graph
+from slapo_lab.utils import meta_copy
+
+plan_module = importlib.import_module("slapo_lab.plan")  # ``slapo_lab.plan`` is also the function sl.plan
+
+
+def _text(html_value: str) -> str:
+    import html
+
+    no_style = re.sub(r"<style>.*?</style>", "", html_value, flags=re.DOTALL)
+    return html.unescape(re.sub(r"<[^>]+>", "", no_style))
+
+
+@pytest.fixture(scope="module")
+def bert():
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=120, max_position_embeddings=64)
+    return BertModel(cfg), torch.randint(0, 120, (2, 16))
+
+
+@pytest.fixture
+def editor(bert):
+    model, ids = bert
+    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+
+
+def _exec_panel(text: str, sch) -> None:
+    exec(compile(text, "<code panel>", "exec"), {"sch": sch})  # noqa: S102 - the panel text is the test
+
+
+def test_selection_change_runs_no_graphviz(editor, monkeypatch):
+    editor.open_level("encoder.layer.0.attention.self")
+    editor.apply("shard", "weight", axis=0, path="encoder.layer.0.attention.self.query")  # a styled node too
+    renders = []
+    real = slapo_lab.graph.render_svg
+    monkeypatch.setattr(slapo_lab.graph, "render_svg", lambda *a, **k: renders.append(a) or real(*a, **k))
+    svg = editor._graph.svg
+    for path in ("encoder.layer.0.attention.self.key", "encoder.layer.0.attention.self.query",
+                 "encoder.layer.0.attention.self.value"):
+        assert editor.select(path) is None
+        token = {p: t for t, p in editor._graph.node_ids.items()}[path]
+        assert editor._graph.selected == token  # the browser highlights it
+    assert renders == [] and editor._graph.svg == svg
+    editor.apply("checkpoint", path="encoder.layer.0.attention.self.key")  # a schedule change does redraw
+    assert len(renders) == 1
+
+
+def test_memory_line_names_the_module_not_the_exception(editor):
+    editor.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")  # bias not yet sharded
+    line = _text(editor._costs_text.value)
+    assert line.startswith("Busiest rank needs")  # the parameter plan still shows
+    assert ("activations not estimated: the meta forward pass failed in encoder.layer.0.intermediate.dense "
+            "because tensor shapes do not match") in line
+    for raw in ("RuntimeError", "Mismatching", "broadcast", "at index"):
+        assert raw not in line
+
+
+def test_memory_line_when_the_plan_fails_is_one_sentence_and_the_view_works(editor, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
+
+    monkeypatch.setattr(plan_module, "plan", broken)
+    assert editor.apply("checkpoint", path="encoder.layer.0") is None
+    line = _text(editor._costs_text.value)
+    assert line == ("Memory plan unavailable: the plan could not be computed because of an unexpected "
+                    "RuntimeError; the details are in the log.")
+    assert editor.last_plan is None and editor._costs.value == ""
+    # the rest of the view keeps working
+    assert 'sch["encoder.layer.0"].checkpoint()' in _text(editor._code.value)
+    assert editor.select("encoder.layer.1") is None
+    assert editor.apply("checkpoint") is None and editor.code.endswith('sch["encoder.layer.1"].checkpoint()')
+
+
+def test_memory_line_for_a_failed_activation_pass_via_plan(editor, monkeypatch):
+    """A failure deep in the pass (provoked in one module's forward) is reported with that module's path."""
+    import types
+
+    target = editor.schedule["encoder.layer.1.output.dense"].mod
+
+    def boom(self, *a, **k):
+        raise ValueError("weird internal state 0x7f")
+
+    monkeypatch.setattr(target, "forward", types.MethodType(boom, target))
+    plan_module._PROFILE_CACHE.clear()  # the start-up pass was cached
+    editor._refresh_costs()
+    line = _text(editor._costs_text.value)
+    assert ("activations not estimated: the meta forward pass failed in encoder.layer.1.output.dense because of "
+            "an unexpected ValueError; the details are in the log.") in line
+    assert "0x7f" not in line
+
+
+def test_code_panel_folds_like_the_export_and_replays_the_same_record(editor, bert):
+    assert editor.apply_preset("megatron") is None
+    assert editor.apply_preset("checkpoint", 1) is None
+    calls = list(editor.schedule.record.calls)
+    panel = _text(editor._code.value)
+    assert "for i in range(2):" in panel and len(panel.splitlines()) < len(calls)
+    fresh = sl.create_schedule(meta_copy(bert[0]), world_size=2)
+    _exec_panel(panel, fresh)
+    assert fresh.record.calls == calls
+    assert editor.code.count("\n") + 1 == len(calls)  # editor.code keeps one line per call
+
+
+def test_code_panel_of_llama70b_megatron_is_a_few_dozen_lines():
+    cfg = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ed = sl.ScheduleEditor(model, world_size=8)  # no inputs: the dataflow pass is not what this tests
+    assert ed.apply_preset("megatron") is None
+    calls = list(ed.schedule.record.calls)
+    assert len(calls) > 1000
+    panel = _text(ed._code.value)
+    assert len(panel.splitlines()) <= 40, panel
+    assert 'for i in range(80):\n    sch[f"model.layers.{i}.self_attn.q_proj"].shard("weight", axis=0)' in panel
+    fresh = sl.create_schedule(meta_copy(model), world_size=8)
+    _exec_panel(panel, fresh)
+    assert fresh.record.calls == calls
