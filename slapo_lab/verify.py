@@ -145,7 +145,7 @@ def broadcast_inputs(inputs, tp: TPGroup, src: int = 0):
     return inputs
 
 
-from .utils import iter_tensors as _tensors  # noqa: E402  (one walker for nested tensors)
+from .utils import iter_tensors as _tensors  # (one walker for nested tensors)
 
 
 def _call(model, inputs):
@@ -196,26 +196,15 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
             axis is not None and tp.world_size > 1) else r
         a, _, same, _, _ = _diff(p, want)
         report.weights.append(Comparison(name, a, 0.0, same and a == 0.0))
-    # 2. forward + backward, same seed for both.
+    # 2. forward + backward, same seed for both; the reference's pass ends (its autograd graph freed)
+    # before the scheduled model's begins, so only one model's activations are alive at a time.
     for m in (reference, scheduled):
         m.train(not eval_mode)
         m.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     out_ref = flatten_outputs(_call(reference, inputs))
-    torch.manual_seed(seed)
-    out_sch = flatten_outputs(_call(scheduled, inputs))
     gen = torch.Generator().manual_seed(seed)
     projections = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device) for _, t in out_ref]
-    sch_by_name = dict(out_sch)
-    for (name, a_ref), proj in zip(out_ref, projections):
-        a = sch_by_name.get(name)
-        if a is None:
-            report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
-            continue
-        max_abs, max_rel, same_shape, _, _ = _diff(a, a_ref)
-        ok = same_shape and torch.allclose(a.detach().double(), a_ref.detach().double(), atol=atol, rtol=rtol)
-        note = "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
-        report.outputs.append(Comparison(name, max_abs, max_rel, ok, note))
 
     def loss_of(outs):
         total = 0.0
@@ -225,11 +214,26 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
         return total
 
     ref_loss = loss_of(out_ref)
-    sch_loss = loss_of([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref])
     if isinstance(ref_loss, torch.Tensor):
         ref_loss.backward()
+    out_ref = [(name, t.detach()) for name, t in out_ref]
+    del ref_loss
+    torch.manual_seed(seed)
+    out_sch = flatten_outputs(_call(scheduled, inputs))
+    sch_by_name = dict(out_sch)
+    for (name, a_ref), proj in zip(out_ref, projections):
+        a = sch_by_name.get(name)
+        if a is None:
+            report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+            continue
+        max_abs, max_rel, same_shape, _, _ = _diff(a, a_ref)
+        ok = same_shape and torch.allclose(a.detach().double(), a_ref.double(), atol=atol, rtol=rtol)
+        note = "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
+        report.outputs.append(Comparison(name, max_abs, max_rel, ok, note))
+    sch_loss = loss_of([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref])
     if isinstance(sch_loss, torch.Tensor):
         sch_loss.backward()
+    del out_sch, sch_by_name, sch_loss
     for name, p in scheduled.named_parameters():
         r = ref_params.get(name)
         if r is None or not p.requires_grad:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import errno
 import json
 import math
@@ -229,7 +230,7 @@ def test_bert_script_compiles_is_ruff_clean_and_replays(bert_tp, ids, tmp_path):
                 "torchrun --nproc_per_node=2 --master_addr=127.0.0.1 train_bert.py --device cpu"):
         assert cmd in text
     imports = {ln.split()[1].split(".")[0] for ln in text.splitlines() if ln.startswith(("import ", "from "))}
-    assert imports <= {"argparse", "copy", "json", "os", "resource", "sys", "time", "torch", "transformers",
+    assert imports <= {"argparse", "copy", "gc", "json", "os", "resource", "sys", "time", "torch", "transformers",
                        "slapo_lab"}
     # run the module-level code (not main): constants, model, schedule
     ns = _load_script(text)
@@ -302,11 +303,13 @@ def test_script_main_single_process_lm(monkeypatch, capsys):
     assert "for i in range(2):" in text and "python train.py --device cpu" in text
     ns = _load_script(text)
     monkeypatch.delenv("RANK", raising=False)
-    assert ns["main"](["--device", "cpu", "--steps", "2", "--micro-batches", "2", "--optimizer", "adamw"]) == 0
+    assert ns["main"](["--device", "cpu", "--steps", "2", "--micro-batches", "2", "--optimizer", "adamw",
+                       "--verify-batch-size", "1"]) == 0
     out = capsys.readouterr().out
-    assert "Verify: PASSED" in out
+    assert "Verify: PASSED" in out and "Verify: inputs of batch 1 (--verify-batch-size)" in out
+    assert "memory: peak RSS = the process's peak resident set, Verify and start-up included" in out
     losses = [float(m) for m in re.findall(r"^step \d/2 loss (\S+) \| [\d.]+ samples/s \| \d+ tokens/s \| "
-                                           r"peak mem \d+ MiB$", out, re.MULTILINE)]
+                                           r"peak RSS \d+ MiB$", out, re.MULTILINE)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), out
     assert 3.0 < losses[0] < 8.0, out   # cross-entropy over 200 tokens starts near ln(200) = 5.3
 
@@ -582,7 +585,7 @@ def test_pipeline_script(gpt2_pipeline, tmp_path, capsys, monkeypatch):
     args = ns["parse_args"]([])
     assert (args.pp_schedule, args.micro_batches, args.stages_per_rank, args.dp, args.verify) == ("1F1B", 2, 1, None,
                                                                                                  True)
-    assert not hasattr(args, "bf16")
+    assert args.bf16 is False and ns["parse_args"](["--bf16"]).bf16 and args.backend == "auto"
     for bad in (["--pp-schedule", "PipeDream"], ["--stages-per-rank", "2"],
                 ["--stages-per-rank", "3", "--pp-schedule", "Interleaved1F1B"], ["--dp", "0"]):
         with pytest.raises(SystemExit):
@@ -709,3 +712,135 @@ def test_cli_pipeline_launch_line(gpt2_pipeline, tmp_path, capsys):
     assert f"launch: torchrun --nproc_per_node=4 {out} --device cuda" in capsys.readouterr().out
     assert main(["export", str(f), "-o", str(out), "--launcher", "deepspeed"]) == 2
     assert "tensor x pipeline x data parallelism" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- GPUs: backend, placement, MFU, Verify memory
+class SimCuda(torch.Tensor):
+    """A CPU tensor that claims to live on ``cuda:0``: any op mixing it with a CPU tensor (other than a 0-dim
+    one) fails the way real CUDA does, and ``.cpu()`` / ``.to("cpu")`` bring it back -- enough to catch
+    device mismatches on a machine without a GPU."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device="cuda:0")
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [*args, *kwargs.values()]
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            return args[0].inner.clone().to(dtype=kwargs.get("dtype", args[0].dtype))
+        if any(type(t) is torch.Tensor and t.dim() > 0 for t in flat):
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, "
+                               "cuda:0 and cpu!")
+        unwrap = lambda t: t.inner if isinstance(t, SimCuda) else t
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+        return SimCuda(out) if isinstance(out, torch.Tensor) else out
+
+
+def test_pipeline_verify_compares_on_one_device(gpt2_pipeline, tmp_path):
+    """Issue 10: the pipeline's Verify compared CUDA stage weights with the CPU reference (torch.equal raised)."""
+    model, calls, inputs = gpt2_pipeline
+    text = export_script(tmp_path / "t.py", model, calls, inputs, world_size=2).read_text()
+    ns = _load_script(text)
+    stage, ref = SimCuda(torch.arange(6.0).reshape(2, 3)), torch.arange(6.0).reshape(2, 3)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.equal(stage, ref)                      # what the old verify_pipeline did
+    assert ns["same"](stage, ref) and not ns["same"](stage, ref + 1) and not ns["same"](stage, ref.reshape(3, 2))
+    assert ns["compare"](stage, ref) == (0.0, 0.0, True)
+    diff, rel, ok = ns["compare"](stage, ref + 0.5)
+    assert (diff, ok) == (0.5, False) and rel == pytest.approx(0.5 / (5.5 + 1e-5))
+    a, b = ns["on_one_device"](stage, stage)
+    assert a.device.type == b.device.type == "cuda"  # already together: compared where they are
+    source = text[text.index("def verify_pipeline("):]
+    source = source[:source.index("\ndef ", 1)]
+    assert "torch.equal(" not in source and "torch.allclose(" not in source   # only through same / compare
+
+
+def test_backend_and_gpu_placement(bert_tp, gpt2_pipeline, ids, tmp_path, monkeypatch, capsys):
+    """Issue 10: --backend {auto,nccl,gloo}; local rank i -> cuda:i % GPUs, and NCCL refuses shared GPUs."""
+    model, calls = bert_tp
+    ns = _load_script(export_script(tmp_path / "tp.py", model, calls, {"input_ids": ids}, world_size=2).read_text())
+    args = ns["parse_args"]
+    assert ns["backend_of"](args(["--device", "cpu"])) == "gloo"
+    assert ns["backend_of"](args(["--device", "cuda"])) == "nccl"
+    assert ns["backend_of"](args(["--device", "cuda", "--backend", "gloo"])) == "gloo"
+    with pytest.raises(SystemExit):
+        args(["--device", "cpu", "--backend", "nccl"])
+    assert "--backend nccl moves CUDA tensors only" in capsys.readouterr().err
+    place = ns["place"]
+    assert place(args(["--device", "cpu"]), 3, 0) == ("cpu", None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    gloo = args(["--device", "cuda", "--backend", "gloo"])
+    assert place(gloo, 0, 1) == ("cuda:0", None) and place(gloo, 1, 1) == ("cuda:0", None)   # two ranks, one GPU
+    assert place(gloo, 3, 2) == ("cuda:1", None)
+    device, error = place(args(["--device", "cuda"]), 1, 1)
+    assert device is None and "2 processes on this node but 1 GPU(s), and NCCL needs one GPU per process" in error
+    assert "--backend gloo" in error and "\n" not in error
+    assert place(args(["--device", "cuda"]), 1, 2) == ("cuda:1", None)
+    assert "CUDA is not available" in place(gloo, 0, 0)[1]
+    monkeypatch.delenv("RANK", raising=False)
+    assert ns["main"](["--device", "cuda", "--backend", "gloo"]) == 2   # no GPU here: one sentence, exit 2
+    assert capsys.readouterr().err.strip() == "error: CUDA is not available here; run with --device cpu."
+    # pipelines: gloo's send/recv take CPU tensors only, so gloo on CUDA is refused up front
+    pm, pcalls, pinputs = gpt2_pipeline
+    pns = _load_script(export_script(tmp_path / "pp.py", pm, pcalls, pinputs, world_size=2).read_text())
+    device, error = pns["place"](pns["parse_args"](["--device", "cuda", "--backend", "gloo"]), 0, 4)
+    assert device is None and "gloo cannot send CUDA tensors between pipeline stages" in error
+    assert pns["place"](pns["parse_args"](["--device", "cpu", "--backend", "gloo"]), 0, 0) == ("cpu", None)
+
+
+def test_mfu_uses_the_peak_of_the_precision_run(bert_tp, ids, tmp_path, monkeypatch):
+    """Issue 10: fp32 runs were divided by the bf16 peak; --peak-tflops still overrides."""
+    model, calls = bert_tp
+    ns = _load_script(export_script(tmp_path / "tp.py", model, calls, {"input_ids": ids}, world_size=2).read_text())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    args = ns["parse_args"]
+    assert ns["peak_tflops"](args(["--bf16"]), "cuda:0") == 989.0
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert ns["precision"](args([])) == "fp32" and ns["peak_tflops"](args([]), "cuda:0") == 67.0
+        torch.set_float32_matmul_precision("high")
+        assert ns["precision"](args([])) == "tf32" and ns["peak_tflops"](args([]), "cuda:0") == 494.0
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert ns["peak_tflops"](args(["--peak-tflops", "123"]), "cuda:0") == 123.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    assert ns["peak_tflops"](args(["--bf16"]), "cuda:0") is None   # no bf16 tensor cores: MFU n/a, not a guess
+    line = ns["step_line"](args(["--device", "cpu"]), 1, 2.5, 0.5, 32, "cpu", 10**6, 2)
+    assert line.endswith("| 256 tokens/s | peak RSS " + line.split("peak RSS ")[1]) and "MFU" not in line
+
+
+def test_free_verify_memory_resets_the_cuda_peak(bert_tp, ids, tmp_path, monkeypatch):
+    """Issue 10: the printed CUDA peak included Verify's; after Verify the cache is emptied and the peak reset."""
+    model, calls = bert_tp
+    ns = _load_script(export_script(tmp_path / "tp.py", model, calls, {"input_ids": ids}, world_size=2).read_text())
+    seen = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.append(("reset", device)))
+    ns["free_verify_memory"]("cpu")
+    assert seen == []
+    ns["free_verify_memory"]("cuda:1")
+    assert seen == ["empty_cache", ("reset", "cuda:1")]
+    text = (tmp_path / "tp.py").read_text()
+    train = text[text.index("def train("):]
+    verify_end = train.index("if not report.passed")
+    assert train.index("free_verify_memory(device)") < verify_end < train.index("for step in range")
+
+
+def test_verify_frees_the_reference_graph_before_the_scheduled_forward():
+    """Verify OOM (issue 10): both models' activations were alive at once; now the reference's backward runs
+    before the scheduled model's forward."""
+    from slapo_lab.sharding.sync_ops import TPGroup
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    scheduled = copy.deepcopy(ref)
+    seen = []
+    scheduled.register_forward_pre_hook(lambda m, a: seen.append(all(p.grad is not None for p in ref.parameters())))
+    report = sl.verify_models(ref, scheduled, torch.randn(3, 8), TPGroup(1, 0))
+    assert report.passed and seen == [True], report.summary()

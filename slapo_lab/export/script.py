@@ -38,15 +38,19 @@ TEMPLATE = '''\
 
 Launch:
 <<LAUNCH>>
-Options (python <<SCRIPT>> --help): --steps, --batch-size, <<SEQ_OPT>>--micro-batches, --lr,
---optimizer {sgd,adamw}, --seed, --verify/--no-verify, <<EXTRA_OPTS>>--peak-tflops.
+Options (python <<SCRIPT>> --help): --device, --backend {auto,nccl,gloo}, --steps, --batch-size,
+<<SEQ_OPT>>--micro-batches, --lr, --optimizer {sgd,adamw}, --seed, --verify/--no-verify,
+--verify-batch-size, <<EXTRA_OPTS>>--peak-tflops.
 
 <<WHAT>>
-Rank 0 prints, per step: loss, samples/s, tokens/s, peak memory (CUDA: max allocated; CPU: peak
-RSS) and on CUDA the model FLOPs utilisation, 6 * parameters * tokens / time / (GPUs * peak FLOPs).
+Rank 0 prints, per step: loss, samples/s, tokens/s, peak memory (CUDA: max allocated during
+training, Verify excluded; CPU: the process's peak resident set, which includes Verify) and on
+CUDA the model FLOPs utilisation, 6 * parameters * tokens / time / (GPUs * peak FLOP/s of the
+precision run: bf16 with --bf16, else TF32 or FP32 as torch.get_float32_matmul_precision() says).
 """
 import argparse
 import copy
+import gc
 import json
 import os
 import resource
@@ -66,11 +70,16 @@ INPUTS = json.loads(
 )
 LM_LABELS = <<LM_LABELS>>  # pass labels=input_ids and train on the model's own LM loss
 <<DS_DATA>>
-# Dense bf16 tensor-core peak TFLOP/s per GPU (vendor datasheets); --peak-tflops overrides.
+# Peak dense TFLOP/s per GPU by precision: (bf16 tensor core, TF32 tensor core, FP32 without tensor cores),
+# first matching name wins; None where the GPU lacks that path. Source: NVIDIA datasheets (H100 / H200 / B200,
+# A100, L40S, L40, L4, A10, V100, T4) and the Ada architecture whitepaper (RTX 4090); dense figures, i.e.
+# half the "with sparsity" ones; SXM parts unless named. --peak-tflops overrides the lookup.
 PEAK_TFLOPS = [
-    ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10", 125.0),
-    ("RTX 4090", 165.0), ("V100", 125.0), ("T4", 65.0),
+    ("B200", (2250.0, 1100.0, None)), ("H200", (989.0, 494.0, 67.0)), ("H100 PCIe", (756.0, 378.0, 51.0)),
+    ("H100", (989.0, 494.0, 67.0)), ("H800", (989.0, 494.0, 67.0)), ("A100", (312.0, 156.0, 19.5)),
+    ("A800", (312.0, 156.0, 19.5)), ("L40S", (362.0, 183.0, 91.6)), ("L40", (181.0, 90.5, 90.5)),
+    ("L4", (121.0, 60.0, 30.3)), ("A10", (125.0, 62.5, 31.2)), ("RTX 4090", (165.0, 82.6, 82.6)),
+    ("V100", (None, None, 15.7)), ("T4", (None, None, 8.1)),
 ]
 
 
@@ -85,8 +94,9 @@ def schedule(sch):
 <<SCHEDULE_BODY>>
 
 
-def make_inputs(batch_size, seq_len, seed, device):
-    """Synthetic keyword inputs like the example's, the same on every rank (seeded)."""
+def make_inputs(batch_size, seq_len, seed, device, float_dtype=None):
+    """Synthetic keyword inputs like the example's, the same on every rank (seeded); floating-point
+    inputs in ``float_dtype`` when given (the model's dtype)."""
     gen = torch.Generator().manual_seed(seed)
     inputs = {}
     for name, spec in INPUTS.items():
@@ -98,7 +108,7 @@ def make_inputs(batch_size, seq_len, seed, device):
         if "fill" in spec:
             t = torch.full(shape, spec["fill"], dtype=dtype)
         elif dtype.is_floating_point:
-            t = torch.randn(shape, generator=gen).to(dtype)
+            t = torch.randn(shape, generator=gen).to(float_dtype or dtype)
         else:
             t = torch.randint(spec["low"], spec["high"], shape, generator=gen).to(dtype)
         inputs[name] = t.to(device)
@@ -130,11 +140,20 @@ def compute_loss(outputs, seed):
     return probe_loss(first_tensor(outputs), seed)
 
 
+PROBES = {}
+
+
 def probe_loss(hidden, seed):
-    """Mean squared projection of ``hidden`` onto a fixed random unit vector (seeded)."""
-    probe = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(seed))
-    probe = (probe / probe.norm()).to(hidden.device)
-    return (hidden.float() @ probe).square().mean()
+    """Mean squared projection of ``hidden`` onto a fixed random unit vector (seeded).
+
+    The vector is made once per (size, device, seed) and kept: a fresh CPU vector copied to the GPU in
+    every step would make the host wait for the forward pass before it can queue the backward.
+    """
+    key = (hidden.shape[-1], str(hidden.device), seed)
+    if key not in PROBES:
+        probe = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(seed))
+        PROBES[key] = (probe / probe.norm()).to(hidden.device)
+    return (hidden.float() @ PROBES[key]).square().mean()
 
 
 def split_batch(inputs, micro_batches, batch_size):
@@ -169,39 +188,70 @@ def full_numel(p):
 
 
 def peak_memory_mib(device):
-    """Peak memory of this process in MiB: CUDA max allocated, or the CPU peak resident set."""
+    """Peak memory of this process in MiB: CUDA max allocated (since the last reset), or the CPU peak
+    resident set (over the whole process: it cannot be reset)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def free_verify_memory(device):
+    """After Verify: collect the reference copy and, on CUDA, return its cached blocks and restart the
+    peak-memory count, so the printed peak is training's own."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def precision(args):
+    """The precision the matmuls run in: "bf16" (--bf16), "tf32" or "fp32" (torch's float32 setting)."""
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 def peak_tflops(args, device):
-    """Peak TFLOP/s of one GPU: --peak-tflops, else looked up by device name (None if unknown)."""
+    """Peak TFLOP/s of one GPU in the precision run: --peak-tflops, else PEAK_TFLOPS by device name (None if
+    unknown)."""
     if args.peak_tflops:
         return args.peak_tflops
     name = torch.cuda.get_device_name(device)
-    return next((value for key, value in PEAK_TFLOPS if key in name), None)
+    column = ("bf16", "tf32", "fp32").index(precision(args))
+    return next((value[column] for key, value in PEAK_TFLOPS if key in name), None)
 
 
 def step_line(args, step, loss, elapsed, seq_len, device, n_params, world_size):
     """The line rank 0 prints after each step."""
     tokens = args.batch_size * (seq_len or 1)
+    memory = "peak mem" if device.startswith("cuda") else "peak RSS"
     line = (f"step {step}/{args.steps} loss {loss:.6f} | {args.batch_size / elapsed:.1f} samples/s"
             + (f" | {tokens / elapsed:.0f} tokens/s" if seq_len else "")
-            + f" | peak mem {peak_memory_mib(device):.0f} MiB")
+            + f" | {memory} {peak_memory_mib(device):.0f} MiB")
     if args.device == "cuda":
         peak = peak_tflops(args, device)
         flops = 6 * n_params * tokens / elapsed
-        line += f" | MFU {100 * flops / (world_size * peak * 1e12):.1f}%" if peak else " | MFU n/a"
+        line += (f" | MFU {100 * flops / (world_size * peak * 1e12):.1f}% of {peak:g} TF {precision(args)}" if peak
+                 else f" | MFU n/a (pass --peak-tflops for {precision(args)})")
     return line
+
+
+def memory_note(device):
+    """The line that says what the printed peak memory measures."""
+    if device.startswith("cuda"):
+        return "memory: peak mem = CUDA max allocated during training (Verify's peak excluded)"
+    return "memory: peak RSS = the process's peak resident set, Verify and start-up included (it cannot be reset)"
 <<EXTRA_FUNCS>>
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     p.add_argument("--device", choices=["cuda", "cpu"], default=default_device,
-                   help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda if available)")
+                   help="cuda: one GPU per process (local rank %% GPUs); cpu (default: cuda if available)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="the process group: auto = nccl on cuda, gloo on cpu; gloo on cuda lets several "
+                        "processes share a GPU (testing)")
     p.add_argument("--steps", type=int, default=10, help="training steps")
     p.add_argument("--batch-size", type=int, default=<<BATCH>>, help=<<BATCH_HELP>>)
 <<SEQ_ARG>>    p.add_argument("--micro-batches", type=int, default=<<MICRO>>,
@@ -211,36 +261,73 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help=<<VERIFY_HELP>>)
+    p.add_argument("--verify-batch-size", type=int, default=None,
+                   help=<<VERIFY_BATCH_HELP>>)
 <<EXTRA_ARGS>>    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per GPU for MFU")
+                   help="peak TFLOP/s per GPU in the precision run, for MFU (default: looked up by GPU name)")
     args = p.parse_args(argv)
     bad = args.steps < 0 or args.batch_size < 1 or args.micro_batches < 1
     if bad or args.batch_size % args.micro_batches:
         p.error("need --steps >= 0, --batch-size >= 1 and a --batch-size divisible by --micro-batches")
+    if args.verify_batch_size is not None and args.verify_batch_size < 1:
+        p.error("--verify-batch-size must be >= 1")
+    if args.backend == "nccl" and args.device == "cpu":
+        p.error("--backend nccl moves CUDA tensors only; use --backend gloo (or auto) with --device cpu")
 <<ARGS_CHECK>>    return args
 
 
-def init_distributed(device):
-    """Join the process group the launcher describes (env://); without one, run as one process."""
+def backend_of(args):
+    """The process-group backend: --backend, or for auto nccl on cuda and gloo on cpu."""
+    if args.backend != "auto":
+        return args.backend
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def place(args, local_rank, gpus):
+    """(device, None) for this process, or (None, the one-line error); ``gpus`` = CUDA devices here.
+
+    On cuda, local rank i runs on GPU i % gpus: one GPU per process, or with gloo several processes
+    per GPU (a test of the script, not of its speed: NCCL refuses two ranks on one GPU).
+    """
+    if args.device == "cpu":
+        return "cpu", None
+    if gpus == 0:
+        return None, "error: CUDA is not available here; run with --device cpu."
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks > gpus and backend_of(args) == "nccl":
+        return None, (f"error: {ranks} processes on this node but {gpus} GPU(s), and NCCL needs one GPU per "
+                      "process; launch at most one process per GPU, or add --backend gloo to share GPUs (testing).")
+<<PLACE_CHECK>>    return f"cuda:{local_rank % gpus}", None
+
+
+def init_distributed(args, device):
+    """Join the process group the launcher describes (env://) with backend_of(args); without a launcher,
+    run as one process. Returns (rank, world size)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
-        return 0, 1, 0
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return 0, 1
+    if backend_of(args) == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device(device))
     else:
         dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), local_rank
+    return dist.get_rank(), dist.get_world_size()
 
 
 def main(argv=None):
     args = parse_args(argv)
-<<PRE_INIT>>    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: CUDA is not available here; run with --device cpu.", file=sys.stderr)
+<<PRE_INIT>>    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device, error = place(args, local_rank, torch.cuda.device_count() if args.device == "cuda" else 0)
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    rank, world_size, local_rank = init_distributed(args.device)
+    rank, world_size = init_distributed(args, device)
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if rank == 0 and device.startswith("cuda") and ranks > gpus:
+        print(f"note: {ranks} processes share {gpus} GPU(s) over gloo (local rank i -> cuda:i % {gpus}): a test "
+              "run, not a throughput figure.", flush=True)
     try:
-        return train(args, rank, world_size, local_rank)
+        return train(args, rank, world_size, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -253,13 +340,12 @@ if __name__ == "__main__":
 '''
 
 _TRAIN_TP = '''\
-def train(args, rank, world_size, local_rank):
+def train(args, rank, world_size, device):
     if world_size != WORLD_SIZE:
         if rank == 0:
             print(f"error: this schedule is planned for {WORLD_SIZE} tensor-parallel ranks, but {world_size} "
                   f"process(es) were launched; use torchrun --nproc_per_node={WORLD_SIZE}.", file=sys.stderr)
         return 2
-    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
     seq_len = <<SEQ_VALUE>>
     model = build_model(args.seed)
     reference = copy.deepcopy(model) if args.verify else None
@@ -268,9 +354,13 @@ def train(args, rank, world_size, local_rank):
     model = sch.mod.to(device)
 
     if reference is not None:
-        inputs = make_inputs(args.batch_size, seq_len, args.seed + 1, device)
+        verify_batch = args.verify_batch_size or min(args.batch_size, 2)
+        inputs = make_inputs(verify_batch, seq_len, args.seed + 1, device)
         report = slapo_lab.verify_models(reference, model, inputs, sch.tp, device=device)
-        del reference
+        del reference, inputs
+        model.zero_grad(set_to_none=True)  # Verify's gradients must not reach the first step
+        free_verify_memory(device)
+        report.note = f"inputs of batch {verify_batch} (--verify-batch-size)"
         if rank == 0:
             print(report.summary(), flush=True)
         if not report.passed:
@@ -281,21 +371,24 @@ def train(args, rank, world_size, local_rank):
     optimizer = make_optimizer(args, params)
     n_params = sum(full_numel(p) for p in params)
     if rank == 0:
-        print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s), device {args.device}, "
-              f"batch {args.batch_size}" + (f" x {seq_len} tokens" if seq_len else ""), flush=True)
+        print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s), device {device}, "
+              f"batch {args.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
+              + (", bf16 autocast" if args.bf16 else ""), flush=True)
+        print(memory_note(device), flush=True)
     for step in range(1, args.steps + 1):
         batch = make_inputs(args.batch_size, seq_len, args.seed + 1 + step, device)
         if args.device == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), device=device)
         for chunk in split_batch(batch, args.micro_batches, args.batch_size):
             with torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.bf16):
                 loss = compute_loss(model(**chunk), args.seed) / args.micro_batches
             loss.backward()
-            total += loss.item()
+            total += loss.detach()  # no host sync per micro-batch: read once, after the step
         optimizer.step()
+        total = total.item()
         if args.device == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -416,9 +509,24 @@ def build_pipeline(args, sch, mesh, dp, example, device):
     return pm, made[-1]
 
 
+def on_one_device(a, b):
+    """``a`` and ``b`` detached, as float64, on one device: theirs if they share it, else the CPU (a stage's
+    weights may sit on a GPU while the unscheduled reference is still on the CPU)."""
+    a, b = a.detach(), b.detach()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return a.double(), b.double()
+
+
+def same(a, b):
+    """Whether two tensors hold the same values (wherever they are)."""
+    a, b = on_one_device(a, b)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
 def compare(a, b, atol=1e-5, rtol=1e-5):
-    """(max abs diff, max rel diff, within atol + rtol * |b| everywhere) of two tensors."""
-    a, b = a.detach().double(), b.detach().double()
+    """(max abs diff, max rel diff, within atol + rtol * |b| everywhere) of two tensors (wherever they are)."""
+    a, b = on_one_device(a, b)
     if a.shape != b.shape:
         return float("inf"), float("inf"), False
     if not a.numel():
@@ -427,19 +535,23 @@ def compare(a, b, atol=1e-5, rtol=1e-5):
     return diff, diff / (float(b.abs().max()) + atol), bool(torch.allclose(a, b, atol=atol, rtol=rtol))
 
 
-def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
-    """One training step of the pipeline next to the unscheduled ``reference``; True if it matches.
+def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, device, dropout):
+    """One training step of the pipeline next to the unscheduled ``reference`` on ``batch`` (``batch_size``
+    samples); True if it matches.
 
     Compares the step's loss, every gradient and every updated weight -- this rank's shard of each of
-    its parameters against the matching slice of the reference's -- within atol = rtol = 1e-5 (fp32),
-    prints the largest differences over all ranks (rank 0), then puts the weights and the optimizer
-    state back, so training starts where it would have without --verify.
+    its parameters against the matching slice of the reference's -- within atol = rtol = 1e-5 (fp32)
+    or BF16_TOL (--bf16: both models in bfloat16, but the pipeline sums its micro-batches' gradients
+    in bf16 where the reference takes one batch), prints the largest differences over all ranks
+    (rank 0), then puts the weights and the optimizer state back, so training starts where it would
+    have without --verify.
     """
     from slapo_lab.sharding.rules import local_shard
 
-    atol = rtol = 1e-5
-    local = args.batch_size // dp
     params = dict(pm.named_parameters())
+    bf16 = any(p.dtype == torch.bfloat16 for p in params.values())
+    atol = rtol = BF16_TOL if bf16 else 1e-5
+    local = batch_size // dp
     before = {name: p.detach().clone() for name, p in params.items()}
     refs = dict(reference.named_parameters(remove_duplicate=False))
 
@@ -451,21 +563,20 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
         return local_shard(t.detach(), axis, mesh.tp, mesh.tp_rank, getattr(p, "shard_stride", 1))
 
     unknown = [name for name in params if name not in refs]
-    init_bad = [name for name in params
-                if name in refs and not torch.equal(before[name], mine(name, refs[name]))]
+    init_bad = [name for name in params if name in refs and not same(before[name], mine(name, refs[name]))]
     grads = {}
 
     def grab(optimizer, a, kw):
         grads.update({name: p.grad.detach().clone() for name, p in params.items() if p.grad is not None})
 
     hook = opt.register_step_pre_hook(grab)
-    inputs, target = pipeline_batch(take(batch, mesh.dp_rank * local, local, args.batch_size), local, device)
+    inputs, target = pipeline_batch(take(batch, mesh.dp_rank * local, local, batch_size), local, device)
     loss = dp_mean(pm.train_step(**inputs, target=target), mesh.dp_group, dp, device)
     hook.remove()
 
     reference.to(device).train()
     ref_opt = make_optimizer(args, reference.parameters())
-    full_inputs, full_target = pipeline_batch(batch, args.batch_size, device)
+    full_inputs, full_target = pipeline_batch(batch, batch_size, device)
     ref_loss = make_loss_fn(args.seed)(first_tensor(reference(**full_inputs)), full_target)
     ref_loss.backward()
     ref_grads = {name: r.grad.detach().clone() if r.grad is not None else torch.zeros_like(r)
@@ -505,8 +616,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
     pm.zero_grad()
     if dist.get_rank() == 0:
         lines = [f"Verify: one training step ({TARGET} pipeline of {NUM_STAGES} stages on tp {mesh.tp} x pp "
-                 f"{mesh.pp} x dp {dp} ranks, {args.micro_batches} micro-batches, {args.optimizer} lr "
-                 f"{args.lr:g}"
+                 f"{mesh.pp} x dp {dp} ranks, batch {batch_size} in {args.micro_batches} micro-batches, "
+                 f"{'bf16' if bf16 else 'fp32'}, {args.optimizer} lr {args.lr:g}"
                  + (", dropout off" if dropout else "") + ") against the unscheduled model",
                  f"Verify: loss of step 1: max abs diff {loss_diff:.3e}, max rel diff "
                  f"{loss_diff / (abs(ref_value) + atol):.3e} (pipeline {loss:.6f}, reference {ref_value:.6f})"
@@ -527,52 +638,65 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, dropout):
         if unknown:
             lines.append(f"Verify: parameters the reference lacks: {', '.join(unknown[:5])}")
         status = "PASSED" if passed else "FAILED"
-        lines.append(f"Verify: {status} (atol {atol:g}, rtol {rtol:g}, device {args.device})")
+        lines.append(f"Verify: {status} (atol {atol:g}, rtol {rtol:g}, device {device})")
         print("\\n".join(lines), flush=True)
     return passed
 '''
 
 _TRAIN_PIPE = '''\
-def train(args, rank, world_size, local_rank):
+def train(args, rank, world_size, device):
     dp = check_layout(args, rank, world_size)
     if dp is None:
         return 2
-    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
+    verify_batch = args.verify_batch_size or dp * args.micro_batches  # one sample per micro-batch and replica
+    if args.verify and verify_batch % (dp * args.micro_batches):
+        if rank == 0:
+            print(f"error: --verify-batch-size {verify_batch} does not split into {dp} data-parallel replica(s) "
+                  f"of {args.micro_batches} micro-batch(es); use a multiple of {dp * args.micro_batches}.",
+                  file=sys.stderr)
+        return 2
     seq_len = <<SEQ_VALUE>>
     tp, pp = WORLD_SIZE, NUM_STAGES // <<SPR>>
     mesh = slapo_lab.pipeline.make_mesh(tp=tp, pp=pp, dp=dp, device=args.device)
-    model = build_model(args.seed)
+    dtype = <<PIPE_DTYPE>>
+    model = build_model(args.seed).to(dtype)  # every stage in one dtype: they exchange tensors of it
     reference = copy.deepcopy(model) if args.verify else None
     sch = slapo_lab.create_schedule(model, group=mesh.tp_group)  # this rank's tensor-parallel group
     schedule(sch)
     sch.mod.to(device)
     local = args.batch_size // dp
     lo = mesh.dp_rank * local
-    example, _ = pipeline_batch(take(make_inputs(args.batch_size, seq_len, args.seed, device), lo, local,
-                                     args.batch_size), local, device)
+
+    def example_of(batch_size):  # this replica's slice of a batch: the stages' shapes come from it
+        inputs = make_inputs(batch_size, seq_len, args.seed, device, dtype)
+        share = batch_size // dp
+        return pipeline_batch(take(inputs, mesh.dp_rank * share, share, batch_size), share, device)[0]
+
     pm = None
     if reference is not None:
         saved = dropout_off(sch.mod)  # the reference runs without dropout, so must the verified step
         dropout_off(reference)
-        pm, opt = build_pipeline(args, sch, mesh, dp, example, device)
-        batch = make_inputs(args.batch_size, seq_len, args.seed + 2, device)  # step 1's batch
-        passed = verify_pipeline(args, pm, opt, reference, mesh, dp, batch, device, bool(saved))
-        del reference
+        pm, opt = build_pipeline(args, sch, mesh, dp, example_of(verify_batch), device)
+        batch = make_inputs(verify_batch, seq_len, args.seed + 2, device, dtype)  # step 1's data, maybe fewer rows
+        passed = verify_pipeline(args, pm, opt, reference, mesh, dp, batch, verify_batch, device, bool(saved))
+        del reference, batch
         restore_dropout(saved)
         if not passed:
             return 1
-        if saved:  # rebuild with dropout for training
-            pm = None
+        if saved or verify_batch != args.batch_size:  # rebuild with dropout / the training shapes
+            pm = opt = None
+        free_verify_memory(device)
     if pm is None:
-        pm, opt = build_pipeline(args, sch, mesh, dp, example, device)
+        pm, opt = build_pipeline(args, sch, mesh, dp, example_of(args.batch_size), device)
     n_params = sum(full_numel(p) for p in sch.mod.parameters())
     if rank == 0:
         print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s) = tp {tp} x pp {pp} x dp "
               f"{dp}, {NUM_STAGES} pipeline stages (<<SCHEDULE_DOC>>, {args.micro_batches} micro-batches), "
-              f"device {args.device}, batch {args.batch_size}" + (f" x {seq_len} tokens" if seq_len else ""),
-              flush=True)
+              f"device {device}, batch {args.batch_size}" + (f" x {seq_len} tokens" if seq_len else "")
+              + (", bf16 weights and activations" if dtype == torch.bfloat16 else ""), flush=True)
+        print(memory_note(device), flush=True)
     for step in range(1, args.steps + 1):
-        batch = make_inputs(args.batch_size, seq_len, args.seed + 1 + step, device)
+        batch = make_inputs(args.batch_size, seq_len, args.seed + 1 + step, device, dtype)
         inputs, target = pipeline_batch(take(batch, lo, local, args.batch_size), local, device)
         if args.device == "cuda":
             torch.cuda.synchronize(device)
@@ -618,7 +742,7 @@ class ModelParallelUnit:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
-def train(args, rank, world_size, local_rank):
+def train(args, rank, world_size, device):
     import deepspeed
 
     if not dist.is_initialized():
@@ -628,7 +752,6 @@ def train(args, rank, world_size, local_rank):
     dp = check_layout(args, rank, world_size)
     if dp is None:
         return 2
-    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
     seq_len = <<SEQ_VALUE>>
     mesh = slapo_lab.pipeline.make_mesh(tp=WORLD_SIZE, pp=1, dp=dp, device=args.device)
     model = build_model(args.seed)
@@ -638,16 +761,19 @@ def train(args, rank, world_size, local_rank):
     model = sch.mod.to(device)
 
     if reference is not None:
-        inputs = make_inputs(args.batch_size, seq_len, args.seed + 1, device)
+        verify_batch = args.verify_batch_size or min(args.batch_size, 2)
+        inputs = make_inputs(verify_batch, seq_len, args.seed + 1, device)
         report = slapo_lab.verify_models(reference, model, inputs, sch.tp, device=device)
-        del reference
+        del reference, inputs
+        model.zero_grad(set_to_none=True)  # Verify's gradients must not reach the first step
+        free_verify_memory(device)
+        report.note = f"inputs of batch {verify_batch} (--verify-batch-size)"
         if rank == 0:
             print(report.summary(), flush=True)
         if not report.passed:
             return 1
 
     model.train()
-    model.zero_grad(set_to_none=True)  # Verify's gradients must not reach the first step
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(full_numel(p) for p in params)
     deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -657,21 +783,22 @@ def train(args, rank, world_size, local_rank):
     if rank == 0:
         print(f"model: {n_params / 1e6:.2f} M parameters, {world_size} rank(s) = tp {WORLD_SIZE} x dp {dp} "
               f"(DeepSpeed engine), device {args.device}, batch {args.batch_size}"
-              + (f" x {seq_len} tokens" if seq_len else ""), flush=True)
+              + (f" x {seq_len} tokens" if seq_len else "") + (", bf16 autocast" if args.bf16 else ""), flush=True)
+        print(memory_note(device), flush=True)
     for step in range(1, args.steps + 1):
         batch = make_inputs(args.batch_size, seq_len, args.seed + 1 + step, device)
         mine = take(batch, mesh.dp_rank * local, local, args.batch_size)
         if args.device == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        total = 0.0
+        total = torch.zeros((), device=device)
         for chunk in split_batch(mine, args.micro_batches, local):
             with torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.bf16):
                 loss = compute_loss(engine(**chunk), args.seed)
             engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps, averaged over replicas
             engine.step()          # steps the optimizer after the last micro-batch
-            total += loss.item() / args.micro_batches
-        total = dp_mean(total, mesh.dp_group, dp, device)
+            total += loss.detach() / args.micro_batches  # read once, after the step
+        total = dp_mean(total.item(), mesh.dp_group, dp, device)
         if args.device == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -723,6 +850,22 @@ _SEQ_ARG = '''\
 
 _BF16_ARG = '''\
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in training (Verify stays fp32)")
+'''
+
+_PIPE_BF16_ARG = '''\
+    p.add_argument("--bf16", action="store_true",
+                   help="bfloat16 weights and activations in every stage (Verify too, with a bf16 tolerance)")
+'''
+
+_TP_VERIFY_BATCH_HELP = '"samples Verify runs on (default: min(--batch-size, 2))"'
+
+_BF16_TOL = ("BF16_TOL = 3e-2  # --bf16 Verify tolerance (atol = rtol): a few bf16 roundings (2 ** -8 each)\n")
+
+# gloo moves CUDA tensors in collectives, but its send / recv take CPU tensors only, and pipeline stages send.
+_PIPE_PLACE_CHECK = '''\
+    if backend_of(args) == "gloo":
+        return None, ("error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU "
+                      "per process, or --device cpu.")
 '''
 
 _PIPE_ARGS = '''\
@@ -968,18 +1111,23 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
         values.update({
             "PIPE_CONSTANTS": (f"NUM_STAGES = {stages}  # pipeline stages: the recorded cuts + 1\n"
                                f"TARGET = {json.dumps('deepspeed' if ds else 'torch')}  # the slapo_lab.build target\n"
-                               f"LOSS = {json.dumps(loss_kind)}  # the last stage's loss: causal_lm, lm or probe\n"),
+                               f"LOSS = {json.dumps(loss_kind)}  # the last stage's loss: causal_lm, lm or probe\n"
+                               + _BF16_TOL),
             "BATCH_HELP": '"samples per step, over all data-parallel replicas"',
             "MICRO_HELP": '"micro-batches per step and replica (the pipeline\'s n_microbatches)"',
             "VERIFY_HELP": '"first check one training step against the unscheduled model"',
-            "EXTRA_OPTS": "--dp, " + ("--print-ds-config, " if ds else "--pp-schedule, --stages-per-rank, "),
-            "EXTRA_ARGS": (_DP_ARG + _DS_ARGS) if ds else (_PIPE_ARGS + _DP_ARG),
+            "EXTRA_OPTS": "--dp, --print-ds-config, " if ds else "--bf16, --dp, --pp-schedule, --stages-per-rank, ",
+            "EXTRA_ARGS": (_DP_ARG + _DS_ARGS) if ds else (_PIPE_BF16_ARG + _PIPE_ARGS + _DP_ARG),
+            "VERIFY_BATCH_HELP": '"samples in the verified step (default: one per micro-batch and replica)"',
+            "PLACE_CHECK": _PIPE_PLACE_CHECK,
             "ARGS_CHECK": _DP_CHECK if ds else _PIPE_CHECK + _DP_CHECK,
             "EXTRA_FUNCS": layout_funcs + (_DS_FUNCS if ds else "") + _sub(_PIPE_FUNCS, {
                 "PP_SCHEDULE": '"1F1B"' if ds else "args.pp_schedule",
                 "SPR": "1" if ds else "args.stages_per_rank",
                 "DS_KW": ",\n                            ds_config=ds_config(args, dp)" if ds else ""}),
             "TRAIN": _sub(_TRAIN_PIPE, {"SEQ_VALUE": values["SEQ_VALUE"], "SPR": "1" if ds else "args.stages_per_rank",
+                                        "PIPE_DTYPE": "torch.float32  # (DeepSpeed pipelines run fp32)" if ds else
+                                        "torch.bfloat16 if args.bf16 else torch.float32",
                                         "SCHEDULE_DOC": "DeepSpeed 1F1B" if ds else "{args.pp_schedule}"}),
             "LAUNCH": _sub(_LAUNCH_DS if ds else _LAUNCH_PIPE, {"NPROC": str(nproc), "NPROC_DP": str(2 * nproc),
                                                               "WORLD_SIZE": str(world_size), "PP": str(stages),
@@ -993,6 +1141,8 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
             "VERIFY_HELP": '"check the scheduled model against the unscheduled one first"',
             "EXTRA_OPTS": "--bf16, --dp, --print-ds-config, ",
             "EXTRA_ARGS": _BF16_ARG + _DP_ARG + _DS_ARGS,
+            "VERIFY_BATCH_HELP": _TP_VERIFY_BATCH_HELP,
+            "PLACE_CHECK": "",
             "ARGS_CHECK": _DP_CHECK,
             "EXTRA_FUNCS": layout_funcs + _DS_FUNCS,
             "TRAIN": _sub(_TRAIN_DS_TP, {"SEQ_VALUE": values["SEQ_VALUE"]}),
@@ -1006,6 +1156,8 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
             "VERIFY_HELP": '"check the scheduled model against the unscheduled one first"',
             "EXTRA_OPTS": "--bf16, ",
             "EXTRA_ARGS": _BF16_ARG,
+            "VERIFY_BATCH_HELP": _TP_VERIFY_BATCH_HELP,
+            "PLACE_CHECK": "",
             "ARGS_CHECK": "",
             "EXTRA_FUNCS": "",
             "TRAIN": _sub(_TRAIN_TP, {"SEQ_VALUE": values["SEQ_VALUE"]}),
