@@ -44,6 +44,12 @@ from .record import Call
 FAMILIES = ("bert", "gpt2", "llama")
 _BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("LlamaDecoderLayer",)}
 
+# Families whose attention keeps head counts in attributes (OPT, GPT-Neo, T5: the shard rules rewrite them per
+# rank, slapo_lab/sharding/heads.py) and RoBERTa (BERT's names); T5Block covers the encoder and the decoder.
+_BLOCK_CLASSES.update({"roberta": ("RobertaLayer",), "opt": ("OPTDecoderLayer",), "gpt_neo": ("GPTNeoBlock",),
+                       "t5": ("T5Block",)})
+FAMILIES = (*FAMILIES, "roberta", "opt", "gpt_neo", "t5")
+
 # Projections by their attribute name (last path component) or path suffix inside a block.
 COLUMN_NAMES = frozenset({
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "q_lin", "k_lin",
@@ -54,6 +60,9 @@ ROW_NAMES = frozenset({
     "o_proj", "out_proj", "o", "wo", "out_lin", "c_proj", "down_proj", "fc2", "w2", "fc_out", "dense_4h_to_h", "lin2",
     "output.dense",
 })
+
+
+COLUMN_NAMES = COLUMN_NAMES | {"wi", "wi_0", "wi_1"}  # T5's (gated) feed-forward input projections
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -181,7 +190,15 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 out.append((path, kind))
         elif _is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             out.append((path, "norm"))
+        elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
+            out.append((path, "heads"))
     return out
+
+
+def _is_head_table(node) -> bool:
+    from .sharding.rules import ShardSite, is_head_table
+
+    return is_head_table(ShardSite(node.mod, "weight", node.parent.mod, node.name, node.path), 1)
 
 
 def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call]:
@@ -206,6 +223,8 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
             column_parallel(sch, path, sequence_parallel)
         elif kind == "row":
             row_parallel(sch, path, sequence_parallel)
+        elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
+            sch[path].shard("weight", axis=1)
         elif sequence_parallel:
             sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
     return _since(sch, n)
@@ -237,6 +256,11 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
     n = len(sch.record)
     sch[emb_path].shard("weight", axis=0)
     sch[emb_path].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    # every other embedding tied to it (T5: encoder.embed_tokens, decoder.embed_tokens share ``shared.weight``)
+    # looks up through the same masked vocab-parallel forward, so its partial output needs the same all_reduce
+    for owner, _name in sch.owners_of(sch[emb_path].mod.weight):
+        if owner is not emb and isinstance(owner, nn.Embedding):
+            sch[_path_of(sch, owner)].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     get_out = getattr(top, "get_output_embeddings", None)
     try:
         head = get_out() if callable(get_out) else None
@@ -329,8 +353,10 @@ def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, 
 
     Args:
         sch: the root schedule (its ``world_size`` is the TP width).
-        family: ``"bert"``, ``"gpt2"``, ``"llama"`` or ``"generic"``; None detects it from the block classes
-            (``"generic"`` = :func:`find_blocks` + :func:`tp_block` by projection names).
+        family: ``"bert"``, ``"gpt2"``, ``"llama"``, ``"roberta"``, ``"opt"``, ``"gpt_neo"``, ``"t5"`` (encoder and
+            decoder blocks, cross attention, the per-head ``relative_attention_bias``; see ``FAMILIES``) or
+            ``"generic"``; None detects it from the block classes (``"generic"`` = :func:`find_blocks` +
+            :func:`tp_block` by projection names). A named family must match the model's blocks.
         vocab_parallel: also shard the word embedding (and the output embedding) by vocabulary
             (:func:`vocab_parallel_embeddings`).
         sequence_parallel: Megatron sequence parallelism between the TP regions (GPT-2 only; see the
@@ -348,6 +374,9 @@ def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, 
     fam = family or detect_family(sch) or "generic"
     if fam not in (*FAMILIES, "generic"):
         raise ScheduleError(f"Unknown model family {family!r}; use one of {', '.join(FAMILIES)}, generic or None.")
+    if family in _BLOCK_CLASSES and not {type(m).__name__ for m in sch.mod.modules()} & set(_BLOCK_CLASSES[family]):
+        raise ScheduleError(f"family={family!r} expects {' or '.join(_BLOCK_CLASSES[family])} blocks and this model has "
+                            "none; pass family=None to detect the family.")
     if sequence_parallel and fam != "gpt2":
         raise ScheduleError(
             f"The sequence-parallel preset exists for GPT-2 only (not {fam}): it needs a dropout after the "

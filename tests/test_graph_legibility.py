@@ -19,8 +19,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 import slapo_lab as sl
 from slapo_lab import graph as g
 from slapo_lab.editor import GraphWidget
-from slapo_lab.graph.dataflow import per_rank_edges
-from slapo_lab.graph.render import CUT_COLOUR
+from slapo_lab.graph import dataflow as _dataflow
 
 REPO = Path(__file__).resolve().parents[1]
 # a large graph view (CSS px); the editor's default box is smaller, and the browser then keeps a
@@ -177,7 +176,7 @@ def test_stage_checkpoint_cut_and_selection_use_distinct_channels():
     cut_edge = re.search(
         rf'<g id="e\d+" class="edge slapo&#45;cut&#45;edge">\s*<title>{_token(ids, "encoder.layer.2")}&#45;&gt;'
         rf'{_token(ids, "encoder.layer.3")}</title>(.*?)</g>', svg, re.DOTALL)
-    assert cut_edge and f'stroke="{CUT_COLOUR}"' in cut_edge.group(1) and 'stroke-width="3"' in cut_edge.group(1)
+    assert cut_edge and f'stroke="{g.render.CUT_COLOUR}"' in cut_edge.group(1) and 'stroke-width="3"' in cut_edge.group(1)
     assert svg.count("slapo&#45;cut&#45;edge") == 1  # only the edge after the cut
     # selection: drawn by the browser as a halo (a filter), never as a border stroke
     css = (REPO / "labextension" / "style" / "base.css").read_text()
@@ -219,18 +218,18 @@ def test_edges_show_per_rank_shapes_after_sharding():
     def mod(path):
         return sch[path].mod if path in sch else None
 
-    att = per_rank_edges(flow.level_graph("encoder.layer.0.attention"), 2, mod, sl.module_state)
+    att = _dataflow.per_rank_edges(flow.level_graph("encoder.layer.0.attention"), 2, mod, sl.module_state)
     a, b = "encoder.layer.0.attention.self", "encoder.layer.0.attention.output"
     assert att.edges[a, b]["label"] == "2×16×64→32"  # heads split: a column-parallel output
     assert att.edges[a, b]["rank_shapes"] == ["2×16×32"]
     assert att.edges[b, ".output"]["label"] == "2×16×64"  # row parallel + all-reduce: whole again
-    layer = per_rank_edges(flow.level_graph("encoder.layer.0"), 2, mod, sl.module_state)
+    layer = _dataflow.per_rank_edges(flow.level_graph("encoder.layer.0"), 2, mod, sl.module_state)
     i, o = "encoder.layer.0.intermediate", "encoder.layer.0.output"
     assert layer.edges[i, o]["label"] == "2×16×128→64"
     svg, _ = g.render_svg(layer)
     assert "2×16×128→64" in svg and "per rank: 2×16×64" in svg
     # one rank: nothing changes
-    same = per_rank_edges(flow.level_graph("encoder.layer.0"), 1, mod, sl.module_state)
+    same = _dataflow.per_rank_edges(flow.level_graph("encoder.layer.0"), 1, mod, sl.module_state)
     assert same.edges[i, o]["label"] == "2×16×128"
 
 

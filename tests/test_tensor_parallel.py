@@ -393,7 +393,7 @@ def test_param_grads_sync_is_exact_in_one_process_and_survives_deepcopy():
 def test_megatron_tp_errors():
     sch = sl.create_schedule(llama(device="meta"), world_size=2)
     assert_unchanged(sch, lambda: presets.megatron_tp(sch, sequence_parallel=True), "GPT-2 only")
-    assert_unchanged(sch, lambda: presets.megatron_tp(sch, family="t5"), "Unknown model family")
+    assert_unchanged(sch, lambda: presets.megatron_tp(sch, family="no_such_family"), "Unknown model family")
     assert_unchanged(sch, lambda: presets.megatron_tp(sch, use_hf_plan=True, sequence_parallel=True), "GPT-2 only")
     tiny = sl.create_schedule(nn.Sequential(nn.Linear(4, 4)), world_size=2)
     assert_unchanged(tiny, lambda: presets.megatron_tp(tiny), "no repeated transformer blocks")

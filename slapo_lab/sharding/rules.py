@@ -10,14 +10,15 @@ reduce; a vocab-parallel embedding masks ids outside this rank's range). Semanti
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..module_state import install_forward, module_meta
+from . import heads as _heads
 
 
 @dataclass
@@ -83,11 +84,15 @@ def _pos_int(obj, *attrs) -> int | None:
 def attention_heads(parent: nn.Module | None) -> tuple[int, int] | None:
     """``(attention heads, key/value heads)`` of an attention module, from its attributes or ``config``.
 
-    The *global* counts: primitives never rewrite these attributes or the (shared) config, so they stay
-    the full model's numbers after sharding. None when the module does not look like attention.
+    The *global* counts: once a shard splits the module's heads, its per-rank attributes (``num_heads`` of
+    OPT ...) are rewritten (:mod:`slapo_lab.sharding.heads`) and the global counts are read from the
+    record kept in its ``_slapo_meta``. None when the module does not look like attention.
     """
     if parent is None:
         return None
+    recorded = _heads.recorded_heads(parent)
+    if recorded is not None:
+        return recorded
     cfg = getattr(parent, "config", None)
     n = _pos_int(parent, "num_heads", "num_attention_heads", "n_head", "n_heads") or _pos_int(
         cfg, "num_attention_heads", "n_head")
@@ -163,6 +168,29 @@ def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | No
     return None
 
 
+def splits_heads(site: ShardSite, side: str | None) -> bool:
+    """Whether sharding this projection's ``side`` ("out" for q/k/v, "in" for the output projection)
+    leaves each rank a subset of the parent attention module's heads."""
+    role = attention_role(site)
+    return side is not None and role is not None and (role == "o") == (side == "in")
+
+
+def local_heads_reason(site: ShardSite, world_size: int) -> str | None:
+    """Why the parent attention module's head attributes cannot be made per rank, or None."""
+    if world_size == 1 or _heads.recorded_heads(site.parent) is not None:
+        return None
+    n, kv = attention_heads(site.parent)
+    return _heads.plan_local_heads(site.parent, n, kv, world_size)[1]
+
+
+def localise_parent_heads(site: ShardSite, world_size: int) -> None:
+    """Rewrite the parent attention module's head attributes to this rank's share (once)."""
+    if world_size == 1 or site.parent is None:
+        return
+    n, kv = attention_heads(site.parent)
+    _heads.localise_heads(site.parent, n, kv, world_size)
+
+
 class ShardRule:
     """Base rule: any tensor, any axis; the output type stays unknown.
 
@@ -180,7 +208,7 @@ class ShardRule:
 
     def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         """Update the module after ``name`` was sliced on ``axis`` into ``world_size`` chunks."""
-        return None
+        return
 
     def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         """Like :meth:`check` with the parent in view; the reason is shown after "across N ranks: "."""
@@ -275,7 +303,16 @@ class DenseRule(ShardRule):
         return None
 
     def check_site(self, site, axis, world_size):
-        return heads_reason(site, self._side(site.name, axis), world_size)
+        side = self._side(site.name, axis)
+        reason = heads_reason(site, side, world_size)
+        if reason is None and splits_heads(site, side):
+            reason = local_heads_reason(site, world_size)
+        return reason
+
+    def apply_site(self, site, axis, world_size, rank):
+        """A q/k/v (or output) projection split by heads: the parent's head attributes become per rank."""
+        if splits_heads(site, self._side(site.name, axis)):
+            localise_parent_heads(site, world_size)
 
     def set_features(self, mod, out_features: int | None = None, in_features: int | None = None) -> None:
         """Keep the module's own feature-count attributes equal to its (sharded) weight."""
@@ -339,17 +376,46 @@ class Conv1DRule(DenseRule):
         return fused_qkv_blocks(site) if self._side(site.name, axis) == "out" else 1
 
     def apply_site(self, site, axis, world_size, rank):
+        super().apply_site(site, axis, world_size, rank)
         # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
         blocks = getattr(site.mod.weight, "shard_stride", 1) if site.name == "weight" and axis == 1 else 1
         if blocks > 1 and site.parent is not None and isinstance(getattr(site.parent, "split_size", None), int):
             site.parent.split_size = site.mod.nf // blocks
 
 
+def is_head_table(site: ShardSite, axis: int) -> bool:
+    """Whether ``site`` is a per-head table sharded on its heads axis: an ``nn.Embedding`` weight inside an
+    attention module with one column per (global) head, split on axis 1 -- T5's ``relative_attention_bias``
+    (``num_buckets x n_heads``), whose lookup gives each head its position bias."""
+    if site.name != "weight" or axis != 1 or site.parent is None:
+        return False
+    counts = attention_heads(site.parent)
+    w = site.mod.weight
+    return counts is not None and tuple(getattr(w, "orig_shape", w.shape))[1] == counts[0]
+
+
 class EmbeddingRule(ShardRule):
-    """``nn.Embedding``: axis 0 = vocab parallel (masked lookup, partial output), axis 1 = hidden split."""
+    """``nn.Embedding``: axis 0 = vocab parallel (masked lookup, partial output), axis 1 = hidden split.
+
+    A per-head table inside an attention module (:func:`is_head_table`, T5's ``relative_attention_bias``)
+    split on axis 1 keeps this rank's heads' columns: the attention module's head attributes become per
+    rank as when its q/k/v are split (:mod:`slapo_lab.sharding.heads`).
+    """
 
     def matches(self, mod):
         return isinstance(mod, nn.Embedding)
+
+    def check_site(self, site, axis, world_size):
+        if world_size == 1 or not is_head_table(site, axis):
+            return None
+        n = attention_heads(site.parent)[0]
+        if n % world_size:
+            return f"the {n} attention heads do not divide by {world_size}"
+        return local_heads_reason(site, world_size)
+
+    def apply_site(self, site, axis, world_size, rank):
+        if is_head_table(site, axis):
+            localise_parent_heads(site, world_size)
 
     def apply(self, mod, name, axis, world_size, rank):
         if axis == 0:

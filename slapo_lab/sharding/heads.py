@@ -1,0 +1,189 @@
+"""Per-rank head counts of a tensor-parallel attention module.
+
+When an attention module's q / k / v projections are column parallel (or its output projection row
+parallel, or a per-head table such as T5's ``relative_attention_bias`` split on its heads axis), each rank
+computes ``heads / world_size`` whole heads. HF attention classes that reshape with ``-1`` heads (BERT,
+RoBERTa, GPT-2, Llama in transformers 5.x) need nothing more, but several keep the head count in an
+attribute and read it at run time: ``OPTAttention.forward`` views q/k/v as ``(batch, -1, self.num_heads,
+head_dim)`` (a global count silently folds heads into the sequence axis), ``GPTNeoSelfAttention._split_heads``
+views as ``self.num_heads`` heads (crashes), ``T5Attention.forward`` builds a ``(1, self.n_heads, q, k)``
+zero position bias for cross attention. Those attributes must hold this rank's numbers (Megatron-LM's
+``ParallelAttention.num_attention_heads_per_partition``).
+
+Which attributes a class treats as per-rank comes from two sources, unioned:
+
+* the registry (:func:`register_attention_heads`): the attributes a class defines as head counts or as the
+  heads x head_dim width (``OPTAttention``: ``num_heads``, ``embed_dim``; ``T5Attention``: ``n_heads``,
+  ``inner_dim`` ...), including ones only ``__init__`` reads, so the per-rank module describes itself;
+* detection: every known head-count / head-width attribute name (:data:`HEAD_ATTRS`, :data:`KV_HEAD_ATTRS`,
+  :data:`WIDTH_ATTRS`) that the class's methods other than ``__init__`` read as ``self.<name>`` (found by
+  parsing the class source with :mod:`ast`; a class without source counts as reading all of them).
+
+A class whose run-time code reads a head count from its ``config`` (shared by every layer and rank, so it
+cannot hold a per-rank number), or keeps a head-count attribute that disagrees with the module's heads,
+is refused with one sentence before anything changes. The rewrite is recorded in the attention module's
+``_slapo_meta["attention_heads"]`` (``{"heads", "kv_heads", "world_size", "attrs": {name: [global,
+local]}}``) and happens inside the ``shard`` primitive, so replay, undo and exported scripts reproduce it.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from functools import cache
+
+from torch import nn
+
+from ..module_state import module_meta, peek_meta
+
+HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+"""Attribute names that hold the number of attention (query) heads."""
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
+"""Attribute names that hold the number of key/value heads (grouped-query attention)."""
+WIDTH_ATTRS = ("embed_dim", "inner_dim", "all_head_size", "hidden_size")
+"""Attribute names that may hold the heads x head_dim width; rewritten only when equal to it."""
+CONFIG_HEAD_KEYS = frozenset({*HEAD_ATTRS, *KV_HEAD_ATTRS})
+
+_REGISTRY: dict[str, tuple[str, ...]] = {
+    # class name -> attributes that are per-rank once the heads are split (matched along the MRO)
+    "OPTAttention": ("num_heads", "embed_dim"),
+    "GPTNeoSelfAttention": ("num_heads", "embed_dim"),
+    "T5Attention": ("n_heads", "inner_dim"),
+}
+
+
+def register_attention_heads(class_name: str, attrs: tuple[str, ...] | list[str]) -> None:
+    """Declare which attributes of the attention class ``class_name`` (or its subclasses) are per rank.
+
+    Each name must be a head count (:data:`HEAD_ATTRS`), a key/value head count (:data:`KV_HEAD_ATTRS`)
+    or a heads x head_dim width (:data:`WIDTH_ATTRS`); they are divided by the world size when the
+    module's heads are split.
+
+    Raises:
+        ValueError: for a name of none of those kinds.
+    """
+    bad = [a for a in attrs if a not in (*HEAD_ATTRS, *KV_HEAD_ATTRS, *WIDTH_ATTRS)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a head-count or head-width attribute name slapo can rewrite.")
+    _REGISTRY[class_name] = tuple(attrs)
+
+
+@cache
+def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
+    """``(self attributes, self.config attributes)`` read by ``cls``'s methods other than ``__init__``.
+
+    Walks the classes of ``cls.__mro__`` below ``nn.Module``, overridden methods included (``super()`` may
+    call them); None when a class has no source to read.
+    """
+    self_attrs: set[str] = set()
+    cfg_attrs: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or not issubclass(klass, nn.Module) or klass.__module__.startswith("torch."):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for fn in body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                base = node.value
+                if isinstance(base, ast.Name) and base.id == "self":
+                    self_attrs.add(node.attr)
+                elif (isinstance(base, ast.Attribute) and base.attr == "config" and isinstance(base.value, ast.Name)
+                      and base.value.id == "self"):
+                    cfg_attrs.add(node.attr)
+    return frozenset(self_attrs), frozenset(cfg_attrs)
+
+
+def _registered(cls: type) -> tuple[str, ...]:
+    for klass in cls.__mro__:
+        if klass.__name__ in _REGISTRY:
+            return _REGISTRY[klass.__name__]
+    return ()
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> tuple[dict, str | None]:
+    """The per-rank rewrite of ``attn``'s head attributes: ``({name: (global, local)}, None)``, or
+    ``({}, reason)`` when the module cannot be made consistent (a sentence fragment).
+
+    ``heads`` / ``kv_heads`` are the module's global counts, both divisible by ``world_size`` (checked
+    before). A width attribute is rewritten only when it equals ``heads * head_dim`` (head_dim from
+    ``head_dim`` / ``attention_head_size`` / ``key_value_proj_dim``, else the width over the heads).
+    """
+    cls = type(attn)
+    name = cls.__name__
+    reads = runtime_reads(cls)
+    known = (*HEAD_ATTRS, *KV_HEAD_ATTRS, *WIDTH_ATTRS)
+    if reads is None:
+        read_attrs, cfg_reads = set(known), set()
+    else:
+        read_attrs, cfg_reads = reads
+    bad_cfg = sorted(cfg_reads & CONFIG_HEAD_KEYS)
+    if bad_cfg:
+        return {}, (f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
+                    f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated")
+    registered = _registered(cls)
+    wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
+    head_dim = next((getattr(attn, a) for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
+                     if _int(getattr(attn, a, None)) and getattr(attn, a) > 0), None)
+    out: dict[str, tuple[int, int]] = {}
+    for a in wanted:
+        v = getattr(attn, a, None)
+        if a in registered and v is None:
+            continue  # registered for the class, absent on this instance
+        if a in HEAD_ATTRS or a in KV_HEAD_ATTRS:
+            want = heads if a in HEAD_ATTRS else kv_heads
+            if not _int(v) or v != want:
+                return {}, (f"{name}.{a} is {v!r}, not the module's {want} heads, so slapo cannot rewrite it to "
+                            "this rank's share")
+            out[a] = (v, v // world_size)
+        else:
+            if not _int(v):
+                continue
+            hd = head_dim or (v // heads if v % heads == 0 else None)
+            if hd is None or v != heads * hd:
+                if a in registered:
+                    return {}, (f"{name}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
+                                "hold, so slapo cannot rewrite it to this rank's share")
+                continue  # a model width that happens to be read, not the heads' width
+            out[a] = (v, v // world_size)
+    return out, None
+
+
+def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
+    """The global ``(heads, kv heads)`` recorded when ``attn``'s head attributes were rewritten, or None."""
+    meta = peek_meta(attn) if attn is not None else None
+    rec = meta.get("attention_heads") if meta else None
+    return (rec["heads"], rec["kv_heads"]) if rec else None
+
+
+def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> dict:
+    """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
+
+    Returns the record stored in ``attn._slapo_meta["attention_heads"]``.
+
+    Raises:
+        ValueError: when :func:`plan_local_heads` refuses (callers check first, so nothing is half done).
+    """
+    meta = module_meta(attn)
+    rec = meta.get("attention_heads")
+    if rec is not None:
+        return rec
+    plan, reason = plan_local_heads(attn, heads, kv_heads, world_size)
+    if reason:
+        raise ValueError(reason)
+    for a, (_g, local) in plan.items():
+        setattr(attn, a, local)
+    rec = {"heads": heads, "kv_heads": kv_heads, "world_size": world_size,
+           "attrs": {a: [g, loc] for a, (g, loc) in plan.items()}}
+    meta["attention_heads"] = rec
+    return rec
