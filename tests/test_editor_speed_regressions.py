@@ -133,3 +133,67 @@ def test_code_panel_of_llama70b_megatron_is_a_few_dozen_lines():
     fresh = sl.create_schedule(meta_copy(model), world_size=8)
     _exec_panel(panel, fresh)
     assert fresh.record.calls == calls
+
+
+def test_double_click_shows_a_busy_state_and_clears_it(editor, monkeypatch):
+    editor.open_level("encoder")
+    folded = [n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded"]
+    assert folded, "the two BERT layers are drawn as one folded node"
+    editor._info("before")
+    seen = []
+    real = editor._refresh_view
+
+    def spy(*a, **k):
+        seen.append((editor._busy, editor.message, editor._btn_preset.disabled, editor._btn_undo.disabled))
+        return real(*a, **k)
+
+    monkeypatch.setattr(editor, "_refresh_view", spy)
+    editor._on_node_dblclick(folded[0])
+    assert seen and seen[0] == (True, f"Working: unfolding {folded[0]}…", True, True)
+    assert not editor._busy and not editor._btn_preset.disabled and editor.message == "before"
+    assert folded[0] in editor.expanded
+    editor._on_node_dblclick("encoder.layer.1")  # opening a level: busy too
+    assert seen[-1][:3] == (True, "Working: opening encoder.layer.1…", True) and editor.level == "encoder.layer.1"
+    assert not editor._busy and not editor._btn_preset.disabled
+
+
+def test_double_click_failure_clears_the_busy_state_with_one_sentence(editor, monkeypatch):
+    editor.open_level("encoder")
+
+    def broken(*a, **k):
+        raise RuntimeError("dot: segfault at 0x0")
+
+    monkeypatch.setattr(editor, "_refresh_view", broken)
+    folded = next(n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded")
+    editor._on_node_dblclick(folded)  # never raises into the widget's message handler
+    assert not editor._busy and not editor._btn_preset.disabled and not editor._btn_shard.disabled
+    assert editor.message == (f"Could not show {folded}: drawing the graph failed (RuntimeError); "
+                              "the schedule is unchanged.")
+    assert folded not in editor.expanded
+
+
+def test_call_order_for_cut_checks_is_recorded_while_idle_not_on_first_double_click(bert, monkeypatch):
+    """In a kernel the editor records the forward call order (cut checks; ~1 s at 70B) after the cell
+    returns, so opening the first level does not record it."""
+    import asyncio
+
+    order = importlib.import_module("slapo_lab.pipeline.order")
+    recorded = []
+    real = order.record_call_order
+    monkeypatch.setattr(order, "record_call_order", lambda *a, **k: recorded.append(1) or real(*a, **k))
+    model, ids = bert
+
+    async def cell():
+        return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+
+    loop = asyncio.new_event_loop()
+    try:
+        ed = loop.run_until_complete(cell())
+        loop.run_until_complete(asyncio.sleep(0))  # the kernel goes idle: queued callbacks run
+    finally:
+        loop.close()
+    assert recorded == [1]
+    ed._on_node_dblclick("encoder")
+    ed._on_node_dblclick("encoder.layer.0")
+    assert ed.level == "encoder.layer.0" and "cut pipeline stage" not in ed._reasons.value
+    assert recorded == [1]

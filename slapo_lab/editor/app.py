@@ -699,16 +699,20 @@ class ScheduleEditor(W.VBox):
         buttons = [self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut, self._btn_preset,
                    self._btn_undo, self._btn_redo]
         was = [b.disabled for b in buttons]
+        before = (self._last_message, self._message.value)
         self._busy = True
         for b in buttons:
             b.disabled = True
         self._info(f"Working: {what}…")
+        working = self._message.value
         try:
             yield
         finally:
             self._busy = False
             for b, w in zip(buttons, was):
                 b.disabled = w
+            if self._message.value == working:  # the action said nothing of its own: put the line back
+                self._last_message, self._message.value = before
 
     @contextlib.contextmanager
     def _batch(self):
@@ -734,13 +738,25 @@ class ScheduleEditor(W.VBox):
         self.select(path)
 
     def _on_node_dblclick(self, path: str) -> None:
-        if self._is_folded(path):
-            self.expanded.add(path)
-            self._refresh_view(reset_view=True)
+        """Unfold a folded run of repeated blocks, or open a module's level; busy state meanwhile."""
+        folded = self._is_folded(path)
+        target = path if folded else self._resolve_node(path)
+        if target is None or not (folded or self.schedule[target].child):
             return
-        path = self._resolve_node(path)
-        if path is not None and self.schedule[path].child:
-            self.open_level(path)
+        what = f"unfolding {target}" if folded else f"opening {target}"
+        try:
+            with self._working(what):
+                if folded:
+                    self.expanded.add(target)
+                    self._refresh_view(reset_view=True)
+                else:
+                    self.open_level(target)
+        except Exception as err:  # never let a double-click kill the kernel
+            _log.exception("double-click failed")
+            if folded:
+                self.expanded.discard(target)
+            self._error(f"Could not show {target}: drawing the graph failed ({type(err).__name__}); "
+                        "the schedule is unchanged.")
 
     def _on_shard(self) -> None:
         if self._param.value is None:
@@ -1090,6 +1106,23 @@ class ScheduleEditor(W.VBox):
         self._refresh_code()
         self._refresh_costs()
         self._refresh_view(reset_view)
+        loop = _running_loop()
+        if loop is not None and self.example_inputs:  # in a kernel: once this cell / click is done
+            loop.call_soon(self._prefetch_checks)
+
+    def _prefetch_checks(self) -> float:
+        """Record the forward call order that the cut checks (and the cut button's reason) need, so the
+        first navigation does not pay for it; a no-op when it is cached. Returns seconds spent."""
+        import time
+
+        from ..pipeline.order import call_order
+
+        t0 = time.perf_counter()
+        try:
+            call_order(self.schedule)
+        except Exception as err:  # the check then runs (and explains itself) on the first cut
+            _log.warning("call order not recorded ahead: %s", err)
+        return time.perf_counter() - t0
 
     def _refresh_view(self, reset_view: bool = False) -> None:
         """Redraw after navigation (selection, level, folding): nothing that depends only on the schedule."""
