@@ -143,6 +143,22 @@ def test_replay_reproduces_the_rewrite():
     assert sch2.record.code() == sch.record.code()
 
 
+def test_editor_preset_undo_redo_restore_head_attributes():
+    """The editor rebuilds from a meta copy and replays on undo: the per-rank head counts follow."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, tp_train.VOCAB, (2, 8))
+    ed = sl.ScheduleEditor(tp_train.t5_model(), example_inputs={"input_ids": ids, "decoder_input_ids": ids[:, :4]},
+                           world_size=2)
+
+    def heads():
+        return {(m.n_heads, m.inner_dim) for m in ed.schedule.mod.modules() if type(m).__name__ == "T5Attention"}
+
+    assert heads() == {(4, 32)}
+    assert ed.apply_preset("megatron") is None and heads() == {(2, 16)}
+    assert ed.undo() is None and heads() == {(4, 32)}
+    assert ed.redo() is None and heads() == {(2, 16)}
+
+
 def test_world_size_one_changes_nothing():
     model, sch = _sched(tp_train.opt_model, ws=1)
     presets.megatron_tp(sch, vocab_parallel=False)
@@ -321,3 +337,35 @@ def test_exported_family_script_verifies_on_two_ranks(family, tmp_path, run_boun
     grads = GRAD_DIFF.findall(r.stdout)
     assert len(grads) == 1 and int(grads[0][0]) > 0 and float(grads[0][1]) <= 1e-5, explain
     assert all(float(d) <= 1e-5 for d in outputs.values()), explain
+
+
+class MinusOneAttention(_Projections):
+    """Reshapes with -1 heads: its head attributes are never read after __init__."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.inner_dim = 4, 16
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj((torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class RegisteredAttention(MinusOneAttention):
+    pass
+
+
+def test_register_attention_heads():
+    from slapo_lab.sharding import register_attention_heads
+
+    with pytest.raises(ValueError, match="not a head-count or head-width attribute"):
+        register_attention_heads("RegisteredAttention", ["dropout"])
+    register_attention_heads("RegisteredAttention", ["num_heads", "inner_dim"])
+    model = nn.Sequential(MinusOneAttention(), RegisteredAttention())
+    sch = sl.create_schedule(model, world_size=2)
+    for i in (0, 1):
+        presets.column_parallel(sch, f"{i}.q_proj")
+    assert (model[0].num_heads, model[0].inner_dim) == (4, 16)  # not read at run time: left as built
+    assert (model[1].num_heads, model[1].inner_dim) == (2, 8)   # registered: per rank
+    assert sl.module_state(model[1])["attention_heads"]["attrs"] == {"num_heads": [4, 2], "inner_dim": [16, 8]}
