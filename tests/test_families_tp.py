@@ -32,8 +32,8 @@ SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import tp_train
 
-FAMILY_CASES = ["roberta_megatron_tp", "opt_megatron_tp", "gpt_neo_megatron_tp", "t5_megatron_tp",
-                "t5_gated_megatron_tp"]
+FAMILY_CASES = ["roberta_megatron_tp", "opt_megatron_tp", "opt_350m_layout_megatron_tp", "gpt_neo_megatron_tp",
+                "t5_megatron_tp", "t5_gated_megatron_tp"]
 
 
 def _sched(make, ws=2):

@@ -78,12 +78,15 @@ def roberta_mlm_model():
     return RobertaForMaskedLM(cfg)
 
 
-def opt_model():
+def opt_model(**kw):
+    """OPT; ``word_embed_proj_dim=16, do_layer_norm_before=False`` gives OPT-350M's layout (narrower embeddings
+    with project_in / project_out, post-norm blocks)."""
     from transformers import OPTConfig, OPTForCausalLM
 
+    kw = {"word_embed_proj_dim": 32, **kw}
     cfg = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=VOCAB,
-                    max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
-                    pad_token_id=1, bos_token_id=2, eos_token_id=2, use_cache=False)
+                    max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2,
+                    eos_token_id=2, use_cache=False, **kw)
     return OPTForCausalLM(cfg)
 
 
@@ -152,7 +155,9 @@ CASES = {
 # (tests/test_families_tp.py).
 FAMILY_CASES = {
     "roberta": [("roberta_megatron_tp", roberta_mlm_model, lambda s: presets.megatron_tp(s))],
-    "opt": [("opt_megatron_tp", opt_model, lambda s: presets.megatron_tp(s))],
+    "opt": [("opt_megatron_tp", opt_model, lambda s: presets.megatron_tp(s)),
+            ("opt_350m_layout_megatron_tp", lambda: opt_model(word_embed_proj_dim=16, do_layer_norm_before=False),
+             lambda s: presets.megatron_tp(s))],
     "gpt_neo": [("gpt_neo_megatron_tp", gpt_neo_model, lambda s: presets.megatron_tp(s))],
     "t5": [("t5_megatron_tp", t5_model, lambda s: presets.megatron_tp(s)),
            ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s))],
