@@ -184,7 +184,7 @@ def test_stage_checkpoint_cut_and_selection_use_distinct_channels():
     assert "drop-shadow" in rule and "stroke" not in rule
     assert not re.search(r"slapo-selected[^{]*\{[^}]*stroke", css)
     # dark theme: fills let the background through, text follows the theme
-    assert re.search(r"data-jp-theme-light='false'\][^{]*g\.node > path[^{]*\{[^}]*fill-opacity", css)
+    assert re.search(r"data-jp-theme-light='false'\][^{]*g\.node path[^{]*\{[^}]*fill-opacity", css)
 
 
 def test_editor_styles_and_legend_channels():

@@ -83,7 +83,7 @@ def _running_loop():
 _COL = "#c6dbef"   # column parallel / partitioned output (fill)
 _ROW = "#fdd0a2"   # row parallel / partial output (fill)
 _TP_INSIDE = "#e5f5e0"
-_CKPT = "#6a51a3"  # legend swatch of the dashed border
+_CKPT = "#718096"  # legend swatch of the dashed border (readable on light and dark)
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 _CUT = "#d6336c"   # the bar after a cut (render.CUT_COLOUR)
 _OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
@@ -846,15 +846,15 @@ class ScheduleEditor(W.VBox):
             op_name = op if isinstance(op, str) else getattr(op, "__name__", "fn")
             badges.append(f"{_OPS.get(op_name, op_name)} {str(mode).split('_')[0]}")
         style: dict[str, Any] = {}
-        if stage_of is not None and path in stage_of:
-            badges.append(f"stage {stage_of[path]}")
-            style["band"] = _STAGES[stage_of[path] % len(_STAGES)]
         if meta.get("checkpoint"):
             badges.append("ckpt")
             style["dashed"] = True
         if meta.get("cut"):
             badges.append("cut")
             style["cut"] = True
+        if stage_of is not None and path in stage_of:  # last: the band shows it when badges overflow
+            badges.append(f"stage {stage_of[path]}")
+            style["band"] = _STAGES[stage_of[path] % len(_STAGES)]
         if fill:
             style["fill"] = fill
         if badges:
