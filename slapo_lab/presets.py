@@ -1,10 +1,10 @@
 """Canonical schedules, applied through ordinary primitive calls (so they are recorded and exportable).
 
 Every preset calls ``sch[path].shard(...)`` / ``.sync(...)`` / ``.checkpoint()`` like a user would and
-returns the :class:`~slapo_lab.record.Call` objects it appended to ``sch.record``. A failing call raises
-its :class:`~slapo_lab.errors.ScheduleError`; calls made before it stay applied (as with ``replay``).
-Most failures (heads not divisible by the world size ...) happen on the first block, before anything
-changed.
+returns the :class:`~slapo_lab.record.Call` objects it appended to ``sch.record``. Presets are all or
+nothing (:func:`atomic`): when a call fails midway (block 2 of 24 ...), its
+:class:`~slapo_lab.errors.ScheduleError` propagates and the schedule, the model and the record are exactly
+as before the preset.
 
 Megatron-LM tensor parallelism per transformer block (Slapo's canonical schedules, reference.md):
 
@@ -34,7 +34,10 @@ The sequence length must divide by the world size.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+from collections import OrderedDict
 
 from torch import nn
 
@@ -63,6 +66,12 @@ ROW_NAMES = frozenset({
 
 
 COLUMN_NAMES = COLUMN_NAMES | {"wi", "wi_0", "wi_1"}  # T5's (gated) feed-forward input projections
+# ALBERT: AlbertAttention.dense is its output projection, AlbertLayer.ffn / ffn_output its MLP
+COLUMN_NAMES = COLUMN_NAMES | {"ffn"}
+ROW_NAMES = ROW_NAMES | {"attention.dense", "ffn_output"}
+# Per-head norms applied to q / k after the head split (Qwen3, Gemma 3 ...): replicated weights of size head_dim
+# that see only this rank's heads, so their gradients are partial sums (HF style "replicated_with_grad_allreduce").
+HEAD_NORM_NAMES = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm"})
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -75,6 +84,116 @@ def _is_norm(mod: nn.Module) -> bool:
 
 def _since(sch, n: int) -> list[Call]:
     return list(sch.record.calls[n:])
+
+
+def _copy_containers(v, depth: int = 0):
+    """``v`` with its dicts / lists / sets copied (recursively); tensors, modules, functions and hook
+    handles are shared: the state a primitive changes in place is the containers, never those objects."""
+    if depth > 8:
+        return v
+    if type(v) in (dict, OrderedDict):
+        return type(v)((k, _copy_containers(x, depth + 1)) for k, x in v.items())
+    if type(v) is list:
+        return [_copy_containers(x, depth + 1) for x in v]
+    if type(v) is set:
+        return set(v)
+    return v
+
+
+class _Snapshot:
+    """Everything a primitive may change, captured without copying a tensor (see :func:`atomic`)."""
+
+    def __init__(self, sch) -> None:
+        top = sch.get_top_schedule()
+        self.top = top
+        self.modules = []
+        self.tensors = []
+        seen: set[int] = set()
+        for mod in top.mod.modules():
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            self.modules.append((mod, _copy_containers(mod.__dict__)))
+            for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    self.tensors.append((t, dict(t.__dict__)))
+        self.nodes = [(node, dict(node.__dict__), OrderedDict(node.child)) for _, node in top.named_schedules()]
+        state = top._top
+        self.state = {k: v for k, v in state.__dict__.items() if k != "record"}
+        self.metadata = _copy_containers(dict(state.metadata.__dict__))
+        self.extra = dict(state.extra)
+        rec = state.record
+        self.record = {k: _copy_containers(v) for k, v in rec.__dict__.items() if k != "_listeners"}
+        self.n_calls = len(rec.calls)
+
+    def restore(self) -> None:
+        for mod, d in self.modules:
+            mod.__dict__.clear()
+            mod.__dict__.update(d)
+        for t, d in self.tensors:
+            for k in [k for k in t.__dict__ if k not in d]:
+                del t.__dict__[k]
+            t.__dict__.update(d)
+        for node, d, child in self.nodes:
+            node.__dict__.clear()
+            node.__dict__.update(d)
+            node.__dict__["child"] = child
+        state = self.top._top
+        state.__dict__.update(self.state)
+        state.metadata.__dict__.clear()
+        state.metadata.__dict__.update(self.metadata)
+        state.extra.clear()
+        state.extra.update(self.extra)
+        state.extra.pop("owners", None)  # rebuilt on the next look-up
+        rec = state.record
+        changed = len(rec.calls) != self.n_calls
+        for k, v in self.record.items():
+            rec.__dict__[k] = v
+        if changed:
+            rec._notify()
+
+
+@contextlib.contextmanager
+def atomic(sch):
+    """All or nothing: if the block raises, the schedule tree, its modules and the record are put back.
+
+    Presets make many primitive calls; one that fails midway (block 2 of 24 ...) would otherwise leave the
+    calls before it applied. On entry this captures, without copying any tensor, what primitives change:
+    every module's ``__dict__`` (parameters, buffers, hooks, ``_slapo_meta``, feature counts, an installed
+    ``forward``), every parameter's annotations (``shard_axis``, ``sequence_parallel`` ...), every schedule
+    node, the tree's metadata and the record. Primitives replace tensors rather than write into them, so
+    restoring those containers restores the model exactly. On an exception the state is restored, record
+    listeners are notified once, and the exception propagates. Nested blocks join the outermost one
+    (one capture per preset, however many helpers it calls).
+
+    Raises:
+        whatever the block raises (after restoring).
+    """
+    extra = sch.get_top_schedule()._top.extra
+    if extra.get("atomic_open"):
+        yield
+        return
+    snap = _Snapshot(sch)
+    extra["atomic_open"] = True
+    try:
+        yield
+    except BaseException:
+        snap.restore()
+        raise
+    finally:
+        extra.pop("atomic_open", None)
+
+
+def _all_or_nothing(fn):
+    """Run the preset ``fn(sch, ...)`` inside :func:`atomic`: a failing preset leaves nothing applied."""
+
+    @functools.wraps(fn)
+    def wrapper(sch, *args, **kwargs):
+        with atomic(sch):
+            return fn(sch, *args, **kwargs)
+
+    return wrapper
 
 
 def detect_family(sch) -> str | None:
@@ -119,6 +238,7 @@ def _dense(sch, path: str, what: str):
     return node, rule
 
 
+@_all_or_nothing
 def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` column parallel (Megatron ``ColumnParallelLinear``).
 
@@ -139,6 +259,7 @@ def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Cal
     return _since(sch, n)
 
 
+@_all_or_nothing
 def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` row parallel (Megatron ``RowParallelLinear``).
 
@@ -171,11 +292,15 @@ def _classify(rel: str) -> str | None:
 
 
 def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
-    """``(path, "column" | "row" | "norm")`` for the projections and norms of one block, in module order.
+    """``(path, kind)`` for the projections, norms and experts of one block, in module order.
 
-    Projections are ``nn.Linear`` / HF ``Conv1D`` recognised by name (``q_proj``, ``query``, ``c_attn``,
-    ``gate_proj``, ``intermediate.dense`` ... column; ``o_proj``, ``c_proj``, ``output.dense``, ``down_proj``
-    ... row, see ``COLUMN_NAMES`` / ``ROW_NAMES``); other linears stay replicated.
+    Kinds: ``"column"`` / ``"row"``: ``nn.Linear`` / HF ``Conv1D`` recognised by name (``q_proj``, ``query``,
+    ``c_attn``, ``gate_proj``, ``intermediate.dense``, ALBERT's ``ffn`` ... column; ``o_proj``, ``c_proj``,
+    ``output.dense``, ``down_proj``, ALBERT's ``attention.dense`` / ``ffn_output`` ... row, see
+    ``COLUMN_NAMES`` / ``ROW_NAMES``; other linears stay replicated); ``"norm"``; ``"head_norm"`` (a per-head
+    q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"qk_norm_full"`` (a q/k norm over all heads, which
+    cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
+    table such as T5's relative attention bias).
     """
     block = sch[block_path]
     out = []
@@ -189,10 +314,69 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             if kind:
                 out.append((path, kind))
         elif _is_norm(mod) and any(p is not None for p in mod._parameters.values()):
-            out.append((path, "norm"))
+            out.append((path, _norm_kind(node)))
+        elif _is_experts(mod):
+            out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
     return out
+
+
+def _is_experts(mod: nn.Module) -> bool:
+    from .sharding.experts import is_experts_module
+
+    return is_experts_module(mod)
+
+
+def _head_dim(attn: nn.Module) -> int | None:
+    from .sharding.rules import attention_heads
+
+    cfg = getattr(attn, "config", None)
+    for obj in (attn, cfg):
+        v = getattr(obj, "head_dim", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    heads = attention_heads(attn)
+    hidden = getattr(cfg, "hidden_size", None)
+    return hidden // heads[0] if heads and isinstance(hidden, int) else None
+
+
+def _norm_kind(node) -> str:
+    """``"norm"`` (a block norm), ``"head_norm"`` (per-head q/k norm of size head_dim) or ``"qk_norm_full"``
+    (a q/k norm over all heads' features: OLMo 2 style, which tensor parallelism would change)."""
+    if node.name not in HEAD_NORM_NAMES or node.parent is None:
+        return "norm"
+    w = next(p for p in node.mod._parameters.values() if p is not None)
+    hd = _head_dim(node.parent.mod)
+    return "head_norm" if hd is not None and w.shape[-1] == hd else "qk_norm_full"
+
+
+@_all_or_nothing
+def experts_parallel(sch, path: str) -> list[Call]:
+    """Tensor-parallel experts at ``path`` (an HF experts module with 3-D ``gate_up_proj`` / ``down_proj``).
+
+    ``gate_up_proj`` (or ``up_proj``) and its bias on the intermediate axis, ``bwd_post all_reduce`` (the
+    input and routing-weight gradients are partial), ``down_proj`` on the intermediate axis, ``fwd_post
+    all_reduce`` (the experts' outputs are partial sums); see :mod:`slapo_lab.sharding.experts`.
+
+    Raises:
+        ScheduleError: when ``path`` is no such module, or a primitive refuses (sizes not divisible ...).
+    """
+    from .sharding.experts import UP_NAMES, intermediate_axis
+
+    node = sch[path]
+    mod = node.mod
+    if not _is_experts(mod):
+        raise ScheduleError(f"experts_parallel needs an experts module with 3-D expert weights at {path}, "
+                            f"not a {type(mod).__name__}.")
+    n = len(sch.record)
+    for name in (*UP_NAMES, "gate_up_proj_bias", "up_proj_bias"):
+        if mod._parameters.get(name) is not None:
+            node.shard(name, axis=intermediate_axis(mod, name))
+    node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    node.shard("down_proj", axis=intermediate_axis(mod, "down_proj"))
+    node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    return _since(sch, n)
 
 
 def _is_head_table(node) -> bool:
@@ -201,6 +385,7 @@ def _is_head_table(node) -> bool:
     return is_head_table(ShardSite(node.mod, "weight", node.parent.mod, node.name, node.path), 1)
 
 
+@_all_or_nothing
 def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call]:
     """Megatron tensor parallelism for one transformer block at ``block_path`` (any family).
 
@@ -212,6 +397,13 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
     """
     layers = block_layers(sch, block_path)
     kinds = {k for _, k in layers}
+    if "experts" in kinds:
+        kinds |= {"column", "row"}
+    full = next((p for p, k in layers if k == "qk_norm_full"), None)
+    if full is not None:
+        raise ScheduleError(
+            f"{full} normalises q or k over all attention heads' features, so splitting the heads across "
+            "ranks would change its result; this model's attention cannot be tensor parallel by heads.")
     if "column" not in kinds or "row" not in kinds:
         names = ", ".join(p for p, _ in layers) or "none"
         raise ScheduleError(
@@ -225,7 +417,10 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
             row_parallel(sch, path, sequence_parallel)
         elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
             sch[path].shard("weight", axis=1)
-        elif sequence_parallel:
+        elif kind == "experts":
+            experts_parallel(sch, path)
+        elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
+            # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
             sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
     return _since(sch, n)
 
@@ -237,6 +432,21 @@ def _path_of(sch, mod: nn.Module) -> str | None:
     return None
 
 
+def has_vocab_embedding(sch) -> bool:
+    """Whether the model's ``get_input_embeddings()`` is an ``nn.Embedding`` (a vocabulary to shard).
+
+    False for vision models (ViT's input embedding is a patch ``Conv2d``) and models without the HF method;
+    the editor's Megatron button passes this as ``megatron_tp(vocab_parallel=...)``.
+    """
+    get_in = getattr(sch.mod, "get_input_embeddings", None)
+    try:
+        emb = get_in() if callable(get_in) else None
+    except NotImplementedError:
+        emb = None
+    return isinstance(emb, nn.Embedding)
+
+
+@_all_or_nothing
 def vocab_parallel_embeddings(sch) -> list[Call]:
     """Vocab-parallel input embedding and, if the model has one, a vocab-parallel output embedding.
 
@@ -300,15 +510,24 @@ def hf_tp_plan(sch) -> dict[str, str]:
     return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
 
 
-_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather"}
+_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
+              "replicated_with_grad_allreduce": "grad_allreduce", "moe_tp_experts": "experts",
+              "packed_colwise": "packed_column"}
+# styles HF also uses for single parameters of an experts module (covered by that module's "moe_tp_experts")
+_HF_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise")
 
 
+@_all_or_nothing
 def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     """Apply an HF tensor-parallel plan (default :func:`hf_tp_plan`) with our primitives.
 
     ``"colwise"`` -> :func:`column_parallel`, ``"rowwise"`` -> :func:`row_parallel`,
     ``"colwise_gather_output"`` -> column parallel plus ``fwd_post all_gather(axis=-1,
-    tensor_parallel_output_grad=False)``. Modules are visited in tree order.
+    tensor_parallel_output_grad=False)``, ``"replicated_with_grad_allreduce"`` (Qwen3's per-head ``q_norm`` /
+    ``k_norm``) -> ``sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)``,
+    ``"moe_tp_experts"`` (Mixtral's ``mlp.experts``) -> :func:`experts_parallel`; the plan's entries for
+    that module's parameters (``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``) are
+    what :func:`experts_parallel` does, so they are covered by it. Modules are visited in tree order.
 
     Raises:
         ScheduleError: for an empty plan, a style with no mapping, or a pattern that matches nothing
@@ -333,6 +552,18 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
                 targets.append((p, kind))
                 hit.add(pat)
                 break
+    experts = {p for p, kind in targets if kind == "experts"}
+    for pat, rx, kind in compiled:
+        if pat in hit or plan[pat] not in _HF_PARAM_STYLES:
+            continue
+        owners = {p for p, node in sch.named_schedules() for name in node.mod._parameters
+                  if rx.match(f"{p}.{name}" if p else name)}
+        if owners and owners <= experts:
+            hit.add(pat)  # a parameter of an experts module that experts_parallel shards
+    packed = next((p for p, kind in targets if kind == "packed_column"), None)
+    if packed is not None:
+        raise ScheduleError(f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
+                            "has no preset mapping; it is supported for the weights of an experts module only.")
     missing = [pat for pat, _, _ in compiled if pat not in hit]
     if missing:
         raise ScheduleError(f"The tensor-parallel plan entry {missing[0]!r} matches no module.")
@@ -340,6 +571,10 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     for p, kind in targets:
         if kind == "row":
             row_parallel(sch, p)
+        elif kind == "grad_allreduce":
+            sch[p].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+        elif kind == "experts":
+            experts_parallel(sch, p)
         else:
             column_parallel(sch, p)
             if kind == "column_gather":
@@ -347,6 +582,7 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     return _since(sch, n)
 
 
+@_all_or_nothing
 def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, sequence_parallel: bool = False,
                 use_hf_plan: bool = False) -> list[Call]:
     """Slapo's canonical Megatron tensor-parallel schedule for BERT, GPT-2, Llama (or any block stack).
@@ -402,6 +638,7 @@ def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, 
     return _since(sch, n)
 
 
+@_all_or_nothing
 def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
     """Activation-checkpoint the transformer blocks (:func:`find_blocks`).
 
@@ -429,7 +666,7 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
 
 
 __all__ = [
-    "COLUMN_NAMES", "FAMILIES", "ROW_NAMES", "apply_hf_tp_plan", "block_layers", "checkpoint_blocks",
-    "column_parallel", "detect_family", "find_blocks", "hf_tp_plan", "megatron_tp", "row_parallel", "tp_block",
-    "vocab_parallel_embeddings",
+    "COLUMN_NAMES", "FAMILIES", "HEAD_NORM_NAMES", "ROW_NAMES", "apply_hf_tp_plan", "atomic", "block_layers",
+    "checkpoint_blocks", "column_parallel", "detect_family", "experts_parallel", "find_blocks", "has_vocab_embedding",
+    "hf_tp_plan", "megatron_tp", "row_parallel", "tp_block", "vocab_parallel_embeddings",
 ]

@@ -87,3 +87,129 @@ def test_runner_never_uses_a_shell(tmp_path):
     r = VerifyRunner()
     cmd = r.command("a b; rm -rf x.py", 2, "cpu")
     assert cmd[0] == sys.executable and "a b; rm -rf x.py" in cmd
+
+
+# ------------------------------------------------------------------ issue 11: the whole tree ends, output is capped
+_TREE = r"""
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+    start_new_session=True)
+print(f"PIDS {os.getpid()} {child.pid}", flush=True)
+"""
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _pids_from(lines):
+    for ln in lines:
+        if "PIDS " in ln:
+            return [int(x) for x in ln.split("PIDS ", 1)[1].split()]
+    return []
+
+
+def _wait_for_pids(lines, seconds=90):
+    deadline = time.monotonic() + seconds
+    while not _pids_from(lines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = _pids_from(lines)
+    assert pids, "the fake rank did not start:\n" + "\n".join(lines[-20:])
+    return pids
+
+
+def _cleanup(pids):
+    import os
+    import signal
+
+    for pid in pids:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_cancel_ends_workers_and_their_children_in_other_sessions(tmp_path):
+    lines = []
+    r = VerifyRunner(on_line=lines.append, grace=1.0)
+    r.start(_script(tmp_path, _TREE + "time.sleep(600)\n"), 1, "cpu", timeout=300)
+    pids = _wait_for_pids(lines)
+    try:
+        assert r.cancel() is True
+        res = r.wait(60)
+        assert res is not None, "the run did not end after Cancel"
+        assert res.status == "cancelled"
+        left = [p for p in [*pids, *r.pids] if not _gone(p)]
+        assert left == [], f"processes of the tree still alive after Cancel: {left}"
+    finally:
+        _cleanup(pids)
+
+
+def test_timeout_ends_the_tree_and_reports(tmp_path):
+    lines = []
+    done = []
+    r = VerifyRunner(on_line=lines.append, on_done=done.append, grace=1.0)
+    r.start(_script(tmp_path, _TREE + "time.sleep(600)\n"), 1, "cpu", timeout=15)
+    pids = _wait_for_pids(lines)
+    try:
+        res = r.wait(90)
+        assert res is not None and res.status == "timeout" and done == [res]
+        assert [p for p in [*pids, *r.pids] if not _gone(p)] == []
+    finally:
+        _cleanup(pids)
+
+
+def test_leftover_child_after_a_normal_exit_is_ended(tmp_path):
+    """A rank exits but leaves a child (own session, holding the output pipe): the run still ends."""
+    lines = []
+    r = VerifyRunner(on_line=lines.append, grace=1.0)
+    r.start(_script(tmp_path, _TREE + "time.sleep(1)\nprint('Verify: PASSED', flush=True)\n"), 1, "cpu", timeout=300)
+    pids = _wait_for_pids(lines)
+    try:
+        res = r.wait(90)
+        assert res is not None, "the run never ended: a leftover child kept it open"
+        assert res.status == "passed"
+        assert [p for p in [*pids, *r.pids] if not _gone(p)] == []
+    finally:
+        _cleanup(pids)
+
+
+def test_a_50_mb_line_is_cut_and_memory_stays_bounded(tmp_path):
+    import tracemalloc
+
+    from slapo_lab.editor.verify_runner import MAX_LINE_CHARS
+
+    body = ("sys.stdout.write('x' * 50_000_000 + '\\n'); sys.stdout.flush()\n"
+            "print('after the long line', flush=True)\n")
+    seen = []
+    r = VerifyRunner(on_line=lambda ln: seen.append(len(ln)))
+    tracemalloc.start()
+    try:
+        r.start(_script(tmp_path, body), 1, "cpu", timeout=120)
+        res = r.wait(150)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert res is not None and res.status == "crashed"  # no "Verify: PASSED": a crash, reported normally
+    assert any(ln == "after the long line" for ln in res.lines)
+    long = next(ln for ln in res.lines if ln.startswith("xxxx"))
+    assert len(long) < MAX_LINE_CHARS + 100 and "more bytes of this line not shown" in long
+    assert max(seen) < MAX_LINE_CHARS + 100
+    assert peak < 8_000_000, f"reading a 50 MB line peaked at {peak / 1e6:.0f} MB of Python memory"
+
+
+def test_kept_log_is_capped(tmp_path):
+    from slapo_lab.editor.verify_runner import MAX_LOG_CHARS
+
+    body = "line = 'y' * 9000\nfor i in range(400):\n    print(i, line)\nprint('Verify: PASSED')\n"
+    r = VerifyRunner()
+    r.start(_script(tmp_path, body), 1, "cpu", timeout=120)
+    res = r.wait(150)
+    assert res.status == "passed"  # the verdict survives dropping old lines
+    assert sum(len(ln) for ln in res.lines) <= MAX_LOG_CHARS + 100
+    assert res.lines[0].endswith("earlier lines not kept]") and res.lines[-1] == "Verify: PASSED"

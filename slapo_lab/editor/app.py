@@ -520,7 +520,14 @@ class ScheduleEditor(W.VBox):
         self._btn_verify.disabled = True
         self._info((note + " " if note else "") + f"Verifying on {nproc} rank(s)…")
         self._runner = VerifyRunner(on_line=self._on_verify_line, on_done=self._on_verify_done)
-        self._runner.start(script, nproc, dev, timeout=timeout, note=note)
+        try:
+            self._runner.start(script, nproc, dev, timeout=timeout, note=note)
+        except (OSError, RuntimeError) as err:  # the buttons must never stay disabled
+            self._btn_cancel.disabled = True
+            self._btn_verify.disabled = False
+            self._progress.layout.visibility = "hidden"
+            self._error(f"Verify could not start: {err}")
+            return None
         if wait:
             return self._runner.wait()
         return self._runner
@@ -530,6 +537,7 @@ class ScheduleEditor(W.VBox):
         return self._runner is not None and self._runner.cancel()
 
     def _on_verify_line(self, line: str) -> None:
+        """One output line (already cut at MAX_LINE_CHARS by the runner); the panel keeps the last 200."""
         self._log_lines.append(line)
         del self._log_lines[:-200]
         self._progress.value = min(self._progress.max - 1, self._progress.value + 1)
@@ -805,7 +813,13 @@ class ScheduleEditor(W.VBox):
             from ..graph import record_dataflow
 
             # the schedule's meta copy, before any primitive touched it (one copy fewer at start-up)
-            self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs))
+            from ..graph.dataflow import DataflowError
+
+            try:
+                self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs))
+            except DataflowError:  # a data-dependent `if t.all():` on meta (HF's packed-sequence check with
+                # use_cache=False): record again guessing True; the guesses are listed in flow.assumptions
+                self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs), assume_bool=True)
         except Exception as err:
             self._flow = None
             reason = str(err).splitlines()[0][:200].rstrip(".")

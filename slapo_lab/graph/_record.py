@@ -51,6 +51,31 @@ _NO_CACHE_NAMES = frozenset(
 )
 
 
+def _meta_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` on meta tensors: the output of the shape and dtype a CPU or GPU kernel gives.
+
+    torch's meta kernel for ``_grouped_mm`` enforces the CUDA kernel's limits (bfloat16 only, 16-byte
+    aligned strides), so an fp32 model that runs fine on CPU -- HF's default ``grouped_mm`` experts of
+    Mixtral / Qwen3-MoE in transformers 5.x -- could not be recorded on meta at all. Shapes follow
+    ``torch._meta_registrations._create_grouped_mm_output_tensor`` (2-D x 3-D -> ``(M, N)``, 3-D x 3-D ->
+    ``(G, M, N)``, 2-D x 2-D -> ``(len(offs), M, N)``, 3-D x 2-D -> ``(M, N)``).
+    """
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    elif a2:
+        size = (mat_a.shape[0], mat_b.shape[-1])
+    elif b2:
+        size = (mat_a.shape[1], mat_b.shape[1])
+    else:
+        size = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=_META)
+
+
+# ops whose meta kernels refuse inputs their CPU kernels accept: replaced on meta by a shape-only version
+_META_OVERRIDES = {torch._grouped_mm: _meta_grouped_mm} if hasattr(torch, "_grouped_mm") else {}
+
+
 class PassThrough:
     """Marker "function" of the synthetic op that re-versions a tensor a module returns unchanged."""
 
@@ -333,6 +358,10 @@ class Recorder(TorchFunctionMode):
         ins: list = []
         out = None
         cached = False
+        recorded = func  # the op as the model called it (an override only computes its meta result)
+        override = _META_OVERRIDES.get(func) if _META_OVERRIDES else None
+        if override is not None and args and isinstance(args[0], _Tensor) and args[0].is_meta:
+            func = override
         if self.use_cache and _func_cacheable(func):
             key = [func]
             ok = True
@@ -412,7 +441,7 @@ class Recorder(TorchFunctionMode):
             out_tids.append(self._new_tid(o, op))
         if not out_tids:
             return out
-        self.op_func.append(func)
+        self.op_func.append(recorded)
         self.op_call.append(self.stack[-1])
         self.op_in.append(tuple(in_tids))
         self.op_out.append(tuple(out_tids))

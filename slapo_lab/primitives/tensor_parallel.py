@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
+from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
 from ..sharding import sync_ops
 from ..sharding.rules import ShardSite, get_shard_rule, local_shard
 from .base import Primitive, register_primitive
@@ -297,7 +298,7 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
         raise ScheduleError(
             f"{where} produces partial sums (row parallel), so its output needs all_reduce or reduce_scatter, "
             f"not {op}.")
-    if mode == "bwd_post" and out_type == "partial":
+    if mode == "bwd_post" and out_type == "partial" and not meta.get("replicated_input"):
         raise ScheduleError(
             f"{where} is row parallel: its input is already split, so its input gradient must not be "
             "all-reduced; put bwd_post all_reduce on the column-parallel layer before it.")
@@ -360,7 +361,7 @@ class SyncPrimitive(Primitive):
             return
         if mode == "bwd_post":
             def pre(module, args, kw):
-                wrap = lambda x: sync_ops.all_reduce_backward(x, g) if (  # noqa: E731
+                wrap = lambda x: sync_ops.all_reduce_backward(x, g) if (
                     isinstance(x, torch.Tensor) and x.is_floating_point()) else x
                 return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
 

@@ -109,6 +109,54 @@ def t5_model(ff: str = "relu"):
     return T5ForConditionalGeneration(cfg)
 
 
+def _decoder_cfg(cls, **kw):
+    """Issue 10's tiny decoder config: 2 layers, hidden 64, 4 heads, 2 KV heads, no cache."""
+    return cls(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
+               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
+
+
+def qwen3_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(_decoder_cfg(Qwen3Config, head_dim=16))
+
+
+def mistral_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(_decoder_cfg(MistralConfig))
+
+
+def mixtral_model():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(_decoder_cfg(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
+
+
+def albert_model():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return AlbertForMaskedLM(AlbertConfig(num_hidden_layers=2, hidden_size=64, embedding_size=32, intermediate_size=128,
+                                          num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                          classifier_dropout_prob=0.0))
+
+
+def vit_model():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                               num_attention_heads=4, image_size=32, patch_size=8, num_labels=10,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def pixels(ids):
+    """ViT's input for a batch: images drawn from a generator seeded by the token batch (same on every rank)."""
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return torch.randn(BATCH, 3, 32, 32, generator=g)
+
+
 def bert_manual(sch):
     """Slapo's canonical BERT schedule written out call by call (the reference.md list)."""
     apply_bert_tp(sch, 2, checkpoint=False, embeddings="embeddings.word_embeddings")
@@ -163,6 +211,20 @@ FAMILY_CASES = {
            ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s))],
 }
 
+FAMILY_CASES.update({
+    # issue 10: the Megatron preset on Qwen3 (per-head q/k norms), Mistral (GQA), Mixtral (tensor-parallel experts),
+    # ALBERT (one shared layer, tied vocab-parallel decoder), ViT (no vocabulary)
+    "families2": [
+        ("qwen3_megatron_tp", qwen3_model, lambda s: presets.megatron_tp(s)),
+        ("qwen3_hf_plan", qwen3_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
+        ("mistral_megatron_tp", mistral_model, lambda s: presets.megatron_tp(s)),
+        ("mixtral_megatron_tp", mixtral_model, lambda s: presets.megatron_tp(s)),
+        ("mixtral_hf_plan", mixtral_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
+        ("albert_megatron_tp", albert_model, lambda s: presets.megatron_tp(s)),
+        ("vit_megatron_tp", vit_model, lambda s: presets.megatron_tp(s, vocab_parallel=False)),
+    ],
+})
+
 
 def batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
@@ -172,7 +234,10 @@ def batch(step: int):
 
 
 def loss_of(model, ids, labels):
-    """A replicated scalar loss: the LM / MLM loss, or a fixed projection of BertModel's outputs."""
+    """A replicated scalar loss: the LM / MLM loss, ViT's classification loss, or a fixed projection of
+    BertModel's outputs."""
+    if getattr(model.config, "model_type", "") == "vit":
+        return model(pixel_values=pixels(ids), labels=labels[:, 0] % model.config.num_labels).loss
     if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
         return model(input_ids=ids, labels=labels).loss
     out = model(input_ids=ids)
@@ -196,9 +261,11 @@ def run_case(name, make, schedule, tp) -> dict:
     t0 = time.perf_counter()
     sch = sl.create_schedule(model)
     ids, labels = batch(-1)
-    inputs = {"input_ids": ids}
-    if name.startswith(("gpt2", "llama")):
+    inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
+    if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):
         inputs["use_cache"] = False
+    if name.startswith("t5"):  # encoder and decoder (a shorter target: cross attention with q != k lengths)
+        inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
     if name.startswith("t5"):  # encoder and decoder (a shorter target: cross attention with q != k lengths)
         inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
     with sl.Verify(sch, inputs, device="cpu", eval_mode=False) as v:

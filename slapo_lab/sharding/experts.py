@@ -1,0 +1,114 @@
+"""Shard rule for HF mixture-of-experts blocks whose experts are stored as 3-D parameters.
+
+transformers 5.x keeps all experts of a sparse MoE block in one module (``MixtralExperts``, Qwen3-MoE,
+OLMoE ... decorated with ``@use_experts_implementation``): ``gate_up_proj`` of shape ``(experts, 2 *
+intermediate, hidden)`` holds each expert's gate and up projections back to back on axis 1, ``down_proj``
+of shape ``(experts, hidden, intermediate)`` maps back (``is_transposed`` models store both transposed:
+``(experts, hidden, 2 * intermediate)`` and ``(experts, intermediate, hidden)``).
+
+Tensor-parallel experts (Megatron's MLP split applied to every expert; HF's ``moe_tp_experts`` plan):
+
+* ``gate_up_proj`` on its intermediate axis (1, or 2 when transposed) -- *strided* by 2 when gate and up
+  are concatenated, so each rank keeps its slice of the gate *and* of the up projection (``shard_stride``
+  = 2) and ``gate_up.chunk(2, dim=-1)`` inside the expert forward still separates them;
+* ``down_proj`` on its intermediate axis (2, or 1 when transposed): each rank's experts produce partial
+  sums, so the module's output type is ``"partial"`` and needs ``sync(mode="fwd_post",
+  sync_op_or_fn="all_reduce")``;
+* the module's inputs (hidden states and the router's ``top_k_weights``) feed every rank's partial
+  computation, so their gradients are partial too: ``sync(mode="bwd_post", sync_op_or_fn="all_reduce")``
+  on the experts module (the ``f`` of Megatron; the integer ``top_k_index`` is left alone).
+
+The router (``gate``) stays replicated: every rank routes every token identically. The expert axis (0) is
+refused: expert parallelism needs an all-to-all token exchange that this rule does not provide.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..module_state import module_meta
+from .rules import ShardRule, ShardSite
+
+UP_NAMES = ("gate_up_proj", "up_proj")
+DOWN_NAME = "down_proj"
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """Whether ``mod`` stores its experts as 3-D parameters (``gate_up_proj`` / ``up_proj`` + ``down_proj``)."""
+    down = mod._parameters.get(DOWN_NAME) if isinstance(mod, nn.Module) else None
+    if not isinstance(down, torch.Tensor) or down.dim() != 3:
+        return False
+    up = next((mod._parameters.get(n) for n in UP_NAMES if mod._parameters.get(n) is not None), None)
+    return isinstance(up, torch.Tensor) and up.dim() == 3 and isinstance(getattr(mod, "num_experts", None), int)
+
+
+def _transposed(mod: nn.Module) -> bool:
+    return bool(getattr(mod, "is_transposed", False))
+
+
+def intermediate_axis(mod: nn.Module, name: str) -> int | None:
+    """The axis of ``name`` (an expert weight or bias) that holds the intermediate features, or None."""
+    t = _transposed(mod)
+    if name in UP_NAMES:
+        return 2 if t else 1
+    if name == DOWN_NAME:
+        return 1 if t else 2
+    if name in ("gate_up_proj_bias", "up_proj_bias"):
+        return 1
+    return None
+
+
+class ExpertsRule(ShardRule):
+    """Tensor-parallel experts: ``gate_up_proj`` / ``up_proj`` column-like, ``down_proj`` row-like (see module doc).
+
+    Output type after ``down_proj`` is sharded: ``"partial"`` (the experts' sum needs an all-reduce). The
+    module also gets ``_slapo_meta["replicated_input"] = True``: it holds both halves of the MLP, so unlike
+    a row-parallel linear its input is replicated and ``bwd_post all_reduce`` on it is right.
+    """
+
+    def matches(self, mod):
+        return is_experts_module(mod)
+
+    def check(self, mod, name, axis):
+        want = intermediate_axis(mod, name)
+        if want is None:
+            return (f"only the expert weights ({', '.join(n for n in (*UP_NAMES, DOWN_NAME) if n in mod._parameters)}) "
+                    "can be sharded, on their intermediate axis (tensor-parallel experts)")
+        if axis == 0 and name != "gate_up_proj_bias" and name != "up_proj_bias":
+            return ("axis 0 splits the experts themselves (expert parallelism), which needs an all-to-all token "
+                    f"exchange; shard {name} on its intermediate axis {want} instead (tensor-parallel experts)")
+        if axis != want:
+            return f"{name} holds the intermediate features on axis {want}; other axes would split the hidden size"
+        if name == DOWN_NAME and mod._parameters.get("down_proj_bias") is not None:
+            return ("its down_proj_bias would be added on every rank before the all_reduce; experts with an "
+                    "output bias cannot be tensor parallel")
+        return None
+
+    def stride(self, site: ShardSite, axis: int) -> int:
+        mod = site.mod
+        if site.name in ("gate_up_proj", "gate_up_proj_bias") and getattr(mod, "is_concatenated", True):
+            return 2  # [gate; up] back to back: each rank keeps its slice of both
+        return 1
+
+    def apply(self, mod, name, axis, world_size, rank):
+        meta = module_meta(mod)
+        meta["replicated_input"] = True
+        if name == DOWN_NAME:
+            meta["output_type"] = "partial"
+            meta["output_axis"] = None
+            if isinstance(getattr(mod, "intermediate_dim", None), int):
+                mod.intermediate_dim = mod.down_proj.shape[axis]
+
+
+__all__ = ["ExpertsRule", "intermediate_axis", "is_experts_module"]
+
+
+
+def _register() -> None:
+    from .rules import _RULES, register_shard_rule
+
+    if not any(isinstance(r, ExpertsRule) for r in _RULES):  # once, even if this module is reloaded
+        register_shard_rule(ExpertsRule())
+
+
+_register()
