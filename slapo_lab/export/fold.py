@@ -97,12 +97,23 @@ def find_runs(calls: list[Call], var: str = "sch") -> list[Call | Run]:
     At each position the run covering the most calls wins (ties: the shorter block).
     """
     tails = [_tail(c, var) for c in calls]
+    at: dict[str, list[int]] = {}  # path -> positions, ascending
+    for k, c in enumerate(calls):
+        at.setdefault(c.path, []).append(k)
     out: list[Call | Run] = []
     s, n = 0, len(calls)
     while s < n:
         best: Run | None = None
-        if any(_INDEX.match(p) for p in calls[s].path.split(".")):
-            for length in range(1, (n - s) // 2 + 1):
+        parts = calls[s].path.split(".")
+        # a block of length L can start here only if call s + L is call s one layer on (one index + 1):
+        # trying just those lengths keeps a long unfoldable record linear instead of quadratic
+        lengths = set()
+        for k, part in enumerate(parts):
+            if _INDEX.match(part):
+                nxt = ".".join(parts[:k] + [str(int(part) + 1)] + parts[k + 1:])
+                lengths.update(q - s for q in at.get(nxt, ()) if s < q <= s + (n - s) // 2)
+        if lengths:
+            for length in sorted(lengths):
                 run = _run_at(calls, tails, s, length)
                 if run is not None and (best is None or run.length * run.count > best.length * best.count):
                     best = run
