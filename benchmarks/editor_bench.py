@@ -6,7 +6,8 @@ Prints, with ratios against a baseline measured in the same run (one full ``torc
     kernel was idle, and without that idle time;
   * opening one decoder layer; unfolding all layers into nodes;
   * a selection (median; it must run no graphviz: the count of renders is printed);
-  * a click (apply a primitive + update of the visible level): median and p95 over N clicks.
+  * a click (apply a primitive + update of the visible level): median and p95 over N clicks;
+  * undo/redo per user action after the Megatron preset (undo one later click, undo the preset, redo).
 
 Usage: python benchmarks/editor_bench.py [--clicks 100] [--layers 80] [--no-export]
 """
@@ -27,6 +28,29 @@ def llama70b(layers: int):
                       intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
+
+
+def undo_figures(model, ids) -> dict[str, float]:
+    """Undo/redo per user action after the Megatron preset (issue 11), on a fresh editor of ``model``.
+
+    Returns seconds: ``preset`` (applying it, ~14 calls per layer), ``undo_click`` (undo one click made
+    after the preset: the preset's calls are replayed on a fresh meta copy), ``undo_preset`` (undo the
+    preset: one action, whatever its number of calls) and ``redo_preset``; ``calls`` is the preset's
+    number of calls.
+    """
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=8)
+    out = {}
+    t = time.perf_counter()
+    assert ed.apply_preset("megatron") is None, ed.message
+    out["preset"] = time.perf_counter() - t
+    out["calls"] = len(ed.schedule.record.calls)
+    assert ed.apply("checkpoint", path="model.layers.0") is None, ed.message
+    for key, fn in (("undo_click", ed.undo), ("undo_preset", ed.undo), ("redo_preset", ed.redo)):
+        t = time.perf_counter()
+        assert fn() is None, ed.message
+        out[key] = time.perf_counter() - t
+    assert len(ed.schedule.record.calls) == out["calls"]
+    return out
 
 
 def main() -> None:
@@ -124,6 +148,11 @@ def main() -> None:
           f"graphviz renders: {sel_renders}")
     print(f"click (apply + update), {len(times)} clicks: median {med * 1e3:.1f} ms{vs(med)}, p95 {p95 * 1e3:.1f} ms"
           f"{vs(p95)} (goal p95 ≤ 100 ms); ratio p95/median {p95 / med:.2f}")
+    u = undo_figures(model, ids)
+    print(f"undo after the Megatron preset ({u['calls']} calls, one action): undo one later click "
+          f"{u['undo_click']:.3f} s{vs(u['undo_click'])} ({u['undo_click'] / u['preset']:.2f}x applying the preset, "
+          f"{u['preset']:.3f} s); undo the whole preset {u['undo_preset']:.3f} s{vs(u['undo_preset'])}; "
+          f"redo it {u['redo_preset']:.3f} s{vs(u['redo_preset'])} (goal: undo well under 1 s per action)")
 
 
 if __name__ == "__main__":
