@@ -1054,9 +1054,9 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
                 f"(slapo_lab.pipeline.make_mesh: tp = {world_size}, pp = {stages} stages, dp = the rest); "
                 "applies the schedule on this rank's tensor-parallel group and splits the model into its "
                 f"pipeline stages on {runtime}. With --verify (the default) it first runs one training step "
-                "next to an unscheduled copy (dropout off) and compares the loss, every gradient and every "
-                "updated weight, printing the largest differences and exiting with status 1 on failure; then "
-                "it puts the weights back and trains for --steps steps on synthetic inputs of the example's "
+                "on a small batch (--verify-batch-size) next to an unscheduled copy (dropout off) and compares "
+                "the loss, every gradient and every updated weight, printing the largest differences and "
+                "exiting with status 1 on failure; then it frees the copy, puts the weights back and trains for --steps steps on synthetic inputs of the example's "
                 "shapes (seeded), each data-parallel replica on its slice of the batch. " + loss_doc)
         headline = f"{stages} pipeline stages" + (f" x {world_size}-way tensor parallelism" if world_size > 1 else "")
         layout = ((f"Processes are laid out as tensor x pipeline x data parallelism (tp = {world_size}, pp = "
@@ -1072,9 +1072,9 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
                         "of its first output onto a fixed random unit vector (the same on every rank).")
         what = (f"What it does: builds the full model {parts['BUILD_DOC']} with a fixed seed (random "
                 "weights, identical on every rank); with --verify (the default) keeps a copy, applies the schedule "
-                "and checks this rank's shard against the copy (forward outputs and every gradient, sharded "
-                "gradients gathered), printing the largest differences and exiting with status 1 on failure; then "
-                "trains for --steps steps on synthetic inputs of the example's shapes (seeded)"
+                "and checks this rank's shard against the copy on a small batch (--verify-batch-size; forward "
+                "outputs and every gradient, sharded gradients gathered), printing the largest differences and "
+                "exiting with status 1 on failure; then frees the copy and trains for --steps steps on synthetic inputs of the example's shapes (seeded)"
                 + (", each data-parallel replica on its slice of the batch, with DeepSpeed's engine "
                    "(deepspeed.initialize). " if ds else ", the same on every rank. ") + loss_doc)
         headline = f"{world_size}-way tensor parallelism" if world_size > 1 else "one process"
