@@ -118,11 +118,14 @@ class StageAssignment:
     blocks: str | None = None
     num_blocks: int = 0
     merged: list[str] = field(default_factory=list)
+    #: path -> schedule node, for every path of ``order`` (one walk serves the plan too)
+    nodes: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _find_blocks(sch) -> tuple[str | None, int]:
+def _find_blocks(nodes: dict) -> tuple[str | None, int]:
+    """The longest ``ModuleList``/``Sequential`` (the shallowest among equals) of ``{path: node}``."""
     best, best_n, best_depth = None, 1, math.inf
-    for path, node in sch.named_schedules():
+    for path, node in nodes.items():
         if isinstance(node.mod, (nn.ModuleList, nn.Sequential)):
             n, depth = len(node.child), path.count(".")
             if n > best_n or (n == best_n and depth < best_depth):
@@ -142,9 +145,11 @@ def stage_assignment(sch) -> StageAssignment:
     """
     order: list[str] = []
     end: dict[str, int] = {}
+    nodes: dict = {}
 
     def walk(node, path):
         order.append(path)
+        nodes[path] = node
         for name, c in node.child.items():
             walk(c, f"{path}.{name}" if path else name)
         end[path] = len(order) - 1
@@ -167,8 +172,8 @@ def stage_assignment(sch) -> StageAssignment:
         while s < len(boundaries) and boundaries[s] < i:
             s += 1
         stage_of[path] = s
-    blocks, n_blocks = _find_blocks(sch)
-    return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged)
+    blocks, n_blocks = _find_blocks(nodes)
+    return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged, nodes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -667,7 +672,9 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
     blk_lo: list[int | None] = [None] * n
     blk_hi: list[int | None] = [None] * n
     bprefix = (assign.blocks + ".") if assign.blocks else None
-    for path, node in top.named_schedules():
+    block_index = {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)} if assign.blocks else {}
+    for path in assign.order:
+        node = assign.nodes[path]
         s = assign.stage_of[path]
         mod = node.mod
         if path:
@@ -675,7 +682,7 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
                 first[s] = path
             last[s] = path
         if bprefix is not None and path.startswith(bprefix) and "." not in path[len(bprefix):]:
-            idx = list(node.parent.child).index(node.name) if node.parent is not None else 0
+            idx = block_index.get(node.name, 0)
             blk_lo[s] = idx if blk_lo[s] is None else min(blk_lo[s], idx)
             blk_hi[s] = idx if blk_hi[s] is None else max(blk_hi[s], idx)
         st = stats[s]
