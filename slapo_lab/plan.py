@@ -200,7 +200,7 @@ class ActivationProfile:
     fake: bool = False
 
 
-from .utils import iter_tensors as _tensors  # noqa: E402  (one walker for nested tensors)
+from .utils import iter_tensors as _tensors  # one walker for nested tensors
 
 
 def _first_batch(inputs: Any) -> int | None:
