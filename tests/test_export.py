@@ -753,6 +753,8 @@ def test_pipeline_verify_compares_on_one_device(gpt2_pipeline, tmp_path):
     assert ns["compare"](stage, ref) == (0.0, 0.0, True)
     diff, rel, ok = ns["compare"](stage, ref + 0.5)
     assert (diff, ok) == (0.5, False) and rel == pytest.approx(0.5 / (5.5 + 1e-5))
+    assert ns["compare"](stage, ref + 0.5, atol=1e-5, rtol=0.0, scale=0.1) == (diff, rel, True)   # 0.5 <= 0.1 x 5.5
+    assert ns["compare"](stage, ref * 1.1, atol=1e-5, rtol=0.03, scale=0.03)[2] is False   # bf16 tolerance still bites
     a, b = ns["on_one_device"](stage, stage)
     assert a.device.type == b.device.type == "cuda"  # already together: compared where they are
     source = text[text.index("def verify_pipeline("):]

@@ -524,15 +524,16 @@ def same(a, b):
     return a.shape == b.shape and torch.equal(a, b)
 
 
-def compare(a, b, atol=1e-5, rtol=1e-5):
-    """(max abs diff, max rel diff, within atol + rtol * |b| everywhere) of two tensors (wherever they are)."""
+def compare(a, b, atol=1e-5, rtol=1e-5, scale=0.0):
+    """(max abs diff, max rel diff, within atol + scale * max|b| + rtol * |b| everywhere) of two tensors (wherever
+    they are); ``scale`` > 0 lets the absolute tolerance follow the tensor's magnitude (bf16)."""
     a, b = on_one_device(a, b)
     if a.shape != b.shape:
         return float("inf"), float("inf"), False
     if not a.numel():
         return 0.0, 0.0, True
-    diff = float((a - b).abs().max())
-    return diff, diff / (float(b.abs().max()) + atol), bool(torch.allclose(a, b, atol=atol, rtol=rtol))
+    diff, top = float((a - b).abs().max()), float(b.abs().max())
+    return diff, diff / (top + atol), bool(torch.allclose(a, b, atol=atol + scale * top, rtol=rtol))
 
 
 def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, device, dropout):
@@ -540,9 +541,10 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, devic
     samples); True if it matches.
 
     Compares the step's loss, every gradient and every updated weight -- this rank's shard of each of
-    its parameters against the matching slice of the reference's -- within atol = rtol = 1e-5 (fp32)
-    or BF16_TOL (--bf16: both models in bfloat16, but the pipeline sums its micro-batches' gradients
-    in bf16 where the reference takes one batch), prints the largest differences over all ranks
+    its parameters against the matching slice of the reference's -- within atol = rtol = 1e-5 (fp32),
+    or with --bf16 (both models in bfloat16, but the pipeline sums its micro-batches' gradients in bf16
+    where the reference takes one batch) rtol = BF16_TOL and atol = 1e-5 + BF16_TOL x the tensor's
+    largest reference value, prints the largest differences over all ranks
     (rank 0), then puts the weights and the optimizer state back, so training starts where it would
     have without --verify.
     """
@@ -550,7 +552,7 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, devic
 
     params = dict(pm.named_parameters())
     bf16 = any(p.dtype == torch.bfloat16 for p in params.values())
-    atol = rtol = BF16_TOL if bf16 else 1e-5
+    atol, rtol, scale = (1e-5, BF16_TOL, BF16_TOL) if bf16 else (1e-5, 1e-5, 0.0)
     local = batch_size // dp
     before = {name: p.detach().clone() for name, p in params.items()}
     refs = dict(reference.named_parameters(remove_duplicate=False))
@@ -586,8 +588,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, devic
     for name, p in params.items():
         if name in refs:
             g = grads.get(name, torch.zeros_like(p))
-            rows[name] = (compare(g, mine(name, ref_grads[name]), atol, rtol)
-                          + compare(p, mine(name, refs[name]), atol, rtol))
+            rows[name] = (compare(g, mine(name, ref_grads[name]), atol, rtol, scale)
+                          + compare(p, mine(name, refs[name]), atol, rtol, scale))
     mine_all = {"rows": rows, "init_bad": init_bad, "unknown": unknown}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine_all)
@@ -638,7 +640,8 @@ def verify_pipeline(args, pm, opt, reference, mesh, dp, batch, batch_size, devic
         if unknown:
             lines.append(f"Verify: parameters the reference lacks: {', '.join(unknown[:5])}")
         status = "PASSED" if passed else "FAILED"
-        lines.append(f"Verify: {status} (atol {atol:g}, rtol {rtol:g}, device {device})")
+        tolerance = f"atol {atol:g}" + (f" + {scale:g} x max |reference| per tensor" if scale else "")
+        lines.append(f"Verify: {status} ({tolerance}, rtol {rtol:g}, device {device})")
         print("\\n".join(lines), flush=True)
     return passed
 '''
