@@ -422,8 +422,13 @@ def render_svg(
         All text is HTML-escaped and control characters are shown as escapes, so hostile module names
         (quotes, ``<script>``, newlines) cannot break the SVG.
       styles: ``{node id: {"fill": "#rrggbb", "color": "#rrggbb", "badges": ["TP:0", "ckpt"],
-        "penwidth": 2.0}}``; every key optional; node ids are those of ``G`` (module paths, fold keys
-        such as ``"encoder.layer.0-11"``).  Badges (at most 6, 24 chars each) are a third label line.
+        "penwidth": 2.0, "band": "#rrggbb", "dashed": True, "cut": True}}``; every key optional;
+        node ids are those of ``G`` (module paths, fold keys such as ``"encoder.layer.0-11"``).
+        Badges (at most 6, 24 chars each) are a third label line cut to ``MAX_BADGE_LINE`` characters
+        (see :func:`badge_line`; all of them are in the tooltip); ``band`` draws a coloured band down
+        the node's left side (pipeline stage), ``dashed`` a dashed border (checkpoint), ``cut`` a bar
+        across the start of every outgoing edge (class ``slapo-cut-edge``).  Edges may carry a
+        ``tooltip`` (e.g. per-rank shapes from :func:`~slapo_lab.graph.dataflow.per_rank_edges`).
       rankdir: graphviz rank direction ("TB" top to bottom, "LR" left to right).
       timeout: seconds allowed for each graphviz subprocess.
 
@@ -440,7 +445,9 @@ def render_svg(
     identical geometry.  See :func:`layout_cache_info`.  Edges of a node with at least ``FAN`` (6)
     outgoing (or incoming) edges are drawn without a label (the shape is their tooltip) and the graph
     uses ``concentrate=true``: a source feeding every one of 80 expanded layers would otherwise take
-    dot minutes.
+    dot minutes.  A chain of more than ``MAX_CHAIN`` (12) nodes is wrapped into left-aligned rows
+    (80 layers: 12 rows of 7), so the drawing stays about as wide as tall and its 12-pt / 10-pt text
+    readable when fitted (top to bottom only).
 
     Raises:
       ValueError: a colour that is not ``#rrggbb``, a bad pen width, an unknown style key, or a bad
