@@ -251,7 +251,7 @@ def parse_args(argv=None):
                    help="cuda: one GPU per process (local rank %% GPUs); cpu (default: cuda if available)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="the process group: auto = nccl on cuda, gloo on cpu; gloo on cuda lets several "
-                        "processes share a GPU (testing)")
+                        "processes share a GPU for testing (not pipelines: gloo sends CPU tensors only)")
     p.add_argument("--steps", type=int, default=10, help="training steps")
     p.add_argument("--batch-size", type=int, default=<<BATCH>>, help=<<BATCH_HELP>>)
 <<SEQ_ARG>>    p.add_argument("--micro-batches", type=int, default=<<MICRO>>,
