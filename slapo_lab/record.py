@@ -42,10 +42,14 @@ class Call:
         Call this *before* the primitive runs: later primitives mutate the module object that went
         into the model in place (``shard`` slices its weight, ``replace`` moves hooks onto it), so
         replaying the very same object would replay those later changes too. Returns ``self``;
-        a no-op (no copy) when no argument is a module.
+        a no-op (no copy) when no argument is a module, or when a module cannot be deep-copied
+        (then replay uses the object itself, as recorded).
         """
         if _has_module((self.args, self.kwargs)):
-            object.__setattr__(self, "_pristine", _copy_modules((self.args, self.kwargs)))
+            try:
+                object.__setattr__(self, "_pristine", _copy_modules((self.args, self.kwargs)))
+            except Exception:  # noqa: BLE001 - an uncopyable module must not make the primitive fail
+                pass
         return self
 
     def replay_args(self) -> tuple[tuple, dict]:

@@ -260,3 +260,17 @@ def test_cli_unexpected_error_is_one_sentence(tmp_path, capsys, monkeypatch):
     assert cli.main(["export", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("slapo-lab export: error: ") and "KeyError" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_module_that_cannot_be_copied_still_replaces():
+    import threading
+
+    class Locked(nn.Linear):
+        def __init__(self):
+            super().__init__(8, 16)
+            self.lock = threading.Lock()  # deepcopy raises TypeError on a lock
+
+    sch = sl.create_schedule(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), world_size=2)
+    new = Locked()
+    sch["0"].replace(new)
+    assert sch["0"].mod is new and sch.record.calls[0].replay_args()[0][0] is new
