@@ -50,7 +50,7 @@ _BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("Lla
 # Families whose attention keeps head counts in attributes (OPT, GPT-Neo, T5: the shard rules rewrite them per
 # rank, slapo_lab/sharding/heads.py) and RoBERTa (BERT's names); T5Block covers the encoder and the decoder.
 _BLOCK_CLASSES.update({"roberta": ("RobertaLayer",), "opt": ("OPTDecoderLayer",), "gpt_neo": ("GPTNeoBlock",),
-                       "t5": ("T5Block",)})
+                       "t5": ("T5Block", "MT5Block", "UMT5Block")})
 FAMILIES = (*FAMILIES, "roberta", "opt", "gpt_neo", "t5")
 
 # Projections by their attribute name (last path component) or path suffix inside a block.
@@ -528,11 +528,14 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     ``"moe_tp_experts"`` (Mixtral's ``mlp.experts``) -> :func:`experts_parallel`; the plan's entries for
     that module's parameters (``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``) are
     what :func:`experts_parallel` does, so they are covered by it. Modules are visited in tree order.
+    Entries of the config's own plan that match no module of this model (layer kinds the family has but this
+    config does not build) are skipped, as HF does; an explicit ``plan`` must match everywhere.
 
     Raises:
-        ScheduleError: for an empty plan, a style with no mapping, or a pattern that matches nothing
-            (all checked before anything changes).
+        ScheduleError: for an empty plan, a style with no mapping, or an explicit plan's pattern that matches
+            nothing (all checked before anything changes).
     """
+    from_config = plan is None
     plan = hf_tp_plan(sch) if plan is None else plan
     if not plan:
         raise ScheduleError("The model's config has no base_model_tp_plan; use megatron_tp(sch, family=...) instead.")
@@ -565,6 +568,10 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
         raise ScheduleError(f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
                             "has no preset mapping; it is supported for the weights of an experts module only.")
     missing = [pat for pat, _, _ in compiled if pat not in hit]
+    if missing and from_config and hit:
+        # a config's plan covers every layer kind of the family (Qwen3-MoE's dense mlp.gate_proj exists only
+        # with mlp_only_layers): entries for kinds this model does not build are skipped, as HF does
+        missing = []
     if missing:
         raise ScheduleError(f"The tensor-parallel plan entry {missing[0]!r} matches no module.")
     n = len(sch.record)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import tp_train
 
 FAMILY_CASES = ["roberta_megatron_tp", "opt_megatron_tp", "opt_350m_layout_megatron_tp", "gpt_neo_megatron_tp",
-                "t5_megatron_tp", "t5_gated_megatron_tp"]
+                "t5_megatron_tp", "t5_gated_megatron_tp", "umt5_megatron_tp"]
 
 
 def _sched(make, ws=2):
@@ -120,6 +120,17 @@ def test_t5_preset_covers_encoder_decoder_and_head_tables(ff):
     assert out.logits.shape == (2, 4, tp_train.VOCAB)
 
 
+@pytest.mark.parametrize("variant", ["MT5", "UMT5"])
+def test_t5_copies_are_the_t5_family(variant):
+    model, sch = _sched(lambda: tp_train.t5_model("gated-gelu", variant))
+    assert presets.detect_family(sch) == "t5"
+    calls = presets.megatron_tp(sch)
+    attns = [m for m in model.modules() if type(m).__name__ == f"{variant}Attention"]
+    assert len(attns) == 6 and {(a.n_heads, a.inner_dim) for a in attns} == {(2, 16)}
+    tables = [c.path for c in calls if c.path.endswith("relative_attention_bias")]
+    assert len(tables) == (2 if variant == "MT5" else 4)  # UMT5: a relative bias in every self-attention layer
+
+
 def test_roberta_is_detected_and_keeps_its_reshape_attributes():
     model, sch = _sched(tp_train.roberta_mlm_model)
     assert presets.detect_family(sch) == "roberta"
@@ -190,7 +201,7 @@ def test_t5_relative_bias_heads_not_divisible_refused():
 
 def test_family_must_match_the_model():
     _, sch = _sched(tp_train.opt_model)
-    _assert_refused(sch, lambda: presets.megatron_tp(sch, family="t5"), "expects T5Block blocks")
+    _assert_refused(sch, lambda: presets.megatron_tp(sch, family="t5"), "expects T5Block or MT5Block")
 
 
 class _Cfg:

@@ -49,6 +49,9 @@ _REGISTRY: dict[str, tuple[str, ...]] = {
     "OPTAttention": ("num_heads", "embed_dim"),
     "GPTNeoSelfAttention": ("num_heads", "embed_dim"),
     "T5Attention": ("n_heads", "inner_dim"),
+    # T5's copies (same attributes, not subclasses)
+    **{name: ("n_heads", "inner_dim") for name in (
+        "MT5Attention", "UMT5Attention", "LongT5Attention", "LongT5LocalAttention", "LongT5TransientGlobalAttention")},
 }
 
 

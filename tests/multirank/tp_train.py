@@ -100,13 +100,17 @@ def gpt_neo_model():
     return GPTNeoForCausalLM(cfg)
 
 
-def t5_model(ff: str = "relu"):
-    from transformers import T5Config, T5ForConditionalGeneration
+def t5_model(ff: str = "relu", variant: str = "T5"):
+    """T5 (or its copies ``variant="MT5"`` / ``"UMT5"``, whose every layer has its own relative bias), with the
+    LM head tied to the shared embedding (T5's default; the decoder output is scaled by d_model ** -0.5)."""
+    import transformers
 
-    cfg = T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, d_ff=64, num_heads=4, vocab_size=VOCAB,
-                   relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj=ff,
-                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False)
-    return T5ForConditionalGeneration(cfg)
+    config_cls, model_cls = (getattr(transformers, f"{variant}{n}") for n in ("Config", "ForConditionalGeneration"))
+    cfg = config_cls(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, d_ff=64, num_heads=4,
+                     vocab_size=VOCAB, relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj=ff,
+                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False,
+                     tie_word_embeddings=True)
+    return model_cls(cfg)
 
 
 def _decoder_cfg(cls, **kw):
@@ -208,7 +212,8 @@ FAMILY_CASES = {
              lambda s: presets.megatron_tp(s))],
     "gpt_neo": [("gpt_neo_megatron_tp", gpt_neo_model, lambda s: presets.megatron_tp(s))],
     "t5": [("t5_megatron_tp", t5_model, lambda s: presets.megatron_tp(s)),
-           ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s))],
+           ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s)),
+           ("umt5_megatron_tp", lambda: t5_model("gated-gelu", "UMT5"), lambda s: presets.megatron_tp(s))],
 }
 
 FAMILY_CASES.update({
@@ -264,9 +269,7 @@ def run_case(name, make, schedule, tp) -> dict:
     inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
     if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):
         inputs["use_cache"] = False
-    if name.startswith("t5"):  # encoder and decoder (a shorter target: cross attention with q != k lengths)
-        inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
-    if name.startswith("t5"):  # encoder and decoder (a shorter target: cross attention with q != k lengths)
+    if name.split("_")[0].endswith("t5"):  # T5 / UMT5: encoder and decoder, a shorter target (q != k lengths)
         inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
     with sl.Verify(sch, inputs, device="cpu", eval_mode=False) as v:
         calls = schedule(sch)
