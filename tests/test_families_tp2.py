@@ -146,6 +146,20 @@ def test_mixtral_hf_plan_covers_the_expert_parameter_entries():
                                                                         "down_proj") in shards
 
 
+def test_a_config_plan_skips_layer_kinds_the_model_does_not_build():
+    """Qwen3-MoE's plan also names the dense MLP (mlp.gate_proj ...) of its mlp_only_layers; an all-MoE config
+    builds none, so those entries are skipped (as HF does) while an explicit plan must still match."""
+    sch = sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2)
+    plan = presets.hf_tp_plan(sch)
+    assert plan["model.layers.*.mlp.gate_proj"] == "colwise" and "model.layers.0.mlp.gate_proj" not in sch
+    presets.megatron_tp(sch, use_hf_plan=True, vocab_parallel=False)
+    shards = {(c.path, c.args[0]) for c in sch.record.calls if c.primitive == "shard"}
+    assert ("model.layers.0.mlp.experts", "down_proj") in shards and len(shards) == 2 * (4 + 2)
+    with pytest.raises(ScheduleError, match="matches no module"):
+        presets.apply_hf_tp_plan(sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2),
+                                 {"model.layers.*.mlp.gate_proj": "colwise"})
+
+
 def test_expert_parallel_axis_is_refused_in_one_sentence():
     sch = sl.create_schedule(build("mixtral"), world_size=2)
     with pytest.raises(ScheduleError, match="expert parallelism") as err:
@@ -233,7 +247,7 @@ def test_all_or_nothing_restores_parameter_annotations_and_checkpoints():
 
 # ----------------------------------------------------------------------------------- two real ranks
 TP_CASES = ["qwen3_megatron_tp", "qwen3_hf_plan", "mistral_megatron_tp", "mixtral_megatron_tp", "mixtral_hf_plan",
-            "albert_megatron_tp", "vit_megatron_tp"]
+            "qwen3_moe_hf_plan", "albert_megatron_tp", "vit_megatron_tp"]
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +273,7 @@ def test_family_tp_matches_the_unsharded_model_on_two_ranks(tp_results, case):
     assert not r["bad"], f"{case}: " + "; ".join(r["bad"])
     assert r["verify"] is True and len(r["loss"]) == 3 and r["n_sharded"] >= 12
     assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5 and r["max_param_diff"] <= 1e-5, r
-    if case.startswith("mixtral"):
+    if case.startswith(("mixtral", "qwen3_moe")):
         assert "model.layers.1.mlp.experts.gate_up_proj" in r["strided"]
 
 

@@ -138,6 +138,13 @@ def mixtral_model():
     return MixtralForCausalLM(_decoder_cfg(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
 
 
+def qwen3_moe_model():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(_decoder_cfg(Qwen3MoeConfig, head_dim=16, moe_intermediate_size=64, num_experts=4,
+                                            num_experts_per_tok=2))
+
+
 def albert_model():
     from transformers import AlbertConfig, AlbertForMaskedLM
 
@@ -225,6 +232,7 @@ FAMILY_CASES.update({
         ("mistral_megatron_tp", mistral_model, lambda s: presets.megatron_tp(s)),
         ("mixtral_megatron_tp", mixtral_model, lambda s: presets.megatron_tp(s)),
         ("mixtral_hf_plan", mixtral_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
+        ("qwen3_moe_hf_plan", qwen3_moe_model, lambda s: presets.megatron_tp(s, use_hf_plan=True)),
         ("albert_megatron_tp", albert_model, lambda s: presets.megatron_tp(s)),
         ("vit_megatron_tp", vit_model, lambda s: presets.megatron_tp(s, vocab_parallel=False)),
     ],
@@ -267,7 +275,7 @@ def run_case(name, make, schedule, tp) -> dict:
     sch = sl.create_schedule(model)
     ids, labels = batch(-1)
     inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
-    if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):
+    if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):  # qwen3_moe too
         inputs["use_cache"] = False
     if name.split("_")[0].endswith("t5"):  # T5 / UMT5: encoder and decoder, a shorter target (q != k lengths)
         inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
