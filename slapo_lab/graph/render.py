@@ -343,6 +343,8 @@ def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = ()):
             # wrapped rows: the row-to-row edge and the fan-out of a shared source (the rotary
             # embedding feeding every layer) must not pull the rows out of their grid
             lab_s += ", constraint=false"
+            if (u, v) not in wrap:  # a shared input of every row: drawn light, the chain stays in front
+                lab_s += ', color="#b4bcc8", penwidth=0.6, arrowsize=0.4'
         if u in cut_nodes:
             # a pipeline stage ends here: a thick bar across the start of each outgoing edge
             lab_s += f', class="slapo-cut-edge", dir=both, arrowtail=tee, color="{CUT_COLOUR}", penwidth=3'
