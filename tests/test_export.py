@@ -846,3 +846,22 @@ def test_verify_frees_the_reference_graph_before_the_scheduled_forward():
     scheduled.register_forward_pre_hook(lambda m, a: seen.append(all(p.grad is not None for p in ref.parameters())))
     report = sl.verify_models(ref, scheduled, torch.randn(3, 8), TPGroup(1, 0))
     assert report.passed and seen == [True], report.summary()
+
+
+def test_training_step_makes_no_per_step_host_round_trips(bert_tp, ids, tmp_path):
+    """Issue 10 (script slower than a hand loop on an H100): the probe vector was rebuilt on the CPU and copied
+    to the GPU in every step (a blocking copy: the host waited for the forward pass before it could queue the
+    backward) and each micro-batch's loss was read with .item(). Now the vector is made once per device and
+    the loss is read once per step."""
+    model, calls = bert_tp
+    text = export_script(tmp_path / "tp.py", model, calls, {"input_ids": ids}, world_size=2).read_text()
+    ns = _load_script(text)
+    hidden = torch.randn(2, 3, 64)
+    first = ns["probe_loss"](hidden, 7)
+    probe = next(iter(ns["PROBES"].values()))
+    assert torch.equal(ns["probe_loss"](hidden, 7), first) and next(iter(ns["PROBES"].values())) is probe
+    assert len(ns["PROBES"]) == 1
+    want = torch.randn(64, generator=torch.Generator().manual_seed(7))
+    assert torch.allclose(first, (hidden @ (want / want.norm())).square().mean())   # the same objective as before
+    loop = text[text.index("        for chunk in split_batch("):text.index("        optimizer.step()")]
+    assert ".item()" not in loop and "total += loss.detach()" in loop
