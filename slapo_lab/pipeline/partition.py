@@ -173,6 +173,90 @@ def _split_hooks(root: nn.Module, cuts: list[str]):
             h.remove()
 
 
+def _hop_parts(node: fx.Node):
+    """``(submodule get_attr node, operands, detach outputs?)`` of a grad/autocast wrapper HOP, else None.
+
+    ``torch.export`` (training IR) turns a ``torch.no_grad()`` region -- the rotary embedding of Llama,
+    Mistral, Qwen3, Mixtral -- into ``wrap_with_set_grad_enabled(False, submod, *operands)`` and an
+    autocast region into ``wrap_with_autocast(device, dtype, enabled, cache, submod, *operands)``.
+    """
+    if node.op != "call_function":
+        return None
+    hops = torch.ops.higher_order
+    if node.target is getattr(hops, "wrap_with_set_grad_enabled", None):
+        return node.args[1], node.args[2:], not node.args[0]
+    if node.target is getattr(hops, "wrap_with_autocast", None):
+        return node.args[4], node.args[5:], False
+    return None
+
+
+def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline grad-mode / autocast wrapper HOPs of the exported graph, in place (the ``split_policy``).
+
+    The pipelining frontend outlines each stage back into the module hierarchy from the nodes'
+    ``nn_module_stack``; the wrapper's ``get_attr`` of its body is placed apart from the call, so the
+    outliner sees the wrapping module (Llama's ``rotary_emb``) called twice, the first time with no
+    inputs, and stage 0 fails with "Expected positional argument for parameter unsqueeze_default".
+    The body's nodes (which keep their own ``nn_module_stack``) are copied in place of the call; the
+    outputs of a ``set_grad_enabled(False)`` region are detached, so no gradient flows through them,
+    exactly as under ``torch.no_grad()``. Autocast regions become plain code: the stage runs in the
+    caller's precision (the pipelines here train in one dtype). Nested wrappers are inlined too.
+    """
+    g = gm.graph
+    while True:
+        node = next((n for n in g.nodes if _hop_parts(n) is not None), None)
+        if node is None:
+            break
+        body_node, operands, detach = _hop_parts(node)
+        body = gm.get_submodule(body_node.target)
+        env: dict[fx.Node, Any] = {}
+        phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        env.update(zip(phs, operands))
+        results = None
+        with g.inserting_before(node):
+            for b in body.graph.nodes:
+                if b.op == "placeholder":
+                    continue
+                if b.op == "output":
+                    results = fx.node.map_arg(b.args[0], env.__getitem__)
+                    continue
+                if b.op == "get_attr":  # a nested wrapper's body: hoist it onto gm under a fresh name
+                    k = 0
+                    while hasattr(gm, f"_inlined_{body_node.target}_{k}"):
+                        k += 1
+                    name = f"_inlined_{body_node.target}_{k}"
+                    gm.add_submodule(name, body.get_submodule(b.target))
+                    new = g.get_attr(name)
+                    new.meta = dict(b.meta)
+                else:
+                    new = g.node_copy(b, env.__getitem__)
+                    if not new.meta.get("nn_module_stack") and node.meta.get("nn_module_stack"):
+                        new.meta["nn_module_stack"] = dict(node.meta["nn_module_stack"])
+                env[b] = new
+            outs = list(results) if isinstance(results, (tuple, list)) else [results]
+            if detach:
+                for i, x in enumerate(outs):
+                    if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+                        d = g.call_function(torch.ops.aten.detach.default, (x,))
+                        d.meta = {k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+                        outs[i] = d
+        for u in list(node.users):
+            if u.op == "call_function" and u.target is operator.getitem:
+                u.replace_all_uses_with(outs[u.args[1]])
+                g.erase_node(u)
+        if node.users:  # used as a whole (not seen in HF models): rebuild the tuple
+            raise ScheduleError("The exported model uses a no_grad/autocast region's result as a whole; "
+                                "the pipeline partitioner cannot inline it.")
+        g.erase_node(node)
+        if not body_node.users:
+            g.erase_node(body_node)
+            if not any(n.op == "get_attr" and n.target == body_node.target for n in g.nodes):
+                delattr(gm, body_node.target)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
 def _chunk0(x, n: int):
     if isinstance(x, torch.Tensor):
         if x.dim() == 0 or x.shape[0] % n:
@@ -504,6 +588,50 @@ def _keep_checkpoints(stage: nn.Module, paths: list[str]) -> list[str]:
     return done
 
 
+def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) -> list[dict[int, str]]:
+    """Re-tie aliased parameters inside each stage (in place) and return the cross-stage tied groups.
+
+    The pipelining frontend gives every use of a tied weight its own copy, per stage *and* per name:
+    T5's ``decoder.embed_tokens`` and ``lm_head`` (both ``shared``) ended up as two parameters of one
+    stage, each trained on half of the gradient. Here every set of names that alias one parameter
+    of ``model`` shares one object again within a stage (the stage module's attributes are pointed at
+    it), and one group ``{stage: name}`` per alias set held by several stages is returned for the
+    runtimes to sum gradients over (Slapo's ``analyze_tie_weights``). The name per stage is the one
+    PyTorch's ``Pipe.replicated_params`` reports where it has one, else the first in model order.
+    """
+    pref: dict[tuple[int, str], str] = {}
+    for mapping in replicated:
+        for sub, q in mapping.items():
+            orig = _orig_name(q)
+            if orig is not None:
+                pref[(int(sub.rsplit("_", 1)[1]), orig)] = orig
+    alias: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        alias.setdefault(id(p), []).append(name)
+    tied = []
+    for names in alias.values():
+        if len(names) < 2:
+            continue
+        group: dict[int, str] = {}
+        for st in stages:
+            held = [n for n in names if n in st.params]
+            if not held:
+                continue
+            keep_name = next((n for n in held if (st.index, n) in pref), held[0])
+            keep = st.params[keep_name]
+            for n in held:
+                p = st.params[n]
+                if p is keep:
+                    continue
+                owner, _, attr = (ROOT_PREFIX + n).rpartition(".")
+                st.module.get_submodule(owner)._parameters[attr] = keep
+                st.params[n] = keep
+            group[st.index] = keep_name
+        if len(group) > 1:
+            tied.append(group)
+    return tied
+
+
 def _orig_name(stage_fqn: str) -> str | None:
     return stage_fqn[len(ROOT_PREFIX):] if stage_fqn.startswith(ROOT_PREFIX) else None
 
@@ -585,7 +713,7 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
     model.train()
     try:
         with _split_hooks(root, cuts), exportable_sync_ops():
-            pipe = pipeline(root, mb_args, mb_kwargs or None)
+            pipe = pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
     except ScheduleError:
         raise
     except Exception as err:  # torch.export failures
@@ -622,21 +750,9 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
                 for k, v in src.__dict__.items():
                     p.__dict__.setdefault(k, v)
             params[orig] = p
-        seen, numel = set(), 0
-        for p in params.values():
-            if id(p) not in seen:
-                seen.add(id(p))
-                numel += p.numel()
-        stages.append(StageInfo(i, mod, params, ins[i], outs[i], numel))
-    tied = []
-    for mapping in pipe.replicated_params:
-        t = {}
-        for sub, q in mapping.items():
-            idx = int(sub.rsplit("_", 1)[1])
-            orig = _orig_name(q)
-            if orig is not None:
-                t[idx] = orig
-        if len(t) > 1:
-            tied.append(t)
+        stages.append(StageInfo(i, mod, params, ins[i], outs[i]))
+    tied = _tie_within_stages(model, stages, pipe.replicated_params)
+    for st in stages:
+        st.n_params = sum(p.numel() for p in {id(p): p for p in st.params.values()}.values())
     return PipelinePartition(pipe, cuts, stages, tied, liveness, input_names, tuple(mb_args), dict(mb_kwargs),
                              producer)

@@ -10,7 +10,8 @@ Runtimes (the ``target``):
 
 * ``"torch"``: ``torch.distributed.pipelining`` -- ``Pipe.build_stage`` per local stage and
   ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per rank) or ``ScheduleInterleaved1F1B`` (``stages_per_rank``
-  > 1, stage ``s`` on pipeline rank ``s % pp``). Gradients are scaled by ``1 / n_microbatches``
+  > 1, stage ``s`` on pipeline rank ``s % pp``; on a single rank, ``pp = 1``, all stages run in one
+  process and pass their values in memory). Gradients are scaled by ``1 / n_microbatches``
   (``scale_grads=True``), so a ``loss_fn`` that averages gives the full-batch gradient.
 * ``"deepspeed"``: ``deepspeed.pipe.PipelineModule`` with one layer per stage (see
   :mod:`slapo_lab.pipeline.deepspeed_runtime`) and ``engine.train_batch``.
@@ -228,7 +229,7 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
         under the original FQNs.
 
     Raises:
-        ScheduleError: unknown target or schedule; no cuts or a cut that cannot be honoured; a stage
+        ScheduleError: unknown target or schedule; torch.distributed not initialised; no cuts or a cut that cannot be honoured; a stage
             count that does not match ``pp * stages_per_rank``; ``stages_per_rank > 1`` with a
             single-stage schedule or with DeepSpeed; a batch not divisible by ``n_microbatches``; no
             optimizer for DeepSpeed.
@@ -258,6 +259,10 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     if n_cuts + 1 != pp * stages_per_rank:
         raise ScheduleError(f"The schedule has {n_cuts} cuts, i.e. {n_cuts + 1} stages, but the pipeline group has "
                             f"{pp} ranks x stages_per_rank={stages_per_rank} = {pp * stages_per_rank} stage slots.")
+    if pp_group is None:
+        raise ScheduleError("build_pipeline runs its stages on a process group, but torch.distributed is not "
+                            "initialised: launch with torchrun (or call dist.init_process_group, world size 1 "
+                            "for all stages in one process) first.")
     partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
     pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
@@ -269,7 +274,17 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     dev = torch.device(device)
-    pm.stages = [partition.pipe.build_stage(i, dev, pp_group) for i in stage_ids]
+    if pp == 1:
+        # every stage on this one rank (Interleaved1F1B, stages_per_rank = stages): the traced stages of
+        # Pipe.build_stage warm up by sending to their neighbour's rank, i.e. to themselves, which gloo
+        # refuses ("Pair is not connected"); PipelineStage passes values between stages of one rank
+        # in memory and infers their shapes from the first micro-batch.
+        from torch.distributed.pipelining import PipelineStage
+
+        pm.stages = [PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pp_group)
+                     for i in stage_ids]
+    else:
+        pm.stages = [partition.pipe.build_stage(i, dev, pp_group) for i in stage_ids]
     if schedule == "Interleaved1F1B":
         pm.schedule = ScheduleInterleaved1F1B(pm.stages, n_microbatches, loss_fn=loss_fn)
     else:

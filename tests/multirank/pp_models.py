@@ -124,6 +124,8 @@ def make(name: str) -> nn.Module:
         return NestedNet()
     if name == "t5":
         return t5()
+    if name in FAMILIES:
+        return FAMILIES[name][0]()
     raise KeyError(name)
 
 
@@ -148,6 +150,8 @@ LOSS = {"bert": cls_loss, "gpt2": lm_loss, "skip": token_loss, "nested": token_l
 def batch(name: str, step: int, batch_size: int):
     """``(inputs, target)`` of step ``step`` (same on every rank); ``inputs`` is a tensor of ids, or for T5
     a dict ``{"input_ids", "decoder_input_ids"}``."""
+    if name in FAMILIES:
+        return family_batch(name, step, batch_size)
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
     if name == "t5":
@@ -164,7 +168,7 @@ def batch(name: str, step: int, batch_size: int):
 
 def forward_output(name: str, model: nn.Module, inputs):
     """What the pipeline's last stage returns for this model (its default ``output_fn``)."""
-    if name == "t5":
+    if name == "t5" or name in FAMILIES:
         return model(**inputs).logits
     out = model(inputs) if name != "gpt2" else model(input_ids=inputs)
     return out.logits if name == "gpt2" else out
@@ -175,3 +179,138 @@ def take(inputs, lo: int, n: int):
     if isinstance(inputs, dict):
         return {k: v[lo:lo + n] for k, v in inputs.items()}
     return inputs[lo:lo + n]
+
+
+# ------------------------------------------------------------------ twelve HF families (issue 10)
+# Tiny random configs (2 blocks, hidden 64, 4 heads, vocab 128, no dropout, no KV cache); the cut is
+# after the first block, so each family runs as 2 stages. ``FAMILY_SEQ`` tokens per sample (ViT:
+# a 32 x 32 image in 8 x 8 patches, i.e. 16 patches + CLS).
+FAMILY_SEQ = 16
+_DROP = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+_DEC = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 64, "use_cache": False, "pad_token_id": 0,
+        "bos_token_id": 0, "eos_token_id": 0}
+
+
+def _bert_mlm():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=64, **_DROP))
+
+
+def _roberta():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    return RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                                            pad_token_id=1, bos_token_id=0, eos_token_id=2, **_DROP))
+
+
+def _albert():
+    # one layer group per layer (num_hidden_groups = layers): each block runs once, so it can end a stage
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return AlbertForMaskedLM(AlbertConfig(vocab_size=VOCAB, embedding_size=32, hidden_size=HIDDEN,
+                                          num_hidden_layers=2, num_hidden_groups=2, num_attention_heads=4,
+                                          intermediate_size=128, max_position_embeddings=64,
+                                          classifier_dropout_prob=0.0, **_DROP))
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0,
+                                    attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, use_cache=False,
+                                    pad_token_id=1, bos_token_id=0, eos_token_id=0))
+
+
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2, num_heads=4,
+                                          intermediate_size=128, attention_types=[[["global", "local"], 1]],
+                                          window_size=8, max_position_embeddings=64, embed_dropout=0.0,
+                                          attention_dropout=0.0, resid_dropout=0.0, use_cache=False,
+                                          bos_token_id=0, eos_token_id=0))
+
+
+def _t5_fam():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=128, num_layers=2,
+                                               num_decoder_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False,
+                                               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def _vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=128, image_size=32, patch_size=8, num_channels=3,
+                                               num_labels=CLASSES, **_DROP))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **_DEC))
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **_DEC))
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=16, **_DEC))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                            router_jitter_noise=0.0, **_DEC))
+
+
+# family: (builder, the cut, "kind": causal_lm | mlm | seq2seq | image)
+FAMILIES = {
+    "fam_bert": (_bert_mlm, "bert.encoder.layer.0", "mlm"),
+    "fam_roberta": (_roberta, "roberta.encoder.layer.0", "mlm"),
+    "fam_albert": (_albert, "albert.encoder.albert_layer_groups.0", "mlm"),
+    "fam_opt": (_opt, "model.decoder.layers.0", "causal_lm"),
+    "fam_gpt_neo": (_gpt_neo, "transformer.h.0", "causal_lm"),
+    "fam_gpt2": (lambda: gpt2(2), "transformer.h.0", "causal_lm"),
+    "fam_t5_enc": (_t5_fam, "encoder.block.0", "seq2seq"),
+    "fam_t5_dec": (_t5_fam, "decoder.block.0", "seq2seq"),
+    "fam_vit": (_vit, "vit.layers.0", "image"),
+    "fam_llama": (_llama, "model.layers.0", "causal_lm"),
+    "fam_mistral": (_mistral, "model.layers.0", "causal_lm"),
+    "fam_qwen3": (_qwen3, "model.layers.0", "causal_lm"),
+    "fam_mixtral": (_mixtral, "model.layers.0", "causal_lm"),
+}
+_FAM_LOSS = {"causal_lm": lm_loss, "mlm": token_loss, "seq2seq": token_loss, "image": cls_loss}
+
+
+def family_batch(name: str, step: int, batch_size: int):
+    """``(inputs dict, target)`` of step ``step`` for a family (same on every rank)."""
+    kind = FAMILIES[name][2]
+    g = torch.Generator().manual_seed(2000 + step)
+    if kind == "image":
+        return ({"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g)},
+                torch.randint(0, CLASSES, (batch_size,), generator=g))
+    ids = torch.randint(3, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
+    if kind == "seq2seq":
+        dec = torch.randint(3, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
+        return {"input_ids": ids, "decoder_input_ids": dec}, torch.randint(0, VOCAB, (batch_size, FAMILY_SEQ),
+                                                                            generator=g)
+    if kind == "mlm":
+        return {"input_ids": ids}, torch.randint(0, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
+    return {"input_ids": ids}, ids.clone()
+
+
+LOSS.update({name: _FAM_LOSS[kind] for name, (_, _, kind) in FAMILIES.items()})

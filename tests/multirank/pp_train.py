@@ -62,6 +62,11 @@ CASES = {
     "t5_interleaved": ("t5", "torch", "Interleaved1F1B", 1, 2, 1, 2, ["encoder.block.1", "encoder", "decoder.block.1"],
                        2, 4),
 }
+# issue 10: two stages interleaved on a single rank (world size 1)
+CASES["gpt2_interleaved_ws1"] = ("gpt2", "torch", "Interleaved1F1B", 1, 1, 1, 2, ["transformer.h.1"], 2, 4)
+CASES["llama_interleaved_ws1"] = ("fam_llama", "torch", "Interleaved1F1B", 1, 1, 1, 2, ["model.layers.0"], 2, 4)
+# issue 10: every common HF family, one cut after its first block, 2 ranks, 1F1B, 2 micro-batches of 2
+CASES.update({name: (name, "torch", "1F1B", 1, 2, 1, 1, [cut], 2, 4) for name, (_, cut, _) in M.FAMILIES.items()})
 
 
 def bert_tp(sch, layers: int = 4) -> None:
