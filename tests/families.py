@@ -41,10 +41,10 @@ class Family:
         return {"input_ids": ids}
 
 
-_BERTLIKE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-                 max_position_embeddings=64)
-_ROPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-             vocab_size=VOCAB, max_position_embeddings=64)
+_BERTLIKE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": VOCAB,
+                 "max_position_embeddings": 64}
+_ROPE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+             "vocab_size": VOCAB, "max_position_embeddings": 64}
 
 FAMILIES = {f.name: f for f in (
     Family("bert", "BertConfig", "BertForMaskedLM", _BERTLIKE),
@@ -52,19 +52,19 @@ FAMILIES = {f.name: f for f in (
     # ALBERT runs its one shared layer num_hidden_layers times: the only cut between blocks is after the embeddings.
     Family("albert", "AlbertConfig", "AlbertForMaskedLM", {**_BERTLIKE, "embedding_size": 32}, cut="albert.embeddings"),
     Family("gpt2", "GPT2Config", "GPT2LMHeadModel",
-           dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0)),
+           {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}),
     Family("opt", "OPTConfig", "OPTForCausalLM",
-           dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128, vocab_size=VOCAB,
-                max_position_embeddings=64, word_embed_proj_dim=64)),
+           {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": VOCAB,
+                "max_position_embeddings": 64, "word_embed_proj_dim": 64}),
     Family("gpt_neo", "GPTNeoConfig", "GPTNeoForCausalLM",
-           dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
-                attention_types=[[["global", "local"], 1]], window_size=8, bos_token_id=0, eos_token_id=0)),
+           {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64,
+                "attention_types": [[["global", "local"], 1]], "window_size": 8, "bos_token_id": 0, "eos_token_id": 0}),
     Family("t5", "T5Config", "T5ForConditionalGeneration",
-           dict(num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB),
+           {"num_layers": 2, "num_decoder_layers": 2, "d_model": 64, "d_kv": 16, "num_heads": 4, "d_ff": 128, "vocab_size": VOCAB},
            inputs="seq2seq"),
     Family("vit", "ViTConfig", "ViTForImageClassification",
-           dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, image_size=32,
-                patch_size=8, num_labels=10), inputs="pixels"),
+           {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
+                "patch_size": 8, "num_labels": 10}, inputs="pixels"),
     Family("llama", "LlamaConfig", "LlamaForCausalLM", _ROPE),
     Family("mistral", "MistralConfig", "MistralForCausalLM", _ROPE),
     Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {**_ROPE, "head_dim": 16}),
