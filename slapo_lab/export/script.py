@@ -329,6 +329,9 @@ def main(argv=None):
     try:
         return train(args, rank, world_size, device)
     finally:
+        # the model's sync hooks hold the process group in reference cycles: collect them first, or the gloo
+        # group outlives destroy_process_group and its worker threads abort the exit ("terminate called ...")
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
