@@ -89,7 +89,8 @@ class DataDependent(nn.Module):
 def test_model_untraceable_tree_still_works():
     e = sl.ScheduleEditor(DataDependent(), example_inputs={"x": torch.randn(2, 8)}, world_size=2)
     text = one_sentence(e.message)
-    assert "dataflow could not be recorded" in text
+    # meta tensors have no values: the recorder guesses the condition true and says so
+    assert "assuming that a data-dependent condition in the model is true" in text
     assert {"a", "b"} <= set(e._graph.node_ids.values())
     assert e.apply("checkpoint", path="a") is None and e.code == 'sch["a"].checkpoint()'
     RESULTS["model: data-dependent control flow (no trace, no dataflow)"] = text

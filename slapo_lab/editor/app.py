@@ -820,6 +820,9 @@ class ScheduleEditor(W.VBox):
             except DataflowError:  # a data-dependent `if t.all():` on meta (HF's packed-sequence check with
                 # use_cache=False): record again guessing True; the guesses are listed in flow.assumptions
                 self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs), assume_bool=True)
+                where = ", ".join(sorted({path or "the model" for path, _ in self._flow.assumptions})[:3])
+                self._flow_error = (f"The dataflow was recorded by assuming that a data-dependent condition in {where} "
+                                    "is true (meta tensors have no values), so the edges there show that branch only.")
         except Exception as err:
             self._flow = None
             reason = str(err).splitlines()[0][:200].rstrip(".")
