@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -87,3 +88,20 @@ def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tupl
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, out
+
+
+def launch_results(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str, dict]:
+    """:func:`launch_torchrun`, once more if the free port was taken in between, and the ranks' results.
+
+    The script prints one ``RESULT {json}`` line per case, the JSON holding at least ``"case"``.
+    Returns ``(returncode, output, {case: result dict})``.
+    """
+    rc, out = launch_torchrun(script, nproc, args, timeout)
+    if "EADDRINUSE" in out or "address already in use" in out:
+        rc, out = launch_torchrun(script, nproc, args, timeout)
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            res[r["case"]] = r
+    return rc, out, res

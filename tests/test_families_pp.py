@@ -19,7 +19,6 @@ a single rank (world size 1).
 from __future__ import annotations
 
 import copy
-import json
 import re
 import sys
 import warnings
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import launch_torchrun
+from harness import launch_results, launch_torchrun
 
 import slapo_lab as sl
 from slapo_lab.pipeline import partition_pipeline
@@ -157,15 +156,7 @@ LAUNCHES = {
 def _results(launch: str):
     if launch not in _RESULTS:
         nproc, timeout, cases = LAUNCHES[launch]
-        rc, out = launch_torchrun(SCRIPT, nproc, cases, timeout)
-        if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken: once more
-            rc, out = launch_torchrun(SCRIPT, nproc, cases, timeout)
-        res = {}
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[len("RESULT "):])
-                res[r["case"]] = r
-        _RESULTS[launch] = (rc, out, res)
+        _RESULTS[launch] = launch_results(SCRIPT, nproc, cases, timeout)
     return _RESULTS[launch]
 
 

@@ -13,14 +13,13 @@ heads axis and shards the decoder (self and cross attention) and its (gated) fee
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import launch_torchrun
+from harness import launch_results
 from torch import nn
 
 import slapo_lab as sl
@@ -294,15 +293,7 @@ def test_unregistered_attention_is_rewritten_by_detection():
 @pytest.fixture(scope="module")
 def multirank_results():
     args = ["roberta", "opt", "gpt_neo", "t5"]
-    rc, out = launch_torchrun(SCRIPT, 2, args, 300)
-    if "EADDRINUSE" in out:  # the free port was taken in between: once more
-        rc, out = launch_torchrun(SCRIPT, 2, args, 300)
-    res = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            res[r["case"]] = r
-    return rc, out, res
+    return launch_results(SCRIPT, 2, args, 300)
 
 
 @pytest.mark.multirank

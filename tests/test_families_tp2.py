@@ -12,13 +12,12 @@ and ViT pass their own ``--verify``.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import launch_torchrun
+from harness import launch_results
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -253,15 +252,7 @@ TP_CASES = ["qwen3_megatron_tp", "qwen3_hf_plan", "mistral_megatron_tp", "mixtra
 @pytest.fixture(scope="module")
 def tp_results():
     script = ROOT / "tests" / "multirank" / "tp_train.py"
-    rc, out = launch_torchrun(script, 2, ["families2"], 400)
-    if "EADDRINUSE" in out:
-        rc, out = launch_torchrun(script, 2, ["families2"], 400)
-    res = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            res[r["case"]] = r
-    return rc, out, res
+    return launch_results(script, 2, ["families2"], 400)
 
 
 @pytest.mark.multirank

@@ -19,11 +19,10 @@ Every launch is bounded (its process group is killed on timeout).
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
-from harness import launch_torchrun
+from harness import launch_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "pp_train.py"
@@ -44,10 +43,6 @@ LAUNCHES = {
 DS_CASES = {"gpt2_deepspeed", "bert_deepspeed", "skip_deepspeed", "skip3_deepspeed", "gpt2_dp2_pp2_deepspeed"}
 
 
-def _launch(nproc: int, timeout: int, cases: list[str]) -> tuple[int, str]:
-    return launch_torchrun(SCRIPT, nproc, cases, timeout)
-
-
 _RESULTS: dict[str, tuple[int, str, dict]] = {}
 
 
@@ -55,15 +50,7 @@ def _results(launch: str):
     if launch not in _RESULTS:
         nproc, timeout, cases = LAUNCHES[launch]
         cases = [c for c in cases if HAS_DS or c not in DS_CASES]
-        rc, out = _launch(nproc, timeout, cases)
-        if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken: once more
-            rc, out = _launch(nproc, timeout, cases)
-        res = {}
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[len("RESULT "):])
-                res[r["case"]] = r
-        _RESULTS[launch] = (rc, out, res)
+        _RESULTS[launch] = launch_results(SCRIPT, nproc, cases, timeout)
     return _RESULTS[launch]
 
 

@@ -8,11 +8,10 @@ per-case tests below.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from harness import launch_torchrun
+from harness import launch_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
@@ -23,21 +22,9 @@ CASES = ["bert_manual", "bert_megatron_tp", "bert_mlm_tied_decoder", "gpt2_manua
 pytestmark = pytest.mark.multirank
 
 
-def _launch(args: list[str]) -> tuple[int, str]:
-    return launch_torchrun(SCRIPT, 2, args, TIMEOUT_S)
-
-
 @pytest.fixture(scope="module")
 def results():
-    rc, out = _launch(["all"])
-    if "EADDRINUSE" in out:  # the free port was taken in between: once more
-        rc, out = _launch(["all"])
-    res = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            res[r["case"]] = r
-    return rc, out, res
+    return launch_results(SCRIPT, 2, ["all"], TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", CASES)
