@@ -50,6 +50,23 @@ def peek_meta(mod: nn.Module) -> dict[str, Any] | None:
     return mod.__dict__.get(META_ATTR)
 
 
+def _is_kv_cache(value) -> bool:
+    """Whether ``value`` is a ``transformers`` KV cache (an instance of ``transformers.cache_utils.Cache``)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a checkpointed call with every ``transformers`` KV cache replaced by None and
+    ``use_cache=True`` by False: the recomputation in backward would append the keys and values again
+    (GPT-Neo: "The size of tensor a (32) must match the size of tensor b (16)"); transformers itself turns the
+    cache off under gradient checkpointing."""
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache") is True:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def slapo_forward(self: nn.Module, *args, **kwargs):
     """The composed forward installed by primitives (see module docstring)."""
     meta = self.__dict__[META_ATTR]
@@ -67,6 +84,7 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     if meta["checkpoint"] and torch.is_grad_enabled():
         from .random import checkpoint as _ckpt
 
+        args, kwargs = without_kv_cache(args, kwargs)
         order = meta.get("order_args_fn")
         if order is not None:
             args, kwargs = tuple(order(*args, **kwargs)), {}

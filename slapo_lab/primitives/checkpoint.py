@@ -10,42 +10,16 @@ side effect outside its outputs. Hugging Face decoder blocks append their keys a
 cache object they are handed (``past_key_values`` / ``layer_past``: a ``transformers`` ``Cache``); the
 recomputation would append them again (GPT-Neo: "The size of tensor a (32) must match the size of
 tensor b (16)"). So while gradients are enabled a checkpointed module is called without its cache:
-a forward pre-hook replaces every ``Cache`` argument by ``None`` and ``use_cache=True`` by ``False``
+the composed forward replaces every ``Cache`` argument by ``None`` and ``use_cache=True`` by ``False``
 (what ``transformers`` does itself under gradient checkpointing; the model's returned cache then
-lacks those blocks). Under ``torch.no_grad()`` (generation) nothing is checkpointed or changed.
+lacks those blocks); see :func:`slapo_lab.module_state.without_kv_cache`, applied by the composed forward.
+Under ``torch.no_grad()`` (generation) nothing is checkpointed or changed.
 """
 from __future__ import annotations
-
-import torch
 
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from .base import Primitive, register_primitive
-
-
-def _is_kv_cache(value) -> bool:
-    """Whether ``value`` is a ``transformers`` KV cache (an instance of ``transformers.cache_utils.Cache``)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-               for c in type(value).__mro__)
-
-
-def _drop_kv_cache(mod, args: tuple, kwargs: dict):
-    """Forward pre-hook of a checkpointed module: no KV cache while gradients are enabled (see module doc)."""
-    meta = peek_meta(mod)
-    if not (meta and meta["checkpoint"] and torch.is_grad_enabled()):
-        return None
-    changed = False
-    if any(_is_kv_cache(a) for a in args):
-        args = tuple(None if _is_kv_cache(a) else a for a in args)
-        changed = True
-    for k, v in list(kwargs.items()):
-        if _is_kv_cache(v):
-            kwargs[k] = None
-            changed = True
-    if kwargs.get("use_cache") is True:
-        kwargs["use_cache"] = False
-        changed = True
-    return (args, kwargs) if changed else None
 
 
 @register_primitive()
@@ -84,5 +58,4 @@ class CheckpointPrimitive(Primitive):
         meta = module_meta(sch.mod)
         meta["checkpoint"] = True
         meta["order_args_fn"] = order_args_fn
-        meta["hooks"].append(sch.mod.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True, prepend=True))
         install_forward(sch.mod)
