@@ -92,3 +92,24 @@ def apply_bert_tp():
     ``sch["encoder.layer.<i>"].checkpoint()``.
     """
     return apply_bert_tp_fn
+
+
+@pytest.fixture(scope="module")
+def bert():
+    """``(BertModel, input_ids)``: a 2-layer HF BERT (hidden 64, 4 heads, vocab 120) and ids of shape ``(2, 16)``."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=120, max_position_embeddings=64)
+    return BertModel(cfg), torch.randint(0, 120, (2, 16))
+
+
+@pytest.fixture
+def editor(bert):
+    """A ScheduleEditor on :func:`bert` planning for world size 2 (a fresh one per test)."""
+    import slapo_lab as sl
+
+    model, ids = bert
+    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)

@@ -2,8 +2,6 @@
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import BertConfig, BertModel
 
 import slapo_lab as sl
 
@@ -18,20 +16,6 @@ def _panel_text(html_value):
 
 def _msg(widget, content):
     widget._handle_msg({"content": {"data": {"method": "custom", "content": content}}, "buffers": []})
-
-
-@pytest.fixture(scope="module")
-def bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=120, max_position_embeddings=64)
-    return BertModel(cfg), torch.randint(0, 120, (2, 16))
-
-
-@pytest.fixture
-def editor(bert):
-    model, ids = bert
-    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
 
 
 def _token(editor, path):

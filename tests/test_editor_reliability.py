@@ -4,7 +4,6 @@ import json
 import pytest
 import torch
 from torch import nn
-from transformers import BertConfig, BertModel
 
 import slapo_lab as sl
 from slapo_lab.errors import ScheduleError
@@ -12,14 +11,6 @@ from slapo_lab.errors import ScheduleError
 Q0 = "encoder.layer.0.attention.self.query"
 Q1 = "encoder.layer.1.attention.self.query"
 FC = "encoder.layer.0.intermediate.dense"
-
-
-@pytest.fixture(scope="module")
-def bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=120, max_position_embeddings=64)
-    return BertModel(cfg), torch.randint(0, 120, (2, 16))
 
 
 def _editor(bert, **kw):

@@ -9,9 +9,8 @@
 import importlib
 import re
 
-import pytest
 import torch
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import slapo_lab as sl
 import slapo_lab.graph
@@ -25,20 +24,6 @@ def _text(html_value: str) -> str:
 
     no_style = re.sub(r"<style>.*?</style>", "", html_value, flags=re.DOTALL)
     return html.unescape(re.sub(r"<[^>]+>", "", no_style))
-
-
-@pytest.fixture(scope="module")
-def bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=120, max_position_embeddings=64)
-    return BertModel(cfg), torch.randint(0, 120, (2, 16))
-
-
-@pytest.fixture
-def editor(bert):
-    model, ids = bert
-    return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
 
 
 def _exec_panel(text: str, sch) -> None:
