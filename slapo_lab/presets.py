@@ -186,11 +186,12 @@ def atomic(sch):
 
 
 def _all_or_nothing(fn):
-    """Run the preset ``fn(sch, ...)`` inside :func:`atomic`: a failing preset leaves nothing applied."""
+    """Run the preset ``fn(sch, ...)`` inside :func:`atomic` (a failing preset leaves nothing applied) and as one
+    recorded action (one undo removes it, typed in a cell or clicked)."""
 
     @functools.wraps(fn)
     def wrapper(sch, *args, **kwargs):
-        with atomic(sch):
+        with atomic(sch), sch.record.action(f"preset {fn.__name__}"):
             return fn(sch, *args, **kwargs)
 
     return wrapper

@@ -265,3 +265,14 @@ def test_a_module_that_cannot_be_copied_still_replaces():
     new = Locked()
     sch["0"].replace(new)
     assert sch["0"].mod is new and sch.record.calls[0].replay_args()[0][0] is new
+
+
+def test_a_typed_preset_is_one_action(bert):
+    ed = _editor(bert)
+    ed.apply("checkpoint", path="encoder.layer.1")
+    sl.presets.megatron_tp(ed.schedule)  # typed in a cell, not clicked
+    n = len(ed.schedule.record.calls)
+    assert n > 10 and len(ed.schedule.record.actions()) == 2
+    assert ed.undo() is None
+    assert [sl.format_call(c) for c in ed.schedule.record.calls] == ['sch["encoder.layer.1"].checkpoint()']
+    assert ed.redo() is None and len(ed.schedule.record.calls) == n
