@@ -16,6 +16,7 @@ from . import graph, presets
 from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
 from .primitives.replace import LinearWithSeparateBias
 from .plan import Plan, plan
+from .check import Finding, check_schedule
 from .init import consolidate_model, init_empty_weights
 from .tune import Database, Space, Symbol
 
@@ -43,9 +44,10 @@ def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | Non
 __all__ = [
     "ExportError", "export_script", "load_schedule", "save_schedule", "build", "graph", "presets",
     "LinearWithSeparateBias", "ModulePattern", "Pattern", "call_module", "record_example_inputs",
-    "Database", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
+    "Database", "Finding", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
     "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
-    "VerifyReport", "check_primitive", "checkpoint", "create_schedule", "format_call", "get_cuda_rng_tracker",
+    "VerifyReport", "check_primitive", "check_schedule", "checkpoint", "create_schedule", "format_call",
+    "get_cuda_rng_tracker",
     "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
     "verify_models", "ScheduleEditor",
 ]

@@ -552,6 +552,10 @@ class ScheduleEditor(W.VBox):
         if result.status == "passed":
             self._info(text)
         else:
+            n = len(self.check())
+            if n:
+                text += (f" The schedule check lists {n} open item{'s' if n > 1 else ''} above the code; "
+                         "closing them is the first thing to try.")
             self._error(text)
 
     def export(self, path: str, launcher: str = "torchrun") -> str:
@@ -568,7 +572,10 @@ class ScheduleEditor(W.VBox):
         from ..export import launch_command
 
         cmd = launch_command(self.schedule.record.calls, self.world_size, out.name, launcher=launcher)
-        self._info(f"Exported {out} — launch: {cmd}")
+        open_items = len(self.check())
+        warn = (f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
+                "code): --verify will fail until they are closed" if open_items else "")
+        self._info(f"Exported {out} — launch: {cmd}{warn}")
         return str(out)
 
     # ------------------------------------------------------------------ widgets
@@ -658,8 +665,10 @@ class ScheduleEditor(W.VBox):
         self._log = W.HTML()
         self._btn_undo.on_click(lambda _: self.undo())
         self._btn_redo.on_click(lambda _: self.redo())
+        self._check = W.HTML()
+        self._check.add_class("slapo-check")
         self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
-                                        "lands here too)"), self._code,
+                                        "lands here too)"), self._check, self._code,
                                  W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export]),
                                  W.HBox([self._btn_verify, self._btn_cancel, self._progress]), self._log])
         self._code.add_class("slapo-code")
@@ -1118,9 +1127,36 @@ class ScheduleEditor(W.VBox):
             self._costs.value = ""
             self._costs_text.value = html.escape(memory_failure(err, "Memory plan unavailable"))
 
+    def check(self) -> list:
+        """The schedule check's open items (:func:`slapo_lab.check_schedule`): what the tensor parallelism
+        still lacks before the model equals the original, each a :class:`slapo_lab.Finding` with one
+        sentence naming the call that closes it. Empty when nothing is open."""
+        from ..check import check_schedule
+
+        return check_schedule(self.schedule)
+
+    def _refresh_check(self) -> None:
+        """The open items above the code panel (at most four sentences, then a count); hidden when none."""
+        try:
+            found = self.check()
+        except Exception:  # the view must never break the engine
+            _log.warning("schedule check failed", exc_info=True)
+            found = []
+        self._open_items = len(found)
+        if not found:
+            self._check.value = ""
+            return
+        items = "".join(f"<li>{html.escape(f.message)}</li>" for f in found[:4])
+        more = (f"<li>… and {len(found) - 4} more (<code>editor.check()</code> lists them all)</li>"
+                if len(found) > 4 else "")
+        self._check.value = (f"<div class='slapo-check-box'><b>{len(found)} open item{'s' if len(found) > 1 else ''}"
+                             "</b>: the model is not yet the original model split across ranks (Verify would "
+                             f"fail):<ul>{items}{more}</ul></div>")
+
     def _refresh_all(self, reset_view: bool = False) -> None:
-        """Redraw after the schedule changed: the view, the code panel and the costs."""
+        """Redraw after the schedule changed: the view, the code panel, the schedule check and the costs."""
         self._refresh_code()
+        self._refresh_check()
         self._refresh_costs()
         self._refresh_view(reset_view)
         loop = _running_loop()
