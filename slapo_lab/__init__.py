@@ -16,7 +16,7 @@ from . import graph, presets
 from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
 from .primitives.replace import LinearWithSeparateBias
 from .plan import Plan, plan
-from .check import Finding, check_schedule
+from .check import Finding, check_schedule, close_open_items
 from .init import consolidate_model, init_empty_weights
 from .tune import Database, Space, Symbol
 
@@ -46,7 +46,7 @@ __all__ = [
     "LinearWithSeparateBias", "ModulePattern", "Pattern", "call_module", "record_example_inputs",
     "Database", "Finding", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
     "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
-    "VerifyReport", "check_primitive", "check_schedule", "checkpoint", "create_schedule", "format_call",
+    "VerifyReport", "check_primitive", "check_schedule", "checkpoint", "close_open_items", "create_schedule", "format_call",
     "get_cuda_rng_tracker",
     "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
     "verify_models", "ScheduleEditor",

@@ -32,10 +32,12 @@ import dataclasses
 
 from torch import nn
 
+from .errors import ScheduleError
 from .module_state import peek_meta
+from .record import Call, format_call
 from .sharding.rules import DenseRule, ShardSite, attention_heads, attention_role, get_shard_rule
 
-__all__ = ["Finding", "check_schedule"]
+__all__ = ["Finding", "check_schedule", "close_open_items"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,18 @@ class Finding:
         path: the module it is about (a path of the scheduled model, "" for the root).
         kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"`` or ``"whole_bias"``.
         message: one sentence: what is missing, why it matters, and the call that fixes it.
-        fix: the fixing calls as code on a schedule named ``sch``, one per line (what the message names).
+        calls: the primitive calls that close it (what the message names).
     """
 
     path: str
     kind: str
     message: str
-    fix: str = ""
+    calls: tuple[Call, ...] = ()
+
+    @property
+    def fix(self) -> str:
+        """:attr:`calls` as code on a schedule named ``sch``, one call per line."""
+        return "\n".join(format_call(c) for c in self.calls)
 
     def __str__(self) -> str:
         return self.message
@@ -67,8 +74,12 @@ def _has_sync(chain: list[nn.Module], pairs: set[tuple[str, str]]) -> bool:
     return any(s in pairs for m in chain for s in _syncs(m))
 
 
-def _q(path: str) -> str:
-    return f'sch["{path}"]' if path else "sch"
+def _sync(path: str, mode: str) -> Call:
+    return Call(path, "sync", (), {"mode": mode, "sync_op_or_fn": "all_reduce"})
+
+
+def _shard(path: str, name: str, axis: int) -> Call:
+    return Call(path, "shard", (name,), {"axis": axis})
 
 
 def check_schedule(sch) -> list[Finding]:
@@ -101,23 +112,23 @@ def check_schedule(sch) -> list[Finding]:
         here = [*chain, mod]
         out = meta["output_type"]
         if out == "partial" and not _has_sync(here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}):
-            fix = f'{_q(path)}.sync(mode="fwd_post", sync_op_or_fn="all_reduce")'
+            fix = _sync(path, "fwd_post")
             findings.append(Finding(path, "unreduced_partial", (
                 f"{path} produces partial sums (row parallel) but nothing all-reduces them, so every later layer "
-                f"computes on a fraction of the activation; add {fix}."), fix))
+                f"computes on a fraction of the activation; add {format_call(fix)}."), (fix,)))
         rule = get_shard_rule(mod)
         if (out == "partition" and isinstance(rule, DenseRule) and not sequence_parallel
                 and not _has_sync(here, {("bwd_post", "all_reduce"), ("fwd_pre", "all_gather"), ("fwd_pre", "scatter")})):
-            fix = f'{_q(path)}.sync(mode="bwd_post", sync_op_or_fn="all_reduce")'
+            fix = _sync(path, "bwd_post")
             findings.append(Finding(path, "unreduced_input_grad", (
                 f"{path} is column parallel but its input gradient is never all-reduced, so the layers before it "
-                f"train on one rank's partial gradient; add {fix}."), fix))
+                f"train on one rank's partial gradient; add {format_call(fix)}."), (fix,)))
         if (isinstance(rule, DenseRule) and meta["sharded"].get("weight") == rule.out_axis
                 and getattr(mod, "bias", None) is not None and "bias" not in meta["sharded"]):
-            fix = f'{_q(path)}.shard("bias", axis=0)'
+            fix = _shard(path, "bias", 0)
             findings.append(Finding(path, "whole_bias", (
                 f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
-                f"on the shape; add {fix}."), fix))
+                f"on the shape; add {format_call(fix)}."), (fix,)))
         if parent is not None and id(parent) not in seen_attn:
             _check_attention(parent, path.rpartition(".")[0])
 
@@ -139,13 +150,46 @@ def check_schedule(sch) -> list[Finding]:
             (split if axis == want else whole).append((name, want))
         if split and whole:
             names = ", ".join(n for n, _ in whole)
-            calls = [f'{_q(f"{apath}.{n}" if apath else n)}.shard("weight", axis={a})' for n, a in whole]
+            calls = tuple(_shard(f"{apath}.{n}" if apath else n, "weight", a) for n, a in whole)
             why = ("each rank would pair its query heads with other heads' keys and values"
                    if any(roles[n] != "o" for n, _ in whole) else
                    "the output projection would receive this rank's heads but expect all of them")
             findings.append(Finding(apath, "partial_heads", (
                 f"{apath} splits its heads in {', '.join(n for n, _ in split)} but not in {names}, so {why}; "
-                f"shard them too: {'; '.join(calls)}."), "\n".join(calls)))
+                f"shard them too: {'; '.join(format_call(c) for c in calls)}."), calls))
 
     walk(root, getattr(top, "path", "") or "", [])
     return findings
+
+
+def close_open_items(sch, max_rounds: int = 4) -> list[Call]:
+    """Apply the fixes :func:`check_schedule` names, round after round, until it finds nothing.
+
+    A fix can open the next item (k_proj split by heads is column parallel: its input gradient needs
+    an all_reduce), hence rounds. All or nothing and one recorded action (one undo removes it), as a
+    preset (:func:`slapo_lab.presets.atomic`).
+
+    Returns:
+        The calls applied, in order (empty when nothing was open).
+
+    Raises:
+        ScheduleError: when a fix is refused, or items are still open after ``max_rounds`` rounds
+            (nothing is applied then).
+    """
+    from .presets import atomic
+
+    top = sch.get_top_schedule()
+    n0 = len(top.record.calls)
+    with atomic(top), top.record.action("close open items"):
+        for _ in range(max_rounds):
+            found = check_schedule(top)
+            if not found:
+                return list(top.record.calls[n0:])
+            for f in found:
+                for c in f.calls:
+                    getattr(top[c.path], c.primitive)(*c.args, **c.kwargs)
+        left = check_schedule(top)
+        if left:
+            raise ScheduleError(f"{len(left)} item(s) are still open after {max_rounds} rounds of fixes, so none "
+                                f"was applied; the first: {left[0].message}")
+    return list(top.record.calls[n0:])

@@ -107,6 +107,31 @@ def test_fused_qkv_without_output_projection_is_found():
     assert f.fix == 'sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0)'  # Conv1D: input features on 0
 
 
+def _half_gqa():
+    sch = _sch("llama")
+    a = sch["model.layers.0.self_attn"]
+    a["q_proj"].shard("weight", axis=0)
+    a["q_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    return sch
+
+
+def test_close_open_items_is_one_action_and_all_or_nothing():
+    sch = _half_gqa()
+    n0 = len(sch.record.calls)
+    with pytest.raises(sl.ScheduleError, match="still open after 1 rounds"):
+        sl.close_open_items(sch, max_rounds=1)  # round 1 splits k, v and o; their syncs would need round 2
+    assert len(sch.record.calls) == n0
+    assert [f.kind for f in sl.check_schedule(sch)] == ["partial_heads"]
+    assert getattr(sch["model.layers.0.self_attn.k_proj"].mod.weight, "shard_axis", None) is None  # restored
+    applied = sl.close_open_items(sch)
+    assert [(c.path.rsplit(".", 1)[1], c.primitive) for c in applied] == [
+        ("k_proj", "shard"), ("v_proj", "shard"), ("o_proj", "shard"),
+        ("k_proj", "sync"), ("v_proj", "sync"), ("o_proj", "sync")]
+    assert sl.check_schedule(sch) == []
+    assert sch.record.actions()[-1].label == "close open items"
+    assert sl.close_open_items(sch) == []
+
+
 def test_world_size_one_has_nothing_open():
     assert sl.check_schedule(sl.create_schedule(FAMILIES["bert"].build())) == []
 
@@ -120,6 +145,12 @@ def test_editor_lists_open_items_and_export_says_so(tmp_path):
     assert "2 open items" in ed._check.value and "k_proj" in ed._check.value
     ed.export(str(tmp_path / "train.py"))
     assert "2 open items" in ed.message and "--verify will fail" in ed.message
+    assert ed._btn_fix.layout.display == ""
+    assert ed.close_open_items() is None
+    assert ed.check() == [] and ed._check.value == "" and ed._btn_fix.layout.display == "none"
+    assert "Closed the open items with 7 calls" in ed.message
+    ed.undo()  # the fixes are one action
+    assert [f.kind for f in ed.check()] == ["unreduced_input_grad", "partial_heads"]
     ed.undo()
     assert ed._check.value == "" and ed.check() == []
     ed.apply_preset("megatron")
@@ -134,5 +165,5 @@ def test_on_two_ranks_the_half_built_model_is_wrong_and_the_fixes_make_it_the_or
     half, fixed = res["half"], res["fixed"]
     assert half["kinds"] == ["partial_heads"]
     assert abs(half["loss"] - half["ref_loss"]) > 1e-4 or half["grad_diff"] > 1e-3, half  # silently different
-    assert fixed["n"] == 0 and fixed["rounds"] == 2, fixed
+    assert fixed["n"] == 0 and len(fixed["applied"]) == 4, fixed  # k, v split by heads; then their input grads
     assert abs(fixed["loss"] - fixed["ref_loss"]) < 1e-5 and fixed["grad_diff"] < 1e-6, fixed

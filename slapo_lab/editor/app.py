@@ -667,8 +667,12 @@ class ScheduleEditor(W.VBox):
         self._btn_redo.on_click(lambda _: self.redo())
         self._check = W.HTML()
         self._check.add_class("slapo-check")
+        self._btn_fix = W.Button(description="close open items", icon="wrench",
+                                 tooltip="apply the calls the schedule check names, as one action (one Undo removes it)",
+                                 layout=W.Layout(display="none"))
+        self._btn_fix.on_click(lambda _: self.close_open_items())
         self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
-                                        "lands here too)"), self._check, self._code,
+                                        "lands here too)"), self._check, self._btn_fix, self._code,
                                  W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export]),
                                  W.HBox([self._btn_verify, self._btn_cancel, self._progress]), self._log])
         self._code.add_class("slapo-code")
@@ -713,7 +717,7 @@ class ScheduleEditor(W.VBox):
     @contextlib.contextmanager
     def _working(self, what: str):
         """A visible busy state while an action runs: 'Working: …' and the action buttons disabled."""
-        buttons = [self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut, self._btn_preset,
+        buttons = [self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut, self._btn_preset, self._btn_fix,
                    self._btn_undo, self._btn_redo]
         was = [b.disabled for b in buttons]
         before = (self._last_message, self._message.value)
@@ -1135,6 +1139,28 @@ class ScheduleEditor(W.VBox):
 
         return check_schedule(self.schedule)
 
+    def close_open_items(self) -> str | None:
+        """Apply the calls the schedule check names until nothing is open (the "close open items" button):
+        one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
+        reason nothing changed."""
+        from ..check import close_open_items
+
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
+        try:
+            with self._working("closing the open items"), self._batch():
+                calls = close_open_items(self.schedule)
+        except Exception as err:  # never let a click kill the kernel or lose the record
+            if len(self.schedule.record.calls) != n0:
+                self._rebuild(before)
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            return self._error(f"The open items were not closed: {msg}")
+        self._info(f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
+                   + (" (one Undo removes them)." if calls else "; nothing was open."))
+        return None
+
     def _refresh_check(self) -> None:
         """The open items above the code panel (at most four sentences, then a count); hidden when none."""
         try:
@@ -1143,6 +1169,7 @@ class ScheduleEditor(W.VBox):
             _log.warning("schedule check failed", exc_info=True)
             found = []
         self._open_items = len(found)
+        self._btn_fix.layout.display = "" if found else "none"
         if not found:
             self._check.value = ""
             return
