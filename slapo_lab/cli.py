@@ -3,6 +3,12 @@
 ::
 
     slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed]
+    slapo-lab check schedule.json
+
+``check`` rebuilds the model on the meta device, replays the calls and prints the schedule check's open
+items (:func:`slapo_lab.check_schedule`), one sentence each with the calls that close them; exit status 0
+when nothing is open, 3 when something is. ``export`` runs the same check and warns on stderr (the
+script is still written).
 
 ``schedule.json`` is a file written by :func:`slapo_lab.export.save_schedule` (or the editor): the
 recorded calls plus ``meta.model``, ``meta.inputs`` and ``meta.world_size`` (the tensor-parallel
@@ -25,7 +31,56 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
     e.add_argument("--launcher", default="torchrun", choices=["torchrun", "deepspeed"],
                    help="launcher the script is written for (default: torchrun)")
+    c = sub.add_parser("check", help="list what a saved tensor-parallel schedule still lacks",
+                       description="Replay a saved schedule on the meta device and list the schedule check's "
+                                   "open items (exit status 3 when there are any).")
+    c.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
     return p
+
+
+def check_command(schedule: str) -> list:
+    """The open items (:class:`slapo_lab.Finding`) of the schedule file ``schedule``.
+
+    The model is rebuilt from ``meta.model`` on the meta device (no weights are allocated) and the
+    calls are replayed at ``meta.world_size``.
+
+    Raises:
+        ExportError: an invalid file, one without a model spec or world size, a model that does not
+            rebuild, or a call that no longer applies (one sentence).
+    """
+    import importlib
+
+    import torch
+
+    from .check import check_schedule
+    from .errors import ScheduleError
+    from .export import ExportError, load_schedule
+    from .export.spec import _build_hf
+    from .record import replay
+    from .schedule import create_schedule
+
+    calls, meta = load_schedule(schedule)
+    missing = [k for k in ("model", "world_size") if k not in meta]
+    if missing:
+        raise ExportError(f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
+                          "save_schedule(path, calls, model=..., world_size=...).")
+    spec = meta["model"]
+    try:
+        if spec["kind"] == "factory":
+            mod_name, fn_name = spec["factory"].split(":")
+            with torch.device("meta"):
+                model = getattr(importlib.import_module(mod_name), fn_name)()
+        else:
+            model = _build_hf(spec)
+    except Exception as err:  # noqa: BLE001 - any failure to rebuild is one sentence
+        raise ExportError(f"The model of {schedule} could not be rebuilt on the meta device "
+                          f"({type(err).__name__}: {err}).") from None
+    sch = create_schedule(model, world_size=meta["world_size"])
+    try:
+        replay(sch, calls)
+    except ScheduleError as err:
+        raise ExportError(f"{schedule} no longer applies to its model: {err}") from None
+    return check_schedule(sch)
 
 
 def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tuple[str, str]:
@@ -73,7 +128,39 @@ def main(argv: list[str] | None = None) -> int:
                   + (f": {reason}" if reason else "") + ").", file=sys.stderr)
             return 1
         print(f"wrote {path}\nlaunch: {command}")
+        try:
+            found = check_command(args.schedule)
+        except Exception:  # noqa: BLE001 - the script is written; the check is advice
+            found = []
+        if found:
+            print(f"slapo-lab export: warning: the schedule check has {len(found)} open item"
+                  f"{'s' if len(found) > 1 else ''}, so --verify will fail until they are closed "
+                  f"(slapo-lab check {args.schedule} lists them); the first: {found[0].message}", file=sys.stderr)
         return 0
+    if args.command == "check":
+        try:
+            found = check_command(args.schedule)
+        except ExportError as err:
+            print(f"slapo-lab check: error: {err}", file=sys.stderr)
+            return 2
+        except RecursionError:
+            print(f"slapo-lab check: error: {args.schedule} is nested too deeply to be a schedule file.",
+                  file=sys.stderr)
+            return 2
+        except Exception as err:  # one sentence, never a traceback
+            reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
+            print(f"slapo-lab check: error: the check failed unexpectedly ({type(err).__name__}"
+                  + (f": {reason}" if reason else "") + ").", file=sys.stderr)
+            return 1
+        if not found:
+            print(f"{args.schedule}: no open items.")
+            return 0
+        print(f"{args.schedule}: {len(found)} open item{'s' if len(found) > 1 else ''}:")
+        for f in found:
+            print(f"- {f.message}")
+        print("\nto close them, add (a fix can open the next item: check again, or let "
+              "sl.close_open_items(sch) apply every round):\n" + "\n".join(f.fix for f in found))
+        return 3
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -167,3 +167,35 @@ def test_on_two_ranks_the_half_built_model_is_wrong_and_the_fixes_make_it_the_or
     assert abs(half["loss"] - half["ref_loss"]) > 1e-4 or half["grad_diff"] > 1e-3, half  # silently different
     assert fixed["n"] == 0 and len(fixed["applied"]) == 4, fixed  # k, v split by heads; then their input grads
     assert abs(fixed["loss"] - fixed["ref_loss"]) < 1e-5 and fixed["grad_diff"] < 1e-6, fixed
+
+
+def test_cli_check_and_export_warning(tmp_path, capsys):
+    from slapo_lab.cli import main
+
+    fam = FAMILIES["llama"]
+    model = fam.build()
+    sch = sl.create_schedule(model, world_size=2)
+    sch["model.layers.0.self_attn.q_proj"].shard("weight", axis=0)
+    path = sl.save_schedule(tmp_path / "half.json", sch.record.calls, model=model,
+                            example_inputs=fam.example_inputs(), world_size=2)
+    assert main(["check", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "2 open items:" in out and "- model.layers.0.self_attn splits its heads in q_proj" in out
+    assert 'sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)' in out.split("to close them, add")[1]
+    assert main(["export", str(path), "-o", str(tmp_path / "train.py")]) == 0
+    cap = capsys.readouterr()
+    assert "wrote" in cap.out and "warning: the schedule check has 2 open items" in cap.err
+    assert "\n" not in cap.err.strip()
+
+    full = sl.create_schedule(fam.build(), world_size=2)
+    sl.presets.megatron_tp(full)
+    done = sl.save_schedule(tmp_path / "full.json", full.record.calls, model=model,
+                            example_inputs=fam.example_inputs(), world_size=2)
+    assert main(["check", str(done)]) == 0
+    assert "no open items" in capsys.readouterr().out
+    assert main(["export", str(done), "-o", str(tmp_path / "train2.py")]) == 0
+    assert capsys.readouterr().err == ""
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["check", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slapo-lab check: error:") and err.count("\n") == 1
