@@ -129,33 +129,64 @@ def check_schedule(sch) -> list[Finding]:
             findings.append(Finding(path, "whole_bias", (
                 f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
                 f"on the shape; add {format_call(fix)}."), (fix,)))
-        if parent is not None and id(parent) not in seen_attn:
-            _check_attention(parent, path.rpartition(".")[0])
+        parent_path = path.rpartition(".")[0]
+        grand = chain[-2] if len(chain) > 1 else None
+        gpath = parent_path.rpartition(".")[0]
+        if parent is not None:
+            _check_attention(parent, parent_path, grand, gpath)
+        if path.endswith("output.dense") and grand is not None:  # BERT / ViT: the output projection's attention
+            for cname, cand in grand.named_children():
+                if cand is not parent and attention_heads(cand) is not None:
+                    _check_attention(cand, f"{gpath}.{cname}" if gpath else cname, grand, gpath)
 
-    def _check_attention(attn: nn.Module, apath: str) -> None:
+    def _dense(mod: nn.Module | None) -> DenseRule | None:
+        if mod is None or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+            return None
+        rule = get_shard_rule(mod)
+        return rule if isinstance(rule, DenseRule) else None
+
+    def _projections(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str):
+        """``[(label, path, module, rule, role)]``: the attention's q/k/v (or fused) projections and its output
+        projection, which BERT-style models keep outside it (``<outer>.output.dense``) and ALBERT names
+        ``dense``."""
+        def full(name: str) -> str:
+            return f"{apath}.{name}" if apath else name
+
+        parts = []
+        for name, child in attn.named_children():
+            rule = _dense(child)
+            role = attention_role(ShardSite(child, "weight", attn, name)) if rule else None
+            if role:
+                parts.append((name, full(name), child, rule, role))
+        if parts and not any(p[4] == "o" for p in parts):
+            dense = getattr(attn, "dense", None)
+            out = getattr(outer, "output", None) if outer is not None else None
+            if _dense(dense):
+                parts.append(("dense", full("dense"), dense, _dense(dense), "o"))
+            elif out is not None and out is not attn and _dense(getattr(out, "dense", None)):
+                path = f"{opath}.output.dense" if opath else "output.dense"
+                parts.append((path, path, out.dense, _dense(out.dense), "o"))
+        return parts
+
+    def _check_attention(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str) -> None:
+        if id(attn) in seen_attn:
+            return
         seen_attn.add(id(attn))
         if attention_heads(attn) is None:
             return
-        split, whole, roles = [], [], {}
-        for name, child in attn.named_children():
-            rule = get_shard_rule(child)
-            if not isinstance(rule, DenseRule) or not isinstance(getattr(child, "weight", None), nn.Parameter):
-                continue
-            role = attention_role(ShardSite(child, "weight", attn, name))
-            if role is None:
-                continue
-            roles[name] = role
-            axis = (peek_meta(child) or {"sharded": {}})["sharded"].get("weight")
+        split, whole = [], []
+        for label, path, mod, rule, role in _projections(attn, apath, outer, opath):
+            axis = (peek_meta(mod) or {"sharded": {}})["sharded"].get("weight")
             want = rule.in_axis if role == "o" else rule.out_axis
-            (split if axis == want else whole).append((name, want))
+            (split if axis == want else whole).append((label, path, want, role))
         if split and whole:
-            names = ", ".join(n for n, _ in whole)
-            calls = tuple(_shard(f"{apath}.{n}" if apath else n, "weight", a) for n, a in whole)
+            names = ", ".join(w[0] for w in whole)
+            calls = tuple(_shard(path, "weight", axis) for _, path, axis, _ in whole)
             why = ("each rank would pair its query heads with other heads' keys and values"
-                   if any(roles[n] != "o" for n, _ in whole) else
+                   if any(w[3] != "o" for w in whole) else
                    "the output projection would receive this rank's heads but expect all of them")
             findings.append(Finding(apath, "partial_heads", (
-                f"{apath} splits its heads in {', '.join(n for n, _ in split)} but not in {names}, so {why}; "
+                f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
                 f"shard them too: {'; '.join(format_call(c) for c in calls)}."), calls))
 
     walk(root, getattr(top, "path", "") or "", [])

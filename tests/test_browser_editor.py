@@ -316,6 +316,19 @@ def test_quickstart_click_to_checkpoint(lab):
         shot = save_screenshot(
             page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "editor_quickstart.png"
         )
+        # a half-built shard typed in the kernel: the schedule check lists it, one click closes it
+        _kernel_eval(page, 'sch["encoder.layer.1.attention.self.query"].shard("weight", axis=0)')
+        check = editor.locator(".slapo-check-box")
+        _wait_text(check, "open items")
+        assert "encoder.layer.1.attention.self splits its heads in query but not in key, value," in check.inner_text()
+        assert _unreadable(page, [".slapo-editor .slapo-check-box"]) == {}
+        save_screenshot(editor.locator(".slapo-check-box").first, "editor_open_items.png")
+        _button(editor, "close open items").click()
+        _wait_text(editor.locator(".slapo-msg"), "Closed the open items with 10 calls")
+        check.first.wait_for(state="detached", timeout=WAIT_UI)
+        typed = _kernel_eval(page, "print(editor.code)")
+        assert 'sch["encoder.layer.1.attention.self.key"].shard("weight", axis=0)' in typed
+        assert _kernel_eval(page, "print(len(editor.check()))").strip() == "0"
         print(
             f"\n[quickstart] open {t_open:.1f} s, run all {t_run:.1f} s, click→selected {t_click:.2f} s, "
             f"whole {time.monotonic() - t0:.1f} s; screenshot {shot}"

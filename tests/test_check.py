@@ -90,9 +90,29 @@ def test_column_parallel_without_input_grad_reduce_and_whole_bias():
     assert kinds["whole_bias"].fix == f'sch["{q}"].shard("bias", axis=0)'
     _apply(sch, [kinds["whole_bias"], kinds["partial_heads"]])
     sch["bert.encoder.layer.0.attention.self"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")  # one f for q, k, v
-    left = sl.check_schedule(sch)
-    assert {f.kind for f in left} == {"whole_bias"}  # key and value biases, named by the next round
+    left = sl.check_schedule(sch)  # the next round: key and value biases, output.dense's partial sums
+    assert {(f.kind, f.path.rsplit(".", 1)[1]) for f in left} == {
+        ("whole_bias", "key"), ("whole_bias", "value"), ("unreduced_partial", "dense")}
     _apply(sch, left)
+    assert sl.check_schedule(sch) == []
+
+
+def test_output_projection_outside_the_attention_module_counts():
+    # BERT keeps the output projection in attention.output.dense, beside the heads' module
+    sch = _sch("bert")
+    o = "bert.encoder.layer.1.attention.output.dense"
+    sch[o].shard("weight", axis=1)
+    sch[o].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    (f,) = sl.check_schedule(sch)
+    assert (f.kind, f.path) == ("partial_heads", "bert.encoder.layer.1.attention.self")
+    assert [c.path.rsplit(".", 1)[1] for c in f.calls] == ["query", "key", "value"]
+    # ALBERT names it dense, inside the attention module
+    sch = _sch("albert")
+    attn = "albert.encoder.albert_layer_groups.0.albert_layers.0.attention"
+    sch[f"{attn}.query"].shard("weight", axis=0)
+    (f,) = [x for x in sl.check_schedule(sch) if x.kind == "partial_heads"]
+    assert f.fix.splitlines()[-1] == f'sch["{attn}.dense"].shard("weight", axis=1)'
+    sl.close_open_items(sch)
     assert sl.check_schedule(sch) == []
 
 
