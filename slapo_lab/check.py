@@ -18,7 +18,8 @@ looks at the whole schedule and names each open item in one sentence, with the c
 * **attention heads split in some projections only** — q, k, v (or a fused qkv) and the output
   projection of one attention module must all split the same heads; otherwise each rank pairs its
   query heads with other heads' keys, which grouped-query attention can even compute without a shape
-  error;
+  error. The output projection is the attention's ``o_proj`` / ``out_proj`` / ``c_proj`` ..., ALBERT's
+  ``dense``, or BERT / ViT's ``output.dense`` beside the heads' module;
 * **a column-parallel bias left whole** — the layer's output is this rank's slice, its bias the whole
   vector (the forward fails on the shape).
 
@@ -114,7 +115,7 @@ def check_schedule(sch) -> list[Finding]:
         if out == "partial" and not _has_sync(here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}):
             fix = _sync(path, "fwd_post")
             findings.append(Finding(path, "unreduced_partial", (
-                f"{path} produces partial sums (row parallel) but nothing all-reduces them, so every later layer "
+                f"{path} produces partial sums (row or vocab parallel) but nothing all-reduces them, so every later layer "
                 f"computes on a fraction of the activation; add {format_call(fix)}."), (fix,)))
         rule = get_shard_rule(mod)
         if (out == "partition" and isinstance(rule, DenseRule) and not sequence_parallel
