@@ -20,6 +20,9 @@ looks at the whole schedule and names each open item in one sentence, with the c
   query heads with other heads' keys, which grouped-query attention can even compute without a shape
   error. The output projection is the attention's ``o_proj`` / ``out_proj`` / ``c_proj`` ..., ALBERT's
   ``dense``, or BERT / ViT's ``output.dense`` beside the heads' module;
+* **per-head norm gradients never reduced** — a norm inside an attention module whose heads are split
+  (Qwen3's ``q_norm`` / ``k_norm``: one weight shared by every head) gets a partial gradient on each rank
+  unless ``sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)`` sums it;
 * **a column-parallel bias left whole** — the layer's output is this rank's slice, its bias the whole
   vector (the forward fails on the shape).
 
@@ -35,6 +38,7 @@ from torch import nn
 
 from .errors import ScheduleError
 from .module_state import peek_meta
+from .primitives.tensor_parallel import PARAM_GRADS_OP
 from .record import Call, format_call
 from .sharding.rules import DenseRule, ShardSite, attention_heads, attention_role, get_shard_rule
 
@@ -47,7 +51,8 @@ class Finding:
 
     Attributes:
         path: the module it is about (a path of the scheduled model, "" for the root).
-        kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"`` or ``"whole_bias"``.
+        kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"``, ``"whole_bias"`` or
+            ``"unreduced_param_grads"``.
         message: one sentence: what is missing, why it matters, and the call that fixes it.
         calls: the primitive calls that close it (what the message names).
     """
@@ -73,6 +78,24 @@ def _syncs(mod: nn.Module) -> list[tuple[str, str]]:
 
 def _has_sync(chain: list[nn.Module], pairs: set[tuple[str, str]]) -> bool:
     return any(s in pairs for m in chain for s in _syncs(m))
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm", "Norm"))
+
+
+def _head_dim(attn: nn.Module) -> int | None:
+    """Features per head: the attention's ``head_dim`` (or ``attention_head_size`` / ``key_value_proj_dim``),
+    else its config's ``head_dim``, else hidden size over heads."""
+    cfg = getattr(attn, "config", None)
+    for obj, names in ((attn, ("head_dim", "attention_head_size", "key_value_proj_dim")), (cfg, ("head_dim",))):
+        for a in names:
+            v = getattr(obj, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    heads = attention_heads(attn)
+    hidden = getattr(cfg, "hidden_size", None)
+    return hidden // heads[0] if heads and isinstance(hidden, int) else None
 
 
 def _sync(path: str, mode: str) -> Call:
@@ -180,6 +203,8 @@ def check_schedule(sch) -> list[Finding]:
             axis = (peek_meta(mod) or {"sharded": {}})["sharded"].get("weight")
             want = rule.in_axis if role == "o" else rule.out_axis
             (split if axis == want else whole).append((label, path, want, role))
+        if split:
+            _check_head_norms(attn, apath)
         if split and whole:
             names = ", ".join(w[0] for w in whole)
             calls = tuple(_shard(path, "weight", axis) for _, path, axis, _ in whole)
@@ -189,6 +214,21 @@ def check_schedule(sch) -> list[Finding]:
             findings.append(Finding(apath, "partial_heads", (
                 f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
                 f"shard them too: {'; '.join(format_call(c) for c in calls)}."), calls))
+
+    def _check_head_norms(attn: nn.Module, apath: str) -> None:
+        hd = _head_dim(attn)
+        for name, child in attn.named_children():
+            params = [p for p in child.parameters(recurse=False)
+                      if p.requires_grad and getattr(p, "shard_axis", None) is None]
+            if not _is_norm(child) or not params or hd is None or params[0].shape[-1] != hd:
+                continue  # not a per-head norm (ALBERT's attention.LayerNorm normalises the whole hidden state)
+            if ("bwd_post", PARAM_GRADS_OP) in _syncs(child):
+                continue
+            path = f"{apath}.{name}" if apath else name
+            fix = Call(path, "sync", (), {"mode": "bwd_post", "sync_op_or_fn": "all_reduce", "param_grads": True})
+            findings.append(Finding(path, "unreduced_param_grads", (
+                f"{path} normalises each head with one shared weight, so once {apath} splits its heads each rank's "
+                f"gradient of that weight is a partial sum; add {format_call(fix)}."), (fix,)))
 
     walk(root, getattr(top, "path", "") or "", [])
     return findings

@@ -152,6 +152,26 @@ def test_close_open_items_is_one_action_and_all_or_nothing():
     assert sl.close_open_items(sch) == []
 
 
+def test_per_head_norms_need_their_gradients_summed():
+    sch = _sch("qwen3")
+    a = "model.layers.1.self_attn"
+    for n in ("q_proj", "k_proj", "v_proj"):
+        sch[f"{a}.{n}"].shard("weight", axis=0)
+        sch[f"{a}.{n}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    sch[f"{a}.o_proj"].shard("weight", axis=1)
+    sch[f"{a}.o_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    found = sl.check_schedule(sch)
+    assert [(f.kind, f.path) for f in found] == [("unreduced_param_grads", f"{a}.q_norm"),
+                                                 ("unreduced_param_grads", f"{a}.k_norm")]
+    assert found[0].fix == (f'sch["{a}.q_norm"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
+                            'param_grads=True)')
+    assert len(sl.close_open_items(sch)) == 2 and sl.check_schedule(sch) == []
+    # ALBERT's attention.LayerNorm normalises the whole hidden state: no per-head gradient to sum
+    sch = _sch("albert")
+    sl.presets.megatron_tp(sch, vocab_parallel=False)
+    assert sl.check_schedule(sch) == []
+
+
 def test_world_size_one_has_nothing_open():
     assert sl.check_schedule(sl.create_schedule(FAMILIES["bert"].build())) == []
 
