@@ -239,3 +239,18 @@ def test_cli_check_and_export_warning(tmp_path, capsys):
     assert main(["check", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("slapo-lab check: error:") and err.count("\n") == 1
+
+
+def test_a_failing_check_never_breaks_the_editor(tmp_path, monkeypatch):
+    import slapo_lab.check
+
+    def boom(sch):
+        raise RuntimeError("check bug")
+
+    fam = FAMILIES["bert"]
+    ed = sl.ScheduleEditor(fam.build(), example_inputs=fam.example_inputs(), world_size=2)
+    monkeypatch.setattr(slapo_lab.check, "check_schedule", boom)
+    assert ed.apply("shard", "weight", axis=0, path="bert.encoder.layer.0.attention.self.query") is None
+    assert ed._check.value == "" and "Applied" in ed.message
+    assert ed.export(str(tmp_path / "train.py")).endswith("train.py")
+    assert "Exported" in ed.message

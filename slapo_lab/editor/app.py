@@ -552,7 +552,7 @@ class ScheduleEditor(W.VBox):
         if result.status == "passed":
             self._info(text)
         else:
-            n = len(self.check())
+            n = self._open_count()
             if n:
                 text += (f" The schedule check lists {n} open item{'s' if n > 1 else ''} above the code; "
                          "closing them is the first thing to try.")
@@ -572,7 +572,7 @@ class ScheduleEditor(W.VBox):
         from ..export import launch_command
 
         cmd = launch_command(self.schedule.record.calls, self.world_size, out.name, launcher=launcher)
-        open_items = len(self.check())
+        open_items = self._open_count()
         warn = (f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
                 "code): --verify will fail until they are closed" if open_items else "")
         self._info(f"Exported {out} — launch: {cmd}{warn}")
@@ -1161,6 +1161,14 @@ class ScheduleEditor(W.VBox):
                    + (" (one Undo removes them)." if calls else "; nothing was open."))
         return None
 
+    def _open_count(self) -> int:
+        """How many open items the schedule check lists (0 if the check itself fails: it is advice)."""
+        try:
+            return len(self.check())
+        except Exception:  # the check must never break an export or a Verify report
+            _log.warning("schedule check failed", exc_info=True)
+            return 0
+
     def _refresh_check(self) -> None:
         """The open items above the code panel (at most four sentences, then a count); hidden when none."""
         try:
@@ -1168,7 +1176,6 @@ class ScheduleEditor(W.VBox):
         except Exception:  # the view must never break the engine
             _log.warning("schedule check failed", exc_info=True)
             found = []
-        self._open_items = len(found)
         self._btn_fix.layout.display = "" if found else "none"
         if not found:
             self._check.value = ""
