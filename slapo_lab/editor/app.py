@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import html
 import logging
+import threading
 from typing import Any
 
 import ipywidgets as W
@@ -71,6 +73,23 @@ def _file_actions(sf, path) -> list:
     return out
 
 
+def _serialized(method):
+    """Run an editor method under the editor's lock.
+
+    JupyterLab 4.4+ with ipykernel 7 runs widget messages (button clicks, graph clicks) in a comm
+    subshell, a thread of its own, while typed cells and the redraw scheduled after them run in the
+    main thread: without the lock a click could apply its calls in the middle of that redraw, which
+    then reported the click's last call over the click's own message. The lock is re-entrant (an
+    action redraws through :meth:`ScheduleEditor._flush`)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -122,6 +141,7 @@ class ScheduleEditor(W.VBox):
         self.world_size = world_size
         self.rank = rank
         self._meta_model = meta_copy(model)
+        self._lock = threading.RLock()  # see _serialized: clicks arrive on another thread than cells
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
         self._remember_inputs(self.schedule)
         self.schedule.record.add_listener(self._on_record)
@@ -173,6 +193,7 @@ class ScheduleEditor(W.VBox):
         """The text of the last status or error message shown."""
         return self._last_message
 
+    @_serialized
     def select(self, path: str) -> str | None:
         """Select the module at ``path`` (and show its parent's level); returns an error sentence or None."""
         if not isinstance(path, str) or path not in self.schedule:
@@ -186,6 +207,7 @@ class ScheduleEditor(W.VBox):
         self._refresh_view()
         return None
 
+    @_serialized
     def open_level(self, path: str) -> str | None:
         """Show the children of ``path`` in the graph (descend one level); error sentence or None."""
         if not isinstance(path, str) or path not in self.schedule:
@@ -197,11 +219,13 @@ class ScheduleEditor(W.VBox):
         self._refresh_view(reset_view=True)
         return None
 
+    @_serialized
     def collapse(self) -> None:
         """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
         self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
         self._refresh_view(reset_view=True)
 
+    @_serialized
     def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
         """Apply ``primitive`` to the selected module (or ``path``), as a click does.
 
@@ -274,6 +298,7 @@ class ScheduleEditor(W.VBox):
         self._tree.observe(self._on_tree, names="value")
         return len(opts)
 
+    @_serialized
     def apply_preset(self, name: str, k: int = 1) -> str | None:
         """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
 
@@ -314,6 +339,7 @@ class ScheduleEditor(W.VBox):
         else:
             raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
 
+    @_serialized
     def undo(self) -> str | None:
         """Undo the last user action: a click, a preset, an "apply to all similar", a typed line.
 
@@ -337,6 +363,7 @@ class ScheduleEditor(W.VBox):
         self._info(f"Undid {_describe(last)}.")
         return None
 
+    @_serialized
     def redo(self) -> str | None:
         """Re-apply the last undone action; returns None or one sentence (nothing to redo, or why it failed).
 
@@ -366,6 +393,7 @@ class ScheduleEditor(W.VBox):
         self._info(f"Redid {_describe(act)}.")
         return None
 
+    @_serialized
     def clear(self) -> None:
         """Forget every recorded call (redo brings the actions back, one per redo)."""
         actions = self.schedule.record.actions()
@@ -399,6 +427,7 @@ class ScheduleEditor(W.VBox):
         self._refresh_all()
         self._autosave()
 
+    @_serialized
     def save(self, path: str) -> str:
         """Write the recorded schedule as versioned JSON (``sl.load_schedule`` reads it back).
 
@@ -444,6 +473,7 @@ class ScheduleEditor(W.VBox):
         self._error(f"{reason.rstrip('.')}. The file is kept unchanged as {backup}; this editor starts empty "
                     f"and autosaves to {path}.")
 
+    @_serialized
     def load(self, path: str) -> str | None:
         """Replace the schedule by the one in JSON file ``path``, all or nothing.
 
@@ -558,6 +588,7 @@ class ScheduleEditor(W.VBox):
                          "closing them is the first thing to try.")
             self._error(text)
 
+    @_serialized
     def export(self, path: str, launcher: str = "torchrun") -> str:
         """Write the schedule as a launchable script to ``path``; returns the path written.
 
@@ -700,6 +731,7 @@ class ScheduleEditor(W.VBox):
             self._flush_scheduled = True
             loop.call_soon(self._flush)
 
+    @_serialized
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._pending:
@@ -752,12 +784,14 @@ class ScheduleEditor(W.VBox):
             return
         self.select(path)
 
+    @_serialized
     def _on_node_click(self, path: str) -> None:
         path = self._resolve_node(path)
         if path is None:
             return
         self.select(path)
 
+    @_serialized
     def _on_node_dblclick(self, path: str) -> None:
         """Unfold a folded run of repeated blocks, or open a module's level; busy state meanwhile."""
         folded = self._is_folded(path)
@@ -1139,6 +1173,7 @@ class ScheduleEditor(W.VBox):
 
         return check_schedule(self.schedule)
 
+    @_serialized
     def close_open_items(self) -> str | None:
         """Apply the calls the schedule check names until nothing is open (the "close open items" button):
         one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
