@@ -107,26 +107,35 @@ def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tu
     return path, launch_command(calls, meta["world_size"], path, launcher)
 
 
+def _guarded(command: str, schedule: str, run):
+    """``(run(), None)``, or ``(None, exit status)`` after printing the failure as one sentence on stderr:
+    2 for a bad schedule file, 1 for anything unexpected (never a traceback)."""
+    from .export import ExportError
+
+    try:
+        return run(), None
+    except ExportError as err:
+        print(f"slapo-lab {command}: error: {err}", file=sys.stderr)
+        return None, 2
+    except RecursionError:
+        print(f"slapo-lab {command}: error: {schedule} is nested too deeply to be a schedule file.", file=sys.stderr)
+        return None, 2
+    except Exception as err:  # one sentence, never a traceback
+        reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
+        print(f"slapo-lab {command}: error: the {command} failed unexpectedly ({type(err).__name__}"
+              + (f": {reason}" if reason else "") + ").", file=sys.stderr)
+        return None, 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slapo-lab`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
-    from .export import ExportError
-
     if args.command == "export":
-        try:
-            path, command = export_command(args.schedule, args.output, args.launcher)
-        except ExportError as err:
-            print(f"slapo-lab export: error: {err}", file=sys.stderr)
-            return 2
-        except RecursionError:
-            print(f"slapo-lab export: error: {args.schedule} is nested too deeply to be a schedule file.",
-                  file=sys.stderr)
-            return 2
-        except Exception as err:  # one sentence, never a traceback
-            reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
-            print(f"slapo-lab export: error: the export failed unexpectedly ({type(err).__name__}"
-                  + (f": {reason}" if reason else "") + ").", file=sys.stderr)
-            return 1
+        done, status = _guarded("export", args.schedule,
+                                lambda: export_command(args.schedule, args.output, args.launcher))
+        if status is not None:
+            return status
+        path, command = done
         print(f"wrote {path}\nlaunch: {command}")
         try:
             found = check_command(args.schedule)
@@ -138,20 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(slapo-lab check {args.schedule} lists them); the first: {found[0].message}", file=sys.stderr)
         return 0
     if args.command == "check":
-        try:
-            found = check_command(args.schedule)
-        except ExportError as err:
-            print(f"slapo-lab check: error: {err}", file=sys.stderr)
-            return 2
-        except RecursionError:
-            print(f"slapo-lab check: error: {args.schedule} is nested too deeply to be a schedule file.",
-                  file=sys.stderr)
-            return 2
-        except Exception as err:  # one sentence, never a traceback
-            reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
-            print(f"slapo-lab check: error: the check failed unexpectedly ({type(err).__name__}"
-                  + (f": {reason}" if reason else "") + ").", file=sys.stderr)
-            return 1
+        found, status = _guarded("check", args.schedule, lambda: check_command(args.schedule))
+        if status is not None:
+            return status
         if not found:
             print(f"{args.schedule}: no open items.")
             return 0
