@@ -48,6 +48,7 @@ class _TopState:
         self.record = Recorder()
         self.metadata = ScheduleMetadata()
         self.extra: dict[str, Any] = {}
+        self.lock = None  # see Schedule.serialize_with
 
 
 def _resolve_world(group, world_size: int | None, rank: int | None) -> tuple[Any, int, int, bool]:
@@ -177,6 +178,16 @@ class Schedule(TracingMixin):
             node = node.parent
         return node
 
+    def serialize_with(self, lock) -> None:
+        """Run every primitive call on this schedule tree under ``lock`` (or none, with None).
+
+        For a UI that applies calls from another thread than the user's code: JupyterLab 4.4+ with
+        ipykernel 7 delivers widget messages on a comm thread while cells run on the main thread. The
+        UI holds the same re-entrant lock (a ``threading.RLock``) for a whole action, so a call typed
+        meanwhile waits and is recorded after the action, never inside it.
+        """
+        self._top.lock = lock
+
     def get_module(self, name: str) -> nn.Module:
         """The module at ``name`` relative to this node."""
         return self[name].mod
@@ -249,7 +260,15 @@ class Schedule(TracingMixin):
     _STRUCTURE_SAFE = frozenset({"shard", "sync", "checkpoint", "cut_pipeline_stage", "fork_rng", "annotate"})
 
     def _dispatch(self, prim, args: tuple, kwargs: dict):
-        """The one dispatch point: bind, apply (which validates first), record on success."""
+        """The one dispatch point: bind, apply (which validates first), record on success (under the
+        tree's lock, if :meth:`serialize_with` set one)."""
+        lock = self._top.lock
+        if lock is None:
+            return self._dispatch_unlocked(prim, args, kwargs)
+        with lock:
+            return self._dispatch_unlocked(prim, args, kwargs)
+
+    def _dispatch_unlocked(self, prim, args: tuple, kwargs: dict):
         bound = prim.bind(*args, **kwargs)
         if prim.name not in self._STRUCTURE_SAFE:
             self._top.extra.pop("owners", None)

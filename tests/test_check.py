@@ -255,34 +255,3 @@ def test_a_failing_check_never_breaks_the_editor(tmp_path, monkeypatch):
     assert ed.export(str(tmp_path / "train.py")).endswith("train.py")
     assert "Exported" in ed.message
 
-
-def test_a_click_on_the_comm_thread_waits_for_a_redraw_on_the_main_thread(monkeypatch):
-    # JupyterLab 4.4+ / ipykernel 7 deliver widget clicks on a comm subshell thread while the redraw
-    # scheduled after a typed cell runs on the main thread. The click must not interleave with it
-    # (it did: the late redraw reported the click's last call over "Closed the open items ...").
-    import threading
-    import time
-
-    fam = FAMILIES["llama"]
-    ed = sl.ScheduleEditor(fam.build(), example_inputs=fam.example_inputs(), world_size=2)
-    ed._batch_depth += 1  # a typed call whose redraw is still to come
-    ed.schedule["model.layers.0.self_attn.q_proj"].shard("weight", axis=0)
-    ed._batch_depth -= 1
-    slow = {"first": True}
-    real = ed._refresh_costs
-
-    def slow_costs():
-        if slow.pop("first", False):
-            time.sleep(0.5)  # the main thread's redraw is slow; the click arrives meanwhile
-        real()
-
-    monkeypatch.setattr(ed, "_refresh_costs", slow_costs)
-    redraw = threading.Thread(target=ed._flush)
-    redraw.start()
-    time.sleep(0.1)
-    click = threading.Thread(target=ed.close_open_items)
-    click.start()
-    redraw.join(10)
-    click.join(10)
-    assert ed.message.startswith("Closed the open items with 7 calls"), ed.message
-    assert ed.check() == [] and ed._check.value == ""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import slapo_lab as sl
+from families import FAMILIES
 from slapo_lab.errors import ScheduleError
 
 Q0 = "encoder.layer.0.attention.self.query"
@@ -276,3 +277,65 @@ def test_a_typed_preset_is_one_action(bert):
     assert ed.undo() is None
     assert [sl.format_call(c) for c in ed.schedule.record.calls] == ['sch["encoder.layer.1"].checkpoint()']
     assert ed.redo() is None and len(ed.schedule.record.calls) == n
+
+
+def test_a_click_on_the_comm_thread_waits_for_a_redraw_on_the_main_thread(monkeypatch):
+    # JupyterLab 4.4+ / ipykernel 7 deliver widget clicks on a comm subshell thread while the redraw
+    # scheduled after a typed cell runs on the main thread. The click must not interleave with it
+    # (it did: the late redraw reported the click's last call over "Closed the open items ...").
+    import threading
+    import time
+
+    fam = FAMILIES["llama"]
+    ed = sl.ScheduleEditor(fam.build(), example_inputs=fam.example_inputs(), world_size=2)
+    ed._batch_depth += 1  # a typed call whose redraw is still to come
+    ed.schedule["model.layers.0.self_attn.q_proj"].shard("weight", axis=0)
+    ed._batch_depth -= 1
+    slow = {"first": True}
+    real = ed._refresh_costs
+
+    def slow_costs():
+        if slow.pop("first", False):
+            time.sleep(0.5)  # the main thread's redraw is slow; the click arrives meanwhile
+        real()
+
+    monkeypatch.setattr(ed, "_refresh_costs", slow_costs)
+    redraw = threading.Thread(target=ed._flush)
+    redraw.start()
+    time.sleep(0.1)
+    click = threading.Thread(target=ed.close_open_items)
+    click.start()
+    redraw.join(10)
+    click.join(10)
+    assert ed.message.startswith("Closed the open items with 7 calls"), ed.message
+    assert ed.check() == [] and ed._check.value == ""
+
+
+def test_a_typed_call_waits_for_a_click_action_on_the_comm_thread(monkeypatch):
+    # a click's preset runs on the comm thread; a primitive typed in a cell meanwhile (main thread) must
+    # wait and become its own action, not land inside the preset's (one Undo would remove both)
+    import threading
+    import time
+
+    from slapo_lab.primitives.tensor_parallel import ShardPrimitive
+
+    fam = FAMILIES["llama"]
+    ed = sl.ScheduleEditor(fam.build(), example_inputs=fam.example_inputs(), world_size=2)
+    real = ShardPrimitive.apply
+
+    def slow_apply(sch, *args, **kwargs):
+        time.sleep(0.01)  # the preset takes a while
+        return real(sch, *args, **kwargs)
+
+    monkeypatch.setattr(ShardPrimitive, "apply", staticmethod(slow_apply))
+    click = threading.Thread(target=ed.apply_preset, args=("megatron",))
+    click.start()
+    time.sleep(0.05)
+    assert click.is_alive()
+    ed.schedule["model.layers.1"].checkpoint()  # typed while the preset runs
+    click.join(30)
+    *_, preset, typed = ed.schedule.record.actions()
+    assert preset.label == "preset megatron" and all(c.primitive != "checkpoint" for c in preset.calls)
+    assert [c.primitive for c in typed.calls] == ["checkpoint"]
+    assert ed.undo() is None  # removes the typed call only
+    assert ed.schedule.record.actions()[-1].label == "preset megatron"

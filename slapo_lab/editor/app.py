@@ -498,7 +498,9 @@ class ScheduleEditor(W.VBox):
         return None
 
     def _remember_inputs(self, sch) -> None:
-        """Give the schedule the example inputs, so that a cut is checked at click time."""
+        """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
+        :func:`_serialized`) and the example inputs, so that a cut is checked at click time."""
+        sch.serialize_with(self._lock)
         if not self.example_inputs:
             return
         try:
