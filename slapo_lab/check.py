@@ -27,8 +27,9 @@ looks at the whole schedule and names each open item in one sentence, with the c
   vector (the forward fails on the shape).
 
 It reads only the schedule's own state (``_slapo_meta`` of each module); no forward runs, so it costs
-a walk of the module tree (a few ms for an 80-layer 70B model on meta). A clean check is not a proof:
-:class:`slapo_lab.Verify` is (it compares outputs and gradients with the original model).
+a walk of the module tree (10 to 20 ms for an 80-layer 70B model on meta after the Megatron preset).
+A clean check is not a proof: :class:`slapo_lab.Verify` is (it compares outputs and gradients with the
+original model).
 """
 from __future__ import annotations
 
