@@ -41,7 +41,15 @@ from .errors import ScheduleError
 from .module_state import peek_meta
 from .primitives.tensor_parallel import PARAM_GRADS_OP
 from .record import Call, format_call
-from .sharding.rules import DenseRule, ShardSite, attention_heads, attention_role, get_shard_rule
+from .sharding.rules import (
+    DenseRule,
+    ShardSite,
+    attention_heads,
+    attention_role,
+    get_shard_rule,
+    head_dim,
+    is_norm,
+)
 
 __all__ = ["Finding", "check_schedule", "close_open_items"]
 
@@ -79,24 +87,6 @@ def _syncs(mod: nn.Module) -> list[tuple[str, str]]:
 
 def _has_sync(chain: list[nn.Module], pairs: set[tuple[str, str]]) -> bool:
     return any(s in pairs for m in chain for s in _syncs(m))
-
-
-def _is_norm(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm", "Norm"))
-
-
-def _head_dim(attn: nn.Module) -> int | None:
-    """Features per head: the attention's ``head_dim`` (or ``attention_head_size`` / ``key_value_proj_dim``),
-    else its config's ``head_dim``, else hidden size over heads."""
-    cfg = getattr(attn, "config", None)
-    for obj, names in ((attn, ("head_dim", "attention_head_size", "key_value_proj_dim")), (cfg, ("head_dim",))):
-        for a in names:
-            v = getattr(obj, a, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    heads = attention_heads(attn)
-    hidden = getattr(cfg, "hidden_size", None)
-    return hidden // heads[0] if heads and isinstance(hidden, int) else None
 
 
 def _sync(path: str, mode: str) -> Call:
@@ -186,11 +176,12 @@ def check_schedule(sch) -> list[Finding]:
         if parts and not any(p[4] == "o" for p in parts):
             dense = getattr(attn, "dense", None)
             out = getattr(outer, "output", None) if outer is not None else None
-            if _dense(dense):
-                parts.append(("dense", full("dense"), dense, _dense(dense), "o"))
-            elif out is not None and out is not attn and _dense(getattr(out, "dense", None)):
+            out_dense = getattr(out, "dense", None) if out is not None and out is not attn else None
+            if (rule := _dense(dense)) is not None:
+                parts.append(("dense", full("dense"), dense, rule, "o"))
+            elif (rule := _dense(out_dense)) is not None:
                 path = f"{opath}.output.dense" if opath else "output.dense"
-                parts.append((path, path, out.dense, _dense(out.dense), "o"))
+                parts.append((path, path, out_dense, rule, "o"))
         return parts
 
     def _check_attention(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str) -> None:
@@ -217,11 +208,11 @@ def check_schedule(sch) -> list[Finding]:
                 f"shard them too: {'; '.join(format_call(c) for c in calls)}."), calls))
 
     def _check_head_norms(attn: nn.Module, apath: str) -> None:
-        hd = _head_dim(attn)
+        hd = head_dim(attn)
         for name, child in attn.named_children():
             params = [p for p in child.parameters(recurse=False)
                       if p.requires_grad and getattr(p, "shard_axis", None) is None]
-            if not _is_norm(child) or not params or hd is None or params[0].shape[-1] != hd:
+            if not is_norm(child) or not params or hd is None or params[0].shape[-1] != hd:
                 continue  # not a per-head norm (ALBERT's attention.LayerNorm normalises the whole hidden state)
             if ("bwd_post", PARAM_GRADS_OP) in _syncs(child):
                 continue

@@ -48,14 +48,10 @@ def check_command(schedule: str) -> list:
         ExportError: an invalid file, one without a model spec or world size, a model that does not
             rebuild, or a call that no longer applies (one sentence).
     """
-    import importlib
-
-    import torch
-
     from .check import check_schedule
     from .errors import ScheduleError
     from .export import ExportError, load_schedule
-    from .export.spec import _build_hf
+    from .export.spec import build_from_spec
     from .record import replay
     from .schedule import create_schedule
 
@@ -64,17 +60,10 @@ def check_command(schedule: str) -> list:
     if missing:
         raise ExportError(f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
                           "save_schedule(path, calls, model=..., world_size=...).")
-    spec = meta["model"]
     try:
-        if spec["kind"] == "factory":
-            mod_name, fn_name = spec["factory"].split(":")
-            with torch.device("meta"):
-                model = getattr(importlib.import_module(mod_name), fn_name)()
-        else:
-            model = _build_hf(spec)
-    except Exception as err:  # noqa: BLE001 - any failure to rebuild is one sentence
-        raise ExportError(f"The model of {schedule} could not be rebuilt on the meta device "
-                          f"({type(err).__name__}: {err}).") from None
+        model = build_from_spec(meta["model"])
+    except ExportError as err:
+        raise ExportError(f"{schedule}: {err}") from None
     sch = create_schedule(model, world_size=meta["world_size"])
     try:
         replay(sch, calls)

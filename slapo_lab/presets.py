@@ -43,6 +43,7 @@ from torch import nn
 
 from .errors import ScheduleError
 from .record import Call
+from .sharding.rules import head_dim, is_norm
 
 FAMILIES = ("bert", "gpt2", "llama")
 _BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("LlamaDecoderLayer",)}
@@ -76,10 +77,6 @@ HEAD_NORM_NAMES = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "
 
 def _is_conv1d(mod: nn.Module) -> bool:
     return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
-
-
-def _is_norm(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm"))
 
 
 def _since(sch, n: int) -> list[Call]:
@@ -314,7 +311,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             kind = _classify(rel)
             if kind:
                 out.append((path, kind))
-        elif _is_norm(mod) and any(p is not None for p in mod._parameters.values()):
+        elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             out.append((path, _norm_kind(node)))
         elif _is_experts(mod):
             out.append((path, "experts"))
@@ -329,26 +326,13 @@ def _is_experts(mod: nn.Module) -> bool:
     return is_experts_module(mod)
 
 
-def _head_dim(attn: nn.Module) -> int | None:
-    from .sharding.rules import attention_heads
-
-    cfg = getattr(attn, "config", None)
-    for obj in (attn, cfg):
-        v = getattr(obj, "head_dim", None)
-        if isinstance(v, int) and v > 0:
-            return v
-    heads = attention_heads(attn)
-    hidden = getattr(cfg, "hidden_size", None)
-    return hidden // heads[0] if heads and isinstance(hidden, int) else None
-
-
 def _norm_kind(node) -> str:
     """``"norm"`` (a block norm), ``"head_norm"`` (per-head q/k norm of size head_dim) or ``"qk_norm_full"``
     (a q/k norm over all heads' features: OLMo 2 style, which tensor parallelism would change)."""
     if node.name not in HEAD_NORM_NAMES or node.parent is None:
         return "norm"
     w = next(p for p in node.mod._parameters.values() if p is not None)
-    hd = _head_dim(node.parent.mod)
+    hd = head_dim(node.parent.mod)
     return "head_norm" if hd is not None and w.shape[-1] == hd else "qk_norm_full"
 
 

@@ -7,6 +7,7 @@ them (see :mod:`slapo_lab.record`). API and semantics follow Slapo's ``slapo.sch
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -262,22 +263,16 @@ class Schedule(TracingMixin):
     def _dispatch(self, prim, args: tuple, kwargs: dict):
         """The one dispatch point: bind, apply (which validates first), record on success (under the
         tree's lock, if :meth:`serialize_with` set one)."""
-        lock = self._top.lock
-        if lock is None:
-            return self._dispatch_unlocked(prim, args, kwargs)
-        with lock:
-            return self._dispatch_unlocked(prim, args, kwargs)
-
-    def _dispatch_unlocked(self, prim, args: tuple, kwargs: dict):
-        bound = prim.bind(*args, **kwargs)
-        if prim.name not in self._STRUCTURE_SAFE:
-            self._top.extra.pop("owners", None)
-        # module arguments are copied before they enter the model (later primitives mutate them)
-        call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
-        result = prim.apply(self, *bound.args, **bound.kwargs)
-        if call is not None:
-            self.record.append(call)
-        return result
+        with self._top.lock or contextlib.nullcontext():
+            bound = prim.bind(*args, **kwargs)
+            if prim.name not in self._STRUCTURE_SAFE:
+                self._top.extra.pop("owners", None)
+            # module arguments are copied before they enter the model (later primitives mutate them)
+            call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
+            result = prim.apply(self, *bound.args, **bound.kwargs)
+            if call is not None:
+                self.record.append(call)
+            return result
 
 
 class ScheduleKeyError(ScheduleError, KeyError):

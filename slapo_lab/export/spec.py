@@ -113,6 +113,24 @@ def _build_hf(spec: dict, device: str = "meta") -> nn.Module:
         return cls(config)
 
 
+def build_from_spec(spec: dict, device: str = "meta") -> nn.Module:
+    """The model a spec from :func:`model_spec` describes, built on ``device`` (``"meta"``: no weights
+    are allocated): the config route builds the ``transformers`` class from its config, the factory
+    route calls ``package.module:function`` under that device.
+
+    Raises:
+        ExportError: when the model cannot be built (one sentence with the reason).
+    """
+    try:
+        if spec["kind"] == "factory":
+            mod_name, fn_name = spec["factory"].split(":")
+            with torch.device(device):
+                return getattr(importlib.import_module(mod_name), fn_name)()
+        return _build_hf(spec, device)
+    except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
+        raise ExportError(f"The model could not be built on the {device} device ({type(err).__name__}: {err}).") from None
+
+
 def _check_rebuilds(model: nn.Module, spec: dict) -> None:
     """Build the spec on the meta device and compare parameter names and full shapes with ``model``."""
     name = spec["class"]

@@ -102,6 +102,24 @@ def attention_heads(parent: nn.Module | None) -> tuple[int, int] | None:
     return n, kv
 
 
+def head_dim(attn: nn.Module) -> int | None:
+    """Features per head of an attention module: its ``head_dim`` (or ``attention_head_size`` /
+    ``key_value_proj_dim``), else its config's ``head_dim``, else hidden size over the heads; None when
+    none is known."""
+    cfg = getattr(attn, "config", None)
+    v = _pos_int(attn, "head_dim", "attention_head_size", "key_value_proj_dim") or _pos_int(cfg, "head_dim")
+    if v is not None:
+        return v
+    heads = attention_heads(attn)
+    hidden = getattr(cfg, "hidden_size", None)
+    return hidden // heads[0] if heads and isinstance(hidden, int) else None
+
+
+def is_norm(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a LayerNorm / RMSNorm (torch's, or a model's own class named so)."""
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
 def fused_qkv_blocks(site: ShardSite) -> int:
     """How many projections a GPT-2-style fused ``c_attn`` stores back to back (3 = q, k, v; 2 = k, v).
 
