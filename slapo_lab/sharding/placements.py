@@ -1,0 +1,247 @@
+"""The schedule's shards as the ecosystem sees them: DTensor placements on the ``(dp, tp)`` mesh.
+
+The engine computes with plain local tensors: ``shard`` leaves this rank's slice in the module and
+annotates the parameter (``orig_shape``, ``shard_axis``, ``shard_stride``; see
+:mod:`slapo_lab.primitives.tensor_parallel`). Tools that read parameters across ranks --
+``torch.distributed.checkpoint`` (with its Hugging Face storage reader and writer),
+``torch.nn.utils.get_total_norm`` for clipping, FSDP2, a gather for a Hugging Face directory -- need
+to know *which part of which global tensor* each local tensor is. :class:`ShardLayout` says it, and
+turns a local tensor into the view those tools read:
+
+* a :class:`~torch.distributed.tensor.DTensor` on the 2-D ``(dp, tp)`` device mesh (a view: it shares
+  the local tensor's storage, so ``dcp.load`` writes straight into the parameter); the tensor-parallel
+  placement is ``Replicate()``, ``Shard(axis)`` or, for a fused projection stored as ``stride`` blocks
+  back to back (GPT-2's ``c_attn``: q, k, v), ``_StridedShard(axis, split_factor=stride)`` -- each rank
+  holds its chunk of every block; the data-parallel placement is ``Replicate()`` (replicas) or
+  ``Shard(dim)`` (FSDP2's shard of the tensor-parallel local tensor, on a dimension other than the
+  tensor-parallel axis);
+* for ``torch.distributed.checkpoint``, whose DTensor support assumes one contiguous chunk per rank,
+  a strided layout is handed over as a ``ShardedTensor`` with one local shard per block (DCP's native
+  several-chunks-per-rank form), so checkpoints reshard between any layouts.
+
+Sources: PyTorch ``torch/distributed/tensor/placement_types.py`` (``Shard``, ``_StridedShard``: the
+``split_factor`` semantics used here), ``torch/distributed/checkpoint/planner_helpers.py`` (chunk lists of
+DTensor and ShardedTensor), Megatron-LM's ``partition_stride`` for fused projections.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ShardLayout", "fsdp_dim_for", "layout_of"]
+
+
+def _chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` of ``n`` items split by :func:`torch.chunk` into ``parts``."""
+    size = math.ceil(n / parts) if n else 0
+    start = min(n, index * size)
+    return start, min(n, start + size)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which part of a global tensor this rank's local tensor holds.
+
+    Attributes:
+        shape: the global (unsharded) shape.
+        tp_axis: the tensor-parallel axis, or None (replicated over ``tp``).
+        tp_stride: blocks stored back to back on ``tp_axis`` (1, or 3 for a fused q, k, v).
+        tp / tp_rank: tensor-parallel size and this rank's coordinate.
+        fsdp_dim: the dimension FSDP2 shards the tensor-parallel local tensor on (never ``tp_axis``), or
+            None (whole on every data-parallel replica).
+        dp / dp_rank: data-parallel size and this rank's coordinate.
+
+    The local tensor is: the tensor-parallel local tensor (for ``tp_stride`` = s, this rank's chunk of
+    each of the s blocks, concatenated; :func:`slapo_lab.sharding.rules.local_shard`), then, with
+    ``fsdp_dim``, FSDP2's :func:`torch.chunk` piece ``dp_rank`` of it along ``fsdp_dim``.
+    """
+
+    shape: tuple[int, ...]
+    tp_axis: int | None = None
+    tp_stride: int = 1
+    tp: int = 1
+    tp_rank: int = 0
+    fsdp_dim: int | None = None
+    dp: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fsdp_dim is not None and self.fsdp_dim == self.tp_axis:
+            raise ValueError(f"FSDP cannot shard dimension {self.fsdp_dim}: it is the tensor-parallel axis.")
+
+    # -------------------------------------------------------------------------------- geometry
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether the tensor is split over the tensor-parallel ranks."""
+        return self.tp_axis is not None and self.tp > 1
+
+    def with_fsdp(self, dim: int | None, dp: int, dp_rank: int) -> ShardLayout:
+        """This layout with FSDP2's shard on ``dim`` over ``dp`` replicas (None: replicated over dp)."""
+        return ShardLayout(self.shape, self.tp_axis, self.tp_stride, self.tp, self.tp_rank, dim, dp, dp_rank)
+
+    def _tp_runs(self) -> list[tuple[int, int]]:
+        """Global ``(start, length)`` runs on ``tp_axis`` held by this rank, in local order."""
+        n = self.shape[self.tp_axis]
+        block = n // self.tp_stride
+        piece = block // self.tp
+        return [(j * block + self.tp_rank * piece, piece) for j in range(self.tp_stride)]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's local tensor."""
+        shape = list(self.shape)
+        if self.tp_sharded:
+            shape[self.tp_axis] //= self.tp
+        if self.fsdp_dim is not None:
+            lo, hi = _chunk_range(shape[self.fsdp_dim], self.dp, self.dp_rank)
+            shape[self.fsdp_dim] = hi - lo
+        return tuple(shape)
+
+    def blocks(self) -> list[tuple[tuple[slice, ...], tuple[int, ...], tuple[int, ...]]]:
+        """The contiguous pieces of the global tensor this rank holds.
+
+        Returns:
+            ``[(local index, global offsets, sizes)]``: ``local[index]`` is the global block of ``sizes``
+            at ``offsets``. One block unless the layout is strided (``tp_stride`` > 1, split over ``tp``).
+        """
+        nd = len(self.shape)
+        offsets = [0] * nd
+        sizes = list(self.shape)
+        if self.fsdp_dim is not None:
+            lo, hi = _chunk_range(self.shape[self.fsdp_dim], self.dp, self.dp_rank)
+            offsets[self.fsdp_dim], sizes[self.fsdp_dim] = lo, hi - lo
+        if not self.tp_sharded:
+            return [(tuple(slice(None) for _ in range(nd)), tuple(offsets), tuple(sizes))]
+        out, pos = [], 0
+        for start, length in self._tp_runs():
+            index = [slice(None)] * nd
+            index[self.tp_axis] = slice(pos, pos + length)
+            offs, szs = list(offsets), list(sizes)
+            offs[self.tp_axis], szs[self.tp_axis] = start, length
+            out.append((tuple(index), tuple(offs), tuple(szs)))
+            pos += length
+        return out
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor cut out of the global tensor ``full`` (shape :attr:`shape`).
+
+        Raises:
+            ValueError: if ``full`` does not have the global shape.
+        """
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"expected a tensor of the global shape {tuple(self.shape)}, got {tuple(full.shape)}")
+        parts = [full[tuple(slice(o, o + s) for o, s in zip(offs, szs))] for _, offs, szs in self.blocks()]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, dim=self.tp_axis)
+
+    # -------------------------------------------------------------------------------- views
+    def placements(self) -> tuple:
+        """The DTensor placements of the local tensor on the ``(dp, tp)`` mesh."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        dp_place = Shard(self.fsdp_dim) if self.fsdp_dim is not None and self.dp > 1 else Replicate()
+        if not self.tp_sharded:
+            tp_place = Replicate()
+        elif self.tp_stride > 1:
+            tp_place = _StridedShard(self.tp_axis, split_factor=self.tp_stride)
+        else:
+            tp_place = Shard(self.tp_axis)
+        return dp_place, tp_place
+
+    def dtensor(self, local: torch.Tensor, mesh) -> torch.Tensor:
+        """``local`` as a DTensor on the 2-D ``(dp, tp)`` ``mesh`` (a view sharing its storage).
+
+        Args:
+            local: this rank's local tensor, of shape :attr:`local_shape` (a gradient or an optimizer
+                state of the parameter qualifies), any dtype.
+            mesh: the ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (sizes ``dp`` x ``tp``).
+
+        Raises:
+            ValueError: if ``local`` does not have the local shape.
+        """
+        from torch.distributed.tensor import DTensor
+
+        self._check_local(local)
+        full = torch.empty(self.shape, device="meta")
+        return DTensor.from_local(local, mesh, self.placements(), run_check=False, shape=full.shape,
+                                  stride=full.stride())
+
+    def checkpoint_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
+        """``local`` as ``torch.distributed.checkpoint`` reads and writes it: :meth:`dtensor`, or for a
+        strided layout a ``ShardedTensor`` with one local shard (a view of ``local``) per block.
+
+        Raises:
+            ValueError: if ``local`` does not have the local shape.
+        """
+        blocks = self.blocks()
+        if len(blocks) == 1:
+            return self.dtensor(local, mesh)
+        self._check_local(local)
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        # The global description tiles the tensor once: the blocks of every (dp, tp) coordinate of this layout
+        # (dp only where FSDP splits; data-parallel replicas hold copies, described at this rank's own dp
+        # coordinate), each placed on the rank at that coordinate. No communication.
+        ranks = mesh.mesh
+        dps = range(self.dp) if self.fsdp_dim is not None else [self.dp_rank]
+        metas, mine = [], []
+        for d in dps:
+            for t in range(self.tp):
+                lay = ShardLayout(self.shape, self.tp_axis, self.tp_stride, self.tp, t, self.fsdp_dim, self.dp, d)
+                where = f"rank:{int(ranks[d, t])}/{local.device}"
+                for index, offs, szs in lay.blocks():
+                    if 0 in szs:
+                        continue
+                    md = ShardMetadata(list(offs), list(szs), where)
+                    metas.append(md)
+                    if (d, t) == (self.dp_rank, self.tp_rank):
+                        mine.append(Shard(local[index], md))
+        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        meta = ShardedTensorMetadata(metas, torch.Size(self.shape), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=None)
+
+    def _check_local(self, local: torch.Tensor) -> None:
+        if tuple(local.shape) != self.local_shape:
+            raise ValueError(f"expected a local tensor of shape {self.local_shape} for the global shape "
+                             f"{tuple(self.shape)}, got {tuple(local.shape)}")
+
+
+def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout:
+    """The tensor-parallel layout of a scheduled parameter or buffer (no FSDP).
+
+    Reads the annotations ``shard`` leaves: ``orig_shape`` (the global shape), ``shard_axis`` and
+    ``shard_stride``; an unannotated tensor is replicated (its own shape is global).
+
+    Args:
+        param: a parameter or buffer of a scheduled model (plain local tensor).
+        tp / tp_rank: the tensor-parallel size and this rank's coordinate (``sch.tp``).
+    """
+    axis = getattr(param, "shard_axis", None)
+    shape = tuple(getattr(param, "orig_shape", None) or param.shape)
+    if axis is None or tp == 1:
+        return ShardLayout(shape)
+    return ShardLayout(shape, axis % len(shape), int(getattr(param, "shard_stride", 1) or 1), tp, tp_rank)
+
+
+def fsdp_dim_for(layout: ShardLayout, dp: int) -> int | None:
+    """The dimension FSDP2 should shard a parameter of ``layout`` on, or None to keep it whole.
+
+    FSDP2 shards the tensor-parallel local tensor; on the tensor-parallel axis itself the result is not
+    one DTensor placement (it is for a plain split, as ``_StridedShard``, but not for a strided fused
+    projection), so the dimension is the largest other one, preferring one that ``dp`` divides. A 1-D
+    tensor split over ``tp`` (a column-parallel bias) has no other dimension: it stays whole on every
+    replica (FSDP2's ``ignored_params``), and the runtime averages its gradient over ``dp``.
+    """
+    dims = [d for d in range(len(layout.shape)) if d != (layout.tp_axis if layout.tp_sharded else None)]
+    if not dims:
+        return None
+    local = layout.local_shape
+    even = [d for d in dims if local[d] % dp == 0]
+    return max(even or dims, key=lambda d: (local[d], -d))
