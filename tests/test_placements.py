@@ -5,6 +5,7 @@ gloo run (tests/multirank/placements_dcp.py) that saves TP x FSDP views (a fused
 ``torch.distributed.checkpoint`` and reloads them at other layouts, and compares
 ``torch.nn.utils.get_total_norm`` over the views with the single-tensor norm.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,17 @@ from slapo_lab.sharding.rules import local_shard
 from tests.harness import REPO_ROOT, launch_results
 
 
-@pytest.mark.parametrize("shape,axis,stride,tp", [((12, 6), 0, 1, 2), ((12, 6), 0, 3, 2), ((6, 12), 1, 3, 2),
-                                                  ((8,), 0, 1, 4), ((24,), 0, 3, 4), ((4, 8, 6), 1, 1, 2)])
+@pytest.mark.parametrize(
+    "shape,axis,stride,tp",
+    [
+        ((12, 6), 0, 1, 2),
+        ((12, 6), 0, 3, 2),
+        ((6, 12), 1, 3, 2),
+        ((8,), 0, 1, 4),
+        ((24,), 0, 3, 4),
+        ((4, 8, 6), 1, 1, 2),
+    ],
+)
 def test_tp_layout_takes_what_local_shard_takes(shape, axis, stride, tp):
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     pieces = []
@@ -62,7 +72,7 @@ def test_fsdp_never_shards_the_tensor_parallel_axis():
     row = ShardLayout((32, 64), 1, 1, 2, 0)
     assert fsdp_dim_for(row, 2) == 0
     assert fsdp_dim_for(ShardLayout((64,), 0, 1, 2, 0), 2) is None  # a column-parallel bias stays whole
-    assert fsdp_dim_for(ShardLayout((64,)), 2) == 0                    # a replicated norm weight is sharded
+    assert fsdp_dim_for(ShardLayout((64,)), 2) == 0  # a replicated norm weight is sharded
     with pytest.raises(ValueError, match="tensor-parallel axis"):
         col.with_fsdp(0, 2, 0)
 

@@ -23,6 +23,7 @@ Sources: PyTorch ``torch/distributed/tensor/placement_types.py`` (``Shard``, ``_
 ``split_factor`` semantics used here), ``torch/distributed/checkpoint/planner_helpers.py`` (chunk lists of
 DTensor and ShardedTensor), Megatron-LM's ``partition_stride`` for fused projections.
 """
+
 from __future__ import annotations
 
 import math
@@ -131,7 +132,9 @@ class ShardLayout:
             ValueError: if ``full`` does not have the global shape.
         """
         if tuple(full.shape) != tuple(self.shape):
-            raise ValueError(f"expected a tensor of the global shape {tuple(self.shape)}, got {tuple(full.shape)}")
+            raise ValueError(
+                f"expected a tensor of the global shape {tuple(self.shape)}, got {tuple(full.shape)}"
+            )
         parts = [full[tuple(slice(o, o + s) for o, s in zip(offs, szs))] for _, offs, szs in self.blocks()]
         if len(parts) == 1:
             return parts[0]
@@ -167,8 +170,9 @@ class ShardLayout:
 
         self._check_local(local)
         full = torch.empty(self.shape, device="meta")
-        return DTensor.from_local(local, mesh, self.placements(), run_check=False, shape=full.shape,
-                                  stride=full.stride())
+        return DTensor.from_local(
+            local, mesh, self.placements(), run_check=False, shape=full.shape, stride=full.stride()
+        )
 
     def checkpoint_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
         """``local`` as ``torch.distributed.checkpoint`` reads and writes it: :meth:`dtensor`, or for a
@@ -193,7 +197,9 @@ class ShardLayout:
         metas, mine = [], []
         for d in dps:
             for t in range(self.tp):
-                lay = ShardLayout(self.shape, self.tp_axis, self.tp_stride, self.tp, t, self.fsdp_dim, self.dp, d)
+                lay = ShardLayout(
+                    self.shape, self.tp_axis, self.tp_stride, self.tp, t, self.fsdp_dim, self.dp, d
+                )
                 where = f"rank:{int(ranks[d, t])}/{local.device}"
                 for index, offs, szs in lay.blocks():
                     if 0 in szs:
@@ -202,15 +208,22 @@ class ShardLayout:
                     metas.append(md)
                     if (d, t) == (self.dp_rank, self.tp_rank):
                         mine.append(Shard(local[index], md))
-        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
+        props = TensorProperties(
+            dtype=local.dtype,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
         meta = ShardedTensorMetadata(metas, torch.Size(self.shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=None)
 
     def _check_local(self, local: torch.Tensor) -> None:
         if tuple(local.shape) != self.local_shape:
-            raise ValueError(f"expected a local tensor of shape {self.local_shape} for the global shape "
-                             f"{tuple(self.shape)}, got {tuple(local.shape)}")
+            raise ValueError(
+                f"expected a local tensor of shape {self.local_shape} for the global shape "
+                f"{tuple(self.shape)}, got {tuple(local.shape)}"
+            )
 
 
 def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout:

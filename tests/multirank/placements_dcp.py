@@ -6,6 +6,7 @@ Tensors (global values are arange-based, so every element is distinct):
 * ``bias``:  (8,),    tensor-parallel on axis 0, whole on every replica.
 Saved at tp 2 x dp 2 (FSDP), then loaded at tp 4, at tp 1 x dp 4 (FSDP), and as full tensors.
 """
+
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from slapo_lab.sharding.placements import ShardLayout  # noqa: E402
+from slapo_lab.sharding.placements import ShardLayout
 
 SPECS = {"qkv": ((12, 6), 0, 3, 1), "dense": ((8, 12), 1, 1, 0), "bias": ((8,), 0, 1, None)}
 
