@@ -251,10 +251,18 @@ def pipeline_module_class():
 
 def deepspeed_train_step(pm, args: tuple, kwargs: dict, target) -> float:
     """One ``engine.train_batch`` over the full batch split into ``n_microbatches`` micro-batches."""
+    return float(pm.engine.train_batch(iter(_micro_batches(pm, args, kwargs, target))))
+
+
+def _micro_batches(pm, args: tuple, kwargs: dict, target) -> list[tuple[tuple, Any]]:
+    """``[(inputs, target)]`` of the ``n_microbatches`` micro-batches of a full batch."""
     n = pm.n_microbatches
     flat = pm.partition.flat_inputs(args, kwargs)
     chunks = [t.chunk(n, dim=0) for t in flat]
     tchunks = target.chunk(n, dim=0) if isinstance(target, torch.Tensor) else [target] * n
-    data = [(tuple(c[i] for c in chunks), tchunks[i]) for i in range(n)]
-    loss = pm.engine.train_batch(iter(data))
-    return float(loss)
+    return [(tuple(c[i] for c in chunks), tchunks[i]) for i in range(n)]
+
+
+def deepspeed_eval_step(pm, args: tuple, kwargs: dict, target) -> float:
+    """One ``engine.eval_batch`` (forward only) over the full batch split into ``n_microbatches`` micro-batches."""
+    return float(pm.engine.eval_batch(iter(_micro_batches(pm, args, kwargs, target))))

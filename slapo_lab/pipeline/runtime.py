@@ -168,6 +168,21 @@ class PipelineModel:
             self.optimizer.zero_grad(set_to_none=True)
         return self._broadcast_loss(losses)
 
+    def eval_step(self, *args, target=None, **kwargs) -> float:
+        """Run one full batch forward only (``schedule.eval``) and return the mean micro-batch loss, the
+        same on every rank of the pipeline (torch target)."""
+        if self.target == "deepspeed":
+            from .deepspeed_runtime import deepspeed_eval_step
+
+            return deepspeed_eval_step(self, args, kwargs, target)
+        for m in self.stage_modules:
+            m.eval()
+        losses: list | None = [] if self.is_last else None
+        inputs = self.partition.stage0_inputs(args, kwargs) if self.is_first else ()
+        with torch.no_grad():
+            self.schedule.eval(*inputs, target=target if self.is_last else None, losses=losses)
+        return self._broadcast_loss(losses)
+
     def _broadcast_loss(self, losses) -> float:
         # NCCL only moves CUDA tensors: put the loss on this rank's device (CPU for gloo)
         dev = torch.device("cuda", torch.cuda.current_device()) if (
@@ -187,6 +202,51 @@ class PipelineModel:
             p.grad = None
 
 
+def _retarget_devices(module: nn.Module, device: torch.device) -> None:
+    """Rewrite the ``meta`` device constants ``torch.export`` baked into a stage's graphs (``x.to(x.device)``
+    in rotary embeddings ...) when it traced the model on the meta device, so the stage runs on ``device``
+    (the rule of ``torch.export.passes.move_to_device_pass``, applied to the split graph modules)."""
+    from torch import fx
+
+    meta = torch.device("meta")
+
+    def swap(a):
+        if isinstance(a, torch.device) and a == meta:
+            return device
+        if isinstance(a, str) and a == "meta":
+            return str(device)
+        return a
+
+    for gm in module.modules():  # GraphModules, and torch.export's InterpreterModules (no recompile)
+        if not isinstance(getattr(gm, "graph", None), fx.Graph):
+            continue
+        changed = False
+        for node in gm.graph.nodes:
+            args = fx.node.map_aggregate(node.args, swap)
+            kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed = True
+        if changed and isinstance(gm, fx.GraphModule):
+            gm.recompile()
+
+
+def _autocast_forward(module: nn.Module, device_type: str) -> None:
+    """Make ``module``'s forward run under bf16 autocast and return its floating outputs in float32 (the
+    dtype the stages were traced with, which the receiving stage's buffers expect)."""
+    import types
+
+    inner = module.forward
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            out = inner(*args, **kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, out)
+
+    module.forward = types.MethodType(forward, module)
+
+
 def _default_pp_group():
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
@@ -196,7 +256,9 @@ def _default_pp_group():
 def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Callable, schedule: str = "1F1B",
                    n_microbatches: int | None = None, pp_group=None, dp_group=None, stages_per_rank: int = 1,
                    optimizer: Callable[[list], Any] | None = None, output_fn: Callable | None = None,
-                   device: str | torch.device = "cpu", ds_config: dict | None = None) -> PipelineModel:
+                   device: str | torch.device = "cpu", ds_config: dict | None = None,
+                   prepare_stages: Callable[[PipelinePartition, list[int]], None] | None = None,
+                   autocast_bf16: bool = False) -> PipelineModel:
     """Build this rank's pipeline stages from a cut schedule (Slapo's ``build(sch, target=...)`` for pipelines).
 
     Every rank of ``pp_group`` calls this with the same schedule (same cuts, same shapes); with tensor
@@ -223,6 +285,11 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
         output_fn: picks the last stage's output from the model output (default: first float tensor).
         device: the device stages run on ("cpu" with gloo here).
         ds_config: extra DeepSpeed config entries (merged over the generated batch-size settings).
+        prepare_stages: ``prepare_stages(partition, stage_ids)`` runs after the split and before this
+            rank's stages are built: the hook that materialises a partition exported on the meta device
+            (only this rank's stage parameters get storage) or wraps stage modules (FSDP2).
+        autocast_bf16: run every stage's forward under ``torch.autocast(bfloat16)`` and hand its
+            floating-point outputs on in their traced dtype: bf16 compute, fp32 weights (the masters).
 
     Returns:
         PipelineModel: ``train_step(*inputs, target=y) -> loss``; ``.optimizer``; ``.named_parameters()``
@@ -265,6 +332,13 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
                             "for all stages in one process) first.")
     partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    if prepare_stages is not None:
+        prepare_stages(partition, stage_ids)
+        for i in stage_ids:
+            _retarget_devices(partition.stage_module(i), torch.device(device))
+    if autocast_bf16:
+        for i in stage_ids:
+            _autocast_forward(partition.stage_module(i), torch.device(device).type)
     pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
     if target == "deepspeed":
         from .deepspeed_runtime import build_deepspeed

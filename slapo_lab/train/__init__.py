@@ -1,0 +1,29 @@
+"""The training runtime of exported scripts: fine-tune a scheduled model on the user's weights and data.
+
+An exported script holds the model spec, ``schedule(sch)``, the example inputs and one call into
+:func:`slapo_lab.train.main`; everything else lives here, as importable code:
+
+* ``args``       -- the command line (``--model-path``, ``--data``, ``--dp``, ``--fsdp``, ``--checkpoint-dir`` ...);
+* ``data``       -- local text / jsonl / parquet files through HF ``datasets`` and ``tokenizers``, packed into
+  fixed-length sequences in a seeded order, one part per data-parallel replica; synthetic inputs;
+* ``metrics``    -- tqdm progress, per-step lines, TensorBoard events and ``metrics.csv``, peak memory, MFU;
+* ``weights``    -- build on the meta device, materialise only this rank's shards (seeded init, or a
+  Hugging Face directory read through ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``);
+* ``parallel``   -- the ``(dp, pp, tp)`` mesh, DDP / FSDP2 over ``dp``, the pipeline stages;
+* ``optim``      -- AdamW / SGD, ``torch.optim.lr_scheduler`` schedules, clipping by the global norm;
+* ``checkpoint`` -- ``torch.distributed.checkpoint`` save / resume at any layout, Hugging Face directories out;
+* ``verify``     -- the scheduled model against the unscheduled one on a small batch;
+* ``loop``       -- the training loop of each target (torchrun: plain or pipeline; DeepSpeed).
+
+The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placements` (DTensor views).
+"""
+
+
+def main(**kwargs) -> int:
+    """The entry point of exported scripts: :func:`slapo_lab.train.loop.main` (imported on first use)."""
+    from .loop import main as _main
+
+    return _main(**kwargs)
+
+
+__all__ = ["main"]

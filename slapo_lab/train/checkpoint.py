@@ -1,0 +1,256 @@
+"""Checkpoints with ``torch.distributed.checkpoint``: save, resume at any layout, Hugging Face out.
+
+A checkpoint is a DCP directory ``<checkpoint-dir>/step-00000004`` holding
+
+* ``model.<name>``: every parameter under its Hugging Face name, as the DTensor (or, for a strided
+  fused projection, ``ShardedTensor``) view of its layout (:mod:`slapo_lab.sharding.placements`), so a
+  checkpoint saved with TP2 x DP2 loads with TP2 x PP2, DP4 or one process;
+* ``optim.*``: the optimizer state, flattened by parameter name (``torch.distributed.checkpoint.state_dict
+  .get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``), each state tensor viewed like its
+  parameter;
+* ``scheduler``, ``train`` (the step, samples seen, the data epoch), and ``rng`` (this layout's per-rank
+  generator states, restored only when the layout is the same).
+
+A save writes ``step-00000004.partial`` and renames it once every rank has finished (DCP writes its
+``.metadata`` last), so an interrupted save never looks complete; :func:`latest_checkpoint` takes the
+newest complete one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_STEP_DIR = re.compile(r"step-(\d{8})\Z")
+
+
+def step_dir(folder: str | os.PathLike, step: int) -> Path:
+    """``<folder>/step-<step, 8 digits>``."""
+    return Path(folder) / f"step-{step:08d}"
+
+
+def latest_checkpoint(folder: str | os.PathLike | None) -> tuple[int, Path] | None:
+    """The newest complete checkpoint in ``folder`` as ``(step, path)``, or None.
+
+    Complete means: named ``step-NNNNNNNN`` (not ``.partial``) and holding DCP's ``.metadata``.
+    """
+    if folder is None or not Path(folder).is_dir():
+        return None
+    best = None
+    for p in Path(folder).iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / ".metadata").is_file():
+            step = int(m.group(1))
+            if best is None or step > best[0]:
+                best = (step, p)
+    return best
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class Checkpointer:
+    """Saves and restores one run's state (see the module docstring).
+
+    Args:
+        folder: ``--checkpoint-dir``.
+        modules: ``[(module, {id(parameter): (name, ShardLayout)})]``: the module(s) holding this rank's
+            parameters (one, or one per pipeline stage) and the name and layout of each parameter.
+        optimizer: the torch optimizer over those parameters.
+        scheduler: its ``torch.optim.lr_scheduler`` (or None).
+        mesh: the ``(dp, tp)`` DeviceMesh of the views.
+        layout_key: a string naming the layout (``"tp2.pp1.dp2.fsdp"``): RNG states come back only
+            when it matches.
+        keep: keep the ``keep`` newest checkpoints (0: all).
+    """
+
+    def __init__(self, folder: str | os.PathLike, modules: list[tuple[nn.Module, dict[int, tuple]]],
+                 optimizer: torch.optim.Optimizer | None, scheduler, mesh, layout_key: str, keep: int = 0) -> None:
+        self.folder = Path(folder)
+        self.modules = modules
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.mesh = mesh
+        self.layout_key = layout_key
+        self.keep = keep
+
+    # ------------------------------------------------------------------------------ state dicts
+    def _model_state(self) -> dict[str, Any]:
+        state = {}
+        for module, info in self.modules:
+            for p in module.parameters():
+                name, lay = info[id(p)]
+                if name not in state:
+                    state[name] = lay.checkpoint_view(_local(p), self.mesh)
+        return state
+
+    def _optim_state(self) -> tuple[dict[str, Any], list]:
+        """(views by ``<param name>.<state>`` / ``param_groups.*``, the originals to set back after a load)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        views: dict[str, Any] = {}
+        originals = []
+        for module, info in self.modules:
+            sd = get_optimizer_state_dict(module, self.optimizer, options=opts)
+            originals.append((module, sd))
+            fqn_info = {}
+            for fqn, p in module.named_parameters(remove_duplicate=False):
+                if id(p) in info:
+                    fqn_info[fqn] = info[id(p)]
+            # longest FQN first, so "a.b.weight" wins over "a.b"
+            ordered = sorted(fqn_info, key=len, reverse=True)
+            for key, value in sd.items():
+                kind, _, rest = key.partition(".")
+                fqn = next((f for f in ordered if rest.startswith(f + ".")), None)
+                if fqn is None:
+                    continue
+                name, lay = fqn_info[fqn]
+                suffix = rest[len(fqn) + 1:]
+                new_key = f"{kind}.{name}.{suffix}"
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value = lay.checkpoint_view(_local(value), self.mesh)
+                views.setdefault(new_key, value)
+        return views, originals
+
+    def _rng_state(self) -> dict[str, Any]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        out = {f"rank{rank}.cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out[f"rank{rank}.cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    # ------------------------------------------------------------------------------ save / load
+    def save(self, step: int, train_state: dict[str, Any]) -> Path:
+        """Save everything at ``step``; returns the complete directory. Every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+
+        final = step_dir(self.folder, step)
+        partial = final.with_name(final.name + ".partial")
+        rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
+        if rank0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        optim, _ = self._optim_state() if self.optimizer is not None else ({}, [])
+        state = {"model": self._model_state(), "optim": optim,
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+                 "train": dict(train_state, layout=self.layout_key),
+                 "rng": {self.layout_key: self._rng_state()}}
+        dcp.save(state, checkpoint_id=str(partial))
+        _barrier()
+        if rank0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        done = sorted((int(m.group(1)), p) for p in self.folder.iterdir()
+                      if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
+        for _, p in done[:-self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Restore the model, optimizer and scheduler from ``path`` in place; returns the ``train`` state.
+
+        RNG states come back when the checkpoint was saved at this layout (else the caller reseeds).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        model = self._model_state()
+        optim, originals = self._optim_state() if self.optimizer is not None else ({}, [])
+        state = {"model": model, "optim": optim, "scheduler": {}, "train": {}, "rng": {self.layout_key: self._rng_state()}}
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+        for module, sd in originals:
+            set_optimizer_state_dict(module, self.optimizer, sd,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+        if self.scheduler is not None and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        train = state["train"]
+        if train.get("layout") == self.layout_key:
+            rng = state["rng"][self.layout_key]
+            for key, value in rng.items():
+                if key.endswith(".cpu"):
+                    torch.set_rng_state(value)
+                elif key.endswith(".cuda"):
+                    torch.cuda.set_rng_state(value)
+        return train
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (FSDP2's parameters and states), else ``t``; detached (same storage)."""
+    inner = getattr(t, "_local_tensor", None)
+    return (inner if inner is not None else t).detach()
+
+
+def save_hf(folder: str | os.PathLike, tensors: dict[str, tuple[torch.Tensor, Any]], mesh, dtype: torch.dtype,
+            max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model as a Hugging Face safetensors directory (consolidated full tensors).
+
+    Every rank passes its local tensors; ``torch.distributed.checkpoint.save`` with
+    ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`` writes the shards and
+    consolidates them into ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each
+    plus ``model.safetensors.index.json``. A strided layout (fused q, k, v), which one safetensors file
+    entry per rank cannot describe, is gathered to the full tensor first (one parameter at a time).
+
+    Args:
+        folder: the output directory (config and tokenizer files are written by the caller).
+        tensors: ``{hf name: (local tensor, ShardLayout)}`` of this rank, each name once per rank.
+        mesh: the ``(dp, tp)`` DeviceMesh.
+        dtype: the dtype written.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    folder = Path(folder)
+    rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
+    state = {}
+    sizes = {}
+    for name, (local, lay) in tensors.items():
+        local = _local(local).detach().to(dtype)
+        view = lay.dtensor(local, mesh)
+        if len(lay.blocks()) > 1:
+            view = view.full_tensor()
+        state[name] = view
+        n = 1
+        for s in lay.shape:
+            n *= s
+        sizes[name] = n * torch.empty((), dtype=dtype).element_size()
+    # every rank must name the same files: agree on the names and sizes first
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sizes)
+        for g in gathered:
+            sizes.update(g)
+    mapping, index, used = {}, 1, 0
+    for name in sorted(sizes):
+        if used and used + sizes[name] > max_shard_bytes:
+            index, used = index + 1, 0
+        mapping[name] = index
+        used += sizes[name]
+    if rank0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder / "sharded", ignore_errors=True)
+    _barrier()
+    writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=mapping, save_distributed=True,
+                                      enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+    _barrier()
+    if rank0:
+        shutil.rmtree(folder / "sharded", ignore_errors=True)
+    _barrier()

@@ -1,0 +1,777 @@
+"""The training run of an exported script: :func:`main`.
+
+One run, whatever the target:
+
+1. join the process group the launcher describes (torchrun or the deepspeed launcher; ``python
+   script.py`` runs one process on a group of its own) and lay the ranks out as ``dp x pp x tp``;
+2. read the data (:mod:`slapo_lab.train.data`) and build the model on the meta device, apply the
+   schedule on this rank's tensor-parallel group, split the pipeline stages, put FSDP2 over ``dp``,
+   and materialise only this rank's tensors (:mod:`slapo_lab.train.weights`);
+3. with ``--verify`` (the default), prove the scheduled model against the unscheduled one
+   (:mod:`slapo_lab.train.verify`) and stop with status 1 if it differs;
+4. resume from the newest complete checkpoint of ``--checkpoint-dir`` (any layout), then train
+   ``--steps`` optimizer steps of ``--global-batch-size`` sequences: micro-batches with gradient
+   accumulation (DDP / FSDP2 sync on the last), or the pipeline schedule; clip by the global norm,
+   step the optimizer and the learning-rate schedule, log, evaluate and checkpoint;
+5. save the last checkpoint and, with ``--save-hf``, a Hugging Face directory.
+
+Exit status: 0 done, 1 Verify failed, 2 a launch or input problem (one sentence on stderr).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ScheduleError
+from .args import build_parser, parse_args
+
+
+class RunError(ValueError):
+    """A problem of the launch or of the user's input; ``str(err)`` is one sentence."""
+
+
+# ---------------------------------------------------------------------------------------- process group
+def _device_of(args) -> tuple[str, str | None]:
+    """(device, error): cuda:<local rank % GPUs> or cpu."""
+    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = want
+    if want == "cpu":
+        return "cpu", None
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return "", "error: CUDA is not available here; run with --device cpu."
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks > gpus and _backend(args) == "nccl":
+        return "", (f"error: {ranks} processes on this node but {gpus} GPU(s), and NCCL needs one GPU per process; "
+                    "launch at most one process per GPU, or add --backend gloo to share GPUs (testing).")
+    return f"cuda:{local_rank % gpus}", None
+
+
+def _backend(args) -> str:
+    if args.backend != "auto":
+        return args.backend
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def _init_process_group(args, device: str) -> None:
+    """Join the launcher's group (env://), or make a group of one process without a launcher."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        dist.init_process_group(_backend(args), store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if _backend(args) == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo")
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _say(*lines: str) -> None:
+    if _rank0():
+        for line in lines:
+            print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------- losses
+def first_tensor(outputs) -> torch.Tensor:
+    """The first floating-point tensor of a model output (tensor, tuple or HF ModelOutput)."""
+    from ..verify import flatten_outputs
+
+    items = [t for name, t in flatten_outputs(outputs) if name != "loss"]
+    if not items:
+        raise RunError("The model returned no floating-point tensor to train on.")
+    return items[0]
+
+
+_PROBES: dict = {}
+
+
+def probe_loss(hidden: torch.Tensor, seed: int) -> torch.Tensor:
+    """The synthetic objective of benchmark runs without labels: the mean squared projection of
+    ``hidden`` (..., d) onto a fixed random unit vector of size d (seeded; the same on every rank)."""
+    key = (hidden.shape[-1], str(hidden.device), seed)
+    if key not in _PROBES:
+        probe = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(seed))
+        _PROBES[key] = (probe / probe.norm()).to(hidden.device)
+    return (hidden.float() @ _PROBES[key]).square().mean()
+
+
+def model_loss(outputs, seed: int) -> torch.Tensor:
+    """The model's own loss (labels were given), else :func:`probe_loss` of its first output."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    return loss if loss is not None else probe_loss(first_tensor(outputs), seed)
+
+
+def pipeline_loss_fn(objective: str | None, seed: int) -> Callable:
+    """``loss_fn(output, target)`` of the last pipeline stage: next-token cross entropy (causal LM, as
+    transformers' ``ForCausalLMLoss``), token cross entropy ignoring -100 (masked LM), or the probe."""
+    def loss_fn(output, target):
+        if objective == "causal_lm":
+            logits = output[:, :-1].reshape(-1, output.shape[-1]).float()
+            return torch.nn.functional.cross_entropy(logits, target[:, 1:].reshape(-1), ignore_index=-100)
+        if objective == "masked_lm":
+            return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(),
+                                                     target.reshape(-1), ignore_index=-100)
+        return probe_loss(output, seed)
+    return loss_fn
+
+
+def _to(batch: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _cat(batches: list[dict]) -> dict:
+    out = {}
+    for k, v in batches[0].items():
+        out[k] = torch.cat([b[k] for b in batches]) if isinstance(v, torch.Tensor) and v.dim() else v
+    return out
+
+
+def _split_target(batch: dict, n: int, device: str) -> tuple[dict, torch.Tensor]:
+    batch = dict(batch)
+    target = batch.pop("labels", None)
+    if target is None:
+        rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+        target = torch.zeros(rows, device=device)
+    return batch, target
+
+
+# ---------------------------------------------------------------------------------------- the run
+class Run:
+    """One launched training run (see the module docstring); :func:`main` builds and drives it.
+
+    Attributes (after :meth:`setup`):
+        layout: the :class:`~slapo_lab.train.parallel.Layout` of the ranks.
+        data / eval_data / plan: the training data, the validation data (or None), the batch plan.
+        sch: the schedule applied on this rank's tensor-parallel group.
+        module: the module holding this rank's parameters (the scheduled model, or the pipeline stages).
+        targets: this rank's parameters: canonical name, parameter object, :class:`ShardLayout`.
+        pm: the pipeline (:class:`slapo_lab.pipeline.PipelineModel`) or None.
+    """
+
+    def __init__(self, args, *, spec: dict, schedule_fn: Callable, input_spec: dict, tp: int, stages: int,
+                 launcher: str, device: str) -> None:
+        self.args = args
+        self.spec = spec
+        self.schedule_fn = schedule_fn
+        self.input_spec = input_spec
+        self.tp_size = tp
+        self.stages = stages
+        self.launcher = launcher
+        self.device = device
+        self.pipeline = stages > 1
+        self.pm = None
+        self.ddp = None
+        self.unused_params = True  # DDP's find_unused_parameters, until Verify has seen every gradient
+
+    # ------------------------------------------------------------------ layout, data
+    def setup(self) -> None:
+        """Lay out the ranks, read the data, build and materialise this rank's part of the model."""
+        from ..random import set_random_seed
+        from . import metrics
+        from .parallel import LayoutError, make_layout
+
+        args = self.args
+        metrics.mark_memory_baseline()
+        hint = "deepspeed --num_gpus " if self.launcher == "deepspeed" else "torchrun --nproc_per_node="
+        try:
+            self.layout = make_layout(self.tp_size, self.stages, dist.get_world_size(), dp=args.dp,
+                                      stages_per_rank=getattr(args, "stages_per_rank", 1), fsdp=args.fsdp,
+                                      device=torch.device(self.device).type, launch_hint=hint)
+        except (LayoutError, ScheduleError) as err:
+            raise RunError(str(err)) from None
+        lay = self.layout
+        if args.fsdp and lay.dp == 1:
+            _say("note: --fsdp with one data-parallel replica shards nothing; training without FSDP2.")
+        set_random_seed(args.seed, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
+        if not (_rank0() and args.progress != "off" and (args.progress == "on" or sys.stderr.isatty())):
+            import datasets
+
+            datasets.disable_progress_bars()  # one set of bars, on rank 0 at a terminal
+        self._setup_data()
+        self._setup_model()
+
+    def _setup_data(self) -> None:
+        from .data import BatchPlan, load_data, objective_of
+
+        args, lay = self.args, self.layout
+        cls = self.spec.get("class", "") if self.spec.get("kind") == "hf" else ""
+        self.objective = objective_of(cls)
+        if args.data != "synthetic":
+            if self.objective is None:
+                raise RunError(f"{cls or 'This model'} has no language-model head, so it has no loss to train on "
+                               "text; export a *ForCausalLM or *ForMaskedLM model (or use --data synthetic).")
+            if args.tokenizer is None:
+                raise RunError("--data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
+                               "files).")
+        if args.eval_data and args.tokenizer is None:
+            raise RunError("--eval-data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
+                           "files).")
+        objective = self.objective or "causal_lm"
+        try:
+            self.data = load_data(args.data, tokenizer_dir=args.tokenizer, seq_len=args.seq_len, objective=objective,
+                                  seed=args.seed, input_spec=self.input_spec, main_first=self._main_first(),
+                                  lm_labels=self.objective is not None)
+            self.eval_data = None
+            if args.eval_data:
+                self.eval_data = load_data(args.eval_data, tokenizer_dir=args.tokenizer, seq_len=args.seq_len,
+                                           objective=objective, seed=args.seed, main_first=self._main_first(),
+                                           lm_labels=True)
+            g = args.global_batch_size
+            self.micro = args.micro_batch_size or max(1, g // (lay.dp * (self.stages if self.pipeline else 1)))
+            self.plan = BatchPlan(self.data.num_samples, g, self.micro, lay.dp, lay.dp_rank, args.seed,
+                                  source=getattr(self.data, "source", None))
+        except ValueError as err:
+            raise RunError(str(err)) from None
+        if args.epochs is not None:
+            if self.plan.steps_per_epoch is None:
+                raise RunError("--epochs needs --data (synthetic data has no epochs); use --steps.")
+            args.steps = max(1, math.ceil(args.epochs * self.plan.steps_per_epoch))
+        self.seq_len = args.seq_len
+
+    @contextlib.contextmanager
+    def _main_first(self):
+        """Rank 0 runs the block first (tokenises into the datasets cache); the others then read it."""
+        if not _rank0():
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if _rank0():
+                dist.barrier()
+
+    # ------------------------------------------------------------------ model
+    def _setup_model(self) -> None:
+        from ..presets import find_blocks
+        from ..schedule import create_schedule
+        from .parallel import apply_fsdp
+        from .weights import Target, WeightsError, build_meta_model, canonical_names
+
+        args, lay = self.args, self.layout
+        try:
+            model = build_meta_model(self.spec, args.model_path)
+        except WeightsError as err:
+            raise RunError(str(err)) from None
+        self.config = getattr(model, "config", None)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        canon = canonical_names(model)
+        self.canon_of_fqn = {name: canon[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        sch = create_schedule(model, group=lay.mesh.tp_group)
+        try:
+            self.schedule_fn(sch)
+        except ScheduleError as err:
+            raise RunError(f"The schedule does not apply to this model: {err}") from None
+        self.sch = sch
+        self.block_paths = find_blocks(sch)
+        if args.compile:
+            for path in self.block_paths:
+                sch[path].mod.compile(fullgraph=True, backend=args.compile_backend)
+        blocks = [sch[p].mod for p in self.block_paths]
+        self.targets: list[Target] = []
+        if self.pipeline:
+            self._setup_pipeline(sch, blocks)
+            return
+        module = sch.mod
+        targets = self._targets_of(module.named_parameters(remove_duplicate=False))
+        if lay.fsdp:
+            targets = apply_fsdp(module, blocks, targets, lay, args.bf16)
+        self._materialise(module, targets, lay.fsdp)
+        self.targets = targets
+        self.module = module
+
+    def _targets_of(self, named) -> list:
+        """Targets (canonical name, parameter, tensor-parallel layout) of ``(fqn, parameter)`` pairs, each
+        parameter once."""
+        from ..sharding.placements import layout_of
+        from .weights import Target
+
+        out, seen = [], set()
+        for fqn, p in named:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append(Target(self.canon_of_fqn.get(fqn, fqn), p, layout_of(p, self.layout.tp, self.layout.tp_rank)))
+        return out
+
+    def _setup_pipeline(self, sch, blocks) -> None:
+        from ..pipeline import build_pipeline
+        from .parallel import apply_fsdp
+
+        args, lay = self.args, self.layout
+        example, _ = _split_target(self._replica_batch(0), 1, "meta")
+        example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+
+        def prepare(partition, stage_ids):
+            for i in stage_ids:
+                stage = partition.stages[i]
+                targets = self._targets_of(stage.params.items())
+                if lay.fsdp:
+                    inside = [m for m in stage.module.modules() if any(m is b for b in blocks)]
+                    targets = apply_fsdp(stage.module, inside, targets, lay, args.bf16)
+                self._materialise(stage.module, targets, lay.fsdp, tables=[stage.params])
+                self.targets.extend(targets)
+
+        target = "deepspeed" if self.launcher == "deepspeed" else "torch"
+        try:
+            self.pm = build_pipeline(
+                sch, target, example_inputs=example, loss_fn=pipeline_loss_fn(self.objective, args.seed),
+                schedule=getattr(args, "pp_schedule", "1F1B"), n_microbatches=self.plan.accumulation,
+                pp_group=lay.mesh.pp_group, dp_group=None if lay.fsdp or lay.dp == 1 else lay.mesh.dp_group,
+                stages_per_rank=lay.stages_per_rank, optimizer=None, device=self.device,
+                prepare_stages=prepare, autocast_bf16=args.bf16 and target == "torch")
+        except ScheduleError as err:
+            raise RunError(f"The pipeline could not be built: {err}") from None
+        self.module = nn.ModuleList([self.pm.partition.stage_module(i) for i in self.pm.stage_ids])
+
+    def _materialise(self, module: nn.Module, targets: list, fsdp: bool, tables=()) -> None:
+        """Storage for ``targets`` (FSDP2: ``to_empty``, keeping the real buffers), then values from
+        ``--model-path`` or the seeded initialisation."""
+        from .weights import allocate, init_random, load_hf
+
+        if fsdp:
+            buffers = dict(module.named_buffers())
+            allocate([t for t in targets if getattr(t.param, "_local_tensor", None) is None], self.device, module,
+                     tables)
+            module.to_empty(device=self.device)
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    src = buffers.get(name)
+                    if src is not None and src is not b and not src.is_meta:
+                        b.copy_(src)
+            for t in targets:  # FSDP2 made new parameter objects: init reads the global shape from here
+                t.param.orig_shape = torch.Size(t.layout.shape)
+        else:
+            allocate(targets, self.device, module, tables)
+            self._real_buffers(module)
+            module.to(self.device)
+        if self.args.model_path:
+            load_hf(self.args.model_path, targets, self.layout.view_mesh)
+        else:
+            init_random(self.sch, targets, self.args.seed)
+
+    def _real_buffers(self, module: nn.Module) -> None:
+        """Give a pipeline stage exported on the meta device its buffers' values (rotary tables ...) from the
+        model they came from (built with real buffers)."""
+        from ..pipeline.partition import _orig_name
+
+        if module is self.sch.mod:
+            return
+        source = dict(self.sch.mod.named_buffers(remove_duplicate=False))
+        for mod_name, mod in module.named_modules():
+            for name, b in list(mod._buffers.items()):
+                if b is None or not b.is_meta:
+                    continue
+                full = f"{mod_name}.{name}" if mod_name else name
+                if b.numel() == 0:  # an empty constant torch.export lifted (it holds no values)
+                    mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+                    continue
+                orig = source.get(_orig_name(full) or full)
+                if orig is None or orig.is_meta:
+                    raise RunError(f"The pipeline stage's buffer {full} has no value to start from.")
+                mod._buffers[name] = orig.detach().clone()
+
+    # ------------------------------------------------------------------ batches
+    def _replica_batch(self, step: int) -> dict:
+        """This replica's batch of ``step`` (0-based), its micro-batches concatenated."""
+        return _cat(self.plan.micro_batches(self.data, step))
+
+    # ------------------------------------------------------------------ verify
+    def verify(self) -> bool:
+        """Run Verify (see :mod:`slapo_lab.train.verify`); prints the report on rank 0; True if it passed."""
+        from .verify import Reference, release, run_verify
+        from .weights import build_meta_model, init_random, load_hf
+
+        args = self.args
+        batch = self._verify_batch()
+        rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+        seq = next((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 1), None)
+
+        def fill(ref_sch, targets, mesh):
+            if args.model_path:
+                load_hf(args.model_path, targets, mesh)
+            else:
+                init_random(ref_sch, targets, args.seed)
+
+        ref = Reference(lambda: build_meta_model(self.spec, args.model_path), fill, self.device)
+        note = (f"one forward and backward of {rows} sequence(s)" + (f" of {seq} tokens" if seq else "")
+                + f" ({'synthetic inputs' if args.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
+                f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
+                f"{self.layout.describe()}")
+        dropouts = _dropout_off([self.module, ref.model])
+        try:
+            report = run_verify(ref, self.targets, lambda: self._verify_scheduled(batch),
+                                lambda m: self._verify_reference(m, batch), device=self.device, note=note)
+        finally:
+            _dropout_restore(dropouts)
+            release(ref, self.device)
+            for t in self.targets:
+                t.param.grad = None
+        _say(report.summary())
+        return report.passed
+
+    def _verify_batch(self) -> dict:
+        args = self.args
+        if self.pipeline:  # its shapes are fixed: one step's batch, replica 0's on every replica
+            from .data import BatchPlan
+
+            first = BatchPlan(self.data.num_samples, args.global_batch_size, self.micro, self.layout.dp, 0, args.seed)
+            return _to(_cat(first.micro_batches(self.data, 0)), self.device)
+        rows = args.verify_batch_size or 2
+        batch = self.data.batch(list(range(rows)), 0)
+        length = args.verify_seq_len or (min(self.seq_len, 64) if self.seq_len else None)
+        if length is not None and self.seq_len:
+            batch = {k: v[:, :length] if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == self.seq_len
+                     else v for k, v in batch.items()}
+        return _to(batch, self.device)
+
+    def _verify_scheduled(self, batch: dict) -> tuple[float, Any]:
+        if self.pipeline:
+            inputs, target = _split_target(batch, 1, self.device)
+            loss = self.pm.train_step(**inputs, target=target)
+            self.layout.average_ignored_grads()
+            return float(loss), None
+        self.module.eval()
+        out = self.module(**batch)
+        loss = model_loss(out, self.args.seed)
+        loss.backward()
+        self.layout.average_ignored_grads()
+        self.unused_params = any(t.param.requires_grad and t.param.grad is None for t in self.targets)
+        return float(loss.detach()), out
+
+    def _verify_reference(self, model: nn.Module, batch: dict) -> tuple[float, Any]:
+        model.eval()
+        if not self.pipeline:
+            out = model(**batch)
+            loss = model_loss(out, self.args.seed)
+            loss.backward()
+            return float(loss.detach()), out
+        n = self.plan.accumulation  # the pipeline's micro-batches: the same means, summed the same way
+        loss_fn = pipeline_loss_fn(self.objective, self.args.seed)
+        inputs, target = _split_target(batch, n, self.device)
+        total = 0.0
+        for i in range(n):
+            chunk = {k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()}
+            loss = loss_fn(first_tensor(model(**chunk)), target.chunk(n)[i]) / n
+            loss.backward()
+            total += float(loss.detach())
+        return total, None
+
+    # ------------------------------------------------------------------ train
+    def _norm_targets(self) -> list:
+        """The targets whose gradients make up the global norm: every parameter once (a tied copy on a later
+        pipeline stage is left to the first stage holding it)."""
+        if self.pm is None:
+            return self.targets
+        owner: dict[str, int] = {}
+        for group in self.pm.partition.tied:
+            for stage, fqn in group.items():
+                name = self.canon_of_fqn.get(fqn, fqn)
+                owner[name] = min(owner.get(name, stage), stage)
+        stage_of = {}
+        for i in self.pm.stage_ids:
+            for p in self.pm.partition.stages[i].params.values():
+                stage_of.setdefault(id(p), i)
+        seen, out = set(), []
+        for t in self.targets:
+            if t.name in seen or stage_of.get(id(t.param), 0) != owner.get(t.name, stage_of.get(id(t.param), 0)):
+                continue
+            seen.add(t.name)
+            out.append(t)
+        return out
+
+    def _optimizer(self):
+        from .optim import make_optimizer
+
+        dtensors = [t.param for t in self.targets if getattr(t.param, "_local_tensor", None) is not None]
+        plain = [t.param for t in self.targets if getattr(t.param, "_local_tensor", None) is None]
+        opt = make_optimizer(self.args, dtensors or plain)
+        if dtensors and plain:  # foreach kernels take one kind per group
+            opt.add_param_group({"params": plain})
+        return opt
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.layout.dp > 1:
+            value = value.detach().double().clone()
+            dist.all_reduce(value, group=self.layout.mesh.dp_group)
+            value /= self.layout.dp
+        return float(value)
+
+    def _autocast(self):
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16,
+                              enabled=bool(self.args.bf16) and self.pm is None)
+
+    def _forward_backward(self, step: int) -> float:
+        """Forward and backward of this replica's part of ``step``; gradients ready on return. Returns the
+        step's loss (the mean over the global batch, the same on every rank)."""
+        lay = self.layout
+        if self.pm is not None:
+            inputs, target = _split_target(_to(self._replica_batch(step), self.device), 1, self.device)
+            loss = torch.tensor(self.pm.train_step(**inputs, target=target), dtype=torch.float64)
+            lay.average_ignored_grads()
+            return self._dp_mean(loss.to(self._reduce_device))
+        micro_batches = self.plan.micro_batches(self.data, step)
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            last = i == n - 1
+            sync = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
+            if lay.fsdp:
+                self.module.set_requires_gradient_sync(last)
+            with sync:
+                with self._autocast():
+                    loss = model_loss(self.model(**_to(mb, self.device)), self.args.seed) / n
+                loss.backward()
+            total += loss.detach().float()
+        lay.average_ignored_grads()
+        return self._dp_mean(total)
+
+    @property
+    def _reduce_device(self) -> str:
+        return self.device if dist.get_backend() == "nccl" else "cpu"
+
+    def _clip(self, norm_targets: list) -> float:
+        from .optim import clip_, global_grad_norm
+
+        views, grads = [], []
+        for t in norm_targets:
+            g = t.param.grad
+            if g is not None:
+                views.append(t.layout.dtensor(getattr(g, "_local_tensor", g), self.layout.view_mesh))
+        for t in self.targets:
+            g = t.param.grad
+            if g is not None:
+                grads.append(getattr(g, "_local_tensor", g))
+        norm = global_grad_norm(views, self.layout.mesh.pp_group if self.layout.pp > 1 else None)
+        clip_(grads, self.args.max_grad_norm, norm)
+        return float(norm)
+
+    def evaluate(self) -> tuple[float, int]:
+        """The validation loss: the mean over the first ``--eval-samples`` sequences of ``--eval-data`` of each
+        micro-batch's loss weighted by its rows (each replica evaluates its part), the same on every rank;
+        and the number of sequences evaluated."""
+        from .data import eval_micro_batches
+
+        lay = self.layout
+        group = self.plan.accumulation if self.pm is not None else 1
+        micro = list(eval_micro_batches(self.eval_data, self.micro, lay.dp, lay.dp_rank, self.args.eval_samples,
+                                        group=group))
+        total = torch.zeros((), dtype=torch.float64)
+        rows = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            if self.pm is not None:
+                for k in range(0, len(micro), group):
+                    batch = _to(_cat(micro[k:k + group]), self.device)
+                    inputs, target = _split_target(batch, 1, self.device)
+                    n = target.shape[0]
+                    total += self.pm.eval_step(**inputs, target=target) * n
+                    rows += n
+            else:
+                self.module.eval()
+                for mb in micro:
+                    n = mb["input_ids"].shape[0] if "input_ids" in mb else next(iter(mb.values())).shape[0]
+                    with self._autocast():
+                        total += float(model_loss(self.model(**_to(mb, self.device)), self.args.seed)) * n
+                    rows += n
+                self.module.train()
+        if lay.dp > 1:
+            both = torch.stack([total, rows]).to(self._reduce_device)
+            dist.all_reduce(both, group=lay.mesh.dp_group)
+            total, rows = both[0].cpu(), both[1].cpu()
+        return (float(total / rows) if float(rows) else float("nan")), int(rows)
+
+    def train(self) -> int:
+        """Resume, train, evaluate, checkpoint and write the model out; returns the exit status."""
+        from .checkpoint import Checkpointer, latest_checkpoint
+        from .metrics import MetricsLogger
+        from .optim import make_scheduler
+        from .parallel import wrap_ddp
+
+        args, lay = self.args, self.layout
+        optimizer = self._optimizer()
+        scheduler = make_scheduler(optimizer, args.lr_schedule, args.warmup_steps, args.steps)
+        self.model = self.module
+        if self.pm is None and not lay.fsdp and lay.dp > 1:
+            self.ddp = wrap_ddp(self.module, lay, self.device, find_unused=self.unused_params)
+            self.model = self.ddp
+        for m in self.module.modules():
+            m.train()
+        layout_key = f"tp{lay.tp}.pp{lay.pp}.spr{lay.stages_per_rank}.dp{lay.dp}" + (".fsdp" if lay.fsdp else "")
+        ckpt = None
+        if args.checkpoint_dir:
+            info = {id(t.param): (t.name, t.layout) for t in self.targets}
+            ckpt = Checkpointer(args.checkpoint_dir, [(self.module, info)], optimizer, scheduler, lay.view_mesh,
+                                layout_key, keep=args.keep_checkpoints)
+        start = 0
+        latest = latest_checkpoint(args.checkpoint_dir) if ckpt is not None and not args.no_resume else None
+        if latest is not None:
+            state = ckpt.load(latest[1])
+            start = int(state.get("step", latest[0]))
+            same = state.get("layout") == layout_key
+            if not same:
+                from ..random import set_random_seed
+
+                set_random_seed(args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
+            _say(f"resumed from {latest[1]} at step {start}" + ("" if same else
+                 f" (saved as {state.get('layout')}, now {layout_key}: weights and optimizer resharded)"))
+        norm_targets = self._norm_targets()
+        tokens_per_step = args.global_batch_size * (self.seq_len or 1)
+        _say(f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}, "
+             f"device {self.device}, global batch {args.global_batch_size}"
+             + (f" x {self.seq_len} tokens" if self.seq_len else "")
+             + f" in micro-batches of {self.micro} ({self.plan.accumulation} per step and replica)"
+             + (", bf16 compute / fp32 weights" if args.bf16 else ""),
+             self.data.describe())
+        precision = "bf16" if args.bf16 else ("fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32")
+        logger = MetricsLogger(dist.get_rank(), log_dir=args.log_dir, total_steps=args.steps, start_step=start,
+                               progress=args.progress, device=self.device, n_params=self.n_params,
+                               world_size=dist.get_world_size(), precision=precision, peak_tflops=args.peak_tflops)
+        saved_at = start if latest is not None else None
+        with logger:
+            for step in range(start, args.steps):
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                loss = self._forward_backward(step)
+                norm = self._clip(norm_targets)
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - t0
+                done = step + 1
+                logger.log_step(done, loss=loss, lr=lr, grad_norm=norm, tokens=tokens_per_step,
+                                samples=args.global_batch_size, seconds=seconds)
+                if self.eval_data is not None and args.eval_every and done % args.eval_every == 0 and done < args.steps:
+                    self._log_eval(logger, done)
+                if ckpt is not None and args.checkpoint_every and done % args.checkpoint_every == 0:
+                    path = ckpt.save(done, self._train_state(done))
+                    saved_at = done
+                    _say(f"checkpoint step {done} saved: {path}")
+            if self.eval_data is not None:
+                self._log_eval(logger, args.steps)
+        if ckpt is not None and saved_at != args.steps:
+            path = ckpt.save(args.steps, self._train_state(args.steps))
+            _say(f"checkpoint step {args.steps} saved: {path}")
+        if args.save_hf:
+            self.save_hf(args.save_hf)
+        return 0
+
+    def _log_eval(self, logger, step: int) -> None:
+        loss, rows = self.evaluate()
+        logger.log_eval(step, loss, samples=rows)
+
+    def _train_state(self, step: int) -> dict:
+        return {"step": step, "samples": step * self.args.global_batch_size, "epoch": self.plan.epoch(step),
+                "seed": self.args.seed, "global_batch_size": self.args.global_batch_size}
+
+    def save_hf(self, folder: str) -> None:
+        """Write the trained model as a Hugging Face directory (gathered from every shard) with its config
+        and tokenizer."""
+        from .checkpoint import save_hf
+        from .weights import copy_hf_extras, source_dtype
+
+        args = self.args
+        dtype = source_dtype(args.model_path) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+        tensors = {t.name: (t.param, t.layout) for t in self._norm_targets()}
+        save_hf(folder, tensors, self.layout.view_mesh, dtype)
+        if _rank0():
+            if self.config is not None:
+                self.config.dtype = dtype
+                copy_hf_extras(args.model_path, args.tokenizer, folder, self.config)
+        dist.barrier()
+        _say(f"saved the model as a Hugging Face directory: {folder} ({dtype}; from_pretrained loads it)")
+
+
+# ---------------------------------------------------------------------------------------- entry point
+def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int = 1, launcher: str = "torchrun",
+         defaults: dict | None = None, argv: list[str] | None = None, title: str | None = None) -> int:
+    """Train the model of an exported script; the one call an exported script makes.
+
+    Args:
+        model: the model spec (:func:`slapo_lab.export.model_spec`: a transformers class and config, or a
+            factory).
+        schedule: ``schedule(sch)``, the recorded calls.
+        inputs: the example inputs' spec (:func:`slapo_lab.export.input_spec`): the synthetic data's shapes.
+        tp: the tensor-parallel width the schedule was recorded for.
+        stages: pipeline stages (cuts + 1).
+        launcher: ``"torchrun"`` or ``"deepspeed"``.
+        defaults: option defaults baked in by the export.
+        argv: the command line (default: ``sys.argv[1:]``).
+        title: the first line of ``--help``.
+
+    Returns:
+        The exit status: 0 done, 1 Verify failed, 2 a problem of the launch or the input (one sentence on
+        stderr).
+    """
+    from ..export.spec import ExportError, example_sizes, validate_input_spec, validate_model_spec
+    from .parallel import LayoutError
+
+    spec = validate_model_spec(model)
+    input_spec = validate_input_spec(inputs)
+    batch, seq = example_sizes(input_spec)
+    parser = build_parser(title or "Train a model with a slapo-lab schedule.", launcher=launcher, pipeline=stages > 1,
+                          example_batch=int(batch or 1), example_seq=seq, defaults=defaults)
+    args = parse_args(parser, argv)
+    device, error = _device_of(args)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    _init_process_group(args, device)
+    run = None
+    try:
+        run = Run(args, spec=spec, schedule_fn=schedule, input_spec=input_spec, tp=tp, stages=stages,
+                  launcher=launcher, device=device)
+        run.setup()
+        if args.verify:
+            passed = run.verify()
+            if not passed:
+                return 1
+        return run.train()
+    except (RunError, LayoutError, ExportError) as err:
+        if dist.get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        # sync hooks hold the process group in reference cycles: collect them first, or the gloo group
+        # outlives destroy_process_group and its worker threads abort the exit ("terminate called ...")
+        del run
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dropout_off(models: list[nn.Module]) -> list[tuple[nn.Module, float]]:
+    """Set every dropout rate of ``models`` to 0; returns ``[(module, rate)]`` to put back."""
+    saved = []
+    for m in models:
+        for mod in m.modules():
+            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
+                saved.append((mod, mod.p))
+                mod.p = 0.0
+    return saved
+
+
+def _dropout_restore(saved: list[tuple[nn.Module, float]]) -> None:
+    for mod, p in saved:
+        mod.p = p

@@ -1,0 +1,185 @@
+"""Verify a launched run: the scheduled model against the unscheduled one, without a second full copy.
+
+The reference is the *unscheduled* model built from the same spec and filled from the same source
+(the same seeded initialisation, or the same Hugging Face directory), sharded by FSDP2's
+``fully_shard`` over **all** ranks of the run (every repeated block, then the root): each rank holds
+1 / world of it, and only one block is whole at a time. On one small batch (``--verify-batch-size``
+sequences of ``--verify-seq-len`` tokens of the user's data; a pipeline runs one training step's batch,
+its shapes being fixed) both models run forward and backward with dropout off and in float32, and
+Verify compares
+
+* every parameter of this rank against its slice of the reference's (the weights were read right),
+* the loss, and the outputs (without pipeline stages: on every rank),
+* every gradient against its slice of the reference's gradient,
+
+within ``atol + rtol * |reference|`` (1e-5 each). Reference tensors are gathered one parameter at a
+time (``DTensor.full_tensor``). The report is :class:`slapo_lab.VerifyReport`; its last line is
+``Verify: PASSED`` or ``Verify: FAILED``.
+"""
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..sharding.placements import ShardLayout
+from ..verify import Comparison, VerifyReport, flatten_outputs
+from .weights import Target
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.shape != b.shape:
+        return math.inf, math.inf, False
+    if not a.numel():
+        return 0.0, 0.0, True
+    d = float((a - b).abs().max())
+    return d, d / (float(b.abs().max()) + atol), bool(torch.allclose(a, b, atol=atol, rtol=rtol))
+
+
+class Reference:
+    """The unscheduled model sharded by FSDP2 over every rank (see the module docstring).
+
+    Args:
+        build: ``build() -> nn.Module`` on the meta device (parameters meta, buffers real).
+        fill: ``fill(schedule, targets, mesh)`` fills the reference's tensors (seeded init or a directory;
+            ``mesh`` is the ``(world, 1)`` view mesh).
+        device: this rank's device.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], fill: Callable[[Any, list[Target], Any], None],
+                 device: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ..presets import find_blocks
+        from ..schedule import create_schedule
+
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        self.mesh = init_device_mesh(torch.device(device).type, (world, 1), mesh_dim_names=("dp", "tp"))
+        model = build()
+        sch = create_schedule(model, group=self.mesh["tp"].get_group())  # a group of one: nothing is split
+        blocks = [sch[p].mod for p in find_blocks(sch)]
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh["dp"])
+        fully_shard(model, mesh=self.mesh["dp"])
+        buffers = {name: b for name, b in model.named_buffers()}
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers and not buffers[name].is_meta:
+                    b.copy_(buffers[name])
+        self.targets: list[Target] = []
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            p.orig_shape = torch.Size(shape)
+            self.targets.append(Target(name, p, ShardLayout(shape, fsdp_dim=0, dp=world, dp_rank=rank)))
+        fill(sch, self.targets, self.mesh)
+        self.model = model
+        self.sch = sch
+
+
+def run_verify(reference: Reference, scheduled: list[Target], run_scheduled: Callable[[], tuple[float, Any]],
+               run_reference: Callable[[nn.Module], tuple[float, Any]], *, device: str, note: str,
+               atol: float = 1e-5, rtol: float = 1e-5) -> VerifyReport:
+    """Run both models and compare (see the module docstring); every rank calls it and gets the same report.
+
+    Args:
+        reference: the FSDP2-sharded unscheduled model.
+        scheduled: this rank's tensors of the training model (name, parameter, layout); their gradients
+            are read after ``run_scheduled``.
+        run_scheduled: one forward and backward of the training model on the verify batch; returns
+            ``(loss, model output or None)`` (None for a pipeline).
+        run_reference: the same for ``reference.model``.
+        device: for the report.
+        note: the first line of the report (what ran).
+    """
+    report = VerifyReport(atol=atol, rtol=rtol, device=device, note=note)
+    ref_by_name = {t.name: t for t in reference.targets}
+    mine: dict[str, list[Target]] = {}
+    for t in scheduled:
+        mine.setdefault(t.name, []).append(t)
+    unknown = sorted(set(mine) - set(ref_by_name))
+    # 1. weights, before anything ran
+    weights = []
+    for name, ref in ref_by_name.items():
+        full = ref.param.full_tensor()
+        for t in mine.get(name, ()):
+            a, _, ok = _diff(t.local, t.layout.take(full), 0.0, 0.0)
+            weights.append(Comparison(name, a, 0.0, ok and a == 0.0))
+        del full
+    # 2. forward and backward of both
+    loss, out = run_scheduled()
+    ref_loss, ref_out = run_reference(reference.model)
+    a, r, ok = _diff(torch.tensor(loss), torch.tensor(ref_loss), atol, rtol)
+    report.outputs.append(Comparison("loss", a, r, ok, f"(scheduled {loss:.6f}, reference {ref_loss:.6f})"))
+    if out is not None:
+        sched_outs = dict(flatten_outputs(out))
+        for name, t in flatten_outputs(ref_out):
+            if name == "loss":
+                continue
+            s = sched_outs.get(name)
+            if s is None:
+                report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+                continue
+            a, r, ok = _diff(s, t, atol, rtol)
+            note_ = "" if s.shape == t.shape else f"(shape {tuple(s.shape)} vs {tuple(t.shape)}: a missing all_gather?)"
+            report.outputs.append(Comparison(name, a, r, ok, note_))
+    del out, ref_out
+    # 3. gradients, one reference parameter at a time
+    grads = []
+    for name, ref in ref_by_name.items():
+        g = ref.param.grad
+        full = g.full_tensor() if g is not None else None
+        for t in mine.get(name, ()):
+            local_grad = t.param.grad
+            if local_grad is None and full is None:
+                continue
+            local_grad = getattr(local_grad, "_local_tensor", local_grad)
+            if local_grad is None:
+                local_grad = torch.zeros(t.layout.local_shape, dtype=t.local.dtype)
+            want = t.layout.take(full) if full is not None else torch.zeros_like(local_grad)
+            a, r, ok = _diff(local_grad, want, atol, rtol)
+            grads.append(Comparison(name, a, r, ok))
+        del full
+    report.weights = weights + [Comparison(n, math.inf, 0.0, False, "(not in the reference)") for n in unknown]
+    report.grads = grads
+    _agree(report, device)
+    return report
+
+
+def _agree(report: VerifyReport, device: str) -> None:
+    """Make every rank's report the worst over all ranks (each rank compared only its own tensors)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    local = {"outputs": report.outputs, "weights": report.weights, "grads": report.grads}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: [(c.name, c.max_abs, c.max_rel, c.ok, c.note) for c in v]
+                                      for k, v in local.items()})
+    for key in local:
+        merged: dict[str, Comparison] = {}
+        for g in gathered:
+            for name, a, r, ok, note in g[key]:
+                old = merged.get(name)
+                if old is None:
+                    merged[name] = Comparison(name, a, r, ok, note)
+                else:
+                    old.max_abs, old.max_rel = max(old.max_abs, a), max(old.max_rel, r)
+                    old.ok = old.ok and ok
+                    old.note = old.note or note
+        setattr(report, key, list(merged.values()))
+
+
+def release(reference: Reference, device: str) -> None:
+    """Free the reference (and CUDA's cached blocks)."""
+    reference.model = None
+    reference.targets = []
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
