@@ -93,7 +93,8 @@ class Checkpointer:
         return state
 
     def _optim_state(self) -> tuple[dict[str, Any], list]:
-        """(views by ``<param name>.<state>`` / ``param_groups.*``, the originals to set back after a load)."""
+        """(views by ``<param name>.<state>`` / ``param_groups.*``, the originals to set back after a load:
+        ``[(module, flat state dict, {view key: original key})]``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -101,7 +102,8 @@ class Checkpointer:
         originals = []
         for module, info in self.modules:
             sd = get_optimizer_state_dict(module, self.optimizer, options=opts)
-            originals.append((module, sd))
+            keys: dict[str, str] = {}
+            originals.append((module, sd, keys))
             fqn_info = {}
             for fqn, p in module.named_parameters(remove_duplicate=False):
                 if id(p) in info:
@@ -119,6 +121,7 @@ class Checkpointer:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     value = lay.checkpoint_view(_local(value), self.mesh)
                 views.setdefault(new_key, value)
+                keys.setdefault(new_key, key)
         return views, originals
 
     def _rng_state(self) -> dict[str, Any]:
@@ -163,8 +166,12 @@ class Checkpointer:
         for _, p in done[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+    def load(self, path: str | os.PathLike, train_state: dict[str, Any]) -> dict[str, Any]:
         """Restore the model, optimizer and scheduler from ``path`` in place; returns the ``train`` state.
+
+        Args:
+            path: a complete checkpoint directory.
+            train_state: the keys of the ``train`` state to read (values are replaced).
 
         RNG states come back when the checkpoint was saved at this layout (else the caller reseeds).
         """
@@ -174,12 +181,18 @@ class Checkpointer:
 
         model = self._model_state()
         optim, originals = self._optim_state() if self.optimizer is not None else ({}, [])
-        state = {"model": model, "optim": optim, "scheduler": {}, "train": {}, "rng": {self.layout_key: self._rng_state()}}
+        # DCP reads the keys it is given: the templates name them (their values are replaced)
+        state = {"model": model, "optim": optim,
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+                 "train": dict(train_state, layout=""), "rng": {self.layout_key: self._rng_state()}}
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-        for module, sd in originals:
+        for module, sd, keys in originals:
+            for new_key, old_key in keys.items():  # tensors were read in place; other values were replaced
+                if not isinstance(sd[old_key], torch.Tensor) or sd[old_key].dim() == 0:
+                    sd[old_key] = optim[new_key]
             set_optimizer_state_dict(module, self.optimizer, sd,
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
-        if self.scheduler is not None and state["scheduler"]:
+        if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         train = state["train"]
         if train.get("layout") == self.layout_key:

@@ -623,7 +623,7 @@ class Run:
         start = 0
         latest = latest_checkpoint(args.checkpoint_dir) if ckpt is not None and not args.no_resume else None
         if latest is not None:
-            state = ckpt.load(latest[1])
+            state = ckpt.load(latest[1], self._train_state(0))
             start = int(state.get("step", latest[0]))
             same = state.get("layout") == layout_key
             if not same:
