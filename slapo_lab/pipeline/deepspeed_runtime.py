@@ -157,8 +157,13 @@ def _dry_run_codecs(partition) -> list[list[tuple]]:
     return codecs
 
 
-def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, device) -> None:
+def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, device, codecs=None,
+                    lr_scheduler=None) -> None:
     """Fill ``pm`` (a :class:`~slapo_lab.pipeline.PipelineModel`) with a DeepSpeed ``PipelineEngine``.
+
+    ``codecs``: :func:`_dry_run_codecs` of the partition, computed before this rank's stages were
+    materialised (default: computed here, which needs every stage runnable on this rank).
+    ``lr_scheduler``: ``lr_scheduler(optimizer)`` -> the scheduler the engine steps.
 
     Raises:
         ScheduleError: no optimizer; a world size other than pp x dp (tensor parallelism is not
@@ -185,7 +190,7 @@ def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, dev
         raise ScheduleError(f"target='deepspeed' supports pipeline x data parallelism only: the world size {ws} must "
                             f"be {pp} stages x the data-parallel size (tensor parallelism is not supported there).")
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-    codecs = _dry_run_codecs(partition)
+    codecs = codecs if codecs is not None else _dry_run_codecs(partition)
     layers = [DeepSpeedStage(partition, i, codecs) for i in range(pp)]
     # Our mesh puts the pipeline inside the data-parallel replicas: rank = d * pp + p.
     topo = ProcessTopology(axes=["data", "pipe"], dims=[dp, pp])
@@ -197,7 +202,8 @@ def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, dev
               "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "wall_clock_breakdown": False}
     config.update(ds_config)
     opt = optimizer([p for p in module.parameters()])
-    engine, opt, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
+    sched = lr_scheduler(opt) if lr_scheduler is not None else None
+    engine, opt, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched, config=config)
     pm.engine = engine
     pm.optimizer = opt
     pm.stages = [module]

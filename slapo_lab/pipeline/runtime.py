@@ -202,6 +202,31 @@ class PipelineModel:
             p.grad = None
 
 
+def deepspeed_from(pm: PipelineModel, *, loss_fn: Callable, optimizer: Callable[[list], Any],
+                   lr_scheduler: Callable[[Any], Any] | None = None, ds_config: dict | None = None,
+                   device: str | torch.device = "cpu") -> PipelineModel:
+    """The same stages (same partition, same parameter objects) on DeepSpeed's pipeline engine.
+
+    ``pm`` was built by :func:`build_pipeline` with ``deepspeed_later=True`` (its torch runtime is
+    dropped). Arguments as :func:`build_pipeline`'s for ``target="deepspeed"``.
+
+    Raises:
+        ScheduleError: as :func:`build_pipeline` for DeepSpeed, or ``pm`` was not built for it.
+    """
+    from .deepspeed_runtime import build_deepspeed
+
+    codecs = getattr(pm.partition, "ds_codecs", None)
+    if codecs is None:
+        raise ScheduleError("deepspeed_from needs a pipeline built with build_pipeline(..., deepspeed_later=True).")
+    if len(pm.stage_ids) != 1:
+        raise ScheduleError("DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'.")
+    out = PipelineModel(pm.partition, "deepspeed", pm.stage_ids, pm.pp_group, pm.dp_group, pm.n_microbatches)
+    example = dict(pm.partition.mb_kwargs) or tuple(pm.partition.mb_args)
+    build_deepspeed(out, loss_fn, optimizer, ds_config or {}, example, device, codecs=codecs,
+                    lr_scheduler=lr_scheduler)
+    return out
+
+
 def _retarget_devices(module: nn.Module, device: torch.device) -> None:
     """Rewrite the ``meta`` device constants ``torch.export`` baked into a stage's graphs (``x.to(x.device)``
     in rotary embeddings ...) when it traced the model on the meta device, so the stage runs on ``device``
@@ -258,7 +283,8 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
                    optimizer: Callable[[list], Any] | None = None, output_fn: Callable | None = None,
                    device: str | torch.device = "cpu", ds_config: dict | None = None,
                    prepare_stages: Callable[[PipelinePartition, list[int]], None] | None = None,
-                   autocast_bf16: bool = False) -> PipelineModel:
+                   autocast_bf16: bool = False, lr_scheduler: Callable[[Any], Any] | None = None,
+                   deepspeed_later: bool = False) -> PipelineModel:
     """Build this rank's pipeline stages from a cut schedule (Slapo's ``build(sch, target=...)`` for pipelines).
 
     Every rank of ``pp_group`` calls this with the same schedule (same cuts, same shapes); with tensor
@@ -290,6 +316,9 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
             (only this rank's stage parameters get storage) or wraps stage modules (FSDP2).
         autocast_bf16: run every stage's forward under ``torch.autocast(bfloat16)`` and hand its
             floating-point outputs on in their traced dtype: bf16 compute, fp32 weights (the masters).
+        lr_scheduler: DeepSpeed: ``lr_scheduler(optimizer) -> scheduler`` the engine steps with the optimizer.
+        deepspeed_later: build the torch runtime now (to verify it: DeepSpeed's ``train_batch`` steps the
+            optimizer, leaving no gradients to compare) and keep what :func:`deepspeed_from` needs.
 
     Returns:
         PipelineModel: ``train_step(*inputs, target=y) -> loss``; ``.optimizer``; ``.named_parameters()``
@@ -332,6 +361,11 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
                             "for all stages in one process) first.")
     partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    codecs = None
+    if target == "deepspeed" or deepspeed_later:  # how values travel between DeepSpeed stages: one micro-batch
+        from .deepspeed_runtime import _dry_run_codecs  # through every stage, while they are all alike (all meta,
+
+        codecs = partition.ds_codecs = _dry_run_codecs(partition)  # or all real)
     if prepare_stages is not None:
         prepare_stages(partition, stage_ids)
         for i in stage_ids:
@@ -343,7 +377,8 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     if target == "deepspeed":
         from .deepspeed_runtime import build_deepspeed
 
-        build_deepspeed(pm, loss_fn, optimizer, ds_config or {}, example_inputs, device)
+        build_deepspeed(pm, loss_fn, optimizer, ds_config or {}, example_inputs, device, codecs=codecs,
+                        lr_scheduler=lr_scheduler)
         return pm
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 

@@ -330,14 +330,15 @@ class Run:
                 self._materialise(stage.module, targets, lay.fsdp, tables=[stage.params])
                 self.targets.extend(targets)
 
-        target = "deepspeed" if self.launcher == "deepspeed" else "torch"
+        # DeepSpeed's engine comes after Verify (its train_batch steps the optimizer): the torch runtime first
         try:
             self.pm = build_pipeline(
-                sch, target, example_inputs=example, loss_fn=pipeline_loss_fn(self.objective, args.seed),
+                sch, "torch", example_inputs=example, loss_fn=pipeline_loss_fn(self.objective, args.seed),
                 schedule=getattr(args, "pp_schedule", "1F1B"), n_microbatches=self.plan.accumulation,
                 pp_group=lay.mesh.pp_group, dp_group=None if lay.fsdp or lay.dp == 1 else lay.mesh.dp_group,
-                stages_per_rank=lay.stages_per_rank, optimizer=None, device=self.device,
-                prepare_stages=prepare, autocast_bf16=args.bf16 and target == "torch")
+                stages_per_rank=lay.stages_per_rank, device=self.device, prepare_stages=prepare,
+                autocast_bf16=args.bf16 and self.launcher != "deepspeed",
+                deepspeed_later=self.launcher == "deepspeed")
         except ScheduleError as err:
             raise RunError(f"The pipeline could not be built: {err}") from None
         self.module = nn.ModuleList([self.pm.partition.stage_module(i) for i in self.pm.stage_ids])
@@ -548,19 +549,23 @@ class Run:
     def _reduce_device(self) -> str:
         return self.device if dist.get_backend() == "nccl" else "cpu"
 
-    def _clip(self, norm_targets: list) -> float:
-        from .optim import clip_, global_grad_norm
+    def grad_norm(self, norm_targets: list) -> torch.Tensor:
+        """The global gradient norm over ``norm_targets`` (each parameter once): their gradients as DTensor
+        views on the ``(dp, tp)`` mesh, summed over the pipeline stages (:mod:`slapo_lab.train.optim`)."""
+        from .optim import global_grad_norm
 
-        views, grads = [], []
+        views = []
         for t in norm_targets:
             g = t.param.grad
             if g is not None:
                 views.append(t.layout.dtensor(getattr(g, "_local_tensor", g), self.layout.view_mesh))
-        for t in self.targets:
-            g = t.param.grad
-            if g is not None:
-                grads.append(getattr(g, "_local_tensor", g))
-        norm = global_grad_norm(views, self.layout.mesh.pp_group if self.layout.pp > 1 else None)
+        return global_grad_norm(views, self.layout.mesh.pp_group if self.layout.pp > 1 else None)
+
+    def _clip(self, norm_targets: list) -> float:
+        from .optim import clip_
+
+        norm = self.grad_norm(norm_targets)
+        grads = [getattr(t.param.grad, "_local_tensor", t.param.grad) for t in self.targets if t.param.grad is not None]
         clip_(grads, self.args.max_grad_norm, norm)
         return float(norm)
 
@@ -598,44 +603,32 @@ class Run:
             total, rows = both[0].cpu(), both[1].cpu()
         return (float(total / rows) if float(rows) else float("nan")), int(rows)
 
+    @property
+    def layout_key(self) -> str:
+        """The layout as a checkpoint records it: ``tp2.pp1.spr1.dp2.fsdp``."""
+        lay = self.layout
+        return f"tp{lay.tp}.pp{lay.pp}.spr{lay.stages_per_rank}.dp{lay.dp}" + (".fsdp" if lay.fsdp else "")
+
     def train(self) -> int:
-        """Resume, train, evaluate, checkpoint and write the model out; returns the exit status."""
-        from .checkpoint import Checkpointer, latest_checkpoint
+        """Resume, train, evaluate, checkpoint and write the model out; returns the exit status.
+
+        The target's stepper (:class:`TorchStepper`, or DeepSpeed's engine in :mod:`slapo_lab.train.deepspeed`)
+        owns the optimizer step and the checkpoints; this loop owns the order, the metrics and evaluation.
+        """
         from .metrics import MetricsLogger
-        from .optim import make_scheduler
-        from .parallel import wrap_ddp
 
         args, lay = self.args, self.layout
-        optimizer = self._optimizer()
-        scheduler = make_scheduler(optimizer, args.lr_schedule, args.warmup_steps, args.steps)
-        self.model = self.module
-        if self.pm is None and not lay.fsdp and lay.dp > 1:
-            self.ddp = wrap_ddp(self.module, lay, self.device, find_unused=self.unused_params)
-            self.model = self.ddp
-        for m in self.module.modules():
-            m.train()
-        layout_key = f"tp{lay.tp}.pp{lay.pp}.spr{lay.stages_per_rank}.dp{lay.dp}" + (".fsdp" if lay.fsdp else "")
-        ckpt = None
-        if args.checkpoint_dir:
-            info = {id(t.param): (t.name, t.layout) for t in self.targets}
-            ckpt = Checkpointer(args.checkpoint_dir, [(self.module, info)], optimizer, scheduler, lay.view_mesh,
-                                layout_key, keep=args.keep_checkpoints)
-        start = 0
-        latest = latest_checkpoint(args.checkpoint_dir) if ckpt is not None and not args.no_resume else None
-        if latest is not None:
-            state = ckpt.load(latest[1], self._train_state(0))
-            start = int(state.get("step", latest[0]))
-            same = state.get("layout") == layout_key
-            if not same:
-                from ..random import set_random_seed
+        if self.launcher == "deepspeed":
+            from .deepspeed import DeepSpeedStepper
 
-                set_random_seed(args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
-            _say(f"resumed from {latest[1]} at step {start}" + ("" if same else
-                 f" (saved as {state.get('layout')}, now {layout_key}: weights and optimizer resharded)"))
-        norm_targets = self._norm_targets()
+            stepper = DeepSpeedStepper(self)
+        else:
+            stepper = TorchStepper(self)
+        start = stepper.resume()
         tokens_per_step = args.global_batch_size * (self.seq_len or 1)
-        _say(f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}, "
-             f"device {self.device}, global batch {args.global_batch_size}"
+        _say(f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}"
+             + (f", DeepSpeed ZeRO-{args.zero}" if self.launcher == "deepspeed" else "")
+             + f", device {self.device}, global batch {args.global_batch_size}"
              + (f" x {self.seq_len} tokens" if self.seq_len else "")
              + f" in micro-batches of {self.micro} ({self.plan.accumulation} per step and replica)"
              + (", bf16 compute / fp32 weights" if args.bf16 else ""),
@@ -644,18 +637,13 @@ class Run:
         logger = MetricsLogger(dist.get_rank(), log_dir=args.log_dir, total_steps=args.steps, start_step=start,
                                progress=args.progress, device=self.device, n_params=self.n_params,
                                world_size=dist.get_world_size(), precision=precision, peak_tflops=args.peak_tflops)
-        saved_at = start if latest is not None else None
+        saved_at = start if start else None
         with logger:
             for step in range(start, args.steps):
                 if self.device.startswith("cuda"):
                     torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
-                loss = self._forward_backward(step)
-                norm = self._clip(norm_targets)
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                loss, norm, lr = stepper.step(step)
                 if self.device.startswith("cuda"):
                     torch.cuda.synchronize(self.device)
                 seconds = time.perf_counter() - t0
@@ -664,18 +652,27 @@ class Run:
                                 samples=args.global_batch_size, seconds=seconds)
                 if self.eval_data is not None and args.eval_every and done % args.eval_every == 0 and done < args.steps:
                     self._log_eval(logger, done)
-                if ckpt is not None and args.checkpoint_every and done % args.checkpoint_every == 0:
-                    path = ckpt.save(done, self._train_state(done))
+                if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every == 0:
+                    _say(f"checkpoint step {done} saved: {stepper.save(done, self._train_state(done))}")
                     saved_at = done
-                    _say(f"checkpoint step {done} saved: {path}")
             if self.eval_data is not None:
                 self._log_eval(logger, args.steps)
-        if ckpt is not None and saved_at != args.steps:
-            path = ckpt.save(args.steps, self._train_state(args.steps))
-            _say(f"checkpoint step {args.steps} saved: {path}")
+        if args.checkpoint_dir and saved_at != args.steps:
+            _say(f"checkpoint step {args.steps} saved: {stepper.save(args.steps, self._train_state(args.steps))}")
         if args.save_hf:
             self.save_hf(args.save_hf)
         return 0
+
+    def resumed(self, path, state: dict, start: int) -> None:
+        """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so."""
+        from ..random import set_random_seed
+
+        lay = self.layout
+        same = state.get("layout") == self.layout_key
+        if not same:
+            set_random_seed(self.args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
+        _say(f"resumed from {path} at step {start}" + ("" if same else
+             f" (saved as {state.get('layout')}, now {self.layout_key}: weights and optimizer resharded)"))
 
     def _log_eval(self, logger, step: int) -> None:
         loss, rows = self.evaluate()
@@ -701,6 +698,61 @@ class Run:
                 copy_hf_extras(args.model_path, args.tokenizer, folder, self.config)
         dist.barrier()
         _say(f"saved the model as a Hugging Face directory: {folder} ({dtype}; from_pretrained loads it)")
+
+
+class TorchStepper:
+    """The torchrun target's optimizer step and checkpoints: a torch optimizer and ``torch.optim.lr_scheduler``
+    over this rank's parameters, DDP over ``dp`` (FSDP2 and pipelines reduce their own gradients), clipping by
+    the global norm (:mod:`slapo_lab.train.optim`), ``torch.distributed.checkpoint`` (:class:`Checkpointer`)."""
+
+    def __init__(self, run: Run) -> None:
+        from .checkpoint import Checkpointer
+        from .optim import make_scheduler
+        from .parallel import wrap_ddp
+
+        args, lay = run.args, run.layout
+        self.run = run
+        self.optimizer = run._optimizer()
+        self.scheduler = make_scheduler(self.optimizer, args.lr_schedule, args.warmup_steps, args.steps)
+        run.model = run.module
+        if run.pm is None and not lay.fsdp and lay.dp > 1:
+            run.ddp = run.model = wrap_ddp(run.module, lay, run.device, find_unused=run.unused_params)
+        for m in run.module.modules():
+            m.train()
+        self.norm_targets = run._norm_targets()
+        self.ckpt = None
+        if args.checkpoint_dir:
+            info = {id(t.param): (t.name, t.layout) for t in run.targets}
+            self.ckpt = Checkpointer(args.checkpoint_dir, [(run.module, info)], self.optimizer, self.scheduler,
+                                     lay.view_mesh, run.layout_key, keep=args.keep_checkpoints)
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint (any layout); returns the step to start from."""
+        from .checkpoint import latest_checkpoint
+
+        run = self.run
+        if self.ckpt is None or run.args.no_resume:
+            return 0
+        latest = latest_checkpoint(run.args.checkpoint_dir)
+        if latest is None:
+            return 0
+        state = self.ckpt.load(latest[1], run._train_state(0))
+        start = int(state.get("step", latest[0]))
+        run.resumed(latest[1], state, start)
+        return start
+
+    def step(self, step: int) -> tuple[float, float, float]:
+        """Forward, backward, clip, optimizer and scheduler step; returns (loss, grad norm, lr used)."""
+        loss = self.run._forward_backward(step)
+        norm = self.run._clip(self.norm_targets)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm, lr
+
+    def save(self, step: int, state: dict):
+        return self.ckpt.save(step, state)
 
 
 # ---------------------------------------------------------------------------------------- entry point
@@ -733,6 +785,16 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
     parser = build_parser(title or "Train a model with a slapo-lab schedule.", launcher=launcher, pipeline=stages > 1,
                           example_batch=int(batch or 1), example_seq=seq, defaults=defaults)
     args = parse_args(parser, argv)
+    if getattr(args, "print_ds_config", False):
+        import json
+
+        from .deepspeed import ds_config
+
+        world = int(os.environ.get("WORLD_SIZE", tp * stages))
+        dp = args.dp or max(1, world // (tp * stages))
+        micro = args.micro_batch_size or max(1, args.global_batch_size // (dp * (stages if stages > 1 else 1)))
+        print(json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2))
+        return 0
     device, error = _device_of(args)
     if error:
         print(error, file=sys.stderr)
