@@ -3,12 +3,19 @@
 Primitives never wrap or move a module (paths stay what the user typed); instead they record their
 effect in ``mod._slapo_meta`` and install :func:`slapo_forward` as the instance's ``forward``. That
 forward runs, inside out: the module's own ``forward`` (or a sharded implementation such as a
-row-parallel linear), then the optional RNG fork, then the optional activation checkpoint. Sync
-hooks are ordinary forward (pre-)hooks and so run outside the checkpoint.
+row-parallel linear), then the optional parameter-gradient all-reduce (``sync(..., param_grads=True)``),
+then the optional RNG fork, then the optional activation checkpoint. Sync hooks are ordinary forward
+(pre-)hooks and so run outside the checkpoint.
+
+Everything here is written to trace under ``torch.compile(block, fullgraph=True)`` (the runtime's
+``--compile``, as torchtitan compiles each transformer block): no Python-side state changes inside an
+activation checkpoint, no iteration Dynamo cannot follow. The one exception is the RNG fork, which swaps the
+global generator's state (``torch.get_rng_state``, which Dynamo does not trace): a graph break.
 """
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any
 
@@ -25,7 +32,8 @@ def module_meta(mod: nn.Module) -> dict[str, Any]:
     ``output_axis`` (int, for "partition"), ``syncs`` [(mode, op name)], ``checkpoint`` (bool),
     ``fork_rng`` (bool), ``cut`` (bool), ``impl`` (callable replacing the class forward or None),
     ``partial_reducers`` [callable] (run on a partial-sum output before a bias is added),
-    ``hooks`` [RemovableHandle].
+    ``hooks`` [RemovableHandle]; after ``sync(..., param_grads=True)`` also ``grad_allreduce_params`` [name]
+    and ``grad_allreduce_group`` (the :class:`~slapo_lab.sharding.sync_ops.TPGroup` to sum over).
     """
     meta = mod.__dict__.get(META_ATTR)
     if meta is None:
@@ -50,9 +58,27 @@ def peek_meta(mod: nn.Module) -> dict[str, Any] | None:
     return mod.__dict__.get(META_ATTR)
 
 
+# Argument types that are never a KV cache: checked first, so that the usual arguments of a block (tensors,
+# flags, None, the (cos, sin) tuple of rotary embeddings) take one ``isinstance`` that torch.compile traces.
+_NOT_A_CACHE = (torch.Tensor, bool, int, float, str, type(None), tuple, list, dict)
+
+
+def _cache_class() -> type | None:
+    """``transformers.cache_utils.Cache`` if ``transformers`` is imported, else None (no cache can exist then)."""
+    mod = sys.modules.get("transformers.cache_utils")
+    return getattr(mod, "Cache", None)
+
+
 def _is_kv_cache(value) -> bool:
-    """Whether ``value`` is a ``transformers`` KV cache (an instance of ``transformers.cache_utils.Cache``)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+    """Whether ``value`` is a ``transformers`` KV cache (an instance of ``transformers.cache_utils.Cache``).
+
+    Written for ``torch.compile(fullgraph=True)``: a type check against constant classes, no walk over the
+    MRO (Dynamo cannot iterate ``type(value).__mro__``: the graph break the checkpoint wrapper used to cause).
+    """
+    if isinstance(value, _NOT_A_CACHE):
+        return False
+    cls = _cache_class()
+    return cls is not None and isinstance(value, cls)
 
 
 def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -67,17 +93,50 @@ def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g):
+    """``fn`` run with this module's replicated parameters ``names`` read through
+    :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` (identity forward, gradient summed over ``g``).
+
+    The parameters are swapped for the call with ``torch.nn.utils.stateless._reparametrize_module`` (what
+    ``torch.func.functional_call`` uses): the originals are back when the call returns or raises, re-entrant
+    calls stack, and Dynamo knows the context manager (its mutations of ``_parameters`` cancel out), so it
+    traces inside an activation checkpoint, where writing ``module._parameters`` from a hook is an "unsafe side
+    effect" graph break.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from .sharding.sync_ops import all_reduce_backward
+
+    def call(*a, **k):
+        params = self._parameters
+        swap = {n: all_reduce_backward(params[n], g) for n in names
+                if params.get(n) is not None and getattr(params[n], "shard_axis", None) is None}
+        with _reparametrize_module(self, swap):
+            return fn(*a, **k)
+
+    return call
+
+
 def slapo_forward(self: nn.Module, *args, **kwargs):
-    """The composed forward installed by primitives (see module docstring)."""
+    """The composed forward installed by primitives (see the module docstring).
+
+    Inside out: the class ``forward`` or the sharded ``impl``; the parameter-gradient all-reduce of
+    ``sync(..., param_grads=True)`` (``grad_allreduce_group``); the RNG fork (``fork_rng``); the activation
+    checkpoint (``checkpoint``, only while gradients are enabled). Every step but the RNG fork traces under
+    ``torch.compile(fullgraph=True)`` without a graph break.
+    """
     meta = self.__dict__[META_ATTR]
     impl = meta["impl"]
     fn = functools.partial(impl, self) if impl is not None else type(self).forward.__get__(self)
+    group = meta.get("grad_allreduce_group")
+    if group is not None:
+        fn = _with_param_grad_all_reduce(self, fn, meta["grad_allreduce_params"], group)
     if meta["fork_rng"]:
         from .random import get_cuda_rng_tracker
 
         inner = fn
 
-        def fn(*a, **k):  # noqa: F811 - deliberate rebinding
+        def fn(*a, **k):  # deliberate rebinding
             with get_cuda_rng_tracker().fork():
                 return inner(*a, **k)
 

@@ -77,7 +77,11 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG):
-        """Run the block under state ``name`` (a no-op if that state was never added)."""
+        """Run the block under state ``name`` (a no-op if that state was never added).
+
+        Swaps the global generator's state (``torch.get_rng_state`` / ``set_rng_state``), which Dynamo does not
+        trace: under ``torch.compile`` a fork is a graph break (an error with ``fullgraph=True``).
+        """
         if name not in self.states:
             yield
             return
@@ -160,9 +164,16 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     """Activation checkpointing that also preserves the tensor-parallel RNG tracker's states.
 
     A thin layer over :func:`torch.utils.checkpoint.checkpoint` (non-reentrant by default, so
-    keyword arguments and non-tensor arguments pass through, ``preserve_rng_state=True``).
+    keyword arguments and non-tensor arguments pass through, ``preserve_rng_state=True``). When the
+    tracker holds states (:func:`set_random_seed` with ``tp_rank``), a ``context_fn`` restores them around
+    the recomputation in backward, so a :meth:`RNGStatesTracker.fork` inside draws the same dropout masks.
+
+    Under ``torch.compile`` no ``context_fn`` is passed: Dynamo turns the call into its activation-checkpoint
+    higher-order op (no graph break), whose recomputation is planned by AOTAutograd's partitioner; that never
+    recomputes a random op (its output is saved), and no Python runs again in backward, so there is nothing to
+    restore. (Dynamo accepts only selective-checkpoint policies as ``context_fn``.)
     """
-    if not _TRACKER.states:
+    if not _TRACKER.states or torch.compiler.is_compiling():
         return _torch_ckpt.checkpoint(function, *args, use_reentrant=use_reentrant,
                                       preserve_rng_state=True, **kwargs)
     ctx = _TrackerStateContext()

@@ -393,42 +393,32 @@ class SyncPrimitive(Primitive):
 
 
 def _install_param_grad_all_reduce(mod: nn.Module, g) -> None:
-    """Make every forward call of ``mod`` use its replicated parameters through ``all_reduce_backward``.
+    """Make every forward call of ``mod`` read its replicated parameters through ``all_reduce_backward``.
 
-    A forward pre-hook swaps each parameter in ``mod._parameters`` for ``all_reduce_backward(param)``
-    (identity forward, all-reduced gradient) and a forward hook (``always_call``) puts the parameter
-    objects back, so outside a forward call the module holds its ordinary parameters. Module hooks
-    survive ``copy.deepcopy`` (tensor hooks would not). Re-entrant calls stack.
+    The composed forward (:func:`slapo_lab.module_state.slapo_forward`, installed here) runs the module with
+    each replicated parameter swapped for ``all_reduce_backward(param, g)`` (identity forward, all-reduced
+    gradient) for the duration of the call, so outside a forward call the module holds its ordinary
+    parameters and the gradients land, already summed, on them. The swap happens inside the composed forward,
+    not in forward hooks: an activation checkpoint of the module (or of a block around it) then recomputes it
+    too, and ``torch.compile`` traces it without a graph break (Dynamo refuses a hook that writes
+    ``module._parameters`` inside a checkpoint). The instance ``forward`` survives ``copy.deepcopy``.
     """
     meta = module_meta(mod)
     names = _replicated_params(mod)
     meta["grad_allreduce_params"] = list(names)
+    meta["grad_allreduce_group"] = g
     for n in names:
         mod._parameters[n].sequence_parallel = True
-
-    def pre(module, args):
-        saved = {}
-        for n in names:
-            p = module._parameters.get(n)
-            if p is None or getattr(p, "shard_axis", None) is not None:
-                continue
-            saved[n] = p
-            module._parameters[n] = sync_ops.all_reduce_backward(p, g)
-        module.__dict__.setdefault("_slapo_param_stash", []).append(saved)
-
-    def post(module, args, out):
-        stash = module.__dict__.get("_slapo_param_stash")
-        if stash:
-            module._parameters.update(stash.pop())
-
-    meta["hooks"].append(mod.register_forward_pre_hook(pre))
-    meta["hooks"].append(mod.register_forward_hook(post, always_call=True))
+    install_forward(mod)
     meta["syncs"].append(("bwd_post", PARAM_GRADS_OP))
 
 
 @register_primitive()
 class ForkRNGPrimitive(Primitive):
     """Run the module's forward under the tensor-parallel RNG tracker's fork (dropout in a TP region).
+
+    The fork swaps the global RNG state, which ``torch.compile`` does not trace: a module with ``fork_rng``
+    (or a block around it) compiles only without ``fullgraph=True``, and Dynamo then runs it eagerly.
 
     Raises:
         ScheduleError: if already applied.

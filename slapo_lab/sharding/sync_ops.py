@@ -1,4 +1,4 @@
-"""Tensor-parallel communication as autograd functions (Megatron-LM style).
+"""Tensor-parallel communication with Megatron-LM's forward/backward pairs, as ``torch.library`` custom ops.
 
 Forward/backward pairs follow Megatron-LM's ``megatron/core/tensor_parallel/mappings.py``:
 
@@ -16,9 +16,25 @@ scatter(axis)          keep this rank's chunk  all-gather
 These give exact gradients with a loss that is replicated on every tensor-parallel rank, unlike
 ``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces again (2x weight grads).
 
+On a live group (a process group of two or more ranks) every op is a ``torch.library.custom_op`` (namespace
+``slapo_lab_pp``, kept from when only pipeline export used them) with a fake implementation (output shape
+only) and an autograd formula (``register_autograd``) from the table above; it names its group by
+``group_name`` (resolved with ``torch.distributed.distributed_c10d._resolve_process_group`` when it runs). The
+same ops therefore serve eager training, ``torch.compile(fullgraph=True)`` (Dynamo records one opaque node per
+collective: no graph break, and the backward formula travels with it into AOTAutograd's backward graph) and
+``torch.export`` (the pipeline's stage graphs keep the collectives and their Megatron backward; a
+``torch.autograd.Function`` would lose its backward there, and a collective on a fake tensor would not trace).
+One exception: ``all_reduce_backward`` is the identity in forward, and a custom op may not return its input,
+so outside ``torch.export`` it is an autograd function returning an alias, whose backward calls the all-reduce
+custom op; a copy there would be saved by the column-parallel layer that follows, one more activation each.
+
 With no process group (simulated planning) every op keeps only its *shape* effect: all-reduce is the
 identity, all-gather repeats the local chunk ``world_size`` times, scatter and reduce-scatter keep a
-chunk. That keeps meta-device shape propagation exact for per-rank views.
+chunk. That keeps meta-device shape propagation exact for per-rank views. With a width-1 group every op is
+the identity.
+
+Sources: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``; PyTorch's custom-op guide
+(``torch.library.custom_op``, ``register_fake``, ``register_autograd``).
 """
 from __future__ import annotations
 
@@ -26,6 +42,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+_NS = "slapo_lab_pp"
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,19 @@ class TPGroup:
 
     @property
     def simulated(self) -> bool:
+        """True without a process group: the ops change shapes only."""
         return self.group is None
+
+    @property
+    def live(self) -> bool:
+        """True when the ops communicate: a process group of two or more ranks."""
+        return self.group is not None and self.world_size > 1
+
+    def __copy__(self) -> TPGroup:
+        return self
+
+    def __deepcopy__(self, memo) -> TPGroup:
+        return self  # immutable, and a process group cannot be copied: copies of a model share the group
 
 
 def _check_divisible(x: torch.Tensor, axis: int, ws: int, what: str) -> None:
@@ -89,6 +120,163 @@ def _reduce_scatter(x: torch.Tensor, axis: int, g: TPGroup) -> torch.Tensor:
     return _split(_all_reduce(x, g), axis, g)
 
 
+# --- plain collectives (no autograd): the bodies of the custom ops and of their backward formulas ------------
+def _group(name: str, ws: int, rank: int) -> TPGroup:
+    return TPGroup(ws, rank, _resolve_process_group(name))
+
+
+def _gather_shape(x: torch.Tensor, axis: int, ws: int) -> list[int]:
+    shape = list(x.shape)
+    shape[axis] *= ws
+    return shape
+
+
+def _split_shape(x: torch.Tensor, axis: int, ws: int, what: str) -> list[int]:
+    _check_divisible(x, axis, ws, what)
+    shape = list(x.shape)
+    shape[axis] //= ws
+    return shape
+
+
+@torch.library.custom_op(f"{_NS}::all_reduce", mutates_args=())
+def _c_all_reduce(x: torch.Tensor, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    return _all_reduce(x, _group(group_name, ws, rank))  # a fresh tensor (ws > 1)
+
+
+@_c_all_reduce.register_fake
+def _(x, group_name, ws, rank):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{_NS}::all_gather", mutates_args=())
+def _c_all_gather(x: torch.Tensor, axis: int, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    return _all_gather(x, axis, _group(group_name, ws, rank))
+
+
+@_c_all_gather.register_fake
+def _(x, axis, group_name, ws, rank):
+    return x.new_empty(_gather_shape(x, axis, ws))
+
+
+@torch.library.custom_op(f"{_NS}::reduce_scatter", mutates_args=())
+def _c_reduce_scatter(x: torch.Tensor, axis: int, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    return _reduce_scatter(x, axis, _group(group_name, ws, rank)).clone()
+
+
+@_c_reduce_scatter.register_fake
+def _(x, axis, group_name, ws, rank):
+    return x.new_empty(_split_shape(x, axis, ws, "reduce_scatter"))
+
+
+@torch.library.custom_op(f"{_NS}::split", mutates_args=())
+def _c_split(x: torch.Tensor, axis: int, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    return _split(x, axis, TPGroup(ws, rank)).clone()  # no communication: the group is not needed
+
+
+@_c_split.register_fake
+def _(x, axis, group_name, ws, rank):
+    return x.new_empty(_split_shape(x, axis, ws, "scatter"))
+
+
+# --- differentiable custom ops (Megatron pairs) ------------------------------------------------------------
+def _setup_ctx(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+@torch.library.custom_op(f"{_NS}::all_reduce_fwd", mutates_args=())
+def _d_all_reduce_fwd(x: torch.Tensor, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    """Forward: all-reduce (sum); backward: identity (Megatron's ``g``)."""
+    return _c_all_reduce(x, group_name, ws, rank)
+
+
+@_d_all_reduce_fwd.register_fake
+def _(x, group_name, ws, rank):
+    return torch.empty_like(x)
+
+
+def _bwd_identity(ctx, grad):
+    return (grad,) + (None,) * len(ctx.args)
+
+
+_d_all_reduce_fwd.register_autograd(_bwd_identity, setup_context=_setup_ctx)
+
+
+@torch.library.custom_op(f"{_NS}::all_reduce_bwd", mutates_args=())
+def _d_all_reduce_bwd(x: torch.Tensor, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    """Forward: identity; backward: all-reduce of the gradient (Megatron's ``f``)."""
+    return x.clone()
+
+
+@_d_all_reduce_bwd.register_fake
+def _(x, group_name, ws, rank):
+    return torch.empty_like(x)
+
+
+def _bwd_all_reduce(ctx, grad):
+    return (_c_all_reduce(grad.contiguous(), *ctx.args),) + (None,) * len(ctx.args)
+
+
+_d_all_reduce_bwd.register_autograd(_bwd_all_reduce, setup_context=_setup_ctx)
+
+
+@torch.library.custom_op(f"{_NS}::gather_fwd", mutates_args=())
+def _d_all_gather(x: torch.Tensor, axis: int, tp_output_grad: bool, group_name: str, ws: int,
+                  rank: int) -> torch.Tensor:
+    """Forward: all-gather on ``axis``; backward: reduce-scatter (or split when not tp_output_grad)."""
+    return _c_all_gather(x, axis, group_name, ws, rank)
+
+
+@_d_all_gather.register_fake
+def _(x, axis, tp_output_grad, group_name, ws, rank):
+    return x.new_empty(_gather_shape(x, axis, ws))
+
+
+def _bwd_all_gather(ctx, grad):
+    axis, tpo, name, ws, rank = ctx.args
+    g = grad.contiguous()
+    out = _c_reduce_scatter(g, axis, name, ws, rank) if tpo else _c_split(g, axis, name, ws, rank)
+    return out, None, None, None, None, None
+
+
+_d_all_gather.register_autograd(_bwd_all_gather, setup_context=_setup_ctx)
+
+
+@torch.library.custom_op(f"{_NS}::reduce_scatter_fwd", mutates_args=())
+def _d_reduce_scatter(x: torch.Tensor, axis: int, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    """Forward: reduce-scatter on ``axis``; backward: all-gather."""
+    return _c_reduce_scatter(x, axis, group_name, ws, rank)
+
+
+@_d_reduce_scatter.register_fake
+def _(x, axis, group_name, ws, rank):
+    return x.new_empty(_split_shape(x, axis, ws, "reduce_scatter"))
+
+
+def _bwd_gather(ctx, grad):
+    axis, name, ws, rank = ctx.args
+    return _c_all_gather(grad.contiguous(), axis, name, ws, rank), None, None, None, None
+
+
+_d_reduce_scatter.register_autograd(_bwd_gather, setup_context=_setup_ctx)
+
+
+@torch.library.custom_op(f"{_NS}::scatter_fwd", mutates_args=())
+def _d_scatter(x: torch.Tensor, axis: int, group_name: str, ws: int, rank: int) -> torch.Tensor:
+    """Forward: keep this rank's chunk on ``axis``; backward: all-gather."""
+    return _c_split(x, axis, group_name, ws, rank)
+
+
+@_d_scatter.register_fake
+def _(x, axis, group_name, ws, rank):
+    return x.new_empty(_split_shape(x, axis, ws, "scatter"))
+
+
+_d_scatter.register_autograd(_bwd_gather, setup_context=_setup_ctx)
+
+
+# --- simulated and width-1 groups: autograd functions around the plain collectives, which do not communicate
+# then (all-reduce: identity; all-gather: the chunk repeated; scatter / reduce-scatter: this rank's chunk); and
+# the all-reduce-in-backward of live groups outside export (see _AllReduceBackward) ---------------------------
 class _AllReduceForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, g):
@@ -100,6 +288,10 @@ class _AllReduceForward(torch.autograd.Function):
 
 
 class _AllReduceBackward(torch.autograd.Function):
+    """Megatron's ``f`` on any group outside ``torch.export``: an alias in forward (a custom op must return a
+    new tensor, and that copy would be saved by the layer after it: one more activation per column-parallel
+    layer), the all-reduce custom op on the gradient in backward on a live group (Dynamo traces both)."""
+
     @staticmethod
     def forward(ctx, x, g):
         ctx.g = g
@@ -107,7 +299,10 @@ class _AllReduceBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.g), None
+        g = ctx.g
+        if g.live:
+            return _c_all_reduce(grad.contiguous(), g.group.group_name, g.world_size, g.rank), None
+        return grad, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -145,26 +340,71 @@ class _Scatter(torch.autograd.Function):
         return _all_gather(grad, ctx.axis, ctx.g), None, None
 
 
+# --- the entry points ------------------------------------------------------------------------------------
 def all_reduce_forward(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
-    """Sum ``x`` over the group in forward; pass the gradient through (Megatron's ``g``)."""
-    return _AllReduceForward.apply(x, g)
+    """Sum ``x`` over the group in forward; pass the gradient through (Megatron's ``g``,
+    ``reduce_from_tensor_model_parallel_region``).
+
+    Args:
+        x: any shape; the result has the same shape.
+        g: the tensor-parallel group; simulated or width 1: the identity.
+    """
+    if not g.live:
+        return _AllReduceForward.apply(x, g)
+    return _d_all_reduce_fwd(x, g.group.group_name, g.world_size, g.rank)
 
 
 def all_reduce_backward(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
-    """Identity in forward; sum the gradient over the group in backward (Megatron's ``f``)."""
+    """Identity in forward; sum the gradient over the group in backward (Megatron's ``f``,
+    ``copy_to_tensor_model_parallel_region``).
+
+    Args:
+        x: any shape; the result has the same shape.
+        g: the tensor-parallel group; simulated or width 1: the identity both ways.
+    """
+    if g.live and torch.compiler.is_exporting():  # the exported graph keeps the op and its backward
+        return _d_all_reduce_bwd(x, g.group.group_name, g.world_size, g.rank)
     return _AllReduceBackward.apply(x, g)
 
 
 def all_gather(x: torch.Tensor, axis: int, g: TPGroup, tensor_parallel_output_grad: bool = True) -> torch.Tensor:
-    """Concatenate the ranks' ``x`` along ``axis`` (shape ``[..., n*ws, ...]``)."""
-    return _AllGather.apply(x, axis, g, tensor_parallel_output_grad)
+    """Concatenate the ranks' ``x`` along ``axis``: shape ``[..., n, ...]`` becomes ``[..., n * ws, ...]``
+    (Megatron's ``gather_from_tensor_model_parallel_region`` on the last axis,
+    ``gather_from_sequence_parallel_region`` on the sequence axis).
+
+    The backward keeps this rank's chunk of the gradient -- summed over the ranks first (reduce-scatter) when
+    ``tensor_parallel_output_grad``, i.e. when each rank's gradient of the gathered tensor is a partial one.
+    Simulated: the local chunk repeated ``ws`` times.
+    """
+    if not g.live:
+        return _AllGather.apply(x, axis, g, tensor_parallel_output_grad)
+    axis = axis % x.dim()
+    return _d_all_gather(x, axis, bool(tensor_parallel_output_grad), g.group.group_name, g.world_size, g.rank)
 
 
 def reduce_scatter(x: torch.Tensor, axis: int, g: TPGroup) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk along ``axis`` (shape ``[..., n/ws, ...]``)."""
-    return _ReduceScatter.apply(x, axis, g)
+    """Sum over the group and keep this rank's chunk along ``axis``: shape ``[..., n, ...]`` becomes
+    ``[..., n / ws, ...]`` (Megatron's ``reduce_scatter_to_sequence_parallel_region``); backward: all-gather.
+
+    Gloo has no reduce-scatter: there it is an all-reduce, then this rank's chunk. Simulated: the chunk.
+
+    Raises:
+        RuntimeError: if ``x.shape[axis]`` is not divisible by the group's width (also while tracing).
+    """
+    if not g.live:
+        return _ReduceScatter.apply(x, axis, g)
+    axis = axis % x.dim()
+    return _d_reduce_scatter(x, axis, g.group.group_name, g.world_size, g.rank)
 
 
 def scatter(x: torch.Tensor, axis: int, g: TPGroup) -> torch.Tensor:
-    """Keep this rank's chunk of a replicated ``x`` along ``axis``."""
-    return _Scatter.apply(x, axis, g)
+    """Keep this rank's chunk of a replicated ``x`` along ``axis``: shape ``[..., n, ...]`` becomes
+    ``[..., n / ws, ...]`` (Megatron's ``scatter_to_sequence_parallel_region``); backward: all-gather.
+
+    Raises:
+        RuntimeError: if ``x.shape[axis]`` is not divisible by the group's width (also while tracing).
+    """
+    if not g.live:
+        return _Scatter.apply(x, axis, g)
+    axis = axis % x.dim()
+    return _d_scatter(x, axis, g.group.group_name, g.world_size, g.rank)
