@@ -34,6 +34,14 @@ Hugging Face models is forward order: embeddings before the first block land in 
 norm and head after the last block land in the last stage. A stage is served by ``world_size``
 tensor-parallel ranks, so a plan covers ``num_stages * world_size`` ranks.
 
+Data parallelism (``dp`` replicas of the ``tp x pp`` layout, world size ``tp x pp x dp``) leaves a rank's
+bytes as they are, unless the replicas shard (``shard=``): ``"fsdp"`` (FSDP2) divides parameters,
+gradients and optimizer states by ``dp`` and adds, as the all-gather working set, one repeated block's
+full-size (``dp``-unsharded) parameters and gradients -- the largest block of the stage, or the stage's
+whole parameters when it holds no repeated block (FSDP then gathers it as one unit); ``"zero1"``
+(DeepSpeed ZeRO stage 1) divides the optimizer states, ``"zero2"`` the optimizer states and the gradients.
+Divisions round up; the padding of uneven shards is not counted. Buffers and activations are per replica.
+
 Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule follow the ZeRO paper
 (Rajbhandari et al., 2020, section 3.1); the stage rule follows Slapo's ``cut_pipeline_stage``.
 """
@@ -54,6 +62,7 @@ from .module_state import peek_meta
 from .utils import human_bytes, meta_copy, to_meta
 
 __all__ = [
+    "SHARDINGS",
     "ActivationProfile",
     "Plan",
     "SavedProfile",
@@ -63,6 +72,10 @@ __all__ = [
     "saved_activations",
     "stage_assignment",
 ]
+
+#: what ``plan(shard=...)`` divides by ``dp``: (parameters, gradients, optimizer states)
+SHARDINGS = {None: (False, False, False), "fsdp": (True, True, True), "zero1": (False, False, True),
+             "zero2": (False, True, True)}
 
 _OPTIMIZERS = {
     # name -> fp32 state elements per trainable parameter element
@@ -530,19 +543,26 @@ class Plan:
 
     Attributes:
         world_size: tensor-parallel ranks per stage (the schedule's world size).
-        num_stages: pipeline stages (cuts + 1); the plan covers ``num_stages * world_size`` ranks.
-        per_stage: one dict per stage with keys ``stage``, ``ranks`` ([first, last] global rank),
+        num_stages: pipeline stages (cuts + 1); the plan covers ``num_stages * world_size * dp`` ranks.
+        per_stage: one dict per stage with keys ``stage``, ``ranks`` ([first, last] global rank of
+            data-parallel replica 0; replica ``d`` adds ``d * world_size * num_stages``),
             ``first`` / ``last`` (first module path of the stage in module order; the cut that ends it,
             or for the last stage its last module path), ``blocks`` ([lo, hi] indices
-            of the top-level repeated blocks in it, or None), ``num_params`` (elements on one rank),
+            of the top-level repeated blocks in it, or None), ``num_params`` (elements on one rank of the
+            ``tp x pp`` layout, before any ``dp`` sharding),
             ``sharded_params`` / ``replicated_params`` (elements), ``param_bytes``, ``grad_bytes``,
             ``optimizer_bytes``, ``activation_bytes`` (None when not estimated), ``buffer_bytes``,
-            ``total_bytes``.
+            ``gather_bytes`` (FSDP's all-gather working set: one block's full-size parameters and
+            gradients; 0 without FSDP), ``gather_block`` (that block's path, None without FSDP or when
+            the stage has no repeated block), ``total_bytes`` (the sum; parameters, gradients and
+            optimizer states already divided by ``dp`` as ``shard`` says).
         settings: the arguments the plan was made with (JSON-able).
         activation: "estimated", "cached" (reused an earlier pass), "given" or "skipped".
         activation_method: "estimate" or "autograd" (how activations were counted), or None.
         activation_seconds: wall time of the meta forward (0 when cached or skipped).
         notes: sentences worth showing (e.g. an empty stage).
+        dp: data-parallel replicas of the ``tp x pp`` layout (1: none).
+        shard: what the replicas shard: None, ``"fsdp"``, ``"zero1"`` or ``"zero2"`` (see :data:`SHARDINGS`).
     """
 
     world_size: int
@@ -554,11 +574,13 @@ class Plan:
     activation_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     activation_method: str | None = None
+    dp: int = 1
+    shard: str | None = None
 
     @property
     def num_ranks(self) -> int:
-        """Ranks the plan covers: ``num_stages * world_size``."""
-        return self.num_stages * self.world_size
+        """Ranks the plan covers: ``num_stages * world_size * dp`` (tp x pp x dp)."""
+        return self.num_stages * self.world_size * self.dp
 
     @property
     def total_bytes(self) -> int:
@@ -567,8 +589,8 @@ class Plan:
 
     @property
     def cluster_bytes(self) -> int:
-        """Bytes over all ranks (each stage's per-rank total times ``world_size``)."""
-        return sum(s["total_bytes"] for s in self.per_stage) * self.world_size
+        """Bytes over all ranks (each stage's per-rank total times ``world_size * dp``)."""
+        return sum(s["total_bytes"] for s in self.per_stage) * self.world_size * self.dp
 
     def fits(self, gpu_bytes: float) -> bool:
         """Whether every rank's total fits in ``gpu_bytes`` (e.g. ``80 * 2**30``).
@@ -582,15 +604,21 @@ class Plan:
 
     def to_dict(self) -> dict:
         """A JSON-able dict: settings, stages, totals."""
-        return {"world_size": self.world_size, "num_stages": self.num_stages, "num_ranks": self.num_ranks,
-                "blocks": self.blocks, "settings": dict(self.settings), "activation": self.activation,
+        return {"world_size": self.world_size, "num_stages": self.num_stages, "dp": self.dp, "shard": self.shard,
+                "num_ranks": self.num_ranks, "blocks": self.blocks, "settings": dict(self.settings), "activation": self.activation,
                 "activation_method": self.activation_method,
                 "activation_seconds": self.activation_seconds, "per_stage": [dict(s) for s in self.per_stage],
                 "total_bytes": self.total_bytes, "cluster_bytes": self.cluster_bytes, "notes": list(self.notes)}
 
     def table(self) -> str:
-        """A fixed-width text table, one row per stage (bytes of ONE rank of that stage)."""
+        """A fixed-width text table, one row per stage (bytes of ONE rank of that stage).
+
+        With FSDP over ``dp > 1`` a ``gather`` column shows the all-gather working set, and a last line
+        says what it holds and what ``dp`` divides."""
+        gather = self.shard == "fsdp" and self.dp > 1
         head = ["stage", "ranks", "modules", "params", "grads", "optimizer", "activations", "total"]
+        if gather:
+            head.insert(7, "gather")
         rows = []
         for s in self.per_stage:
             if s["blocks"] is not None:
@@ -599,26 +627,48 @@ class Plan:
             else:
                 span = s["last"] or "(root)"
             act = "-" if s["activation_bytes"] is None else human_bytes(s["activation_bytes"])
-            rows.append([str(s["stage"]), f"{s['ranks'][0]}-{s['ranks'][1]}", span, human_bytes(s["param_bytes"]),
-                         human_bytes(s["grad_bytes"]), human_bytes(s["optimizer_bytes"]), act,
-                         human_bytes(s["total_bytes"])])
+            row = [str(s["stage"]), f"{s['ranks'][0]}-{s['ranks'][1]}", span, human_bytes(s["param_bytes"]),
+                   human_bytes(s["grad_bytes"]), human_bytes(s["optimizer_bytes"]), act, human_bytes(s["total_bytes"])]
+            if gather:
+                row.insert(7, human_bytes(s.get("gather_bytes") or 0))
+            rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
         lines = ["  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
         lines.append("  ".join("-" * w for w in widths))
         for r in rows:
             lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        lines.append(f"busiest rank: {human_bytes(self.total_bytes)} of {self.num_ranks} rank(s) "
-                     f"({self.num_stages} stage(s) x TP {self.world_size})")
+        layout = f"{self.num_stages} stage(s) x TP {self.world_size}"
+        if self.dp > 1:
+            layout += f" x DP {self.dp}" + (f", {_SHARD_NAMES[self.shard]}" if self.shard else "")
+        lines.append(f"busiest rank: {human_bytes(self.total_bytes)} of {self.num_ranks} rank(s) ({layout})")
+        if self.dp > 1 and self.shard:
+            lines.append(_shard_sentence(self.shard, self.dp))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"Plan(world_size={self.world_size}, num_stages={self.num_stages}, "
+        dp = f", dp={self.dp}, shard={self.shard!r}" if self.dp > 1 or self.shard else ""
+        return (f"Plan(world_size={self.world_size}, num_stages={self.num_stages}{dp}, "
                 f"total_bytes={self.total_bytes} ({human_bytes(self.total_bytes)}))")
+
+
+_SHARD_NAMES = {"fsdp": "FSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
+
+
+def _shard_sentence(shard: str, dp: int) -> str:
+    """What ``shard`` divides by ``dp``, in one sentence (the table's last line and the plan's notes)."""
+    if shard == "fsdp":
+        return (f"FSDP over dp {dp}: parameters, gradients and optimizer states are divided by {dp}; 'gather' is "
+                "the all-gather working set, one repeated block's full-size parameters and gradients while it "
+                "computes (the largest block of the stage, or the stage's parameters when it has no block).")
+    if shard == "zero1":
+        return f"ZeRO-1 over dp {dp}: optimizer states are divided by {dp}; parameters and gradients are whole."
+    return f"ZeRO-2 over dp {dp}: optimizer states and gradients are divided by {dp}; parameters are whole."
 
 
 def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dtype: Any = None,
          master_weights: bool = False, micro_batch_size: int | None = None, example_inputs: Any = None,
-         activation: Any = "estimate", activation_dtype: Any = None, cache: bool = True) -> Plan:
+         activation: Any = "estimate", activation_dtype: Any = None, cache: bool = True, dp: int = 1,
+         shard: str | None = None) -> Plan:
     """Plan the per-rank memory of schedule ``sch`` (see the module docstring).
 
     Args:
@@ -639,19 +689,28 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             the whole model (split over stages in proportion to their parameters).
         activation_dtype: count floating activations at this size (dtype or bytes); None = as run.
         cache: reuse an earlier activation pass of the same model, sharding and input shapes.
+        dp: data-parallel replicas of the ``tp x pp`` layout (world size ``tp x pp x dp``); a positive int.
+        shard: what the replicas shard over ``dp`` (ignored at ``dp=1``, with a note): None (DDP: nothing),
+            ``"fsdp"`` (parameters, gradients and optimizer states, plus one block's full-size parameters
+            and gradients as the all-gather working set, ``gather_bytes``), ``"zero1"`` (optimizer
+            states) or ``"zero2"`` (optimizer states and gradients).
 
     Returns:
         Plan (``per_stage``, ``total_bytes``, ``to_dict()``, ``table()``, ``fits(gpu_bytes)``).
 
     Raises:
-        ScheduleError: for an unknown optimizer or dtype, a bad micro-batch size, a stale cut, or a
-            failed activation pass.
+        ScheduleError: for an unknown optimizer, dtype or ``shard``, a ``dp`` that is not a positive
+            integer, a bad micro-batch size, a stale cut, or a failed activation pass.
     """
     top = sch.get_top_schedule()
     pbytes = _elem_bytes(param_dtype, "param_dtype")
     gbytes = _elem_bytes(grad_dtype, "grad_dtype")
     abytes = _elem_bytes(activation_dtype, "activation_dtype")
     states = _optimizer_states(optimizer)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ScheduleError(f"dp (data-parallel replicas) must be a positive integer, not {dp!r}.")
+    if shard not in SHARDINGS:
+        raise ScheduleError(f"shard must be None, 'fsdp', 'zero1' or 'zero2', not {shard!r}.")
     if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
                                          or micro_batch_size < 1):
         raise ScheduleError(f"micro_batch_size must be a positive integer, not {micro_batch_size!r}.")
@@ -673,6 +732,8 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
     blk_hi: list[int | None] = [None] * n
     bprefix = (assign.blocks + ".") if assign.blocks else None
     block_index = {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)} if assign.blocks else {}
+    # (stage, block name) -> [parameter bytes, gradient bytes] of one rank, for FSDP's all-gather working set
+    block_bytes: dict[tuple[int, str], list[int]] = {}
     for path in assign.order:
         node = assign.nodes[path]
         s = assign.stage_of[path]
@@ -686,6 +747,9 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             blk_lo[s] = idx if blk_lo[s] is None else min(blk_lo[s], idx)
             blk_hi[s] = idx if blk_hi[s] is None else max(blk_hi[s], idx)
         st = stats[s]
+        blk = None
+        if bprefix is not None and path.startswith(bprefix):
+            blk = block_bytes.setdefault((s, path[len(bprefix):].split(".", 1)[0]), [0, 0])
         for p in mod._parameters.values():
             if p is None or id(p) in seen[s]:
                 continue
@@ -698,9 +762,13 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             else:
                 st["replicated_params"] += numel
             st["param_bytes"] += numel * eb
+            grad = numel * (gbytes if gbytes is not None else eb) if p.requires_grad else 0
             if p.requires_grad:
-                st["grad_bytes"] += numel * (gbytes if gbytes is not None else eb)
+                st["grad_bytes"] += grad
                 st["optimizer_bytes"] += numel * (states * _FP32 + (_FP32 if master_weights else 0))
+            if blk is not None:
+                blk[0] += numel * eb
+                blk[1] += grad
         for b in mod._buffers.values():
             if b is None or id(b) in seen[s]:
                 continue
@@ -738,20 +806,41 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
 
     for s, cut in enumerate(assign.cuts):  # a cut module is the last module of its stage
         last[s] = cut
+    if shard is not None and dp == 1:
+        notes.append(f"{_SHARD_NAMES[shard]} with one data-parallel replica shards nothing, so the plan is unsharded.")
+    elif shard is not None:
+        notes.append(_shard_sentence(shard, dp))
+    div_params, div_grads, div_states = SHARDINGS[shard if dp > 1 else None]
     per_stage = []
     for s in range(n):
-        st = stats[s]
-        total = st["param_bytes"] + st["grad_bytes"] + st["optimizer_bytes"] + st["buffer_bytes"] + (act[s] or 0)
+        st = dict(stats[s])
+        gather, gather_block = 0, None
+        if div_params:  # FSDP: one block's full-size parameters and gradients while it computes
+            mine = [(sum(v), name) for (stage, name), v in block_bytes.items() if stage == s]
+            if mine:
+                gather, name = max(mine, key=lambda x: (x[0], -block_index.get(x[1], 0)))
+                gather_block = f"{assign.blocks}.{name}"
+            else:  # no repeated block in the stage: FSDP gathers the stage as one unit
+                gather = st["param_bytes"] + st["grad_bytes"]
+            st["param_bytes"] = -(-st["param_bytes"] // dp)
+        if div_grads:
+            st["grad_bytes"] = -(-st["grad_bytes"] // dp)
+        if div_states:
+            st["optimizer_bytes"] = -(-st["optimizer_bytes"] // dp)
+        total = (st["param_bytes"] + st["grad_bytes"] + st["optimizer_bytes"] + st["buffer_bytes"] + gather
+                 + (act[s] or 0))
         blocks = [blk_lo[s], blk_hi[s]] if blk_lo[s] is not None else None
         per_stage.append({"stage": s, "ranks": [s * ws, (s + 1) * ws - 1], "first": first[s], "last": last[s],
-                          "blocks": blocks, **st, "activation_bytes": act[s], "total_bytes": total})
+                          "blocks": blocks, **st, "activation_bytes": act[s], "gather_bytes": gather,
+                          "gather_block": gather_block, "total_bytes": total})
         if st["num_params"] == 0 and n > 1:
             notes.append(f"Stage {s} holds no parameters; check the cuts.")
     settings = {"optimizer": optimizer.__name__ if isinstance(optimizer, type) else optimizer,
                 "param_dtype": str(param_dtype) if param_dtype is not None else None,
                 "grad_dtype": str(grad_dtype) if grad_dtype is not None else None,
                 "master_weights": bool(master_weights), "micro_batch_size": micro_batch_size,
-                "activation_dtype": str(activation_dtype) if activation_dtype is not None else None}
+                "activation_dtype": str(activation_dtype) if activation_dtype is not None else None,
+                "dp": dp, "shard": shard}
     method = activation if activation in ("estimate", "autograd") and act_mode != "skipped" else None
-    return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method)
+    return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method, dp, shard)
 

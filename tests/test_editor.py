@@ -283,3 +283,188 @@ def test_fold_back_and_per_rank_tooltips(editor):
     editor.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")
     editor.open_level("encoder.layer.0.intermediate")
     assert "4,224 on this rank" in editor._graph.svg  # half of the 128×64 weight + the whole bias (tooltip)
+
+
+# --- the Export form -------------------------------------------------------------------------------
+def _defaults_of(script):
+    """The ``DEFAULTS = {...}`` literal of an exported script."""
+    import ast
+
+    tree = ast.parse(Path(script).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["DEFAULTS"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("no DEFAULTS in the script")
+
+
+def _one_sentence(text):
+    assert "\n" not in text and text.endswith("."), text
+    return text
+
+
+@pytest.fixture(scope="module")
+def pretrained_llama(tmp_path_factory):
+    """``(folder, model)``: a tiny Llama written with save_pretrained (+ a tokenizer and a corpus in the same
+    folder), read back with from_pretrained."""
+    from train_fixtures import write_corpus, write_pretrained, write_tokenizer
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama")
+    corpus = write_corpus(folder, n_docs=40)
+    write_tokenizer(folder / "tiny", [corpus])
+    write_pretrained(folder / "tiny")
+    return folder, LlamaForCausalLM.from_pretrained(str(folder / "tiny"))
+
+
+def test_export_form_bakes_options_into_the_script(pretrained_llama, monkeypatch, run_bounded, subprocess_env):
+    import sys
+
+    import torch
+
+    folder, model = pretrained_llama
+    monkeypatch.chdir(folder)
+    ids = torch.randint(0, 256, (2, 16))
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    # defaults: the from_pretrained directory, synthetic data, the example's sequence length and batch
+    assert ed._f_model.value == str(folder / "tiny")
+    assert (ed._f_data.value, ed._f_seq.value, ed._f_batch.value, ed._f_dp.value) == ("synthetic", "16", "2", "1")
+    assert ed._f_fsdp.layout.display != "none" and ed._f_zero.layout.display == "none"
+    ed._f_data.value = "corpus.jsonl"
+    ed._f_seq.value = "32"
+    ed._f_dp.value = "2"
+    ed._f_fsdp.value = True
+    ed._f_batch.value = "4"
+    ed._f_steps.value = "3"
+    ed._f_ckpt.value = "ckpt"
+    ed._f_ckpt_every.value = "2"
+    ed._f_save_hf.value = "trained"
+    ed._export_path.value = "train_tiny.py"
+    # the memory view follows dp and FSDP
+    assert ed.last_plan.dp == 2 and ed.last_plan.shard == "fsdp"
+    assert "TP 2 × DP 2, FSDP = 4 GPUs" in ed._costs_text.value
+    ed._btn_export.click()
+    assert ed.message.startswith(f"Exported {folder / 'train_tiny.py'} — launch: "
+                                 "torchrun --nproc_per_node=4 train_tiny.py --device cuda"), ed.message
+    assert "torchrun --nproc_per_node=4 train_tiny.py --device cuda" in ed._export_info.value
+    assert _defaults_of(folder / "train_tiny.py") == {
+        "model_path": str(folder / "tiny"), "data": "corpus.jsonl", "seq_len": 32, "dp": 2, "fsdp": True,
+        "checkpoint_dir": "ckpt", "checkpoint_every": 2, "save_hf": "trained", "global_batch_size": 4, "steps": 3}
+    assert ed.export_options["options"]["dp"] == 2 and ed.export_options["launcher"] == "torchrun"
+    out = run_bounded([sys.executable, "train_tiny.py", "--help"], 120, cwd=folder, env=subprocess_env)
+    assert out.returncode == 0, out.stderr
+    assert "--model-path" in out.stdout and "corpus.jsonl" in out.stdout  # the baked default shows in --help
+
+    # deepspeed: a ZeRO stage instead of FSDP, and the deepspeed launch
+    ed._f_launcher.value = "deepspeed"
+    assert ed._f_fsdp.layout.display == "none" and ed._f_zero.layout.display != "none"
+    assert ed.last_plan.shard is None
+    ed._f_zero.value = 2
+    assert ed.last_plan.shard == "zero2" and "ZeRO-2" in ed._costs_text.value
+    ed._btn_export.click()
+    assert "deepspeed --num_gpus 4 train_tiny.py --device cuda" in ed.message, ed.message
+    defaults = _defaults_of(folder / "train_tiny.py")
+    assert defaults["zero"] == 2 and "fsdp" not in defaults
+
+
+def test_export_form_refuses_bad_input_in_one_sentence_and_keeps_it(editor, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train_bertmodel.py"
+    cases = [
+        ("_f_data", "missing.jsonl", "The data path missing.jsonl does not exist"),
+        ("_f_model", "no_such_dir", "The model path no_such_dir does not exist"),
+        ("_f_dp", "0", "must be positive, not 0"),
+        ("_f_dp", "two", "must be a whole number, not 'two'"),
+        ("_f_seq", "-8", "The sequence length must be positive"),
+        ("_f_steps", "-1", "The number of steps must be zero or more"),
+        ("_f_ckpt_every", "5", "A checkpoint every 5 steps needs a checkpoint directory"),
+    ]
+    for name, value, expected in cases:
+        widget = getattr(editor, name)
+        before = widget.value
+        widget.value = value
+        editor._btn_export.click()
+        assert expected in _one_sentence(editor.message), (name, editor.message)
+        assert expected in _panel_text(editor._export_info.value)
+        assert widget.value == value  # what was typed stays
+        assert not script.exists()
+        widget.value = before
+    editor._f_dp.value = "2"
+    editor._f_batch.value = "3"
+    editor._btn_export.click()
+    assert _one_sentence(editor.message) == ("The global batch size 3 is not divisible by dp 2: every replica takes "
+                                             "the same number of sequences per step.")
+    assert (editor._f_dp.value, editor._f_batch.value) == ("2", "3") and not script.exists()
+    # BERT has no language-model head: text data is refused before anything is written
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    editor._f_batch.value = "4"
+    editor._f_data.value = "corpus.txt"
+    editor._btn_export.click()
+    assert "no language-model head" in _one_sentence(editor.message) and not script.exists()
+    editor._f_data.value = "synthetic"
+    editor._btn_export.click()
+    assert editor.message.startswith("Exported") and _defaults_of(script) == {"dp": 2, "global_batch_size": 4}
+    # a pipeline: the runtime's micro-batches (global batch / (dp x stages), rounded down) must divide evenly
+    assert editor.apply("cut_pipeline_stage", path="encoder.layer.0") is None
+    assert editor.apply("cut_pipeline_stage", path="encoder.layer.1") is None
+    editor._f_batch.value = "14"
+    editor._btn_export.click()
+    assert _one_sentence(editor.message) == ("The global batch size 14 does not split into equal micro-batches over "
+                                             "dp 2 and 3 pipeline stages; choose a multiple of 6.")
+    editor._f_batch.value = "12"
+    editor._btn_export.click()
+    assert "torchrun --nproc_per_node=12 train_bertmodel.py --device cuda" in editor.message  # tp 2 x pp 3 x dp 2
+
+
+def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, ids = bert
+    f = tmp_path / "bert.schedule.json"
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, schedule_file=str(f))
+    assert ed.export_options is None
+    ed.apply("checkpoint", path="encoder.layer.0")
+    out = ed.export("train.py")  # today's call: no options, a synthetic-data script
+    assert out == str(tmp_path / "train.py") and _defaults_of(out) == {}
+    assert "torchrun --nproc_per_node=2 train.py --device cuda" in ed.message
+    ed.export("train_ds.py", launcher="deepspeed", dp=2, zero=1, global_batch_size=4, steps=0)
+    assert _defaults_of("train_ds.py") == {"dp": 2, "zero": 1, "global_batch_size": 4, "steps": 0}
+    assert "deepspeed --num_gpus 4 train_ds.py --device cuda" in ed.message
+    # the form shows what the export used, and the memory view plans it
+    assert (ed._f_launcher.value, ed._f_dp.value, ed._f_zero.value, ed._export_path.value) == (
+        "deepspeed", "2", 1, "train_ds.py")
+    assert ed.last_plan.dp == 2 and ed.last_plan.shard == "zero1"
+    for bad, match in [({"zero": 1}, "needs the deepspeed launcher"), ({"shards": 2}, "not an export option"),
+                       ({"dp": 0}, "must be positive"), ({"global_batch_size": 3, "dp": 2}, "not divisible")]:
+        with pytest.raises(sl.export.ExportError, match=match):
+            ed.export("bad.py", **bad)
+    assert not (tmp_path / "bad.py").exists()
+    # a restarted kernel: the schedule file brings the options back into the form
+    import json
+
+    assert json.loads(f.read_text())["meta"]["export_options"]["options"]["zero"] == 1
+    again = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, schedule_file=str(f))
+    assert again.export_options == ed.export_options
+    assert (again._f_launcher.value, again._f_dp.value, again._f_zero.value, again._f_steps.value) == (
+        "deepspeed", "2", 1, "0")
+    assert again.last_plan.shard == "zero1"
+
+
+def test_verify_uses_local_model_and_data_or_says_synthetic(editor, tmp_path, monkeypatch):
+    from slapo_lab.editor.verify_runner import VerifyRunner
+
+    started = []
+    monkeypatch.setattr(VerifyRunner, "start", lambda self, script, nproc, dev, timeout=0, extra=None, note="":
+                        started.append((script, nproc, note)))
+    monkeypatch.chdir(tmp_path)
+    editor._f_dp.value = "2"
+    editor._f_ckpt.value = "ckpt"
+    editor._f_data.value = "elsewhere/corpus.jsonl"  # exists only on the cluster
+    editor.verify(device="cpu")
+    script, nproc, note = started[-1]
+    assert nproc == 4  # tp 2 x dp 2
+    assert ("Verify uses seeded random weights and synthetic data, because the data path elsewhere/corpus.jsonl "
+            "does not exist here.") in note and note in editor.message
+    assert _defaults_of(script) == {"dp": 2}  # no checkpoints, no data
+    assert editor._f_data.value == "elsewhere/corpus.jsonl"
+    editor._f_dp.value = "x"
+    assert editor.verify(device="cpu") is None and "Verify could not start: " in editor.message
+    assert len(started) == 1

@@ -310,3 +310,89 @@ def test_llama70b_tp8_plan_fast_and_exact(llama70b_tp8):
     assert [s["num_params"] for s in pp.per_stage] == [
         V70 * H70 + 20 * layer_rank, 20 * layer_rank, 20 * layer_rank, 20 * layer_rank + H70 + V70 * H70]
     assert pp.num_ranks == 32
+
+
+# --- data parallelism: FSDP and ZeRO divide by dp ----------------------------------------------------------
+# a small Llama: hidden 64, 4 heads of 16, 2 kv heads (k/v 64 x 32), MLP 128, vocabulary 100, untied head
+LH, LI, LV = 64, 128, 100
+LAYER_TP = 2 * LH * LH + 2 * LH * 32 + 3 * LH * LI  # q, o, k, v, gate, up, down: what TP splits
+LAYER = LAYER_TP + 2 * LH                             # + input and post-attention RMSNorm
+EDGE = LV * LH + LH + LV * LH                         # embedding, final norm, lm_head
+
+
+def _small_llama(world_size=1, tp=False):
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=LH, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=LI, vocab_size=LV)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    sch = sl.create_schedule(model, world_size=world_size)
+    if tp:
+        for i in range(2):
+            p = f"model.layers.{i}"
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                sch[f"{p}.{n}"].shard("weight", axis=0)
+            for n in ("self_attn.o_proj", "mlp.down_proj"):
+                sch[f"{p}.{n}"].shard("weight", axis=1)
+    return sch
+
+
+def test_fsdp_and_zero_divide_by_dp_hand_count():
+    sch = _small_llama()
+    n = EDGE + 2 * LAYER
+    assert sum(p.numel() for p in sch.mod.parameters()) == n == 86848
+    base = sl.plan(sch)
+    buf = base.per_stage[0]["buffer_bytes"]  # the rotary inv_freq: per replica, never divided
+    assert base.dp == 1 and base.shard is None and base.per_stage[0]["gather_bytes"] == 0
+    assert base.total_bytes == 16 * n + buf and base.num_ranks == 1
+
+    ddp = sl.plan(sch, dp=4)  # plain data parallelism: every replica holds everything
+    assert ddp.per_stage[0]["total_bytes"] == base.total_bytes and ddp.num_ranks == 4
+    assert ddp.cluster_bytes == 4 * base.total_bytes
+
+    fsdp = sl.plan(sch, dp=4, shard="fsdp").per_stage[0]
+    assert (fsdp["param_bytes"], fsdp["grad_bytes"], fsdp["optimizer_bytes"]) == (n, n, 2 * n)  # 4 B / 4, 8 B / 4
+    assert fsdp["gather_bytes"] == 4 * LAYER + 4 * LAYER  # one decoder layer's fp32 parameters and gradients
+    assert fsdp["gather_block"] == "model.layers.0"
+    assert fsdp["total_bytes"] == 4 * n + 8 * LAYER + buf
+
+    z1 = sl.plan(sch, dp=4, shard="zero1").per_stage[0]
+    assert (z1["param_bytes"], z1["grad_bytes"], z1["optimizer_bytes"], z1["gather_bytes"]) == (4 * n, 4 * n, 2 * n, 0)
+    z2 = sl.plan(sch, dp=4, shard="zero2").per_stage[0]
+    assert (z2["param_bytes"], z2["grad_bytes"], z2["optimizer_bytes"]) == (4 * n, n, 2 * n)
+    assert z2["total_bytes"] == 7 * n + buf
+
+    # bf16 parameters and gradients, fp32 master copy + Adam moments (16 B / parameter), dp 3: rounded up
+    mp = sl.plan(sch, dp=3, shard="fsdp", param_dtype=torch.bfloat16, master_weights=True).per_stage[0]
+    assert (mp["param_bytes"], mp["grad_bytes"], mp["optimizer_bytes"]) == (
+        -(-2 * n // 3), -(-2 * n // 3), -(-12 * n // 3))
+    assert mp["gather_bytes"] == 2 * LAYER + 2 * LAYER
+    # one replica: nothing to shard, the plan says so
+    one = sl.plan(sch, shard="fsdp")
+    assert one.per_stage == base.per_stage and any("shards nothing" in s for s in one.notes)
+
+
+def test_fsdp_with_tp_and_stages_hand_count():
+    sch = _small_llama(world_size=2, tp=True)
+    layer = LAYER_TP // 2 + 2 * LH  # one rank's share of a layer under TP 2 (norms replicated)
+    sch["model.layers.0"].cut_pipeline_stage()
+    pl = sl.plan(sch, dp=2, shard="fsdp")
+    assert pl.num_ranks == 2 * 2 * 2 and pl.dp == 2 and pl.shard == "fsdp"
+    s0, s1 = pl.per_stage
+    first, last = LV * LH + layer, layer + LH + LV * LH  # embedding + layer 0 | layer 1 + norm + lm_head
+    assert (s0["num_params"], s1["num_params"]) == (first, last)  # elements of the tp x pp layout
+    for s, elems, blk in ((s0, first, "model.layers.0"), (s1, last, "model.layers.1")):
+        assert s["param_bytes"] == s["grad_bytes"] == 4 * elems // 2
+        assert s["optimizer_bytes"] == 8 * elems // 2
+        assert s["gather_bytes"] == 8 * layer and s["gather_block"] == blk
+        assert s["total_bytes"] == 8 * elems + 8 * layer + s["buffer_bytes"]
+    assert pl.cluster_bytes == (s0["total_bytes"] + s1["total_bytes"]) * 2 * 2
+    d = json.loads(json.dumps(pl.to_dict()))
+    assert (d["dp"], d["shard"], d["num_ranks"], d["settings"]["dp"]) == (2, "fsdp", 8, 2)
+    text = pl.table()
+    assert "gather" in text.splitlines()[0] and "8 rank(s) (2 stage(s) x TP 2 x DP 2, FSDP)" in text
+    assert "all-gather working set" in text
+    assert "gather" not in sl.plan(sch, dp=2, shard="zero2").table().splitlines()[0]
+    assert "x DP 2, ZeRO-2" in sl.plan(sch, dp=2, shard="zero2").table()
+    for bad in ({"dp": 0}, {"dp": True}, {"dp": 2.0}, {"shard": "zero3"}, {"shard": "FSDP"}):
+        with pytest.raises(sl.ScheduleError):
+            sl.plan(sch, **bad)

@@ -73,6 +73,65 @@ def _file_actions(sf, path) -> list:
     return out
 
 
+# ---------------------------------------------------------------------------------------- export options
+_SCRIPT_STEPS = 10  # the exported script's own --steps default (slapo_lab.train.args)
+_PATH_OPTIONS = ("model_path", "tokenizer", "data", "eval_data", "checkpoint_dir", "save_hf", "log_dir")
+# integer options and their smallest value
+_INT_OPTIONS = {"seq_len": 1, "dp": 1, "global_batch_size": 1, "micro_batch_size": 1, "steps": 0,
+                "checkpoint_every": 0, "zero": 0}
+_LABELS = {"model_path": "model path", "tokenizer": "tokenizer directory", "data": "data path",
+           "eval_data": "validation data path", "checkpoint_dir": "checkpoint directory",
+           "save_hf": "save-HF directory", "log_dir": "log directory", "seq_len": "sequence length",
+           "dp": "number of data-parallel replicas (dp)", "global_batch_size": "global batch size",
+           "micro_batch_size": "micro batch size", "steps": "number of steps",
+           "checkpoint_every": "checkpoint interval (every)", "zero": "ZeRO stage", "lr": "learning rate"}
+# the form's fields: option -> (description, tooltip)
+_FIELDS = {
+    "model_path": ("model path", ("a Hugging Face directory (config.json + *.safetensors) to fine-tune; "
+                                  "empty: seeded random weights")),
+    "tokenizer": ("tokenizer", "the tokenizer directory; empty: the model path"),
+    "data": ("data", ("'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
+                      ".parquet file or a folder of them")),
+    "seq_len": ("seq len", "tokens per training sequence"),
+    "dp": ("dp", "data-parallel replicas: the run uses tp x pp x dp processes"),
+    "global_batch_size": ("global batch", "sequences per optimizer step over all replicas (divisible by dp)"),
+    "steps": ("steps", "optimizer steps to train for"),
+    "checkpoint_dir": ("checkpoints", "save resumable checkpoints here (created if missing); empty: none"),
+    "checkpoint_every": ("every", "save a checkpoint every N steps (0: only at the end)"),
+    "save_hf": ("save HF", "at the end, write a Hugging Face directory that from_pretrained loads; empty: none"),
+}
+
+
+def _export_error(text: str):
+    from ..export import ExportError
+
+    return ExportError(text)
+
+
+def _path_kind(path: str) -> str:
+    """``"dir"``, ``"file"`` or ``"missing"`` (relative paths: from the kernel's working directory)."""
+    import os
+
+    return "dir" if os.path.isdir(path) else "file" if os.path.exists(path) else "missing"
+
+
+def _has_tokenizer(folder: str) -> bool:
+    """Whether ``folder`` holds the files ``AutoTokenizer.from_pretrained`` reads."""
+    import os
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
+
+
+def _shown_path(path) -> str:
+    """``path`` as a command line shows it: relative to the working directory when inside it, quoted."""
+    import os
+    import shlex
+
+    rel = os.path.relpath(path)
+    return shlex.quote(str(path) if rel.startswith("..") else rel)
+
+
 def _serialized(method):
     """Run an editor method under the editor's lock.
 
@@ -126,6 +185,8 @@ class ScheduleEditor(W.VBox):
     Attributes:
         schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
         code: the recorded calls as Python text.
+        export_options: the last export's launcher, script and options (see :meth:`export`), or None.
+        last_plan: the memory view's :class:`~slapo_lab.plan.Plan` (for the export form's dp / FSDP / ZeRO).
 
     Raises:
         ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
@@ -429,7 +490,9 @@ class ScheduleEditor(W.VBox):
 
     @_serialized
     def save(self, path: str) -> str:
-        """Write the recorded schedule as versioned JSON (``sl.load_schedule`` reads it back).
+        """Write the recorded schedule as versioned JSON (``sl.load_schedule`` reads it back); the meta keeps
+        the editor's actions (``editor_actions``) and the last export's options (``export_options``), which
+        :meth:`load` restores.
 
         Raises:
             ExportError: (a ValueError) with one sentence if the file cannot be written.
@@ -439,7 +502,9 @@ class ScheduleEditor(W.VBox):
         rec = self.schedule.record
         actions = [[a.label, len(a.calls)] for a in rec.actions()]  # undo per action after a restore
         save_schedule(path, rec.calls, model=self.model, example_inputs=self.example_inputs,
-                      world_size=self.world_size, factory=self.factory, meta={"editor_actions": actions})
+                      world_size=self.world_size, factory=self.factory,
+                      meta={"editor_actions": actions,
+                            **({"export_options": self.export_options} if self.export_options else {})})
         return str(path)
 
     def _keep_unrestorable(self, path: str, reason: str) -> None:
@@ -490,6 +555,10 @@ class ScheduleEditor(W.VBox):
             with self._working(f"loading {path}"):
                 self._rebuild(_file_actions(sf, path))
             self._redo = []
+            remembered = (sf.meta or {}).get("export_options")
+            if isinstance(remembered, dict) and isinstance(remembered.get("options", {}), dict):
+                self.export_options = remembered  # the form skips entries of the wrong type
+                self._set_form(remembered)
         except ScheduleError as err:
             return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
         except Exception as err:
@@ -521,10 +590,14 @@ class ScheduleEditor(W.VBox):
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
         """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
 
-        Exports the script to a temporary folder and runs it with ``--verify --steps 1`` on
-        ``world_size`` ranks; output streams into the editor's log. Without enough GPUs it says so in
-        one sentence and verifies on the CPU with gloo. A crash, hang (past ``timeout`` seconds) or
-        Cancel ends the subprocess tree, never the kernel.
+        Exports the script with the export form's options to a temporary folder and runs it with
+        ``--verify --steps 1`` on ``tp x pp x dp`` ranks (FSDP as chosen; a ZeRO stage is left out: it
+        changes neither outputs nor gradients, and the run needs no DeepSpeed); output streams into the
+        editor's log. The form's model path and data are used when they exist on this machine, else seeded
+        random weights and synthetic data, and the message says which in one sentence; checkpoints, the
+        save-HF directory and validation data are left out. Without enough GPUs it says so in one sentence
+        and verifies on the CPU with gloo. A crash, hang (past ``timeout`` seconds) or Cancel ends the
+        subprocess tree, never the kernel.
 
         Returns:
             The :class:`VerifyResult` if ``wait`` (None if it could not start), else the runner.
@@ -537,20 +610,25 @@ class ScheduleEditor(W.VBox):
             self._error("A Verify run is already in progress; wait for it or press Cancel.")
             return None
         try:
+            launcher, _, options = self._form_options()
+            options, used = self._verify_options(launcher, options)
+            options, defaults = self._check_export_options("torchrun", options)
             folder = tempfile.mkdtemp(prefix="slapo-verify-")
-            script = self.export(f"{folder}/verify_{type(self.model).__name__.lower()}.py")
+            script = str(self._write_script(f"{folder}/verify_{type(self.model).__name__.lower()}.py", "torchrun",
+                                            defaults))
         except Exception as err:
             self._error(f"Verify could not start: {err}")
             return None
-        nproc = self.num_ranks
+        nproc = self.num_ranks * options.get("dp", 1)
         dev, note = plan_device(nproc, device)
+        note = (note + " " if note else "") + used
         self._log_lines = []
         self._log.value = ""
         self._progress.layout.visibility = "visible"
         self._progress.value = 0
         self._btn_cancel.disabled = False
         self._btn_verify.disabled = True
-        self._info((note + " " if note else "") + f"Verifying on {nproc} rank(s)…")
+        self._info(note + f" Verifying on {nproc} rank(s)…")
         self._runner = VerifyRunner(on_line=self._on_verify_line, on_done=self._on_verify_done)
         try:
             self._runner.start(script, nproc, dev, timeout=timeout, note=note)
@@ -563,6 +641,48 @@ class ScheduleEditor(W.VBox):
         if wait:
             return self._runner.wait()
         return self._runner
+
+    def _verify_options(self, launcher: str, options: dict) -> tuple[dict, str]:
+        """The form's options for a Verify run, and the sentence saying which weights and data it uses.
+
+        The model path and the data (and the tokenizer) are kept, as absolute paths (the run's working
+        directory is a temporary folder), when they exist here; otherwise Verify uses seeded random weights
+        / synthetic data. Checkpoints, save-HF, logs, validation data, steps and the ZeRO stage are dropped.
+        """
+        import os
+
+        o = {k: v for k, v in options.items() if k not in ("checkpoint_dir", "checkpoint_every", "save_hf", "log_dir",
+                                                           "eval_data", "steps", "zero")}
+        o = {k: v for k, v in o.items() if not (isinstance(v, str) and not v.strip())}
+        missing = []
+        model = o.pop("model_path", None)
+        if model is not None:
+            model = os.path.expanduser(model)
+            if self._model_dir_problem(model) is None:
+                o["model_path"] = os.path.abspath(model)
+            else:
+                missing.append(f"the model path {model}")
+        data = o.pop("data", "synthetic")
+        tokenizer = o.pop("tokenizer", None)
+        if data != "synthetic":
+            data = os.path.expanduser(data)
+            tok = os.path.expanduser(tokenizer) if tokenizer else o.get("model_path")
+            if _path_kind(data) == "missing":
+                missing.append(f"the data path {data}")
+            elif tok is None or _path_kind(tok) != "dir" or not _has_tokenizer(tok):
+                missing.append(f"the tokenizer directory {tok or tokenizer or '(none)'}")
+            else:
+                o["data"] = os.path.abspath(data)
+                if tokenizer:
+                    o["tokenizer"] = os.path.abspath(tok)
+        weights = f"the weights in {o['model_path']}" if "model_path" in o else "seeded random weights"
+        text = f"the data in {o['data']}" if "data" in o else "synthetic data"
+        used = f"Verify uses {weights} and {text}"
+        if missing:
+            used += f", because {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist here"
+        if launcher == "deepspeed" and options.get("zero"):
+            used += f" (ZeRO-{options['zero']} is left out: it changes neither outputs nor gradients)"
+        return o, used + "."
 
     def cancel_verify(self) -> bool:
         """Cancel a running Verify; returns whether one was running."""
@@ -591,25 +711,337 @@ class ScheduleEditor(W.VBox):
             self._error(text)
 
     @_serialized
-    def export(self, path: str, launcher: str = "torchrun") -> str:
-        """Write the schedule as a launchable script to ``path``; returns the path written.
+    def export(self, path: str, launcher: str = "torchrun", **options) -> str:
+        """Write the schedule as a launchable training script to ``path`` (the Export button); returns the
+        absolute path written.
+
+        The options become the script's defaults (``DEFAULTS``; its command line still overrides them);
+        values equal to the script's own defaults are left out, so ``editor.export("train.py")`` writes a
+        synthetic-data script with seeded random weights. The message line shows the path and the launch
+        command for ``tp x pp x dp`` processes; the options are remembered (:attr:`export_options`, the
+        form, and the ``schedule_file``'s meta).
+
+        Args:
+            path: the script file, e.g. ``"train_llama.py"`` (its folder must exist).
+            launcher: ``"torchrun"`` or ``"deepspeed"``.
+            **options: any of :data:`slapo_lab.export.script.EXPORT_OPTIONS`:
+                ``model_path`` (a Hugging Face directory with config.json and *.safetensors; None / "" =
+                seeded random weights), ``tokenizer`` (a directory; default the model path), ``data``
+                (``"synthetic"`` or an existing .txt / .jsonl / .parquet file or folder), ``eval_data``,
+                ``seq_len`` (tokens, default the example inputs' sequence length), ``dp`` (replicas,
+                default 1), ``fsdp`` (bool, shard over dp with FSDP2), ``zero`` (0 / 1 / 2, deepspeed only),
+                ``checkpoint_dir``, ``checkpoint_every`` (steps), ``save_hf`` (a directory),
+                ``global_batch_size`` (sequences per step, default the example batch, divisible by dp),
+                ``micro_batch_size``, ``steps`` (default 10), ``lr``, ``bf16``, ``log_dir``. Relative paths
+                are checked from the kernel's working directory and written as given.
 
         Raises:
-            ExportError: (a ValueError) with one sentence, e.g. for a read-only folder or a model that
-                cannot be rebuilt.
+            ExportError: (a ValueError) with one sentence and nothing written: an unknown option, a path
+                that does not exist, a non-positive number, a global batch not divisible by dp, a ZeRO stage
+                without deepspeed, a read-only folder, a model that cannot be rebuilt ...
         """
-        from ..export import export_script
-
-        out = export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
-                            world_size=self.world_size, launcher=launcher, factory=self.factory)
-        from ..export import launch_command
-
-        cmd = launch_command(self.schedule.record.calls, self.world_size, out.name, launcher=launcher)
+        options, defaults = self._check_export_options(launcher, options)
+        out = self._write_script(path, launcher, defaults)
+        cmd = self._launch_command(out, launcher, options.get("dp") or 1)
+        self.export_options = {"launcher": launcher, "script": str(path), "options": options}
+        self._set_form(self.export_options)
+        self._autosave()
         open_items = self._open_count()
         warn = (f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
                 "code): --verify will fail until they are closed" if open_items else "")
         self._info(f"Exported {out} — launch: {cmd}{warn}")
+        self._export_info.value = (f"<div class='slapo-export-info'>Wrote <code>{html.escape(str(out))}</code>. "
+                                   f"Launch: <code>{html.escape(cmd)}</code></div>")
         return str(out)
+
+    def _write_script(self, path, launcher: str, defaults: dict):
+        from ..export import export_script
+
+        return export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
+                             world_size=self.world_size, launcher=launcher, factory=self.factory, defaults=defaults)
+
+    def _launch_command(self, script, launcher: str, dp: int) -> str:
+        """The one-node launch of ``script``: ``tp x pp x dp`` processes, one GPU each."""
+        n = self.num_ranks * dp
+        if launcher == "deepspeed":
+            return f"deepspeed --num_gpus {n} {_shown_path(script)} --device cuda"
+        return f"torchrun --nproc_per_node={n} {_shown_path(script)} --device cuda"
+
+    def _example_sizes(self) -> tuple[int | None, int | None]:
+        """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
+        if not hasattr(self, "_sizes"):
+            try:
+                from ..export.spec import example_sizes, input_spec
+
+                vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+                self._sizes = example_sizes(input_spec(self.example_inputs, vocab if isinstance(vocab, int) else None))
+            except (ValueError, TypeError):  # inputs export refuses: it says so itself at export time
+                self._sizes = (None, None)
+        return self._sizes
+
+    def _model_dir_problem(self, path: str) -> str | None:
+        """None if ``path`` is a Hugging Face directory this model can load its weights from, else why not."""
+        import json
+        import os
+
+        kind = _path_kind(path)
+        if kind == "missing":
+            return (f"The model path {path} does not exist; give a Hugging Face directory (written by save_pretrained) "
+                    "or leave it empty for seeded random weights.")
+        if kind == "file":
+            return f"The model path {path} is a file; give the directory that holds config.json and the weights."
+        cfg = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg):
+            return f"The model path {path} has no config.json; give a directory written by save_pretrained."
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            return (f"The model path {path} has no *.safetensors weights; save the model with save_pretrained "
+                    "(safetensors is its default).")
+        want = getattr(getattr(self.model, "config", None), "model_type", None)
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                got = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return f"The config.json in {path} could not be read as a JSON object."
+        if want and got and got != want:
+            return f"The model path {path} holds a {got!r} model, but this editor schedules a {want!r} model."
+        return None
+
+    def _check_export_options(self, launcher: str, options: dict, local: bool = True) -> tuple[dict, dict]:
+        """Check export options; returns ``(options, defaults)``: the options normalised (paths stripped and
+        ``~`` expanded, empty ones dropped) and the ones to bake into the script (those that differ from its
+        own defaults). ``local=False`` skips the checks that the model / tokenizer / data paths exist.
+
+        Raises:
+            ExportError: the first problem, in one sentence.
+        """
+        import math
+        import os
+
+        from ..export import LAUNCHERS
+        from ..export.script import EXPORT_OPTIONS
+
+        if launcher not in LAUNCHERS:
+            raise _export_error(f"The launcher {launcher!r} is not supported; use torchrun or deepspeed.")
+        for key in options:
+            if key not in EXPORT_OPTIONS:
+                raise _export_error(f"{key!r} is not an export option; use one of {', '.join(EXPORT_OPTIONS)}.")
+        o: dict[str, Any] = {}
+        for key, v in options.items():
+            if v is None:
+                continue
+            if key in _PATH_OPTIONS:
+                if not isinstance(v, (str, os.PathLike)):
+                    raise _export_error(f"The {_LABELS[key]} must be a path, not {v!r}.")
+                v = os.path.expanduser(os.fspath(v).strip())
+                if not v:
+                    continue
+            elif key in _INT_OPTIONS:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise _export_error(f"The {_LABELS[key]} must be a whole number, not {v!r}.")
+                low = _INT_OPTIONS[key]
+                if v < low:
+                    raise _export_error(f"The {_LABELS[key]} must be "
+                                        f"{'positive' if low else 'zero or more'}, not {v}.")
+            elif key in ("fsdp", "bf16"):
+                if not isinstance(v, bool):
+                    raise _export_error(f"{key} must be True or False, not {v!r}.")
+            elif key == "lr":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise _export_error(f"The learning rate must be a number of zero or more, not {v!r}.")
+                v = float(v)
+            o[key] = v
+        if o.get("data") == "synthetic":
+            del o["data"]
+        zero, dp = o.get("zero", 0), o.get("dp", 1)
+        if zero not in (0, 1, 2):
+            raise _export_error(f"The ZeRO stage must be 0, 1 or 2, not {zero}.")
+        if zero and launcher != "deepspeed":
+            raise _export_error("A ZeRO stage needs the deepspeed launcher; with torchrun, shard over dp with FSDP.")
+        if zero and o.get("fsdp"):
+            raise _export_error("FSDP and ZeRO both shard over the data-parallel replicas; choose one.")
+        batch_default, seq_default = self._example_sizes()
+        batch = o.get("global_batch_size", batch_default or 1)
+        stages = self.num_ranks // self.world_size
+        # the runtime's micro-batch (slapo_lab.train.loop): given, or the global batch / (dp x pipeline stages)
+        micro = o.get("micro_batch_size") or max(1, batch // (dp * stages))
+        if batch % dp or batch % (micro * dp):
+            if "micro_batch_size" in o:
+                raise _export_error(f"The global batch size {batch} is not divisible by micro batch {micro} x dp {dp}: "
+                                    "every replica takes the same number of micro-batches per step.")
+            if batch % dp == 0:
+                raise _export_error(f"The global batch size {batch} does not split into equal micro-batches over dp "
+                                    f"{dp} and {stages} pipeline stages; choose a multiple of {dp * stages}.")
+            raise _export_error(f"The global batch size {batch} is not divisible by dp {dp}: every replica takes the "
+                                "same number of sequences per step.")
+        if o.get("checkpoint_every") and "checkpoint_dir" not in o:
+            raise _export_error(f"A checkpoint every {o['checkpoint_every']} steps needs a checkpoint directory.")
+        for key in ("checkpoint_dir", "save_hf", "log_dir"):
+            if key in o and _path_kind(o[key]) == "file":
+                raise _export_error(f"The {_LABELS[key]} {o[key]} is a file; give a folder (it is created if missing).")
+        if local:
+            if "model_path" in o:
+                why = self._model_dir_problem(o["model_path"])
+                if why:
+                    raise _export_error(why)
+            if "tokenizer" in o and _path_kind(o["tokenizer"]) != "dir":
+                raise _export_error(f"The tokenizer directory {o['tokenizer']} does not exist; give a directory "
+                                    "written by tokenizer.save_pretrained, or leave it empty to use the model path.")
+            if (("data" in o or "eval_data" in o) and "tokenizer" not in o and "model_path" in o
+                    and not _has_tokenizer(o["model_path"])):
+                raise _export_error(f"The model path {o['model_path']} holds no tokenizer files; fill in the "
+                                    "tokenizer directory.")
+            for key in ("data", "eval_data"):
+                if key in o and _path_kind(o[key]) == "missing":
+                    raise _export_error(f"The {_LABELS[key]} {o[key]} does not exist; give a .txt, .jsonl or .parquet "
+                                        "file or a folder of them, or 'synthetic' (a path that exists only where "
+                                        "the run is launched can be passed there with --data).")
+        text = "data" in o or "eval_data" in o
+        if text:
+            from ..train.data import objective_of
+
+            name = type(self.model).__name__
+            if objective_of(name) is None:
+                raise _export_error(f"{name} has no language-model head, so it cannot train on text; schedule a "
+                                    "*ForCausalLM or *ForMaskedLM model, or use synthetic data.")
+            if "tokenizer" not in o and "model_path" not in o:
+                raise _export_error("Training on text needs a tokenizer; fill in the tokenizer directory (or a "
+                                    "model path that holds the tokenizer files).")
+            if "seq_len" not in o and seq_default is None:
+                raise _export_error("Training on text needs a sequence length (tokens per sequence).")
+        script = {"data": None, "dp": 1, "fsdp": False, "zero": 0, "checkpoint_every": 0, "bf16": False,
+                  "steps": _SCRIPT_STEPS, "global_batch_size": batch_default or 1, "seq_len": seq_default}
+        defaults = {}
+        for key in EXPORT_OPTIONS:
+            if key not in o:
+                continue
+            # training on text: say the sequence length explicitly
+            if (key == "seq_len" and text) or key not in script or o[key] != script[key]:
+                defaults[key] = o[key]
+        if text and "seq_len" not in defaults:
+            defaults["seq_len"] = seq_default
+        return o, defaults
+
+    # ------------------------------------------------------------------ the export form
+    @property
+    def export_options(self) -> dict:
+        """The last export's options: ``{"launcher": "torchrun", "script": "train.py", "options": {...}}``
+        (the options as :meth:`export` took them, normalised); None before the first export. Restored from the
+        ``schedule_file``'s meta."""
+        return self._export_options
+
+    @export_options.setter
+    def export_options(self, value: dict | None) -> None:
+        self._export_options = value
+
+    def _form_defaults(self) -> dict:
+        """The form's values before any export: the script's defaults, the model path of a model that
+        ``from_pretrained`` read from a local directory."""
+        import os
+
+        batch, seq = self._example_sizes()
+        name = getattr(getattr(self.model, "config", None), "_name_or_path", "")
+        model_path = name if isinstance(name, str) and name and os.path.isdir(name) else ""
+        return {"model_path": model_path, "tokenizer": "", "data": "synthetic", "seq_len": seq, "dp": 1,
+                "fsdp": False, "zero": 0, "checkpoint_dir": "", "checkpoint_every": 0, "save_hf": "",
+                "global_batch_size": batch or 1, "steps": _SCRIPT_STEPS}
+
+    def _set_form(self, remembered: dict | None, refresh: bool = True) -> None:
+        """Show ``remembered`` (``export_options``) in the form; what it lacks shows the script's defaults.
+        Values of the wrong type are skipped (a hand-edited schedule file)."""
+        values = self._form_defaults()
+        if remembered is not None:
+            values["model_path"] = ""  # the export used no model path unless it says so
+            values.update({k: v for k, v in (remembered.get("options") or {}).items() if k in values})
+        self._form_updating = True
+        try:
+            for key, w in self._form_fields.items():
+                v = values.get(key)
+                if isinstance(w, W.Checkbox):
+                    w.value = bool(v) if isinstance(v, bool) else False
+                elif key == "zero":
+                    w.value = v if v in (0, 1, 2) else 0
+                else:
+                    w.value = "" if v is None or isinstance(v, bool) or not isinstance(v, (str, int)) else str(v)
+            if remembered is not None:
+                if remembered.get("launcher") in ("torchrun", "deepspeed"):
+                    self._f_launcher.value = remembered["launcher"]
+                if isinstance(remembered.get("script"), str) and remembered["script"]:
+                    self._export_path.value = remembered["script"]
+        finally:
+            self._form_updating = False
+        self._on_launcher()
+        if refresh:
+            self._refresh_costs()
+
+    def _form_options(self) -> tuple[str, str, dict]:
+        """``(launcher, script path, options)`` read off the form; numbers parsed, empty text = the default.
+
+        Raises:
+            ExportError: a field that is not a whole number, in one sentence (the fields keep what was typed).
+        """
+        launcher = self._f_launcher.value
+        options: dict[str, Any] = {}
+        for key, w in self._form_fields.items():
+            if key == "fsdp":
+                if launcher == "torchrun":
+                    options[key] = bool(w.value)
+            elif key == "zero":
+                if launcher == "deepspeed":
+                    options[key] = int(w.value)
+            elif key in _INT_OPTIONS:
+                text = str(w.value).strip()
+                if not text:
+                    continue
+                try:
+                    options[key] = int(text)
+                except ValueError:
+                    raise _export_error(f"The {_LABELS[key]} must be a whole number, not {text!r}.") from None
+            else:
+                options[key] = str(w.value).strip()
+        path = self._export_path.value.strip()
+        if not path:
+            raise _export_error("Give the script a file name, e.g. train.py.")
+        return launcher, path, options
+
+    def _plan_layout(self) -> tuple[int, str | None, str]:
+        """``(dp, shard, note)`` for the memory plan, from the form: the note says when dp is unreadable."""
+        text = str(self._f_dp.value).strip()
+        try:
+            dp = int(text) if text else 1
+        except ValueError:
+            dp = 0
+        note = ""
+        if dp < 1:
+            note = f" <i>(dp {html.escape(repr(text))} is not a positive whole number, so this plans dp 1)</i>"
+            dp = 1
+        if self._f_launcher.value == "deepspeed":
+            shard = {1: "zero1", 2: "zero2"}.get(self._f_zero.value)
+        else:
+            shard = "fsdp" if self._f_fsdp.value else None
+        return dp, shard, note
+
+    def _on_launcher(self) -> None:
+        """FSDP with torchrun, a ZeRO stage with deepspeed."""
+        deepspeed = self._f_launcher.value == "deepspeed"
+        self._f_fsdp.layout.display = "none" if deepspeed else None
+        self._f_zero.layout.display = None if deepspeed else "none"
+
+    @_serialized
+    def _on_layout_change(self, _change=None) -> None:
+        """dp, FSDP, ZeRO or the launcher changed in the form: replan the memory view."""
+        if getattr(self, "_form_updating", False):
+            return
+        self._on_launcher()
+        self._refresh_costs()
+
+    def _on_export(self) -> None:
+        try:
+            launcher, path, options = self._form_options()
+            self.export(path, launcher=launcher, **options)
+        except Exception as err:
+            text = str(err) or type(err).__name__
+            self._error(text)
+            self._export_info.value = f"<div class='slapo-export-info slapo-err'>&#9888; {html.escape(text)}</div>"
 
     # ------------------------------------------------------------------ widgets
     def _build_widgets(self) -> None:
@@ -675,7 +1107,8 @@ class ScheduleEditor(W.VBox):
                         self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="30%"))
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
         self._costs_box = W.VBox([W.HTML("<b>Memory per rank</b> (parameters, gradients, Adam states, "
-                                         "activations of one micro-batch)"), self._gpu, self._costs_text,
+                                         "activations of one micro-batch; dp, FSDP and ZeRO as set in the Export "
+                                         "form)"), self._gpu, self._costs_text,
                                   self._costs])
         self._message = W.HTML()
         self._message.add_class("slapo-message")
@@ -684,9 +1117,7 @@ class ScheduleEditor(W.VBox):
         self._last_message = ""
         self.last_plan = None
         self._code = W.HTML()
-        self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script")
-        self._btn_export = W.Button(description="Export", icon="download")
-        self._btn_export.on_click(lambda _: self._on_export())
+        self._build_export_form(name)
         self._btn_undo = W.Button(description="Undo", icon="undo")
         self._btn_redo = W.Button(description="Redo", icon="repeat")
         self._btn_verify = W.Button(description="Verify on GPU", icon="check", button_style="success",
@@ -706,9 +1137,56 @@ class ScheduleEditor(W.VBox):
         self._btn_fix.on_click(lambda _: self.close_open_items())
         self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
                                         "lands here too)"), self._check, self._btn_fix, self._code,
-                                 W.HBox([self._btn_undo, self._btn_redo, self._export_path, self._btn_export]),
+                                 W.HBox([self._btn_undo, self._btn_redo]), self._export_box,
                                  W.HBox([self._btn_verify, self._btn_cancel, self._progress]), self._log])
         self._code.add_class("slapo-code")
+
+    def _build_export_form(self, name: str) -> None:
+        """The Export form: model, data, parallelism, batch and steps, checkpoints; the script path and the
+        Export button last. dp / FSDP / ZeRO also drive the memory view."""
+        self._export_options = None
+        self._form_updating = False
+        wide, narrow = W.Layout(width="340px"), W.Layout(width="190px")
+        style = {"description_width": "84px"}
+        fields: dict[str, W.Widget] = {}
+        for key, (label, tip) in _FIELDS.items():
+            w = W.Text(description=label, tooltip=tip, placeholder=tip.split("; ")[-1] if "; " in tip else "",
+                       layout=wide if key in _PATH_OPTIONS else narrow, style=style)
+            fields[key] = w
+        fields["dp"].continuous_update = False
+        self._f_launcher = W.Dropdown(options=["torchrun", "deepspeed"], value="torchrun", description="launcher",
+                                      layout=narrow, style=style)
+        self._f_fsdp = W.Checkbox(value=False, description="FSDP", indent=False, layout=W.Layout(width="90px"),
+                                  tooltip="shard parameters, gradients and optimizer states over dp (FSDP2)")
+        self._f_zero = W.Dropdown(options=[("0: none", 0), ("1: optimizer states", 1), ("2: + gradients", 2)], value=0,
+                                  description="ZeRO", layout=W.Layout(width="240px", display="none"), style=style,
+                                  tooltip="the DeepSpeed ZeRO stage: what is sharded over dp")
+        fields["fsdp"], fields["zero"] = self._f_fsdp, self._f_zero
+        self._form_fields = fields
+        self._f_model, self._f_tokenizer, self._f_data = fields["model_path"], fields["tokenizer"], fields["data"]
+        self._f_seq, self._f_dp, self._f_batch, self._f_steps = (fields["seq_len"], fields["dp"],
+                                                                 fields["global_batch_size"], fields["steps"])
+        self._f_ckpt, self._f_ckpt_every, self._f_save_hf = (fields["checkpoint_dir"], fields["checkpoint_every"],
+                                                             fields["save_hf"])
+        for w in (self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero):
+            w.observe(self._on_layout_change, names="value")
+        self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script", layout=wide, style=style)
+        self._btn_export = W.Button(description="Export", icon="download", button_style="primary",
+                                    tooltip="write the training script with these options as its defaults")
+        self._btn_export.on_click(lambda _: self._on_export())
+        self._export_info = W.HTML()
+        row = functools.partial(W.HBox, layout=W.Layout(flex_flow="row wrap", align_items="center"))
+        self._export_box = W.VBox([
+            W.HTML("<b>Export a training run</b> (the script's defaults; its command line overrides them)"),
+            row([self._f_model, self._f_tokenizer]),
+            row([self._f_data, self._f_seq]),
+            row([self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero]),
+            row([self._f_batch, self._f_steps]),
+            row([self._f_ckpt, self._f_ckpt_every, self._f_save_hf]),
+            row([self._export_path, self._btn_export]),
+            self._export_info])
+        self._export_box.add_class("slapo-export")
+        self._set_form(None, refresh=False)
 
     def _tree_options(self) -> list[tuple[str, str]]:
         opts = []
@@ -821,12 +1299,6 @@ class ScheduleEditor(W.VBox):
                         "has no parameters or buffers of its own to shard; select one of its submodules.")
             return
         self.apply("shard", self._param.value, axis=self._axis.value)
-
-    def _on_export(self) -> None:
-        try:
-            self.export(self._export_path.value)
-        except Exception as err:
-            self._error(str(err))
 
     # ------------------------------------------------------------------ helpers
     def _is_folded(self, node_path: str) -> bool:
@@ -1141,21 +1613,23 @@ class ScheduleEditor(W.VBox):
                          + lines)
 
     def _refresh_costs(self) -> None:
-        """The memory line and chart. A failure shows one sentence (what failed, where, why), never an
-        exception's text (that goes to the log); the rest of the view is unaffected."""
+        """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
+        one sentence (what failed, where, why), never an exception's text (that goes to the log); the rest of
+        the view is unaffected."""
         from ..plan import plan
 
         if getattr(self, "_n_params", None) is None:  # of the user's model: sharding shrinks the meta copy
             self._n_params = sum(p.numel() for p in self.model.parameters())
         small = self._n_params < 2e9
-        note = "" if small else " <i>(activations not estimated above 2B parameters)</i>"
+        dp, shard, note = self._plan_layout()
+        note += "" if small else " <i>(activations not estimated above 2B parameters)</i>"
         try:
             try:
                 pl = plan(self.schedule, example_inputs=self.example_inputs if small else None,
-                          activation="estimate" if (small and self.example_inputs) else None)
+                          activation="estimate" if (small and self.example_inputs) else None, dp=dp, shard=shard)
             except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
                 _log.info("activation estimate failed: %s", err)
-                pl = plan(self.schedule, activation=None)
+                pl = plan(self.schedule, activation=None, dp=dp, shard=shard)
                 note = f" <i>— {html.escape(memory_failure(err, 'activations not estimated'))}</i>"
             self.last_plan = pl
             gpu = float(self._gpu.value)

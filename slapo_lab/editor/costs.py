@@ -1,7 +1,8 @@
 """The editor's cost panel: per-rank memory per pipeline stage as a stacked bar chart (inline SVG).
 
 Reads a :class:`slapo_lab.plan.Plan`; draws one bar per stage (one rank of that stage) split into
-parameters, gradients, optimizer states and activations, with the chosen GPU's memory as a line.
+parameters, gradients, optimizer states, activations and, under FSDP, the all-gather working set, with
+the chosen GPU's memory as a line.
 Colours are fixed six-digit hex; text uses JupyterLab's theme font colour, so light and dark both read.
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ from ..utils import human_bytes
 
 GPU_SIZES = {"80 GB (A100/H100)": 80e9, "141 GB (H200)": 141e9, "24 GB": 24e9, "40 GB": 40e9, "192 GB (B200)": 192e9}
 PARTS = (("param_bytes", "parameters", "#4c78a8"), ("grad_bytes", "gradients", "#f58518"),
-         ("optimizer_bytes", "optimizer (Adam)", "#54a24b"), ("activation_bytes", "activations", "#b279a2"))
+         ("optimizer_bytes", "optimizer (Adam)", "#54a24b"), ("activation_bytes", "activations", "#b279a2"),
+         ("gather_bytes", "FSDP all-gather", "#9d755d"))
 
 
 def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) -> str:
@@ -54,7 +56,11 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
                 f"{tag}</text>")
     lx = left
     y += 8
-    for _, name, colour in PARTS:
+    for key, name, colour in PARTS:
+        if key == "gather_bytes" and not any(s.get(key) for s in stages):
+            continue  # only under FSDP
+        if lx > left and lx + 14 + 7 * len(name) > width:  # the next legend row
+            lx, y = left, y + 16
         rows.append(f"<rect x='{lx}' y='{y}' width='10' height='10' fill='{colour}'/>"
                     f"<text x='{lx + 14}' y='{y + 9}' class='t'>{html.escape(name)}</text>")
         lx += 16 + 7 * len(name)
@@ -65,12 +71,19 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
             f"viewBox='0 0 {width} {height}'>{style}{''.join(rows)}</svg>")
 
 
+_SHARDS = {"fsdp": "FSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
+
+
 def cost_summary(plan, gpu_bytes: float) -> str:
-    """One line: the busiest rank's bytes and whether it fits the GPU."""
+    """One line: the busiest rank's bytes, the layout (``stages × TP × DP, FSDP``) and whether it fits the GPU."""
     busiest = plan.total_bytes
     fits = busiest <= gpu_bytes
-    return (f"Busiest rank needs {human_bytes(busiest)} ({plan.num_stages} stage(s) × TP {plan.world_size} = "
-            f"{plan.num_ranks} GPUs): {'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB.")
+    dp = getattr(plan, "dp", 1)
+    shard = _SHARDS.get(getattr(plan, "shard", None) or "") if dp > 1 else None
+    layout = f"{plan.num_stages} stage(s) × TP {plan.world_size}" + (f" × DP {dp}" if dp > 1 else "") \
+        + (f", {shard}" if shard else "")
+    return (f"Busiest rank needs {human_bytes(busiest)} ({layout} = {plan.num_ranks} GPUs): "
+            f"{'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB.")
 
 
 _SHAPES = ("shapes cannot be multiplied", "size mismatch", "must match the size", "broadcast", "mismatching",
