@@ -37,6 +37,10 @@ LAYOUTS = {
     "TP2xPP2": ("tppp", 4, []),
     "TP2xDP2-FSDP": ("tp", 4, ["--fsdp"]),
     "DP2xPP2": ("pp", 4, []),
+    # the deepspeed launcher's scripts (launched by torchrun here): ZeRO and its clipping see the shards
+    "DeepSpeed-TP2xDP2-ZeRO1": ("ds_tp", 4, ["--zero", "1"]),
+    "DeepSpeed-TP2xDP2-ZeRO2": ("ds_tp", 4, ["--zero", "2"]),
+    "DeepSpeed-DP2xPP2-ZeRO1": ("ds_pp", 4, ["--zero", "1"]),
 }
 
 
@@ -57,14 +61,15 @@ def ft(tmp_path_factory):
     ids = torch.zeros(8, 32, dtype=torch.long)
     scripts = {}
     for name, tp, megatron, cut in (("plain", 1, False, False), ("tp", 2, True, False), ("tppp", 2, True, True),
-                                    ("pp", 1, False, True)):
+                                    ("pp", 1, False, True), ("ds_tp", 2, True, False), ("ds_pp", 1, False, True)):
         sch = sl.create_schedule(LlamaForCausalLM(config).to("meta"), world_size=tp)
         if megatron:
             sl.presets.megatron_tp(sch)
         if cut:
             sch["model.layers.0"].cut_pipeline_stage()
+        launcher = "deepspeed" if name.startswith("ds_") else "torchrun"
         scripts[name] = sl.export_script(d / f"train_{name}.py", model, sch.record.calls, {"input_ids": ids},
-                                         world_size=tp, defaults={"model_path": str(model_dir)})
+                                         world_size=tp, launcher=launcher, defaults={"model_path": str(model_dir)})
     return {"dir": d, "data": str(corpus), "eval": str(eval_corpus), "model": model_dir, "scripts": scripts,
             "runs": {}}
 
@@ -122,6 +127,23 @@ def test_same_curve_in_every_layout(ft, baseline, layout):
     assert _close(rows[-STEPS]["eval_loss"], baseline[-STEPS]["eval_loss"])
 
 
+@pytest.mark.parametrize("layout", ["TP2xPP2", "TP2xDP2-FSDP", "DeepSpeed-TP2xDP2-ZeRO1"])
+def test_bf16_keeps_fp32_master_weights(ft, baseline, layout):
+    """--bf16: bf16 compute (autocast; DeepSpeed's bf16 mode), fp32 masters: Verify (in fp32) passes, the
+    curve stays within bf16 rounding of the fp32 one, and the weights written out are float32."""
+    from safetensors import safe_open
+
+    script, nproc, extra = LAYOUTS[layout]
+    out_dir = ft["dir"] / f"hf_bf16_{layout}"
+    out, rows = run_layout(ft, f"bf16_{layout}", script, nproc, [*extra, "--bf16", "--save-hf", str(out_dir)])
+    for s in range(1, STEPS + 1):
+        assert abs(float(rows[s]["loss"]) - float(baseline[s]["loss"])) < 2e-2 * float(baseline[s]["loss"])
+    assert any(rows[s]["loss"] != baseline[s]["loss"] for s in range(1, STEPS + 1))  # it really ran in bf16
+    for f in out_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            assert {h.get_slice(k).get_dtype() for k in h.keys()} == {"F32"}
+
+
 def _kill_after_checkpoint(script, nproc, args, step: int) -> str:
     """Launch, read the output line by line, SIGKILL the whole process group right after it reports the
     checkpoint of ``step``; returns the output so far."""
@@ -166,6 +188,24 @@ def test_resume_after_a_kill_and_at_other_layouts(ft, baseline):
         for s in (5, 6):
             for col in ("loss", "grad_norm", "lr"):
                 assert _close(rows[s][col], baseline[s][col]), (layout, s, col, rows[s][col], baseline[s][col])
+
+
+def test_deepspeed_resumes_from_its_own_checkpoint(ft, baseline):
+    ckpt = ft["dir"] / "ds_ckpt"
+    args = _args(ft, ["--zero", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
+                 ft["dir"] / "log_ds_killed")
+    out = _kill_after_checkpoint(ft["scripts"]["ds_tp"], 4, args, 4)
+    assert "checkpoint step 4 saved" in out, out[-4000:]
+    assert (ckpt / "latest").read_text().strip() == "step-00000004", "the run finished before the kill"
+    log_dir = ft["dir"] / "log_ds_resumed"
+    rc, out = launch_torchrun(ft["scripts"]["ds_tp"], 4, _args(ft, ["--zero", "1", "--checkpoint-dir", str(ckpt)],
+                                                                log_dir), timeout=600)
+    assert rc == 0, out[-4000:]
+    assert "resumed from" in out and "at step 4" in out, out[-4000:]
+    rows = _rows(log_dir)
+    for s in (5, 6):
+        for col in ("loss", "grad_norm", "lr"):
+            assert _close(rows[s][col], baseline[s][col]), (s, col, rows[s][col], baseline[s][col])
 
 
 def test_pretrained_weights_round_trip_bitwise(ft):

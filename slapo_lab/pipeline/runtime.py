@@ -258,13 +258,15 @@ def _retarget_devices(module: nn.Module, device: torch.device) -> None:
 
 def _autocast_forward(module: nn.Module, device_type: str) -> None:
     """Make ``module``'s forward run under bf16 autocast and return its floating outputs in float32 (the
-    dtype the stages were traced with, which the receiving stage's buffers expect)."""
+    dtype the stages were traced with, which the receiving stage's buffers expect). Setting the module's
+    ``autocast_bf16`` attribute to False turns it off (Verify runs in float32)."""
     import types
 
     inner = module.forward
+    module.autocast_bf16 = True
 
     def forward(self, *args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             out = inner(*args, **kwargs)
         return torch.utils._pytree.tree_map(
             lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, out)

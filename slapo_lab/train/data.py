@@ -583,7 +583,7 @@ class SyntheticData:
     def __init__(
         self,
         input_spec: dict,
-        seq_len: int,
+        seq_len: int | None,
         seed: int,
         *,
         lm_labels: bool = False,
@@ -599,8 +599,10 @@ class SyntheticData:
                 "Synthetic data with LM labels needs an input_ids input; the example inputs have "
                 f"only {', '.join(input_spec)}."
             )
+        if seq_len is None and any("seq" in e.get("dims", ()) for e in input_spec.values()):
+            raise DataError("Synthetic data of the example's shapes needs --seq-len (a sequence axis has no length).")
         self.input_spec = input_spec
-        self.seq_len = int(seq_len)
+        self.seq_len = None if seq_len is None else int(seq_len)
         self.seed = int(seed)
         self.lm_labels = lm_labels
         self.float_dtype = float_dtype

@@ -293,7 +293,7 @@ class Run:
         module = sch.mod
         targets = self._targets_of(module.named_parameters(remove_duplicate=False))
         if lay.fsdp:
-            targets = apply_fsdp(module, blocks, targets, lay, args.bf16)
+            targets = apply_fsdp(module, blocks, targets, lay)
         self._materialise(module, targets, lay.fsdp)
         self.targets = targets
         self.module = module
@@ -326,7 +326,7 @@ class Run:
                 targets = self._targets_of(stage.params.items())
                 if lay.fsdp:
                     inside = [m for m in stage.module.modules() if any(m is b for b in blocks)]
-                    targets = apply_fsdp(stage.module, inside, targets, lay, args.bf16)
+                    targets = apply_fsdp(stage.module, inside, targets, lay)
                 self._materialise(stage.module, targets, lay.fsdp, tables=[stage.params])
                 self.targets.extend(targets)
 
@@ -418,11 +418,16 @@ class Run:
                 f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
                 f"{self.layout.describe()}")
         dropouts = _dropout_off([self.module, ref.model])
+        autocast = [m for m in self.module.modules() if getattr(m, "autocast_bf16", False)]
+        for m in autocast:  # Verify compares in float32
+            m.autocast_bf16 = False
         try:
             report = run_verify(ref, self.targets, lambda: self._verify_scheduled(batch),
                                 lambda m: self._verify_reference(m, batch), device=self.device, note=note)
         finally:
             _dropout_restore(dropouts)
+            for m in autocast:
+                m.autocast_bf16 = True
             release(ref, self.device)
             for t in self.targets:
                 t.param.grad = None

@@ -117,7 +117,7 @@ def tp_layouts(params: dict[str, nn.Parameter], layout: Layout) -> dict[str, Sha
     return {name: layout_of(p, layout.tp, layout.tp_rank) for name, p in params.items()}
 
 
-def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout: Layout, bf16: bool) -> list:
+def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout: Layout) -> list:
     """``fully_shard`` every block, then ``module``, over the ``dp`` mesh (on meta parameters: nothing is
     allocated).
 
@@ -130,12 +130,14 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout
         targets: the :class:`~slapo_lab.train.weights.Target` s of ``module``'s parameters (tensor-parallel
             layouts).
         layout: the run's layout (``layout.ignored`` gains the parameters FSDP2 leaves whole).
-        bf16: all-gather in bfloat16 and reduce in float32 (``MixedPrecisionPolicy``); masters stay fp32.
+
+    Parameters stay float32 in FSDP2 (no ``MixedPrecisionPolicy``): ``--bf16`` is autocast, so Verify can
+    compare the same modules in float32 (the cost: all-gathers move float32).
 
     Returns:
         New targets, in the same order.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     from .weights import Target
@@ -144,16 +146,14 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout
     ignored = {t.param for t in targets if dims[id(t.param)] is None}
     annotations = {id(t.param): dict(t.param.__dict__) for t in targets}
     before = {name: id(p) for name, p in module.named_parameters(remove_duplicate=False)}
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
 
     def placement(p):
         return Shard(dims.get(id(p)) or 0)
 
     dp_mesh = layout.mesh.mesh["dp"]
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement, mp_policy=mp, ignored_params=ignored)
-    fully_shard(module, mesh=dp_mesh, shard_placement_fn=placement, mp_policy=mp, ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored)
+    fully_shard(module, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored)
     layout.ignored.extend(p for p in ignored if all(p is not q for q in layout.ignored))
     after = dict(module.named_parameters(remove_duplicate=False))
     new_of = {old: after[name] for name, old in before.items()}

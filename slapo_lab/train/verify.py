@@ -39,7 +39,9 @@ def _diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[f
     if not a.numel():
         return 0.0, 0.0, True
     d = float((a - b).abs().max())
-    return d, d / (float(b.abs().max()) + atol), bool(torch.allclose(a, b, atol=atol, rtol=rtol))
+    scale = float(b.abs().max()) + atol
+    rel = d / scale if scale > 0 else (0.0 if d == 0 else math.inf)
+    return d, rel, bool(torch.allclose(a, b, atol=atol, rtol=rtol))
 
 
 class Reference:
