@@ -4,6 +4,7 @@
 
     slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed]
     slapo-lab check schedule.json
+    slapo-lab convert CKPT --to-hf DIR
 
 ``check`` rebuilds the model on the meta device, replays the calls and prints the schedule check's open
 items (:func:`slapo_lab.check_schedule`), one sentence each with the calls that close them; exit status 0
@@ -35,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
                        description="Replay a saved schedule on the meta device and list the schedule check's "
                                    "open items (exit status 3 when there are any).")
     c.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
+    v = sub.add_parser("convert", help="write a training checkpoint as a Hugging Face directory",
+                       description="Write the model of a checkpoint (a step-NNNNNNNN directory, or a --checkpoint-dir: "
+                                   "its newest complete one), saved at any layout, as a Hugging Face directory "
+                                   "(safetensors, config, tokenizer) that from_pretrained loads.")
+    v.add_argument("checkpoint", help="a checkpoint directory written by an exported script's --checkpoint-dir")
+    v.add_argument("--to-hf", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the weights written (auto: the dtype the run started from)")
     return p
 
 
@@ -134,6 +143,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slapo-lab export: warning: the schedule check has {len(found)} open item"
                   f"{'s' if len(found) > 1 else ''}, so --verify will fail until they are closed "
                   f"(slapo-lab check {args.schedule} lists them); the first: {found[0].message}", file=sys.stderr)
+        return 0
+    if args.command == "convert":
+        from .train.checkpoint import ConvertError, convert_to_hf
+
+        try:
+            out = convert_to_hf(args.checkpoint, args.to_hf, args.dtype)
+        except ConvertError as err:
+            print(f"slapo-lab convert: error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {out} (from_pretrained loads it)")
         return 0
     if args.command == "check":
         found, status = _guarded("check", args.schedule, lambda: check_command(args.schedule))

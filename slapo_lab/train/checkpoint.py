@@ -17,6 +17,7 @@ newest complete one.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 _STEP_DIR = re.compile(r"step-(\d{8})\Z")
+RUN_INFO = "run.json"
 
 
 def step_dir(folder: str | os.PathLike, step: int) -> Path:
@@ -70,10 +72,14 @@ class Checkpointer:
         layout_key: a string naming the layout (``"tp2.pp1.dp2.fsdp"``): RNG states come back only
             when it matches.
         keep: keep the ``keep`` newest checkpoints (0: all).
+        run_info: JSON data written as ``run.json`` in every checkpoint (the model spec, the tokenizer, the
+            weights' source dtype): what ``slapo-lab convert`` needs to write a Hugging Face directory.
     """
 
     def __init__(self, folder: str | os.PathLike, modules: list[tuple[nn.Module, dict[int, tuple]]],
-                 optimizer: torch.optim.Optimizer | None, scheduler, mesh, layout_key: str, keep: int = 0) -> None:
+                 optimizer: torch.optim.Optimizer | None, scheduler, mesh, layout_key: str, keep: int = 0,
+                 run_info: dict | None = None) -> None:
+        self.run_info = run_info or {}
         self.folder = Path(folder)
         self.modules = modules
         self.optimizer = optimizer
@@ -151,6 +157,8 @@ class Checkpointer:
         dcp.save(state, checkpoint_id=str(partial))
         _barrier()
         if rank0:
+            (partial / RUN_INFO).write_text(json.dumps(dict(self.run_info, step=step, layout=self.layout_key),
+                                                       indent=1), encoding="utf-8")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
@@ -267,3 +275,82 @@ def save_hf(folder: str | os.PathLike, tensors: dict[str, tuple[torch.Tensor, An
     if rank0:
         shutil.rmtree(folder / "sharded", ignore_errors=True)
     _barrier()
+
+
+class ConvertError(ValueError):
+    """A checkpoint could not be converted; ``str(err)`` is one sentence."""
+
+
+def convert_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "auto",
+                  max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write the model of a checkpoint as a Hugging Face directory that ``from_pretrained`` loads.
+
+    ``checkpoint`` is a ``step-NNNNNNNN`` directory (or a ``--checkpoint-dir``: its newest complete one).
+    One process, no process group: ``torch.distributed.checkpoint.load(..., no_dist=True)`` reads the full
+    tensors a safetensors file at a time (at most ``max_shard_bytes`` of tensors in memory), whatever
+    layout saved them; config and tokenizer come from the checkpoint's ``run.json``.
+
+    Args:
+        dtype: ``"auto"`` (the dtype of the weights the run started from) or a torch dtype name.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ConvertError: not a complete checkpoint of this runtime (one sentence).
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(checkpoint)
+    if path.is_dir() and not (path / ".metadata").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            if (path / "latest").is_file():
+                raise ConvertError(f"{path} is a DeepSpeed checkpoint; convert it with the zero_to_fp32.py DeepSpeed "
+                                   "wrote beside it, or train with the torchrun script and --save-hf.")
+            raise ConvertError(f"{path} holds no complete checkpoint (a step-NNNNNNNN directory with .metadata).")
+        path = latest[1]
+    if not (path / ".metadata").is_file() or not (path / RUN_INFO).is_file():
+        raise ConvertError(f"{path} is not a complete slapo-lab checkpoint (it needs .metadata and {RUN_INFO}).")
+    info = json.loads((path / RUN_INFO).read_text(encoding="utf-8"))
+    spec = info.get("model") or {}
+    want = getattr(torch, info.get("source_dtype", "float32")) if dtype == "auto" else getattr(torch, dtype)
+    meta = FileSystemReader(str(path)).read_metadata()
+    names = sorted(k[len("model."):] for k, v in meta.state_dict_metadata.items()
+                   if k.startswith("model.") and isinstance(v, TensorStorageMetadata))
+    if not names:
+        raise ConvertError(f"{path} holds no model tensors.")
+    size = {n: meta.state_dict_metadata["model." + n].size for n in names}
+    nbytes = {n: torch.Size(size[n]).numel() * torch.empty((), dtype=want).element_size() for n in names}
+    groups, used = [[]], 0
+    for n in names:
+        if used and used + nbytes[n] > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += nbytes[n]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = len(groups)
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        src = {n: torch.empty(size[n], dtype=meta.state_dict_metadata["model." + n].properties.dtype) for n in group}
+        dcp.load({"model": src}, checkpoint_id=str(path), no_dist=True)
+        fname = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+        save_file({n: t.to(want).contiguous() for n, t in src.items()}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, fname))
+    if total > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2))
+    if spec.get("kind") == "hf":
+        import transformers
+
+        from .weights import copy_hf_extras
+
+        config = getattr(transformers, spec["config_class"]).from_dict(dict(spec["config"]))
+        config.dtype = want
+        copy_hf_extras(info.get("model_path"), info.get("tokenizer"), out, config)
+    return out

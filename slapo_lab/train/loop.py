@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -431,7 +432,11 @@ class Run:
             release(ref, self.device)
             for t in self.targets:
                 t.param.grad = None
+        from .metrics import peak_memory_mib, reset_peak_memory
+
+        report.note += f"; Verify's peak memory {peak_memory_mib(self.device):.0f} MiB on rank 0"
         _say(report.summary())
+        reset_peak_memory(self.device)  # the step lines' peak is training's own
         return report.passed
 
     def _verify_batch(self) -> dict:
@@ -683,6 +688,19 @@ class Run:
         loss, rows = self.evaluate()
         logger.log_eval(step, loss, samples=rows)
 
+    def run_info(self) -> dict:
+        """What a checkpoint records beside the tensors, for ``slapo-lab convert``: the model spec (with the
+        config the run used), the tokenizer and model directories, the weights' source dtype."""
+        from .weights import source_dtype
+
+        spec = dict(self.spec)
+        if self.config is not None and spec.get("kind") == "hf":
+            spec["config"] = self.config.to_dict()
+        absolute = (lambda p: str(Path(p).resolve()) if p else None)
+        return {"model": spec, "model_path": absolute(self.args.model_path),
+                "tokenizer": absolute(self.args.tokenizer),
+                "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch.")}
+
     def _train_state(self, step: int) -> dict:
         return {"step": step, "samples": step * self.args.global_batch_size, "epoch": self.plan.epoch(step),
                 "seed": self.args.seed, "global_batch_size": self.args.global_batch_size}
@@ -729,7 +747,8 @@ class TorchStepper:
         if args.checkpoint_dir:
             info = {id(t.param): (t.name, t.layout) for t in run.targets}
             self.ckpt = Checkpointer(args.checkpoint_dir, [(run.module, info)], self.optimizer, self.scheduler,
-                                     lay.view_mesh, run.layout_key, keep=args.keep_checkpoints)
+                                     lay.view_mesh, run.layout_key, keep=args.keep_checkpoints,
+                                     run_info=run.run_info())
 
     def resume(self) -> int:
         """Load the newest complete checkpoint (any layout); returns the step to start from."""

@@ -117,11 +117,19 @@ def peak_memory_mib(device) -> float:
     return max(0.0, peak - _baseline_kib) / 1024
 
 
-def reset_peak_memory(device) -> None:
-    """Restart the peak count: ``torch.cuda.reset_peak_memory_stats`` on CUDA; a no-op on CPU (the peak
-    resident set of a process cannot be reset)."""
+def reset_peak_memory(device) -> bool:
+    """Restart the peak count: ``torch.cuda.reset_peak_memory_stats`` on CUDA; on Linux, the peak resident set
+    (``VmHWM``) by writing ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+). Returns whether it was reset
+    (False where the system offers no way)."""
     if _is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -180,8 +180,25 @@ def _agree(report: VerifyReport, device: str) -> None:
 
 def release(reference: Reference, device: str) -> None:
     """Free the reference (and CUDA's cached blocks)."""
-    reference.model = None
+    reference.model = reference.sch = None
     reference.targets = []
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    else:
+        trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the memory the CPU allocator freed back to the system (glibc's ``malloc_trim``; a no-op elsewhere):
+    glibc keeps freed heap pages, so the reference's memory would stay in the process's resident set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
