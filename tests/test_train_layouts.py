@@ -37,6 +37,8 @@ LAYOUTS = {
     "TP2xPP2": ("tppp", 4, []),
     "TP2xDP2-FSDP": ("tp", 4, ["--fsdp"]),
     "DP2xPP2": ("pp", 4, []),
+    # every decoder layer compiled with fullgraph=True: a graph break in the schedule's wrappers would raise
+    "TP2-compile": ("tp", 2, ["--compile", "--compile-backend", "aot_eager"]),
     # the deepspeed launcher's scripts (launched by torchrun here): ZeRO and its clipping see the shards
     "DeepSpeed-TP2xDP2-ZeRO1": ("ds_tp", 4, ["--zero", "1"]),
     "DeepSpeed-TP2xDP2-ZeRO2": ("ds_tp", 4, ["--zero", "2"]),
@@ -188,6 +190,18 @@ def test_resume_after_a_kill_and_at_other_layouts(ft, baseline):
         for s in (5, 6):
             for col in ("loss", "grad_norm", "lr"):
                 assert _close(rows[s][col], baseline[s][col]), (layout, s, col, rows[s][col], baseline[s][col])
+    # the last checkpoint, saved at DP4, as a Hugging Face directory: the one-process run's trained model
+    from safetensors.torch import load_file
+
+    out_dir = ft["dir"] / "converted"
+    conv = subprocess.run([sys.executable, "-m", "slapo_lab.cli", "convert", str(here), "--to-hf", str(out_dir)],
+                          cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stdout + conv.stderr
+    got = load_file(out_dir / "model.safetensors")
+    want = load_file(next((ft["dir"] / "hf_1p").glob("*.safetensors")))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
 
 
 def test_deepspeed_resumes_from_its_own_checkpoint(ft, baseline):

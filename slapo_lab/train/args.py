@@ -108,7 +108,8 @@ def build_parser(description: str = "", launcher: str = "torchrun", pipeline: bo
     g = p.add_argument_group("precision and speed")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute with fp32 master weights")
     g.add_argument("--compile", action="store_true", help="torch.compile each repeated block (fullgraph)")
-    g.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)
+    g.add_argument("--compile-backend", default="inductor",
+                   help="the torch.compile backend of --compile (aot_eager: checks the graphs without code generation)")
 
     g = p.add_argument_group("verify")
     g.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
