@@ -111,11 +111,19 @@ def _full_shape(t: torch.Tensor) -> torch.Size:
     return torch.Size(getattr(t, "orig_shape", None) or t.shape)
 
 
+def _copy_module(mod: nn.Module) -> nn.Module:
+    """A shallow copy of ``mod`` (``copy.copy`` without the class's ``__new__``: FSDP2's module classes rebuild
+    the module there)."""
+    sh = object.__new__(type(mod))
+    sh.__dict__.update(mod.__dict__)
+    return sh
+
+
 def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | None) -> nn.Module:
     """A shallow copy of ``mod`` whose tensors in ``own`` are full-size CPU tensors (sentinel-filled) and
     whose other tensors (and children's) are full-size meta tensors, so that an init function can run
     on it without touching the real module."""
-    sh = copy.copy(mod)
+    sh = _copy_module(mod)
     sh._parameters = dict(mod._parameters)
     sh._buffers = dict(mod._buffers)
     for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
@@ -146,7 +154,7 @@ def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | Non
 def _meta_shadow(mod: nn.Module | None) -> nn.Module | None:
     if mod is None:
         return None
-    sh = copy.copy(mod)
+    sh = _copy_module(mod)
     sh._parameters = {k: (None if t is None else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype,
                                                                           device="meta"), requires_grad=False))
                       for k, t in mod._parameters.items()}
@@ -296,12 +304,45 @@ def _assign(owner_list, name, new, replaced, old=None) -> None:
         replaced[id(old)] = new
 
 
+def _shallow_meta(mod: nn.Module, depth: int) -> nn.Module:
+    """A shallow copy of ``mod`` whose parameters and buffers are full-size meta tensors, ``depth`` levels of
+    children likewise (deeper ones dropped): what an init function reads of a module's children."""
+    sh = _copy_module(mod)
+    sh._parameters = {k: (None if t is None else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype,
+                                                                          device="meta"), requires_grad=False))
+                      for k, t in mod._parameters.items()}
+    sh._buffers = {k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
+                   for k, t in mod._buffers.items()}
+    sh._modules = {k: _shallow_meta(c, depth - 1) for k, c in mod._modules.items() if c is not None} if depth > 0 \
+        else {}
+    sh.__dict__.pop("forward", None)
+    return sh
+
+
+def _init_ancestors(node, sh: nn.Module, hf: Callable[[nn.Module], None]) -> None:
+    """Run Hugging Face's ``_init_weights`` on ``node``'s ancestors too, up to the model, with ``sh`` (the shadow
+    of ``node.mod``) in place of the module: ``PreTrainedModel.init_weights`` applies it to every module
+    children first, and a parent may set its children's weights (T5's attention sets q/k/v/o; the model
+    sets the shared embedding), so the last word on a parameter can be an ancestor's. Every other tensor
+    of the ancestors is a meta tensor (no memory, no random draws)."""
+    child, below = node, sh
+    parent = node.parent
+    while parent is not None:
+        up = _shallow_meta(parent.mod, 2)
+        up._modules[child.name] = below
+        hf(up)
+        if getattr(type(parent.mod), "_init_weights", None) is not None and hasattr(parent.mod, "config"):
+            break  # the model that owns the init function: nothing above it is its
+        child, below, parent = parent, up, parent.parent
+
+
 def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> dict[str, torch.Tensor]:
     """Full-size CPU values for the tensors in ``own`` of ``node.mod`` (see :func:`consolidate_model`)."""
     from .module_state import peek_meta
 
     mod = node.mod
     meta_state = peek_meta(mod)
+    hf = None
     steps: list[Callable[[nn.Module], None]] = []
     if param_init_fn is not None:
         steps.append(param_init_fn)
@@ -323,6 +364,8 @@ def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> 
             torch.manual_seed(seed)
             with torch.no_grad():
                 step(sh)
+                if param_init_fn is None and step is steps[0] and hf is not None:
+                    _init_ancestors(node, sh, hf)
         for name in list(missing):
             t = sh._parameters.get(name) if name in mod._parameters else sh._buffers.get(name)
             if t is not None and not t.is_meta and _is_filled(t):

@@ -4,9 +4,12 @@ Every family's Megatron preset (and GPT-2 sequence parallel, the HF tp plans) ch
 of open item is found on a schedule built by hand, its ``fix`` closes it, and syncs placed on an
 enclosing module count; the editor lists the items above the code and its Export says so; on 2 gloo
 ranks a half-built GQA attention that runs without any error is a different model, and the check's
-fixes make it the original (loss equal, gradients within 1e-6).
+fixes make it the original (loss equal, gradients within 1e-6), while its exported script fails its own Verify
+(exit status 1).
 """
 from __future__ import annotations
+
+import re
 
 import harness
 import pytest
@@ -207,6 +210,32 @@ def test_on_two_ranks_the_half_built_model_is_wrong_and_the_fixes_make_it_the_or
     assert abs(half["loss"] - half["ref_loss"]) > 1e-4 or half["grad_diff"] > 1e-3, half  # silently different
     assert fixed["n"] == 0 and len(fixed["applied"]) == 4, fixed  # k, v split by heads; then their input grads
     assert abs(fixed["loss"] - fixed["ref_loss"]) < 1e-5 and fixed["grad_diff"] < 1e-6, fixed
+
+
+@pytest.mark.multirank
+def test_the_exported_script_of_a_half_built_schedule_fails_its_verify(tmp_path):
+    """What the export warns about ("--verify will fail until they are closed"): the script of the half-built
+    schedule above runs, but its Verify (slapo_lab.train, against the unscheduled model) fails, names the
+    gradients that differ, and the ranks exit with status 1 before any training step."""
+    fam = FAMILIES["llama"]
+    model = fam.build()
+    sch = sl.create_schedule(model, world_size=2)
+    a = sch["model.layers.0.self_attn"]
+    a["q_proj"].shard("weight", axis=0)
+    a["q_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    a["o_proj"].shard("weight", axis=1)
+    a["o_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    assert [f.kind for f in sl.check_schedule(sch)] == ["partial_heads"]
+    script = sl.export_script(tmp_path / "train_half.py", model, sch.record.calls, fam.example_inputs(), 2)
+    rc, out = harness.launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 240)
+    if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken in between
+        rc, out = harness.launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 240)
+    assert rc != 0 and "Verify: FAILED" in out and "Verify: PASSED" not in out, out[-4000:]
+    assert re.search(r"exitcode\s*:\s*1 ", out), out[-4000:]   # Verify failed: status 1, not a crash
+    assert re.search(r"^Verify: output logits: max abs diff \S+, max rel diff \S+  <-- exceeds tolerance", out,
+                     re.MULTILINE), out[-4000:]
+    assert "Verify:   model.layers.0.self_attn.v_proj.weight: max abs diff" in out, out[-4000:]
+    assert "Traceback" not in out.split("Verify: FAILED")[0] and "step 1/1" not in out, out[-4000:]
 
 
 def test_cli_check_and_export_warning(tmp_path, capsys):

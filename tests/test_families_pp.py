@@ -185,9 +185,10 @@ def test_interleaved_two_stages_on_one_rank(case):
 
 
 # ---------------------------------------------------------------------------- exported scripts
-LOSS_DIFF = re.compile(r"^Verify: loss of step 1: max abs diff (\S+),", re.MULTILINE)
+# slapo_lab.train's Verify of a pipeline: one training step's batch through the stages and through the unscheduled
+# model (sharded by FSDP2 over the ranks), comparing the loss and every gradient
+LOSS_DIFF = re.compile(r"^Verify: output loss: max abs diff (\S+),", re.MULTILINE)
 GRADS = re.compile(r"^Verify: gradients of (\d+) parameters: max abs diff (\S+) ", re.MULTILINE)
-WEIGHTS = re.compile(r"^Verify: updated weights of (\d+) parameters: max abs diff (\S+) ", re.MULTILINE)
 
 
 EXPORT_FAMILIES = [f for f in FAMILIES if f != "fam_t5_dec"]  # one T5 script (its cut is in the encoder)
@@ -196,7 +197,7 @@ EXPORT_FAMILIES = [f for f in FAMILIES if f != "fam_t5_dec"]  # one T5 script (i
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", EXPORT_FAMILIES)
 def test_exported_family_script_verifies_on_two_ranks(tmp_path, name):
-    """The family's exported pipeline script, launched on 2 gloo ranks, passes its own --verify."""
+    """The family's exported pipeline script, launched on 2 gloo ranks, passes its own --verify and trains."""
     from slapo_lab.export import export_script
 
     model, _, sch = _scheduled(name)
@@ -206,10 +207,9 @@ def test_exported_family_script_verifies_on_two_ranks(tmp_path, name):
     if "EADDRINUSE" in text or "address already in use" in text:  # the free port was taken: once more
         rc, text = launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 300)
     assert rc == 0 and "Verify: PASSED" in text, text[-5000:]
-    (loss_diff,), = [LOSS_DIFF.findall(text)]
+    (loss_diff,) = LOSS_DIFF.findall(text)
     (n_grads, grad_diff), = GRADS.findall(text)
-    (n_weights, weight_diff), = WEIGHTS.findall(text)
-    assert int(n_grads) == int(n_weights) > 10
-    for d in (loss_diff, grad_diff, weight_diff):
+    assert int(n_grads) > 10, text[-3000:]
+    for d in (loss_diff, grad_diff):
         assert float(d) <= ATOL, text[-3000:]
-    assert "pipeline of 2 stages" in text
+    assert "2 rank(s) = tp 1 x pp 2 x dp 1" in text and "step 1/1 loss" in text, text[-3000:]

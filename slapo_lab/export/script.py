@@ -63,8 +63,8 @@ def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict
     data = " --data corpus.jsonl --tokenizer TOKENIZER_DIR --seq-len 1024" if "data" not in defaults else ""
     model = " --model-path HF_DIR" if "model_path" not in defaults else ""
     if launcher == "deepspeed":
-        return [f"  one node with N GPUs (N a multiple of {n}: data parallelism over the rest, --zero 1 or 2 to shard "
-                "optimizer states):",
+        return [(f"  one node with N GPUs (N a multiple of {n}: data parallelism over the rest, --zero 1 or 2 to "
+                 "shard optimizer states):"),
                 f"    deepspeed --num_gpus {n} {name} --device cuda{model}{data}",
                 f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} --device cpu",
                 f"  the DeepSpeed config:  python {name} --print-ds-config"]
@@ -96,8 +96,9 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
         The script: ruff-clean, importing only ``slapo_lab`` (and, through it, torch and transformers).
 
     Raises:
-        ExportError: an unknown launcher or option, a bad world size, or a spec / call / value that fails
-            validation (see :func:`~slapo_lab.export.spec.validate_calls`).
+        ExportError: an unknown launcher or option, a bad world size, a spec / call / value that fails
+            validation (see :func:`~slapo_lab.export.spec.validate_calls`), a pipeline with constant
+            (non-tensor) inputs, or tensor x pipeline parallelism with the DeepSpeed launcher.
     """
     if launcher not in LAUNCHERS:
         raise ExportError(f"The launcher {launcher!r} is not supported; use \"torchrun\" or \"deepspeed\".")
@@ -107,7 +108,19 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
     inputs = validate_input_spec(inputs)
     calls = validate_calls(calls)
     defaults = _check_defaults(defaults, launcher)
+    data = defaults.get("data", "synthetic")
+    if data != "synthetic":
+        from ..train.data import objective_of
+
+        cls = spec["class"] if spec["kind"] == "hf" else spec["factory"]
+        if spec["kind"] != "hf" or objective_of(cls) is None:
+            raise ExportError(f"{cls} has no language-model head, so it has no loss to train on text; export a "
+                              "*ForCausalLM or *ForMaskedLM model, or leave data synthetic.")
     stages = pipeline_stages(calls)
+    if stages > 1 and launcher == "deepspeed" and world_size > 1:
+        raise ExportError(f"DeepSpeed's pipeline engine runs pipeline x data parallelism only, but this schedule "
+                          f"also has {world_size}-way tensor parallelism; export it with launcher=\"torchrun\" "
+                          "(torch.distributed.pipelining runs tensor x pipeline x data parallelism).")
     constants = [k for k, e in inputs.items() if "value" in e]
     if stages > 1 and constants:
         raise ExportError(f"A pipeline feeds only tensors to its first stage, but the example input {constants[0]!r} "
@@ -161,7 +174,7 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
         "",
         "",
         'if __name__ == "__main__":',
-        f"    raise SystemExit(slapo_lab.train.main(model=MODEL, schedule=schedule, inputs=INPUTS, tp=TP, stages=STAGES,",
+        "    raise SystemExit(slapo_lab.train.main(model=MODEL, schedule=schedule, inputs=INPUTS, tp=TP, stages=STAGES,",
         f"                                          launcher={launcher!r}, defaults=DEFAULTS, title=__doc__.splitlines()[0]))",
         "",
     ]

@@ -31,8 +31,6 @@ _FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-
 
 # dtypes an input may have (the names are ``torch.<name>`` attributes).
 INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-# HF classes whose forward takes ``labels`` of the input ids' shape and returns the LM loss.
-_LM_CLASS = re.compile(r".*(ForCausalLM|ForMaskedLM|LMHeadModel)\Z")
 
 
 def is_identifier(name: Any) -> bool:
@@ -199,12 +197,6 @@ def validate_model_spec(spec: Any) -> dict:
     if attn is not None and not (isinstance(attn, str) and re.fullmatch(r"[A-Za-z0-9_.\-/]+", attn)):
         raise ExportError(f"The model spec's attn_implementation {attn!r} is not a plain name.")
     return spec
-
-
-def lm_labels(spec: dict, inputs: dict) -> bool:
-    """Whether the script passes ``labels=input_ids`` and trains on the model's own LM loss."""
-    return (spec.get("kind") == "hf" and bool(_LM_CLASS.match(spec.get("class", ""))) and "input_ids" in inputs
-            and "labels" not in inputs)
 
 
 # ------------------------------------------------------------------------------------------ inputs

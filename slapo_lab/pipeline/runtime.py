@@ -68,6 +68,16 @@ class PipelineModel:
         self.optimizer = None
         self.stages: list = []
 
+    @property
+    def _device(self) -> torch.device:
+        """This rank's device: its stages' parameters', else the CPU (gloo) or the current CUDA device."""
+        for p in self.parameters():
+            if not p.is_meta:
+                return p.device
+        if dist.is_initialized() and self.pp_group is not None and dist.get_backend(self.pp_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     # --- parameters --------------------------------------------------------------------------------
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """``(original FQN, parameter)`` for this rank's stages; each FQN once (tied copies included)."""
@@ -107,14 +117,13 @@ class PipelineModel:
         """
         for group in self.partition.tied:
             local = []
-            shape_src = None
             for s, name in group.items():
-                p = self.partition.stages[s].params[name]
-                shape_src = p
                 if s in self.stage_ids:
-                    local.append(p)
+                    local.append(self.partition.stages[s].params[name])
             uniq = list({id(p): p for p in local}.values())
-            total = torch.zeros_like(shape_src, memory_format=torch.contiguous_format)
+            like = uniq[0] if uniq else self.partition.stages[next(iter(group))].params[next(iter(group.values()))]
+            # a rank without a copy adds zeros of the copies' shape, on its own device (the others are meta there)
+            total = torch.zeros(like.shape, dtype=like.dtype, device=like.device if uniq else self._device)
             for p in uniq:
                 if p.grad is not None:
                     total += p.grad
@@ -168,19 +177,30 @@ class PipelineModel:
             self.optimizer.zero_grad(set_to_none=True)
         return self._broadcast_loss(losses)
 
+    def set_dropout(self, enabled: bool) -> None:
+        """Switch the dropout of this rank's stages on or off. ``torch.export`` bakes dropout into the stage
+        graphs as ``aten.dropout(x, p, train=True)`` (``module.eval()`` does not reach it), so this rewrites
+        the ``train`` argument of those nodes."""
+        for m in self.stage_modules:
+            set_graph_dropout(m, enabled)
+
     def eval_step(self, *args, target=None, **kwargs) -> float:
-        """Run one full batch forward only (``schedule.eval``) and return the mean micro-batch loss, the
-        same on every rank of the pipeline (torch target)."""
+        """Run one full batch forward only (``schedule.eval``, dropout off) and return the mean micro-batch
+        loss, the same on every rank of the pipeline (torch target)."""
         if self.target == "deepspeed":
             from .deepspeed_runtime import deepspeed_eval_step
 
             return deepspeed_eval_step(self, args, kwargs, target)
         for m in self.stage_modules:
             m.eval()
+        self.set_dropout(False)
         losses: list | None = [] if self.is_last else None
         inputs = self.partition.stage0_inputs(args, kwargs) if self.is_first else ()
-        with torch.no_grad():
-            self.schedule.eval(*inputs, target=target if self.is_last else None, losses=losses)
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*inputs, target=target if self.is_last else None, losses=losses)
+        finally:
+            self.set_dropout(True)
         return self._broadcast_loss(losses)
 
     def _broadcast_loss(self, losses) -> float:
@@ -227,6 +247,57 @@ def deepspeed_from(pm: PipelineModel, *, loss_fn: Callable, optimizer: Callable[
     return out
 
 
+def _graph_modules(module: nn.Module):
+    """The modules of ``module`` that run an fx graph: GraphModules, and torch.export's InterpreterModules."""
+    from torch import fx
+
+    return [m for m in module.modules() if isinstance(getattr(m, "graph", None), fx.Graph)]
+
+
+def _recompile(gm: nn.Module) -> None:
+    """Regenerate the code of a module whose graph changed (an InterpreterModule runs its ``graph_module``)."""
+    from torch import fx
+
+    if isinstance(gm, fx.GraphModule):
+        gm.recompile()
+    elif isinstance(getattr(gm, "graph_module", None), fx.GraphModule):
+        gm.graph_module.recompile()
+
+
+def set_graph_dropout(module: nn.Module, enabled: bool) -> int:
+    """Switch the dropout traced into ``module``'s graphs on or off; returns how many nodes it touched.
+
+    ``torch.export`` bakes dropout in as ``aten.dropout(x, p, train=True)`` and as the ``dropout_p`` of
+    ``scaled_dot_product_attention``, whatever ``module.training`` says later: this sets ``train`` and
+    ``dropout_p`` (to 0, and back to the traced value)."""
+    n = 0
+    for gm in _graph_modules(module):
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten.dropout.default:
+                args = list(node.args)
+                if "train" in node.kwargs:
+                    node.kwargs = {**node.kwargs, "train": enabled}
+                elif len(args) >= 3:
+                    args[2] = enabled
+                    node.args = tuple(args)
+                changed, n = True, n + 1
+            elif node.target is torch.ops.aten.scaled_dot_product_attention.default:
+                p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+                traced = node.meta.setdefault("slapo_dropout_p", p)
+                value = traced if enabled else 0.0
+                if "dropout_p" in node.kwargs or len(node.args) <= 4:
+                    node.kwargs = {**node.kwargs, "dropout_p": value}
+                else:
+                    node.args = (*node.args[:4], value, *node.args[5:])
+                changed, n = True, n + 1
+        if changed:
+            _recompile(gm)
+    return n
+
+
 def _retarget_devices(module: nn.Module, device: torch.device) -> None:
     """Rewrite the ``meta`` device constants ``torch.export`` baked into a stage's graphs (``x.to(x.device)``
     in rotary embeddings ...) when it traced the model on the meta device, so the stage runs on ``device``
@@ -242,18 +313,30 @@ def _retarget_devices(module: nn.Module, device: torch.device) -> None:
             return str(device)
         return a
 
-    for gm in module.modules():  # GraphModules, and torch.export's InterpreterModules (no recompile)
-        if not isinstance(getattr(gm, "graph", None), fx.Graph):
-            continue
+    for gm in _graph_modules(module):
         changed = False
-        for node in gm.graph.nodes:
+        for node in list(gm.graph.nodes):
             args = fx.node.map_aggregate(node.args, swap)
             kwargs = fx.node.map_aggregate(node.kwargs, swap)
             if args != node.args or kwargs != node.kwargs:
                 node.args, node.kwargs = args, kwargs
                 changed = True
-        if changed and isinstance(gm, fx.GraphModule):
-            gm.recompile()
+            if device.type == "cpu" and node.target is torch.ops.aten.histc.default:
+                # code that picks a histc dtype by device (transformers' MoE routing: int32 off the CPU)
+                # traced the meta branch; the CPU kernel takes floating inputs only (the counts are equal)
+                val = node.meta.get("val")
+                if val is None or val.dtype.is_floating_point:
+                    continue
+                with gm.graph.inserting_before(node):
+                    as_float = gm.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
+                                                      {"dtype": torch.float32})
+                node.args = (as_float, *node.args[1:])
+                with gm.graph.inserting_after(node):  # and hand on the dtype the graph was traced with
+                    back = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
+                node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+                changed = True
+        if changed:
+            _recompile(gm)
 
 
 def _autocast_forward(module: nn.Module, device_type: str) -> None:

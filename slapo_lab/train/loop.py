@@ -316,16 +316,23 @@ class Run:
     def _setup_pipeline(self, sch, blocks) -> None:
         from ..pipeline import build_pipeline
         from .parallel import apply_fsdp
+        from .weights import allocate
 
         args, lay = self.args, self.layout
+        # torch.export traces the model with fake tensors on the run's device (no memory): device-dependent code
+        # takes this device's branch, and constants made during the trace keep their values
+        fake = _fake_parameters(sch.mod, self.device)
         example, _ = _split_target(self._replica_batch(0), 1, "meta")
-        example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+        with fake:
+            example = {k: torch.empty_like(v, device=self.device) if isinstance(v, torch.Tensor) else v
+                       for k, v in example.items()}
 
         def prepare(partition, stage_ids):
             for i in stage_ids:
                 stage = partition.stages[i]
                 targets = self._targets_of(stage.params.items())
-                if lay.fsdp:
+                if lay.fsdp:  # FSDP2 shards meta parameters (to_empty cannot make fake ones real)
+                    allocate(targets, "meta", stage.module, [stage.params])
                     inside = [m for m in stage.module.modules() if any(m is b for b in blocks)]
                     targets = apply_fsdp(stage.module, inside, targets, lay)
                 self._materialise(stage.module, targets, lay.fsdp, tables=[stage.params])
@@ -363,33 +370,11 @@ class Run:
                 t.param.orig_shape = torch.Size(t.layout.shape)
         else:
             allocate(targets, self.device, module, tables)
-            self._real_buffers(module)
             module.to(self.device)
         if self.args.model_path:
             load_hf(self.args.model_path, targets, self.layout.view_mesh)
         else:
             init_random(self.sch, targets, self.args.seed)
-
-    def _real_buffers(self, module: nn.Module) -> None:
-        """Give a pipeline stage exported on the meta device its buffers' values (rotary tables ...) from the
-        model they came from (built with real buffers)."""
-        from ..pipeline.partition import _orig_name
-
-        if module is self.sch.mod:
-            return
-        source = dict(self.sch.mod.named_buffers(remove_duplicate=False))
-        for mod_name, mod in module.named_modules():
-            for name, b in list(mod._buffers.items()):
-                if b is None or not b.is_meta:
-                    continue
-                full = f"{mod_name}.{name}" if mod_name else name
-                if b.numel() == 0:  # an empty constant torch.export lifted (it holds no values)
-                    mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
-                    continue
-                orig = source.get(_orig_name(full) or full)
-                if orig is None or orig.is_meta:
-                    raise RunError(f"The pipeline stage's buffer {full} has no value to start from.")
-                mod._buffers[name] = orig.detach().clone()
 
     # ------------------------------------------------------------------ batches
     def _replica_batch(self, step: int) -> dict:
@@ -419,6 +404,8 @@ class Run:
                 f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
                 f"{self.layout.describe()}")
         dropouts = _dropout_off([self.module, ref.model])
+        if self.pm is not None:  # dropout traced into the stage graphs
+            self.pm.set_dropout(False)
         autocast = [m for m in self.module.modules() if getattr(m, "autocast_bf16", False)]
         for m in autocast:  # Verify compares in float32
             m.autocast_bf16 = False
@@ -427,6 +414,8 @@ class Run:
                                 lambda m: self._verify_reference(m, batch), device=self.device, note=note)
         finally:
             _dropout_restore(dropouts)
+            if self.pm is not None:
+                self.pm.set_dropout(True)
             for m in autocast:
                 m.autocast_bf16 = True
             release(ref, self.device)
@@ -820,6 +809,9 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
         print(json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2))
         return 0
     device, error = _device_of(args)
+    if not error and stages > 1 and device.startswith("cuda") and _backend(args) == "gloo":
+        error = ("error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
+                 "process, or --device cpu.")
     if error:
         print(error, file=sys.stderr)
         return 2
@@ -845,6 +837,27 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _fake_parameters(model: nn.Module, device: str):
+    """Replace ``model``'s meta parameters by fake tensors on ``device`` (``FakeTensorMode``: shapes, dtypes and
+    the device, no storage), tied ones by one fake tensor, annotations kept; returns the fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            new = made.get(id(p))
+            if new is None:
+                with mode:
+                    data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                new = made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+            mod._parameters[name] = new
+    return mode
 
 
 def _dropout_off(models: list[nn.Module]) -> list[tuple[nn.Module, float]]:

@@ -94,16 +94,18 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
 
 def allocate(targets: Iterable[Target], device: torch.device | str, module: nn.Module | None = None,
              tables: Iterable[dict] = ()) -> None:
-    """Give every meta parameter of ``targets`` uninitialised storage of its local shape on ``device``.
+    """Give every meta (or fake) parameter of ``targets`` uninitialised storage of its local shape on ``device``.
 
     In place where it can be (``torch.utils.swap_tensors``: the same Python object, so everything that
     holds it stays valid, annotations included); a parameter something holds a weak reference to (a
     ``torch.export``-ed pipeline stage) is replaced by a new one in every slot of ``module`` and every
     value of the ``tables`` (dicts) that held it, and in its target.
     """
+    from torch._subclasses.fake_tensor import is_fake
+
     for t in targets:
         p = t.param
-        if not p.is_meta or getattr(p, "_local_tensor", None) is not None:
+        if not (p.is_meta or is_fake(p)) or getattr(p, "_local_tensor", None) is not None:
             continue
         new = nn.Parameter(torch.empty(t.layout.local_shape, dtype=p.dtype, device=device),
                            requires_grad=p.requires_grad)
