@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harness import child_env, free_port  # noqa: E402
+from tests.harness import child_env, free_port
 
 CONFIG = {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
           "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": 256}

@@ -11,7 +11,6 @@ than one full parameter at a time.
 from __future__ import annotations
 
 import contextlib
-import copy
 import zlib
 from collections.abc import Callable, Iterator
 

@@ -1,8 +1,6 @@
 """Shared pytest fixtures (add new ones; do not remove: other test files use them)."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +37,13 @@ def _run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complet
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        harness.kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))} ran over {timeout} s and was killed\n"
                     f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
     finally:
         if proc.poll() is None:  # pragma: no cover - an exception while waiting
-            os.killpg(proc.pid, signal.SIGKILL)
+            harness.kill_tree(proc.pid)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

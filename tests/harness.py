@@ -67,6 +67,26 @@ def child_env(**extra: str) -> dict:
     return env
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL process ``pid``, its process group and every descendant: torchrun 2.13 starts each rank in a
+    session of its own, so killing torchrun's group alone would leave the ranks running."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        procs = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
     """Run ``torchrun --nproc_per_node=nproc script *args`` on 127.0.0.1 (no shell), bounded.
 
@@ -80,12 +100,12 @@ def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tupl
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started (its own session)
+        kill_tree(proc.pid)  # torchrun and the ranks it started
         out, _ = proc.communicate()
         return -9, f"timed out after {timeout} s\n{out}"
     finally:
         if proc.poll() is None:  # pragma: no cover - interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
     return proc.returncode, out
 

@@ -17,8 +17,9 @@ from tests.train_fixtures import write_corpus, write_pretrained, write_tokenizer
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    import slapo_lab as sl
     from transformers import AutoConfig, LlamaForCausalLM, LlamaModel
+
+    import slapo_lab as sl
 
     d = tmp_path_factory.mktemp("cli")
     corpus = write_corpus(d / "data", 60)

@@ -10,8 +10,6 @@ cut (TP 2 x PP 2), and the cut alone (PP 2). Each run: 6 AdamW steps of a global
 from __future__ import annotations
 
 import csv
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, child_env, free_port, launch_torchrun
+from tests.harness import REPO_ROOT, child_env, free_port, kill_tree, launch_torchrun
 from tests.train_fixtures import write_corpus, write_pretrained, write_tokenizer
 
 pytestmark = pytest.mark.multirank
@@ -49,8 +47,9 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def ft(tmp_path_factory):
     """The user's files and the four exported scripts."""
-    import slapo_lab as sl
     from transformers import AutoConfig, LlamaForCausalLM
+
+    import slapo_lab as sl
 
     d = tmp_path_factory.mktemp("finetune")
     corpus = write_corpus(d / "data", 400)
@@ -158,11 +157,11 @@ def _kill_after_checkpoint(script, nproc, args, step: int) -> str:
         for line in proc.stdout:
             lines.append(line)
             if f"checkpoint step {step} saved" in line:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 break
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
         proc.wait(timeout=60)
     return "".join(lines)
 
@@ -262,3 +261,36 @@ def test_model_out_loads_with_from_pretrained_and_gives_the_reported_loss(ft, ba
     # and the weights really moved away from the pretrained ones
     first = AutoModelForCausalLM.from_pretrained(ft["model"])
     assert not torch.equal(first.lm_head.weight, model.lm_head.weight)
+
+
+def test_fsdp_evaluation_with_uneven_replicas_then_a_checkpoint(ft):
+    """Six validation sequences in micro-batches of 2 over 2 replicas: replica 0 evaluates two, replica 1 one;
+    under FSDP2 every forward all-gathers over the replicas, so replica 1 must run a third (uncounted) one, and
+    the checkpoint saved right after must still map the optimizer's parameters (FSDP2 resharded)."""
+    ckpt = ft["dir"] / "ckpt_uneven"
+    log_dir = ft["dir"] / "log_uneven"
+    args = _args(ft, ["--fsdp", "--eval-samples", "6", "--checkpoint-dir", str(ckpt)], log_dir)
+    args[args.index("--steps") + 1] = "1"
+    rc, out = launch_torchrun(ft["scripts"]["tp"], 4, args, timeout=300)
+    assert rc == 0, out[-4000:]
+    assert "(6 sequences)" in out and (ckpt / "step-00000001" / ".metadata").is_file(), out[-3000:]
+
+
+def test_resuming_with_more_steps_stretches_the_schedule(ft):
+    """A run that saved at step 4 of 6 and is relaunched with --steps 8: the schedule runs over 8 steps (the
+    saved one would end at 6 and train at lr 0)."""
+    import shutil
+
+    here = ft["dir"] / "ckpt_more"
+    shutil.copytree(ft["dir"] / "ckpt_DP4", here)
+    for late in here.glob("step-0000000[56]"):
+        shutil.rmtree(late)
+    log_dir = ft["dir"] / "log_more"
+    args = _args(ft, ["--checkpoint-dir", str(here), "--no-verify"], log_dir)
+    args[args.index("--steps") + 1] = "8"
+    rc, out = launch_torchrun(ft["scripts"]["plain"], 2, args, timeout=300)
+    assert rc == 0, out[-4000:]
+    assert "at step 4" in out and "now runs over --steps 8" in out, out[-3000:]
+    rows = _rows(log_dir)
+    assert sorted(s for s in rows if s > 0) == [5, 6, 7, 8]
+    assert all(float(rows[s]["lr"]) > 0 for s in (5, 6, 7, 8))

@@ -59,23 +59,31 @@ def _check_defaults(defaults: dict | None, launcher: str) -> dict:
 
 
 def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict) -> list[str]:
-    n = tp * stages
+    unit = tp * stages
+    dp = int(defaults.get("dp") or 1)
+    n = unit * dp
     data = " --data corpus.jsonl --tokenizer TOKENIZER_DIR --seq-len 1024" if "data" not in defaults else ""
     model = " --model-path HF_DIR" if "model_path" not in defaults else ""
     if launcher == "deepspeed":
-        return [(f"  one node with N GPUs (N a multiple of {n}: data parallelism over the rest, --zero 1 or 2 to "
+        return [(f"  one node with N GPUs (N a multiple of {unit}: data parallelism over the rest, --zero 1 or 2 to "
                  "shard optimizer states):"),
                 f"    deepspeed --num_gpus {n} {name} --device cuda{model}{data}",
                 f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} --device cpu",
                 f"  the DeepSpeed config:  python {name} --print-ds-config"]
-    layout = f"tp {tp}" + (f" x pp {stages}" if stages > 1 else "")
-    return [f"  one node with {n} GPU(s) ({layout}):",
-            f"    torchrun --nproc_per_node={n} {name} --device cuda{model}{data}",
-            f"  4 nodes x 8 GPUs, data parallelism over the rest (dp = 32 / {n}), FSDP2, resumable:",
-            f"    torchrun --nnodes=4 --nproc_per_node=8 --node_rank=R --master_addr=HOST0 --master_port=29500 {name} \\",
-            f"      --device cuda --bf16{model}{data} --fsdp --checkpoint-dir CKPT_DIR --checkpoint-every 500",
-            f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} --device cpu",
-            *([f"  one process:  python {name} --device cpu"] if n == 1 else [])]
+    layout = f"tp {tp}" + (f" x pp {stages}" if stages > 1 else "") + (f" x dp {dp}" if dp > 1 else "")
+    lines = [f"  one node with {n} GPU(s) ({layout}):",
+             f"    torchrun --nproc_per_node={n} {name} --device cuda{model}{data}"]
+    if 32 % unit == 0:
+        lines += [f"  4 nodes x 8 GPUs: data parallelism over the rest (dp = 32 / {unit}), FSDP2, resumable:",
+                  f"    torchrun --nnodes=4 --nproc_per_node=8 --node_rank=R --master_addr=HOST0 --master_port=29500 "
+                  f"{name} \\",
+                  f"      --device cuda --bf16{model}{data} --dp {32 // unit} --fsdp --checkpoint-dir CKPT_DIR "
+                  "--checkpoint-every 500"]
+    lines.append(f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} "
+                 "--device cpu")
+    if n == 1:
+        lines.append(f"  one process:  python {name} --device cpu")
+    return lines
 
 
 def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: str = "torchrun",

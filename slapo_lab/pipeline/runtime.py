@@ -448,7 +448,9 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
     codecs = None
     if target == "deepspeed" or deepspeed_later:  # how values travel between DeepSpeed stages: one micro-batch
-        from .deepspeed_runtime import _dry_run_codecs  # through every stage, while they are all alike (all meta,
+        from .deepspeed_runtime import (
+            _dry_run_codecs,  # through every stage, while they are all alike (all meta,
+        )
 
         codecs = partition.ds_codecs = _dry_run_codecs(partition)  # or all real)
     if prepare_stages is not None:

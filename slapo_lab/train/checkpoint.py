@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -338,9 +339,12 @@ def convert_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: 
     weight_map = {}
     for i, group in enumerate(groups, 1):
         src = {n: torch.empty(size[n], dtype=meta.state_dict_metadata["model." + n].properties.dtype) for n in group}
-        dcp.load({"model": src}, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": src}, checkpoint_id=str(path), no_dist=True)
         fname = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
         save_file({n: t.to(want).contiguous() for n, t in src.items()}, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o644)  # safetensors writes 0600
         weight_map.update(dict.fromkeys(group, fname))
     if total > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(

@@ -154,6 +154,8 @@ class DeepSpeedStepper:
         state = state or {}
         start = int(state.get("step", 0))
         run.resumed(path, state, start)
+        optimizer = getattr(self.engine, "basic_optimizer", None) or self.engine.optimizer
+        self.engine.lr_scheduler = run.stretch_schedule(optimizer, self.engine.lr_scheduler, state, start)
         return start
 
     def step(self, step: int) -> tuple[float, float, float]:

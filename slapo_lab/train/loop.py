@@ -571,36 +571,62 @@ class Run:
     def evaluate(self) -> tuple[float, int]:
         """The validation loss: the mean over the first ``--eval-samples`` sequences of ``--eval-data`` of each
         micro-batch's loss weighted by its rows (each replica evaluates its part), the same on every rank;
-        and the number of sequences evaluated."""
+        and the number of sequences evaluated.
+
+        Replicas may get one group of micro-batches fewer; under FSDP2 every forward all-gathers over the
+        replicas, so each runs as many forwards as replica 0 (which has the most), the extra ones uncounted.
+        """
         from .data import eval_micro_batches
 
         lay = self.layout
         group = self.plan.accumulation if self.pm is not None else 1
         micro = list(eval_micro_batches(self.eval_data, self.micro, lay.dp, lay.dp_rank, self.args.eval_samples,
                                         group=group))
+        most = len(eval_micro_batches(self.eval_data, self.micro, lay.dp, 0, self.args.eval_samples, group=group))
+        batches = [(mb, True) for mb in micro]
+        if lay.fsdp:
+            batches += [(batches[0][0] if batches else self._eval_filler(group), False)] * (most - len(micro))
         total = torch.zeros((), dtype=torch.float64)
         rows = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             if self.pm is not None:
-                for k in range(0, len(micro), group):
-                    batch = _to(_cat(micro[k:k + group]), self.device)
+                for k in range(0, len(batches), group):
+                    batch = _to(_cat([b for b, _ in batches[k:k + group]]), self.device)
                     inputs, target = _split_target(batch, 1, self.device)
-                    n = target.shape[0]
-                    total += self.pm.eval_step(**inputs, target=target) * n
-                    rows += n
+                    loss = self.pm.eval_step(**inputs, target=target)
+                    if batches[k][1]:
+                        total += loss * target.shape[0]
+                        rows += target.shape[0]
             else:
                 self.module.eval()
-                for mb in micro:
-                    n = mb["input_ids"].shape[0] if "input_ids" in mb else next(iter(mb.values())).shape[0]
+                for mb, counted in batches:
                     with self._autocast():
-                        total += float(model_loss(self.model(**_to(mb, self.device)), self.args.seed)) * n
-                    rows += n
+                        loss = float(model_loss(self.model(**_to(mb, self.device)), self.args.seed))
+                    if counted:
+                        n = next(v.shape[0] for v in mb.values() if isinstance(v, torch.Tensor) and v.dim())
+                        total += loss * n
+                        rows += n
                 self.module.train()
+        if lay.fsdp:  # a forward without backward leaves FSDP2's root unsharded (then the optimizer's parameters
+            from torch.distributed.fsdp import (
+                FSDPModule,  # are not the module's, and a checkpoint cannot map them)
+            )
+
+            for m in self.module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
         if lay.dp > 1:
             both = torch.stack([total, rows]).to(self._reduce_device)
             dist.all_reduce(both, group=lay.mesh.dp_group)
             total, rows = both[0].cpu(), both[1].cpu()
         return (float(total / rows) if float(rows) else float("nan")), int(rows)
+
+    def _eval_filler(self, group: int) -> dict:
+        """A batch of the evaluation shapes for a replica that has none left (its forwards are not counted)."""
+        from .data import eval_micro_batches
+
+        return next(iter(eval_micro_batches(self.eval_data, self.micro, self.layout.dp, 0, self.args.eval_samples,
+                                            group=group)))
 
     @property
     def layout_key(self) -> str:
@@ -662,6 +688,26 @@ class Run:
             self.save_hf(args.save_hf)
         return 0
 
+    def stretch_schedule(self, optimizer, scheduler, state: dict, start: int):
+        """The learning-rate schedule to resume with: the checkpoint's, or -- when the run now trains for another
+        number of ``--steps`` than the one that saved it (its schedule ends there) -- a new one over the new
+        total, advanced to ``start`` (and said so)."""
+        from .optim import make_scheduler
+
+        saved = int(state.get("total_steps") or self.args.steps)
+        if saved == self.args.steps:
+            return scheduler
+        import warnings
+
+        fresh = make_scheduler(optimizer, self.args.lr_schedule, self.args.warmup_steps, self.args.steps)
+        with warnings.catch_warnings():  # stepping the schedule without optimizer steps is the point here
+            warnings.simplefilter("ignore")
+            for _ in range(start):
+                fresh.step()
+        _say(f"note: the checkpoint's learning-rate schedule ended at step {saved}; it now runs over --steps "
+             f"{self.args.steps} (lr {optimizer.param_groups[0]['lr']:.2e} at step {start + 1}).")
+        return fresh
+
     def resumed(self, path, state: dict, start: int) -> None:
         """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so."""
         from ..random import set_random_seed
@@ -692,7 +738,8 @@ class Run:
 
     def _train_state(self, step: int) -> dict:
         return {"step": step, "samples": step * self.args.global_batch_size, "epoch": self.plan.epoch(step),
-                "seed": self.args.seed, "global_batch_size": self.args.global_batch_size}
+                "seed": self.args.seed, "global_batch_size": self.args.global_batch_size,
+                "total_steps": self.args.steps}
 
     def save_hf(self, folder: str) -> None:
         """Write the trained model as a Hugging Face directory (gathered from every shard) with its config
@@ -752,6 +799,7 @@ class TorchStepper:
         state = self.ckpt.load(latest[1], run._train_state(0))
         start = int(state.get("step", latest[0]))
         run.resumed(latest[1], state, start)
+        self.scheduler = self.ckpt.scheduler = run.stretch_schedule(self.optimizer, self.scheduler, state, start)
         return start
 
     def step(self, step: int) -> tuple[float, float, float]:
@@ -805,7 +853,7 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
 
         world = int(os.environ.get("WORLD_SIZE", tp * stages))
         dp = args.dp or max(1, world // (tp * stages))
-        micro = args.micro_batch_size or max(1, args.global_batch_size // (dp * (stages if stages > 1 else 1)))
+        micro = args.micro_batch_size or max(1, args.global_batch_size // (dp * (max(1, stages))))
         print(json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2))
         return 0
     device, error = _device_of(args)

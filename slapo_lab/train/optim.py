@@ -61,6 +61,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group=None) -> torch.Tens
         A 0-dim float32 tensor (plain, replicated).
     """
     if grads:
+        # DTensor logs a warning that reducing a scalar over both mesh dims takes two all-reduces: it does, and
+        # for one scalar per step that is fine
+        import logging
+
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         total = torch.nn.utils.get_total_norm(list(grads), norm_type=2.0, error_if_nonfinite=False)
         total = total.full_tensor() if hasattr(total, "full_tensor") else total
         total = total.float()

@@ -14,6 +14,7 @@ Rank 0 prints one ``RESULT {json}`` line per case; the exit status is non-zero i
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import sys
@@ -220,6 +221,7 @@ def main() -> int:
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(res), flush=True)
     dist.barrier()
+    gc.collect()  # sync hooks hold the gloo group in reference cycles; free them first
     dist.destroy_process_group()
     return 1 if failed else 0
 
