@@ -11,6 +11,7 @@ Prints, with ratios against a baseline measured in the same run (one full ``torc
 
 Usage: python benchmarks/editor_bench.py [--clicks 100] [--layers 80] [--no-export]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ import slapo_lab as sl
 
 
 def llama70b(layers: int):
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
 
@@ -63,8 +71,10 @@ def main() -> None:
     model = llama70b(args.layers)
     build_s = time.perf_counter() - t
     ids = torch.randint(0, 32000, (1, 128))
-    print(f"model: Llama {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params "
-          f"(meta), built in {build_s:.2f} s")
+    print(
+        f"model: Llama {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params "
+        f"(meta), built in {build_s:.2f} s"
+    )
 
     # warm-up: imports, graphviz, the dataflow op cache (a person's second editor is this fast too)
     sl.ScheduleEditor(llama70b(2), example_inputs={"input_ids": ids}, world_size=8)
@@ -121,7 +131,9 @@ def main() -> None:
     sg.render_svg = real_render
 
     ed.open_level("model.layers.0.self_attn")
-    targets = [f"model.layers.{i}.self_attn.{n}" for i in range(args.layers) for n in ("q_proj", "k_proj", "v_proj")]
+    targets = [
+        f"model.layers.{i}.self_attn.{n}" for i in range(args.layers) for n in ("q_proj", "k_proj", "v_proj")
+    ]
     times = []
     for i in range(args.clicks):
         path = targets[i % len(targets)]
@@ -133,6 +145,7 @@ def main() -> None:
     times.sort()
     p95 = times[int(0.95 * (len(times) - 1))]
     med = statistics.median(times)
+
     def vs(x: float) -> str:  # ratio against the baseline: one torch.export of the same model, this run
         return f" ({x / export_s:.3f}x torch.export)" if export_s else ""
 
@@ -140,19 +153,29 @@ def main() -> None:
     if export_s:
         print(f"baseline: one torch.export of the model: {export_s:.2f} s")
     print(f"constructor → first view: {ctor:.3f} s{vs(ctor)} (goal ≤ 1.0 s)")
-    print(f"first double-click (open 'model'): {first_dbl:.3f} s{vs(first_dbl)} after the idle call-order "
-          f"recording ({prefetch:.3f} s{vs(prefetch)}); without idle time: {first_dbl_cold:.3f} s{vs(first_dbl_cold)}")
-    print(f"open one decoder layer: {expand:.3f} s{vs(expand)} (goal ≤ 0.5 s); unfold all {args.layers} layers "
-          f"into nodes: {unfold:.3f} s{vs(unfold)}")
-    print(f"select (no schedule change), {len(sel)} selections: median {statistics.median(sel) * 1e3:.1f} ms, "
-          f"graphviz renders: {sel_renders}")
-    print(f"click (apply + update), {len(times)} clicks: median {med * 1e3:.1f} ms{vs(med)}, p95 {p95 * 1e3:.1f} ms"
-          f"{vs(p95)} (goal p95 ≤ 100 ms); ratio p95/median {p95 / med:.2f}")
+    print(
+        f"first double-click (open 'model'): {first_dbl:.3f} s{vs(first_dbl)} after the idle call-order "
+        f"recording ({prefetch:.3f} s{vs(prefetch)}); without idle time: {first_dbl_cold:.3f} s{vs(first_dbl_cold)}"
+    )
+    print(
+        f"open one decoder layer: {expand:.3f} s{vs(expand)} (goal ≤ 0.5 s); unfold all {args.layers} layers "
+        f"into nodes: {unfold:.3f} s{vs(unfold)}"
+    )
+    print(
+        f"select (no schedule change), {len(sel)} selections: median {statistics.median(sel) * 1e3:.1f} ms, "
+        f"graphviz renders: {sel_renders}"
+    )
+    print(
+        f"click (apply + update), {len(times)} clicks: median {med * 1e3:.1f} ms{vs(med)}, p95 {p95 * 1e3:.1f} ms"
+        f"{vs(p95)} (goal p95 ≤ 100 ms); ratio p95/median {p95 / med:.2f}"
+    )
     u = undo_figures(model, ids)
-    print(f"undo after the Megatron preset ({u['calls']} calls, one action): undo one later click "
-          f"{u['undo_click']:.3f} s{vs(u['undo_click'])} ({u['undo_click'] / u['preset']:.2f}x applying the preset, "
-          f"{u['preset']:.3f} s); undo the whole preset {u['undo_preset']:.3f} s{vs(u['undo_preset'])}; "
-          f"redo it {u['redo_preset']:.3f} s{vs(u['redo_preset'])} (goal: undo well under 1 s per action)")
+    print(
+        f"undo after the Megatron preset ({u['calls']} calls, one action): undo one later click "
+        f"{u['undo_click']:.3f} s{vs(u['undo_click'])} ({u['undo_click'] / u['preset']:.2f}x applying the preset, "
+        f"{u['preset']:.3f} s); undo the whole preset {u['undo_preset']:.3f} s{vs(u['undo_preset'])}; "
+        f"redo it {u['redo_preset']:.3f} s{vs(u['redo_preset'])} (goal: undo well under 1 s per action)"
+    )
 
 
 if __name__ == "__main__":

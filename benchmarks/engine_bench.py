@@ -13,6 +13,7 @@ Step times are medians over interleaved runs (eager, scheduled, eager, ...) afte
 on a shared machine hits both sides alike. Run: ``python benchmarks/engine_bench.py [--quick]``
 (``--json out.json`` writes the figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import slapo_lab as sl
+
 
 def megatron_tp(sch) -> None:
     """Full Megatron tensor parallelism on every block (the editor's preset; embeddings stay replicated)."""
@@ -67,21 +69,37 @@ def bench_overhead(quick: bool) -> dict:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-                     vocab_size=8000, max_position_embeddings=128, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        vocab_size=8000,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     eager = BertModel(cfg).train()
     plain = copy.deepcopy(eager)
     sl.create_schedule(plain)  # world size 1, no primitives
     tp1 = copy.deepcopy(eager)
     megatron_tp(sl.create_schedule(tp1, world_size=1))
     ids = torch.randint(0, cfg.vocab_size, (4, 128))
-    med = interleaved({"eager": make_step(eager, ids), "schedule_ws1": make_step(plain, ids),
-                       "tp_schedule_ws1": make_step(tp1, ids)}, reps=10 if quick else 40, warmup=3)
-    return {"config": "BERT 4x256, batch 4, seq 128, AdamW step",
-            "eager_step_s": med["eager"],
-            "ratio_schedule_ws1_vs_eager": med["schedule_ws1"] / med["eager"],
-            "ratio_tp_schedule_ws1_vs_eager": med["tp_schedule_ws1"] / med["eager"]}
+    med = interleaved(
+        {
+            "eager": make_step(eager, ids),
+            "schedule_ws1": make_step(plain, ids),
+            "tp_schedule_ws1": make_step(tp1, ids),
+        },
+        reps=10 if quick else 40,
+        warmup=3,
+    )
+    return {
+        "config": "BERT 4x256, batch 4, seq 128, AdamW step",
+        "eager_step_s": med["eager"],
+        "ratio_schedule_ws1_vs_eager": med["schedule_ws1"] / med["eager"],
+        "ratio_tp_schedule_ws1_vs_eager": med["tp_schedule_ws1"] / med["eager"],
+    }
 
 
 class SavedBytes:
@@ -118,8 +136,13 @@ def bench_checkpoint(quick: bool) -> dict:
 
     torch.manual_seed(0)
     layers = 12
-    cfg = BertConfig(num_hidden_layers=layers, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
-                     max_position_embeddings=512)
+    cfg = BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=768,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+    )
     batch, seq = (2, 128) if quick else (4, 128)
     eager = BertModel(cfg).train()
     ckpt = copy.deepcopy(eager)
@@ -129,8 +152,9 @@ def bench_checkpoint(quick: bool) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     bytes_eager = saved_bytes(eager, ids)
     bytes_ckpt = saved_bytes(ckpt, ids)
-    med = interleaved({"eager": make_step(eager, ids), "checkpoint": make_step(ckpt, ids)},
-                      reps=3 if quick else 7, warmup=1)
+    med = interleaved(
+        {"eager": make_step(eager, ids), "checkpoint": make_step(ckpt, ids)}, reps=3 if quick else 7, warmup=1
+    )
     # the planner's two activation counts (one meta forward each) for the same two models
     sch_eager = sl.create_schedule(copy.deepcopy(eager))
     est_eager = sl.plan(sch_eager, example_inputs={"input_ids": ids})
@@ -139,17 +163,22 @@ def bench_checkpoint(quick: bool) -> dict:
     a_c = est_ckpt.per_stage[0]["activation_bytes"]
     ag_eager = sl.plan(sch_eager, example_inputs={"input_ids": ids}, activation="autograd")
     ag_ckpt = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd")
-    return {"config": f"BERT-base 12x768, batch {batch}, seq {seq}, AdamW step, checkpoint on every layer",
-            "saved_bytes_eager": bytes_eager, "saved_bytes_checkpoint": bytes_ckpt,
-            "ratio_saved_bytes_checkpoint_vs_eager": bytes_ckpt / bytes_eager,
-            "eager_step_s": med["eager"], "ratio_step_checkpoint_vs_eager": med["checkpoint"] / med["eager"],
-            "plan_estimate_eager": a_e, "plan_estimate_checkpoint": a_c,
-            "ratio_plan_estimate_vs_measured_eager": a_e / bytes_eager,
-            "ratio_plan_estimate_vs_measured_checkpoint": a_c / bytes_ckpt,
-            "ratio_plan_autograd_vs_measured_eager": ag_eager.per_stage[0]["activation_bytes"] / bytes_eager,
-            "ratio_plan_autograd_vs_measured_checkpoint": ag_ckpt.per_stage[0]["activation_bytes"] / bytes_ckpt,
-            "plan_estimate_pass_s": est_eager.activation_seconds,
-            "plan_autograd_pass_s": ag_eager.activation_seconds}
+    return {
+        "config": f"BERT-base 12x768, batch {batch}, seq {seq}, AdamW step, checkpoint on every layer",
+        "saved_bytes_eager": bytes_eager,
+        "saved_bytes_checkpoint": bytes_ckpt,
+        "ratio_saved_bytes_checkpoint_vs_eager": bytes_ckpt / bytes_eager,
+        "eager_step_s": med["eager"],
+        "ratio_step_checkpoint_vs_eager": med["checkpoint"] / med["eager"],
+        "plan_estimate_eager": a_e,
+        "plan_estimate_checkpoint": a_c,
+        "ratio_plan_estimate_vs_measured_eager": a_e / bytes_eager,
+        "ratio_plan_estimate_vs_measured_checkpoint": a_c / bytes_ckpt,
+        "ratio_plan_autograd_vs_measured_eager": ag_eager.per_stage[0]["activation_bytes"] / bytes_eager,
+        "ratio_plan_autograd_vs_measured_checkpoint": ag_ckpt.per_stage[0]["activation_bytes"] / bytes_ckpt,
+        "plan_estimate_pass_s": est_eager.activation_seconds,
+        "plan_autograd_pass_s": ag_eager.activation_seconds,
+    }
 
 
 def bench_llama70b(quick: bool) -> dict:
@@ -175,16 +204,25 @@ def bench_llama70b(quick: bool) -> dict:
     t0 = time.perf_counter()
     pl = sl.plan(sch, param_dtype=torch.bfloat16, master_weights=True)
     plan_s = time.perf_counter() - t0
-    result = {"config": "Llama 70B (80 x 8192, 64 heads, 8 KV heads, 28672 FFN, vocab 32000), meta, TP 8",
-              "build_meta_s": statistics.median(builds), "apply_tp_s": statistics.median(tps),
-              "ratio_apply_tp_vs_build": statistics.median(tps) / statistics.median(builds),
-              "primitive_calls": len(sch.record.calls),
-              "plan_params_s": plan_s, "per_rank_bytes_bf16_adam": pl.total_bytes}
+    result = {
+        "config": "Llama 70B (80 x 8192, 64 heads, 8 KV heads, 28672 FFN, vocab 32000), meta, TP 8",
+        "build_meta_s": statistics.median(builds),
+        "apply_tp_s": statistics.median(tps),
+        "ratio_apply_tp_vs_build": statistics.median(tps) / statistics.median(builds),
+        "primitive_calls": len(sch.record.calls),
+        "plan_params_s": plan_s,
+        "per_rank_bytes_bf16_adam": pl.total_bytes,
+    }
     if not quick:
         ids = torch.zeros(1, 4096, dtype=torch.long)
         for method in ("estimate", "autograd"):
-            kw = {"param_dtype": torch.bfloat16, "master_weights": True, "activation_dtype": torch.bfloat16,
-                  "example_inputs": {"input_ids": ids, "use_cache": False}, "activation": method}
+            kw = {
+                "param_dtype": torch.bfloat16,
+                "master_weights": True,
+                "activation_dtype": torch.bfloat16,
+                "example_inputs": {"input_ids": ids, "use_cache": False},
+                "activation": method,
+            }
             t0 = time.perf_counter()
             pa = sl.plan(sch, **kw)
             result[f"plan_{method}_s"] = time.perf_counter() - t0
@@ -200,13 +238,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller batch (a smoke run)")
     ap.add_argument("--only", choices=("a", "b", "c"), action="append", help="run only these parts")
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: steadier ratios on a shared machine)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: steadier ratios on a shared machine)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.only or ["a", "b", "c"]
     results = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    fns = {"a": ("overhead", bench_overhead), "b": ("checkpoint", bench_checkpoint), "c": ("llama70b", bench_llama70b)}
+    fns = {
+        "a": ("overhead", bench_overhead),
+        "b": ("checkpoint", bench_checkpoint),
+        "c": ("llama70b", bench_llama70b),
+    }
     for p in parts:
         name, fn = fns[p]
         t0 = time.perf_counter()

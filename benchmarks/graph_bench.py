@@ -47,8 +47,12 @@ def main() -> None:
     from slapo_lab.graph import _record
 
     cfg = LlamaConfig(
-        num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
     )
     t = time.perf_counter()
     with torch.device("meta"):
@@ -57,8 +61,10 @@ def main() -> None:
     nparams = sum(p.numel() for p in model.parameters())
     ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids}
-    print(f"model: LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {nparams / 1e9:.1f} B params "
-          f"on meta (built in {build:.3f} s); input_ids 1×{args.seq}; median of {args.repeat}")
+    print(
+        f"model: LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {nparams / 1e9:.1f} B params "
+        f"on meta (built in {build:.3f} s); input_ids 1×{args.seq}; median of {args.repeat}"
+    )
 
     def plain():
         with torch.no_grad():
@@ -74,12 +80,16 @@ def main() -> None:
     t_cold = _median(record_cold, args.repeat)
     flow = g.record_dataflow(model, inputs)
     t_warm = _median(lambda: g.record_dataflow(model, inputs), args.repeat)
-    t_nocache = _median(lambda: g.record_dataflow(model, inputs, cache_meta_ops=False), max(1, args.repeat // 2))
+    t_nocache = _median(
+        lambda: g.record_dataflow(model, inputs, cache_meta_ops=False), max(1, args.repeat // 2)
+    )
     t_tree = _median(lambda: g.module_tree(model), args.repeat)
 
-    two = 'digraph { a -> b }'
+    two = "digraph { a -> b }"
     base_gv = _median(
-        lambda: subprocess.run(["dot", "-Tsvg"], input=two.encode(), capture_output=True, check=True, timeout=30),
+        lambda: subprocess.run(
+            ["dot", "-Tsvg"], input=two.encode(), capture_output=True, check=True, timeout=30
+        ),
         args.repeat,
     )
 
@@ -123,8 +133,10 @@ def _bench_level(g, flow, path: str, expanded, base_gv: float, repeat: int) -> N
     print(f"{name} [{len(G)} nodes, {G.number_of_edges()} edges]")
     print(f"{'  level_graph':58s} {t_level:9.4f} {t_level / base_gv:8.2f}")
     print(f"{'  render_svg, layout cache miss (dot + neato -n2)':58s} {t_miss:9.4f} {t_miss / base_gv:8.2f}")
-    print(f"{'  render_svg, recoloured (cache hit: neato -n2 only)':58s} {t_hit:9.4f} {t_hit / base_gv:8.2f}"
-          f"   ({hits}/{repeat} hits)")
+    print(
+        f"{'  render_svg, recoloured (cache hit: neato -n2 only)':58s} {t_hit:9.4f} {t_hit / base_gv:8.2f}"
+        f"   ({hits}/{repeat} hits)"
+    )
     tot = t_level + t_miss
     print(f"{'  level_graph + render (miss)':58s} {tot:9.4f} {tot / base_gv:8.2f}")
 

@@ -11,6 +11,7 @@ Run: ``python benchmarks/pipeline_bench.py [--quick] [--json out.json]`` (it lau
 local ranks itself, bounded by ``--timeout``); DeepSpeed must be installed
 (``DS_BUILD_OPS=0 pip install deepspeed``; its first initialisation compiles a shm op, ~1 min).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _config(quick: bool) -> dict:
     if quick:
-        return {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq": 32, "batch": 8, "n_mb": 4,
-                "warmup": 2, "steps": 6}
-    return {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seq": 64, "batch": 16, "n_mb": 4,
-            "warmup": 2, "steps": 10}
+        return {
+            "layers": 4,
+            "hidden": 64,
+            "heads": 4,
+            "vocab": 256,
+            "seq": 32,
+            "batch": 8,
+            "n_mb": 4,
+            "warmup": 2,
+            "steps": 6,
+        }
+    return {
+        "layers": 4,
+        "hidden": 128,
+        "heads": 4,
+        "vocab": 1024,
+        "seq": 64,
+        "batch": 16,
+        "n_mb": 4,
+        "warmup": 2,
+        "steps": 10,
+    }
 
 
 def worker(args) -> int:
@@ -53,9 +72,19 @@ def worker(args) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    hf = GPT2Config(n_layer=cfg["layers"], n_embd=cfg["hidden"], n_head=cfg["heads"], vocab_size=cfg["vocab"],
-                    n_positions=cfg["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                    bos_token_id=0, eos_token_id=0)
+    hf = GPT2Config(
+        n_layer=cfg["layers"],
+        n_embd=cfg["hidden"],
+        n_head=cfg["heads"],
+        vocab_size=cfg["vocab"],
+        n_positions=cfg["seq"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     base = GPT2LMHeadModel(hf)
     cut = f"transformer.h.{cfg['layers'] // 2 - 1}"
 
@@ -63,17 +92,25 @@ def worker(args) -> int:
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
     g = torch.Generator().manual_seed(7)
-    batches = [torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-               for _ in range(cfg["warmup"] + cfg["steps"])]
+    batches = [
+        torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+        for _ in range(cfg["warmup"] + cfg["steps"])
+    ]
     built = {}
     build_s = {}
     for target in ("torch", "deepspeed"):
         sch = sl.create_schedule(copy.deepcopy(base))
         sch[cut].cut_pipeline_stage()
         t0 = time.perf_counter()
-        built[target] = build_pipeline(sch, target, example_inputs=(batches[0],), loss_fn=lm_loss, schedule="1F1B",
-                                       n_microbatches=cfg["n_mb"],
-                                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+        built[target] = build_pipeline(
+            sch,
+            target,
+            example_inputs=(batches[0],),
+            loss_fn=lm_loss,
+            schedule="1F1B",
+            n_microbatches=cfg["n_mb"],
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
+        )
         build_s[target] = time.perf_counter() - t0
     times = {"torch": [], "deepspeed": []}
     losses = {"torch": [], "deepspeed": []}
@@ -90,7 +127,7 @@ def worker(args) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {
         "model": f"GPT2LMHeadModel {cfg['layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}, "
-                 f"seq {cfg['seq']}, batch {cfg['batch']} in {cfg['n_mb']} micro-batches, cut after {cut}",
+        f"seq {cfg['seq']}, batch {cfg['batch']} in {cfg['n_mb']} micro-batches, cut after {cut}",
         "ranks": dist.get_world_size(),
         "steps_timed": cfg["steps"],
         "torch_step_s": round(med["torch"], 5),
@@ -119,10 +156,25 @@ def launch(args) -> int:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", str(Path(__file__).resolve()), "--worker"] + (["--quick"] if args.quick else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        str(Path(__file__).resolve()),
+        "--worker",
+    ] + (["--quick"] if args.quick else [])
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -139,7 +191,7 @@ def launch(args) -> int:
     if line is None or proc.returncode:
         print(out[-4000:])
         return proc.returncode or 1
-    res = json.loads(line[len("BENCH "):])
+    res = json.loads(line[len("BENCH ") :])
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -17,6 +17,7 @@ add ``--device cuda``). Figures on the CPU say nothing about GPU launch/sync ove
 costs nothing when the host does the compute), which is where issue 10's 13-18 % gap on an H100 came
 from; see the report for what the script changed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,26 @@ STEP = re.compile(r"^step \d+/\d+ loss \S+ \| .*?\| ([\d.]+) samples/s", re.MULT
 
 def _config(quick: bool) -> dict:
     if quick:
-        return {"layers": 2, "hidden": 128, "heads": 4, "ffn": 512, "seq": 64, "batch": 4, "rounds": 10, "steps": 2}
-    return {"layers": 4, "hidden": 256, "heads": 4, "ffn": 1024, "seq": 128, "batch": 8, "rounds": 20, "steps": 2}
+        return {
+            "layers": 2,
+            "hidden": 128,
+            "heads": 4,
+            "ffn": 512,
+            "seq": 64,
+            "batch": 4,
+            "rounds": 10,
+            "steps": 2,
+        }
+    return {
+        "layers": 4,
+        "hidden": 256,
+        "heads": 4,
+        "ffn": 1024,
+        "seq": 128,
+        "batch": 8,
+        "rounds": 20,
+        "steps": 2,
+    }
 
 
 def main(argv=None) -> int:
@@ -56,29 +75,43 @@ def main(argv=None) -> int:
 
     hf_logging.set_verbosity_error()
     if args.device == "cpu":
-        torch.set_num_threads(1)   # one core each step: less sensitive to other work on a shared machine
-    os.environ.pop("RANK", None)   # one process of its own, without a launcher
+        torch.set_num_threads(1)  # one core each step: less sensitive to other work on a shared machine
+    os.environ.pop("RANK", None)  # one process of its own, without a launcher
     cfg = _config(args.quick)
-    hf = BertConfig(num_hidden_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-                    intermediate_size=cfg["ffn"], vocab_size=1000, max_position_embeddings=cfg["seq"])
+    hf = BertConfig(
+        num_hidden_layers=cfg["layers"],
+        hidden_size=cfg["hidden"],
+        num_attention_heads=cfg["heads"],
+        intermediate_size=cfg["ffn"],
+        vocab_size=1000,
+        max_position_embeddings=cfg["seq"],
+    )
     model = BertModel(hf)
     ids = torch.randint(0, 1000, (cfg["batch"], cfg["seq"]))
     text = render_script(model_spec(model), [], input_spec({"input_ids": ids}, 1000), world_size=1)
     ns = {"__name__": "exported"}
     exec(compile(text, "train.py", "exec"), ns)  # noqa: S102 - the generated script is what is measured
-    opts = ["--device", args.device, "--steps", str(cfg["steps"]), "--no-verify", "--progress", "off"] + \
-        (["--bf16"] if args.bf16 else [])
+    opts = ["--device", args.device, "--steps", str(cfg["steps"]), "--no-verify", "--progress", "off"] + (
+        ["--bf16"] if args.bf16 else []
+    )
     device = "cuda:0" if args.device == "cuda" else "cpu"
 
     def script_round() -> list[float]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = slapo_lab.train.main(model=ns["MODEL"], schedule=ns["schedule"], inputs=ns["INPUTS"], tp=ns["TP"],
-                                      stages=ns["STAGES"], defaults=ns["DEFAULTS"], argv=opts)
+            rc = slapo_lab.train.main(
+                model=ns["MODEL"],
+                schedule=ns["schedule"],
+                inputs=ns["INPUTS"],
+                tp=ns["TP"],
+                stages=ns["STAGES"],
+                defaults=ns["DEFAULTS"],
+                argv=opts,
+            )
         assert rc == 0, out.getvalue()
         return [cfg["batch"] / float(s) for s in STEP.findall(out.getvalue())]
 
-    lr, max_norm = 1e-4, 1.0   # the script's defaults (--lr, --max-grad-norm)
+    lr, max_norm = 1e-4, 1.0  # the script's defaults (--lr, --max-grad-norm)
     torch.manual_seed(0)
     hand = BertModel(hf).to(device).train()
     opt = torch.optim.AdamW(hand.parameters(), lr=lr)
@@ -92,8 +125,9 @@ def main(argv=None) -> int:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            batch = torch.randint(0, 1000, (cfg["batch"], cfg["seq"]),
-                                  generator=torch.Generator().manual_seed(step)).to(device)
+            batch = torch.randint(
+                0, 1000, (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(step)
+            ).to(device)
             with torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.bf16):
                 hidden = hand(input_ids=batch).last_hidden_state
                 loss = (hidden.float() @ probe).square().mean()
@@ -108,19 +142,28 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - start)
         return times
 
-    script_round(), hand_round()   # warm-up
+    script_round(), hand_round()  # warm-up
     script_times, hand_times = [], []
     for _ in range(cfg["rounds"]):
-        script_times += script_round()[1:]   # each round rebuilds the model: skip its first step
+        script_times += script_round()[1:]  # each round rebuilds the model: skip its first step
         hand_times += hand_round()[1:]
     s, h = statistics.median(script_times), statistics.median(hand_times)
-    result = {"config": cfg, "bf16": args.bf16, "device": args.device, "script_step_s": s, "hand_step_s": h,
-              "ratio_script_over_hand": s / h, "samples": [len(script_times), len(hand_times)],
-              "torch_threads": torch.get_num_threads()}
-    print(f"BERT {cfg['layers']} layers, hidden {cfg['hidden']}, batch {cfg['batch']} x {cfg['seq']}, "
-          f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.device}: exported script {s * 1e3:.1f} ms/step, "
-          f"hand HF loop {h * 1e3:.1f} ms/step, script / hand = {s / h:.3f} "
-          f"(medians of {len(script_times)} and {len(hand_times)} steps)")
+    result = {
+        "config": cfg,
+        "bf16": args.bf16,
+        "device": args.device,
+        "script_step_s": s,
+        "hand_step_s": h,
+        "ratio_script_over_hand": s / h,
+        "samples": [len(script_times), len(hand_times)],
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(
+        f"BERT {cfg['layers']} layers, hidden {cfg['hidden']}, batch {cfg['batch']} x {cfg['seq']}, "
+        f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.device}: exported script {s * 1e3:.1f} ms/step, "
+        f"hand HF loop {h * 1e3:.1f} ms/step, script / hand = {s / h:.3f} "
+        f"(medians of {len(script_times)} and {len(hand_times)} steps)"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -10,6 +10,7 @@ one-process run measured in the same invocation. Run with Verify off and on; wit
 
     python benchmarks/train_memory_bench.py            # prints the figures and the ratios
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,15 @@ sys.path.insert(0, str(ROOT))
 
 from tests.harness import child_env, free_port
 
-CONFIG = {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
-          "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": 256}
+CONFIG = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "max_position_embeddings": 256,
+}
 
 
 def export(folder: Path) -> dict[str, Path]:
@@ -44,23 +52,45 @@ def export(folder: Path) -> dict[str, Path]:
         sch = sl.create_schedule(LlamaForCausalLM(config).to("meta"), world_size=tp)
         if tp > 1:
             sl.presets.megatron_tp(sch)
-        out[name] = sl.export_script(folder / f"train_{name}.py", model, sch.record.calls, {"input_ids": ids},
-                                     world_size=tp)
+        out[name] = sl.export_script(
+            folder / f"train_{name}.py", model, sch.record.calls, {"input_ids": ids}, world_size=tp
+        )
     n = sum(p.numel() for p in model.parameters())
     print(f"model: LlamaForCausalLM, {n / 1e6:.1f} M parameters")
     return out
 
 
-def peak_mib(script: Path, nproc: int, verify: bool, log_dir: Path, env: dict | None = None
-             ) -> tuple[float, float | None]:
+def peak_mib(
+    script: Path, nproc: int, verify: bool, log_dir: Path, env: dict | None = None
+) -> tuple[float, float | None]:
     """(training's peak from metrics.csv, Verify's peak from its report or None), rank 0, MiB."""
-    args = ["--device", "cpu", "--steps", "3", "--micro-batch-size", "1", "--log-dir", str(log_dir), "--verify" if verify else "--no-verify"]
+    args = [
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--micro-batch-size",
+        "1",
+        "--log-dir",
+        str(log_dir),
+        "--verify" if verify else "--no-verify",
+    ]
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(**(env or {})), capture_output=True, text=True, timeout=1800)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(script),
+            *args,
+        ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(**(env or {})), capture_output=True, text=True, check=False, timeout=1800
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{script.name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(log_dir / "metrics.csv", newline="") as f:
@@ -80,16 +110,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="slapo-mem-") as d:
         d = Path(d)
         scripts = export(d)
-        for label, env, verify in (("glibc default", {}, False), (TRIM, {"MALLOC_MMAP_THRESHOLD_": "65536"}, False),
-                                   (TRIM, {"MALLOC_MMAP_THRESHOLD_": "65536"}, True)):
+        for label, env, verify in (
+            ("glibc default", {}, False),
+            (TRIM, {"MALLOC_MMAP_THRESHOLD_": "65536"}, False),
+            (TRIM, {"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
+        ):
             tag = f"{len(env)}_{verify}"
             one, one_v = peak_mib(scripts["one"], 1, verify, d / f"one_{tag}", env)
             tp2, tp2_v = peak_mib(scripts["tp2"], 2, verify, d / f"tp2_{tag}", env)
-            print(f"training, Verify {'on ' if verify else 'off'}, {label}: peak RSS above start-up, rank 0: one "
-                  f"process {one:.0f} MiB, TP2 {tp2:.0f} MiB per rank -> ratio {tp2 / one:.2f} (goal <= 0.60)")
+            print(
+                f"training, Verify {'on ' if verify else 'off'}, {label}: peak RSS above start-up, rank 0: one "
+                f"process {one:.0f} MiB, TP2 {tp2:.0f} MiB per rank -> ratio {tp2 / one:.2f} (goal <= 0.60)"
+            )
             if verify:
-                print(f"Verify itself (its reference sharded over the ranks), {label}: one process {one_v:.0f} MiB, "
-                      f"TP2 {tp2_v:.0f} MiB per rank -> ratio {tp2_v / one_v:.2f}")
+                print(
+                    f"Verify itself (its reference sharded over the ranks), {label}: one process {one_v:.0f} MiB, "
+                    f"TP2 {tp2_v:.0f} MiB per rank -> ratio {tp2_v / one_v:.2f}"
+                )
     return 0
 
 

@@ -2,23 +2,24 @@
 
 The public API, and nothing else: the editor and exported scripts use only these names.
 """
+
+from . import graph, presets
+from .build import build
+from .check import Finding, check_schedule, close_open_items
 from .errors import ScheduleError
+from .export import ExportError, export_script, load_schedule, save_schedule
+from .init import consolidate_model, init_empty_weights
+from .module_state import peek_meta as module_state
+from .plan import Plan, plan
 from .primitives import Primitive, list_primitives, register_primitive
+from .primitives.replace import LinearWithSeparateBias
+from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .record import Call, Recorder, format_call, replay
 from .schedule import Schedule, ScheduleMetadata, create_schedule
-from .module_state import peek_meta as module_state
-from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
-from .verify import Verify, VerifyReport, verify_models
 from .sharding.sync_ops import TPGroup
-from .export import ExportError, export_script, load_schedule, save_schedule
-from .build import build
-from . import graph, presets
 from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
-from .primitives.replace import LinearWithSeparateBias
-from .plan import Plan, plan
-from .check import Finding, check_schedule, close_open_items
-from .init import consolidate_model, init_empty_weights
 from .tune import Database, Space, Symbol
+from .verify import Verify, VerifyReport, verify_models
 
 __version__ = "0.1.0"
 
@@ -42,14 +43,50 @@ def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | Non
 
 
 __all__ = [
-    "ExportError", "export_script", "load_schedule", "save_schedule", "build", "graph", "presets",
-    "LinearWithSeparateBias", "ModulePattern", "Pattern", "call_module", "record_example_inputs",
-    "Database", "Finding", "Plan", "Space", "Symbol", "consolidate_model", "init_empty_weights", "plan",
-    "Call", "Primitive", "Recorder", "Schedule", "ScheduleError", "ScheduleMetadata", "TPGroup", "Verify",
-    "VerifyReport", "check_primitive", "check_schedule", "checkpoint", "close_open_items", "create_schedule", "format_call",
+    "Call",
+    "Database",
+    "ExportError",
+    "Finding",
+    "LinearWithSeparateBias",
+    "ModulePattern",
+    "Pattern",
+    "Plan",
+    "Primitive",
+    "Recorder",
+    "Schedule",
+    "ScheduleEditor",
+    "ScheduleError",
+    "ScheduleMetadata",
+    "Space",
+    "Symbol",
+    "TPGroup",
+    "Verify",
+    "VerifyReport",
+    "build",
+    "call_module",
+    "check_primitive",
+    "check_schedule",
+    "checkpoint",
+    "close_open_items",
+    "consolidate_model",
+    "create_schedule",
+    "export_script",
+    "format_call",
     "get_cuda_rng_tracker",
-    "is_random_seed_set", "list_primitives", "module_state", "register_primitive", "replay", "set_random_seed",
-    "verify_models", "ScheduleEditor",
+    "graph",
+    "init_empty_weights",
+    "is_random_seed_set",
+    "list_primitives",
+    "load_schedule",
+    "module_state",
+    "plan",
+    "presets",
+    "record_example_inputs",
+    "register_primitive",
+    "replay",
+    "save_schedule",
+    "set_random_seed",
+    "verify_models",
 ]
 
 

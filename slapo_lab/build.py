@@ -6,6 +6,7 @@ None / "torch"). With cuts, or with ``target="deepspeed"``, the model is partiti
 stages and wrapped for a runtime by :func:`slapo_lab.pipeline.build_pipeline`
 (torch.distributed.pipelining GPipe / 1F1B / Interleaved1F1B, or DeepSpeed's PipelineModule).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,7 +36,7 @@ def build(sch, target: str | None = None, **kwargs: Any) -> tuple[nn.Module, Any
     """
     top = sch.get_top_schedule()
     if target not in TARGETS:
-        raise ValueError(f"Unknown build target {target!r}; use None, \"torch\" or \"deepspeed\".")
+        raise ValueError(f'Unknown build target {target!r}; use None, "torch" or "deepspeed".')
     cuts = top.metadata.primitives.get("cut_pipeline_stage", [])
     if cuts or target == "deepspeed":
         from .errors import ScheduleError
@@ -44,11 +45,15 @@ def build(sch, target: str | None = None, **kwargs: Any) -> tuple[nn.Module, Any
         missing = [k for k in ("example_inputs", "loss_fn") if k not in kwargs]
         if missing:
             why = f"{len(cuts)} pipeline cut(s)" if cuts else "the DeepSpeed target"
-            raise ScheduleError(f"Building a schedule with {why} needs {' and '.join(missing)}= "
-                                "(one batch of inputs and a loss_fn(output, target) for the pipeline runtime).")
+            raise ScheduleError(
+                f"Building a schedule with {why} needs {' and '.join(missing)}= "
+                "(one batch of inputs and a loss_fn(output, target) for the pipeline runtime)."
+            )
         pm = build_pipeline(top, target or "torch", **kwargs)
         return pm, pm.optimizer
     if kwargs:
-        raise ValueError(f"build() got unexpected keyword arguments for a schedule without pipeline cuts: "
-                         f"{', '.join(sorted(kwargs))}.")
+        raise ValueError(
+            f"build() got unexpected keyword arguments for a schedule without pipeline cuts: "
+            f"{', '.join(sorted(kwargs))}."
+        )
     return top.mod, None

@@ -31,6 +31,7 @@ a walk of the module tree (10 to 20 ms for an 80-layer 70B model on meta after t
 A clean check is not a proof: :class:`slapo_lab.Verify` is (it compares outputs and gradients with the
 original model).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -126,30 +127,68 @@ def check_schedule(sch) -> list[Finding]:
         parent = chain[-1] if chain else None
         here = [*chain, mod]
         out = meta["output_type"]
-        if out == "partial" and not _has_sync(here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}):
+        if out == "partial" and not _has_sync(
+            here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}
+        ):
             fix = _sync(path, "fwd_post")
-            findings.append(Finding(path, "unreduced_partial", (
-                f"{path} produces partial sums (row or vocab parallel) but nothing all-reduces them, so every later layer "
-                f"computes on a fraction of the activation; add {format_call(fix)}."), (fix,)))
+            findings.append(
+                Finding(
+                    path,
+                    "unreduced_partial",
+                    (
+                        f"{path} produces partial sums (row or vocab parallel) but nothing all-reduces them, so every later layer "
+                        f"computes on a fraction of the activation; add {format_call(fix)}."
+                    ),
+                    (fix,),
+                )
+            )
         rule = get_shard_rule(mod)
-        if (out == "partition" and isinstance(rule, DenseRule) and not sequence_parallel
-                and not _has_sync(here, {("bwd_post", "all_reduce"), ("fwd_pre", "all_gather"), ("fwd_pre", "scatter")})):
+        if (
+            out == "partition"
+            and isinstance(rule, DenseRule)
+            and not sequence_parallel
+            and not _has_sync(
+                here, {("bwd_post", "all_reduce"), ("fwd_pre", "all_gather"), ("fwd_pre", "scatter")}
+            )
+        ):
             fix = _sync(path, "bwd_post")
-            findings.append(Finding(path, "unreduced_input_grad", (
-                f"{path} is column parallel but its input gradient is never all-reduced, so the layers before it "
-                f"train on one rank's partial gradient; add {format_call(fix)}."), (fix,)))
-        if (isinstance(rule, DenseRule) and meta["sharded"].get("weight") == rule.out_axis
-                and getattr(mod, "bias", None) is not None and "bias" not in meta["sharded"]):
+            findings.append(
+                Finding(
+                    path,
+                    "unreduced_input_grad",
+                    (
+                        f"{path} is column parallel but its input gradient is never all-reduced, so the layers before it "
+                        f"train on one rank's partial gradient; add {format_call(fix)}."
+                    ),
+                    (fix,),
+                )
+            )
+        if (
+            isinstance(rule, DenseRule)
+            and meta["sharded"].get("weight") == rule.out_axis
+            and getattr(mod, "bias", None) is not None
+            and "bias" not in meta["sharded"]
+        ):
             fix = _shard(path, "bias", 0)
-            findings.append(Finding(path, "whole_bias", (
-                f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
-                f"on the shape; add {format_call(fix)}."), (fix,)))
+            findings.append(
+                Finding(
+                    path,
+                    "whole_bias",
+                    (
+                        f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
+                        f"on the shape; add {format_call(fix)}."
+                    ),
+                    (fix,),
+                )
+            )
         parent_path = path.rpartition(".")[0]
         grand = chain[-2] if len(chain) > 1 else None
         gpath = parent_path.rpartition(".")[0]
         if parent is not None:
             _check_attention(parent, parent_path, grand, gpath)
-        if path.endswith("output.dense") and grand is not None:  # BERT / ViT: the output projection's attention
+        if (
+            path.endswith("output.dense") and grand is not None
+        ):  # BERT / ViT: the output projection's attention
             for cname, cand in grand.named_children():
                 if cand is not parent and attention_heads(cand) is not None:
                     _check_attention(cand, f"{gpath}.{cname}" if gpath else cname, grand, gpath)
@@ -164,6 +203,7 @@ def check_schedule(sch) -> list[Finding]:
         """``[(label, path, module, rule, role)]``: the attention's q/k/v (or fused) projections and its output
         projection, which BERT-style models keep outside it (``<outer>.output.dense``) and ALBERT names
         ``dense``."""
+
         def full(name: str) -> str:
             return f"{apath}.{name}" if apath else name
 
@@ -200,27 +240,50 @@ def check_schedule(sch) -> list[Finding]:
         if split and whole:
             names = ", ".join(w[0] for w in whole)
             calls = tuple(_shard(path, "weight", axis) for _, path, axis, _ in whole)
-            why = ("each rank would pair its query heads with other heads' keys and values"
-                   if any(w[3] != "o" for w in whole) else
-                   "the output projection would receive this rank's heads but expect all of them")
-            findings.append(Finding(apath, "partial_heads", (
-                f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
-                f"shard them too: {'; '.join(format_call(c) for c in calls)}."), calls))
+            why = (
+                "each rank would pair its query heads with other heads' keys and values"
+                if any(w[3] != "o" for w in whole)
+                else "the output projection would receive this rank's heads but expect all of them"
+            )
+            findings.append(
+                Finding(
+                    apath,
+                    "partial_heads",
+                    (
+                        f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
+                        f"shard them too: {'; '.join(format_call(c) for c in calls)}."
+                    ),
+                    calls,
+                )
+            )
 
     def _check_head_norms(attn: nn.Module, apath: str) -> None:
         hd = head_dim(attn)
         for name, child in attn.named_children():
-            params = [p for p in child.parameters(recurse=False)
-                      if p.requires_grad and getattr(p, "shard_axis", None) is None]
+            params = [
+                p
+                for p in child.parameters(recurse=False)
+                if p.requires_grad and getattr(p, "shard_axis", None) is None
+            ]
             if not is_norm(child) or not params or hd is None or params[0].shape[-1] != hd:
                 continue  # not a per-head norm (ALBERT's attention.LayerNorm normalises the whole hidden state)
             if ("bwd_post", PARAM_GRADS_OP) in _syncs(child):
                 continue
             path = f"{apath}.{name}" if apath else name
-            fix = Call(path, "sync", (), {"mode": "bwd_post", "sync_op_or_fn": "all_reduce", "param_grads": True})
-            findings.append(Finding(path, "unreduced_param_grads", (
-                f"{path} normalises each head with one shared weight, so once {apath} splits its heads each rank's "
-                f"gradient of that weight is a partial sum; add {format_call(fix)}."), (fix,)))
+            fix = Call(
+                path, "sync", (), {"mode": "bwd_post", "sync_op_or_fn": "all_reduce", "param_grads": True}
+            )
+            findings.append(
+                Finding(
+                    path,
+                    "unreduced_param_grads",
+                    (
+                        f"{path} normalises each head with one shared weight, so once {apath} splits its heads each rank's "
+                        f"gradient of that weight is a partial sum; add {format_call(fix)}."
+                    ),
+                    (fix,),
+                )
+            )
 
     walk(root, getattr(top, "path", "") or "", [])
     return findings
@@ -254,6 +317,8 @@ def close_open_items(sch, max_rounds: int = 4) -> list[Call]:
                     getattr(top[c.path], c.primitive)(*c.args, **c.kwargs)
         left = check_schedule(top)
         if left:
-            raise ScheduleError(f"{len(left)} item(s) are still open after {max_rounds} rounds of fixes, so none "
-                                f"was applied; the first: {left[0].message}")
+            raise ScheduleError(
+                f"{len(left)} item(s) are still open after {max_rounds} rounds of fixes, so none "
+                f"was applied; the first: {left[0].message}"
+            )
     return list(top.record.calls[n0:])

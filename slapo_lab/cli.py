@@ -17,6 +17,7 @@ width; a schedule with pipeline cuts launches ``world_size x stages`` processes 
 are printed as one sentence on stderr with exit status 2 (1 for an unexpected failure, still one
 sentence and no traceback); nothing is written unless the whole file is valid.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,26 +25,47 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slapo-lab", description="slapo-lab: Slapo schedules for PyTorch models.")
+    p = argparse.ArgumentParser(
+        prog="slapo-lab", description="slapo-lab: Slapo schedules for PyTorch models."
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    e = sub.add_parser("export", help="render a saved schedule as a launchable training script",
-                       description="Render a saved schedule (JSON) as a standalone training script.")
+    e = sub.add_parser(
+        "export",
+        help="render a saved schedule as a launchable training script",
+        description="Render a saved schedule (JSON) as a standalone training script.",
+    )
     e.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
     e.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
-    e.add_argument("--launcher", default="torchrun", choices=["torchrun", "deepspeed"],
-                   help="launcher the script is written for (default: torchrun)")
-    c = sub.add_parser("check", help="list what a saved tensor-parallel schedule still lacks",
-                       description="Replay a saved schedule on the meta device and list the schedule check's "
-                                   "open items (exit status 3 when there are any).")
+    e.add_argument(
+        "--launcher",
+        default="torchrun",
+        choices=["torchrun", "deepspeed"],
+        help="launcher the script is written for (default: torchrun)",
+    )
+    c = sub.add_parser(
+        "check",
+        help="list what a saved tensor-parallel schedule still lacks",
+        description="Replay a saved schedule on the meta device and list the schedule check's "
+        "open items (exit status 3 when there are any).",
+    )
     c.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
-    v = sub.add_parser("convert", help="write a training checkpoint as a Hugging Face directory",
-                       description="Write the model of a checkpoint (a step-NNNNNNNN directory, or a --checkpoint-dir: "
-                                   "its newest complete one), saved at any layout, as a Hugging Face directory "
-                                   "(safetensors, config, tokenizer) that from_pretrained loads.")
-    v.add_argument("checkpoint", help="a checkpoint directory written by an exported script's --checkpoint-dir")
+    v = sub.add_parser(
+        "convert",
+        help="write a training checkpoint as a Hugging Face directory",
+        description="Write the model of a checkpoint (a step-NNNNNNNN directory, or a --checkpoint-dir: "
+        "its newest complete one), saved at any layout, as a Hugging Face directory "
+        "(safetensors, config, tokenizer) that from_pretrained loads.",
+    )
+    v.add_argument(
+        "checkpoint", help="a checkpoint directory written by an exported script's --checkpoint-dir"
+    )
     v.add_argument("--to-hf", required=True, metavar="DIR", help="the Hugging Face directory to write")
-    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the weights written (auto: the dtype the run started from)")
+    v.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the weights written (auto: the dtype the run started from)",
+    )
     return p
 
 
@@ -67,8 +89,10 @@ def check_command(schedule: str) -> list:
     calls, meta = load_schedule(schedule)
     missing = [k for k in ("model", "world_size") if k not in meta]
     if missing:
-        raise ExportError(f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
-                          "save_schedule(path, calls, model=..., world_size=...).")
+        raise ExportError(
+            f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
+            "save_schedule(path, calls, model=..., world_size=...)."
+        )
     try:
         model = build_from_spec(meta["model"])
     except ExportError as err:
@@ -96,10 +120,14 @@ def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tu
     calls, meta = load_schedule(schedule)
     missing = [k for k in ("model", "inputs", "world_size") if k not in meta]
     if missing:
-        raise ExportError(f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
-                          "save_schedule(path, calls, model=..., example_inputs=..., world_size=...).")
+        raise ExportError(
+            f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
+            "save_schedule(path, calls, model=..., example_inputs=..., world_size=...)."
+        )
     out = Path(output).expanduser()
-    text = render_script(meta["model"], calls, meta["inputs"], meta["world_size"], launcher, script_name=out.name)
+    text = render_script(
+        meta["model"], calls, meta["inputs"], meta["world_size"], launcher, script_name=out.name
+    )
     write_text_atomic(out, text)
     path = str(out.resolve())
     return path, launch_command(calls, meta["world_size"], path, launcher)
@@ -116,12 +144,19 @@ def _guarded(command: str, schedule: str, run):
         print(f"slapo-lab {command}: error: {err}", file=sys.stderr)
         return None, 2
     except RecursionError:
-        print(f"slapo-lab {command}: error: {schedule} is nested too deeply to be a schedule file.", file=sys.stderr)
+        print(
+            f"slapo-lab {command}: error: {schedule} is nested too deeply to be a schedule file.",
+            file=sys.stderr,
+        )
         return None, 2
-    except Exception as err:  # one sentence, never a traceback
+    except Exception as err:  # noqa: BLE001 - one sentence, never a traceback
         reason = (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
-        print(f"slapo-lab {command}: error: the {command} failed unexpectedly ({type(err).__name__}"
-              + (f": {reason}" if reason else "") + ").", file=sys.stderr)
+        print(
+            f"slapo-lab {command}: error: the {command} failed unexpectedly ({type(err).__name__}"
+            + (f": {reason}" if reason else "")
+            + ").",
+            file=sys.stderr,
+        )
         return None, 1
 
 
@@ -129,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slapo-lab`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "export":
-        done, status = _guarded("export", args.schedule,
-                                lambda: export_command(args.schedule, args.output, args.launcher))
+        done, status = _guarded(
+            "export", args.schedule, lambda: export_command(args.schedule, args.output, args.launcher)
+        )
         if status is not None:
             return status
         path, command = done
@@ -140,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - the script is written; the check is advice
             found = []
         if found:
-            print(f"slapo-lab export: warning: the schedule check has {len(found)} open item"
-                  f"{'s' if len(found) > 1 else ''}, so --verify will fail until they are closed "
-                  f"(slapo-lab check {args.schedule} lists them); the first: {found[0].message}", file=sys.stderr)
+            print(
+                f"slapo-lab export: warning: the schedule check has {len(found)} open item"
+                f"{'s' if len(found) > 1 else ''}, so --verify will fail until they are closed "
+                f"(slapo-lab check {args.schedule} lists them); the first: {found[0].message}",
+                file=sys.stderr,
+            )
         return 0
     if args.command == "convert":
         from .train.checkpoint import ConvertError, convert_to_hf
@@ -164,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.schedule}: {len(found)} open item{'s' if len(found) > 1 else ''}:")
         for f in found:
             print(f"- {f.message}")
-        print("\nto close them, add (a fix can open the next item: check again, or let "
-              "sl.close_open_items(sch) apply every round):\n" + "\n".join(f.fix for f in found))
+        print(
+            "\nto close them, add (a fix can open the next item: check again, or let "
+            "sl.close_open_items(sch) apply every round):\n" + "\n".join(f.fix for f in found)
+        )
         return 3
     return 2  # pragma: no cover - argparse rejects unknown commands
 

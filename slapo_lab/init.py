@@ -8,6 +8,7 @@ no initialisation cost), the way Hugging Face Accelerate's context manager of th
 therefore holds a slice of the same full model, whatever the world size, and no rank ever needs more
 than one full parameter at a time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,11 @@ def init_empty_weights(enable: bool = True, include_buffers: bool = False) -> It
         if param is not None and not param.is_meta:
             p = module._parameters[name]
             attrs = dict(p.__dict__)
-            new = type(p)(p.to(meta), requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else p.to(meta)
+            new = (
+                type(p)(p.to(meta), requires_grad=p.requires_grad)
+                if isinstance(p, nn.Parameter)
+                else p.to(meta)
+            )
             new.__dict__.update(attrs)
             module._parameters[name] = new
 
@@ -142,8 +147,12 @@ def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | Non
     if meta_state:  # undo what shard rules changed on the module so init sees the full layer
         if "orig_padding_idx" in meta_state and isinstance(mod, nn.Embedding):
             sh.padding_idx = meta_state["orig_padding_idx"]
-        for attr, name, axis in (("out_features", "weight", 0), ("in_features", "weight", 1),
-                                 ("num_embeddings", "weight", 0), ("embedding_dim", "weight", 1)):
+        for attr, name, axis in (
+            ("out_features", "weight", 0),
+            ("in_features", "weight", 1),
+            ("num_embeddings", "weight", 0),
+            ("embedding_dim", "weight", 1),
+        ):
             if hasattr(sh, attr) and meta_state["sharded"].get(name) == axis:
                 setattr(sh, attr, _full_shape(mod._parameters[name])[axis])
     sh.__dict__.pop("forward", None)
@@ -154,11 +163,18 @@ def _meta_shadow(mod: nn.Module | None) -> nn.Module | None:
     if mod is None:
         return None
     sh = _copy_module(mod)
-    sh._parameters = {k: (None if t is None else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype,
-                                                                          device="meta"), requires_grad=False))
-                      for k, t in mod._parameters.items()}
-    sh._buffers = {k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
-                   for k, t in mod._buffers.items()}
+    sh._parameters = {
+        k: (
+            None
+            if t is None
+            else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype, device="meta"), requires_grad=False)
+        )
+        for k, t in mod._parameters.items()
+    }
+    sh._buffers = {
+        k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
+        for k, t in mod._buffers.items()
+    }
     sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
     return sh
 
@@ -175,9 +191,14 @@ def _default_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
         t.zero_()
 
 
-def consolidate_model(sch, target: str | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
-                      seed: int = 2013, device: str | torch.device | None = None,
-                      stage: int | None = None):
+def consolidate_model(
+    sch,
+    target: str | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    seed: int = 2013,
+    device: str | torch.device | None = None,
+    stage: int | None = None,
+):
     """Materialise the weights of schedule ``sch`` on this rank, reproducibly (Slapo's ``consolidate_model``).
 
     For every module that owns parameters (and every module owning ``meta`` buffers), a temporary
@@ -307,13 +328,23 @@ def _shallow_meta(mod: nn.Module, depth: int) -> nn.Module:
     """A shallow copy of ``mod`` whose parameters and buffers are full-size meta tensors, ``depth`` levels of
     children likewise (deeper ones dropped): what an init function reads of a module's children."""
     sh = _copy_module(mod)
-    sh._parameters = {k: (None if t is None else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype,
-                                                                          device="meta"), requires_grad=False))
-                      for k, t in mod._parameters.items()}
-    sh._buffers = {k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
-                   for k, t in mod._buffers.items()}
-    sh._modules = {k: _shallow_meta(c, depth - 1) for k, c in mod._modules.items() if c is not None} if depth > 0 \
+    sh._parameters = {
+        k: (
+            None
+            if t is None
+            else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype, device="meta"), requires_grad=False)
+        )
+        for k, t in mod._parameters.items()
+    }
+    sh._buffers = {
+        k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
+        for k, t in mod._buffers.items()
+    }
+    sh._modules = (
+        {k: _shallow_meta(c, depth - 1) for k, c in mod._modules.items() if c is not None}
+        if depth > 0
         else {}
+    )
     sh.__dict__.pop("forward", None)
     return sh
 
@@ -375,7 +406,8 @@ def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> 
             raise ScheduleError(
                 f"consolidate_model cannot rebuild the meta buffer {node.path + '.' if node.path else ''}{name}: "
                 "no init function sets it; build the model with init_empty_weights(include_buffers=False) so "
-                "buffers keep their values.")
+                "buffers keep their values."
+            )
         gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
         value = torch.empty(_full_shape(t), dtype=t.dtype)
         with torch.no_grad():

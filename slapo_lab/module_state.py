@@ -12,6 +12,7 @@ Everything here is written to trace under ``torch.compile(block, fullgraph=True)
 activation checkpoint, no iteration Dynamo cannot follow. The one exception is the RNG fork, which swaps the
 global generator's state (``torch.get_rng_state``, which Dynamo does not trace): a graph break.
 """
+
 from __future__ import annotations
 
 import functools
@@ -109,8 +110,11 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g):
 
     def call(*a, **k):
         params = self._parameters
-        swap = {n: all_reduce_backward(params[n], g) for n in names
-                if params.get(n) is not None and getattr(params[n], "shard_axis", None) is None}
+        swap = {
+            n: all_reduce_backward(params[n], g)
+            for n in names
+            if params.get(n) is not None and getattr(params[n], "shard_axis", None) is None
+        }
         with _reparametrize_module(self, swap):
             return fn(*a, **k)
 

@@ -45,6 +45,7 @@ Divisions round up; the padding of uneven shards is not counted. Buffers and act
 Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule follow the ZeRO paper
 (Rajbhandari et al., 2020, section 3.1); the stage rule follows Slapo's ``cut_pipeline_stage``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,12 +75,21 @@ __all__ = [
 ]
 
 #: what ``plan(shard=...)`` divides by ``dp``: (parameters, gradients, optimizer states)
-SHARDINGS = {None: (False, False, False), "fsdp": (True, True, True), "zero1": (False, False, True),
-             "zero2": (False, True, True)}
+SHARDINGS = {
+    None: (False, False, False),
+    "fsdp": (True, True, True),
+    "zero1": (False, False, True),
+    "zero2": (False, True, True),
+}
 
 _OPTIMIZERS = {
     # name -> fp32 state elements per trainable parameter element
-    "adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1, "none": 0,
+    "adam": 2,
+    "adamw": 2,
+    "sgd": 0,
+    "sgd_momentum": 1,
+    "momentum": 1,
+    "none": 0,
 }
 _FP32 = 4
 
@@ -90,10 +100,15 @@ def _elem_bytes(dtype_or_bytes: Any, what: str) -> int | None:
         return None
     if isinstance(dtype_or_bytes, torch.dtype):
         return torch.empty((), dtype=dtype_or_bytes, device="meta").element_size()
-    if isinstance(dtype_or_bytes, (int, float)) and not isinstance(dtype_or_bytes, bool) and dtype_or_bytes > 0:
+    if (
+        isinstance(dtype_or_bytes, (int, float))
+        and not isinstance(dtype_or_bytes, bool)
+        and dtype_or_bytes > 0
+    ):
         return dtype_or_bytes
-    raise ScheduleError(f"{what} must be a torch.dtype or a positive number of bytes per element, "
-                        f"not {dtype_or_bytes!r}.")
+    raise ScheduleError(
+        f"{what} must be a torch.dtype or a positive number of bytes per element, not {dtype_or_bytes!r}."
+    )
 
 
 def _optimizer_states(optimizer: Any) -> int:
@@ -101,8 +116,9 @@ def _optimizer_states(optimizer: Any) -> int:
         return 0
     name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
     if not isinstance(name, str) or name.lower().replace("-", "_") not in _OPTIMIZERS:
-        raise ScheduleError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(sorted(_OPTIMIZERS))} "
-                            "(or None).")
+        raise ScheduleError(
+            f"Unknown optimizer {optimizer!r}; use one of {', '.join(sorted(_OPTIMIZERS))} (or None)."
+        )
     return _OPTIMIZERS[name.lower().replace("-", "_")]
 
 
@@ -171,7 +187,9 @@ def stage_assignment(sch) -> StageAssignment:
     cuts = list(sch.metadata.primitives.get("cut_pipeline_stage", []) or [])
     for c in cuts:
         if c not in end:
-            raise ScheduleError(f"The pipeline cut at {c!r} names a module that is no longer in the schedule.")
+            raise ScheduleError(
+                f"The pipeline cut at {c!r} names a module that is no longer in the schedule."
+            )
     index = {p: i for i, p in enumerate(order)}
     by_end: dict[int, list[str]] = {}
     for c in sorted(set(cuts), key=lambda c: index[c]):
@@ -467,8 +485,11 @@ def _profile_key(sch, example_inputs, mode: str) -> tuple:
     skip = ("checkpoint", "cut_pipeline_stage") if mode == "estimate" else ("cut_pipeline_stage",)
     calls = tuple(format_call(c) for c in sch.record.calls if c.primitive not in skip)
     shapes = tuple((n, tuple(p.shape), p.requires_grad) for n, p in sch.mod.named_parameters())
-    ckpt = () if mode == "estimate" else tuple(
-        p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint"))
+    ckpt = (
+        ()
+        if mode == "estimate"
+        else tuple(p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint"))
+    )
     return mode, calls, shapes, ckpt, _input_signature(example_inputs)
 
 
@@ -487,8 +508,9 @@ def _cached_profile(sch, example_inputs, cache: bool, mode: str = "estimate"):
     return prof, False
 
 
-def _activation_per_stage(sch, prof: ActivationProfile, assign: StageAssignment, act_scale: float,
-                          elem_bytes: int | None) -> list[int]:
+def _activation_per_stage(
+    sch, prof: ActivationProfile, assign: StageAssignment, act_scale: float, elem_bytes: int | None
+) -> list[int]:
     """Sum saved bytes per stage: leaf outputs outside checkpoints + inputs of outermost checkpoints."""
     ckpt = [p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint")]
     ckpt_set = set(ckpt)
@@ -521,8 +543,9 @@ def _activation_per_stage(sch, prof: ActivationProfile, assign: StageAssignment,
     return [round(t * act_scale) for t in totals]
 
 
-def _saved_per_stage(prof: SavedProfile, assign: StageAssignment, act_scale: float,
-                     elem_bytes: int | None) -> list[int]:
+def _saved_per_stage(
+    prof: SavedProfile, assign: StageAssignment, act_scale: float, elem_bytes: int | None
+) -> list[int]:
     totals = [0] * assign.num_stages
     for path, nbytes, esize, is_float in prof.items:
         if is_float and elem_bytes is not None:
@@ -599,16 +622,29 @@ class Plan:
             ScheduleError: if ``gpu_bytes`` is not a positive number.
         """
         if isinstance(gpu_bytes, bool) or not isinstance(gpu_bytes, (int, float)) or gpu_bytes <= 0:
-            raise ScheduleError(f"fits() needs the GPU memory as a positive number of bytes, not {gpu_bytes!r}.")
+            raise ScheduleError(
+                f"fits() needs the GPU memory as a positive number of bytes, not {gpu_bytes!r}."
+            )
         return self.total_bytes <= gpu_bytes
 
     def to_dict(self) -> dict:
         """A JSON-able dict: settings, stages, totals."""
-        return {"world_size": self.world_size, "num_stages": self.num_stages, "dp": self.dp, "shard": self.shard,
-                "num_ranks": self.num_ranks, "blocks": self.blocks, "settings": dict(self.settings), "activation": self.activation,
-                "activation_method": self.activation_method,
-                "activation_seconds": self.activation_seconds, "per_stage": [dict(s) for s in self.per_stage],
-                "total_bytes": self.total_bytes, "cluster_bytes": self.cluster_bytes, "notes": list(self.notes)}
+        return {
+            "world_size": self.world_size,
+            "num_stages": self.num_stages,
+            "dp": self.dp,
+            "shard": self.shard,
+            "num_ranks": self.num_ranks,
+            "blocks": self.blocks,
+            "settings": dict(self.settings),
+            "activation": self.activation,
+            "activation_method": self.activation_method,
+            "activation_seconds": self.activation_seconds,
+            "per_stage": [dict(s) for s in self.per_stage],
+            "total_bytes": self.total_bytes,
+            "cluster_bytes": self.cluster_bytes,
+            "notes": list(self.notes),
+        }
 
     def table(self) -> str:
         """A fixed-width text table, one row per stage (bytes of ONE rank of that stage).
@@ -627,8 +663,16 @@ class Plan:
             else:
                 span = s["last"] or "(root)"
             act = "-" if s["activation_bytes"] is None else human_bytes(s["activation_bytes"])
-            row = [str(s["stage"]), f"{s['ranks'][0]}-{s['ranks'][1]}", span, human_bytes(s["param_bytes"]),
-                   human_bytes(s["grad_bytes"]), human_bytes(s["optimizer_bytes"]), act, human_bytes(s["total_bytes"])]
+            row = [
+                str(s["stage"]),
+                f"{s['ranks'][0]}-{s['ranks'][1]}",
+                span,
+                human_bytes(s["param_bytes"]),
+                human_bytes(s["grad_bytes"]),
+                human_bytes(s["optimizer_bytes"]),
+                act,
+                human_bytes(s["total_bytes"]),
+            ]
             if gather:
                 row.insert(7, human_bytes(s.get("gather_bytes") or 0))
             rows.append(row)
@@ -636,7 +680,9 @@ class Plan:
         lines = ["  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
         lines.append("  ".join("-" * w for w in widths))
         for r in rows:
-            lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append(
+                "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            )
         layout = f"{self.num_stages} stage(s) x TP {self.world_size}"
         if self.dp > 1:
             layout += f" x DP {self.dp}" + (f", {_SHARD_NAMES[self.shard]}" if self.shard else "")
@@ -647,8 +693,10 @@ class Plan:
 
     def __repr__(self) -> str:
         dp = f", dp={self.dp}, shard={self.shard!r}" if self.dp > 1 or self.shard else ""
-        return (f"Plan(world_size={self.world_size}, num_stages={self.num_stages}{dp}, "
-                f"total_bytes={self.total_bytes} ({human_bytes(self.total_bytes)}))")
+        return (
+            f"Plan(world_size={self.world_size}, num_stages={self.num_stages}{dp}, "
+            f"total_bytes={self.total_bytes} ({human_bytes(self.total_bytes)}))"
+        )
 
 
 _SHARD_NAMES = {"fsdp": "FSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
@@ -657,18 +705,32 @@ _SHARD_NAMES = {"fsdp": "FSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
 def _shard_sentence(shard: str, dp: int) -> str:
     """What ``shard`` divides by ``dp``, in one sentence (the table's last line and the plan's notes)."""
     if shard == "fsdp":
-        return (f"FSDP over dp {dp}: parameters, gradients and optimizer states are divided by {dp}; 'gather' is "
-                "the all-gather working set, one repeated block's full-size parameters and gradients while it "
-                "computes (the largest block of the stage, or the stage's parameters when it has no block).")
+        return (
+            f"FSDP over dp {dp}: parameters, gradients and optimizer states are divided by {dp}; 'gather' is "
+            "the all-gather working set, one repeated block's full-size parameters and gradients while it "
+            "computes (the largest block of the stage, or the stage's parameters when it has no block)."
+        )
     if shard == "zero1":
-        return f"ZeRO-1 over dp {dp}: optimizer states are divided by {dp}; parameters and gradients are whole."
+        return (
+            f"ZeRO-1 over dp {dp}: optimizer states are divided by {dp}; parameters and gradients are whole."
+        )
     return f"ZeRO-2 over dp {dp}: optimizer states and gradients are divided by {dp}; parameters are whole."
 
 
-def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dtype: Any = None,
-         master_weights: bool = False, micro_batch_size: int | None = None, example_inputs: Any = None,
-         activation: Any = "estimate", activation_dtype: Any = None, cache: bool = True, dp: int = 1,
-         shard: str | None = None) -> Plan:
+def plan(
+    sch,
+    optimizer: Any = "adam",
+    param_dtype: Any = torch.float32,
+    grad_dtype: Any = None,
+    master_weights: bool = False,
+    micro_batch_size: int | None = None,
+    example_inputs: Any = None,
+    activation: Any = "estimate",
+    activation_dtype: Any = None,
+    cache: bool = True,
+    dp: int = 1,
+    shard: str | None = None,
+) -> Plan:
     """Plan the per-rank memory of schedule ``sch`` (see the module docstring).
 
     Args:
@@ -711,27 +773,44 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
         raise ScheduleError(f"dp (data-parallel replicas) must be a positive integer, not {dp!r}.")
     if shard not in SHARDINGS:
         raise ScheduleError(f"shard must be None, 'fsdp', 'zero1' or 'zero2', not {shard!r}.")
-    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
-                                         or micro_batch_size < 1):
+    if micro_batch_size is not None and (
+        isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1
+    ):
         raise ScheduleError(f"micro_batch_size must be a positive integer, not {micro_batch_size!r}.")
     bad_number = isinstance(activation, bool) or (isinstance(activation, (int, float)) and activation < 0)
-    if bad_number or not (activation is None or isinstance(activation, (int, float))
-                          or activation in ("estimate", "autograd", "none")):
+    if bad_number or not (
+        activation is None
+        or isinstance(activation, (int, float))
+        or activation in ("estimate", "autograd", "none")
+    ):
         raise ScheduleError(
-            f"activation must be 'estimate', 'autograd', None or a number of bytes, not {activation!r}.")
+            f"activation must be 'estimate', 'autograd', None or a number of bytes, not {activation!r}."
+        )
 
     assign = stage_assignment(top)
     n = assign.num_stages
     ws = top.world_size
-    stats = [{"num_params": 0, "sharded_params": 0, "replicated_params": 0, "param_bytes": 0, "grad_bytes": 0,
-              "optimizer_bytes": 0, "buffer_bytes": 0} for _ in range(n)]
+    stats = [
+        {
+            "num_params": 0,
+            "sharded_params": 0,
+            "replicated_params": 0,
+            "param_bytes": 0,
+            "grad_bytes": 0,
+            "optimizer_bytes": 0,
+            "buffer_bytes": 0,
+        }
+        for _ in range(n)
+    ]
     seen: list[set[int]] = [set() for _ in range(n)]
     first: list[str | None] = [None] * n
     last: list[str | None] = [None] * n
     blk_lo: list[int | None] = [None] * n
     blk_hi: list[int | None] = [None] * n
     bprefix = (assign.blocks + ".") if assign.blocks else None
-    block_index = {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)} if assign.blocks else {}
+    block_index = (
+        {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)} if assign.blocks else {}
+    )
     # (stage, block name) -> [parameter bytes, gradient bytes] of one rank, for FSDP's all-gather working set
     block_bytes: dict[tuple[int, str], list[int]] = {}
     for path in assign.order:
@@ -742,14 +821,14 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             if first[s] is None:
                 first[s] = path
             last[s] = path
-        if bprefix is not None and path.startswith(bprefix) and "." not in path[len(bprefix):]:
+        if bprefix is not None and path.startswith(bprefix) and "." not in path[len(bprefix) :]:
             idx = block_index.get(node.name, 0)
             blk_lo[s] = idx if blk_lo[s] is None else min(blk_lo[s], idx)
             blk_hi[s] = idx if blk_hi[s] is None else max(blk_hi[s], idx)
         st = stats[s]
         blk = None
         if bprefix is not None and path.startswith(bprefix):
-            blk = block_bytes.setdefault((s, path[len(bprefix):].split(".", 1)[0]), [0, 0])
+            blk = block_bytes.setdefault((s, path[len(bprefix) :].split(".", 1)[0]), [0, 0])
         for p in mod._parameters.values():
             if p is None or id(p) in seen[s]:
                 continue
@@ -792,8 +871,10 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             scale = 1.0
             if micro_batch_size is not None:
                 if not prof.batch:
-                    raise ScheduleError("micro_batch_size needs example inputs whose first tensor has a batch "
-                                        "dimension (dim 0).")
+                    raise ScheduleError(
+                        "micro_batch_size needs example inputs whose first tensor has a batch "
+                        "dimension (dim 0)."
+                    )
                 scale = micro_batch_size / prof.batch
             if activation == "estimate":
                 act = _activation_per_stage(top, prof, assign, scale, abytes)
@@ -802,12 +883,16 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             act_mode = "cached" if hit else "estimated"
             act_seconds = 0.0 if hit else prof.seconds
             if prof.fake:
-                notes.append("The activation pass ran under FakeTensorMode (the forward reads tensor values).")
+                notes.append(
+                    "The activation pass ran under FakeTensorMode (the forward reads tensor values)."
+                )
 
     for s, cut in enumerate(assign.cuts):  # a cut module is the last module of its stage
         last[s] = cut
     if shard is not None and dp == 1:
-        notes.append(f"{_SHARD_NAMES[shard]} with one data-parallel replica shards nothing, so the plan is unsharded.")
+        notes.append(
+            f"{_SHARD_NAMES[shard]} with one data-parallel replica shards nothing, so the plan is unsharded."
+        )
     elif shard is not None:
         notes.append(_shard_sentence(shard, dp))
     div_params, div_grads, div_states = SHARDINGS[shard if dp > 1 else None]
@@ -827,20 +912,40 @@ def plan(sch, optimizer: Any = "adam", param_dtype: Any = torch.float32, grad_dt
             st["grad_bytes"] = -(-st["grad_bytes"] // dp)
         if div_states:
             st["optimizer_bytes"] = -(-st["optimizer_bytes"] // dp)
-        total = (st["param_bytes"] + st["grad_bytes"] + st["optimizer_bytes"] + st["buffer_bytes"] + gather
-                 + (act[s] or 0))
+        total = (
+            st["param_bytes"]
+            + st["grad_bytes"]
+            + st["optimizer_bytes"]
+            + st["buffer_bytes"]
+            + gather
+            + (act[s] or 0)
+        )
         blocks = [blk_lo[s], blk_hi[s]] if blk_lo[s] is not None else None
-        per_stage.append({"stage": s, "ranks": [s * ws, (s + 1) * ws - 1], "first": first[s], "last": last[s],
-                          "blocks": blocks, **st, "activation_bytes": act[s], "gather_bytes": gather,
-                          "gather_block": gather_block, "total_bytes": total})
+        per_stage.append(
+            {
+                "stage": s,
+                "ranks": [s * ws, (s + 1) * ws - 1],
+                "first": first[s],
+                "last": last[s],
+                "blocks": blocks,
+                **st,
+                "activation_bytes": act[s],
+                "gather_bytes": gather,
+                "gather_block": gather_block,
+                "total_bytes": total,
+            }
+        )
         if st["num_params"] == 0 and n > 1:
             notes.append(f"Stage {s} holds no parameters; check the cuts.")
-    settings = {"optimizer": optimizer.__name__ if isinstance(optimizer, type) else optimizer,
-                "param_dtype": str(param_dtype) if param_dtype is not None else None,
-                "grad_dtype": str(grad_dtype) if grad_dtype is not None else None,
-                "master_weights": bool(master_weights), "micro_batch_size": micro_batch_size,
-                "activation_dtype": str(activation_dtype) if activation_dtype is not None else None,
-                "dp": dp, "shard": shard}
+    settings = {
+        "optimizer": optimizer.__name__ if isinstance(optimizer, type) else optimizer,
+        "param_dtype": str(param_dtype) if param_dtype is not None else None,
+        "grad_dtype": str(grad_dtype) if grad_dtype is not None else None,
+        "master_weights": bool(master_weights),
+        "micro_batch_size": micro_batch_size,
+        "activation_dtype": str(activation_dtype) if activation_dtype is not None else None,
+        "dp": dp,
+        "shard": shard,
+    }
     method = activation if activation in ("estimate", "autograd") and act_mode != "skipped" else None
     return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method, dp, shard)
-

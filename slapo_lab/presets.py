@@ -32,6 +32,7 @@ this rank's tokens, so their gradients are partial sums: ``sync(mode="bwd_post",
 param_grads=True)`` all-reduces them in backward (what Megatron does for its ``sequence_parallel`` parameters).
 The sequence length must divide by the world size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,20 +51,65 @@ _BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("Lla
 
 # Families whose attention keeps head counts in attributes (OPT, GPT-Neo, T5: the shard rules rewrite them per
 # rank, slapo_lab/sharding/heads.py) and RoBERTa (BERT's names); T5Block covers the encoder and the decoder.
-_BLOCK_CLASSES.update({"roberta": ("RobertaLayer",), "opt": ("OPTDecoderLayer",), "gpt_neo": ("GPTNeoBlock",),
-                       "t5": ("T5Block", "MT5Block", "UMT5Block")})
+_BLOCK_CLASSES.update(
+    {
+        "roberta": ("RobertaLayer",),
+        "opt": ("OPTDecoderLayer",),
+        "gpt_neo": ("GPTNeoBlock",),
+        "t5": ("T5Block", "MT5Block", "UMT5Block"),
+    }
+)
 FAMILIES = (*FAMILIES, "roberta", "opt", "gpt_neo", "t5")
 
 # Projections by their attribute name (last path component) or path suffix inside a block.
-COLUMN_NAMES = frozenset({
-    "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "q_lin", "k_lin",
-    "v_lin", "q_attn", "c_attn", "c_fc", "gate_proj", "up_proj", "fc1", "w1", "w3", "fc_in", "dense_h_to_4h", "lin1",
-    "intermediate.dense",
-})
-ROW_NAMES = frozenset({
-    "o_proj", "out_proj", "o", "wo", "out_lin", "c_proj", "down_proj", "fc2", "w2", "fc_out", "dense_4h_to_h", "lin2",
-    "output.dense",
-})
+COLUMN_NAMES = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "q",
+        "k",
+        "v",
+        "wq",
+        "wk",
+        "wv",
+        "q_lin",
+        "k_lin",
+        "v_lin",
+        "q_attn",
+        "c_attn",
+        "c_fc",
+        "gate_proj",
+        "up_proj",
+        "fc1",
+        "w1",
+        "w3",
+        "fc_in",
+        "dense_h_to_4h",
+        "lin1",
+        "intermediate.dense",
+    }
+)
+ROW_NAMES = frozenset(
+    {
+        "o_proj",
+        "out_proj",
+        "o",
+        "wo",
+        "out_lin",
+        "c_proj",
+        "down_proj",
+        "fc2",
+        "w2",
+        "fc_out",
+        "dense_4h_to_h",
+        "lin2",
+        "output.dense",
+    }
+)
 
 
 COLUMN_NAMES = COLUMN_NAMES | {"wi", "wi_0", "wi_1"}  # T5's (gated) feed-forward input projections
@@ -72,7 +118,9 @@ COLUMN_NAMES = COLUMN_NAMES | {"ffn"}
 ROW_NAMES = ROW_NAMES | {"attention.dense", "ffn_output"}
 # Per-head norms applied to q / k after the head split (Qwen3, Gemma 3 ...): replicated weights of size head_dim
 # that see only this rank's heads, so their gradients are partial sums (HF style "replicated_with_grad_allreduce").
-HEAD_NORM_NAMES = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm"})
+HEAD_NORM_NAMES = frozenset(
+    {"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm"}
+)
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -115,7 +163,9 @@ class _Snapshot:
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
                     self.tensors.append((t, dict(t.__dict__)))
-        self.nodes = [(node, dict(node.__dict__), OrderedDict(node.child)) for _, node in top.named_schedules()]
+        self.nodes = [
+            (node, dict(node.__dict__), OrderedDict(node.child)) for _, node in top.named_schedules()
+        ]
         state = top._top
         self.state = {k: v for k, v in state.__dict__.items() if k != "record"}
         self.metadata = _copy_containers(dict(state.metadata.__dict__))
@@ -232,7 +282,9 @@ def _dense(sch, path: str, what: str):
     node = sch[path]
     rule = get_shard_rule(node.mod)
     if not isinstance(rule, DenseRule):
-        raise ScheduleError(f"{what} needs an nn.Linear or HF Conv1D at {path}, not a {type(node.mod).__name__}.")
+        raise ScheduleError(
+            f"{what} needs an nn.Linear or HF Conv1D at {path}, not a {type(node.mod).__name__}."
+        )
     return node, rule
 
 
@@ -352,8 +404,10 @@ def experts_parallel(sch, path: str) -> list[Call]:
     node = sch[path]
     mod = node.mod
     if not _is_experts(mod):
-        raise ScheduleError(f"experts_parallel needs an experts module with 3-D expert weights at {path}, "
-                            f"not a {type(mod).__name__}.")
+        raise ScheduleError(
+            f"experts_parallel needs an experts module with 3-D expert weights at {path}, "
+            f"not a {type(mod).__name__}."
+        )
     n = len(sch.record)
     for name in (*UP_NAMES, "gate_up_proj_bias", "up_proj_bias"):
         if mod._parameters.get(name) is not None:
@@ -388,12 +442,14 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
     if full is not None:
         raise ScheduleError(
             f"{full} normalises q or k over all attention heads' features, so splitting the heads across "
-            "ranks would change its result; this model's attention cannot be tensor parallel by heads.")
+            "ranks would change its result; this model's attention cannot be tensor parallel by heads."
+        )
     if "column" not in kinds or "row" not in kinds:
         names = ", ".join(p for p, _ in layers) or "none"
         raise ScheduleError(
             f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
-            f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead.")
+            f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
+        )
     n = len(sch.record)
     for path, kind in layers:
         if kind == "column":
@@ -477,7 +533,9 @@ def _gpt2_base(sch) -> str:
     for p, node in sch.named_schedules():
         if type(node.mod).__name__ == "GPT2Model":
             return p
-    raise ScheduleError("sequence parallelism presets need a GPT2Model (transformer.drop / transformer.ln_f).")
+    raise ScheduleError(
+        "sequence parallelism presets need a GPT2Model (transformer.drop / transformer.ln_f)."
+    )
 
 
 def hf_tp_plan(sch) -> dict[str, str]:
@@ -495,9 +553,14 @@ def hf_tp_plan(sch) -> dict[str, str]:
     return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
 
 
-_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
-              "replicated_with_grad_allreduce": "grad_allreduce", "moe_tp_experts": "experts",
-              "packed_colwise": "packed_column"}
+_HF_STYLES = {
+    "colwise": "column",
+    "rowwise": "row",
+    "colwise_gather_output": "column_gather",
+    "replicated_with_grad_allreduce": "grad_allreduce",
+    "moe_tp_experts": "experts",
+    "packed_colwise": "packed_column",
+}
 # styles HF also uses for single parameters of an experts module (covered by that module's "moe_tp_experts")
 _HF_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise")
 
@@ -523,13 +586,16 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     from_config = plan is None
     plan = hf_tp_plan(sch) if plan is None else plan
     if not plan:
-        raise ScheduleError("The model's config has no base_model_tp_plan; use megatron_tp(sch, family=...) instead.")
+        raise ScheduleError(
+            "The model's config has no base_model_tp_plan; use megatron_tp(sch, family=...) instead."
+        )
     compiled = []
     for pat, style in plan.items():
         if style not in _HF_STYLES:
             raise ScheduleError(
                 f"HF tensor-parallel style {style!r} (for {pat}) has no preset mapping; supported: "
-                f"{', '.join(_HF_STYLES)}.")
+                f"{', '.join(_HF_STYLES)}."
+            )
         rx = re.compile("^" + r"\.".join("[^.]+" if c == "*" else re.escape(c) for c in pat.split(".")) + "$")
         compiled.append((pat, rx, _HF_STYLES[style]))
     targets = []
@@ -544,14 +610,20 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
     for pat, rx, kind in compiled:
         if pat in hit or plan[pat] not in _HF_PARAM_STYLES:
             continue
-        owners = {p for p, node in sch.named_schedules() for name in node.mod._parameters
-                  if rx.match(f"{p}.{name}" if p else name)}
+        owners = {
+            p
+            for p, node in sch.named_schedules()
+            for name in node.mod._parameters
+            if rx.match(f"{p}.{name}" if p else name)
+        }
         if owners and owners <= experts:
             hit.add(pat)  # a parameter of an experts module that experts_parallel shards
     packed = next((p for p, kind in targets if kind == "packed_column"), None)
     if packed is not None:
-        raise ScheduleError(f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
-                            "has no preset mapping; it is supported for the weights of an experts module only.")
+        raise ScheduleError(
+            f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
+            "has no preset mapping; it is supported for the weights of an experts module only."
+        )
     missing = [pat for pat, _, _ in compiled if pat not in hit]
     if missing and from_config and hit:
         # a config's plan covers every layer kind of the family (Qwen3-MoE's dense mlp.gate_proj exists only
@@ -570,13 +642,21 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
         else:
             column_parallel(sch, p)
             if kind == "column_gather":
-                sch[p].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+                sch[p].sync(
+                    mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False
+                )
     return _since(sch, n)
 
 
 @_all_or_nothing
-def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, sequence_parallel: bool = False,
-                use_hf_plan: bool = False) -> list[Call]:
+def megatron_tp(
+    sch,
+    family: str | None = None,
+    *,
+    vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
+    use_hf_plan: bool = False,
+) -> list[Call]:
     """Slapo's canonical Megatron tensor-parallel schedule for BERT, GPT-2, Llama (or any block stack).
 
     Args:
@@ -601,20 +681,31 @@ def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, 
     """
     fam = family or detect_family(sch) or "generic"
     if fam not in (*FAMILIES, "generic"):
-        raise ScheduleError(f"Unknown model family {family!r}; use one of {', '.join(FAMILIES)}, generic or None.")
-    if family in _BLOCK_CLASSES and not {type(m).__name__ for m in sch.mod.modules()} & set(_BLOCK_CLASSES[family]):
-        raise ScheduleError(f"family={family!r} expects {' or '.join(_BLOCK_CLASSES[family])} blocks and this model has "
-                            "none; pass family=None to detect the family.")
+        raise ScheduleError(
+            f"Unknown model family {family!r}; use one of {', '.join(FAMILIES)}, generic or None."
+        )
+    if family in _BLOCK_CLASSES and not {type(m).__name__ for m in sch.mod.modules()} & set(
+        _BLOCK_CLASSES[family]
+    ):
+        raise ScheduleError(
+            f"family={family!r} expects {' or '.join(_BLOCK_CLASSES[family])} blocks and this model has "
+            "none; pass family=None to detect the family."
+        )
     if sequence_parallel and fam != "gpt2":
         raise ScheduleError(
             f"The sequence-parallel preset exists for GPT-2 only (not {fam}): it needs a dropout after the "
-            "embeddings to scatter at and a final LayerNorm to gather at.")
+            "embeddings to scatter at and a final LayerNorm to gather at."
+        )
     if sequence_parallel and use_hf_plan:
-        raise ScheduleError("use_hf_plan does not combine with sequence_parallel: HF plans carry no sequence layout.")
+        raise ScheduleError(
+            "use_hf_plan does not combine with sequence_parallel: HF plans carry no sequence layout."
+        )
     base = _gpt2_base(sch) if sequence_parallel else ""
     blocks = find_blocks(sch)
     if not blocks and not use_hf_plan:
-        raise ScheduleError("megatron_tp found no repeated transformer blocks (an nn.ModuleList of one block class).")
+        raise ScheduleError(
+            "megatron_tp found no repeated transformer blocks (an nn.ModuleList of one block class)."
+        )
     n = len(sch.record)
     if use_hf_plan:
         apply_hf_tp_plan(sch)
@@ -626,7 +717,9 @@ def megatron_tp(sch, family: str | None = None, *, vocab_parallel: bool = True, 
     if sequence_parallel:
         pre = f"{base}." if base else ""
         sch[f"{pre}drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", axis=1)
-        sch[f"{pre}ln_f"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=False)
+        sch[f"{pre}ln_f"].sync(
+            mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=False
+        )
     return _since(sch, n)
 
 
@@ -646,7 +739,9 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
         raise ScheduleError(f"ratio must be a number in [0, 1], not {ratio!r}.")
     blocks = find_blocks(sch)
     if not blocks:
-        raise ScheduleError("checkpoint_blocks found no repeated blocks (an nn.ModuleList of one block class).")
+        raise ScheduleError(
+            "checkpoint_blocks found no repeated blocks (an nn.ModuleList of one block class)."
+        )
     from .module_state import peek_meta
 
     n = len(sch.record)
@@ -658,7 +753,22 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
 
 
 __all__ = [
-    "COLUMN_NAMES", "FAMILIES", "HEAD_NORM_NAMES", "ROW_NAMES", "apply_hf_tp_plan", "atomic", "block_layers",
-    "checkpoint_blocks", "column_parallel", "detect_family", "experts_parallel", "find_blocks", "has_vocab_embedding",
-    "hf_tp_plan", "megatron_tp", "row_parallel", "tp_block", "vocab_parallel_embeddings",
+    "COLUMN_NAMES",
+    "FAMILIES",
+    "HEAD_NORM_NAMES",
+    "ROW_NAMES",
+    "apply_hf_tp_plan",
+    "atomic",
+    "block_layers",
+    "checkpoint_blocks",
+    "column_parallel",
+    "detect_family",
+    "experts_parallel",
+    "find_blocks",
+    "has_vocab_embedding",
+    "hf_tp_plan",
+    "megatron_tp",
+    "row_parallel",
+    "tp_block",
+    "vocab_parallel_embeddings",
 ]

@@ -6,6 +6,7 @@ state and saves the advanced state back. Works for CPU and CUDA generators. The 
 restores the tracker's states on recomputation so that dropout inside a tensor-parallel region
 draws the same masks twice.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -103,8 +104,13 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def set_random_seed(seed: int = 2013, dp_rank: int | None = None, pp_rank: int | None = None,
-                    tp_rank: int | None = None, always_enable_tp_seed: bool = False) -> int:
+def set_random_seed(
+    seed: int = 2013,
+    dp_rank: int | None = None,
+    pp_rank: int | None = None,
+    tp_rank: int | None = None,
+    always_enable_tp_seed: bool = False,
+) -> int:
     """Seed Python, NumPy and torch for reproducibility, Slapo's scheme.
 
     The default seed is offset by ``100 * pp_rank`` and ``10 * dp_rank``; the tensor-parallel tracker
@@ -174,12 +180,14 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     restore. (Dynamo accepts only selective-checkpoint policies as ``context_fn``.)
     """
     if not _TRACKER.states or torch.compiler.is_compiling():
-        return _torch_ckpt.checkpoint(function, *args, use_reentrant=use_reentrant,
-                                      preserve_rng_state=True, **kwargs)
+        return _torch_ckpt.checkpoint(
+            function, *args, use_reentrant=use_reentrant, preserve_rng_state=True, **kwargs
+        )
     ctx = _TrackerStateContext()
 
     def context_fn():
         return contextlib.nullcontext(), ctx.restore()
 
-    return _torch_ckpt.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                                  context_fn=context_fn, **kwargs)
+    return _torch_ckpt.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
+    )

@@ -4,13 +4,15 @@ A :class:`Call` is ``(path, primitive, args, kwargs)`` in canonical form (the pr
 decides which leading parameters are positional), so ``shard("weight", 0)`` typed in a cell and the
 editor's ``shard("weight", axis=0)`` record -- and render -- identically.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 SCHEMA = "slapo-lab/schedule"
 SCHEMA_VERSION = 1
@@ -29,14 +31,19 @@ class Call:
         """A JSON-able dict; raises TypeError naming the value if an argument is not JSON-able."""
         for v in (*self.args, *self.kwargs.values()):
             _check_jsonable(v, f'sch["{self.path}"].{self.primitive}')
-        return {"path": self.path, "primitive": self.primitive, "args": list(self.args), "kwargs": dict(self.kwargs)}
+        return {
+            "path": self.path,
+            "primitive": self.primitive,
+            "args": list(self.args),
+            "kwargs": dict(self.kwargs),
+        }
 
     @staticmethod
-    def from_json(d: dict) -> "Call":
+    def from_json(d: dict) -> Call:
         """The inverse of :meth:`to_json` (raises KeyError for a dict without path/primitive)."""
         return Call(d["path"], d["primitive"], tuple(d.get("args", ())), dict(d.get("kwargs", {})))
 
-    def keep_pristine(self) -> "Call":
+    def keep_pristine(self) -> Call:
         """Keep private copies of the ``nn.Module`` arguments (e.g. ``replace(new_module)``) as they are now.
 
         Call this *before* the primitive runs: later primitives mutate the module object that went
@@ -48,7 +55,7 @@ class Call:
         if _has_module((self.args, self.kwargs)):
             try:
                 object.__setattr__(self, "_pristine", _copy_modules((self.args, self.kwargs)))
-            except Exception:  # noqa: BLE001 - an uncopyable module must not make the primitive fail
+            except Exception:  # noqa: BLE001, S110 - an uncopyable module must not make the primitive fail
                 pass
         return self
 
@@ -142,10 +149,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
-        self._listeners: list[Callable[["Recorder"], None]] = []
-        self._starts: list[tuple[int, str]] = []   # (index of an action's first call, label)
-        self._open: list[str] = []                  # labels of the open ``action()`` blocks
-        self._open_started = False                  # the outermost open block has recorded a call
+        self._listeners: list[Callable[[Recorder], None]] = []
+        self._starts: list[tuple[int, str]] = []  # (index of an action's first call, label)
+        self._open: list[str] = []  # labels of the open ``action()`` blocks
+        self._open_started = False  # the outermost open block has recorded a call
 
     @contextlib.contextmanager
     def action(self, label: str):
@@ -180,7 +187,7 @@ class Recorder:
             while pos < i:  # calls without a recorded start (appended to .calls by hand)
                 out.append(Action(format_call(self.calls[pos]), (self.calls[pos],)))
                 pos += 1
-            end = next((j for j, _ in starts[k + 1:] if j > i), n)
+            end = next((j for j, _ in starts[k + 1 :] if j > i), n)
             out.append(Action(lab, tuple(self.calls[i:end])))
             pos = end
         while pos < n:
@@ -191,7 +198,7 @@ class Recorder:
     def __len__(self) -> int:
         return len(self.calls)
 
-    def add_listener(self, fn: Callable[["Recorder"], None]) -> None:
+    def add_listener(self, fn: Callable[[Recorder], None]) -> None:
         """Call ``fn(recorder)`` after every change (listener errors are swallowed and logged)."""
         self._listeners.append(fn)
 
@@ -230,8 +237,15 @@ class Recorder:
 
 def dumps(calls: list[Call], meta: dict | None = None) -> str:
     """Serialise calls to the versioned JSON schedule format."""
-    return json.dumps({"schema": SCHEMA, "version": SCHEMA_VERSION, "meta": meta or {},
-                       "calls": [c.to_json() for c in calls]}, indent=1)
+    return json.dumps(
+        {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "meta": meta or {},
+            "calls": [c.to_json() for c in calls],
+        },
+        indent=1,
+    )
 
 
 def replay(sch, calls) -> None:
@@ -253,7 +267,9 @@ def replay(sch, calls) -> None:
     for n, c in enumerate(calls, 1):
         if isinstance(c, dict):
             try:
-                if not isinstance(c.get("args", []), (list, tuple)) or not isinstance(c.get("kwargs", {}), dict):
+                if not isinstance(c.get("args", []), (list, tuple)) or not isinstance(
+                    c.get("kwargs", {}), dict
+                ):
                     raise TypeError
                 c = Call.from_json(c)
             except (KeyError, TypeError, ValueError):
@@ -261,10 +277,14 @@ def replay(sch, calls) -> None:
         if not isinstance(c, Call) or not isinstance(c.path, str):
             raise ScheduleError(f"Call {n} is not a recorded call with a string path.")
         if not isinstance(c.primitive, str) or get_primitive(c.primitive) is None:
-            raise ScheduleError(f"Call {n} (on {c.path!r}) names {c.primitive!r}, which is not a primitive; "
-                                f"known: {', '.join(list_primitives())}.")
+            raise ScheduleError(
+                f"Call {n} (on {c.path!r}) names {c.primitive!r}, which is not a primitive; "
+                f"known: {', '.join(list_primitives())}."
+            )
         if not all(isinstance(k, str) for k in c.kwargs):
-            raise ScheduleError(f"Call {n} (sch[{c.path!r}].{c.primitive}) has a keyword that is not a string.")
+            raise ScheduleError(
+                f"Call {n} (sch[{c.path!r}].{c.primitive}) has a keyword that is not a string."
+            )
         checked.append(c)
     for c in checked:
         args, kwargs = c.replay_args()

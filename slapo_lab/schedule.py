@@ -5,12 +5,14 @@
 them (see :mod:`slapo_lab.record`). API and semantics follow Slapo's ``slapo.schedule`` (seed
 ``000_dd5d83f90250128c.txt``).
 """
+
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +59,8 @@ def _resolve_world(group, world_size: int | None, rank: int | None) -> tuple[Any
         if world_size is not None and group is None and world_size != dist.get_world_size():
             raise ScheduleError(
                 f"world_size={world_size} was given, but the initialised process group has "
-                f"{dist.get_world_size()} ranks; pass group= for a subgroup or drop world_size.")
+                f"{dist.get_world_size()} ranks; pass group= for a subgroup or drop world_size."
+            )
         g = group if group is not None else dist.group.WORLD
         return g, dist.get_world_size(g), dist.get_rank(g), False
     ws = 1 if world_size is None else world_size
@@ -84,9 +87,17 @@ class Schedule(TracingMixin):
     when it cannot apply, before changing anything.
     """
 
-    def __init__(self, mod: nn.Module, name: str = "", path: str = "", parent: "Schedule | None" = None,
-                 group=None, _top: _TopState | None = None, world_size: int | None = None,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self,
+        mod: nn.Module,
+        name: str = "",
+        path: str = "",
+        parent: Schedule | None = None,
+        group=None,
+        _top: _TopState | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+    ) -> None:
         if not isinstance(mod, nn.Module):
             raise ScheduleError(f"A schedule needs a torch.nn.Module, not a {type(mod).__name__}.")
         if _top is None:
@@ -139,7 +150,7 @@ class Schedule(TracingMixin):
         return self._top.metadata
 
     # --- navigation ---------------------------------------------------------------------------
-    def __getitem__(self, path: str) -> "Schedule":
+    def __getitem__(self, path: str) -> Schedule:
         """The node at dotted ``path`` relative to this one (``"encoder.layer.0"``; "" is self).
 
         Raises:
@@ -155,7 +166,8 @@ class Schedule(TracingMixin):
                 where = node.path or "the root module"
                 names = ", ".join(list(node.child)[:8]) or "none"
                 raise ScheduleKeyError(
-                    f"No module {path!r} in the schedule: {where} has no child {part!r} (its children: {names}).")
+                    f"No module {path!r} in the schedule: {where} has no child {part!r} (its children: {names})."
+                )
             node = node.child[part]
         return node
 
@@ -166,13 +178,13 @@ class Schedule(TracingMixin):
             return False
         return True
 
-    def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, "Schedule"]]:
+    def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, Schedule]]:
         """Yield ``(path, node)`` for this node and every descendant, depth first."""
         yield prefix, self
         for name, sub in self.child.items():
             yield from sub.named_schedules(f"{prefix}.{name}" if prefix else name)
 
-    def get_top_schedule(self) -> "Schedule":
+    def get_top_schedule(self) -> Schedule:
         """The root node of this tree."""
         node = self
         while node.parent is not None:
@@ -211,7 +223,8 @@ class Schedule(TracingMixin):
         prim = get_primitive(name)
         if prim is None:
             raise AttributeError(
-                f"Schedule has no primitive or attribute {name!r}; primitives: {', '.join(list_primitives())}.")
+                f"Schedule has no primitive or attribute {name!r}; primitives: {', '.join(list_primitives())}."
+            )
 
         def call(*args, **kwargs):
             return self._dispatch(prim, args, kwargs)
@@ -301,8 +314,9 @@ def _canonical_call(path: str, prim, bound) -> Call:
     return Call(path, prim.name, tuple(args), kwargs)
 
 
-def create_schedule(root: nn.Module, name: str = "", path: str = "", parent: Schedule | None = None,
-                    group=None, **kwargs) -> Schedule:
+def create_schedule(
+    root: nn.Module, name: str = "", path: str = "", parent: Schedule | None = None, group=None, **kwargs
+) -> Schedule:
     """Create a schedule for ``root`` that preserves the module hierarchy.
 
     Args:
@@ -322,7 +336,9 @@ def create_schedule(root: nn.Module, name: str = "", path: str = "", parent: Sch
     unknown = set(kwargs) - {"world_size", "rank"}
     if unknown:
         raise ScheduleError(f"create_schedule() got unknown keyword arguments: {', '.join(sorted(unknown))}.")
-    return Schedule(root, name, path, parent, group, world_size=kwargs.get("world_size"), rank=kwargs.get("rank"))
+    return Schedule(
+        root, name, path, parent, group, world_size=kwargs.get("world_size"), rank=kwargs.get("rank")
+    )
 
 
 def param_owners(top: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:

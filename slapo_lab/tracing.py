@@ -32,6 +32,7 @@ Graph queries return Slapo's types: :meth:`~TracingMixin.find_node` a list of
 ``(parent path, fx.Node)`` in graph order; the parent path is relative to the schedule node the
 query was called on (``""`` for the node itself).
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,9 @@ log = logging.getLogger("slapo_lab")
 
 __all__ = ["ModulePattern", "Pattern", "TracingMixin", "call_module", "is_traced", "record_example_inputs"]
 
-_EXAMPLES_KEY = "module_example_inputs"  # per-module (args, kwargs); the model's own inputs live under "example_inputs"
+_EXAMPLES_KEY = (
+    "module_example_inputs"  # per-module (args, kwargs); the model's own inputs live under "example_inputs"
+)
 _TRACERS = ("auto", "fx", "export")
 
 #: Export tensor dimensions as ``Dim.AUTO`` (dynamic where the code allows). Off by default: it makes
@@ -114,7 +117,9 @@ def call_module(regex: str, *args):
     for a in args:
         if isinstance(a, fx.Proxy):
             return a.tracer.create_proxy("call_function", call_module, (regex, *args), {})
-    raise ScheduleError("call_module() only describes a node inside a pattern passed to find() or find_subgraph().")
+    raise ScheduleError(
+        "call_module() only describes a node inside a pattern passed to find() or find_subgraph()."
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,8 +187,11 @@ def _is_container(mod: nn.Module) -> bool:
 
 def _is_builtin(mod: nn.Module) -> bool:
     mname = type(mod).__module__
-    return (mname.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(mod, nn.Sequential)
-            and not _is_container(mod))
+    return (
+        mname.startswith(("torch.nn", "torch.ao.nn"))
+        and not isinstance(mod, nn.Sequential)
+        and not _is_container(mod)
+    )
 
 
 _CALL_STATE = ("syncs", "hooks", "checkpoint", "fork_rng", "partial_reducers")
@@ -267,14 +275,19 @@ def _normalize_inputs(inputs: Any, what: str) -> tuple[tuple, dict]:
         if not all(isinstance(k, str) for k in inputs):
             raise ScheduleError(f"{what} as a dict must map argument names (strings) to values.")
         return (), dict(inputs)
-    if (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], (tuple, list))
-            and isinstance(inputs[1], dict)):
+    if (
+        isinstance(inputs, tuple)
+        and len(inputs) == 2
+        and isinstance(inputs[0], (tuple, list))
+        and isinstance(inputs[1], dict)
+    ):
         return tuple(inputs[0]), dict(inputs[1])
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     raise ScheduleError(
         f"{what} must be a tensor, a tuple of positional arguments, a dict of keyword arguments or an "
-        f"(args, kwargs) pair, not {type(inputs).__name__}.")
+        f"(args, kwargs) pair, not {type(inputs).__name__}."
+    )
 
 
 def _on_meta(mod: nn.Module) -> bool:
@@ -297,8 +310,10 @@ def _leaf_spec(opts: _Opts, top: nn.Module, leaf_modules, where: str) -> None:
     if isinstance(leaf_modules, (str, type)):
         leaf_modules = [leaf_modules]
     if not isinstance(leaf_modules, (list, tuple, set)):
-        raise ScheduleError(f"leaf_modules must be a list of module paths, class names or classes, not "
-                            f"{type(leaf_modules).__name__}.")
+        raise ScheduleError(
+            f"leaf_modules must be a list of module paths, class names or classes, not "
+            f"{type(leaf_modules).__name__}."
+        )
     names = {orig_class(m).__name__ for m in top.modules()}
     types_ = []
     for entry in leaf_modules:
@@ -317,7 +332,8 @@ def _leaf_spec(opts: _Opts, top: nn.Module, leaf_modules, where: str) -> None:
                 opts.leaf_names.add(entry)
             else:
                 raise ScheduleError(
-                    f"leaf_modules entry {entry!r} names no submodule path or module class under {where}.")
+                    f"leaf_modules entry {entry!r} names no submodule path or module class under {where}."
+                )
         else:
             raise ScheduleError(f"leaf_modules entries must be paths, class names or classes, not {entry!r}.")
     opts.leaf_types = tuple(types_)
@@ -340,14 +356,18 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
     if tracer == "pytorch":
         tracer = "fx"
     if tracer == "huggingface":
-        raise ScheduleError("tracer='huggingface' is gone (transformers 5 has no transformers.utils.fx); "
-                            "use tracer='export' or 'auto'.")
+        raise ScheduleError(
+            "tracer='huggingface' is gone (transformers 5 has no transformers.utils.fx); "
+            "use tracer='export' or 'auto'."
+        )
     if tracer not in _TRACERS:
         raise ScheduleError(f"Unknown tracer {tracer!r}; use one of {', '.join(_TRACERS)}.")
     if flatten and not recursive:
         raise ScheduleError("flatten=True inlines every submodule, so it needs recursive=True.")
     if flatten and tracer == "export":
-        raise ScheduleError("flatten=True is only supported by the fx tracer; torch.export keeps the hierarchy.")
+        raise ScheduleError(
+            "flatten=True is only supported by the fx tracer; torch.export keeps the hierarchy."
+        )
     if concrete_args is not None:
         if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
             raise ScheduleError("concrete_args must be a dict from forward() argument names to values.")
@@ -358,22 +378,32 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         if params is not None and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(concrete_args) - set(params))
             if unknown:
-                raise ScheduleError(f"concrete_args names {', '.join(unknown)}, which {type(sch.mod).__name__}."
-                                    f"forward() does not take.")
+                raise ScheduleError(
+                    f"concrete_args names {', '.join(unknown)}, which {type(sch.mod).__name__}."
+                    f"forward() does not take."
+                )
     explicit = None
     if example_inputs is not None:
         explicit = _normalize_inputs(example_inputs, "example_inputs")
         if _on_meta(sch.mod):
             explicit = _to_meta(explicit)
-    opts = _Opts(root=sch.mod, root_path=sch.path, recursive=recursive, flatten=flatten, tracer=tracer,
-                 concrete_args=dict(concrete_args) if concrete_args else None,
-                 examples=sch._top.extra.get(_EXAMPLES_KEY, {}), explicit=explicit)
+    opts = _Opts(
+        root=sch.mod,
+        root_path=sch.path,
+        recursive=recursive,
+        flatten=flatten,
+        tracer=tracer,
+        concrete_args=dict(concrete_args) if concrete_args else None,
+        examples=sch._top.extra.get(_EXAMPLES_KEY, {}),
+        explicit=explicit,
+    )
     _leaf_spec(opts, sch.mod, leaf_modules, where)
     state = needs_call(sch.mod)
     if state and not is_traced(sch.mod):
         raise ScheduleError(
             f"{where} already carries {', '.join(state)}, which would be lost by tracing it; trace it before "
-            "applying those primitives, or trace its parent (it stays a leaf there).")
+            "applying those primitives, or trace its parent (it stays a leaf there)."
+        )
     return opts
 
 
@@ -435,7 +465,11 @@ def _fx_trace(mod: nn.Module, rel: str, opts: _Opts) -> fx.GraphModule:
             if node.op not in ("call_module", "get_attr") or node.target in root:
                 continue
             obj = _fetch(mod, node.target)
-            if node.op == "call_module" and opts.recursive and not opts.true_leaf(obj, _join(rel, node.target)):
+            if (
+                node.op == "call_module"
+                and opts.recursive
+                and not opts.true_leaf(obj, _join(rel, node.target))
+            ):
                 obj = _trace_child(obj, _join(rel, node.target), opts)
             root[node.target] = obj
         gm = fx.GraphModule(root, graph, class_name=name)
@@ -487,7 +521,11 @@ def _dynamic_shapes(mod: nn.Module, args: tuple, kwargs: dict):
 
     def spec(x):
         return pytree.tree_map(
-            lambda t: {i: Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) and t.dim() else None, x)
+            lambda t: (
+                {i: Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) and t.dim() else None
+            ),
+            x,
+        )
 
     return {name: spec(v) for name, v in bound.arguments.items()}
 
@@ -503,11 +541,19 @@ def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str]):
                 dyn = None
         if dyn is not None:
             try:
-                return torch.export.export(mod, args, kwargs, dynamic_shapes=dyn, strict=False,
-                                           preserve_module_call_signature=tuple(leaves))
+                return torch.export.export(
+                    mod,
+                    args,
+                    kwargs,
+                    dynamic_shapes=dyn,
+                    strict=False,
+                    preserve_module_call_signature=tuple(leaves),
+                )
             except Exception as err:  # noqa: BLE001 - retry with static shapes, which reports the real error
                 log.debug("dynamic-shape export failed (%s); retrying with static shapes", _short(err))
-        return torch.export.export(mod, args, kwargs, strict=False, preserve_module_call_signature=tuple(leaves))
+        return torch.export.export(
+            mod, args, kwargs, strict=False, preserve_module_call_signature=tuple(leaves)
+        )
 
 
 def _set_path(root: nn.Module, path: str, value: nn.Module) -> None:
@@ -525,8 +571,10 @@ def _set_path(root: nn.Module, path: str, value: nn.Module) -> None:
 def _restore_tensors(um: nn.Module, mod: nn.Module, leaves: list[str]) -> None:
     """Put the original parameter and buffer objects back (unflatten clones them)."""
     inside = tuple(f"{leaf}." for leaf in leaves)
-    for kind, items in (("param", mod.named_parameters(remove_duplicate=False)),
-                        ("buffer", mod.named_buffers(remove_duplicate=False))):
+    for kind, items in (
+        ("param", mod.named_parameters(remove_duplicate=False)),
+        ("buffer", mod.named_buffers(remove_duplicate=False)),
+    ):
         for name, t in items:
             if name.startswith(inside):
                 continue
@@ -622,8 +670,13 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is pytree.tree_unflatten and len(node.args) == 2 and isinstance(node.args[1], fx.Node) \
-                and node.args[1].op == "get_attr" and isinstance(node.args[0], (list, tuple)):
+        if (
+            node.target is pytree.tree_unflatten
+            and len(node.args) == 2
+            and isinstance(node.args[1], fx.Node)
+            and node.args[1].op == "get_attr"
+            and isinstance(node.args[0], (list, tuple))
+        ):
             spec = _fetch(owner, node.args[1].target)
             flat = list(node.args[0])
             try:
@@ -633,9 +686,14 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
                 continue
             resolve(node, struct, flat)
             changed = True
-        elif getattr(node.target, "__name__", "") == "tree_flatten_spec" and len(node.args) == 2 \
-                and isinstance(node.args[0], fx.Node) and node.args[0].op == "call_module" \
-                and isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr":
+        elif (
+            getattr(node.target, "__name__", "") == "tree_flatten_spec"
+            and len(node.args) == 2
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0].op == "call_module"
+            and isinstance(node.args[1], fx.Node)
+            and node.args[1].op == "get_attr"
+        ):
             spec = _fetch(owner, node.args[1].target)
             if spec.is_leaf():
                 for user in list(node.users):
@@ -649,9 +707,10 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
     for node in reversed(list(graph.nodes)):
         if node.users:
             continue
-        if (node.op == "call_function" and (node.target in removable
-                                            or getattr(node.target, "__name__", "") == "tree_flatten_spec")) \
-                or (node.op == "get_attr" and node.target.startswith("_spec_")):
+        if (
+            node.op == "call_function"
+            and (node.target in removable or getattr(node.target, "__name__", "") == "tree_flatten_spec")
+        ) or (node.op == "get_attr" and node.target.startswith("_spec_")):
             graph.erase_node(node)
 
 
@@ -663,8 +722,9 @@ def _meta_vals(graph: fx.Graph, keep_placeholders: bool = False) -> None:
     def conv(t):
         if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
             try:
-                return torch.empty_strided([int(s) for s in t.shape], [int(s) for s in t.stride()],
-                                           dtype=t.dtype, device="meta")
+                return torch.empty_strided(
+                    [int(s) for s in t.shape], [int(s) for s in t.stride()], dtype=t.dtype, device="meta"
+                )
             except Exception:  # noqa: BLE001 - symbolic sizes: drop
                 return None
         return t
@@ -802,19 +862,45 @@ def record_example_inputs(sch, inputs) -> dict[str, tuple[tuple, dict]]:
 # Pattern matching
 # ------------------------------------------------------------------------------------------------
 _MODULE_OPS: list[tuple[type, str]] = [
-    (nn.Linear, "linear"), (nn.Conv1d, "conv1d"), (nn.Conv2d, "conv2d"), (nn.Conv3d, "conv3d"),
-    (nn.LayerNorm, "layer_norm"), (nn.GroupNorm, "group_norm"), (nn.RMSNorm, "rms_norm"),
-    (nn.modules.batchnorm._BatchNorm, "batch_norm"), (nn.Embedding, "embedding"), (nn.Dropout, "dropout"),
-    (nn.GELU, "gelu"), (nn.ReLU, "relu"), (nn.SiLU, "silu"), (nn.Tanh, "tanh"), (nn.Sigmoid, "sigmoid"),
-    (nn.Softmax, "softmax"), (nn.LogSoftmax, "log_softmax"), (nn.LeakyReLU, "leaky_relu"), (nn.ELU, "elu"),
-    (nn.Mish, "mish"), (nn.Hardswish, "hardswish"), (nn.ReLU6, "relu6"), (nn.Identity, "identity"),
+    (nn.Linear, "linear"),
+    (nn.Conv1d, "conv1d"),
+    (nn.Conv2d, "conv2d"),
+    (nn.Conv3d, "conv3d"),
+    (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"),
+    (nn.RMSNorm, "rms_norm"),
+    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
+    (nn.Embedding, "embedding"),
+    (nn.Dropout, "dropout"),
+    (nn.GELU, "gelu"),
+    (nn.ReLU, "relu"),
+    (nn.SiLU, "silu"),
+    (nn.Tanh, "tanh"),
+    (nn.Sigmoid, "sigmoid"),
+    (nn.Softmax, "softmax"),
+    (nn.LogSoftmax, "log_softmax"),
+    (nn.LeakyReLU, "leaky_relu"),
+    (nn.ELU, "elu"),
+    (nn.Mish, "mish"),
+    (nn.Hardswish, "hardswish"),
+    (nn.ReLU6, "relu6"),
+    (nn.Identity, "identity"),
 ]
 # transformers' activation modules that compute exactly the torch functional of that name
 _HF_ACTIVATIONS = {"GELUActivation": "gelu", "SiLUActivation": "silu"}
 _OPERATORS = {
-    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
-    operator.mul: "mul", operator.imul: "mul", operator.truediv: "div", operator.itruediv: "div",
-    operator.floordiv: "floor_divide", operator.matmul: "matmul", operator.neg: "neg", operator.pow: "pow",
+    operator.add: "add",
+    operator.iadd: "add",
+    operator.sub: "sub",
+    operator.isub: "sub",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    operator.truediv: "div",
+    operator.itruediv: "div",
+    operator.floordiv: "floor_divide",
+    operator.matmul: "matmul",
+    operator.neg: "neg",
+    operator.pow: "pow",
     operator.getitem: "getitem",
 }
 
@@ -876,8 +962,9 @@ def _trace_pattern(pattern) -> fx.GraphModule:
         try:
             graph = tracer.trace(pattern)
         except Exception as err:  # noqa: BLE001
-            raise ScheduleError(f"The pattern {type(pattern).__name__} could not be traced by torch.fx: "
-                                f"{_short(err)}.") from None
+            raise ScheduleError(
+                f"The pattern {type(pattern).__name__} could not be traced by torch.fx: {_short(err)}."
+            ) from None
         return fx.GraphModule(pattern, graph)
     if isinstance(pattern, types.FunctionType):
         try:
@@ -885,9 +972,12 @@ def _trace_pattern(pattern) -> fx.GraphModule:
         except ScheduleError:
             raise
         except Exception as err:  # noqa: BLE001
-            raise ScheduleError(f"The pattern function could not be traced by torch.fx: {_short(err)}.") from None
+            raise ScheduleError(
+                f"The pattern function could not be traced by torch.fx: {_short(err)}."
+            ) from None
     raise ScheduleError(
-        f"A subgraph pattern must be a function (e.g. a lambda) or a Pattern instance, not {type(pattern).__name__}.")
+        f"A subgraph pattern must be a function (e.g. a lambda) or a Pattern instance, not {type(pattern).__name__}."
+    )
 
 
 def _graph_owners(mod: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -911,7 +1001,9 @@ def _find_subgraphs(owners, pgm: fx.GraphModule) -> list[list[tuple[str, fx.Node
     return results
 
 
-def _match_graph(pname: str, owner: nn.Module, pnodes: list, pkeys: dict, claimed: set, results: list) -> None:
+def _match_graph(
+    pname: str, owner: nn.Module, pnodes: list, pkeys: dict, claimed: set, results: list
+) -> None:
     """Append every non-overlapping match of the pattern in ``owner``'s graph to ``results``.
 
     The first pattern operation anchors a match; each next one must be a user of every node already
@@ -976,8 +1068,15 @@ class TracingMixin:
         """Method form of :func:`record_example_inputs` (``sch.record_example_inputs(inputs)``)."""
         return record_example_inputs(self, inputs)
 
-    def trace(self, recursive: bool = True, flatten: bool = False, leaf_modules=None, tracer: str = "auto",
-              concrete_args: dict | None = None, example_inputs=None) -> nn.Module:
+    def trace(
+        self,
+        recursive: bool = True,
+        flatten: bool = False,
+        leaf_modules=None,
+        tracer: str = "auto",
+        concrete_args: dict | None = None,
+        example_inputs=None,
+    ) -> nn.Module:
         """Trace this node's module into a graph, in place (Slapo's ``Schedule.trace``).
 
         ``torch.fx.symbolic_trace`` is tried first (``tracer="fx"`` or ``"auto"``); where it fails,
@@ -1029,7 +1128,9 @@ class TracingMixin:
                 already traced without reaching a path, or when tracing fails.
         """
         if self.parent is not None:
-            raise ScheduleError(f"trace_until() traces from the root; call it on the root schedule, not on {self.path}.")
+            raise ScheduleError(
+                f"trace_until() traces from the root; call it on the root schedule, not on {self.path}."
+            )
         if isinstance(paths, str):
             paths = [paths]
         if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) for p in paths):
@@ -1037,10 +1138,14 @@ class TracingMixin:
         allowed = {"tracer", "leaf_modules", "concrete_args", "example_inputs"}
         unknown = sorted(set(kwargs) - allowed)
         if unknown:
-            raise ScheduleError(f"trace_until() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}.")
+            raise ScheduleError(
+                f"trace_until() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}."
+            )
         for p in paths:
             if p == "":
-                raise ScheduleError("trace_until('') names the root itself; use trace(recursive=False) instead.")
+                raise ScheduleError(
+                    "trace_until('') names the root itself; use trace(recursive=False) instead."
+                )
             self[p]  # raises a ScheduleKeyError naming what exists
         if is_traced(self.mod):
             for p in paths:
@@ -1050,7 +1155,8 @@ class TracingMixin:
                     if not (is_traced(m) or _is_container(m) or (i == len(parts) and not list(m.children()))):
                         raise ScheduleError(
                             f"The root is already traced but {'.'.join(parts[:i])} is not, so trace_until({p!r}) "
-                            "cannot reach it; trace_until() must come before tracing the root.")
+                            "cannot reach it; trace_until() must come before tracing the root."
+                        )
             return self.mod
         leaves = list(kwargs.pop("leaf_modules", None) or [])
         if isinstance(leaves, (str, type)):
@@ -1089,11 +1195,13 @@ class TracingMixin:
                 try:
                     return bool(fn(n))
                 except Exception as err:  # noqa: BLE001
-                    raise ScheduleError(f"The node predicate raised {type(err).__name__} on node {n.name}: "
-                                        f"{_short(err)}.") from None
+                    raise ScheduleError(
+                        f"The node predicate raised {type(err).__name__} on node {n.name}: {_short(err)}."
+                    ) from None
         else:
             raise ScheduleError(
-                f"find_node() takes a regular expression or a predicate on fx nodes, not {type(regex_or_pattern_fn).__name__}.")
+                f"find_node() takes a regular expression or a predicate on fx nodes, not {type(regex_or_pattern_fn).__name__}."
+            )
         self._ensure_traced()
         return [(qn, n) for qn, owner in _graph_owners(self.mod) for n in owner.graph.nodes if pred(n)]
 
@@ -1134,7 +1242,8 @@ class TracingMixin:
         if isinstance(regex_or_pattern_fn, (types.FunctionType, Pattern)):
             return self.find_subgraph(regex_or_pattern_fn)
         raise ScheduleError(
-            f"find() takes a regular expression, a pattern function or a Pattern, not {type(regex_or_pattern_fn).__name__}.")
+            f"find() takes a regular expression, a pattern function or a Pattern, not {type(regex_or_pattern_fn).__name__}."
+        )
 
 
 def _trace_module(sch, opts: _Opts) -> nn.Module:
@@ -1151,8 +1260,10 @@ def _trace_module(sch, opts: _Opts) -> nn.Module:
         else:
             example = opts.example_for("")
             if example is None:
-                ex_err = ("it needs example inputs: pass example_inputs= or call "
-                          "record_example_inputs(sch, inputs) first")
+                ex_err = (
+                    "it needs example inputs: pass example_inputs= or call "
+                    "record_example_inputs(sch, inputs) first"
+                )
             else:
                 try:
                     return _export_trace(sch.mod, "", opts, example)

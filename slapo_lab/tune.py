@@ -12,6 +12,7 @@ Semantics follow Slapo's API reference (seed ``001``: ``Symbol(name, vals)`` wit
 ``clone`` / ``cfg_dict_to_str`` / ``log_space``; ``Database(db_file_name)`` with ``load`` /
 ``commit``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -186,8 +187,10 @@ class Space:
         return len(self.space)
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{s.name}: {s.value!r} (fixed)" if s.is_fixed() else f"{s.name}: {s.vals!r}"
-                         for s in self.space.values())
+        body = ", ".join(
+            f"{s.name}: {s.value!r} (fixed)" if s.is_fixed() else f"{s.name}: {s.vals!r}"
+            for s in self.space.values()
+        )
         return f"Space({body})"
 
 

@@ -1,4 +1,5 @@
 """Small model utilities shared by the editor, export and planning."""
+
 from __future__ import annotations
 
 import copy

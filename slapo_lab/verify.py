@@ -5,6 +5,7 @@ Slapo's ``Verify``, which checks only outputs -- so is every parameter gradient,
 gradients gathered across the tensor-parallel ranks first. The loss used for gradients is a fixed
 random projection of every output tensor, identical on every rank (a "replicated loss").
 """
+
 from __future__ import annotations
 
 import copy
@@ -103,17 +104,23 @@ class VerifyReport:
         if self.note:
             lines.append(f"Verify: {self.note}")
         for c in self.outputs:
-            lines.append(f"Verify: output {c.name}: max abs diff {c.max_abs:.3e}, max rel diff {c.max_rel:.3e}"
-                         + ("" if c.ok else f"  <-- exceeds tolerance {c.note}"))
+            lines.append(
+                f"Verify: output {c.name}: max abs diff {c.max_abs:.3e}, max rel diff {c.max_rel:.3e}"
+                + ("" if c.ok else f"  <-- exceeds tolerance {c.note}")
+            )
         bad_w = [c for c in self.weights if not c.ok]
         for c in bad_w[:5]:
-            lines.append(f"Verify: weight {c.name} differs from the reference slice (max abs {c.max_abs:.3e}) {c.note}")
+            lines.append(
+                f"Verify: weight {c.name} differs from the reference slice (max abs {c.max_abs:.3e}) {c.note}"
+            )
         w = self.worst(self.grads)
         if w is not None:
             n_bad = sum(not c.ok for c in self.grads)
-            lines.append(f"Verify: gradients of {len(self.grads)} parameters: max abs diff {w.max_abs:.3e} "
-                         f"({w.name}), max rel diff {max(c.max_rel for c in self.grads):.3e}"
-                         + (f", {n_bad} over tolerance" if n_bad else ""))
+            lines.append(
+                f"Verify: gradients of {len(self.grads)} parameters: max abs diff {w.max_abs:.3e} "
+                f"({w.name}), max rel diff {max(c.max_rel for c in self.grads):.3e}"
+                + (f", {n_bad} over tolerance" if n_bad else "")
+            )
             for c in [c for c in self.grads if not c.ok][:5]:
                 lines.append(f"Verify:   {c.name}: max abs diff {c.max_abs:.3e} {c.note}")
         status = "PASSED" if self.passed else "FAILED"
@@ -122,9 +129,14 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         """A JSON-able dict of the figures (for the editor and scripts)."""
-        return {"passed": self.passed, "device": self.device, "note": self.note,
-                "outputs": [c.__dict__ for c in self.outputs], "grads": [c.__dict__ for c in self.grads],
-                "weights_mismatched": [c.name for c in self.weights if not c.ok]}
+        return {
+            "passed": self.passed,
+            "device": self.device,
+            "note": self.note,
+            "outputs": [c.__dict__ for c in self.outputs],
+            "grads": [c.__dict__ for c in self.grads],
+            "weights_mismatched": [c.name for c in self.weights if not c.ok],
+        }
 
 
 def _move_inputs(inputs, device):
@@ -140,8 +152,11 @@ def broadcast_inputs(inputs, tp: TPGroup, src: int = 0):
     if tp.group is None or tp.world_size == 1:
         return inputs
     for t in _tensors(inputs):
-        dist.broadcast(t, src=dist.get_global_rank(tp.group, src) if tp.group is not dist.group.WORLD else src,
-                       group=tp.group)
+        dist.broadcast(
+            t,
+            src=dist.get_global_rank(tp.group, src) if tp.group is not dist.group.WORLD else src,
+            group=tp.group,
+        )
     return inputs
 
 
@@ -165,9 +180,17 @@ def _reduce_max(values: list[float], tp: TPGroup, device) -> list[float]:
     return t.tolist()
 
 
-def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp: TPGroup,
-                  device: str = "cpu", eval_mode: bool = True, atol: float = 1e-5, rtol: float = 1e-5,
-                  seed: int = 2013) -> VerifyReport:
+def verify_models(
+    reference: nn.Module,
+    scheduled: nn.Module,
+    example_inputs,
+    tp: TPGroup,
+    device: str = "cpu",
+    eval_mode: bool = True,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    seed: int = 2013,
+) -> VerifyReport:
     """Compare ``scheduled`` (this rank's shard) with the full ``reference`` on ``example_inputs``.
 
     Checks, in order: every scheduled parameter equals this rank's slice of the reference's; the
@@ -192,8 +215,11 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
         if r is None:
             continue
         axis = getattr(p, "shard_axis", None)
-        want = local_shard(r.detach(), axis, tp.world_size, tp.rank, getattr(p, "shard_stride", 1)) if (
-            axis is not None and tp.world_size > 1) else r
+        want = (
+            local_shard(r.detach(), axis, tp.world_size, tp.rank, getattr(p, "shard_stride", 1))
+            if (axis is not None and tp.world_size > 1)
+            else r
+        )
         a, _, same, _, _ = _diff(p, want)
         report.weights.append(Comparison(name, a, 0.0, same and a == 0.0))
     # 2. forward + backward, same seed for both; the reference's pass ends (its autograd graph freed)
@@ -224,11 +250,15 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
     for (name, a_ref), proj in zip(out_ref, projections):
         a = sch_by_name.get(name)
         if a is None:
-            report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+            report.outputs.append(
+                Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)")
+            )
             continue
         max_abs, max_rel, same_shape, _, _ = _diff(a, a_ref)
         ok = same_shape and torch.allclose(a.detach().double(), a_ref.double(), atol=atol, rtol=rtol)
-        note = "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
+        note = (
+            "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
+        )
         report.outputs.append(Comparison(name, max_abs, max_rel, ok, note))
     sch_loss = loss_of([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref])
     if isinstance(sch_loss, torch.Tensor):
@@ -248,8 +278,11 @@ def verify_models(reference: nn.Module, scheduled: nn.Module, example_inputs, tp
         report.grads.append(Comparison(name, max_abs, max_rel, ok))
     # 3. agree across ranks: report the worst figures everywhere.
     for items in (report.outputs, report.grads, report.weights):
-        vals = _reduce_max([c.max_abs for c in items] + [c.max_rel for c in items]
-                           + [0.0 if c.ok else 1.0 for c in items], tp, device)
+        vals = _reduce_max(
+            [c.max_abs for c in items] + [c.max_rel for c in items] + [0.0 if c.ok else 1.0 for c in items],
+            tp,
+            device,
+        )
         n = len(items)
         for i, c in enumerate(items):
             c.max_abs, c.max_rel, c.ok = vals[i], vals[n + i], vals[2 * n + i] == 0.0
@@ -274,8 +307,16 @@ class Verify:
         AssertionError: on exit, with the summary, if the comparison fails.
     """
 
-    def __init__(self, sch, example_inputs, device: str = "cuda", eval_mode: bool = True, enable: bool = True,
-                 atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    def __init__(
+        self,
+        sch,
+        example_inputs,
+        device: str = "cuda",
+        eval_mode: bool = True,
+        enable: bool = True,
+        atol: float = 1e-5,
+        rtol: float = 1e-5,
+    ) -> None:
         self.sch = sch
         self.example_inputs = example_inputs
         self.device, self.note = resolve_device(device)
@@ -301,8 +342,16 @@ class Verify:
     def __exit__(self, exc_type, exc, tb):
         if not self.enable or exc_type is not None:
             return False
-        self.report = verify_models(self._reference, self.sch.mod, self.example_inputs, self.sch.tp,
-                                    device=self.device, eval_mode=self.eval_mode, atol=self.atol, rtol=self.rtol)
+        self.report = verify_models(
+            self._reference,
+            self.sch.mod,
+            self.example_inputs,
+            self.sch.tp,
+            device=self.device,
+            eval_mode=self.eval_mode,
+            atol=self.atol,
+            rtol=self.rtol,
+        )
         self.report.note = self.note
         if not self.report.passed:
             raise AssertionError(self.report.summary())

@@ -1,4 +1,5 @@
 """Shared pytest fixtures (add new ones; do not remove: other test files use them)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -32,15 +33,18 @@ def subprocess_env() -> dict:
 
 def _run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """Run ``cmd`` (no shell) in its own process group; on timeout kill the whole group and fail."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         harness.kill_tree(proc.pid)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} ran over {timeout} s and was killed\n"
-                    f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} ran over {timeout} s and was killed\n"
+            f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
+        )
     finally:
         if proc.poll() is None:  # pragma: no cover - an exception while waiting
             harness.kill_tree(proc.pid)
@@ -61,9 +65,18 @@ def run_bounded():
 @pytest.fixture
 def torchrun_cmd():
     """``torchrun_cmd(nproc, port, script, *args)``: the argv of a local CPU torchrun launch."""
+
     def cmd(nproc: int, port: int, script, *args: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                "--master_addr=127.0.0.1", f"--master_port={port}", str(script), *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(script),
+            *args,
+        ]
 
     return cmd
 
@@ -75,8 +88,14 @@ def tiny_bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=256,
-                     vocab_size=1000, max_position_embeddings=128)
+    cfg = BertConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    )
     return BertModel(cfg)
 
 
@@ -99,8 +118,14 @@ def bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=120, max_position_embeddings=64)
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=120,
+        max_position_embeddings=64,
+    )
     return BertModel(cfg), torch.randint(0, 120, (2, 16))
 
 

@@ -4,6 +4,7 @@ Each entry builds a real transformers model from a small config (2 blocks, hidde
 where the family has grouped-query attention) and its example inputs, so that a test can open the editor,
 apply presets, cut a pipeline stage, export and launch, on the same classes a user schedules.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,12 +18,11 @@ BATCH, SEQ = 4, 16
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    config_cls: str      # transformers class names, resolved lazily
+    config_cls: str  # transformers class names, resolved lazily
     model_cls: str
     config: dict
     inputs: str = "ids"  # "ids" | "seq2seq" | "pixels"
     cut: str | None = None  # where one pipeline cut goes; None: after the middle block
-
 
     def build(self, seed: int = 0):
         import transformers
@@ -37,36 +37,126 @@ class Family:
             return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g)}
         ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
         if self.inputs == "seq2seq":
-            return {"input_ids": ids, "decoder_input_ids": torch.randint(0, VOCAB, (batch, seq // 2), generator=g)}
+            return {
+                "input_ids": ids,
+                "decoder_input_ids": torch.randint(0, VOCAB, (batch, seq // 2), generator=g),
+            }
         return {"input_ids": ids}
 
 
-_BERTLIKE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": VOCAB,
-                 "max_position_embeddings": 64}
-_ROPE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-             "vocab_size": VOCAB, "max_position_embeddings": 64}
+_BERTLIKE = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
+_ROPE = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
 
-FAMILIES = {f.name: f for f in (
-    Family("bert", "BertConfig", "BertForMaskedLM", _BERTLIKE),
-    Family("roberta", "RobertaConfig", "RobertaForMaskedLM", _BERTLIKE),
-    # ALBERT runs its one shared layer num_hidden_layers times: the only cut between blocks is after the embeddings.
-    Family("albert", "AlbertConfig", "AlbertForMaskedLM", {**_BERTLIKE, "embedding_size": 32}, cut="albert.embeddings"),
-    Family("gpt2", "GPT2Config", "GPT2LMHeadModel",
-           {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}),
-    Family("opt", "OPTConfig", "OPTForCausalLM",
-           {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": VOCAB,
-                "max_position_embeddings": 64, "word_embed_proj_dim": 64}),
-    Family("gpt_neo", "GPTNeoConfig", "GPTNeoForCausalLM",
-           {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64,
-                "attention_types": [[["global", "local"], 1]], "window_size": 8, "bos_token_id": 0, "eos_token_id": 0}),
-    Family("t5", "T5Config", "T5ForConditionalGeneration",
-           {"num_layers": 2, "num_decoder_layers": 2, "d_model": 64, "d_kv": 16, "num_heads": 4, "d_ff": 128, "vocab_size": VOCAB},
-           inputs="seq2seq"),
-    Family("vit", "ViTConfig", "ViTForImageClassification",
-           {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
-                "patch_size": 8, "num_labels": 10}, inputs="pixels"),
-    Family("llama", "LlamaConfig", "LlamaForCausalLM", _ROPE),
-    Family("mistral", "MistralConfig", "MistralForCausalLM", _ROPE),
-    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {**_ROPE, "head_dim": 16}),
-    Family("mixtral", "MixtralConfig", "MixtralForCausalLM", {**_ROPE, "num_local_experts": 4, "num_experts_per_tok": 2}),
-)}
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("bert", "BertConfig", "BertForMaskedLM", _BERTLIKE),
+        Family("roberta", "RobertaConfig", "RobertaForMaskedLM", _BERTLIKE),
+        # ALBERT runs its one shared layer num_hidden_layers times: the only cut between blocks is after the embeddings.
+        Family(
+            "albert",
+            "AlbertConfig",
+            "AlbertForMaskedLM",
+            {**_BERTLIKE, "embedding_size": 32},
+            cut="albert.embeddings",
+        ),
+        Family(
+            "gpt2",
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            {
+                "n_layer": 2,
+                "n_embd": 64,
+                "n_head": 4,
+                "vocab_size": VOCAB,
+                "n_positions": 64,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+            },
+        ),
+        Family(
+            "opt",
+            "OPTConfig",
+            "OPTForCausalLM",
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_dim": 128,
+                "vocab_size": VOCAB,
+                "max_position_embeddings": 64,
+                "word_embed_proj_dim": 64,
+            },
+        ),
+        Family(
+            "gpt_neo",
+            "GPTNeoConfig",
+            "GPTNeoForCausalLM",
+            {
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_heads": 4,
+                "vocab_size": VOCAB,
+                "max_position_embeddings": 64,
+                "attention_types": [[["global", "local"], 1]],
+                "window_size": 8,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+            },
+        ),
+        Family(
+            "t5",
+            "T5Config",
+            "T5ForConditionalGeneration",
+            {
+                "num_layers": 2,
+                "num_decoder_layers": 2,
+                "d_model": 64,
+                "d_kv": 16,
+                "num_heads": 4,
+                "d_ff": 128,
+                "vocab_size": VOCAB,
+            },
+            inputs="seq2seq",
+        ),
+        Family(
+            "vit",
+            "ViTConfig",
+            "ViTForImageClassification",
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "image_size": 32,
+                "patch_size": 8,
+                "num_labels": 10,
+            },
+            inputs="pixels",
+        ),
+        Family("llama", "LlamaConfig", "LlamaForCausalLM", _ROPE),
+        Family("mistral", "MistralConfig", "MistralForCausalLM", _ROPE),
+        Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {**_ROPE, "head_dim": 16}),
+        Family(
+            "mixtral",
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            {**_ROPE, "num_local_experts": 4, "num_experts_per_tok": 2},
+        ),
+    )
+}

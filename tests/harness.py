@@ -3,6 +3,7 @@
 * :func:`apply_bert_tp` — issue 2's Megatron-style BERT schedule, typed call by call;
 * :func:`free_port`, :func:`child_env`, :func:`launch_torchrun` — a bounded local CPU torchrun launch.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,13 @@ BERT_COL = ("attention.self.query", "attention.self.key", "attention.self.value"
 BERT_ROW = ("attention.output.dense", "output.dense")
 
 
-def apply_bert_tp(sch, num_layers: int, checkpoint: bool = True, prefix: str = "encoder.layer",
-                  embeddings: str | None = None) -> None:
+def apply_bert_tp(
+    sch,
+    num_layers: int,
+    checkpoint: bool = True,
+    prefix: str = "encoder.layer",
+    embeddings: str | None = None,
+) -> None:
     """Issue 2's BERT tensor-parallel schedule on layers ``0..num_layers-1`` of ``prefix``.
 
     Column parallel (weight and bias on axis 0 + ``bwd_post all_reduce``): query, key, value,
@@ -93,10 +99,25 @@ def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tupl
     The launch runs in its own process session, killed whole on timeout (return code -9 and the
     output so far). Returns ``(returncode, stdout + stderr)``.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -122,6 +143,6 @@ def launch_results(script, nproc: int, args: list[str], timeout: float) -> tuple
     res = {}
     for line in out.splitlines():
         if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
+            r = json.loads(line[len("RESULT ") :])
             res[r["case"]] = r
     return rc, out, res

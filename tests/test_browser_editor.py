@@ -320,7 +320,10 @@ def test_quickstart_click_to_checkpoint(lab):
         _kernel_eval(page, 'sch["encoder.layer.1.attention.self.query"].shard("weight", axis=0)')
         check = editor.locator(".slapo-check-box")
         _wait_text(check, "open items")
-        assert "encoder.layer.1.attention.self splits its heads in query but not in key, value," in check.inner_text()
+        assert (
+            "encoder.layer.1.attention.self splits its heads in query but not in key, value,"
+            in check.inner_text()
+        )
         assert _unreadable(page, [".slapo-editor .slapo-check-box"]) == {}
         save_screenshot(editor.locator(".slapo-check-box").first, "editor_open_items.png")
         _button(editor, "close open items").click()

@@ -106,7 +106,8 @@ def _node(graph, label: str | re.Pattern):
 def _theme(page, name: str) -> None:
     page.evaluate(f"() => window.jupyterapp.commands.execute('apputils:change-theme', {{theme: '{name}'}})")
     page.wait_for_function(
-        f"() => document.body.dataset.jpThemeLight === '{'true' if 'Light' in name else 'false'}'", timeout=30_000
+        f"() => document.body.dataset.jpThemeLight === '{'true' if 'Light' in name else 'false'}'",
+        timeout=30_000,
     )
     page.wait_for_timeout(800)
 
@@ -144,7 +145,11 @@ def _run(page, base_url, token, nb_dir, name, cell):
     errors = notebook_errors(page)
     assert errors == [], "\n\n".join(errors)
     editor = page.locator(".slapo-editor").first
-    return editor, editor.locator(".slapo-graph").first, page.locator(".jp-OutputArea-output:has(.slapo-editor)").first
+    return (
+        editor,
+        editor.locator(".slapo-graph").first,
+        page.locator(".jp-OutputArea-output:has(.slapo-editor)").first,
+    )
 
 
 def _shutdown(page):

@@ -7,6 +7,7 @@ ranks a half-built GQA attention that runs without any error is a different mode
 fixes make it the original (loss equal, gradients within 1e-6), while its exported script fails its own Verify
 (exit status 1).
 """
+
 from __future__ import annotations
 
 import re
@@ -60,12 +61,16 @@ def test_half_built_gqa_attention_plans_without_error_but_is_found():
     assert (f.kind, f.path) == ("partial_heads", "model.layers.0.self_attn")
     assert "q_proj, o_proj but not in k_proj, v_proj" in f.message
     assert f.message.endswith(".") and "\n" not in f.message  # one sentence
-    assert f.fix.splitlines() == ['sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)',
-                                  'sch["model.layers.0.self_attn.v_proj"].shard("weight", axis=0)']
+    assert f.fix.splitlines() == [
+        'sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)',
+        'sch["model.layers.0.self_attn.v_proj"].shard("weight", axis=0)',
+    ]
     _apply(sch, [f])
     second = sl.check_schedule(sch)  # k and v are now column parallel: their input gradients
     assert {(x.kind, x.path.rsplit(".", 1)[1]) for x in second} == {
-        ("unreduced_input_grad", "k_proj"), ("unreduced_input_grad", "v_proj")}
+        ("unreduced_input_grad", "k_proj"),
+        ("unreduced_input_grad", "v_proj"),
+    }
     _apply(sch, second)
     assert sl.check_schedule(sch) == []
 
@@ -92,10 +97,15 @@ def test_column_parallel_without_input_grad_reduce_and_whole_bias():
     assert set(kinds) == {"unreduced_input_grad", "whole_bias", "partial_heads"}
     assert kinds["whole_bias"].fix == f'sch["{q}"].shard("bias", axis=0)'
     _apply(sch, [kinds["whole_bias"], kinds["partial_heads"]])
-    sch["bert.encoder.layer.0.attention.self"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")  # one f for q, k, v
+    sch["bert.encoder.layer.0.attention.self"].sync(
+        mode="bwd_post", sync_op_or_fn="all_reduce"
+    )  # one f for q, k, v
     left = sl.check_schedule(sch)  # the next round: key and value biases, output.dense's partial sums
     assert {(f.kind, f.path.rsplit(".", 1)[1]) for f in left} == {
-        ("whole_bias", "key"), ("whole_bias", "value"), ("unreduced_partial", "dense")}
+        ("whole_bias", "key"),
+        ("whole_bias", "value"),
+        ("unreduced_partial", "dense"),
+    }
     _apply(sch, left)
     assert sl.check_schedule(sch) == []
 
@@ -127,7 +137,9 @@ def test_fused_qkv_without_output_projection_is_found():
     attn["c_attn"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
     (f,) = sl.check_schedule(sch)
     assert f.kind == "partial_heads" and "output projection" in f.message
-    assert f.fix == 'sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0)'  # Conv1D: input features on 0
+    assert (
+        f.fix == 'sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0)'
+    )  # Conv1D: input features on 0
 
 
 def _half_gqa():
@@ -148,8 +160,13 @@ def test_close_open_items_is_one_action_and_all_or_nothing():
     assert getattr(sch["model.layers.0.self_attn.k_proj"].mod.weight, "shard_axis", None) is None  # restored
     applied = sl.close_open_items(sch)
     assert [(c.path.rsplit(".", 1)[1], c.primitive) for c in applied] == [
-        ("k_proj", "shard"), ("v_proj", "shard"), ("o_proj", "shard"),
-        ("k_proj", "sync"), ("v_proj", "sync"), ("o_proj", "sync")]
+        ("k_proj", "shard"),
+        ("v_proj", "shard"),
+        ("o_proj", "shard"),
+        ("k_proj", "sync"),
+        ("v_proj", "sync"),
+        ("o_proj", "sync"),
+    ]
     assert sl.check_schedule(sch) == []
     assert sch.record.actions()[-1].label == "close open items"
     assert sl.close_open_items(sch) == []
@@ -164,10 +181,13 @@ def test_per_head_norms_need_their_gradients_summed():
     sch[f"{a}.o_proj"].shard("weight", axis=1)
     sch[f"{a}.o_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     found = sl.check_schedule(sch)
-    assert [(f.kind, f.path) for f in found] == [("unreduced_param_grads", f"{a}.q_norm"),
-                                                 ("unreduced_param_grads", f"{a}.k_norm")]
-    assert found[0].fix == (f'sch["{a}.q_norm"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
-                            'param_grads=True)')
+    assert [(f.kind, f.path) for f in found] == [
+        ("unreduced_param_grads", f"{a}.q_norm"),
+        ("unreduced_param_grads", f"{a}.k_norm"),
+    ]
+    assert found[0].fix == (
+        f'sch["{a}.q_norm"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)'
+    )
     assert len(sl.close_open_items(sch)) == 2 and sl.check_schedule(sch) == []
     # ALBERT's attention.LayerNorm normalises the whole hidden state: no per-head gradient to sum
     sch = _sch("albert")
@@ -203,12 +223,16 @@ def test_editor_lists_open_items_and_export_says_so(tmp_path):
 
 
 def test_on_two_ranks_the_half_built_model_is_wrong_and_the_fixes_make_it_the_original():
-    rc, out, res = harness.launch_results(harness.REPO_ROOT / "tests" / "multirank" / "check_fixes.py", 2, [], 240)
+    rc, out, res = harness.launch_results(
+        harness.REPO_ROOT / "tests" / "multirank" / "check_fixes.py", 2, [], 240
+    )
     assert rc == 0, out[-3000:]
     half, fixed = res["half"], res["fixed"]
     assert half["kinds"] == ["partial_heads"]
     assert abs(half["loss"] - half["ref_loss"]) > 1e-4 or half["grad_diff"] > 1e-3, half  # silently different
-    assert fixed["n"] == 0 and len(fixed["applied"]) == 4, fixed  # k, v split by heads; then their input grads
+    assert fixed["n"] == 0 and len(fixed["applied"]) == 4, (
+        fixed
+    )  # k, v split by heads; then their input grads
     assert abs(fixed["loss"] - fixed["ref_loss"]) < 1e-5 and fixed["grad_diff"] < 1e-6, fixed
 
 
@@ -231,9 +255,12 @@ def test_the_exported_script_of_a_half_built_schedule_fails_its_verify(tmp_path)
     if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken in between
         rc, out = harness.launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 240)
     assert rc != 0 and "Verify: FAILED" in out and "Verify: PASSED" not in out, out[-4000:]
-    assert re.search(r"exitcode\s*:\s*1 ", out), out[-4000:]   # Verify failed: status 1, not a crash
-    assert re.search(r"^Verify: output logits: max abs diff \S+, max rel diff \S+  <-- exceeds tolerance", out,
-                     re.MULTILINE), out[-4000:]
+    assert re.search(r"exitcode\s*:\s*1 ", out), out[-4000:]  # Verify failed: status 1, not a crash
+    assert re.search(
+        r"^Verify: output logits: max abs diff \S+, max rel diff \S+  <-- exceeds tolerance",
+        out,
+        re.MULTILINE,
+    ), out[-4000:]
     assert "Verify:   model.layers.0.self_attn.v_proj.weight: max abs diff" in out, out[-4000:]
     assert "Traceback" not in out.split("Verify: FAILED")[0] and "step 1/1" not in out, out[-4000:]
 
@@ -245,12 +272,19 @@ def test_cli_check_and_export_warning(tmp_path, capsys):
     model = fam.build()
     sch = sl.create_schedule(model, world_size=2)
     sch["model.layers.0.self_attn.q_proj"].shard("weight", axis=0)
-    path = sl.save_schedule(tmp_path / "half.json", sch.record.calls, model=model,
-                            example_inputs=fam.example_inputs(), world_size=2)
+    path = sl.save_schedule(
+        tmp_path / "half.json",
+        sch.record.calls,
+        model=model,
+        example_inputs=fam.example_inputs(),
+        world_size=2,
+    )
     assert main(["check", str(path)]) == 3
     out = capsys.readouterr().out
     assert "2 open items:" in out and "- model.layers.0.self_attn splits its heads in q_proj" in out
-    assert 'sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)' in out.split("to close them, add")[1]
+    assert (
+        'sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)' in out.split("to close them, add")[1]
+    )
     assert main(["export", str(path), "-o", str(tmp_path / "train.py")]) == 0
     cap = capsys.readouterr()
     assert "wrote" in cap.out and "warning: the schedule check has 2 open items" in cap.err
@@ -258,8 +292,13 @@ def test_cli_check_and_export_warning(tmp_path, capsys):
 
     full = sl.create_schedule(fam.build(), world_size=2)
     sl.presets.megatron_tp(full)
-    done = sl.save_schedule(tmp_path / "full.json", full.record.calls, model=model,
-                            example_inputs=fam.example_inputs(), world_size=2)
+    done = sl.save_schedule(
+        tmp_path / "full.json",
+        full.record.calls,
+        model=model,
+        example_inputs=fam.example_inputs(),
+        world_size=2,
+    )
     assert main(["check", str(done)]) == 0
     assert "no open items" in capsys.readouterr().out
     assert main(["export", str(done), "-o", str(tmp_path / "train2.py")]) == 0
@@ -283,4 +322,3 @@ def test_a_failing_check_never_breaks_the_editor(tmp_path, monkeypatch):
     assert ed._check.value == "" and "Applied" in ed.message
     assert ed.export(str(tmp_path / "train.py")).endswith("train.py")
     assert "Exported" in ed.message
-

@@ -10,6 +10,7 @@ the eager scheduled model's within 1e-6, no graph break, collectives in the grap
 Single process: checkpointed blocks at world size 1, the KV-cache filter the checkpoint applies, and the one
 wrapper that cannot be traced (``fork_rng`` swaps the global RNG state): it breaks the graph and stays exact.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,12 @@ warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "compile_train.py"
 TIMEOUT_S = 240
-CASES = ["llama_tp_checkpoint", "llama_tp_checkpoint_inplace", "gpt2_tp_checkpoint", "gpt2_sequence_parallel_checkpoint"]
+CASES = [
+    "llama_tp_checkpoint",
+    "llama_tp_checkpoint_inplace",
+    "gpt2_tp_checkpoint",
+    "gpt2_sequence_parallel_checkpoint",
+]
 BACKEND = "aot_eager"  # inductor compiles the same graphs (tried by hand) but takes ~60 s per launch on a CPU
 
 
@@ -58,9 +64,14 @@ def test_compiled_tp_blocks_match_eager(results, case):
     assert r["max_ref_loss_diff"] <= 1e-5 and len(r["loss"]) == 2 and r["n_sharded"] > 0, r
     # row-parallel outputs: all_reduce_fwd; column-parallel inputs: an alias whose backward is the plain all_reduce
     expected = {"slapo_lab_pp.all_reduce_fwd.default", "slapo_lab_pp.all_reduce.default"}
-    if "sequence_parallel" in case:  # all-gather before the column-parallel layers, reduce-scatter after the row ones
-        expected = {"slapo_lab_pp.all_reduce.default", "slapo_lab_pp.gather_fwd.default",
-                    "slapo_lab_pp.reduce_scatter_fwd.default"}
+    if (
+        "sequence_parallel" in case
+    ):  # all-gather before the column-parallel layers, reduce-scatter after the row ones
+        expected = {
+            "slapo_lab_pp.all_reduce.default",
+            "slapo_lab_pp.gather_fwd.default",
+            "slapo_lab_pp.reduce_scatter_fwd.default",
+        }
     assert set(r["tp_ops"]) == expected, r["tp_ops"]
 
 
@@ -75,9 +86,20 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False,
-                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -115,8 +137,12 @@ def test_kv_cache_filter_of_the_checkpoint():
 
     cache = DynamicCache()
     assert _is_kv_cache(cache)
-    assert not any(_is_kv_cache(v) for v in (torch.ones(1), (torch.ones(1), torch.ones(1)), None, True, 3, "x"))
-    args, kwargs = without_kv_cache((torch.ones(1), cache), {"past_key_values": cache, "use_cache": True, "n": 1})
+    assert not any(
+        _is_kv_cache(v) for v in (torch.ones(1), (torch.ones(1), torch.ones(1)), None, True, 3, "x")
+    )
+    args, kwargs = without_kv_cache(
+        (torch.ones(1), cache), {"past_key_values": cache, "use_cache": True, "n": 1}
+    )
     assert args[1] is None and kwargs == {"past_key_values": None, "use_cache": False, "n": 1}
 
 

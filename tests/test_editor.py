@@ -1,4 +1,5 @@
 """Kernel-side tests of the ScheduleEditor: simulated front-end messages and button clicks."""
+
 from pathlib import Path
 
 import pytest
@@ -110,15 +111,18 @@ def test_sync_before_shard_is_refused(editor):
     assert editor.code == ""
 
 
-@pytest.mark.parametrize("content", [
-    {"event": "explode", "node": "n0"},
-    {"node": "n0"},
-    {"event": "click"},
-    {"event": "click", "node": 42},
-    {"event": "click", "node": "no-such-token"},
-    "just a string",
-    {"event": "click", "node": "x" * 100000},
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"event": "explode", "node": "n0"},
+        {"node": "n0"},
+        {"event": "click"},
+        {"event": "click", "node": 42},
+        {"event": "click", "node": "no-such-token"},
+        "just a string",
+        {"event": "click", "node": "x" * 100000},
+    ],
+)
 def test_malformed_messages_are_reported_not_raised(editor, content):
     editor.apply("checkpoint", path="encoder.layer.0")
     before = editor.code
@@ -210,8 +214,10 @@ def test_apply_to_all_similar_is_all_or_nothing(editor):
     editor._similar.value = True
     editor._param.value, editor._axis.value = "weight", 0
     editor._btn_shard.click()
-    assert editor.code.splitlines() == [f'sch["{q}"].shard("weight", axis=0)',
-                                        'sch["encoder.layer.1.attention.self.query"].shard("weight", axis=0)']
+    assert editor.code.splitlines() == [
+        f'sch["{q}"].shard("weight", axis=0)',
+        'sch["encoder.layer.1.attention.self.query"].shard("weight", axis=0)',
+    ]
     # layer 1's key already sharded by hand: the similar-apply on layer 0's key must change nothing
     editor._similar.value = False
     editor.apply("shard", "weight", axis=0, path="encoder.layer.1.attention.self.key")
@@ -316,7 +322,9 @@ def pretrained_llama(tmp_path_factory):
     return folder, LlamaForCausalLM.from_pretrained(str(folder / "tiny"))
 
 
-def test_export_form_bakes_options_into_the_script(pretrained_llama, monkeypatch, run_bounded, subprocess_env):
+def test_export_form_bakes_options_into_the_script(
+    pretrained_llama, monkeypatch, run_bounded, subprocess_env
+):
     import sys
 
     import torch
@@ -327,7 +335,12 @@ def test_export_form_bakes_options_into_the_script(pretrained_llama, monkeypatch
     ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
     # defaults: the from_pretrained directory, synthetic data, the example's sequence length and batch
     assert ed._f_model.value == str(folder / "tiny")
-    assert (ed._f_data.value, ed._f_seq.value, ed._f_batch.value, ed._f_dp.value) == ("synthetic", "16", "2", "1")
+    assert (ed._f_data.value, ed._f_seq.value, ed._f_batch.value, ed._f_dp.value) == (
+        "synthetic",
+        "16",
+        "2",
+        "1",
+    )
     assert ed._f_fsdp.layout.display != "none" and ed._f_zero.layout.display == "none"
     ed._f_data.value = "corpus.jsonl"
     ed._f_seq.value = "32"
@@ -343,12 +356,23 @@ def test_export_form_bakes_options_into_the_script(pretrained_llama, monkeypatch
     assert ed.last_plan.dp == 2 and ed.last_plan.shard == "fsdp"
     assert "TP 2 × DP 2, FSDP = 4 GPUs" in ed._costs_text.value
     ed._btn_export.click()
-    assert ed.message.startswith(f"Exported {folder / 'train_tiny.py'} — launch: "
-                                 "torchrun --nproc_per_node=4 train_tiny.py --device cuda"), ed.message
+    assert ed.message.startswith(
+        f"Exported {folder / 'train_tiny.py'} — launch: "
+        "torchrun --nproc_per_node=4 train_tiny.py --device cuda"
+    ), ed.message
     assert "torchrun --nproc_per_node=4 train_tiny.py --device cuda" in ed._export_info.value
     assert _defaults_of(folder / "train_tiny.py") == {
-        "model_path": str(folder / "tiny"), "data": "corpus.jsonl", "seq_len": 32, "dp": 2, "fsdp": True,
-        "checkpoint_dir": "ckpt", "checkpoint_every": 2, "save_hf": "trained", "global_batch_size": 4, "steps": 3}
+        "model_path": str(folder / "tiny"),
+        "data": "corpus.jsonl",
+        "seq_len": 32,
+        "dp": 2,
+        "fsdp": True,
+        "checkpoint_dir": "ckpt",
+        "checkpoint_every": 2,
+        "save_hf": "trained",
+        "global_batch_size": 4,
+        "steps": 3,
+    }
     assert ed.export_options["options"]["dp"] == 2 and ed.export_options["launcher"] == "torchrun"
     out = run_bounded([sys.executable, "train_tiny.py", "--help"], 120, cwd=folder, env=subprocess_env)
     assert out.returncode == 0, out.stderr
@@ -391,8 +415,10 @@ def test_export_form_refuses_bad_input_in_one_sentence_and_keeps_it(editor, tmp_
     editor._f_dp.value = "2"
     editor._f_batch.value = "3"
     editor._btn_export.click()
-    assert _one_sentence(editor.message) == ("The global batch size 3 is not divisible by dp 2: every replica takes "
-                                             "the same number of sequences per step.")
+    assert _one_sentence(editor.message) == (
+        "The global batch size 3 is not divisible by dp 2: every replica takes "
+        "the same number of sequences per step."
+    )
     assert (editor._f_dp.value, editor._f_batch.value) == ("2", "3") and not script.exists()
     # BERT has no language-model head: text data is refused before anything is written
     (tmp_path / "corpus.txt").write_text("some text\n")
@@ -408,11 +434,15 @@ def test_export_form_refuses_bad_input_in_one_sentence_and_keeps_it(editor, tmp_
     assert editor.apply("cut_pipeline_stage", path="encoder.layer.1") is None
     editor._f_batch.value = "14"
     editor._btn_export.click()
-    assert _one_sentence(editor.message) == ("The global batch size 14 does not split into equal micro-batches over "
-                                             "dp 2 and 3 pipeline stages; choose a multiple of 6.")
+    assert _one_sentence(editor.message) == (
+        "The global batch size 14 does not split into equal micro-batches over "
+        "dp 2 and 3 pipeline stages; choose a multiple of 6."
+    )
     editor._f_batch.value = "12"
     editor._btn_export.click()
-    assert "torchrun --nproc_per_node=12 train_bertmodel.py --device cuda" in editor.message  # tp 2 x pp 3 x dp 2
+    assert (
+        "torchrun --nproc_per_node=12 train_bertmodel.py --device cuda" in editor.message
+    )  # tp 2 x pp 3 x dp 2
 
 
 def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_path, monkeypatch):
@@ -430,10 +460,18 @@ def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_pat
     assert "deepspeed --num_gpus 4 train_ds.py --device cuda" in ed.message
     # the form shows what the export used, and the memory view plans it
     assert (ed._f_launcher.value, ed._f_dp.value, ed._f_zero.value, ed._export_path.value) == (
-        "deepspeed", "2", 1, "train_ds.py")
+        "deepspeed",
+        "2",
+        1,
+        "train_ds.py",
+    )
     assert ed.last_plan.dp == 2 and ed.last_plan.shard == "zero1"
-    for bad, match in [({"zero": 1}, "needs the deepspeed launcher"), ({"shards": 2}, "not an export option"),
-                       ({"dp": 0}, "must be positive"), ({"global_batch_size": 3, "dp": 2}, "not divisible")]:
+    for bad, match in [
+        ({"zero": 1}, "needs the deepspeed launcher"),
+        ({"shards": 2}, "not an export option"),
+        ({"dp": 0}, "must be positive"),
+        ({"global_batch_size": 3, "dp": 2}, "not divisible"),
+    ]:
         with pytest.raises(sl.export.ExportError, match=match):
             ed.export("bad.py", **bad)
     assert not (tmp_path / "bad.py").exists()
@@ -444,7 +482,11 @@ def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_pat
     again = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, schedule_file=str(f))
     assert again.export_options == ed.export_options
     assert (again._f_launcher.value, again._f_dp.value, again._f_zero.value, again._f_steps.value) == (
-        "deepspeed", "2", 1, "0")
+        "deepspeed",
+        "2",
+        1,
+        "0",
+    )
     assert again.last_plan.shard == "zero1"
 
 
@@ -452,8 +494,13 @@ def test_verify_uses_local_model_and_data_or_says_synthetic(editor, tmp_path, mo
     from slapo_lab.editor.verify_runner import VerifyRunner
 
     started = []
-    monkeypatch.setattr(VerifyRunner, "start", lambda self, script, nproc, dev, timeout=0, extra=None, note="":
-                        started.append((script, nproc, note)))
+    monkeypatch.setattr(
+        VerifyRunner,
+        "start",
+        lambda self, script, nproc, dev, timeout=0, extra=None, note="": started.append(
+            (script, nproc, note)
+        ),
+    )
     monkeypatch.chdir(tmp_path)
     editor._f_dp.value = "2"
     editor._f_ckpt.value = "ckpt"
@@ -461,8 +508,10 @@ def test_verify_uses_local_model_and_data_or_says_synthetic(editor, tmp_path, mo
     editor.verify(device="cpu")
     script, nproc, note = started[-1]
     assert nproc == 4  # tp 2 x dp 2
-    assert ("Verify uses seeded random weights and synthetic data, because the data path elsewhere/corpus.jsonl "
-            "does not exist here.") in note and note in editor.message
+    assert (
+        "Verify uses seeded random weights and synthetic data, because the data path elsewhere/corpus.jsonl "
+        "does not exist here."
+    ) in note and note in editor.message
     assert _defaults_of(script) == {"dp": 2}  # no checkpoints, no data
     assert editor._f_data.value == "elsewhere/corpus.jsonl"
     editor._f_dp.value = "x"

@@ -1,12 +1,13 @@
 """Issue 11: no lost schedules, undo/redo per user action, replay only primitives, one-sentence errors."""
+
 import json
 
 import pytest
 import torch
+from families import FAMILIES
 from torch import nn
 
 import slapo_lab as sl
-from families import FAMILIES
 from slapo_lab.errors import ScheduleError
 
 Q0 = "encoder.layer.0.attention.self.query"
@@ -61,7 +62,8 @@ def test_unrestorable_schedule_file_is_backed_up_not_overwritten(bert, tmp_path,
     ed.apply("checkpoint", path="encoder.layer.0")
     assert backups[0].read_bytes() == original
     assert json.loads(f.read_text())["calls"] == [
-        {"path": "encoder.layer.0", "primitive": "checkpoint", "args": [], "kwargs": {}}]
+        {"path": "encoder.layer.0", "primitive": "checkpoint", "args": [], "kwargs": {}}
+    ]
     # opening the editor again on the (restorable) new file makes no further backup
     again = _editor(bert, world_size=ws, schedule_file=str(f))
     assert again.code == 'sch["encoder.layer.0"].checkpoint()'
@@ -206,13 +208,19 @@ def test_busy_state_while_an_action_runs(bert):
 def test_replay_refuses_what_is_not_a_primitive():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     sch = sl.create_schedule(model, world_size=2)
-    bad = [{"path": "0", "primitive": "checkpoint", "args": [], "kwargs": {}},
-           {"path": "0", "primitive": "__setattr__", "args": ["mod", None], "kwargs": {}}]
+    bad = [
+        {"path": "0", "primitive": "checkpoint", "args": [], "kwargs": {}},
+        {"path": "0", "primitive": "__setattr__", "args": ["mod", None], "kwargs": {}},
+    ]
     with pytest.raises(ScheduleError, match="not a primitive"):
         sl.replay(sch, bad)
     assert sch.record.calls == [] and isinstance(sch["0"].mod, nn.Linear)  # nothing applied
-    for junk in ([{"path": "0"}], [{"path": 0, "primitive": "checkpoint"}], ["checkpoint"],
-                 [{"path": "0", "primitive": "checkpoint", "args": 5}]):
+    for junk in (
+        [{"path": "0"}],
+        [{"path": 0, "primitive": "checkpoint"}],
+        ["checkpoint"],
+        [{"path": "0", "primitive": "checkpoint", "args": 5}],
+    ):
         with pytest.raises(ScheduleError):
             sl.replay(sch, junk)
     assert sch.record.calls == []
@@ -220,8 +228,12 @@ def test_replay_refuses_what_is_not_a_primitive():
 
 def _deep_file(tmp_path, depth=100_000):
     p = tmp_path / "deep.json"
-    p.write_text('{"schema": "slapo-lab/schedule", "version": 1, "meta": {}, "calls": '
-                 + "[" * depth + "]" * depth + "}")
+    p.write_text(
+        '{"schema": "slapo-lab/schedule", "version": 1, "meta": {}, "calls": '
+        + "[" * depth
+        + "]" * depth
+        + "}"
+    )
     return p
 
 
@@ -234,8 +246,19 @@ def test_deep_json_is_one_sentence(tmp_path):
 def test_cli_prints_one_sentence_without_traceback(tmp_path, run_bounded, subprocess_env):
     import sys
 
-    r = run_bounded([sys.executable, "-m", "slapo_lab.cli", "export", str(_deep_file(tmp_path)), "-o",
-                     str(tmp_path / "t.py")], 120, env=subprocess_env)
+    r = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "slapo_lab.cli",
+            "export",
+            str(_deep_file(tmp_path)),
+            "-o",
+            str(tmp_path / "t.py"),
+        ],
+        120,
+        env=subprocess_env,
+    )
     assert r.returncode == 2
     assert r.stderr.startswith("slapo-lab export: error: ") and "too deeply" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -251,7 +274,11 @@ def test_cli_unexpected_error_is_one_sentence(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "export_command", boom)
     assert cli.main(["export", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("slapo-lab export: error: ") and "KeyError" in err and len(err.strip().splitlines()) == 1
+    assert (
+        err.startswith("slapo-lab export: error: ")
+        and "KeyError" in err
+        and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_a_module_that_cannot_be_copied_still_replaces():

@@ -6,6 +6,7 @@
 * the code panel folds repeats over layers into loops, as the export does: the Megatron preset on a
   Llama-70B config (meta device) is a few dozen lines, and the folded text replays the same record.
 """
+
 import importlib
 import re
 
@@ -37,8 +38,11 @@ def test_selection_change_runs_no_graphviz(editor, monkeypatch):
     real = slapo_lab.graph.render_svg
     monkeypatch.setattr(slapo_lab.graph, "render_svg", lambda *a, **k: renders.append(a) or real(*a, **k))
     svg = editor._graph.svg
-    for path in ("encoder.layer.0.attention.self.key", "encoder.layer.0.attention.self.query",
-                 "encoder.layer.0.attention.self.value"):
+    for path in (
+        "encoder.layer.0.attention.self.key",
+        "encoder.layer.0.attention.self.query",
+        "encoder.layer.0.attention.self.value",
+    ):
         assert editor.select(path) is None
         token = {p: t for t, p in editor._graph.node_ids.items()}[path]
         assert editor._graph.selected == token  # the browser highlights it
@@ -51,8 +55,10 @@ def test_memory_line_names_the_module_not_the_exception(editor):
     editor.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")  # bias not yet sharded
     line = _text(editor._costs_text.value)
     assert line.startswith("Busiest rank needs")  # the parameter plan still shows
-    assert ("activations not estimated: the meta forward pass failed in encoder.layer.0.intermediate.dense "
-            "because tensor shapes do not match") in line
+    assert (
+        "activations not estimated: the meta forward pass failed in encoder.layer.0.intermediate.dense "
+        "because tensor shapes do not match"
+    ) in line
     for raw in ("RuntimeError", "Mismatching", "broadcast", "at index"):
         assert raw not in line
 
@@ -64,8 +70,10 @@ def test_memory_line_when_the_plan_fails_is_one_sentence_and_the_view_works(edit
     monkeypatch.setattr(plan_module, "plan", broken)
     assert editor.apply("checkpoint", path="encoder.layer.0") is None
     line = _text(editor._costs_text.value)
-    assert line == ("Memory plan unavailable: the plan could not be computed because of an unexpected "
-                    "RuntimeError; the details are in the log.")
+    assert line == (
+        "Memory plan unavailable: the plan could not be computed because of an unexpected "
+        "RuntimeError; the details are in the log."
+    )
     assert editor.last_plan is None and editor._costs.value == ""
     # the rest of the view keeps working
     assert 'sch["encoder.layer.0"].checkpoint()' in _text(editor._code.value)
@@ -86,8 +94,10 @@ def test_memory_line_for_a_failed_activation_pass_via_plan(editor, monkeypatch):
     plan_module._PROFILE_CACHE.clear()  # the start-up pass was cached
     editor._refresh_costs()
     line = _text(editor._costs_text.value)
-    assert ("activations not estimated: the meta forward pass failed in encoder.layer.1.output.dense because of "
-            "an unexpected ValueError; the details are in the log.") in line
+    assert (
+        "activations not estimated: the meta forward pass failed in encoder.layer.1.output.dense because of "
+        "an unexpected ValueError; the details are in the log."
+    ) in line
     assert "0x7f" not in line
 
 
@@ -104,8 +114,15 @@ def test_code_panel_folds_like_the_export_and_replays_the_same_record(editor, be
 
 
 def test_code_panel_of_llama70b_megatron_is_a_few_dozen_lines():
-    cfg = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        num_hidden_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     ed = sl.ScheduleEditor(model, world_size=8)  # no inputs: the dataflow pass is not what this tests
@@ -114,7 +131,9 @@ def test_code_panel_of_llama70b_megatron_is_a_few_dozen_lines():
     assert len(calls) > 1000
     panel = _text(ed._code.value)
     assert len(panel.splitlines()) <= 40, panel
-    assert 'for i in range(80):\n    sch[f"model.layers.{i}.self_attn.q_proj"].shard("weight", axis=0)' in panel
+    assert (
+        'for i in range(80):\n    sch[f"model.layers.{i}.self_attn.q_proj"].shard("weight", axis=0)' in panel
+    )
     fresh = sl.create_schedule(meta_copy(model), world_size=8)
     _exec_panel(panel, fresh)
     assert fresh.record.calls == calls
@@ -138,7 +157,10 @@ def test_double_click_shows_a_busy_state_and_clears_it(editor, monkeypatch):
     assert not editor._busy and not editor._btn_preset.disabled and editor.message == "before"
     assert folded[0] in editor.expanded
     editor._on_node_dblclick("encoder.layer.1")  # opening a level: busy too
-    assert seen[-1][:3] == (True, "Working: opening encoder.layer.1…", True) and editor.level == "encoder.layer.1"
+    assert (
+        seen[-1][:3] == (True, "Working: opening encoder.layer.1…", True)
+        and editor.level == "encoder.layer.1"
+    )
     assert not editor._busy and not editor._btn_preset.disabled
 
 
@@ -152,8 +174,9 @@ def test_double_click_failure_clears_the_busy_state_with_one_sentence(editor, mo
     folded = next(n for n, d in editor._last_graph.nodes(data=True) if d.get("kind") == "folded")
     editor._on_node_dblclick(folded)  # never raises into the widget's message handler
     assert not editor._busy and not editor._btn_preset.disabled and not editor._btn_shard.disabled
-    assert editor.message == (f"Could not show {folded}: drawing the graph failed (RuntimeError); "
-                              "the schedule is unchanged.")
+    assert editor.message == (
+        f"Could not show {folded}: drawing the graph failed (RuntimeError); the schedule is unchanged."
+    )
     assert folded not in editor.expanded
 
 
@@ -190,8 +213,14 @@ def test_folding_a_long_unfoldable_record_tries_only_candidate_blocks(monkeypatc
     import random
 
     fold = importlib.import_module("slapo_lab.export.fold")
-    cfg = LlamaConfig(num_hidden_layers=60, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=128)
+    cfg = LlamaConfig(
+        num_hidden_layers=60,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     sch = sl.create_schedule(meta_copy(model), world_size=2)

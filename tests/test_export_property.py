@@ -14,6 +14,7 @@ sharding annotations, the same per-module schedule state, and the same recorded 
 of each kind is built per session and copied per example (``slapo_lab.utils.meta_copy``), so 200
 examples take seconds.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,15 @@ from slapo_lab.export import input_spec, load_schedule, model_spec, render_scrip
 from slapo_lab.utils import meta_copy
 
 SYNC_OPS = ["all_reduce", "all_gather", "reduce_scatter", "scatter"]
-SYNC_KWARGS = [{}, {}, {"axis": -1}, {"axis": 1}, {"tensor_parallel_output_grad": False},
-               {"axis": -1, "tensor_parallel_output_grad": False}, {"param_grads": True}]
+SYNC_KWARGS = [
+    {},
+    {},
+    {"axis": -1},
+    {"axis": 1},
+    {"tensor_parallel_output_grad": False},
+    {"axis": -1, "tensor_parallel_output_grad": False},
+    {"param_grads": True},
+]
 
 
 class _Model:
@@ -43,7 +51,9 @@ class _Model:
         self.spec = model_spec(model)
         self.inputs = input_spec({"input_ids": ids}, vocab)
         self.paths = [n for n, _ in model.named_modules() if n]
-        self.param_paths = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(False))]
+        self.param_paths = [
+            n for n, m in model.named_modules() if n and any(True for _ in m.parameters(False))
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +61,21 @@ def models():
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
     with torch.device("meta"):
-        bert = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                    intermediate_size=128, vocab_size=128, max_position_embeddings=32))
-        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                                          bos_token_id=0, eos_token_id=0))
+        bert = BertModel(
+            BertConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=128,
+                max_position_embeddings=32,
+            )
+        )
+        gpt2 = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0
+            )
+        )
     return {"bert": _Model(bert, 128), "gpt2": _Model(gpt2, 128)}
 
 
@@ -70,11 +91,19 @@ def _action(data, m: _Model):
     if kind == "shard":
         path = data.draw(st.sampled_from(m.param_paths))
         names = [n for n, _ in m.model.get_submodule(path).named_parameters(recurse=False)]
-        return path, "shard", (data.draw(st.sampled_from(names)),), {"axis": data.draw(st.sampled_from([0, 1, -1]))}
+        return (
+            path,
+            "shard",
+            (data.draw(st.sampled_from(names)),),
+            {"axis": data.draw(st.sampled_from([0, 1, -1]))},
+        )
     path = data.draw(st.sampled_from(m.paths))
     if kind == "sync":
-        kwargs = {"mode": data.draw(st.sampled_from(["fwd_post", "fwd_pre", "bwd_post"])),
-                  "sync_op_or_fn": data.draw(st.sampled_from(SYNC_OPS)), **data.draw(st.sampled_from(SYNC_KWARGS))}
+        kwargs = {
+            "mode": data.draw(st.sampled_from(["fwd_post", "fwd_pre", "bwd_post"])),
+            "sync_op_or_fn": data.draw(st.sampled_from(SYNC_OPS)),
+            **data.draw(st.sampled_from(SYNC_KWARGS)),
+        }
         return path, "sync", (), kwargs
     return path, kind, (), {}
 
@@ -83,8 +112,15 @@ def _state(sch):
     """Everything the schedule changed, comparably: module types, parameter shapes and annotations, states."""
     mod = sch.mod
     modules = [(n, type(m).__name__) for n, m in mod.named_modules()]
-    params = {n: (tuple(p.shape), getattr(p, "shard_axis", None), getattr(p, "shard_stride", None),
-                  tuple(getattr(p, "orig_shape", p.shape))) for n, p in mod.named_parameters(remove_duplicate=False)}
+    params = {
+        n: (
+            tuple(p.shape),
+            getattr(p, "shard_axis", None),
+            getattr(p, "shard_stride", None),
+            tuple(getattr(p, "orig_shape", p.shape)),
+        )
+        for n, p in mod.named_parameters(remove_duplicate=False)
+    }
     states = {n: _plain(sl.module_state(m)) for n, m in mod.named_modules()}
     return modules, params, states, sorted(sch.metadata.primitives.get("cut_pipeline_stage", []))
 
@@ -120,15 +156,17 @@ def test_schedule_round_trips_through_json_and_script(data, models, folder):
         path, prim, args, kwargs = _action(data, m)
         node = sch[path]
         if sl.check_primitive(node, prim, *args, **kwargs) is None:
-            getattr(node, prim)(*args, **kwargs)   # a checked call must apply
+            getattr(node, prim)(*args, **kwargs)  # a checked call must apply
     calls = list(sch.record.calls)
     want = _state(sch)
-    event(f"{len(calls) // 3 * 3}+ valid calls")   # --hypothesis-show-statistics: what was drawn
+    event(f"{len(calls) // 3 * 3}+ valid calls")  # --hypothesis-show-statistics: what was drawn
     for prim in sorted({c.primitive for c in calls}):
         event(f"has {prim}")
 
     # 1. JSON: save, load, replay onto a fresh meta copy
-    f = save_schedule(folder / "s.json", calls, world_size=world_size, meta={"model": m.spec, "inputs": m.inputs})
+    f = save_schedule(
+        folder / "s.json", calls, world_size=world_size, meta={"model": m.spec, "inputs": m.inputs}
+    )
     loaded = load_schedule(f)
     assert loaded.calls == calls and loaded.world_size == world_size
     again = sl.create_schedule(meta_copy(m.model), world_size=world_size)
@@ -139,7 +177,9 @@ def test_schedule_round_trips_through_json_and_script(data, models, folder):
     # 2. script: render, take its schedule(sch), run it on a fresh meta copy
     try:
         text = render_script(loaded.meta["model"], loaded.calls, loaded.meta["inputs"], world_size)
-    except sl.ExportError as err:   # the only refusal for these calls: a TP x PP schedule for DeepSpeed (not asked)
+    except (
+        sl.ExportError
+    ) as err:  # the only refusal for these calls: a TP x PP schedule for DeepSpeed (not asked)
         raise AssertionError(f"render_script refused a valid schedule: {err}") from None
     third = sl.create_schedule(meta_copy(m.model), world_size=world_size)
     _schedule_function(text)(third)

@@ -1,6 +1,7 @@
 """The editor on every common model family: it opens with a full graph, and the TP preset, the checkpoint
 preset and one pipeline cut each apply (or refuse in one sentence, leaving nothing applied) on real HF
 models built from tiny configs (tests/families.py)."""
+
 from __future__ import annotations
 
 import warnings

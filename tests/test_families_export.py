@@ -1,6 +1,7 @@
 """Exported tensor-parallel scripts (Megatron preset + checkpoint preset) pass ``--verify`` on 2 gloo ranks for the
 families whose exported TP script no other suite launches (OPT and T5: test_families_tp.py; Qwen3, Mixtral and
 ViT: test_families_tp2.py; BERT and GPT-2: test_export_torchrun.py)."""
+
 from __future__ import annotations
 
 import warnings
@@ -24,8 +25,9 @@ def test_exported_tp_script_verifies_on_two_ranks(family, tmp_path):
     sch = sl.create_schedule(model, world_size=2)
     presets.megatron_tp(sch, vocab_parallel=presets.has_vocab_embedding(sch))
     presets.checkpoint_blocks(sch)
-    script = export_script(tmp_path / f"train_{family}.py", model, sch.record.calls, fam.example_inputs(),
-                           world_size=2)
+    script = export_script(
+        tmp_path / f"train_{family}.py", model, sch.record.calls, fam.example_inputs(), world_size=2
+    )
     args = ["--device", "cpu", "--steps", "2"]
     rc, out = launch_torchrun(script, 2, args, 300)
     if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken in between

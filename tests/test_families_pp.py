@@ -16,6 +16,7 @@ Plus regression tests for the rotary models' stage 0 (an inlined ``no_grad`` reg
 inside one stage (T5's ``decoder.embed_tokens`` / ``lm_head``) and Interleaved1F1B with both stages on
 a single rank (world size 1).
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,14 @@ def test_rotary_model_stage0_runs():
     inputs, _ = M.batch("fam_llama", 0, 4)
     part = partition_pipeline(sch, inputs, 2)
     hop = torch.ops.higher_order.wrap_with_set_grad_enabled
-    assert not [n for st in part.stages for m in st.module.modules() if hasattr(m, "graph")
-                for n in m.graph.nodes if n.target is hop]
+    assert not [
+        n
+        for st in part.stages
+        for m in st.module.modules()
+        if hasattr(m, "graph")
+        for n in m.graph.nodes
+        if n.target is hop
+    ]
     mb = M.take(inputs, 0, 2)
     env = dict(zip(part.input_names, part.flat_inputs((), mb)))
     for st in part.stages:  # the stages in sequence, autograd connected
@@ -208,7 +215,7 @@ def test_exported_family_script_verifies_on_two_ranks(tmp_path, name):
         rc, text = launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 300)
     assert rc == 0 and "Verify: PASSED" in text, text[-5000:]
     (loss_diff,) = LOSS_DIFF.findall(text)
-    (n_grads, grad_diff), = GRADS.findall(text)
+    ((n_grads, grad_diff),) = GRADS.findall(text)
     assert int(n_grads) > 10, text[-3000:]
     for d in (loss_diff, grad_diff):
         assert float(d) <= ATOL, text[-3000:]

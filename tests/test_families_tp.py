@@ -11,6 +11,7 @@ heads axis and shards the decoder (self and cross attention) and its (gated) fee
   three SGD steps against the unsharded model (forward, every gathered gradient, updated weights: 1e-5);
 * the exported OPT and T5 scripts pass ``--verify`` under torchrun on 2 CPU ranks.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,15 @@ SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import tp_train
 
-FAMILY_CASES = ["roberta_megatron_tp", "opt_megatron_tp", "opt_350m_layout_megatron_tp", "gpt_neo_megatron_tp",
-                "t5_megatron_tp", "t5_gated_megatron_tp", "umt5_megatron_tp"]
+FAMILY_CASES = [
+    "roberta_megatron_tp",
+    "opt_megatron_tp",
+    "opt_350m_layout_megatron_tp",
+    "gpt_neo_megatron_tp",
+    "t5_megatron_tp",
+    "t5_gated_megatron_tp",
+    "umt5_megatron_tp",
+]
 
 
 def _sched(make, ws=2):
@@ -106,16 +114,21 @@ def test_t5_preset_covers_encoder_decoder_and_head_tables(ff):
             assert all(w.weight.shape == (32, 32) and w.weight.shard_axis == 0 for w in ins)
             assert ffn.wo.weight.shape == (32, 32) and ffn.wo.weight.shard_axis == 1
     code = sch.record.code()
-    for path in ("decoder.block.1.layer.1.EncDecAttention.k", "decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
-                 "encoder.block.1.layer.1.DenseReluDense.wo"):
+    for path in (
+        "decoder.block.1.layer.1.EncDecAttention.k",
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+        "encoder.block.1.layer.1.DenseReluDense.wo",
+    ):
         assert f'sch["{path}"]' in code
     # the tied shared / encoder / decoder embeddings all reduce their vocab-parallel partial lookups
     for emb in ("shared", "encoder.embed_tokens", "decoder.embed_tokens"):
         assert f'sch["{emb}"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")' in code
     assert model.lm_head.weight is model.shared.weight and model.lm_head.weight.shape == (64, 32)
     assert len(calls) == len(sch.record)
-    out = model(input_ids=torch.randint(1, tp_train.VOCAB, (2, 8)),
-                decoder_input_ids=torch.randint(1, tp_train.VOCAB, (2, 4)))
+    out = model(
+        input_ids=torch.randint(1, tp_train.VOCAB, (2, 8)),
+        decoder_input_ids=torch.randint(1, tp_train.VOCAB, (2, 4)),
+    )
     assert out.logits.shape == (2, 4, tp_train.VOCAB)
 
 
@@ -127,7 +140,9 @@ def test_t5_copies_are_the_t5_family(variant):
     attns = [m for m in model.modules() if type(m).__name__ == f"{variant}Attention"]
     assert len(attns) == 6 and {(a.n_heads, a.inner_dim) for a in attns} == {(2, 16)}
     tables = [c.path for c in calls if c.path.endswith("relative_attention_bias")]
-    assert len(tables) == (2 if variant == "MT5" else 4)  # UMT5: a relative bias in every self-attention layer
+    assert len(tables) == (
+        2 if variant == "MT5" else 4
+    )  # UMT5: a relative bias in every self-attention layer
 
 
 def test_roberta_is_detected_and_keeps_its_reshape_attributes():
@@ -157,11 +172,14 @@ def test_editor_preset_undo_redo_restore_head_attributes():
     """The editor rebuilds from a meta copy and replays on undo: the per-rank head counts follow."""
     torch.manual_seed(0)
     ids = torch.randint(1, tp_train.VOCAB, (2, 8))
-    ed = sl.ScheduleEditor(tp_train.t5_model(), example_inputs={"input_ids": ids, "decoder_input_ids": ids[:, :4]},
-                           world_size=2)
+    ed = sl.ScheduleEditor(
+        tp_train.t5_model(), example_inputs={"input_ids": ids, "decoder_input_ids": ids[:, :4]}, world_size=2
+    )
 
     def heads():
-        return {(m.n_heads, m.inner_dim) for m in ed.schedule.mod.modules() if type(m).__name__ == "T5Attention"}
+        return {
+            (m.n_heads, m.inner_dim) for m in ed.schedule.mod.modules() if type(m).__name__ == "T5Attention"
+        }
 
     assert heads() == {(4, 32)}
     assert ed.apply_preset("megatron") is None and heads() == {(2, 16)}
@@ -179,12 +197,23 @@ def test_world_size_one_changes_nothing():
 def test_heads_not_divisible_refused():
     from transformers import OPTConfig, OPTForCausalLM
 
-    cfg = OPTConfig(num_hidden_layers=1, hidden_size=48, ffn_dim=64, num_attention_heads=6, vocab_size=128,
-                    max_position_embeddings=32, word_embed_proj_dim=48)
+    cfg = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=48,
+        ffn_dim=64,
+        num_attention_heads=6,
+        vocab_size=128,
+        max_position_embeddings=32,
+        word_embed_proj_dim=48,
+    )
     model, sch = _sched(lambda: OPTForCausalLM(cfg), ws=4)
     attn = model.model.decoder.layers[0].self_attn
-    msg = _assert_refused(sch, lambda: presets.megatron_tp(sch), "6 attention heads do not divide by 4",
-                          [(attn, "num_heads"), (attn, "embed_dim")])
+    msg = _assert_refused(
+        sch,
+        lambda: presets.megatron_tp(sch),
+        "6 attention heads do not divide by 4",
+        [(attn, "num_heads"), (attn, "embed_dim")],
+    )
     assert "q_proj" in msg or "k_proj" in msg
 
 
@@ -192,10 +221,18 @@ def test_t5_relative_bias_heads_not_divisible_refused():
     model, sch = _sched(tp_train.t5_model, ws=8)  # 4 heads; the 32-wide projections would divide by 8
     path = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"
     attn = model.encoder.block[0].layer[0].SelfAttention
-    _assert_refused(sch, lambda: sch[path].shard("weight", axis=1), "4 attention heads do not divide by 8",
-                    [(attn, "n_heads")])
-    _assert_refused(sch, lambda: sch["encoder.block.0.layer.0.SelfAttention.q"].shard("weight", axis=0),
-                    "4 attention heads do not divide by 8", [(attn, "n_heads")])
+    _assert_refused(
+        sch,
+        lambda: sch[path].shard("weight", axis=1),
+        "4 attention heads do not divide by 8",
+        [(attn, "n_heads")],
+    )
+    _assert_refused(
+        sch,
+        lambda: sch["encoder.block.0.layer.0.SelfAttention.q"].shard("weight", axis=0),
+        "4 attention heads do not divide by 8",
+        [(attn, "n_heads")],
+    )
 
 
 def test_family_must_match_the_model():
@@ -222,8 +259,10 @@ class ConfigHeadsAttention(_Projections):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.config.num_attention_heads, -1).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, s, self.config.num_attention_heads, -1).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -237,7 +276,10 @@ class AttrHeadsAttention(_Projections):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.num_heads, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, 4).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.all_head_size))
 
@@ -256,16 +298,21 @@ class Wrong(AttrHeadsAttention):
 def test_config_head_count_refused():
     model = nn.Sequential(ConfigHeadsAttention())
     sch = sl.create_schedule(model, world_size=2)
-    msg = _assert_refused(sch, lambda: sch["0.q_proj"].shard("weight", axis=0),
-                          "reads config.num_attention_heads at run time")
+    msg = _assert_refused(
+        sch, lambda: sch["0.q_proj"].shard("weight", axis=0), "reads config.num_attention_heads at run time"
+    )
     assert "ConfigHeadsAttention" in msg
 
 
 def test_inconsistent_head_attribute_refused():
     model = nn.Sequential(Wrong())
     sch = sl.create_schedule(model, world_size=2)
-    _assert_refused(sch, lambda: sch["0.k_proj"].shard("weight", axis=0), r"Wrong.n_heads is 2, not the module's 4",
-                    [(model[0], "num_heads"), (model[0], "n_heads")])
+    _assert_refused(
+        sch,
+        lambda: sch["0.k_proj"].shard("weight", axis=0),
+        r"Wrong.n_heads is 2, not the module's 4",
+        [(model[0], "num_heads"), (model[0], "n_heads")],
+    )
 
 
 def test_unregistered_attention_is_rewritten_by_detection():
@@ -320,8 +367,9 @@ GRAD_DIFF = re.compile(r"^Verify: gradients of (\d+) parameters: max abs diff (\
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", ["opt", "t5"])
-def test_exported_family_script_verifies_on_two_ranks(family, tmp_path, run_bounded, torchrun_cmd, free_port,
-                                                       subprocess_env):
+def test_exported_family_script_verifies_on_two_ranks(
+    family, tmp_path, run_bounded, torchrun_cmd, free_port, subprocess_env
+):
     make = {"opt": tp_train.opt_model, "t5": tp_train.t5_model}[family]
     model, sch = _sched(make)
     presets.megatron_tp(sch)
@@ -330,8 +378,12 @@ def test_exported_family_script_verifies_on_two_ranks(family, tmp_path, run_boun
     if family == "t5":
         inputs["decoder_input_ids"] = ids[:, :8]
     script = export_script(tmp_path / f"train_{family}.py", model, sch.record.calls, inputs, world_size=2)
-    r = run_bounded(torchrun_cmd(2, free_port, script, "--device", "cpu", "--steps", "1"), timeout=300,
-                    cwd=tmp_path, env=subprocess_env)
+    r = run_bounded(
+        torchrun_cmd(2, free_port, script, "--device", "cpu", "--steps", "1"),
+        timeout=300,
+        cwd=tmp_path,
+        env=subprocess_env,
+    )
     explain = f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert r.returncode == 0 and "Verify: PASSED" in r.stdout, explain
     outputs = dict(OUTPUT_DIFF.findall(r.stdout))
@@ -369,5 +421,8 @@ def test_register_attention_heads():
     for i in (0, 1):
         presets.column_parallel(sch, f"{i}.q_proj")
     assert (model[0].num_heads, model[0].inner_dim) == (4, 16)  # not read at run time: left as built
-    assert (model[1].num_heads, model[1].inner_dim) == (2, 8)   # registered: per rank
-    assert sl.module_state(model[1])["attention_heads"]["attrs"] == {"num_heads": [4, 2], "inner_dim": [16, 8]}
+    assert (model[1].num_heads, model[1].inner_dim) == (2, 8)  # registered: per rank
+    assert sl.module_state(model[1])["attention_heads"]["attrs"] == {
+        "num_heads": [4, 2],
+        "inner_dim": [16, 8],
+    }

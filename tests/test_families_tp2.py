@@ -10,6 +10,7 @@ Multi-rank tests (2 gloo ranks on 127.0.0.1): ``tests/multirank/tp_train.py fami
 gathered gradients and three SGD steps against the unsharded model; exported TP scripts for Qwen3, Mixtral
 and ViT pass their own ``--verify``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -55,12 +56,35 @@ def module_snapshot(model):
     out = {}
     for name, mod in model.named_modules():
         out[name] = (
-            {n: (id(p), tuple(p.shape), getattr(p, "shard_axis", None), getattr(p, "sequence_parallel", None))
-             for n, p in mod._parameters.items() if p is not None},
-            len(mod._forward_hooks), len(mod._forward_pre_hooks), "forward" in mod.__dict__,
-            repr(sl.module_state(mod)), getattr(mod, "out_features", None), getattr(mod, "in_features", None),
-            {a: getattr(mod, a) for a in ("num_heads", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                          "embed_dim", "intermediate_dim") if isinstance(getattr(mod, a, None), int)})
+            {
+                n: (
+                    id(p),
+                    tuple(p.shape),
+                    getattr(p, "shard_axis", None),
+                    getattr(p, "sequence_parallel", None),
+                )
+                for n, p in mod._parameters.items()
+                if p is not None
+            },
+            len(mod._forward_hooks),
+            len(mod._forward_pre_hooks),
+            "forward" in mod.__dict__,
+            repr(sl.module_state(mod)),
+            getattr(mod, "out_features", None),
+            getattr(mod, "in_features", None),
+            {
+                a: getattr(mod, a)
+                for a in (
+                    "num_heads",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "embed_dim",
+                    "intermediate_dim",
+                )
+                if isinstance(getattr(mod, a, None), int)
+            },
+        )
     return out
 
 
@@ -70,7 +94,7 @@ def test_editor_opens_with_a_dataflow_graph_and_applies_both_presets(family):
     ed = sl.ScheduleEditor(build(family), example_inputs=inputs_of(family), world_size=2)
     assert ed._flow is not None, ed._flow_error
     block = presets.find_blocks(ed.schedule)[0]
-    attention = presets.block_layers(ed.schedule, block)[0][0].rsplit(".", 1)[0]   # the parent of q / query
+    attention = presets.block_layers(ed.schedule, block)[0][0].rsplit(".", 1)[0]  # the parent of q / query
     G = ed._flow.level_graph(attention, expanded=frozenset())
     assert G.number_of_nodes() >= 6 and G.number_of_edges() >= G.number_of_nodes() - 1, sorted(G.edges)
     assert ed.apply_preset("megatron") is None, ed._last_message
@@ -81,7 +105,9 @@ def test_editor_opens_with_a_dataflow_graph_and_applies_both_presets(family):
     vocab = any("embed" in c.path and c.primitive == "shard" for c in sharded)
     assert vocab is (family != "vit")
     assert ed.apply_preset("checkpoint") is None, ed._last_message
-    assert sum(c.primitive == "checkpoint" for c in ed.schedule.record.calls) == len(presets.find_blocks(ed.schedule))
+    assert sum(c.primitive == "checkpoint" for c in ed.schedule.record.calls) == len(
+        presets.find_blocks(ed.schedule)
+    )
 
 
 def test_mixtral_records_its_grouped_mm_experts_on_meta():
@@ -107,18 +133,23 @@ def test_qwen3_head_norms_all_reduce_their_gradients():
     code = sch.record.code()
     for i in range(2):
         for norm in ("q_norm", "k_norm"):
-            assert (f'sch["model.layers.{i}.self_attn.{norm}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
-                    "param_grads=True)") in code
+            assert (
+                f'sch["model.layers.{i}.self_attn.{norm}"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
+                "param_grads=True)"
+            ) in code
             p = sch[f"model.layers.{i}.self_attn.{norm}"].mod.weight
             assert p.shape == (16,) and getattr(p, "shard_axis", None) is None and p.sequence_parallel is True
-    assert model.model.layers[0].self_attn.q_proj.weight.shape == (32, 64)   # 2 of 4 heads of 16
-    assert model.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)   # 1 of 2 KV heads
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (32, 64)  # 2 of 4 heads of 16
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)  # 1 of 2 KV heads
 
 
 def test_qwen3_hf_plan_maps_replicated_with_grad_allreduce():
     _, sch = planned("qwen3", use_hf_plan=True)
     calls = [(c.path, c.kwargs.get("param_grads")) for c in sch.record.calls if c.primitive == "sync"]
-    assert ("model.layers.1.self_attn.k_norm", True) in calls and ("model.layers.0.self_attn.q_norm", True) in calls
+    assert ("model.layers.1.self_attn.k_norm", True) in calls and (
+        "model.layers.0.self_attn.q_norm",
+        True,
+    ) in calls
 
 
 def test_mixtral_experts_are_tensor_parallel_and_the_router_replicated():
@@ -129,8 +160,11 @@ def test_mixtral_experts_are_tensor_parallel_and_the_router_replicated():
     assert sl.module_state(experts)["output_type"] == "partial"
     assert model.model.layers[0].mlp.gate.weight.shape == (4, 64)
     assert getattr(model.model.layers[0].mlp.gate.weight, "shard_axis", None) is None
-    syncs = [(c.kwargs["mode"]) for c in sch.record.calls if c.path == "model.layers.0.mlp.experts"
-             and c.primitive == "sync"]
+    syncs = [
+        (c.kwargs["mode"])
+        for c in sch.record.calls
+        if c.path == "model.layers.0.mlp.experts" and c.primitive == "sync"
+    ]
     assert syncs == ["bwd_post", "fwd_post"]
     # this rank's slice of gate and of up: rank 0 keeps gate rows 0..63 and up rows 128..191 of each expert
     full = build("mixtral").model.layers[0].mlp.experts.gate_up_proj
@@ -141,8 +175,10 @@ def test_mixtral_experts_are_tensor_parallel_and_the_router_replicated():
 def test_mixtral_hf_plan_covers_the_expert_parameter_entries():
     _, sch = planned("mixtral", use_hf_plan=True)
     shards = {(c.path, c.args[0]) for c in sch.record.calls if c.primitive == "shard"}
-    assert ("model.layers.1.mlp.experts", "gate_up_proj") in shards and ("model.layers.1.mlp.experts",
-                                                                        "down_proj") in shards
+    assert ("model.layers.1.mlp.experts", "gate_up_proj") in shards and (
+        "model.layers.1.mlp.experts",
+        "down_proj",
+    ) in shards
 
 
 def test_a_config_plan_skips_layer_kinds_the_model_does_not_build():
@@ -155,8 +191,10 @@ def test_a_config_plan_skips_layer_kinds_the_model_does_not_build():
     shards = {(c.path, c.args[0]) for c in sch.record.calls if c.primitive == "shard"}
     assert ("model.layers.0.mlp.experts", "down_proj") in shards and len(shards) == 2 * (4 + 2)
     with pytest.raises(ScheduleError, match="matches no module"):
-        presets.apply_hf_tp_plan(sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2),
-                                 {"model.layers.*.mlp.gate_proj": "colwise"})
+        presets.apply_hf_tp_plan(
+            sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2),
+            {"model.layers.*.mlp.gate_proj": "colwise"},
+        )
 
 
 def test_expert_parallel_axis_is_refused_in_one_sentence():
@@ -176,9 +214,12 @@ def test_albert_shared_layer_and_vit_presets():
     assert 'sch["albert.embeddings.word_embeddings"].shard("weight", axis=0)' in code
     vit, vsch = planned("vit")
     assert not presets.has_vocab_embedding(vsch) and presets.has_vocab_embedding(sch)
-    assert vit.vit.layers[1].mlp.fc1.weight.shape == (64, 64) and vit.vit.layers[1].attention.o_proj.weight.shape == (
-        64, 32)
-    with pytest.raises(ScheduleError, match="get_input_embeddings"):   # the vocab path itself refuses ViT, cleanly
+    assert vit.vit.layers[1].mlp.fc1.weight.shape == (64, 64) and vit.vit.layers[
+        1
+    ].attention.o_proj.weight.shape == (64, 32)
+    with pytest.raises(
+        ScheduleError, match="get_input_embeddings"
+    ):  # the vocab path itself refuses ViT, cleanly
         presets.megatron_tp(sl.create_schedule(build("vit"), world_size=2))
 
 
@@ -194,11 +235,14 @@ def test_a_norm_over_all_heads_is_refused_before_anything_changes():
 
 
 # ----------------------------------------------------------------------------------- all or nothing
-@pytest.mark.parametrize("family, trip, q0", [
-    ("qwen3", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"),
-    # OPT: shard also rewrites the attention's per-rank head attributes (num_heads ...): they come back too
-    ("opt", "model.decoder.layers.1.fc2", "model.decoder.layers.0.self_attn.q_proj"),
-])
+@pytest.mark.parametrize(
+    "family, trip, q0",
+    [
+        ("qwen3", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"),
+        # OPT: shard also rewrites the attention's per-rank head attributes (num_heads ...): they come back too
+        ("opt", "model.decoder.layers.1.fc2", "model.decoder.layers.0.self_attn.q_proj"),
+    ],
+)
 def test_a_preset_failing_on_block_two_leaves_nothing_applied(family, trip, q0):
     model = build(family)
     sch = sl.create_schedule(model, world_size=2)
@@ -213,7 +257,7 @@ def test_a_preset_failing_on_block_two_leaves_nothing_applied(family, trip, q0):
     sch.record.add_listener(lambda rec: seen.append(len(rec.calls)))
     with pytest.raises(ScheduleError, match="must stay replicated"):
         presets.megatron_tp(sch)
-    assert max(seen) > 8 and seen[-1] == 1          # block 1 had been applied, then the listeners saw the restore
+    assert max(seen) > 8 and seen[-1] == 1  # block 1 had been applied, then the listeners saw the restore
     assert sch.record.code() == code and len(sch.record) == 1
     assert module_snapshot(model) == before
     assert sch[q0].mod.weight.shape == (hidden, hidden)
@@ -240,13 +284,21 @@ def test_all_or_nothing_restores_parameter_annotations_and_checkpoints():
         raise RuntimeError("boom")
     assert len(sch.record) == 0 and module_snapshot(model) == before
     assert not hasattr(model.model.norm.weight, "sequence_parallel")
-    presets.megatron_tp(sch)   # and the whole preset applies afterwards
+    presets.megatron_tp(sch)  # and the whole preset applies afterwards
     assert len(sch.record) == 33
 
 
 # ----------------------------------------------------------------------------------- two real ranks
-TP_CASES = ["qwen3_megatron_tp", "qwen3_hf_plan", "mistral_megatron_tp", "mixtral_megatron_tp", "mixtral_hf_plan",
-            "qwen3_moe_hf_plan", "albert_megatron_tp", "vit_megatron_tp"]
+TP_CASES = [
+    "qwen3_megatron_tp",
+    "qwen3_hf_plan",
+    "mistral_megatron_tp",
+    "mixtral_megatron_tp",
+    "mixtral_hf_plan",
+    "qwen3_moe_hf_plan",
+    "albert_megatron_tp",
+    "vit_megatron_tp",
+]
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +328,9 @@ def test_family_tp_launch_exit_status(tp_results):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen3", "mixtral", "vit"])
-def test_exported_family_tp_script_verifies_on_two_ranks(family, tmp_path, run_bounded, torchrun_cmd, free_port,
-                                                         subprocess_env):
+def test_exported_family_tp_script_verifies_on_two_ranks(
+    family, tmp_path, run_bounded, torchrun_cmd, free_port, subprocess_env
+):
     from slapo_lab.export import export_script
 
     model, sch = planned(family)
@@ -290,13 +343,19 @@ def test_exported_family_tp_script_verifies_on_two_ranks(family, tmp_path, run_b
 
     port = free_port
     for _ in range(2):  # the free port can be taken in between by another launch: once more on a new one
-        r = run_bounded(torchrun_cmd(2, port, script, "--device", "cpu", "--steps", "2"), timeout=300,
-                        cwd=tmp_path, env=subprocess_env)
+        r = run_bounded(
+            torchrun_cmd(2, port, script, "--device", "cpu", "--steps", "2"),
+            timeout=300,
+            cwd=tmp_path,
+            env=subprocess_env,
+        )
         if "EADDRINUSE" not in r.stdout + r.stderr:
             break
         port = another_port()
     out = r.stdout
-    assert r.returncode == 0 and "Verify: PASSED" in out, f"exit {r.returncode}\n{out[-4000:]}\n{r.stderr[-4000:]}"
+    assert r.returncode == 0 and "Verify: PASSED" in out, (
+        f"exit {r.returncode}\n{out[-4000:]}\n{r.stderr[-4000:]}"
+    )
     grads = [line for line in out.splitlines() if line.startswith("Verify: gradients of ")]
     assert len(grads) == 1 and float(grads[0].split("max abs diff ")[1].split()[0]) <= 1e-5
     assert out.count("step ") >= 2
@@ -312,12 +371,23 @@ def test_exported_tp_script_exits_cleanly_every_time(tmp_path, run_bounded, torc
     from slapo_lab.export import export_script
 
     model, sch = planned("vit")
-    script = export_script(tmp_path / "train_vit.py", model, sch.record.calls,
-                           {"pixel_values": torch.randn(2, 3, 32, 32)}, world_size=2)
+    script = export_script(
+        tmp_path / "train_vit.py",
+        model,
+        sch.record.calls,
+        {"pixel_values": torch.randn(2, 3, 32, 32)},
+        world_size=2,
+    )
     for _ in range(4):
-        r = run_bounded(torchrun_cmd(2, a_port(), script, "--device", "cpu", "--steps", "1", "--no-verify"),
-                        timeout=120, cwd=tmp_path, env=subprocess_env)
+        r = run_bounded(
+            torchrun_cmd(2, a_port(), script, "--device", "cpu", "--steps", "1", "--no-verify"),
+            timeout=120,
+            cwd=tmp_path,
+            env=subprocess_env,
+        )
         if "EADDRINUSE" in r.stdout + r.stderr:
             continue
-        assert r.returncode == 0 and "terminate called" not in r.stderr, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+        assert r.returncode == 0 and "terminate called" not in r.stderr, (
+            f"exit {r.returncode}\n{r.stderr[-3000:]}"
+        )
         assert "step 1/1 loss" in r.stdout

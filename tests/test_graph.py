@@ -52,8 +52,12 @@ def _llama(device: str, layers: int = 3) -> LlamaForCausalLM:
     with torch.device(device):
         return LlamaForCausalLM(
             LlamaConfig(
-                num_hidden_layers=layers, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=1000,
+                num_hidden_layers=layers,
+                hidden_size=H,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                vocab_size=1000,
             )
         )
 
@@ -367,7 +371,7 @@ def test_hostile_names_render_valid_escaped_svg():
     for n in HOSTILE:
         shown = f"blocks.{n}".replace("\n", "\\n")
         assert shown in texts, shown  # literal text, no graphviz \N / \G expansion
-    assert "<b>x</b> · q\"" in texts
+    assert '<b>x</b> · q"' in texts
     # ids are tokens only, never names
     all_ids = [el.get("id") for el in root.iter() if el.get("id")]
     assert all(re.fullmatch(r"(n|e|a_n|a_e)\d+|slapo-graph", i) for i in all_ids), all_ids
@@ -412,9 +416,7 @@ def test_layout_cache_hit_when_only_colours_change(bert_flow):
 @needs_dot
 def test_render_folded_badges_and_styles(llama_flow):
     G = llama_flow.level_graph("model")
-    svg, ids = g.render_svg(
-        G, {"model.layers.0-2": {"fill": "#ffd8a8", "badges": ["TP", "ckpt", "stage 1"]}}
-    )
+    svg, ids = g.render_svg(G, {"model.layers.0-2": {"fill": "#ffd8a8", "badges": ["TP", "ckpt", "stage 1"]}})
     texts = _texts(svg)
     assert "LlamaDecoderLayer × 3" in texts and "TP · ckpt · stage 1" in texts
     assert "model.layers.0-2" in ids.values()

@@ -65,8 +65,16 @@ def _token(ids: dict, node) -> str:
 
 def _bert(layers: int = 4) -> BertModel:
     with torch.device("meta"):
-        return BertModel(BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
-                                    intermediate_size=128, vocab_size=200, max_position_embeddings=64))
+        return BertModel(
+            BertConfig(
+                num_hidden_layers=layers,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=200,
+                max_position_embeddings=64,
+            )
+        )
 
 
 def _ids():
@@ -119,8 +127,15 @@ def test_bert_fitted_text_is_readable():
 
 @pytest.fixture(scope="module")
 def llama70b_flow():
-    cfg = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        num_hidden_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     return g.record_dataflow(model, {"input_ids": torch.zeros(1, 4096, dtype=torch.long, device="meta")})
@@ -132,12 +147,14 @@ def test_llama70b_fully_expanded_keeps_readable_text(llama70b_flow):
     svg, ids = g.render_svg(G)
     small, large = _fitted_text_px(svg)
     assert small >= MIN_TEXT_PX and large >= 7.0, (small, large)
+
     # wrapped into rows: layers 0..6 share one row (same y), layer 7 starts the next one, below
     def centre(path):
         frag = _node_group(svg, _token(ids, path))
         ys = [float(y) for y in re.findall(r'<text[^>]* y="(-?[\d.]+)"', frag)]
         xs = [float(x) for x in re.findall(r'<text[^>]* x="(-?[\d.]+)"', frag)]
         return xs[0], ys[0]
+
     (x0, y0), (x1, y1), (x7, y7) = (centre(f"model.layers.{i}") for i in (0, 1, 7))
     assert y0 == y1 and x1 > x0
     assert y7 > y0 and abs(x7 - x0) < 1.0  # next row, left-aligned
@@ -175,8 +192,15 @@ def test_stage_checkpoint_cut_and_selection_use_distinct_channels():
     assert "stroke-dasharray" in ckpt and "stroke-dasharray" not in stage + cut + plain  # checkpoint
     cut_edge = re.search(
         rf'<g id="e\d+" class="edge slapo&#45;cut&#45;edge">\s*<title>{_token(ids, "encoder.layer.2")}&#45;&gt;'
-        rf'{_token(ids, "encoder.layer.3")}</title>(.*?)</g>', svg, re.DOTALL)
-    assert cut_edge and f'stroke="{g.render.CUT_COLOUR}"' in cut_edge.group(1) and 'stroke-width="3"' in cut_edge.group(1)
+        rf"{_token(ids, 'encoder.layer.3')}</title>(.*?)</g>",
+        svg,
+        re.DOTALL,
+    )
+    assert (
+        cut_edge
+        and f'stroke="{g.render.CUT_COLOUR}"' in cut_edge.group(1)
+        and 'stroke-width="3"' in cut_edge.group(1)
+    )
     assert svg.count("slapo&#45;cut&#45;edge") == 1  # only the edge after the cut
     # selection: drawn by the browser as a halo (a filter), never as a border stroke
     css = (REPO / "labextension" / "style" / "base.css").read_text()
@@ -188,10 +212,19 @@ def test_stage_checkpoint_cut_and_selection_use_distinct_channels():
 
 
 def test_editor_styles_and_legend_channels():
-    model = BertModel(BertConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
-                                 intermediate_size=128, vocab_size=200, max_position_embeddings=64))
-    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)},
-                           world_size=2)
+    model = BertModel(
+        BertConfig(
+            num_hidden_layers=4,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
+    )
+    ed = sl.ScheduleEditor(
+        model, example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)}, world_size=2
+    )
     ed.schedule["encoder.layer.1"].checkpoint()
     ed.schedule["encoder.layer.1"].cut_pipeline_stage()
     ed.apply_preset("megatron")
@@ -234,8 +267,15 @@ def test_edges_show_per_rank_shapes_after_sharding():
 
 
 def test_legend_swatches():
-    svg = g.legend_svg([("col", "#c6dbef"), ("ckpt", "#6a51a3", "dashed"), ("cut", "#d6336c", "bar"),
-                        ("sel", "#2196f3", "halo"), ("stage 0", "#1f77b4", "band")])
+    svg = g.legend_svg(
+        [
+            ("col", "#c6dbef"),
+            ("ckpt", "#6a51a3", "dashed"),
+            ("cut", "#d6336c", "bar"),
+            ("sel", "#2196f3", "halo"),
+            ("stage 0", "#1f77b4", "band"),
+        ]
+    )
     assert "stroke-dasharray" in svg and svg.count("<text") == 5
     with pytest.raises(ValueError, match="swatch"):
         g.legend_svg([("x", "#000000", "sparkle")])

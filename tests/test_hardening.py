@@ -5,6 +5,7 @@ the message is one sentence (one line, ends with a full stop, no traceback, not 
 exactly what it was, and the editor still accepts a good action afterwards. The table of cases and
 messages is written to ``artifacts/hardening_cases.md`` for the issue note.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,16 @@ def one_sentence(msg) -> str:
 
 def tiny_bert(layers=2):
     torch.manual_seed(0)
-    return BertModel(BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
-                                intermediate_size=128, vocab_size=120, max_position_embeddings=64))
+    return BertModel(
+        BertConfig(
+            num_hidden_layers=layers,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=120,
+            max_position_embeddings=64,
+        )
+    )
 
 
 IDS = torch.randint(0, 120, (2, 16))
@@ -97,8 +106,9 @@ def test_model_untraceable_tree_still_works():
 
 
 def test_model_without_parameters():
-    e = sl.ScheduleEditor(nn.Sequential(nn.ReLU(), nn.Tanh()), example_inputs={"input": torch.randn(2, 4)},
-                          world_size=2)
+    e = sl.ScheduleEditor(
+        nn.Sequential(nn.ReLU(), nn.Tanh()), example_inputs={"input": torch.randn(2, 4)}, world_size=2
+    )
     e.select("0")
     e._btn_shard.click()
     text = one_sentence(e.message)
@@ -115,8 +125,9 @@ def test_model_without_example_inputs():
 
 
 def test_model_with_wrong_input_shape():
-    e = sl.ScheduleEditor(tiny_bert(), example_inputs={"input_ids": torch.randint(0, 120, (2, 16, 3, 5))},
-                          world_size=2)
+    e = sl.ScheduleEditor(
+        tiny_bert(), example_inputs={"input_ids": torch.randint(0, 120, (2, 16, 3, 5))}, world_size=2
+    )
     text = one_sentence(e.message)
     assert "could not be recorded" in text
     assert e.apply("checkpoint", path="encoder.layer.0") is None
@@ -146,15 +157,23 @@ class Twice(nn.Module):
 def test_module_used_twice_cut_refused():
     sch = sl.create_schedule(Twice(), world_size=1)
     set_example_inputs(sch, {"x": torch.randn(2, 8)})
-    check_api_case("model: cut inside a module that runs twice", sch, lambda s: s["shared"].cut_pipeline_stage())
+    check_api_case(
+        "model: cut inside a module that runs twice", sch, lambda s: s["shared"].cut_pipeline_stage()
+    )
 
 
 def test_moduledict_with_hostile_keys(tmp_path):
     class Hostile(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleDict({"a-b": nn.Linear(8, 8), 'q"uote': nn.Linear(8, 8),
-                                         "__import__('os')": nn.Linear(8, 8), "new\nline": nn.Linear(8, 8)})
+            self.blocks = nn.ModuleDict(
+                {
+                    "a-b": nn.Linear(8, 8),
+                    'q"uote': nn.Linear(8, 8),
+                    "__import__('os')": nn.Linear(8, 8),
+                    "new\nline": nn.Linear(8, 8),
+                }
+            )
 
         def forward(self, x):
             for m in self.blocks.values():
@@ -167,8 +186,9 @@ def test_moduledict_with_hostile_keys(tmp_path):
     mod = types.ModuleType("hostile_factory")
     mod.make = Hostile
     sys.modules["hostile_factory"] = mod
-    e = sl.ScheduleEditor(Hostile(), example_inputs={"x": torch.randn(2, 8)}, world_size=2,
-                          factory="hostile_factory:make")
+    e = sl.ScheduleEditor(
+        Hostile(), example_inputs={"x": torch.randn(2, 8)}, world_size=2, factory="hostile_factory:make"
+    )
     for key in ("a-b", 'q"uote', "__import__('os')", "new\nline"):
         assert e.apply("shard", "weight", axis=0, path=f"blocks.{key}") is None
     assert "<svg" in e._graph.svg and "<script" not in e._graph.svg
@@ -176,11 +196,16 @@ def test_moduledict_with_hostile_keys(tmp_path):
     tree = compile(script, "train.py", "exec", flags=0x400)  # ast.PyCF_ONLY_AST
     import ast
 
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id == "__import__"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "__import__"
+    ]
     assert not calls, "a module name became code"
     assert "blocks.__import__('os')" in {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
-    RESULTS["model: ModuleDict keys that are not identifiers (shard + export)"] = "accepted; paths rendered with repr"
+    RESULTS["model: ModuleDict keys that are not identifiers (shard + export)"] = (
+        "accepted; paths rendered with repr"
+    )
 
 
 # ---------------------------------------------------------------------------------------- primitives
@@ -197,15 +222,25 @@ CASES = {
     "primitive: parameter name that does not exist": lambda s: s[Q].shard("wieght", axis=0),
     "primitive: axis out of range": lambda s: s[Q].shard("weight", axis=2),
     "primitive: axis of the wrong type": lambda s: s[Q].shard("weight", axis="0"),
-    "primitive: shard twice on the same parameter": lambda s: (s[Q].shard("weight", axis=0), s[Q].shard("weight", axis=1)),
-    "primitive: sync before shard": lambda s: s["encoder.layer.0.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce"),
-    "primitive: sync contradicting the output type": lambda s: (s[Q].shard("weight", axis=0),
-                                                                s[Q].sync(mode="fwd_post", sync_op_or_fn="all_reduce")),
+    "primitive: shard twice on the same parameter": lambda s: (
+        s[Q].shard("weight", axis=0),
+        s[Q].shard("weight", axis=1),
+    ),
+    "primitive: sync before shard": lambda s: s["encoder.layer.0.output.dense"].sync(
+        mode="fwd_post", sync_op_or_fn="all_reduce"
+    ),
+    "primitive: sync contradicting the output type": lambda s: (
+        s[Q].shard("weight", axis=0),
+        s[Q].sync(mode="fwd_post", sync_op_or_fn="all_reduce"),
+    ),
     "primitive: unknown sync mode": lambda s: s[Q].sync(mode="sideways", sync_op_or_fn="all_reduce"),
     "primitive: checkpoint on the root": lambda s: s.checkpoint(),
     "primitive: checkpoint twice": lambda s: s["encoder.layer.0"].checkpoint(),
     "primitive: cut on the root": lambda s: s.cut_pipeline_stage(),
-    "primitive: cut twice": lambda s: (s["encoder.layer.1"].cut_pipeline_stage(), s["encoder.layer.1"].cut_pipeline_stage()),
+    "primitive: cut twice": lambda s: (
+        s["encoder.layer.1"].cut_pipeline_stage(),
+        s["encoder.layer.1"].cut_pipeline_stage(),
+    ),
     "primitive: unknown keyword argument": lambda s: s[Q].shard("weight", axis=0, stride=3),
 }
 
@@ -224,22 +259,31 @@ def test_primitive_errors(sch, name):
     RESULTS[name] = text
 
 
-_COMPOSITE = {"primitive: shard twice on the same parameter", "primitive: sync contradicting the output type",
-              "primitive: cut twice"}
+_COMPOSITE = {
+    "primitive: shard twice on the same parameter",
+    "primitive: sync contradicting the output type",
+    "primitive: cut twice",
+}
 
 
 def test_not_divisible(sch):
     s3 = sl.create_schedule(sl.utils.meta_copy(tiny_bert()), world_size=3)
-    text = check_api_case("primitive: size not divisible by the world size", s3,
-                          lambda s: s["encoder.layer.0.intermediate.dense"].shard("weight", axis=0))
+    text = check_api_case(
+        "primitive: size not divisible by the world size",
+        s3,
+        lambda s: s["encoder.layer.0.intermediate.dense"].shard("weight", axis=0),
+    )
     assert "128" in text and "3" in text
 
 
 def test_cut_making_an_empty_stage():
     s = sl.create_schedule(sl.utils.meta_copy(tiny_bert()), world_size=1)
     set_example_inputs(s, {"input_ids": IDS})
-    check_api_case("primitive: a cut that makes an empty stage (after the last module)", s,
-                   lambda s: s["pooler"].cut_pipeline_stage())
+    check_api_case(
+        "primitive: a cut that makes an empty stage (after the last module)",
+        s,
+        lambda s: s["pooler"].cut_pipeline_stage(),
+    )
 
 
 def test_replace_with_a_different_signature(sch):
@@ -247,27 +291,44 @@ def test_replace_with_a_different_signature(sch):
         def forward(self, a, b, c):
             return a
 
-    check_api_case("primitive: replace with a module of a different signature", sch,
-                   lambda s: s["encoder.layer.0.intermediate"].replace(Other()))
+    check_api_case(
+        "primitive: replace with a module of a different signature",
+        sch,
+        lambda s: s["encoder.layer.0.intermediate"].replace(Other()),
+    )
 
 
 def _llama(heads, kv):
     with torch.device("meta"):
-        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=96, num_attention_heads=heads,
-                                            num_key_value_heads=kv, intermediate_size=192, vocab_size=128))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                num_hidden_layers=1,
+                hidden_size=96,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                intermediate_size=192,
+                vocab_size=128,
+            )
+        )
 
 
 def test_tp_width_not_dividing_heads():
     s = sl.create_schedule(_llama(6, 6), world_size=4)
-    text = check_api_case("primitive: TP width does not divide the attention heads", s,
-                          lambda s: s["model.layers.0.self_attn.q_proj"].shard("weight", axis=0))
+    text = check_api_case(
+        "primitive: TP width does not divide the attention heads",
+        s,
+        lambda s: s["model.layers.0.self_attn.q_proj"].shard("weight", axis=0),
+    )
     assert "heads" in text
 
 
 def test_tp_width_not_dividing_kv_heads():
     s = sl.create_schedule(_llama(6, 2), world_size=3)
-    text = check_api_case("primitive: TP width does not divide the key/value heads", s,
-                          lambda s: s["model.layers.0.self_attn.k_proj"].shard("weight", axis=0))
+    text = check_api_case(
+        "primitive: TP width does not divide the key/value heads",
+        s,
+        lambda s: s["model.layers.0.self_attn.k_proj"].shard("weight", axis=0),
+    )
     assert "key/value heads" in text
 
 
@@ -285,8 +346,11 @@ EDITOR_CASES = {
     "editor: message that is not an object": lambda e: _msg(e._graph, [1, 2, 3]),
     "editor: a path not in the tree": lambda e: e.select("encoder.layer.7.attention"),
     "editor: undo past the beginning": lambda e: (e.undo(), e.undo()),
-    "editor: redo after a new action": lambda e: (e.undo(), e.apply("checkpoint", path="encoder.layer.0"),
-                                                   e.redo())[-1],
+    "editor: redo after a new action": lambda e: (
+        e.undo(),
+        e.apply("checkpoint", path="encoder.layer.0"),
+        e.redo(),
+    )[-1],
 }
 
 
@@ -330,12 +394,16 @@ def test_load_future_version(ed, tmp_path):
     d = json.loads(p.read_text())
     d["version"] = 99
     p.write_text(json.dumps(d))
-    text = check_editor_case("editor: load a schedule file from a newer version", ed, lambda e: e.load(str(p)))
+    text = check_editor_case(
+        "editor: load a schedule file from a newer version", ed, lambda e: e.load(str(p))
+    )
     assert "newer" in text
 
 
 def test_load_missing_file(ed, tmp_path):
-    check_editor_case("editor: load a file that does not exist", ed, lambda e: e.load(str(tmp_path / "nope.json")))
+    check_editor_case(
+        "editor: load a file that does not exist", ed, lambda e: e.load(str(tmp_path / "nope.json"))
+    )
 
 
 # ---------------------------------------------------------------------------------------- export / verify
@@ -356,7 +424,9 @@ def test_export_button_to_unwritable_path(ed, tmp_path):
 
 
 def test_export_model_that_cannot_be_rebuilt(tmp_path):
-    e = sl.ScheduleEditor(nn.Sequential(nn.Linear(4, 4)), example_inputs={"input": torch.randn(2, 4)}, world_size=1)
+    e = sl.ScheduleEditor(
+        nn.Sequential(nn.Linear(4, 4)), example_inputs={"input": torch.randn(2, 4)}, world_size=1
+    )
     e.apply("checkpoint", path="0")
     before = list(e.schedule.record.calls)
     e._export_path.value = str(tmp_path / "t.py")
@@ -425,22 +495,34 @@ def test_kernel_restart_restores_schedule(tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
-    setup = ("import torch, slapo_lab as sl\nfrom transformers import BertConfig, BertModel\n"
-             "torch.manual_seed(0)\n"
-             "m = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
-             "intermediate_size=128, vocab_size=120, max_position_embeddings=64))\n"
-             "ed = sl.ScheduleEditor(m, example_inputs={'input_ids': torch.randint(0, 120, (2, 16))}, "
-             "world_size=2, schedule_file='work.schedule.json')\n")
-    first = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(setup + (
-        "ed.apply('checkpoint', path='encoder.layer.0')\n"
-        "ed.schedule['encoder.layer.1.intermediate.dense'].shard('weight', axis=0)\n"
-        "print('CODE', repr(ed.code))"))])
-    second = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(setup + "print('CODE', repr(ed.code))\n"
-                                                                       "print('MSG', ed.message)")])
+    setup = (
+        "import torch, slapo_lab as sl\nfrom transformers import BertConfig, BertModel\n"
+        "torch.manual_seed(0)\n"
+        "m = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
+        "intermediate_size=128, vocab_size=120, max_position_embeddings=64))\n"
+        "ed = sl.ScheduleEditor(m, example_inputs={'input_ids': torch.randint(0, 120, (2, 16))}, "
+        "world_size=2, schedule_file='work.schedule.json')\n"
+    )
+    first = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(
+                setup
+                + (
+                    "ed.apply('checkpoint', path='encoder.layer.0')\n"
+                    "ed.schedule['encoder.layer.1.intermediate.dense'].shard('weight', axis=0)\n"
+                    "print('CODE', repr(ed.code))"
+                )
+            )
+        ]
+    )
+    second = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(setup + "print('CODE', repr(ed.code))\nprint('MSG', ed.message)")]
+    )
     outs = []
     for nb in (first, second):  # each run is a fresh kernel: the second is the "restart"
-        NotebookClient(nb, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
         outs.append("".join(o.get("text", "") for o in nb.cells[0].outputs))
     code_first = next(ln for ln in outs[0].splitlines() if ln.startswith("CODE"))
     code_second = next(ln for ln in outs[1].splitlines() if ln.startswith("CODE"))

@@ -1,4 +1,5 @@
 """init_empty_weights and consolidate_model: empty construction, reproducible per-rank slices."""
+
 import pytest
 import torch
 from harness import BERT_COL as COL
@@ -12,8 +13,15 @@ from slapo_lab.init import consolidate_model, init_empty_weights
 
 
 def _bert_cfg():
-    return BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                      vocab_size=100, max_position_embeddings=64, pad_token_id=0)
+    return BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
 
 
 def _bert_tp(world_size, rank, **kw):
@@ -90,8 +98,15 @@ def test_consolidate_is_reproducible_and_seeded():
 
 
 def test_consolidated_model_runs_and_keeps_ties():
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=100, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):  # buffers on meta too: rebuilt by the model's own _init_weights
         model = LlamaForCausalLM(cfg)
     sch = sl.create_schedule(model)
@@ -104,8 +119,15 @@ def test_consolidated_model_runs_and_keeps_ties():
 
 
 def test_tied_sharded_embedding_stays_tied():
-    cfg = LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=64, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        tie_word_embeddings=True,
+    )
     with init_empty_weights():
         model = LlamaForCausalLM(cfg)
     sch = sl.create_schedule(model, world_size=2, rank=1)
@@ -133,9 +155,9 @@ def test_non_hf_model_uses_reset_parameters_and_param_init_fn():
     assert torch.equal(torch.cat([a[0].bias, b[0].bias]), full[0].bias)
     assert torch.equal(torch.cat([a[2].weight, b[2].weight], dim=1), full[2].weight)
     assert torch.equal(a[2].bias, full[2].bias) and torch.equal(full[3].weight, torch.ones(8))
-    bound = 1 / 8 ** 0.5  # torch's Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with the FULL fan-in
+    bound = 1 / 8**0.5  # torch's Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with the FULL fan-in
     assert full[0].weight.abs().max() <= bound and full[0].weight.abs().max() > 0.8 * bound
-    assert a[2].weight.abs().max() > 1 / 16 ** 0.5 * 0.8  # fan-in 16, not the shard's 8
+    assert a[2].weight.abs().max() > 1 / 16**0.5 * 0.8  # fan-in 16, not the shard's 8
 
     def fill(m):
         for p in m.parameters(recurse=False):

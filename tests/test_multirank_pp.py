@@ -16,6 +16,7 @@ Launches (world size: cases):
 * 8: TP=2 x PP=2 x DP=2 on one ``(dp, pp, tp)`` mesh (the skip model with column-parallel blocks).
 Every launch is bounded (its process group is killed on timeout).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,8 +33,11 @@ pytestmark = pytest.mark.multirank
 
 LAUNCHES = {
     "pp2_torch": (2, 150, ["gpt2_gpipe", "gpt2_1f1b", "bert_gpipe", "bert_1f1b"]),
-    "interleaved": (2, 180, ["gpt2_interleaved", "bert_interleaved", "skip_interleaved", "nested_interleaved",
-                             "t5_interleaved"]),
+    "interleaved": (
+        2,
+        180,
+        ["gpt2_interleaved", "bert_interleaved", "skip_interleaved", "nested_interleaved", "t5_interleaved"],
+    ),
     # the first DeepSpeed init on a machine JIT-compiles its shm op (~50-90 s, then cached)
     "pp2_deepspeed": (2, 300, ["gpt2_deepspeed", "bert_deepspeed", "skip_deepspeed"]),
     "pp3": (3, 240, ["skip3_1f1b", "skip3_deepspeed"]),
@@ -71,8 +75,9 @@ def test_pipeline_matches_single_process(launch, case):
     if case.startswith("gpt2"):  # wte on the first stage, the tied lm_head on the last
         assert r["tied"] == [[[0, "transformer.wte.weight"], [stages - 1, "lm_head.weight"]]]
     if case.startswith("t5"):
-        assert r["tied"] == [[[0, "encoder.embed_tokens.weight"], [2, "decoder.embed_tokens.weight"],
-                              [3, "lm_head.weight"]]]
+        assert r["tied"] == [
+            [[0, "encoder.embed_tokens.weight"], [2, "decoder.embed_tokens.weight"], [3, "lm_head.weight"]]
+        ]
     if "tp2" in case:  # the tensor-parallel sync ops really run inside the exported stages
         assert r["n_sharded"] > 0 and r["tp_ops"] > 0, r
 

@@ -6,6 +6,7 @@ HF tp plan): inside ``sl.Verify`` (must pass), then three SGD steps whose losses
 updated parameters must match the unscheduled copy within 1e-5 (fp32). The launch is shared by the
 per-case tests below.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,17 @@ from harness import launch_results
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
 TIMEOUT_S = 300
-CASES = ["bert_manual", "bert_megatron_tp", "bert_mlm_tied_decoder", "gpt2_manual_tied_vocab", "gpt2_megatron_tp",
-         "gpt2_sequence_parallel", "gpt2_sequence_parallel_checkpointed", "llama_megatron_tp", "llama_hf_plan"]
+CASES = [
+    "bert_manual",
+    "bert_megatron_tp",
+    "bert_mlm_tied_decoder",
+    "gpt2_manual_tied_vocab",
+    "gpt2_megatron_tp",
+    "gpt2_sequence_parallel",
+    "gpt2_sequence_parallel_checkpointed",
+    "llama_megatron_tp",
+    "llama_hf_plan",
+]
 
 pytestmark = pytest.mark.multirank
 

@@ -11,6 +11,7 @@
 The quickstart is covered by ``scripts/lab.sh --headless`` and the browser tests. Each run is bounded (its
 process group -- kernel, torchrun and ranks -- is killed on overrun).
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,10 +25,16 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 def _run(name, run_bounded, env, timeout):
     start = time.perf_counter()
-    r = run_bounded([sys.executable, "-m", "slapo_lab.tools.run_notebook", str(NOTEBOOKS / name)], timeout=timeout,
-                    cwd=NOTEBOOKS, env=env)
+    r = run_bounded(
+        [sys.executable, "-m", "slapo_lab.tools.run_notebook", str(NOTEBOOKS / name)],
+        timeout=timeout,
+        cwd=NOTEBOOKS,
+        env=env,
+    )
     print(f"{name}: {time.perf_counter() - start:.1f} s")
-    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
+    )
     assert "ran end to end" in r.stdout
 
 

@@ -1,6 +1,7 @@
 """Single-process tests of slapo_lab.pipeline: partitioning, stage counts, liveness, tied weights, the
 cut-time errors of ``cut_pipeline_stage``, ``build_pipeline`` argument checks, ``suggest_cuts``,
 ``make_mesh`` and the DeepSpeed codecs. Multi-rank training is in test_multirank_pp.py."""
+
 from __future__ import annotations
 
 import socket
@@ -40,8 +41,11 @@ def _stage_of(part, fqn: str) -> list[int]:
 
 # --- partitioning ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cuts,n", [(["encoder.block.1", "encoder", "decoder.block.1"], 4),
-                                    (["encoder.block.1", "decoder.block.1"], 3)])
+
+@pytest.mark.parametrize(
+    "cuts,n",
+    [(["encoder.block.1", "encoder", "decoder.block.1"], 4), (["encoder.block.1", "decoder.block.1"], 3)],
+)
 def test_nested_cuts_stage_counts_like_slapo_t5(cuts, n):
     """Seed 002's T5 example: cutting after encoder.block.k, encoder, decoder.block.k gives 4 stages;
     without the encoder cut, the encoder's tail and the decoder's head share a stage (3)."""
@@ -66,7 +70,10 @@ def test_hf_t5_nested_cuts():
     torch.manual_seed(0)
     model = M.t5()
     inputs, _ = M.batch("t5", 0, 2)
-    for cuts, n in ((["encoder.block.1", "encoder", "decoder.block.1"], 4), (["encoder.block.1", "decoder.block.1"], 3)):
+    for cuts, n in (
+        (["encoder.block.1", "encoder", "decoder.block.1"], 4),
+        (["encoder.block.1", "decoder.block.1"], 3),
+    ):
         sch = sl.create_schedule(model)
         part = partition_pipeline(sch if not cuts else _cut(sch, cuts), inputs)
         assert part.num_stages == n
@@ -130,8 +137,8 @@ def test_bert_mask_output_is_contiguous_and_exact():
     assert "bert.encoder.layer.1" in part.describe() or "stage 1" in part.describe()
 
 
-
 # --- activation checkpointing inside stages -------------------------------------------------------
+
 
 class _DropMLP(nn.Module):
     def __init__(self, d: int = 32) -> None:
@@ -183,10 +190,15 @@ def _stage0_fwd_bwd(name, cut, layer, checkpointed):
     return out.detach(), state, grads
 
 
-@pytest.mark.parametrize("name,cut,layer", [("bert", "bert.encoder.layer.1", "bert.encoder.layer.0"),
-                                            ("gpt2", "transformer.h.1", "transformer.h.0"),
-                                            ("drop", "blocks.1", "blocks.0"),
-                                            ("drop", "blocks.0", "blocks.0")])  # checkpointed cut module
+@pytest.mark.parametrize(
+    "name,cut,layer",
+    [
+        ("bert", "bert.encoder.layer.1", "bert.encoder.layer.0"),
+        ("gpt2", "transformer.h.1", "transformer.h.0"),
+        ("drop", "blocks.1", "blocks.0"),
+        ("drop", "blocks.0", "blocks.0"),
+    ],
+)  # checkpointed cut module
 def test_checkpoint_survives_partitioning(name, cut, layer):
     """torch.export inlines torch.utils.checkpoint; the stage module re-applies it to the checkpointed
     layer: it saves (much) fewer bytes for backward, is recomputed in backward, and forward output and
@@ -213,6 +225,7 @@ def test_partition_needs_cuts_and_divisible_batch():
 
 # --- cut-time errors --------------------------------------------------------------------------------
 
+
 class Twice(nn.Module):
     """``blk`` runs twice per forward."""
 
@@ -234,8 +247,13 @@ def _twice_sched():
 
 def test_cut_errors_are_one_sentence_and_change_nothing():
     sch = _twice_sched()
-    cases = [("", "root module"), ("blk", "runs 2 times"), ("blk.fc", "inside blk, which runs 2 times"),
-             ("unused", "does not run"), ("head", "last pipeline stage empty")]
+    cases = [
+        ("", "root module"),
+        ("blk", "runs 2 times"),
+        ("blk.fc", "inside blk, which runs 2 times"),
+        ("unused", "does not run"),
+        ("head", "last pipeline stage empty"),
+    ]
     for path, msg in cases:
         with pytest.raises(sl.ScheduleError, match=msg) as err:
             sch[path].cut_pipeline_stage()
@@ -251,8 +269,11 @@ def test_cut_errors_empty_middle_stage_and_duplicate():
     with pytest.raises(sl.ScheduleError, match="already ends a pipeline stage"):
         sch["encoder.block.3"].cut_pipeline_stage()
     sch["encoder"].cut_pipeline_stage()  # the final norm runs in between: a real stage
-    with pytest.raises(sl.ScheduleError, match="empty pipeline stage: nothing runs between the end of "
-                                               "encoder.final_norm and the end of encoder"):
+    with pytest.raises(
+        sl.ScheduleError,
+        match="empty pipeline stage: nothing runs between the end of "
+        "encoder.final_norm and the end of encoder",
+    ):
         sch["encoder.final_norm"].cut_pipeline_stage()
     assert sch.metadata.primitives["cut_pipeline_stage"] == ["encoder.block.3", "encoder"]
     assert [c.path for c in sch.record.calls] == ["encoder.block.3", "encoder"]
@@ -262,8 +283,10 @@ def test_hf_models_use_dummy_inputs_for_the_call_order():
     _, sch = _sched("bert")
     assert call_order(sch).ok  # found through the wrapped BertModel's dummy_inputs
     sch["bert.encoder.layer.3"].cut_pipeline_stage()
-    with pytest.raises(sl.ScheduleError, match="nothing runs between the end of bert.encoder.layer.3 and the end of "
-                                               "bert.encoder"):
+    with pytest.raises(
+        sl.ScheduleError,
+        match="nothing runs between the end of bert.encoder.layer.3 and the end of bert.encoder",
+    ):
         sch["bert.encoder"].cut_pipeline_stage()
     _, sch = _sched("gpt2")
     with pytest.raises(sl.ScheduleError, match="last pipeline stage empty"):
@@ -280,6 +303,7 @@ def test_unknown_order_defers_the_check_to_build():
 
 
 # --- build_pipeline argument checks (no process group: a pipeline of one rank) ---------------------
+
 
 def test_build_pipeline_argument_errors():
     _, sch = _sched("skip", ["blocks.1"])
@@ -300,6 +324,7 @@ def test_build_pipeline_argument_errors():
 
 
 # --- suggest_cuts ---------------------------------------------------------------------------------------
+
 
 class Uniform(nn.Module):
     def __init__(self, n: int = 24) -> None:
@@ -343,6 +368,7 @@ def test_suggest_cuts_gpt2_by_params_flops_time_and_apply():
 
 
 # --- mesh, collectives, DeepSpeed codecs ------------------------------------------------------------------
+
 
 def test_make_mesh_errors_without_and_with_a_group():
     import torch.distributed as dist
@@ -394,12 +420,21 @@ def test_deepspeed_codecs_are_bit_exact():
 def test_model_inputs_and_traced_module_inputs_do_not_share_a_store():
     """record_example_inputs (per-module args for tracing) must not overwrite the model inputs that the
     cut checks run on: after both, a cut leaving the last stage empty is still refused."""
-    from slapo_lab.pipeline.order import set_example_inputs
     from transformers import BertConfig, BertModel
 
+    from slapo_lab.pipeline.order import set_example_inputs
+
     torch.manual_seed(0)
-    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                 intermediate_size=128, vocab_size=120, max_position_embeddings=64))
+    model = BertModel(
+        BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=120,
+            max_position_embeddings=64,
+        )
+    )
     ids = torch.randint(0, 120, (2, 16))
     sch = sl.create_schedule(model)
     set_example_inputs(sch, {"input_ids": ids})

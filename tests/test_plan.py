@@ -1,4 +1,5 @@
 """Simulated planning (slapo_lab.plan): numbers checked against hand computation."""
+
 import json
 import time
 
@@ -17,8 +18,14 @@ L, H, I, V = 4, 64, 256, 1000  # small BERT
 
 
 def _bert():
-    cfg = BertConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=4, intermediate_size=I,
-                     vocab_size=V, max_position_embeddings=128)
+    cfg = BertConfig(
+        num_hidden_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        intermediate_size=I,
+        vocab_size=V,
+        max_position_embeddings=128,
+    )
     with torch.device("meta"):
         return BertModel(cfg)
 
@@ -60,7 +67,11 @@ def test_tp_param_bytes_exact():
 
     # mixed precision: bf16 params and grads, fp32 Adam moments + fp32 master copy = 16 B/param (ZeRO)
     mp = sl.plan(sch, param_dtype=torch.bfloat16, master_weights=True).per_stage[0]
-    assert (mp["param_bytes"], mp["grad_bytes"], mp["optimizer_bytes"]) == (2 * per_rank, 2 * per_rank, 12 * per_rank)
+    assert (mp["param_bytes"], mp["grad_bytes"], mp["optimizer_bytes"]) == (
+        2 * per_rank,
+        2 * per_rank,
+        12 * per_rank,
+    )
     assert sl.plan(sch, optimizer="sgd").per_stage[0]["optimizer_bytes"] == 0
     assert sl.plan(sch, optimizer="sgd_momentum").per_stage[0]["optimizer_bytes"] == 4 * per_rank
     assert sl.plan(sch, optimizer=torch.optim.AdamW).per_stage[0]["optimizer_bytes"] == 8 * per_rank
@@ -89,7 +100,9 @@ def test_stages_split_params():
 
     def layer_rank(i):  # per-rank elements of one layer under TP 2
         layer = ref.encoder.layer[i]
-        sharded = sum(layer.get_submodule(n).weight.numel() + layer.get_submodule(n).bias.numel() for n in COL)
+        sharded = sum(
+            layer.get_submodule(n).weight.numel() + layer.get_submodule(n).bias.numel() for n in COL
+        )
         sharded += sum(layer.get_submodule(n).weight.numel() for n in ROW)
         total = sum(p.numel() for p in layer.parameters())
         return total - sharded + sharded // 2
@@ -100,7 +113,9 @@ def test_stages_split_params():
     assert s1["num_params"] == layer_rank(1) + layer_rank(2)
     assert s2["num_params"] == layer_rank(3) + pool
     assert (s0["blocks"], s1["blocks"], s2["blocks"]) == ([0, 0], [1, 2], [3, 3])
-    assert s0["first"] == "embeddings" and s0["last"] == "encoder.layer.0" and s1["first"] == "encoder.layer.1"
+    assert (
+        s0["first"] == "embeddings" and s0["last"] == "encoder.layer.0" and s1["first"] == "encoder.layer.1"
+    )
     assert s1["last"] == "encoder.layer.2" and s2["last"].startswith("pooler")
     assert [s["ranks"] for s in pl.per_stage] == [[0, 1], [2, 3], [4, 5]]
     assert pl.total_bytes == max(s["total_bytes"] for s in pl.per_stage)
@@ -124,8 +139,15 @@ def test_stale_and_coinciding_cuts():
 
 
 def test_tied_weights_counted_per_stage():
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=100, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         m = LlamaForCausalLM(cfg)
     assert m.lm_head.weight is m.model.embed_tokens.weight
@@ -152,7 +174,10 @@ def test_activation_estimate_hand_count():
     pl = sl.plan(sch, example_inputs=(x,))
     assert pl.per_stage[0]["activation_bytes"] == 4 * (2 * 8 + 2 * 8 + 2 * 4)
     assert sl.plan(sch, example_inputs=(x,), micro_batch_size=4).per_stage[0]["activation_bytes"] == 8 * 40
-    assert sl.plan(sch, example_inputs=(x,), activation_dtype=torch.bfloat16).per_stage[0]["activation_bytes"] == 80
+    assert (
+        sl.plan(sch, example_inputs=(x,), activation_dtype=torch.bfloat16).per_stage[0]["activation_bytes"]
+        == 80
+    )
     assert sl.plan(sch, example_inputs=(x,), activation=None).per_stage[0]["activation_bytes"] is None
     assert sl.plan(sch, activation=1000).per_stage[0]["activation_bytes"] == 1000
     # the pass ran on a meta copy in training mode; the model keeps its device and mode
@@ -177,8 +202,9 @@ def test_checkpoint_reduces_activation_estimate():
     # hidden-state input (2 x 32 x 64 fp32); layer 0's input is the embeddings' dropout output, already
     # counted, so L - 1 inputs add
     prof = estimate_activations(sch.mod, {"input_ids": ids})
-    leaf_outside = sum(n * e for p, its in prof.leaf_out.items() if not p.startswith("encoder.")
-                       for _, n, e, _ in its)
+    leaf_outside = sum(
+        n * e for p, its in prof.leaf_out.items() if not p.startswith("encoder.") for _, n, e, _ in its
+    )
     emb = 4 * 2 * 32 * H  # word, token-type, LayerNorm, dropout: (2, 32, 64); position: (1, 32, 64)
     assert leaf_outside == 4 * emb + emb // 2 + 2 * 4 * 2 * H  # + pooler dense and tanh: (2, 64)
     assert a1 == leaf_outside + (L - 1) * 2 * 32 * H * 4
@@ -209,8 +235,14 @@ def test_autograd_activation_matches_real_saved_tensors():
     assert pl.per_stage[0]["activation_bytes"] == 4 * (2 * 8 + 2 * 16) and pl.activation_method == "autograd"
 
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=4, intermediate_size=I,
-                     vocab_size=V, max_position_embeddings=128)
+    cfg = BertConfig(
+        num_hidden_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        intermediate_size=I,
+        vocab_size=V,
+        max_position_embeddings=128,
+    )
     real = BertModel(cfg).train()
     ids = torch.randint(0, V, (2, 32))
     sch = sl.create_schedule(real)
@@ -240,8 +272,14 @@ def test_plan_to_dict_table_fits_and_errors():
     assert "encoder.layer[0..1]" in text and "encoder.layer[2..3]" in text and "busiest rank" in text
     assert pl.fits(pl.total_bytes) and not pl.fits(pl.total_bytes - 1)
     assert pl.cluster_bytes == 2 * sum(s["total_bytes"] for s in pl.per_stage)
-    for bad in ({"optimizer": "lion"}, {"param_dtype": "fp8"}, {"micro_batch_size": 0},
-                {"activation": "guess"}, {"activation": True}, {"activation": -1}):
+    for bad in (
+        {"optimizer": "lion"},
+        {"param_dtype": "fp8"},
+        {"micro_batch_size": 0},
+        {"activation": "guess"},
+        {"activation": True},
+        {"activation": -1},
+    ):
         with pytest.raises(sl.ScheduleError):
             sl.plan(sch, **bad)
     with pytest.raises(sl.ScheduleError):
@@ -267,8 +305,14 @@ H70, KV70, I70, V70, L70 = 8192, 8, 28672, 32000, 80
 
 @pytest.fixture(scope="module")
 def llama70b_tp8():
-    cfg = LlamaConfig(num_hidden_layers=L70, hidden_size=H70, num_attention_heads=64, num_key_value_heads=KV70,
-                      intermediate_size=I70, vocab_size=V70)
+    cfg = LlamaConfig(
+        num_hidden_layers=L70,
+        hidden_size=H70,
+        num_attention_heads=64,
+        num_key_value_heads=KV70,
+        intermediate_size=I70,
+        vocab_size=V70,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     sch = sl.create_schedule(model, world_size=8)
@@ -308,7 +352,11 @@ def test_llama70b_tp8_plan_fast_and_exact(llama70b_tp8):
     pp = sl.plan(sch, param_dtype=torch.bfloat16)
     layer_rank = sharded_layer // 8 + 2 * H70
     assert [s["num_params"] for s in pp.per_stage] == [
-        V70 * H70 + 20 * layer_rank, 20 * layer_rank, 20 * layer_rank, 20 * layer_rank + H70 + V70 * H70]
+        V70 * H70 + 20 * layer_rank,
+        20 * layer_rank,
+        20 * layer_rank,
+        20 * layer_rank + H70 + V70 * H70,
+    ]
     assert pp.num_ranks == 32
 
 
@@ -316,20 +364,32 @@ def test_llama70b_tp8_plan_fast_and_exact(llama70b_tp8):
 # a small Llama: hidden 64, 4 heads of 16, 2 kv heads (k/v 64 x 32), MLP 128, vocabulary 100, untied head
 LH, LI, LV = 64, 128, 100
 LAYER_TP = 2 * LH * LH + 2 * LH * 32 + 3 * LH * LI  # q, o, k, v, gate, up, down: what TP splits
-LAYER = LAYER_TP + 2 * LH                             # + input and post-attention RMSNorm
-EDGE = LV * LH + LH + LV * LH                         # embedding, final norm, lm_head
+LAYER = LAYER_TP + 2 * LH  # + input and post-attention RMSNorm
+EDGE = LV * LH + LH + LV * LH  # embedding, final norm, lm_head
 
 
 def _small_llama(world_size=1, tp=False):
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=LH, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=LI, vocab_size=LV)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=LH,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=LI,
+        vocab_size=LV,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     sch = sl.create_schedule(model, world_size=world_size)
     if tp:
         for i in range(2):
             p = f"model.layers.{i}"
-            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            for n in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+            ):
                 sch[f"{p}.{n}"].shard("weight", axis=0)
             for n in ("self_attn.o_proj", "mlp.down_proj"):
                 sch[f"{p}.{n}"].shard("weight", axis=1)
@@ -350,13 +410,22 @@ def test_fsdp_and_zero_divide_by_dp_hand_count():
     assert ddp.cluster_bytes == 4 * base.total_bytes
 
     fsdp = sl.plan(sch, dp=4, shard="fsdp").per_stage[0]
-    assert (fsdp["param_bytes"], fsdp["grad_bytes"], fsdp["optimizer_bytes"]) == (n, n, 2 * n)  # 4 B / 4, 8 B / 4
+    assert (fsdp["param_bytes"], fsdp["grad_bytes"], fsdp["optimizer_bytes"]) == (
+        n,
+        n,
+        2 * n,
+    )  # 4 B / 4, 8 B / 4
     assert fsdp["gather_bytes"] == 4 * LAYER + 4 * LAYER  # one decoder layer's fp32 parameters and gradients
     assert fsdp["gather_block"] == "model.layers.0"
     assert fsdp["total_bytes"] == 4 * n + 8 * LAYER + buf
 
     z1 = sl.plan(sch, dp=4, shard="zero1").per_stage[0]
-    assert (z1["param_bytes"], z1["grad_bytes"], z1["optimizer_bytes"], z1["gather_bytes"]) == (4 * n, 4 * n, 2 * n, 0)
+    assert (z1["param_bytes"], z1["grad_bytes"], z1["optimizer_bytes"], z1["gather_bytes"]) == (
+        4 * n,
+        4 * n,
+        2 * n,
+        0,
+    )
     z2 = sl.plan(sch, dp=4, shard="zero2").per_stage[0]
     assert (z2["param_bytes"], z2["grad_bytes"], z2["optimizer_bytes"]) == (4 * n, n, 2 * n)
     assert z2["total_bytes"] == 7 * n + buf
@@ -364,7 +433,10 @@ def test_fsdp_and_zero_divide_by_dp_hand_count():
     # bf16 parameters and gradients, fp32 master copy + Adam moments (16 B / parameter), dp 3: rounded up
     mp = sl.plan(sch, dp=3, shard="fsdp", param_dtype=torch.bfloat16, master_weights=True).per_stage[0]
     assert (mp["param_bytes"], mp["grad_bytes"], mp["optimizer_bytes"]) == (
-        -(-2 * n // 3), -(-2 * n // 3), -(-12 * n // 3))
+        -(-2 * n // 3),
+        -(-2 * n // 3),
+        -(-12 * n // 3),
+    )
     assert mp["gather_bytes"] == 2 * LAYER + 2 * LAYER
     # one replica: nothing to shard, the plan says so
     one = sl.plan(sch, shard="fsdp")

@@ -1,4 +1,5 @@
 """replace / replace_all / fuse / decompose / annotate on real HF models (tiny random configs)."""
+
 from __future__ import annotations
 
 import warnings
@@ -21,8 +22,15 @@ INTER = "encoder.layer.0.intermediate"
 
 def bert(seed: int = 0, **cfg) -> BertModel:
     torch.manual_seed(seed)
-    cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=100, max_position_embeddings=32, **cfg)
+    cfg = BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=32,
+        **cfg,
+    )
     return BertModel(cfg).eval()
 
 
@@ -37,8 +45,11 @@ def out(model, ids):
 
 def state(sch):
     """Everything a refused call must leave alone."""
-    return ([(p, s.mod) for p, s in sch.named_schedules()], len(sch.record),
-            [(n, id(p)) for n, p in sch.mod.named_parameters()])
+    return (
+        [(p, s.mod) for p, s in sch.named_schedules()],
+        len(sch.record),
+        [(n, id(p)) for n, p in sch.mod.named_parameters()],
+    )
 
 
 def one_sentence(err: Exception) -> str:
@@ -77,7 +88,7 @@ def test_replace_module_keeps_path_and_numerics(ids):
     sch = sl.create_schedule(model)
     dense = model.encoder.layer[0].intermediate.dense
     sch[f"{INTER}.dense"].annotate("weight", "my_tag", 7)
-    sch[INTER].mod.register_forward_hook(lambda m, a, o: o * 1.0)   # a plain hook moves along
+    sch[INTER].mod.register_forward_hook(lambda m, a, o: o * 1.0)  # a plain hook moves along
 
     new = MyIntermediate(dense)
     assert sch[INTER].replace(new) is new
@@ -101,34 +112,55 @@ def test_replace_checks_signature_against_the_old_forward_and_the_recorded_call(
     assert state(sch) == before
     assert sl.check_primitive(sch[INTER], "replace", TwoInputs()) == msg
 
-    sl.record_example_inputs(sch, {"input_ids": ids})     # BertLayer is called with keywords
-    with pytest.raises(sl.ScheduleError, match=r"MyIntermediate\.forward\(x\) cannot take the call "
-                                               r"encoder\.layer\.0 receives") as info:
+    sl.record_example_inputs(sch, {"input_ids": ids})  # BertLayer is called with keywords
+    with pytest.raises(
+        sl.ScheduleError,
+        match=r"MyIntermediate\.forward\(x\) cannot take the call "
+        r"encoder\.layer\.0 receives",
+    ) as info:
         sch["encoder.layer.0"].replace(MyIntermediate(nn.Linear(64, 64)))
     one_sentence(info.value)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda s: s[INTER].replace(MyGelu), r"takes a module instance, not the class MyGelu"),
-    (lambda s: s[INTER].replace(3), r"takes an nn\.Module or a function, not int"),
-    (lambda s: s[INTER].replace(F.gelu), r"A function can only replace a found node or subgraph"),
-    (lambda s: s[INTER].replace(s["pooler"].mod), r"already in the model at pooler"),
-    (lambda s: s[INTER].replace(s[INTER].mod), r"would be replaced by itself"),
-    (lambda s: s[INTER].replace(MyGelu(), name="other"), r"name= only names a module replacing a subgraph"),
-    (lambda s: s[INTER].replace(MyGelu(), concrete_args={"a": 1}), r"concrete_args only applies"),
-    (lambda s: s[INTER].replace(MyGelu(), target_ops=[1, 2]), r"target_ops must be what find\(\) returns"),
-    (lambda s: s["nope"].replace(MyGelu()), r"No module 'nope' in the schedule"),
-    (lambda s: s[INTER].replace_all(int, lambda n, m: m), r"takes an nn\.Module class"),
-    (lambda s: s[INTER].replace_all(nn.GELU, 3), r"make_mod_fn must be a callable"),
-    (lambda s: s[INTER].replace_all(nn.Conv2d, lambda n, m: m), r"No module of type Conv2d under"),
-    (lambda s: s.replace_all(nn.Dropout, lambda n, m: 3), r"make_mod_fn returned a int for"),
-    (lambda s: s.replace_all(nn.Dropout, lambda n, m: 1 / 0), r"make_mod_fn failed for .*ZeroDivisionError"),
-    (lambda s: s[f"{INTER}.intermediate_act_fn"].decompose(), r"applies to an nn\.Linear, but .* is a GELUActivation"),
-    (lambda s: s["pooler.dense"].annotate("nope", "k", 1), r"has no parameter named 'nope'; it has weight, bias"),
-    (lambda s: s["pooler.dense"].annotate("weight", "not valid", 1), r"must be a Python identifier"),
-    (lambda s: s["pooler.dense"].annotate("weight", "grad", 1), r"'grad' is a tensor attribute"),
-    (lambda s: s["pooler.dense"].annotate("weight", "shard_axis", 1), r"set by shard\(\) itself"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda s: s[INTER].replace(MyGelu), r"takes a module instance, not the class MyGelu"),
+        (lambda s: s[INTER].replace(3), r"takes an nn\.Module or a function, not int"),
+        (lambda s: s[INTER].replace(F.gelu), r"A function can only replace a found node or subgraph"),
+        (lambda s: s[INTER].replace(s["pooler"].mod), r"already in the model at pooler"),
+        (lambda s: s[INTER].replace(s[INTER].mod), r"would be replaced by itself"),
+        (
+            lambda s: s[INTER].replace(MyGelu(), name="other"),
+            r"name= only names a module replacing a subgraph",
+        ),
+        (lambda s: s[INTER].replace(MyGelu(), concrete_args={"a": 1}), r"concrete_args only applies"),
+        (
+            lambda s: s[INTER].replace(MyGelu(), target_ops=[1, 2]),
+            r"target_ops must be what find\(\) returns",
+        ),
+        (lambda s: s["nope"].replace(MyGelu()), r"No module 'nope' in the schedule"),
+        (lambda s: s[INTER].replace_all(int, lambda n, m: m), r"takes an nn\.Module class"),
+        (lambda s: s[INTER].replace_all(nn.GELU, 3), r"make_mod_fn must be a callable"),
+        (lambda s: s[INTER].replace_all(nn.Conv2d, lambda n, m: m), r"No module of type Conv2d under"),
+        (lambda s: s.replace_all(nn.Dropout, lambda n, m: 3), r"make_mod_fn returned a int for"),
+        (
+            lambda s: s.replace_all(nn.Dropout, lambda n, m: 1 / 0),
+            r"make_mod_fn failed for .*ZeroDivisionError",
+        ),
+        (
+            lambda s: s[f"{INTER}.intermediate_act_fn"].decompose(),
+            r"applies to an nn\.Linear, but .* is a GELUActivation",
+        ),
+        (
+            lambda s: s["pooler.dense"].annotate("nope", "k", 1),
+            r"has no parameter named 'nope'; it has weight, bias",
+        ),
+        (lambda s: s["pooler.dense"].annotate("weight", "not valid", 1), r"must be a Python identifier"),
+        (lambda s: s["pooler.dense"].annotate("weight", "grad", 1), r"'grad' is a tensor attribute"),
+        (lambda s: s["pooler.dense"].annotate("weight", "shard_axis", 1), r"set by shard\(\) itself"),
+    ],
+)
 def test_refusals_are_one_sentence_and_change_nothing(call, match):
     sch = sl.create_schedule(bert())
     before = state(sch)
@@ -144,8 +176,10 @@ def test_replace_all_gelu_activation_then_nn_gelu(ids):
     sch = sl.create_schedule(model)
 
     replaced = sch.replace_all(GELUActivation, lambda name, mod: nn.GELU())
-    assert replaced == ["encoder.layer.0.intermediate.intermediate_act_fn",
-                        "encoder.layer.1.intermediate.intermediate_act_fn"]
+    assert replaced == [
+        "encoder.layer.0.intermediate.intermediate_act_fn",
+        "encoder.layer.1.intermediate.intermediate_act_fn",
+    ]
     assert all(isinstance(sch[p].mod, nn.GELU) for p in replaced)
 
     seen = []
@@ -153,7 +187,7 @@ def test_replace_all_gelu_activation_then_nn_gelu(ids):
     assert seen == ["layer.0.intermediate.intermediate_act_fn", "layer.1.intermediate.intermediate_act_fn"]
     assert all(type(sch[p].mod) is MyGelu for p in replaced)
     torch.testing.assert_close(out(model, ids), ref)
-    assert [c.primitive for c in sch.record.calls] == ["replace_all", "replace_all"]   # one record each
+    assert [c.primitive for c in sch.record.calls] == ["replace_all", "replace_all"]  # one record each
 
 
 def test_replace_all_checks_every_target_before_swapping():
@@ -209,7 +243,7 @@ def test_fuse_found_subgraph(ids):
     sub = sch["encoder.layer.1.intermediate"].find(lambda x: F.gelu(sl.call_module("dense", x)))
     with pytest.warns(FutureWarning, match="TorchScript is deprecated"):
         fused = sch["encoder.layer.1.intermediate"].fuse(sub, compiler="TorchScript")
-    assert fused._compiled_call_impl is not None      # torch.compile'd lazily (not run here: slow on CPU)
+    assert fused._compiled_call_impl is not None  # torch.compile'd lazily (not run here: slow on CPU)
 
 
 def test_fuse_refusals():
@@ -242,7 +276,9 @@ def test_subgraph_with_two_results_is_refused():
     with pytest.raises(sl.ScheduleError, match=r"has 2 results used outside it \(relu, mul\)") as info:
         sch.fuse(sub)
     one_sentence(info.value)
-    with pytest.raises(sl.ScheduleError, match=r"TwoInputs\.forward\(x, y\) cannot take the subgraph's 1 input"):
+    with pytest.raises(
+        sl.ScheduleError, match=r"TwoInputs\.forward\(x, y\) cannot take the subgraph's 1 input"
+    ):
         sch.replace(TwoInputs(), target_ops=sch.find(lambda x: torch.relu(x)))
 
 
@@ -278,7 +314,7 @@ def test_replace_a_function_node(ids):
     x = torch.randn(2, 8, 64)
     sch = sl.create_schedule(model)
     inter = sch[INTER]
-    inter.trace(flatten=True)                                   # GELUActivation is inlined: F.gelu
+    inter.trace(flatten=True)  # GELUActivation is inlined: F.gelu
     (found,) = inter.find_node(lambda n: n.op == "call_function" and "gelu" in str(n.target))
 
     def double_gelu(t):
@@ -293,12 +329,16 @@ def test_replace_a_function_node(ids):
         return a + b
 
     (found,) = inter.find_node(lambda n: n.op == "call_function" and n.target is double_gelu)
-    with pytest.raises(sl.ScheduleError, match=r"two\(a, b\) cannot take the arguments of double_gelu") as info:
+    with pytest.raises(
+        sl.ScheduleError, match=r"two\(a, b\) cannot take the arguments of double_gelu"
+    ) as info:
         inter.replace(two, target_ops=found)
     one_sentence(info.value)
     sch2 = sl.create_schedule(bert())
     (dense_call,) = sch2[INTER].find_node("dense")
-    with pytest.raises(sl.ScheduleError, match=r"A function can replace a call_function node, but dense is a call_module"):
+    with pytest.raises(
+        sl.ScheduleError, match=r"A function can replace a call_function node, but dense is a call_module"
+    ):
         sch2[INTER].replace(double_gelu, target_ops=dense_call)
 
 
@@ -325,7 +365,7 @@ def test_decompose_then_shard_bias(ids):
     sch[path].shard("weight", axis=0)
     sch[path].shard("bias", axis=0)
     assert new.weight.shape == (64, 64) and new.bias.shape == (64,) and new.out_features == 64
-    torch.testing.assert_close(new(x), full[..., 64:])          # rank 1's column slice, bias added
+    torch.testing.assert_close(new(x), full[..., 64:])  # rank 1's column slice, bias added
     assert sl.module_state(new)["output_type"] == "partition"
 
     with pytest.raises(sl.ScheduleError, match=r"already decomposed") as info:
@@ -348,7 +388,9 @@ def test_decompose_trace_flatten_and_fuse_bias_gelu(ids):
     inter["dense"].decompose()
     gm = inter.trace(flatten=True)
     assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"][-2:] == [
-        "<built-in function add>", "<built-in function gelu>"]
+        "<built-in function add>",
+        "<built-in function gelu>",
+    ]
     sub = inter.find(lambda x, b: F.gelu(x + b))
     assert [[n.name for _, n in s] for s in sub] == [["add", "gelu"]]
     fused = inter.fuse(sub, compiler=None, name="BiasGeLU")
@@ -368,10 +410,10 @@ def test_annotate_survives_shard_and_replace():
     q.shard("weight", axis=0)
     assert q.mod.weight is not p and q.mod.weight.replicated_param is False
 
-    sch["encoder.layer.0"].annotate("attention.self.key.weight", "lr_scale", 0.5)   # dotted names
+    sch["encoder.layer.0"].annotate("attention.self.key.weight", "lr_scale", 0.5)  # dotted names
     key = sch["encoder.layer.0.attention.self.key"]
     fresh = nn.Linear(64, 64)
-    key.replace(fresh)                                   # a new parameter object under the same name
+    key.replace(fresh)  # a new parameter object under the same name
     assert fresh.weight.lr_scale == 0.5
 
 
@@ -390,10 +432,13 @@ def test_replace_checks_the_call_in_a_traced_parent_graph():
 
     sch = sl.create_schedule(Parent())
     sch.trace()
-    with pytest.raises(sl.ScheduleError, match=r"KeywordOnly\.forward\(\*, x\) cannot take the call child in the "
-                                               r"traced graph of the root makes \(1 positional") as info:
+    with pytest.raises(
+        sl.ScheduleError,
+        match=r"KeywordOnly\.forward\(\*, x\) cannot take the call child in the "
+        r"traced graph of the root makes \(1 positional",
+    ) as info:
         sch["child"].replace(KeywordOnly())
     one_sentence(info.value)
-    sch["child"].replace(MyGelu())                       # same call shape: fine
+    sch["child"].replace(MyGelu())  # same call shape: fine
     x = torch.randn(2, 4)
     torch.testing.assert_close(sch.mod(x), F.gelu(x))

@@ -4,6 +4,7 @@ Shapes and attributes after shard, strided shards of GPT-2's fused q/k/v, tied w
 divisibility errors, sync rejections, ``param_grads`` syncs, and the presets. The multi-rank numerics are
 in test_multirank_tp.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,20 @@ V = 128
 def gpt2(device="cpu", n_head=4, n_embd=32, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=n_embd, n_head=n_head, vocab_size=V, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False, **kw)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab_size=V,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        **kw,
+    )
     with torch.device(device):
         torch.manual_seed(0)
         return GPT2LMHeadModel(cfg)
@@ -35,9 +48,16 @@ def gpt2(device="cpu", n_head=4, n_embd=32, **kw):
 def bert(device="cpu", hidden=32, heads=4, mlm=False):
     from transformers import BertConfig, BertForMaskedLM, BertModel
 
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=hidden, num_attention_heads=heads, intermediate_size=64,
-                     vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=64,
+        vocab_size=V,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     with torch.device(device):
         torch.manual_seed(0)
         return (BertForMaskedLM if mlm else BertModel)(cfg)
@@ -46,9 +66,21 @@ def bert(device="cpu", hidden=32, heads=4, mlm=False):
 def llama(device="cpu", heads=4, kv=2, head_dim=8, hidden=32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=hidden, intermediate_size=64, num_attention_heads=heads,
-                      num_key_value_heads=kv, head_dim=head_dim, vocab_size=V, max_position_embeddings=32,
-                      tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=V,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     with torch.device(device):
         torch.manual_seed(0)
         return LlamaForCausalLM(cfg)
@@ -103,9 +135,11 @@ def test_gpt2_fused_qkv_is_sharded_strided(ws, device):
     assert attn.num_heads == 4 and attn.embed_dim == 32  # global numbers stay (forward reshapes with -1)
     if device == "cpu":
         c = 32 // ws
-        want = torch.cat([full_w[:, k * 32 + rank * c: k * 32 + (rank + 1) * c] for k in range(3)], dim=1)
+        want = torch.cat([full_w[:, k * 32 + rank * c : k * 32 + (rank + 1) * c] for k in range(3)], dim=1)
         assert torch.equal(w, want)
-        assert torch.equal(b, torch.cat([full_b[k * 32 + rank * c: k * 32 + (rank + 1) * c] for k in range(3)]))
+        assert torch.equal(
+            b, torch.cat([full_b[k * 32 + rank * c : k * 32 + (rank + 1) * c] for k in range(3)])
+        )
     # contiguous shards elsewhere
     sch["transformer.h.0.mlp.c_fc"].shard("weight", axis=1)
     assert m.transformer.h[0].mlp.c_fc.weight.shard_stride == 1
@@ -147,11 +181,18 @@ def test_gpt2_sequence_parallel_preset(ws):
     presets.megatron_tp(sch, sequence_parallel=True)
     code = sch.record.code()
     assert 'sch["transformer.drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", axis=1)' in code
-    assert ('sch["transformer.ln_f"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, '
-            'tensor_parallel_output_grad=False)') in code
-    assert 'sch["transformer.h.0.ln_1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)' in code
-    assert ('sch["transformer.h.0.attn.c_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
-            'param_grads=True)') in code
+    assert (
+        'sch["transformer.ln_f"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, '
+        "tensor_parallel_output_grad=False)"
+    ) in code
+    assert (
+        'sch["transformer.h.0.ln_1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)'
+        in code
+    )
+    assert (
+        'sch["transformer.h.0.attn.c_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", '
+        "param_grads=True)"
+    ) in code
     assert m.transformer.h[0].ln_1.weight.sequence_parallel is True
     out = m(input_ids=ids()).logits
     assert out.shape == (2, 8, V)
@@ -214,7 +255,9 @@ def test_llama_hf_plan():
     assert calls[0] == sl.Call("model.layers.0.self_attn.q_proj", "shard", ("weight",), {"axis": 0})
     assert m.model.embed_tokens.weight.shape == (V, 32)
     with pytest.raises(sl.ScheduleError, match="has no preset mapping"):
-        presets.apply_hf_tp_plan(sl.create_schedule(llama(), world_size=2), {"model.layers.*.mlp": "sequence_parallel"})
+        presets.apply_hf_tp_plan(
+            sl.create_schedule(llama(), world_size=2), {"model.layers.*.mlp": "sequence_parallel"}
+        )
     with pytest.raises(sl.ScheduleError, match="matches no module"):
         presets.apply_hf_tp_plan(sl.create_schedule(llama(), world_size=2), {"model.nothing.*": "colwise"})
     with pytest.raises(sl.ScheduleError, match="no base_model_tp_plan"):
@@ -229,38 +272,59 @@ def test_preset_record_replays_to_the_same_state():
     sl.replay(s2, [c.to_json() for c in s1.record.calls])
     assert s2.record.calls == s1.record.calls
     for (n1, p1), (n2, p2) in zip(m1.named_parameters(), m2.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2) and getattr(p1, "shard_stride", 1) == getattr(p2, "shard_stride", 1)
+        assert (
+            n1 == n2
+            and torch.equal(p1, p2)
+            and getattr(p1, "shard_stride", 1) == getattr(p2, "shard_stride", 1)
+        )
 
 
 # --- attention-head divisibility ---------------------------------------------------------------------------
 def test_llama_kv_heads_must_divide():
     sch = sl.create_schedule(llama(device="meta", heads=6, kv=3, head_dim=8, hidden=48), world_size=2)
     # 3 kv heads x 8 = 24 divides by 2, but the heads do not
-    msg = assert_unchanged(sch, lambda: sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0),
-                           "key/value heads")
-    assert msg == ("Cannot shard model.layers.0.self_attn.k_proj.weight on axis 0 across 2 ranks: "
-                   "the 3 key/value heads do not divide by 2.")
+    msg = assert_unchanged(
+        sch, lambda: sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0), "key/value heads"
+    )
+    assert msg == (
+        "Cannot shard model.layers.0.self_attn.k_proj.weight on axis 0 across 2 ranks: "
+        "the 3 key/value heads do not divide by 2."
+    )
     # q_proj too: a rank cannot hold whole query heads of groups whose key/value head it lacks
-    assert_unchanged(sch, lambda: sch["model.layers.0.self_attn.q_proj"].shard("weight", axis=0),
-                     "the 3 key/value heads do not divide by 2")
+    assert_unchanged(
+        sch,
+        lambda: sch["model.layers.0.self_attn.q_proj"].shard("weight", axis=0),
+        "the 3 key/value heads do not divide by 2",
+    )
 
 
 def test_llama_kv_heads_message_from_the_brief():
     sch = sl.create_schedule(llama(device="meta", heads=6, kv=2, head_dim=12, hidden=72), world_size=3)
-    msg = assert_unchanged(sch, lambda: sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0), "heads")
-    assert msg == ("Cannot shard model.layers.0.self_attn.k_proj.weight on axis 0 across 3 ranks: "
-                   "the 2 key/value heads do not divide by 3.")
-    assert sl.check_primitive(sch["model.layers.0.self_attn.v_proj"], "shard", "weight", axis=0) == msg.replace(
-        "k_proj", "v_proj")
+    msg = assert_unchanged(
+        sch, lambda: sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0), "heads"
+    )
+    assert msg == (
+        "Cannot shard model.layers.0.self_attn.k_proj.weight on axis 0 across 3 ranks: "
+        "the 2 key/value heads do not divide by 3."
+    )
+    assert sl.check_primitive(
+        sch["model.layers.0.self_attn.v_proj"], "shard", "weight", axis=0
+    ) == msg.replace("k_proj", "v_proj")
 
 
 def test_llama_attention_heads_and_o_proj():
     sch = sl.create_schedule(llama(device="meta", heads=4, kv=4, head_dim=12, hidden=48), world_size=3)
-    assert_unchanged(sch, lambda: sch["model.layers.1.self_attn.q_proj"].shard("weight", axis=0),
-                     r"^Cannot shard model.layers.1.self_attn.q_proj.weight on axis 0 across 3 ranks: "
-                     r"the 4 attention heads do not divide by 3.$")
-    assert_unchanged(sch, lambda: sch["model.layers.1.self_attn.o_proj"].shard("weight", axis=1),
-                     "the 4 attention heads do not divide by 3")
+    assert_unchanged(
+        sch,
+        lambda: sch["model.layers.1.self_attn.q_proj"].shard("weight", axis=0),
+        r"^Cannot shard model.layers.1.self_attn.q_proj.weight on axis 0 across 3 ranks: "
+        r"the 4 attention heads do not divide by 3.$",
+    )
+    assert_unchanged(
+        sch,
+        lambda: sch["model.layers.1.self_attn.o_proj"].shard("weight", axis=1),
+        "the 4 attention heads do not divide by 3",
+    )
     # the o_proj output axis and the MLP are not head-bound
     sch["model.layers.1.self_attn.o_proj"].shard("weight", axis=0)
     sch["model.layers.1.mlp.gate_proj"].shard("weight", axis=1)
@@ -269,20 +333,31 @@ def test_llama_attention_heads_and_o_proj():
 def test_bert_heads_must_divide():
     sch = sl.create_schedule(bert(device="meta", hidden=48, heads=4), world_size=3)  # 48 % 3 == 0, 4 % 3 != 0
     for n in ("query", "key", "value"):
-        assert_unchanged(sch, lambda n=n: sch[f"encoder.layer.0.attention.self.{n}"].shard("weight", axis=0),
-                         f"attention.self.{n}.weight on axis 0 across 3 ranks: the 4 attention heads do not divide by 3")
-    assert_unchanged(sch, lambda: sch["encoder.layer.0.attention.self.query"].shard("bias", axis=0),
-                     "the 4 attention heads")
+        assert_unchanged(
+            sch,
+            lambda n=n: sch[f"encoder.layer.0.attention.self.{n}"].shard("weight", axis=0),
+            f"attention.self.{n}.weight on axis 0 across 3 ranks: the 4 attention heads do not divide by 3",
+        )
+    assert_unchanged(
+        sch,
+        lambda: sch["encoder.layer.0.attention.self.query"].shard("bias", axis=0),
+        "the 4 attention heads",
+    )
     sch["encoder.layer.0.attention.output.dense"].shard("weight", axis=1)  # BertSelfOutput: no head info
 
 
 def test_gpt2_fused_qkv_errors():
     sch = sl.create_schedule(gpt2(device="meta", n_head=4, n_embd=48), world_size=3)
-    assert_unchanged(sch, lambda: sch["transformer.h.0.attn.c_attn"].shard("weight", axis=1),
-                     r"^Cannot shard transformer.h.0.attn.c_attn.weight on axis 1 across 3 ranks: "
-                     r"the 4 attention heads do not divide by 3.$")
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.h.0.attn.c_attn"].shard("weight", axis=1),
+        r"^Cannot shard transformer.h.0.attn.c_attn.weight on axis 1 across 3 ranks: "
+        r"the 4 attention heads do not divide by 3.$",
+    )
     assert_unchanged(sch, lambda: sch["transformer.h.0.attn.c_attn"].shard("bias", axis=0), "attention heads")
-    assert_unchanged(sch, lambda: sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0), "attention heads")
+    assert_unchanged(
+        sch, lambda: sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0), "attention heads"
+    )
     # a preset fails on its first call, before changing anything
     assert_unchanged(sch, lambda: presets.megatron_tp(sch), "attention heads")
 
@@ -292,16 +367,22 @@ def test_fused_qkv_block_size_error_without_head_info():
     sch = sl.create_schedule(gpt2(device="meta", n_embd=36, n_head=4), world_size=8)
     attn = sch["transformer.h.0.attn"].mod
     attn.num_heads, attn.config = None, None
-    assert_unchanged(sch, lambda: sch["transformer.h.0.attn.c_attn"].shard("weight", axis=1),
-                     r"^Cannot shard transformer.h.0.attn.c_attn.weight on axis 1: it stores 3 projections of size "
-                     r"36 back to back \(fused q, k, v\), and 36 is not divisible by the world size 8.$")
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.h.0.attn.c_attn"].shard("weight", axis=1),
+        r"^Cannot shard transformer.h.0.attn.c_attn.weight on axis 1: it stores 3 projections of size "
+        r"36 back to back \(fused q, k, v\), and 36 is not divisible by the world size 8.$",
+    )
 
 
 def test_size_divisibility_message_is_unchanged():
     sch = sl.create_schedule(gpt2(device="meta"), world_size=3)
-    assert_unchanged(sch, lambda: sch["transformer.h.0.mlp.c_fc"].shard("weight", axis=1),
-                     r"^Cannot shard transformer.h.0.mlp.c_fc.weight on axis 1: size 128 is not divisible by the "
-                     r"world size 3.$")
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.h.0.mlp.c_fc"].shard("weight", axis=1),
+        r"^Cannot shard transformer.h.0.mlp.c_fc.weight on axis 1: size 128 is not divisible by the "
+        r"world size 3.$",
+    )
 
 
 # --- tied weights ------------------------------------------------------------------------------------------
@@ -327,19 +408,32 @@ def test_sync_rejections():
     sch = sl.create_schedule(m, world_size=2)
     sch["transformer.wte"].shard("weight", axis=0)
     head = sch["lm_head"]
-    assert_unchanged(sch, lambda: head.sync(mode="fwd_post", sync_op_or_fn="all_reduce"), "partitioned output")
-    assert_unchanged(sch, lambda: head.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1),
-                     "partitioned output")
-    assert_unchanged(sch, lambda: sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_gather"),
-                     "partial sums")
+    assert_unchanged(
+        sch, lambda: head.sync(mode="fwd_post", sync_op_or_fn="all_reduce"), "partitioned output"
+    )
+    assert_unchanged(
+        sch, lambda: head.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1), "partitioned output"
+    )
+    assert_unchanged(
+        sch, lambda: sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_gather"), "partial sums"
+    )
     sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0)
-    assert_unchanged(sch, lambda: sch["transformer.h.0.attn.c_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce"),
-                     "row parallel")
-    assert_unchanged(sch, lambda: sch["transformer.h.0.ln_1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce"),
-                     "no sharded parameters")
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.h.0.attn.c_proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce"),
+        "row parallel",
+    )
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.h.0.ln_1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce"),
+        "no sharded parameters",
+    )
     head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
-    assert_unchanged(sch, lambda: head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1),
-                     "already has a fwd_post all_gather")
+    assert_unchanged(
+        sch,
+        lambda: head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1),
+        "already has a fwd_post all_gather",
+    )
     assert_unchanged(sch, lambda: head.sync(mode="fwd_pre", sync_op_or_fn="all_reduce"), "not all_reduce")
 
 
@@ -347,18 +441,33 @@ def test_param_grads_sync_rules():
     m = gpt2()
     sch = sl.create_schedule(m, world_size=2)
     ln = sch["transformer.h.0.ln_1"]
-    assert_unchanged(sch, lambda: ln.sync(mode="fwd_post", sync_op_or_fn="all_reduce", param_grads=True),
-                     "needs mode='bwd_post'")
-    assert_unchanged(sch, lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=False),
-                     "param_grads must be True")
-    assert_unchanged(sch, lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_gather", param_grads=True),
-                     "does not take param_grads")
-    assert_unchanged(sch, lambda: sch["transformer.drop"].sync(mode="bwd_post", sync_op_or_fn="all_reduce",
-                                                               param_grads=True), "no replicated trainable")
+    assert_unchanged(
+        sch,
+        lambda: ln.sync(mode="fwd_post", sync_op_or_fn="all_reduce", param_grads=True),
+        "needs mode='bwd_post'",
+    )
+    assert_unchanged(
+        sch,
+        lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=False),
+        "param_grads must be True",
+    )
+    assert_unchanged(
+        sch,
+        lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_gather", param_grads=True),
+        "does not take param_grads",
+    )
+    assert_unchanged(
+        sch,
+        lambda: sch["transformer.drop"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True),
+        "no replicated trainable",
+    )
     ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
     assert ("bwd_post", "all_reduce_param_grads") in sl.module_state(ln.mod)["syncs"]
-    assert_unchanged(sch, lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True),
-                     "already all-reduces its parameter gradients")
+    assert_unchanged(
+        sch,
+        lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True),
+        "already all-reduces its parameter gradients",
+    )
     assert_unchanged(sch, lambda: ln.shard("weight", axis=0), "must stay replicated")
     # a row-parallel layer's replicated bias (sequence parallelism)
     cp = sch["transformer.h.0.attn.c_proj"]
@@ -397,7 +506,9 @@ def test_megatron_tp_errors():
     sch = sl.create_schedule(llama(device="meta"), world_size=2)
     assert_unchanged(sch, lambda: presets.megatron_tp(sch, sequence_parallel=True), "GPT-2 only")
     assert_unchanged(sch, lambda: presets.megatron_tp(sch, family="no_such_family"), "Unknown model family")
-    assert_unchanged(sch, lambda: presets.megatron_tp(sch, use_hf_plan=True, sequence_parallel=True), "GPT-2 only")
+    assert_unchanged(
+        sch, lambda: presets.megatron_tp(sch, use_hf_plan=True, sequence_parallel=True), "GPT-2 only"
+    )
     tiny = sl.create_schedule(nn.Sequential(nn.Linear(4, 4)), world_size=2)
     assert_unchanged(tiny, lambda: presets.megatron_tp(tiny), "no repeated transformer blocks")
     assert_unchanged(tiny, lambda: presets.column_parallel(tiny, ""), "nn.Linear or HF Conv1D")
@@ -432,8 +543,11 @@ def test_generic_blocks_and_tp_block():
     sch = sl.create_schedule(m, world_size=2)
     assert presets.detect_family(sch) is None
     assert presets.find_blocks(sch) == [f"blocks.{i}" for i in range(4)]
-    assert presets.block_layers(sch, "blocks.0") == [("blocks.0.norm", "norm"), ("blocks.0.fc1", "column"),
-                                                     ("blocks.0.fc2", "row")]
+    assert presets.block_layers(sch, "blocks.0") == [
+        ("blocks.0.norm", "norm"),
+        ("blocks.0.fc1", "column"),
+        ("blocks.0.fc2", "row"),
+    ]
     calls = presets.megatron_tp(sch, vocab_parallel=False)
     assert len(calls) == 4 * 5
     assert m.blocks[3].fc1.out_features == 8 and m.blocks[3].fc2.in_features == 8

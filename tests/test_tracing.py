@@ -2,6 +2,7 @@
 
 Real HF models with tiny random configs (2 layers, hidden 64); nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,22 +25,36 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 def bert(seed: int = 0) -> BertModel:
     torch.manual_seed(seed)
-    cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=100, max_position_embeddings=32)
+    cfg = BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
     return BertModel(cfg).eval()
 
 
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32, bos_token_id=0,
-                     eos_token_id=0)
+    cfg = GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
 def llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -59,11 +74,15 @@ def paths(sch) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 # torch.fx
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("make,path,kw", [
-    (bert, "encoder.layer.0.intermediate", {}),
-    (gpt2, "transformer.h.0.mlp", {"use_cache": False}),
-    (llama, "model.layers.0.mlp", {"use_cache": False}),
-], ids=["BertIntermediate", "GPT2MLP", "LlamaMLP"])
+@pytest.mark.parametrize(
+    "make,path,kw",
+    [
+        (bert, "encoder.layer.0.intermediate", {}),
+        (gpt2, "transformer.h.0.mlp", {"use_cache": False}),
+        (llama, "model.layers.0.mlp", {"use_cache": False}),
+    ],
+    ids=["BertIntermediate", "GPT2MLP", "LlamaMLP"],
+)
 def test_fx_traces_mlp_submodules_in_place(make, path, kw, ids):
     model = make()
     ref = model(input_ids=ids, **kw)[0]
@@ -76,13 +95,13 @@ def test_fx_traces_mlp_submodules_in_place(make, path, kw, ids):
 
     assert isinstance(gm, fx.GraphModule)
     assert type(gm).__name__ == type(old).__name__ and sl.tracing.orig_class(gm) is type(old)
-    assert model.get_submodule(path) is gm and sch[path].mod is gm        # registered on the parent
-    assert list(sch[path].child) == [n for n, _ in gm.named_children()]   # children re-mirrored
+    assert model.get_submodule(path) is gm and sch[path].mod is gm  # registered on the parent
+    assert list(sch[path].child) == [n for n, _ in gm.named_children()]  # children re-mirrored
     assert set(old_children) >= set(sch[path].child)
-    assert params_by_id(model) == before                                  # same parameter objects
+    assert params_by_id(model) == before  # same parameter objects
     assert any(n.op == "call_module" for n in gm.graph.nodes)
     torch.testing.assert_close(model(input_ids=ids, **kw)[0], ref)
-    assert sch[path].trace() is gm                                        # already traced: unchanged
+    assert sch[path].trace() is gm  # already traced: unchanged
 
 
 class _Block(nn.Module):
@@ -113,7 +132,7 @@ def test_fx_recursive_flatten_and_leaf_modules():
     ref = net(x)
 
     sch = sl.create_schedule(net)
-    gm = sch.trace()                                   # hierarchical: every block gets its own graph
+    gm = sch.trace()  # hierarchical: every block gets its own graph
     assert paths(sch) == paths(sl.create_schedule(_Net()))
     assert isinstance(sch["blocks.0"].mod, fx.GraphModule) and type(sch["blocks.0"].mod).__name__ == "_Block"
     assert isinstance(sch["blocks.0.fc"].mod, nn.Linear)
@@ -137,7 +156,12 @@ def test_fx_recursive_flatten_and_leaf_modules():
     sch = sl.create_schedule(flat)
     gm = sch.trace(flatten=True)
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == [
-        "blocks.0.fc", "blocks.0.act", "blocks.1.fc", "blocks.1.act", "head"]
+        "blocks.0.fc",
+        "blocks.0.act",
+        "blocks.1.fc",
+        "blocks.1.act",
+        "head",
+    ]
     torch.testing.assert_close(gm(x), flat_ref)
 
 
@@ -151,18 +175,18 @@ def test_export_fallback_bert_layer_keeps_hierarchy_leaves_and_state(ids):
     before_paths = paths(sch)
     before = params_by_id(model)
     query = model.encoder.layer[0].attention.self.query
-    sch["encoder.layer.0.attention.self.query"].checkpoint()        # schedule state on a leaf
+    sch["encoder.layer.0.attention.self.query"].checkpoint()  # schedule state on a leaf
     sl.record_example_inputs(sch, {"input_ids": ids})
 
-    um = sch["encoder.layer.0"].trace()                               # fx fails on BertLayer -> export
+    um = sch["encoder.layer.0"].trace()  # fx fails on BertLayer -> export
 
     assert type(um).__name__ == "BertLayer" and is_traced(um)
     assert model.encoder.layer[0] is um
-    assert paths(sch) == before_paths                                  # hierarchy preserved (unflatten)
-    assert sch["encoder.layer.0.attention.self.query"].mod is query   # leaves are the original objects
+    assert paths(sch) == before_paths  # hierarchy preserved (unflatten)
+    assert sch["encoder.layer.0.attention.self.query"].mod is query  # leaves are the original objects
     assert peek_meta(sch["encoder.layer.0.attention.self.query"].mod)["checkpoint"]
     assert type(sch["encoder.layer.0.attention.self"].mod).__name__ == "BertSelfAttention"
-    assert params_by_id(model) == before                               # unflatten's clones were replaced
+    assert params_by_id(model) == before  # unflatten's clones were replaced
     torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref)
     # the pytree plumbing around preserved leaf calls is gone: dense feeds the activation directly
     g = sch["encoder.layer.0.intermediate"].mod.graph
@@ -181,7 +205,7 @@ def test_export_full_bert_model_find_node_and_deepcopy(ids):
     assert sch.mod is um and type(um).__name__ == "BertModel"
     assert paths(sch) == before_paths
     torch.testing.assert_close(um(input_ids=ids).last_hidden_state, ref)
-    torch.testing.assert_close(copy.deepcopy(um)(input_ids=ids).last_hidden_state, ref)   # Verify copies
+    torch.testing.assert_close(copy.deepcopy(um)(input_ids=ids).last_hidden_state, ref)  # Verify copies
 
     layers = sch.find_node(r"layer\.\d+$")
     assert [(p, n.target) for p, n in layers] == [("encoder", "layer.0"), ("encoder", "layer.1")]
@@ -189,9 +213,9 @@ def test_export_full_bert_model_find_node_and_deepcopy(ids):
     assert [p for p, _ in queries] == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
     assert all(n.op == "call_module" for _, n in queries)
     sdpa = sch["encoder.layer.1"].find_node(lambda n: "scaled_dot_product_attention" in str(n.target))
-    assert [p for p, _ in sdpa] == ["attention.self"]                # parent paths relative to the node
+    assert [p for p, _ in sdpa] == ["attention.self"]  # parent paths relative to the node
     with pytest.raises(RuntimeError, match=r"Expected input at .*input_ids.*shape\[0\] to be equal to 2"):
-        um(input_ids=torch.randint(0, 100, (3, 5)))                  # static export: loud on other shapes
+        um(input_ids=torch.randint(0, 100, (3, 5)))  # static export: loud on other shapes
     with pytest.raises(RuntimeError, match=r"shape\[0\] to be equal to 2"):
         copy.deepcopy(um)(input_ids=torch.randint(0, 100, (3, 5)))
 
@@ -203,7 +227,7 @@ def test_export_full_gpt2_keeps_tied_weights(ids):
     sl.record_example_inputs(sch, {"input_ids": ids, "use_cache": False})
     um = sch.trace(tracer="export")
     assert um.lm_head.weight is um.transformer.wte.weight is model.transformer.wte.weight
-    assert type(sch["transformer.h.1.attn.c_attn"].mod).__name__ == "Conv1D"   # shardable leaf kept
+    assert type(sch["transformer.h.1.attn.c_attn"].mod).__name__ == "Conv1D"  # shardable leaf kept
     torch.testing.assert_close(um(input_ids=ids, use_cache=False).logits, ref)
 
 
@@ -220,8 +244,8 @@ def test_trace_until_llama_layers_stay_leaves(ids):
     calls = [(p, n.target) for p, n in sch.find_node(r"layers\.\d")]
     assert calls == [("model", "layers.0"), ("model", "layers.1")]
     torch.testing.assert_close(root(input_ids=ids, use_cache=False).logits, ref)
-    assert sch.trace_until("model.layers") is root                   # idempotent
-    sch["model.layers.0"].cut_pipeline_stage()                       # still usable after tracing
+    assert sch.trace_until("model.layers") is root  # idempotent
+    sch["model.layers.0"].cut_pipeline_stage()  # still usable after tracing
     assert sch.metadata.primitives["cut_pipeline_stage"] == ["model.layers.0"]
 
 
@@ -229,7 +253,7 @@ def test_record_example_inputs_on_meta_and_export_a_submodule(ids):
     with torch.device("meta"):
         model = bert()
     sch = sl.create_schedule(model)
-    rec = sl.record_example_inputs(sch, {"input_ids": ids})            # real ids are moved to meta
+    rec = sl.record_example_inputs(sch, {"input_ids": ids})  # real ids are moved to meta
     args, _ = rec["encoder.layer.1"]
     assert args[0].device.type == "meta" and args[0].shape == (2, 8, 64)
     assert "encoder.layer.1.attention.self.query" in rec
@@ -244,7 +268,7 @@ def test_record_example_inputs_on_meta_and_export_a_submodule(ids):
 class LinearGelu(sl.Pattern):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(1, 1)          # matched by class: any Linear call (or functional linear)
+        self.fc = nn.Linear(1, 1)  # matched by class: any Linear call (or functional linear)
 
     def forward(self, x):
         return F.gelu(self.fc(x))
@@ -264,18 +288,23 @@ def test_find_subgraph_lambda_pattern_and_module_pattern(ids):
     sch = sl.create_schedule(model)
     inter = sch["encoder.layer.0.intermediate"]
 
-    found = inter.find(lambda x: F.gelu(sl.call_module("dense", x)))      # traces by need (fx)
+    found = inter.find(lambda x: F.gelu(sl.call_module("dense", x)))  # traces by need (fx)
     assert is_traced(inter.mod)
-    assert [[(p, n.target) for p, n in sub] for sub in found] == [[("", "dense"), ("", "intermediate_act_fn")]]
-    assert [[n.target for _, n in s] for s in inter.find_subgraph(LinearGelu())] == [["dense", "intermediate_act_fn"]]
+    assert [[(p, n.target) for p, n in sub] for sub in found] == [
+        [("", "dense"), ("", "intermediate_act_fn")]
+    ]
+    assert [[n.target for _, n in s] for s in inter.find_subgraph(LinearGelu())] == [
+        ["dense", "intermediate_act_fn"]
+    ]
     assert len(inter.find(DenseGelu())) == 1
-    assert inter.find(lambda x, w: F.gelu(F.linear(x, w))) == found        # functional linear = nn.Linear
+    assert inter.find(lambda x, w: F.gelu(F.linear(x, w))) == found  # functional linear = nn.Linear
     assert inter.find(lambda x: torch.tanh(sl.call_module("dense", x))) == []
 
-    sl.record_example_inputs(sch, {"input_ids": ids})                      # export graphs match too
+    sl.record_example_inputs(sch, {"input_ids": ids})  # export graphs match too
     found = sch["encoder.layer.1"].find(LinearGelu())
     assert [[(p, n.target) for p, n in sub] for sub in found] == [
-        [("intermediate", "dense"), ("intermediate", "intermediate_act_fn")]]
+        [("intermediate", "dense"), ("intermediate", "intermediate_act_fn")]
+    ]
 
 
 def test_find_subgraph_matches_aten_ops_and_constants():
@@ -294,7 +323,9 @@ def test_find_subgraph_matches_aten_ops_and_constants():
 
 def test_find_traces_by_need_or_says_why():
     sch = sl.create_schedule(bert())
-    with pytest.raises(sl.ScheduleError, match=r"cannot be traced: fx says .*; torch\.export says .*example inputs"):
+    with pytest.raises(
+        sl.ScheduleError, match=r"cannot be traced: fx says .*; torch\.export says .*example inputs"
+    ):
         sch.find(r"query")
     assert not is_traced(sch.mod)
 
@@ -308,30 +339,45 @@ def _one_sentence(err: Exception) -> str:
     return text
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda s: s["encoder.layer.0"].trace(tracer="fx"), r"encoder\.layer\.0 \(BertLayer\) cannot be traced by torch\.fx: "),
-    (lambda s: s["encoder.layer.0"].trace(tracer="export"), r"cannot be traced by torch\.export: it needs example inputs"),
-    (lambda s: s.trace(tracer="magic"), r"Unknown tracer 'magic'"),
-    (lambda s: s.trace(tracer="huggingface"), r"transformers\.utils\.fx"),
-    (lambda s: s.trace(flatten=True, recursive=False), r"needs recursive=True"),
-    (lambda s: s.trace(flatten=True, tracer="export"), r"only supported by the fx tracer"),
-    (lambda s: s.trace(leaf_modules=["nope"]), r"leaf_modules entry 'nope' names no submodule"),
-    (lambda s: s.trace(leaf_modules=[3]), r"leaf_modules entries must be"),
-    (lambda s: s["pooler"].trace(concrete_args={"nope": 1}), r"concrete_args names nope"),
-    (lambda s: s.trace(example_inputs=3), r"example_inputs must be a tensor"),
-    (lambda s: s["encoder"].trace_until("layer"), r"call it on the root schedule"),
-    (lambda s: s.trace_until("encoder.nope"), r"No module 'encoder\.nope'"),
-    (lambda s: s.trace_until(""), r"names the root itself"),
-    (lambda s: s.trace_until("encoder", recursive=False), r"does not take recursive"),
-    (lambda s: s.find(3), r"find\(\) takes a regular expression"),
-    (lambda s: s["pooler"].find_node("("), r"'\(' is not a valid regular expression"),
-    (lambda s: s["pooler"].find_subgraph(nn.Linear(2, 2)), r"must be a function .* or a Pattern"),
-    (lambda s: s["pooler"].find_subgraph(lambda x: x), r"no operation to look for"),
-    (lambda s: s["pooler"].find_subgraph(lambda x: x if x.sum() > 0 else -x), r"could not be traced by torch\.fx"),
-    (lambda s: sl.record_example_inputs(s, {"input_ids": torch.zeros(2, 8)}), r"Running the root module .* failed"),
-    (lambda s: sl.ModulePattern("["), r"not a valid regular expression"),
-    (lambda s: sl.call_module("x", torch.zeros(1)), r"only describes a node inside a pattern"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda s: s["encoder.layer.0"].trace(tracer="fx"),
+            r"encoder\.layer\.0 \(BertLayer\) cannot be traced by torch\.fx: ",
+        ),
+        (
+            lambda s: s["encoder.layer.0"].trace(tracer="export"),
+            r"cannot be traced by torch\.export: it needs example inputs",
+        ),
+        (lambda s: s.trace(tracer="magic"), r"Unknown tracer 'magic'"),
+        (lambda s: s.trace(tracer="huggingface"), r"transformers\.utils\.fx"),
+        (lambda s: s.trace(flatten=True, recursive=False), r"needs recursive=True"),
+        (lambda s: s.trace(flatten=True, tracer="export"), r"only supported by the fx tracer"),
+        (lambda s: s.trace(leaf_modules=["nope"]), r"leaf_modules entry 'nope' names no submodule"),
+        (lambda s: s.trace(leaf_modules=[3]), r"leaf_modules entries must be"),
+        (lambda s: s["pooler"].trace(concrete_args={"nope": 1}), r"concrete_args names nope"),
+        (lambda s: s.trace(example_inputs=3), r"example_inputs must be a tensor"),
+        (lambda s: s["encoder"].trace_until("layer"), r"call it on the root schedule"),
+        (lambda s: s.trace_until("encoder.nope"), r"No module 'encoder\.nope'"),
+        (lambda s: s.trace_until(""), r"names the root itself"),
+        (lambda s: s.trace_until("encoder", recursive=False), r"does not take recursive"),
+        (lambda s: s.find(3), r"find\(\) takes a regular expression"),
+        (lambda s: s["pooler"].find_node("("), r"'\(' is not a valid regular expression"),
+        (lambda s: s["pooler"].find_subgraph(nn.Linear(2, 2)), r"must be a function .* or a Pattern"),
+        (lambda s: s["pooler"].find_subgraph(lambda x: x), r"no operation to look for"),
+        (
+            lambda s: s["pooler"].find_subgraph(lambda x: x if x.sum() > 0 else -x),
+            r"could not be traced by torch\.fx",
+        ),
+        (
+            lambda s: sl.record_example_inputs(s, {"input_ids": torch.zeros(2, 8)}),
+            r"Running the root module .* failed",
+        ),
+        (lambda s: sl.ModulePattern("["), r"not a valid regular expression"),
+        (lambda s: sl.call_module("x", torch.zeros(1)), r"only describes a node inside a pattern"),
+    ],
+)
 def test_errors_are_one_sentence_and_change_nothing(call, match):
     model = bert()
     sch = sl.create_schedule(model)
@@ -345,10 +391,12 @@ def test_errors_are_one_sentence_and_change_nothing(call, match):
 
 def test_find_node_predicate_error_after_tracing_by_need():
     sch = sl.create_schedule(bert())
-    with pytest.raises(sl.ScheduleError, match=r"The node predicate raised ZeroDivisionError on node") as info:
+    with pytest.raises(
+        sl.ScheduleError, match=r"The node predicate raised ZeroDivisionError on node"
+    ) as info:
         sch["pooler"].find_node(lambda n: 1 / 0)
     _one_sentence(info.value)
-    assert is_traced(sch["pooler"].mod)                  # the trace by need stays: it was valid
+    assert is_traced(sch["pooler"].mod)  # the trace by need stays: it was valid
 
 
 def test_trace_refuses_a_module_with_hook_primitives():
@@ -357,5 +405,5 @@ def test_trace_refuses_a_module_with_hook_primitives():
     with pytest.raises(sl.ScheduleError, match=r"already carries checkpoint.*trace its parent") as info:
         sch["encoder.layer.0.intermediate"].trace()
     _one_sentence(info.value)
-    gm = sch["encoder.layer.0.output"].trace()        # siblings still trace
+    gm = sch["encoder.layer.0.output"].trace()  # siblings still trace
     assert is_traced(gm)

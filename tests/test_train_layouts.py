@@ -7,6 +7,7 @@ exported from the editor's engine: no schedule, the Megatron TP preset (TP 2), t
 cut (TP 2 x PP 2), and the cut alone (PP 2). Each run: 6 AdamW steps of a global batch of 8 sequences of
 32 tokens, warm-up then cosine, clipping at 1.0, Verify on; metrics.csv holds every step's loss and grad norm.
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,9 +25,32 @@ pytestmark = pytest.mark.multirank
 
 STEPS = 6
 RTOL = 1e-5
-COMMON = ["--device", "cpu", "--data", "DATA", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size",
-          "2", "--steps", str(STEPS), "--lr", "1e-3", "--warmup-steps", "2", "--lr-schedule", "cosine",
-          "--max-grad-norm", "1.0", "--eval-data", "EVAL", "--eval-samples", "96"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--data",
+    "DATA",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--steps",
+    str(STEPS),
+    "--lr",
+    "1e-3",
+    "--warmup-steps",
+    "2",
+    "--lr-schedule",
+    "cosine",
+    "--max-grad-norm",
+    "1.0",
+    "--eval-data",
+    "EVAL",
+    "--eval-samples",
+    "96",
+]
 
 # layout name -> (script, processes, extra options)
 LAYOUTS = {
@@ -61,18 +85,37 @@ def ft(tmp_path_factory):
         model = LlamaForCausalLM(config)
     ids = torch.zeros(8, 32, dtype=torch.long)
     scripts = {}
-    for name, tp, megatron, cut in (("plain", 1, False, False), ("tp", 2, True, False), ("tppp", 2, True, True),
-                                    ("pp", 1, False, True), ("ds_tp", 2, True, False), ("ds_pp", 1, False, True)):
+    for name, tp, megatron, cut in (
+        ("plain", 1, False, False),
+        ("tp", 2, True, False),
+        ("tppp", 2, True, True),
+        ("pp", 1, False, True),
+        ("ds_tp", 2, True, False),
+        ("ds_pp", 1, False, True),
+    ):
         sch = sl.create_schedule(LlamaForCausalLM(config).to("meta"), world_size=tp)
         if megatron:
             sl.presets.megatron_tp(sch)
         if cut:
             sch["model.layers.0"].cut_pipeline_stage()
         launcher = "deepspeed" if name.startswith("ds_") else "torchrun"
-        scripts[name] = sl.export_script(d / f"train_{name}.py", model, sch.record.calls, {"input_ids": ids},
-                                         world_size=tp, launcher=launcher, defaults={"model_path": str(model_dir)})
-    return {"dir": d, "data": str(corpus), "eval": str(eval_corpus), "model": model_dir, "scripts": scripts,
-            "runs": {}}
+        scripts[name] = sl.export_script(
+            d / f"train_{name}.py",
+            model,
+            sch.record.calls,
+            {"input_ids": ids},
+            world_size=tp,
+            launcher=launcher,
+            defaults={"model_path": str(model_dir)},
+        )
+    return {
+        "dir": d,
+        "data": str(corpus),
+        "eval": str(eval_corpus),
+        "model": model_dir,
+        "scripts": scripts,
+        "runs": {},
+    }
 
 
 def _args(ft, extra, log_dir):
@@ -94,8 +137,15 @@ def run_layout(ft, name: str, script: str, nproc: int, extra: list[str]) -> tupl
     log_dir = ft["dir"] / f"log_{name}"
     args = _args(ft, extra, log_dir)
     if nproc == 1:  # one process, no launcher
-        proc = subprocess.run([sys.executable, str(ft["scripts"][script]), *args], cwd=REPO_ROOT, env=child_env(),
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(ft["scripts"][script]), *args],
+            cwd=REPO_ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
         rc, out = proc.returncode, proc.stdout + proc.stderr
     else:
         rc, out = launch_torchrun(ft["scripts"][script], nproc, args, timeout=600)
@@ -107,7 +157,7 @@ def run_layout(ft, name: str, script: str, nproc: int, extra: list[str]) -> tupl
 @pytest.fixture(scope="module")
 def baseline(ft):
     """One process, no schedule: the unscheduled model's curve."""
-    out, rows = run_layout(ft, "1p", "plain", 1, ["--save-hf", str(ft["dir"] / "hf_1p")])
+    _, rows = run_layout(ft, "1p", "plain", 1, ["--save-hf", str(ft["dir"] / "hf_1p")])
     assert [rows[s]["step"] for s in range(1, STEPS + 1)] == [str(s) for s in range(1, STEPS + 1)]
     return rows
 
@@ -119,7 +169,7 @@ def _close(a: str, b: str) -> bool:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_same_curve_in_every_layout(ft, baseline, layout):
     script, nproc, extra = LAYOUTS[layout]
-    out, rows = run_layout(ft, layout, script, nproc, extra)
+    _, rows = run_layout(ft, layout, script, nproc, extra)
     ft["runs"][layout] = rows
     for s in range(1, STEPS + 1):
         for col in ("loss", "grad_norm", "lr"):
@@ -136,22 +186,38 @@ def test_bf16_keeps_fp32_master_weights(ft, baseline, layout):
 
     script, nproc, extra = LAYOUTS[layout]
     out_dir = ft["dir"] / f"hf_bf16_{layout}"
-    out, rows = run_layout(ft, f"bf16_{layout}", script, nproc, [*extra, "--bf16", "--save-hf", str(out_dir)])
+    _, rows = run_layout(ft, f"bf16_{layout}", script, nproc, [*extra, "--bf16", "--save-hf", str(out_dir)])
     for s in range(1, STEPS + 1):
         assert abs(float(rows[s]["loss"]) - float(baseline[s]["loss"])) < 2e-2 * float(baseline[s]["loss"])
     assert any(rows[s]["loss"] != baseline[s]["loss"] for s in range(1, STEPS + 1))  # it really ran in bf16
     for f in out_dir.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h:
-            assert {h.get_slice(k).get_dtype() for k in h.keys()} == {"F32"}
+            assert {h.get_slice(k).get_dtype() for k in h.keys()} == {"F32"}  # noqa: SIM118 - not a dict
 
 
 def _kill_after_checkpoint(script, nproc, args, step: int) -> str:
     """Launch, read the output line by line, SIGKILL the whole process group right after it reports the
     checkpoint of ``step``; returns the output so far."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, bufsize=1)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        bufsize=1,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -179,22 +245,38 @@ def test_resume_after_a_kill_and_at_other_layouts(ft, baseline):
         here = ft["dir"] / f"ckpt_{layout}"
         shutil.copytree(ckpt, here)
         log_dir = ft["dir"] / f"log_resumed_{layout}"
-        rc, out = launch_torchrun(ft["scripts"][script], nproc,
-                                  _args(ft, ["--checkpoint-dir", str(here), "--checkpoint-every", "2"], log_dir),
-                                  timeout=600)
+        rc, out = launch_torchrun(
+            ft["scripts"][script],
+            nproc,
+            _args(ft, ["--checkpoint-dir", str(here), "--checkpoint-every", "2"], log_dir),
+            timeout=600,
+        )
         assert rc == 0, out[-4000:]
         assert f"resumed from {here / 'step-00000004'} at step 4" in out, out[-4000:]
         rows = _rows(log_dir)
         assert sorted(s for s in rows if s > 0) == [5, 6]  # steps 1-4 are not trained again
         for s in (5, 6):
             for col in ("loss", "grad_norm", "lr"):
-                assert _close(rows[s][col], baseline[s][col]), (layout, s, col, rows[s][col], baseline[s][col])
+                assert _close(rows[s][col], baseline[s][col]), (
+                    layout,
+                    s,
+                    col,
+                    rows[s][col],
+                    baseline[s][col],
+                )
     # the last checkpoint, saved at DP4, as a Hugging Face directory: the one-process run's trained model
     from safetensors.torch import load_file
 
     out_dir = ft["dir"] / "converted"
-    conv = subprocess.run([sys.executable, "-m", "slapo_lab.cli", "convert", str(here), "--to-hf", str(out_dir)],
-                          cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    conv = subprocess.run(
+        [sys.executable, "-m", "slapo_lab.cli", "convert", str(here), "--to-hf", str(out_dir)],
+        cwd=REPO_ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert conv.returncode == 0, conv.stdout + conv.stderr
     got = load_file(out_dir / "model.safetensors")
     want = load_file(next((ft["dir"] / "hf_1p").glob("*.safetensors")))
@@ -205,14 +287,21 @@ def test_resume_after_a_kill_and_at_other_layouts(ft, baseline):
 
 def test_deepspeed_resumes_from_its_own_checkpoint(ft, baseline):
     ckpt = ft["dir"] / "ds_ckpt"
-    args = _args(ft, ["--zero", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
-                 ft["dir"] / "log_ds_killed")
+    args = _args(
+        ft,
+        ["--zero", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
+        ft["dir"] / "log_ds_killed",
+    )
     out = _kill_after_checkpoint(ft["scripts"]["ds_tp"], 4, args, 4)
     assert "checkpoint step 4 saved" in out, out[-4000:]
     assert (ckpt / "latest").read_text().strip() == "step-00000004", "the run finished before the kill"
     log_dir = ft["dir"] / "log_ds_resumed"
-    rc, out = launch_torchrun(ft["scripts"]["ds_tp"], 4, _args(ft, ["--zero", "1", "--checkpoint-dir", str(ckpt)],
-                                                                log_dir), timeout=600)
+    rc, out = launch_torchrun(
+        ft["scripts"]["ds_tp"],
+        4,
+        _args(ft, ["--zero", "1", "--checkpoint-dir", str(ckpt)], log_dir),
+        timeout=600,
+    )
     assert rc == 0, out[-4000:]
     assert "resumed from" in out and "at step 4" in out, out[-4000:]
     rows = _rows(log_dir)
@@ -225,8 +314,9 @@ def test_pretrained_weights_round_trip_bitwise(ft):
     from safetensors.torch import load_file
 
     out_dir = ft["dir"] / "roundtrip"
-    rc, out = launch_torchrun(ft["scripts"]["tp"], 2, ["--device", "cpu", "--steps", "0", "--save-hf", str(out_dir)],
-                              timeout=600)
+    rc, out = launch_torchrun(
+        ft["scripts"]["tp"], 2, ["--device", "cpu", "--steps", "0", "--save-hf", str(out_dir)], timeout=600
+    )
     assert rc == 0, out[-4000:]
 
     def tensors(folder):
@@ -257,7 +347,10 @@ def test_model_out_loads_with_from_pretrained_and_gives_the_reported_loss(ft, ba
             n = mb["input_ids"].shape[0]
             total += float(model(**mb).loss) * n
             rows += n
-    assert _close(str(total / rows), baseline[-STEPS]["eval_loss"]), (total / rows, baseline[-STEPS]["eval_loss"])
+    assert _close(str(total / rows), baseline[-STEPS]["eval_loss"]), (
+        total / rows,
+        baseline[-STEPS]["eval_loss"],
+    )
     # and the weights really moved away from the pretrained ones
     first = AutoModelForCausalLM.from_pretrained(ft["model"])
     assert not torch.equal(first.lm_head.weight, model.lm_head.weight)

@@ -1,4 +1,5 @@
 """Symbol / Space / Database: Slapo's tuning-space semantics."""
+
 import json
 import logging
 
@@ -61,9 +62,12 @@ def test_space_recreate_next_reset_to_dict():
 def test_log_space_enumerates_dependent_candidates(caplog):
     space = _update_space({}, Space())
     assert space.enumerate({}, _update_space) == [
-        {"batch_size": 8, "ckpt_ratio": 0.0}, {"batch_size": 8, "ckpt_ratio": 0.5},
-        {"batch_size": 8, "ckpt_ratio": 1.0}, {"batch_size": 16, "ckpt_ratio": 0.5},
-        {"batch_size": 16, "ckpt_ratio": 1.0}]
+        {"batch_size": 8, "ckpt_ratio": 0.0},
+        {"batch_size": 8, "ckpt_ratio": 0.5},
+        {"batch_size": 8, "ckpt_ratio": 1.0},
+        {"batch_size": 16, "ckpt_ratio": 0.5},
+        {"batch_size": 16, "ckpt_ratio": 1.0},
+    ]
     with caplog.at_level(logging.INFO, logger="slapo_lab.tune"):
         assert space.log_space({}, _update_space) == 5
     assert "(batch_size: 16, ckpt_ratio: 1.0)" in caplog.text and "Space size: 5" in caplog.text

@@ -1,4 +1,5 @@
 """The editor's "Verify on GPU": a real torchrun subprocess, plus crash / hang / cancel handling."""
+
 import sys
 import time
 
@@ -14,8 +15,16 @@ from slapo_lab.editor.verify_runner import VerifyRunner, plan_device
 def test_verify_button_runs_torchrun_and_passes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
-    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                 intermediate_size=128, vocab_size=200, max_position_embeddings=64))
+    model = BertModel(
+        BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
+    )
     ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 200, (2, 16))}, world_size=2)
     sl.presets.megatron_tp(ed.schedule)
     ed.apply("checkpoint", path="encoder.layer.0")
@@ -168,7 +177,12 @@ def test_leftover_child_after_a_normal_exit_is_ended(tmp_path):
     """A rank exits but leaves a child (own session, holding the output pipe): the run still ends."""
     lines = []
     r = VerifyRunner(on_line=lines.append, grace=1.0)
-    r.start(_script(tmp_path, _TREE + "time.sleep(1)\nprint('Verify: PASSED', flush=True)\n"), 1, "cpu", timeout=300)
+    r.start(
+        _script(tmp_path, _TREE + "time.sleep(1)\nprint('Verify: PASSED', flush=True)\n"),
+        1,
+        "cpu",
+        timeout=300,
+    )
     pids = _wait_for_pids(lines)
     try:
         res = r.wait(90)
@@ -184,8 +198,10 @@ def test_a_50_mb_line_is_cut_and_memory_stays_bounded(tmp_path):
 
     from slapo_lab.editor.verify_runner import MAX_LINE_CHARS
 
-    body = ("sys.stdout.write('x' * 50_000_000 + '\\n'); sys.stdout.flush()\n"
-            "print('after the long line', flush=True)\n")
+    body = (
+        "sys.stdout.write('x' * 50_000_000 + '\\n'); sys.stdout.flush()\n"
+        "print('after the long line', flush=True)\n"
+    )
     seen = []
     r = VerifyRunner(on_line=lambda ln: seen.append(len(ln)))
     tracemalloc.start()

@@ -1,6 +1,6 @@
 """Editor widgets of slapo-lab (JupyterLab)."""
 
-from .graph_widget import GraphWidget
 from .app import ScheduleEditor
+from .graph_widget import GraphWidget
 
 __all__ = ["GraphWidget", "ScheduleEditor"]

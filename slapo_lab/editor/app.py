@@ -6,6 +6,7 @@ notifies the editor, which redraws from the schedule and the record. Typing on `
 in a cell therefore shows up exactly as clicking does. The user's real model is never modified: it
 is the source for Verify and Export.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,6 +36,7 @@ SYNC_CHOICES = [
     ("bwd_post · all_reduce (before a column-parallel layer)", ("bwd_post", "all_reduce")),
 ]
 
+
 def _io_text(v) -> str:
     """``[{"name": "x", "shapes": [(8, 128)], "dtypes": ["float32"]}]`` → ``x 8×128 float32``."""
     if not isinstance(v, list):
@@ -43,7 +45,9 @@ def _io_text(v) -> str:
     for d in v:
         if isinstance(d, dict):
             shapes = "/".join("×".join(map(str, sh)) for sh in d.get("shapes", []))
-            parts.append(" ".join(x for x in (str(d.get("name", "")), shapes, "/".join(d.get("dtypes", []))) if x))
+            parts.append(
+                " ".join(x for x in (str(d.get("name", "")), shapes, "/".join(d.get("dtypes", []))) if x)
+            )
     return ", ".join(parts)
 
 
@@ -61,14 +65,24 @@ def _file_actions(sf, path) -> list:
 
     calls = list(sf.calls)
     spec = (sf.meta or {}).get("editor_actions")
-    ok = isinstance(spec, list) and all(
-        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int)
-        and not isinstance(x[1], bool) and x[1] > 0 for x in spec) and sum(x[1] for x in spec) == len(calls)
+    ok = (
+        isinstance(spec, list)
+        and all(
+            isinstance(x, list)
+            and len(x) == 2
+            and isinstance(x[0], str)
+            and isinstance(x[1], int)
+            and not isinstance(x[1], bool)
+            and x[1] > 0
+            for x in spec
+        )
+        and sum(x[1] for x in spec) == len(calls)
+    )
     if not ok:
         return [Action(f"load {path}", tuple(calls))] if calls else []
     out, i = [], 0
     for label, n in spec:
-        out.append(Action(label, tuple(calls[i:i + n])))
+        out.append(Action(label, tuple(calls[i : i + n])))
         i += n
     return out
 
@@ -77,28 +91,56 @@ def _file_actions(sf, path) -> list:
 _SCRIPT_STEPS = 10  # the exported script's own --steps default (slapo_lab.train.args)
 _PATH_OPTIONS = ("model_path", "tokenizer", "data", "eval_data", "checkpoint_dir", "save_hf", "log_dir")
 # integer options and their smallest value
-_INT_OPTIONS = {"seq_len": 1, "dp": 1, "global_batch_size": 1, "micro_batch_size": 1, "steps": 0,
-                "checkpoint_every": 0, "zero": 0}
-_LABELS = {"model_path": "model path", "tokenizer": "tokenizer directory", "data": "data path",
-           "eval_data": "validation data path", "checkpoint_dir": "checkpoint directory",
-           "save_hf": "save-HF directory", "log_dir": "log directory", "seq_len": "sequence length",
-           "dp": "number of data-parallel replicas (dp)", "global_batch_size": "global batch size",
-           "micro_batch_size": "micro batch size", "steps": "number of steps",
-           "checkpoint_every": "checkpoint interval (every)", "zero": "ZeRO stage", "lr": "learning rate"}
+_INT_OPTIONS = {
+    "seq_len": 1,
+    "dp": 1,
+    "global_batch_size": 1,
+    "micro_batch_size": 1,
+    "steps": 0,
+    "checkpoint_every": 0,
+    "zero": 0,
+}
+_LABELS = {
+    "model_path": "model path",
+    "tokenizer": "tokenizer directory",
+    "data": "data path",
+    "eval_data": "validation data path",
+    "checkpoint_dir": "checkpoint directory",
+    "save_hf": "save-HF directory",
+    "log_dir": "log directory",
+    "seq_len": "sequence length",
+    "dp": "number of data-parallel replicas (dp)",
+    "global_batch_size": "global batch size",
+    "micro_batch_size": "micro batch size",
+    "steps": "number of steps",
+    "checkpoint_every": "checkpoint interval (every)",
+    "zero": "ZeRO stage",
+    "lr": "learning rate",
+}
 # the form's fields: option -> (description, tooltip)
 _FIELDS = {
-    "model_path": ("model path", ("a Hugging Face directory (config.json + *.safetensors) to fine-tune; "
-                                  "empty: seeded random weights")),
+    "model_path": (
+        "model path",
+        ("a Hugging Face directory (config.json + *.safetensors) to fine-tune; empty: seeded random weights"),
+    ),
     "tokenizer": ("tokenizer", "the tokenizer directory; empty: the model path"),
-    "data": ("data", ("'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
-                      ".parquet file or a folder of them")),
+    "data": (
+        "data",
+        (
+            "'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
+            ".parquet file or a folder of them"
+        ),
+    ),
     "seq_len": ("seq len", "tokens per training sequence"),
     "dp": ("dp", "data-parallel replicas: the run uses tp x pp x dp processes"),
     "global_batch_size": ("global batch", "sequences per optimizer step over all replicas (divisible by dp)"),
     "steps": ("steps", "optimizer steps to train for"),
     "checkpoint_dir": ("checkpoints", "save resumable checkpoints here (created if missing); empty: none"),
     "checkpoint_every": ("every", "save a checkpoint every N steps (0: only at the end)"),
-    "save_hf": ("save HF", "at the end, write a Hugging Face directory that from_pretrained loads; empty: none"),
+    "save_hf": (
+        "save HF",
+        "at the end, write a Hugging Face directory that from_pretrained loads; empty: none",
+    ),
 }
 
 
@@ -158,12 +200,12 @@ def _running_loop():
 
 # One visual channel per fact: fill = tensor parallelism, band on the left = pipeline stage,
 # dashed border = checkpointed, bar on the outgoing edges = cut, halo (browser) = selected.
-_COL = "#c6dbef"   # column parallel / partitioned output (fill)
-_ROW = "#fdd0a2"   # row parallel / partial output (fill)
+_COL = "#c6dbef"  # column parallel / partitioned output (fill)
+_ROW = "#fdd0a2"  # row parallel / partial output (fill)
 _TP_INSIDE = "#e5f5e0"
 _CKPT = "#718096"  # legend swatch of the dashed border (readable on light and dark)
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
-_CUT = "#d6336c"   # the bar after a cut (render.CUT_COLOUR)
+_CUT = "#d6336c"  # the bar after a cut (render.CUT_COLOUR)
 _OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
 
 
@@ -192,8 +234,15 @@ class ScheduleEditor(W.VBox):
         ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
     """
 
-    def __init__(self, model: nn.Module, example_inputs: dict | None = None, world_size: int = 1,
-                 rank: int = 0, factory: str | None = None, schedule_file: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: dict | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        factory: str | None = None,
+        schedule_file: str | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
         self.model = model
@@ -206,8 +255,8 @@ class ScheduleEditor(W.VBox):
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
         self._remember_inputs(self.schedule)
         self.schedule.record.add_listener(self._on_record)
-        self.level = ""          # path whose children the graph shows
-        self.selected = ""       # selected module path
+        self.level = ""  # path whose children the graph shows
+        self.selected = ""  # selected module path
         self.expanded: set[str] = set()
         self._flow = None
         self._flow_error = ""
@@ -221,8 +270,10 @@ class ScheduleEditor(W.VBox):
         self._batch_depth = 0
         self._log_lines: list[str] = []
         self._build_widgets()
-        super().__init__(children=[self._header, self._body, self._message, self._costs_box, self._code_box],
-                         layout=W.Layout(width="100%"))
+        super().__init__(
+            children=[self._header, self._body, self._message, self._costs_box, self._code_box],
+            layout=W.Layout(width="100%"),
+        )
         self.add_class("slapo-editor")
         self._record_flow()
         self.schedule_file = schedule_file
@@ -261,8 +312,11 @@ class ScheduleEditor(W.VBox):
             return self._error(f"There is no module {path!r} in this model.")
         self.selected = path
         node = self.schedule[path]
-        shown = {d.get("path", n) for n, d in self._last_graph.nodes(data=True)} if self._last_graph is not None \
+        shown = (
+            {d.get("path", n) for n, d in self._last_graph.nodes(data=True)}
+            if self._last_graph is not None
             else set()
+        )
         if path and path not in shown and self.level != path:  # stay on the level when it shows the module
             self.level = node.parent.path
         self._refresh_view()
@@ -308,20 +362,24 @@ class ScheduleEditor(W.VBox):
                 why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
                 if why:
                     return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
-        label = f"{primitive} on {target}" + (f" and {len(targets) - 1} similar modules" if len(targets) > 1 else "")
+        label = f"{primitive} on {target}" + (
+            f" and {len(targets) - 1} similar modules" if len(targets) > 1 else ""
+        )
         before = self.schedule.record.actions()
         n0 = len(self.schedule.record.calls)
         try:
             with self._working(label), self._batch(), self.schedule.record.action(label):
                 for t in targets:
                     getattr(self.schedule[t], primitive)(*args, **kwargs)
-        except Exception as err:  # never let a click kill the kernel or lose the record
+        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
             if len(self.schedule.record.calls) != n0:  # a later target failed: all or nothing
                 self._rebuild(before)
             if isinstance(err, (ScheduleError, AttributeError)):
                 return self._error(str(err))
             _log.exception("primitive failed")
-            return self._error(f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged.")
+            return self._error(
+                f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged."
+            )
         return None
 
     def similar(self, path: str) -> list[str]:
@@ -341,7 +399,7 @@ class ScheduleEditor(W.VBox):
                 continue
             out = []
             for name in siblings:
-                cand = ".".join(parts[:i] + [name] + parts[i + 1:])
+                cand = ".".join(parts[:i] + [name] + parts[i + 1 :])
                 if cand in self.schedule and type(self.schedule[cand].mod) is typ:
                     out.append(cand)
             return out
@@ -350,8 +408,15 @@ class ScheduleEditor(W.VBox):
     def search(self, text: str) -> int:
         """Filter the module tree to names or types containing ``text`` (case-insensitive); returns matches."""
         text = (text or "").strip().lower()
-        opts = self._all_tree_options if not text else [
-            (label, path) for label, path in self._all_tree_options if text in label.lower() or text in path.lower()]
+        opts = (
+            self._all_tree_options
+            if not text
+            else [
+                (label, path)
+                for label, path in self._all_tree_options
+                if text in label.lower() or text in path.lower()
+            ]
+        )
         keep = self.selected if any(p == self.selected for _, p in opts) else None
         self._tree.unobserve(self._on_tree, names="value")
         self._tree.options = opts
@@ -374,9 +439,13 @@ class ScheduleEditor(W.VBox):
         before = self.schedule.record.actions()
         n0 = len(self.schedule.record.calls)
         try:
-            with self._working(f"preset {name}"), self._batch(), self.schedule.record.action(f"preset {name}"):
+            with (
+                self._working(f"preset {name}"),
+                self._batch(),
+                self.schedule.record.action(f"preset {name}"),
+            ):
                 self._run_preset(name, k)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
@@ -389,8 +458,11 @@ class ScheduleEditor(W.VBox):
         from .. import presets
 
         if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
-            presets.megatron_tp(self.schedule, use_hf_plan=name == "hf_plan",
-                                vocab_parallel=presets.has_vocab_embedding(self.schedule))
+            presets.megatron_tp(
+                self.schedule,
+                use_hf_plan=name == "hf_plan",
+                vocab_parallel=presets.has_vocab_embedding(self.schedule),
+            )
         elif name == "checkpoint":
             presets.checkpoint_blocks(self.schedule, every=int(k))
         elif name == "stages":
@@ -417,9 +489,11 @@ class ScheduleEditor(W.VBox):
         try:
             with self._working(f"undoing {last.label}"):
                 self._rebuild(actions[:-1])
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             _log.exception("undo failed")
-            return self._error(f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged.")
+            return self._error(
+                f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged."
+            )
         self._redo.append(last)
         self._info(f"Undid {_describe(last)}.")
         return None
@@ -444,10 +518,12 @@ class ScheduleEditor(W.VBox):
         try:
             with self._working(f"redoing {act.label}"), self._batch(), self.schedule.record.action(act.label):
                 replay(self.schedule, act.calls)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
-            return self._error(f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged.")
+            return self._error(
+                f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged."
+            )
         finally:
             self._replaying = False
         self._redo.pop()
@@ -501,10 +577,18 @@ class ScheduleEditor(W.VBox):
 
         rec = self.schedule.record
         actions = [[a.label, len(a.calls)] for a in rec.actions()]  # undo per action after a restore
-        save_schedule(path, rec.calls, model=self.model, example_inputs=self.example_inputs,
-                      world_size=self.world_size, factory=self.factory,
-                      meta={"editor_actions": actions,
-                            **({"export_options": self.export_options} if self.export_options else {})})
+        save_schedule(
+            path,
+            rec.calls,
+            model=self.model,
+            example_inputs=self.example_inputs,
+            world_size=self.world_size,
+            factory=self.factory,
+            meta={
+                "editor_actions": actions,
+                **({"export_options": self.export_options} if self.export_options else {}),
+            },
+        )
         return str(path)
 
     def _keep_unrestorable(self, path: str, reason: str) -> None:
@@ -532,11 +616,15 @@ class ScheduleEditor(W.VBox):
                 shutil.copy2(src, backup)
         except OSError as err:
             self.schedule_file = None
-            self._error(f"{reason.rstrip('.')}. It could not be backed up ({err.strerror or err}), so autosave is "
-                        f"off and {path} is left as it is.")
+            self._error(
+                f"{reason.rstrip('.')}. It could not be backed up ({err.strerror or err}), so autosave is "
+                f"off and {path} is left as it is."
+            )
             return
-        self._error(f"{reason.rstrip('.')}. The file is kept unchanged as {backup}; this editor starts empty "
-                    f"and autosaves to {path}.")
+        self._error(
+            f"{reason.rstrip('.')}. The file is kept unchanged as {backup}; this editor starts empty "
+            f"and autosaves to {path}."
+        )
 
     @_serialized
     def load(self, path: str) -> str | None:
@@ -550,8 +638,10 @@ class ScheduleEditor(W.VBox):
             sf = load_schedule(path)
             ws = (sf.meta or {}).get("world_size")
             if ws is not None and ws != self.world_size:
-                return self._error(f"{path} was planned for world size {ws}, but this editor plans for "
-                                   f"{self.world_size}; create the editor with world_size={ws}.")
+                return self._error(
+                    f"{path} was planned for world size {ws}, but this editor plans for "
+                    f"{self.world_size}; create the editor with world_size={ws}."
+                )
             with self._working(f"loading {path}"):
                 self._rebuild(_file_actions(sf, path))
             self._redo = []
@@ -561,7 +651,7 @@ class ScheduleEditor(W.VBox):
                 self._set_form(remembered)
         except ScheduleError as err:
             return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             return self._error(str(err) if str(err).endswith(".") else f"{path} could not be loaded: {err}")
         self._info(f"Loaded {len(self.schedule.record.calls)} recorded calls from {path}.")
         return None
@@ -576,7 +666,7 @@ class ScheduleEditor(W.VBox):
             from ..pipeline.order import set_example_inputs
 
             set_example_inputs(sch, self.example_inputs)
-        except Exception as err:  # the cut check then happens at build time
+        except Exception as err:  # noqa: BLE001 - the cut check then happens at build time
             _log.warning("example inputs not usable for cut checks: %s", err)
 
     def _autosave(self) -> None:
@@ -584,7 +674,7 @@ class ScheduleEditor(W.VBox):
             return
         try:
             self.save(self.schedule_file)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             self._error(f"Could not keep the schedule in {self.schedule_file}: {err}")
 
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
@@ -614,9 +704,12 @@ class ScheduleEditor(W.VBox):
             options, used = self._verify_options(launcher, options)
             options, defaults = self._check_export_options("torchrun", options)
             folder = tempfile.mkdtemp(prefix="slapo-verify-")
-            script = str(self._write_script(f"{folder}/verify_{type(self.model).__name__.lower()}.py", "torchrun",
-                                            defaults))
-        except Exception as err:
+            script = str(
+                self._write_script(
+                    f"{folder}/verify_{type(self.model).__name__.lower()}.py", "torchrun", defaults
+                )
+            )
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             self._error(f"Verify could not start: {err}")
             return None
         nproc = self.num_ranks * options.get("dp", 1)
@@ -651,8 +744,12 @@ class ScheduleEditor(W.VBox):
         """
         import os
 
-        o = {k: v for k, v in options.items() if k not in ("checkpoint_dir", "checkpoint_every", "save_hf", "log_dir",
-                                                           "eval_data", "steps", "zero")}
+        o = {
+            k: v
+            for k, v in options.items()
+            if k
+            not in ("checkpoint_dir", "checkpoint_every", "save_hf", "log_dir", "eval_data", "steps", "zero")
+        }
         o = {k: v for k, v in o.items() if not (isinstance(v, str) and not v.strip())}
         missing = []
         model = o.pop("model_path", None)
@@ -679,7 +776,9 @@ class ScheduleEditor(W.VBox):
         text = f"the data in {o['data']}" if "data" in o else "synthetic data"
         used = f"Verify uses {weights} and {text}"
         if missing:
-            used += f", because {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist here"
+            used += (
+                f", because {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist here"
+            )
         if launcher == "deepspeed" and options.get("zero"):
             used += f" (ZeRO-{options['zero']} is left out: it changes neither outputs nor gradients)"
         return o, used + "."
@@ -706,8 +805,10 @@ class ScheduleEditor(W.VBox):
         else:
             n = self._open_count()
             if n:
-                text += (f" The schedule check lists {n} open item{'s' if n > 1 else ''} above the code; "
-                         "closing them is the first thing to try.")
+                text += (
+                    f" The schedule check lists {n} open item{'s' if n > 1 else ''} above the code; "
+                    "closing them is the first thing to try."
+                )
             self._error(text)
 
     @_serialized
@@ -747,18 +848,32 @@ class ScheduleEditor(W.VBox):
         self._set_form(self.export_options)
         self._autosave()
         open_items = self._open_count()
-        warn = (f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
-                "code): --verify will fail until they are closed" if open_items else "")
+        warn = (
+            f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
+            "code): --verify will fail until they are closed"
+            if open_items
+            else ""
+        )
         self._info(f"Exported {out} — launch: {cmd}{warn}")
-        self._export_info.value = (f"<div class='slapo-export-info'>Wrote <code>{html.escape(str(out))}</code>. "
-                                   f"Launch: <code>{html.escape(cmd)}</code></div>")
+        self._export_info.value = (
+            f"<div class='slapo-export-info'>Wrote <code>{html.escape(str(out))}</code>. "
+            f"Launch: <code>{html.escape(cmd)}</code></div>"
+        )
         return str(out)
 
     def _write_script(self, path, launcher: str, defaults: dict):
         from ..export import export_script
 
-        return export_script(path, self.model, self.schedule.record.calls, self.example_inputs,
-                             world_size=self.world_size, launcher=launcher, factory=self.factory, defaults=defaults)
+        return export_script(
+            path,
+            self.model,
+            self.schedule.record.calls,
+            self.example_inputs,
+            world_size=self.world_size,
+            launcher=launcher,
+            factory=self.factory,
+            defaults=defaults,
+        )
 
     def _launch_command(self, script, launcher: str, dp: int) -> str:
         """The one-node launch of ``script``: ``tp x pp x dp`` processes, one GPU each."""
@@ -774,7 +889,9 @@ class ScheduleEditor(W.VBox):
                 from ..export.spec import example_sizes, input_spec
 
                 vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-                self._sizes = example_sizes(input_spec(self.example_inputs, vocab if isinstance(vocab, int) else None))
+                self._sizes = example_sizes(
+                    input_spec(self.example_inputs, vocab if isinstance(vocab, int) else None)
+                )
             except (ValueError, TypeError):  # inputs export refuses: it says so itself at export time
                 self._sizes = (None, None)
         return self._sizes
@@ -786,16 +903,22 @@ class ScheduleEditor(W.VBox):
 
         kind = _path_kind(path)
         if kind == "missing":
-            return (f"The model path {path} does not exist; give a Hugging Face directory (written by save_pretrained) "
-                    "or leave it empty for seeded random weights.")
+            return (
+                f"The model path {path} does not exist; give a Hugging Face directory (written by save_pretrained) "
+                "or leave it empty for seeded random weights."
+            )
         if kind == "file":
-            return f"The model path {path} is a file; give the directory that holds config.json and the weights."
+            return (
+                f"The model path {path} is a file; give the directory that holds config.json and the weights."
+            )
         cfg = os.path.join(path, "config.json")
         if not os.path.isfile(cfg):
             return f"The model path {path} has no config.json; give a directory written by save_pretrained."
         if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            return (f"The model path {path} has no *.safetensors weights; save the model with save_pretrained "
-                    "(safetensors is its default).")
+            return (
+                f"The model path {path} has no *.safetensors weights; save the model with save_pretrained "
+                "(safetensors is its default)."
+            )
         want = getattr(getattr(self.model, "config", None), "model_type", None)
         try:
             with open(cfg, encoding="utf-8") as f:
@@ -824,7 +947,9 @@ class ScheduleEditor(W.VBox):
             raise _export_error(f"The launcher {launcher!r} is not supported; use torchrun or deepspeed.")
         for key in options:
             if key not in EXPORT_OPTIONS:
-                raise _export_error(f"{key!r} is not an export option; use one of {', '.join(EXPORT_OPTIONS)}.")
+                raise _export_error(
+                    f"{key!r} is not an export option; use one of {', '.join(EXPORT_OPTIONS)}."
+                )
         o: dict[str, Any] = {}
         for key, v in options.items():
             if v is None:
@@ -840,8 +965,9 @@ class ScheduleEditor(W.VBox):
                     raise _export_error(f"The {_LABELS[key]} must be a whole number, not {v!r}.")
                 low = _INT_OPTIONS[key]
                 if v < low:
-                    raise _export_error(f"The {_LABELS[key]} must be "
-                                        f"{'positive' if low else 'zero or more'}, not {v}.")
+                    raise _export_error(
+                        f"The {_LABELS[key]} must be {'positive' if low else 'zero or more'}, not {v}."
+                    )
             elif key in ("fsdp", "bf16"):
                 if not isinstance(v, bool):
                     raise _export_error(f"{key} must be True or False, not {v!r}.")
@@ -856,7 +982,9 @@ class ScheduleEditor(W.VBox):
         if zero not in (0, 1, 2):
             raise _export_error(f"The ZeRO stage must be 0, 1 or 2, not {zero}.")
         if zero and launcher != "deepspeed":
-            raise _export_error("A ZeRO stage needs the deepspeed launcher; with torchrun, shard over dp with FSDP.")
+            raise _export_error(
+                "A ZeRO stage needs the deepspeed launcher; with torchrun, shard over dp with FSDP."
+            )
         if zero and o.get("fsdp"):
             raise _export_error("FSDP and ZeRO both shard over the data-parallel replicas; choose one.")
         batch_default, seq_default = self._example_sizes()
@@ -866,50 +994,83 @@ class ScheduleEditor(W.VBox):
         micro = o.get("micro_batch_size") or max(1, batch // (dp * stages))
         if batch % dp or batch % (micro * dp):
             if "micro_batch_size" in o:
-                raise _export_error(f"The global batch size {batch} is not divisible by micro batch {micro} x dp {dp}: "
-                                    "every replica takes the same number of micro-batches per step.")
+                raise _export_error(
+                    f"The global batch size {batch} is not divisible by micro batch {micro} x dp {dp}: "
+                    "every replica takes the same number of micro-batches per step."
+                )
             if batch % dp == 0:
-                raise _export_error(f"The global batch size {batch} does not split into equal micro-batches over dp "
-                                    f"{dp} and {stages} pipeline stages; choose a multiple of {dp * stages}.")
-            raise _export_error(f"The global batch size {batch} is not divisible by dp {dp}: every replica takes the "
-                                "same number of sequences per step.")
+                raise _export_error(
+                    f"The global batch size {batch} does not split into equal micro-batches over dp "
+                    f"{dp} and {stages} pipeline stages; choose a multiple of {dp * stages}."
+                )
+            raise _export_error(
+                f"The global batch size {batch} is not divisible by dp {dp}: every replica takes the "
+                "same number of sequences per step."
+            )
         if o.get("checkpoint_every") and "checkpoint_dir" not in o:
-            raise _export_error(f"A checkpoint every {o['checkpoint_every']} steps needs a checkpoint directory.")
+            raise _export_error(
+                f"A checkpoint every {o['checkpoint_every']} steps needs a checkpoint directory."
+            )
         for key in ("checkpoint_dir", "save_hf", "log_dir"):
             if key in o and _path_kind(o[key]) == "file":
-                raise _export_error(f"The {_LABELS[key]} {o[key]} is a file; give a folder (it is created if missing).")
+                raise _export_error(
+                    f"The {_LABELS[key]} {o[key]} is a file; give a folder (it is created if missing)."
+                )
         if local:
             if "model_path" in o:
                 why = self._model_dir_problem(o["model_path"])
                 if why:
                     raise _export_error(why)
             if "tokenizer" in o and _path_kind(o["tokenizer"]) != "dir":
-                raise _export_error(f"The tokenizer directory {o['tokenizer']} does not exist; give a directory "
-                                    "written by tokenizer.save_pretrained, or leave it empty to use the model path.")
-            if (("data" in o or "eval_data" in o) and "tokenizer" not in o and "model_path" in o
-                    and not _has_tokenizer(o["model_path"])):
-                raise _export_error(f"The model path {o['model_path']} holds no tokenizer files; fill in the "
-                                    "tokenizer directory.")
+                raise _export_error(
+                    f"The tokenizer directory {o['tokenizer']} does not exist; give a directory "
+                    "written by tokenizer.save_pretrained, or leave it empty to use the model path."
+                )
+            if (
+                ("data" in o or "eval_data" in o)
+                and "tokenizer" not in o
+                and "model_path" in o
+                and not _has_tokenizer(o["model_path"])
+            ):
+                raise _export_error(
+                    f"The model path {o['model_path']} holds no tokenizer files; fill in the "
+                    "tokenizer directory."
+                )
             for key in ("data", "eval_data"):
                 if key in o and _path_kind(o[key]) == "missing":
-                    raise _export_error(f"The {_LABELS[key]} {o[key]} does not exist; give a .txt, .jsonl or .parquet "
-                                        "file or a folder of them, or 'synthetic' (a path that exists only where "
-                                        "the run is launched can be passed there with --data).")
+                    raise _export_error(
+                        f"The {_LABELS[key]} {o[key]} does not exist; give a .txt, .jsonl or .parquet "
+                        "file or a folder of them, or 'synthetic' (a path that exists only where "
+                        "the run is launched can be passed there with --data)."
+                    )
         text = "data" in o or "eval_data" in o
         if text:
             from ..train.data import objective_of
 
             name = type(self.model).__name__
             if objective_of(name) is None:
-                raise _export_error(f"{name} has no language-model head, so it cannot train on text; schedule a "
-                                    "*ForCausalLM or *ForMaskedLM model, or use synthetic data.")
+                raise _export_error(
+                    f"{name} has no language-model head, so it cannot train on text; schedule a "
+                    "*ForCausalLM or *ForMaskedLM model, or use synthetic data."
+                )
             if "tokenizer" not in o and "model_path" not in o:
-                raise _export_error("Training on text needs a tokenizer; fill in the tokenizer directory (or a "
-                                    "model path that holds the tokenizer files).")
+                raise _export_error(
+                    "Training on text needs a tokenizer; fill in the tokenizer directory (or a "
+                    "model path that holds the tokenizer files)."
+                )
             if "seq_len" not in o and seq_default is None:
                 raise _export_error("Training on text needs a sequence length (tokens per sequence).")
-        script = {"data": None, "dp": 1, "fsdp": False, "zero": 0, "checkpoint_every": 0, "bf16": False,
-                  "steps": _SCRIPT_STEPS, "global_batch_size": batch_default or 1, "seq_len": seq_default}
+        script = {
+            "data": None,
+            "dp": 1,
+            "fsdp": False,
+            "zero": 0,
+            "checkpoint_every": 0,
+            "bf16": False,
+            "steps": _SCRIPT_STEPS,
+            "global_batch_size": batch_default or 1,
+            "seq_len": seq_default,
+        }
         defaults = {}
         for key in EXPORT_OPTIONS:
             if key not in o:
@@ -941,9 +1102,20 @@ class ScheduleEditor(W.VBox):
         batch, seq = self._example_sizes()
         name = getattr(getattr(self.model, "config", None), "_name_or_path", "")
         model_path = name if isinstance(name, str) and name and os.path.isdir(name) else ""
-        return {"model_path": model_path, "tokenizer": "", "data": "synthetic", "seq_len": seq, "dp": 1,
-                "fsdp": False, "zero": 0, "checkpoint_dir": "", "checkpoint_every": 0, "save_hf": "",
-                "global_batch_size": batch or 1, "steps": _SCRIPT_STEPS}
+        return {
+            "model_path": model_path,
+            "tokenizer": "",
+            "data": "synthetic",
+            "seq_len": seq,
+            "dp": 1,
+            "fsdp": False,
+            "zero": 0,
+            "checkpoint_dir": "",
+            "checkpoint_every": 0,
+            "save_hf": "",
+            "global_batch_size": batch or 1,
+            "steps": _SCRIPT_STEPS,
+        }
 
     def _set_form(self, remembered: dict | None, refresh: bool = True) -> None:
         """Show ``remembered`` (``export_options``) in the form; what it lacks shows the script's defaults.
@@ -961,7 +1133,9 @@ class ScheduleEditor(W.VBox):
                 elif key == "zero":
                     w.value = v if v in (0, 1, 2) else 0
                 else:
-                    w.value = "" if v is None or isinstance(v, bool) or not isinstance(v, (str, int)) else str(v)
+                    w.value = (
+                        "" if v is None or isinstance(v, bool) or not isinstance(v, (str, int)) else str(v)
+                    )
             if remembered is not None:
                 if remembered.get("launcher") in ("torchrun", "deepspeed"):
                     self._f_launcher.value = remembered["launcher"]
@@ -1012,7 +1186,9 @@ class ScheduleEditor(W.VBox):
             dp = 0
         note = ""
         if dp < 1:
-            note = f" <i>(dp {html.escape(repr(text))} is not a positive whole number, so this plans dp 1)</i>"
+            note = (
+                f" <i>(dp {html.escape(repr(text))} is not a positive whole number, so this plans dp 1)</i>"
+            )
             dp = 1
         if self._f_launcher.value == "deepspeed":
             shard = {1: "zero1", 2: "zero2"}.get(self._f_zero.value)
@@ -1038,10 +1214,12 @@ class ScheduleEditor(W.VBox):
         try:
             launcher, path, options = self._form_options()
             self.export(path, launcher=launcher, **options)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             text = str(err) or type(err).__name__
             self._error(text)
-            self._export_info.value = f"<div class='slapo-export-info slapo-err'>&#9888; {html.escape(text)}</div>"
+            self._export_info.value = (
+                f"<div class='slapo-export-info slapo-err'>&#9888; {html.escape(text)}</div>"
+            )
 
     # ------------------------------------------------------------------ widgets
     def _build_widgets(self) -> None:
@@ -1049,7 +1227,8 @@ class ScheduleEditor(W.VBox):
         nparams = sum(p.numel() for p in self.model.parameters())
         self._header = W.HTML(
             f"<b>slapo-lab</b> · {html.escape(name)} · {nparams / 1e6:.1f} M parameters · "
-            f"world size {self.world_size} (planning for rank {self.rank})")
+            f"world size {self.world_size} (planning for rank {self.rank})"
+        )
         self._all_tree_options = self._tree_options()
         self._tree = W.Select(options=self._all_tree_options, rows=30, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
@@ -1072,27 +1251,52 @@ class ScheduleEditor(W.VBox):
         for b in (self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut):
             b.layout = W.Layout(width="95%")
         self._btn_shard.on_click(lambda _: self._on_shard())
-        self._btn_sync.on_click(lambda _: self.apply("sync", mode=self._sync.value[0], sync_op_or_fn=self._sync.value[1]))
+        self._btn_sync.on_click(
+            lambda _: self.apply("sync", mode=self._sync.value[0], sync_op_or_fn=self._sync.value[1])
+        )
         self._btn_ckpt.on_click(lambda _: self.apply("checkpoint"))
         self._btn_cut.on_click(lambda _: self.apply("cut_pipeline_stage"))
         self._reasons = W.HTML()
-        self._similar = W.Checkbox(value=False, description="apply to all similar", indent=False,
-                                   tooltip="also apply to the modules of the same type at the same relative "
-                                           "path in every repeated block")
+        self._similar = W.Checkbox(
+            value=False,
+            description="apply to all similar",
+            indent=False,
+            tooltip="also apply to the modules of the same type at the same relative "
+            "path in every repeated block",
+        )
         self._similar_info = W.HTML()
-        actions = W.VBox([self._param, self._axis, self._btn_shard, self._sync, self._btn_sync,
-                          self._btn_ckpt, self._btn_cut, self._similar, self._similar_info, self._reasons])
-        self._preset = W.Dropdown(options=[("Megatron tensor parallelism (every block)", "megatron"),
-                                           ("HF base_model_tp_plan (from the config)", "hf_plan"),
-                                           ("checkpoint every k-th block", "checkpoint"),
-                                           ("cut into N balanced pipeline stages", "stages")],
-                                  description="preset", layout=W.Layout(width="95%"))
-        self._preset_k = W.BoundedIntText(value=1, min=1, max=4096, description="k / N",
-                                          layout=W.Layout(width="95%"))
+        actions = W.VBox(
+            [
+                self._param,
+                self._axis,
+                self._btn_shard,
+                self._sync,
+                self._btn_sync,
+                self._btn_ckpt,
+                self._btn_cut,
+                self._similar,
+                self._similar_info,
+                self._reasons,
+            ]
+        )
+        self._preset = W.Dropdown(
+            options=[
+                ("Megatron tensor parallelism (every block)", "megatron"),
+                ("HF base_model_tp_plan (from the config)", "hf_plan"),
+                ("checkpoint every k-th block", "checkpoint"),
+                ("cut into N balanced pipeline stages", "stages"),
+            ],
+            description="preset",
+            layout=W.Layout(width="95%"),
+        )
+        self._preset_k = W.BoundedIntText(
+            value=1, min=1, max=4096, description="k / N", layout=W.Layout(width="95%")
+        )
         self._btn_preset = W.Button(description="apply preset", icon="magic", layout=W.Layout(width="95%"))
         self._btn_preset.on_click(lambda _: self.apply_preset(self._preset.value, self._preset_k.value))
-        self._gpu = W.Dropdown(options=list(GPU_SIZES.items()), value=80e9, description="GPU",
-                               layout=W.Layout(width="320px"))
+        self._gpu = W.Dropdown(
+            options=list(GPU_SIZES.items()), value=80e9, description="GPU", layout=W.Layout(width="320px")
+        )
         self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
         self._costs = W.HTML()
         self._costs_text = W.HTML()
@@ -1103,13 +1307,31 @@ class ScheduleEditor(W.VBox):
         self._legend = W.HTML()
         self._legend.add_class("slapo-legend")
         center = W.VBox([self._crumbs, self._graph, self._legend], layout=W.Layout(width="48%"))
-        right = W.VBox([W.HTML("<b>Inspector</b>"), self._inspector, actions, W.HTML("<b>Presets</b>"),
-                        self._preset, self._preset_k, self._btn_preset], layout=W.Layout(width="30%"))
+        right = W.VBox(
+            [
+                W.HTML("<b>Inspector</b>"),
+                self._inspector,
+                actions,
+                W.HTML("<b>Presets</b>"),
+                self._preset,
+                self._preset_k,
+                self._btn_preset,
+            ],
+            layout=W.Layout(width="30%"),
+        )
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
-        self._costs_box = W.VBox([W.HTML("<b>Memory per rank</b> (parameters, gradients, Adam states, "
-                                         "activations of one micro-batch; dp, FSDP and ZeRO as set in the Export "
-                                         "form)"), self._gpu, self._costs_text,
-                                  self._costs])
+        self._costs_box = W.VBox(
+            [
+                W.HTML(
+                    "<b>Memory per rank</b> (parameters, gradients, Adam states, "
+                    "activations of one micro-batch; dp, FSDP and ZeRO as set in the Export "
+                    "form)"
+                ),
+                self._gpu,
+                self._costs_text,
+                self._costs,
+            ]
+        )
         self._message = W.HTML()
         self._message.add_class("slapo-message")
         self._inspector.add_class("slapo-inspector")
@@ -1120,25 +1342,44 @@ class ScheduleEditor(W.VBox):
         self._build_export_form(name)
         self._btn_undo = W.Button(description="Undo", icon="undo")
         self._btn_redo = W.Button(description="Redo", icon="repeat")
-        self._btn_verify = W.Button(description="Verify on GPU", icon="check", button_style="success",
-                                    tooltip="run the exported script with --verify under torchrun (CPU/gloo without GPUs)")
+        self._btn_verify = W.Button(
+            description="Verify on GPU",
+            icon="check",
+            button_style="success",
+            tooltip="run the exported script with --verify under torchrun (CPU/gloo without GPUs)",
+        )
         self._btn_cancel = W.Button(description="Cancel", icon="stop", disabled=True)
         self._btn_verify.on_click(lambda _: self.verify())
         self._btn_cancel.on_click(lambda _: self.cancel_verify())
-        self._progress = W.IntProgress(value=0, min=0, max=60, layout=W.Layout(visibility="hidden", width="30%"))
+        self._progress = W.IntProgress(
+            value=0, min=0, max=60, layout=W.Layout(visibility="hidden", width="30%")
+        )
         self._log = W.HTML()
         self._btn_undo.on_click(lambda _: self.undo())
         self._btn_redo.on_click(lambda _: self.redo())
         self._check = W.HTML()
         self._check.add_class("slapo-check")
-        self._btn_fix = W.Button(description="close open items", icon="wrench",
-                                 tooltip="apply the calls the schedule check names, as one action (one Undo removes it)",
-                                 layout=W.Layout(display="none"))
+        self._btn_fix = W.Button(
+            description="close open items",
+            icon="wrench",
+            tooltip="apply the calls the schedule check names, as one action (one Undo removes it)",
+            layout=W.Layout(display="none"),
+        )
         self._btn_fix.on_click(lambda _: self.close_open_items())
-        self._code_box = W.VBox([W.HTML("<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> "
-                                        "lands here too)"), self._check, self._btn_fix, self._code,
-                                 W.HBox([self._btn_undo, self._btn_redo]), self._export_box,
-                                 W.HBox([self._btn_verify, self._btn_cancel, self._progress]), self._log])
+        self._code_box = W.VBox(
+            [
+                W.HTML(
+                    "<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> lands here too)"
+                ),
+                self._check,
+                self._btn_fix,
+                self._code,
+                W.HBox([self._btn_undo, self._btn_redo]),
+                self._export_box,
+                W.HBox([self._btn_verify, self._btn_cancel, self._progress]),
+                self._log,
+            ]
+        )
         self._code.add_class("slapo-code")
 
     def _build_export_form(self, name: str) -> None:
@@ -1150,41 +1391,83 @@ class ScheduleEditor(W.VBox):
         style = {"description_width": "84px"}
         fields: dict[str, W.Widget] = {}
         for key, (label, tip) in _FIELDS.items():
-            w = W.Text(description=label, tooltip=tip, placeholder=tip.split("; ")[-1] if "; " in tip else "",
-                       layout=wide if key in _PATH_OPTIONS else narrow, style=style)
+            w = W.Text(
+                description=label,
+                tooltip=tip,
+                placeholder=tip.split("; ")[-1] if "; " in tip else "",
+                layout=wide if key in _PATH_OPTIONS else narrow,
+                style=style,
+            )
             fields[key] = w
         fields["dp"].continuous_update = False
-        self._f_launcher = W.Dropdown(options=["torchrun", "deepspeed"], value="torchrun", description="launcher",
-                                      layout=narrow, style=style)
-        self._f_fsdp = W.Checkbox(value=False, description="FSDP", indent=False, layout=W.Layout(width="90px"),
-                                  tooltip="shard parameters, gradients and optimizer states over dp (FSDP2)")
-        self._f_zero = W.Dropdown(options=[("0: none", 0), ("1: optimizer states", 1), ("2: + gradients", 2)], value=0,
-                                  description="ZeRO", layout=W.Layout(width="240px", display="none"), style=style,
-                                  tooltip="the DeepSpeed ZeRO stage: what is sharded over dp")
+        self._f_launcher = W.Dropdown(
+            options=["torchrun", "deepspeed"],
+            value="torchrun",
+            description="launcher",
+            layout=narrow,
+            style=style,
+        )
+        self._f_fsdp = W.Checkbox(
+            value=False,
+            description="FSDP",
+            indent=False,
+            layout=W.Layout(width="90px"),
+            tooltip="shard parameters, gradients and optimizer states over dp (FSDP2)",
+        )
+        self._f_zero = W.Dropdown(
+            options=[("0: none", 0), ("1: optimizer states", 1), ("2: + gradients", 2)],
+            value=0,
+            description="ZeRO",
+            layout=W.Layout(width="240px", display="none"),
+            style=style,
+            tooltip="the DeepSpeed ZeRO stage: what is sharded over dp",
+        )
         fields["fsdp"], fields["zero"] = self._f_fsdp, self._f_zero
         self._form_fields = fields
-        self._f_model, self._f_tokenizer, self._f_data = fields["model_path"], fields["tokenizer"], fields["data"]
-        self._f_seq, self._f_dp, self._f_batch, self._f_steps = (fields["seq_len"], fields["dp"],
-                                                                 fields["global_batch_size"], fields["steps"])
-        self._f_ckpt, self._f_ckpt_every, self._f_save_hf = (fields["checkpoint_dir"], fields["checkpoint_every"],
-                                                             fields["save_hf"])
+        self._f_model, self._f_tokenizer, self._f_data = (
+            fields["model_path"],
+            fields["tokenizer"],
+            fields["data"],
+        )
+        self._f_seq, self._f_dp, self._f_batch, self._f_steps = (
+            fields["seq_len"],
+            fields["dp"],
+            fields["global_batch_size"],
+            fields["steps"],
+        )
+        self._f_ckpt, self._f_ckpt_every, self._f_save_hf = (
+            fields["checkpoint_dir"],
+            fields["checkpoint_every"],
+            fields["save_hf"],
+        )
         for w in (self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero):
             w.observe(self._on_layout_change, names="value")
-        self._export_path = W.Text(value=f"train_{name.lower()}.py", description="script", layout=wide, style=style)
-        self._btn_export = W.Button(description="Export", icon="download", button_style="primary",
-                                    tooltip="write the training script with these options as its defaults")
+        self._export_path = W.Text(
+            value=f"train_{name.lower()}.py", description="script", layout=wide, style=style
+        )
+        self._btn_export = W.Button(
+            description="Export",
+            icon="download",
+            button_style="primary",
+            tooltip="write the training script with these options as its defaults",
+        )
         self._btn_export.on_click(lambda _: self._on_export())
         self._export_info = W.HTML()
         row = functools.partial(W.HBox, layout=W.Layout(flex_flow="row wrap", align_items="center"))
-        self._export_box = W.VBox([
-            W.HTML("<b>Export a training run</b> (the script's defaults; its command line overrides them)"),
-            row([self._f_model, self._f_tokenizer]),
-            row([self._f_data, self._f_seq]),
-            row([self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero]),
-            row([self._f_batch, self._f_steps]),
-            row([self._f_ckpt, self._f_ckpt_every, self._f_save_hf]),
-            row([self._export_path, self._btn_export]),
-            self._export_info])
+        self._export_box = W.VBox(
+            [
+                W.HTML(
+                    "<b>Export a training run</b> (the script's defaults; its command line overrides them)"
+                ),
+                row([self._f_model, self._f_tokenizer]),
+                row([self._f_data, self._f_seq]),
+                row([self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero]),
+                row([self._f_batch, self._f_steps]),
+                row([self._f_ckpt, self._f_ckpt_every, self._f_save_hf]),
+                row([self._export_path, self._btn_export]),
+                self._export_info,
+            ]
+        )
         self._export_box.add_class("slapo-export")
         self._set_form(None, refresh=False)
 
@@ -1223,14 +1506,22 @@ class ScheduleEditor(W.VBox):
             last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
             if last is not None:
                 self._info(f"Applied {format_call(last)}")
-        except Exception:  # the view must never break the engine
+        except Exception:  # noqa: BLE001 - the view must never break the engine
             _log.exception("editor refresh failed")
 
     @contextlib.contextmanager
     def _working(self, what: str):
         """A visible busy state while an action runs: 'Working: …' and the action buttons disabled."""
-        buttons = [self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut, self._btn_preset, self._btn_fix,
-                   self._btn_undo, self._btn_redo]
+        buttons = [
+            self._btn_shard,
+            self._btn_sync,
+            self._btn_ckpt,
+            self._btn_cut,
+            self._btn_preset,
+            self._btn_fix,
+            self._btn_undo,
+            self._btn_redo,
+        ]
         was = [b.disabled for b in buttons]
         before = (self._last_message, self._message.value)
         self._busy = True
@@ -1286,17 +1577,21 @@ class ScheduleEditor(W.VBox):
                     self._refresh_view(reset_view=True)
                 else:
                     self.open_level(target)
-        except Exception as err:  # never let a double-click kill the kernel
+        except Exception as err:  # noqa: BLE001 - never let a double-click kill the kernel
             _log.exception("double-click failed")
             if folded:
                 self.expanded.discard(target)
-            self._error(f"Could not show {target}: drawing the graph failed ({type(err).__name__}); "
-                        "the schedule is unchanged.")
+            self._error(
+                f"Could not show {target}: drawing the graph failed ({type(err).__name__}); "
+                "the schedule is unchanged."
+            )
 
     def _on_shard(self) -> None:
         if self._param.value is None:
-            self._error(f"{self.selected or 'The root module'} ({type(self.schedule[self.selected].mod).__name__}) "
-                        "has no parameters or buffers of its own to shard; select one of its submodules.")
+            self._error(
+                f"{self.selected or 'The root module'} ({type(self.schedule[self.selected].mod).__name__}) "
+                "has no parameters or buffers of its own to shard; select one of its submodules."
+            )
             return
         self.apply("shard", self._param.value, axis=self._axis.value)
 
@@ -1342,26 +1637,35 @@ class ScheduleEditor(W.VBox):
                 # use_cache=False): record again guessing True; the guesses are listed in flow.assumptions
                 self._flow = record_dataflow(self._meta_model, to_meta(self.example_inputs), assume_bool=True)
                 where = ", ".join(sorted({path or "the model" for path, _ in self._flow.assumptions})[:3])
-                self._flow_error = (f"The dataflow was recorded by assuming that a data-dependent condition in {where} "
-                                    "is true (meta tensors have no values), so the edges there show that branch only.")
-        except Exception as err:
+                self._flow_error = (
+                    f"The dataflow was recorded by assuming that a data-dependent condition in {where} "
+                    "is true (meta tensors have no values), so the edges there show that branch only."
+                )
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             self._flow = None
             reason = str(err).splitlines()[0][:200].rstrip(".")
-            self._flow_error = ("The dataflow could not be recorded, so the graph shows modules without edges and "
-                                f"every action still works: {reason}.")
+            self._flow_error = (
+                "The dataflow could not be recorded, so the graph shows modules without edges and "
+                f"every action still works: {reason}."
+            )
 
     def _level_graph(self) -> nx.DiGraph:
         if self._flow is not None:
             try:
                 return self._flow.level_graph(self.level, expanded=frozenset(self.expanded))
-            except Exception as err:  # fall back to the plain tree level
+            except Exception as err:  # noqa: BLE001 - fall back to the plain tree level
                 _log.warning("level_graph failed: %s", err)
         G = nx.DiGraph()
         node = self.schedule[self.level]
         for name, child in node.child.items():
-            G.add_node(child.path, path=child.path, label=f"{name}\n{type(child.mod).__name__}",
-                       type=type(child.mod).__name__, kind="module",
-                       params=sum(p.numel() for p in child.mod.parameters()))
+            G.add_node(
+                child.path,
+                path=child.path,
+                label=f"{name}\n{type(child.mod).__name__}",
+                type=type(child.mod).__name__,
+                kind="module",
+                params=sum(p.numel() for p in child.mod.parameters()),
+            )
         return G
 
     def _style(self, path: str, stage_of: dict[str, int] | None = None) -> dict[str, Any]:
@@ -1411,7 +1715,10 @@ class ScheduleEditor(W.VBox):
         if metas[-1].get("cut"):
             style["cut"] = True
         badges = []
-        n_tp = sum(any((module_state(x) or {}).get("sharded") for x in self.schedule[m].mod.modules()) for m in members)
+        n_tp = sum(
+            any((module_state(x) or {}).get("sharded") for x in self.schedule[m].mod.modules())
+            for m in members
+        )
         if n_tp:
             badges.append(f"TP {n_tp}/{len(members)}")
         n_ck = sum(bool(m.get("checkpoint")) for m in metas)
@@ -1423,7 +1730,9 @@ class ScheduleEditor(W.VBox):
         if stage_of is not None:
             stages = sorted({stage_of[m] for m in members if m in stage_of})
             if stages:
-                badges.append(f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}")
+                badges.append(
+                    f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}"
+                )
                 if len(stages) > 1:
                     style.pop("band", None)
         if badges:
@@ -1432,13 +1741,13 @@ class ScheduleEditor(W.VBox):
 
     def _refresh_graph(self, reset_view: bool = False) -> None:
         from ..graph import render_svg
-
         from ..graph.dataflow import per_rank_edges
 
         G = self._level_graph()
         # edge labels: the shapes this rank sees after sharding (e.g. 2×16×64→32 after a column split)
-        per_rank_edges(G, self.world_size, lambda p: self.schedule[p].mod if p in self.schedule else None,
-                       module_state)
+        per_rank_edges(
+            G, self.world_size, lambda p: self.schedule[p].mod if p in self.schedule else None, module_state
+        )
         self._last_graph = G
         stage_of = None
         if self.schedule.metadata.primitives.get("cut_pipeline_stage"):
@@ -1446,7 +1755,7 @@ class ScheduleEditor(W.VBox):
                 from ..plan import stage_assignment
 
                 stage_of = stage_assignment(self.schedule).stage_of
-            except Exception:  # a stale cut: show no bands rather than fail the view
+            except Exception:  # noqa: BLE001 - a stale cut: show no bands rather than fail the view
                 stage_of = None
         styles = {}
         for n, data in G.nodes(data=True):
@@ -1473,18 +1782,22 @@ class ScheduleEditor(W.VBox):
     def _legend_html(self, stage_of) -> str:
         from ..graph import legend_svg
 
-        entries = [("column parallel (partitioned output): TP col", _COL),
-                   ("row parallel (partial sums): TP row", _ROW),
-                   ("contains sharded modules: TP inside", _TP_INSIDE),
-                   ("checkpointed: dashed border, ckpt", _CKPT, "dashed"),
-                   ("a pipeline stage ends after it: bar on its edges", _CUT, "bar"),
-                   ("selected: halo", "#2196f3", "halo")]
+        entries = [
+            ("column parallel (partitioned output): TP col", _COL),
+            ("row parallel (partial sums): TP row", _ROW),
+            ("contains sharded modules: TP inside", _TP_INSIDE),
+            ("checkpointed: dashed border, ckpt", _CKPT, "dashed"),
+            ("a pipeline stage ends after it: bar on its edges", _CUT, "bar"),
+            ("selected: halo", "#2196f3", "halo"),
+        ]
         if stage_of:
             n = max(stage_of.values()) + 1
-            entries += [(f"stage {i} (band on the left)", _STAGES[i % len(_STAGES)], "band")
-                        for i in range(min(n, 8))]
-        return ("<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>"
-                + legend_svg(entries))
+            entries += [
+                (f"stage {i} (band on the left)", _STAGES[i % len(_STAGES)], "band") for i in range(min(n, 8))
+            ]
+        return "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>" + legend_svg(
+            entries
+        )
 
     def _refresh_crumbs(self) -> None:
         key = (self.level, any(k.startswith(self.level) for k in self.expanded))
@@ -1503,8 +1816,12 @@ class ScheduleEditor(W.VBox):
             b.on_click(lambda _, p=acc: self.open_level(p))
             buttons.append(b)
         if any(k.startswith(self.level) for k in self.expanded):
-            fold = W.Button(description="fold repeats", icon="compress", layout=W.Layout(width="auto"),
-                            tooltip="fold expanded repeated blocks back into one node")
+            fold = W.Button(
+                description="fold repeats",
+                icon="compress",
+                layout=W.Layout(width="auto"),
+                tooltip="fold expanded repeated blocks back into one node",
+            )
             fold.on_click(lambda _: self.collapse())
             buttons.append(fold)
         self._crumbs.children = buttons
@@ -1513,18 +1830,26 @@ class ScheduleEditor(W.VBox):
         node = self.schedule[self.selected]
         mod = node.mod
         rows = []
-        tensors = [(n, t, "param") for n, t in mod.named_parameters(recurse=False)] + \
-                  [(n, t, "buffer") for n, t in mod.named_buffers(recurse=False)]
+        tensors = [(n, t, "param") for n, t in mod.named_parameters(recurse=False)] + [
+            (n, t, "buffer") for n, t in mod.named_buffers(recurse=False)
+        ]
         for n, t, kind in tensors:
             full = tuple(getattr(t, "orig_shape", t.shape))
             local = tuple(t.shape)
             axis = getattr(t, "shard_axis", None)
-            rows.append(f"<tr><td>{html.escape(n)}</td><td>{'×'.join(map(str, full)) or 'scalar'}</td>"
-                        f"<td>{'×'.join(map(str, local)) or 'scalar'}</td><td>{'' if axis is None else axis}</td></tr>")
+            rows.append(
+                f"<tr><td>{html.escape(n)}</td><td>{'×'.join(map(str, full)) or 'scalar'}</td>"
+                f"<td>{'×'.join(map(str, local)) or 'scalar'}</td><td>{'' if axis is None else axis}</td></tr>"
+            )
         total = sum(p.numel() for p in mod.parameters())
-        table = ("<table class='slapo-params'><tr><th>tensor</th><th>global</th>"
-                 f"<th>rank {self.rank}</th><th>axis</th></tr>" + "".join(rows) + "</table>") if rows else \
-            "<i>no parameters of its own</i>"
+        table = (
+            (
+                "<table class='slapo-params'><tr><th>tensor</th><th>global</th>"
+                f"<th>rank {self.rank}</th><th>axis</th></tr>" + "".join(rows) + "</table>"
+            )
+            if rows
+            else "<i>no parameters of its own</i>"
+        )
         flow = ""
         if self._flow is not None:
             try:
@@ -1532,9 +1857,11 @@ class ScheduleEditor(W.VBox):
                 ins = info.get("inputs") or info.get("input_shapes")
                 outs = info.get("outputs") or info.get("output_shapes")
                 if ins or outs:
-                    flow = (f"<div class='slapo-io'>in: {html.escape(_io_text(ins))}<br>"
-                            f"out: {html.escape(_io_text(outs))}</div>")
-            except Exception:
+                    flow = (
+                        f"<div class='slapo-io'>in: {html.escape(_io_text(ins))}<br>"
+                        f"out: {html.escape(_io_text(outs))}</div>"
+                    )
+            except Exception:  # noqa: BLE001 - reported, never raised past this point
                 flow = ""
         meta = module_state(mod) or {}
         state = []
@@ -1547,7 +1874,8 @@ class ScheduleEditor(W.VBox):
         self._inspector.value = (
             f"<div><b>{html.escape(self.selected or '(model)')}</b><br>{html.escape(type(mod).__name__)} · "
             f"{total:,} parameters (this rank)</div>{table}{flow}"
-            + (f"<div>{html.escape(', '.join(state))}</div>" if state else ""))
+            + (f"<div>{html.escape(', '.join(state))}</div>" if state else "")
+        )
         names = [n for n, _, _ in tensors]
         shard_display = None if names else "none"
         for w in (self._param, self._axis, self._btn_shard):
@@ -1576,7 +1904,9 @@ class ScheduleEditor(W.VBox):
         if self._param.value is None:
             reasons[self._btn_shard] = f"{self.selected or 'The root module'} has no parameters of its own."
         else:
-            reasons[self._btn_shard] = check_primitive(node, "shard", self._param.value, axis=self._axis.value)
+            reasons[self._btn_shard] = check_primitive(
+                node, "shard", self._param.value, axis=self._axis.value
+            )
         mode, op = self._sync.value
         reasons[self._btn_sync] = check_primitive(node, "sync", mode=mode, sync_op_or_fn=op)
         reasons[self._btn_ckpt] = check_primitive(node, "checkpoint")
@@ -1604,13 +1934,15 @@ class ScheduleEditor(W.VBox):
             from ..export.fold import schedule_lines
 
             lines = schedule_lines(calls)
-        except Exception as err:  # an unexportable argument: show the calls one per line
+        except Exception as err:  # noqa: BLE001 - an unexportable argument: show the calls one per line
             _log.warning("code panel folding failed: %s", err)
             return self.code
         if len(lines) == len(calls):
             return "\n".join(lines)
-        return "\n".join([f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
-                         + lines)
+        return "\n".join(
+            [f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
+            + lines
+        )
 
     def _refresh_costs(self) -> None:
         """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
@@ -1625,8 +1957,13 @@ class ScheduleEditor(W.VBox):
         note += "" if small else " <i>(activations not estimated above 2B parameters)</i>"
         try:
             try:
-                pl = plan(self.schedule, example_inputs=self.example_inputs if small else None,
-                          activation="estimate" if (small and self.example_inputs) else None, dp=dp, shard=shard)
+                pl = plan(
+                    self.schedule,
+                    example_inputs=self.example_inputs if small else None,
+                    activation="estimate" if (small and self.example_inputs) else None,
+                    dp=dp,
+                    shard=shard,
+                )
             except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
                 _log.info("activation estimate failed: %s", err)
                 pl = plan(self.schedule, activation=None, dp=dp, shard=shard)
@@ -1635,7 +1972,7 @@ class ScheduleEditor(W.VBox):
             gpu = float(self._gpu.value)
             self._costs_text.value = html.escape(cost_summary(pl, gpu)) + note
             self._costs.value = cost_chart_svg(pl, gpu)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             _log.warning("memory plan failed", exc_info=True)
             self.last_plan = None
             self._costs.value = ""
@@ -1663,20 +2000,22 @@ class ScheduleEditor(W.VBox):
         try:
             with self._working("closing the open items"), self._batch():
                 calls = close_open_items(self.schedule)
-        except Exception as err:  # never let a click kill the kernel or lose the record
+        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
             if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             return self._error(f"The open items were not closed: {msg}")
-        self._info(f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
-                   + (" (one Undo removes them)." if calls else "; nothing was open."))
+        self._info(
+            f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
+            + (" (one Undo removes them)." if calls else "; nothing was open.")
+        )
         return None
 
     def _open_count(self) -> int:
         """How many open items the schedule check lists (0 if the check itself fails: it is advice)."""
         try:
             return len(self.check())
-        except Exception:  # the check must never break an export or a Verify report
+        except Exception:  # noqa: BLE001 - the check must never break an export or a Verify report
             _log.warning("schedule check failed", exc_info=True)
             return 0
 
@@ -1684,7 +2023,7 @@ class ScheduleEditor(W.VBox):
         """The open items above the code panel (at most four sentences, then a count); hidden when none."""
         try:
             found = self.check()
-        except Exception:  # the view must never break the engine
+        except Exception:  # noqa: BLE001 - the view must never break the engine
             _log.warning("schedule check failed", exc_info=True)
             found = []
         self._btn_fix.layout.display = "" if found else "none"
@@ -1692,11 +2031,16 @@ class ScheduleEditor(W.VBox):
             self._check.value = ""
             return
         items = "".join(f"<li>{html.escape(f.message)}</li>" for f in found[:4])
-        more = (f"<li>… and {len(found) - 4} more (<code>editor.check()</code> lists them all)</li>"
-                if len(found) > 4 else "")
-        self._check.value = (f"<div class='slapo-check-box'><b>{len(found)} open item{'s' if len(found) > 1 else ''}"
-                             "</b>: the model is not yet the original model split across ranks (Verify would "
-                             f"fail):<ul>{items}{more}</ul></div>")
+        more = (
+            f"<li>… and {len(found) - 4} more (<code>editor.check()</code> lists them all)</li>"
+            if len(found) > 4
+            else ""
+        )
+        self._check.value = (
+            f"<div class='slapo-check-box'><b>{len(found)} open item{'s' if len(found) > 1 else ''}"
+            "</b>: the model is not yet the original model split across ranks (Verify would "
+            f"fail):<ul>{items}{more}</ul></div>"
+        )
 
     def _refresh_all(self, reset_view: bool = False) -> None:
         """Redraw after the schedule changed: the view, the code panel, the schedule check and the costs."""
@@ -1718,7 +2062,7 @@ class ScheduleEditor(W.VBox):
         t0 = time.perf_counter()
         try:
             call_order(self.schedule)
-        except Exception as err:  # the check then runs (and explains itself) on the first cut
+        except Exception as err:  # noqa: BLE001 - the check then runs (and explains itself) on the first cut
             _log.warning("call order not recorded ahead: %s", err)
         return time.perf_counter() - t0
 
@@ -1728,7 +2072,7 @@ class ScheduleEditor(W.VBox):
         self._refresh_graph(reset_view=reset_view)
         self._refresh_inspector()
         n_sim = len(self.similar(self.selected)) if self.selected else 1
-        self._similar_info.value = (f"<small>{n_sim} similar modules</small>" if n_sim > 1 else "")
+        self._similar_info.value = f"<small>{n_sim} similar modules</small>" if n_sim > 1 else ""
         if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
             self._tree.unobserve(self._on_tree, names="value")
             self._tree.value = self.selected

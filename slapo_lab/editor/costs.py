@@ -5,16 +5,27 @@ parameters, gradients, optimizer states, activations and, under FSDP, the all-ga
 the chosen GPU's memory as a line.
 Colours are fixed six-digit hex; text uses JupyterLab's theme font colour, so light and dark both read.
 """
+
 from __future__ import annotations
 
 import html
 
 from ..utils import human_bytes
 
-GPU_SIZES = {"80 GB (A100/H100)": 80e9, "141 GB (H200)": 141e9, "24 GB": 24e9, "40 GB": 40e9, "192 GB (B200)": 192e9}
-PARTS = (("param_bytes", "parameters", "#4c78a8"), ("grad_bytes", "gradients", "#f58518"),
-         ("optimizer_bytes", "optimizer (Adam)", "#54a24b"), ("activation_bytes", "activations", "#b279a2"),
-         ("gather_bytes", "FSDP all-gather", "#9d755d"))
+GPU_SIZES = {
+    "80 GB (A100/H100)": 80e9,
+    "141 GB (H200)": 141e9,
+    "24 GB": 24e9,
+    "40 GB": 40e9,
+    "192 GB (B200)": 192e9,
+}
+PARTS = (
+    ("param_bytes", "parameters", "#4c78a8"),
+    ("grad_bytes", "gradients", "#f58518"),
+    ("optimizer_bytes", "optimizer (Adam)", "#54a24b"),
+    ("activation_bytes", "activations", "#b279a2"),
+    ("gather_bytes", "FSDP all-gather", "#9d755d"),
+)
 
 
 def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) -> str:
@@ -42,18 +53,24 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
             v = s.get(key) or 0
             w = v * scale
             if w > 0:
-                rows.append(f"<rect x='{x:.1f}' y='{y}' width='{max(w, 0.5):.1f}' height='{bar_h}' fill='{colour}'>"
-                            f"<title>{html.escape(name)}: {human_bytes(v)}</title></rect>")
+                rows.append(
+                    f"<rect x='{x:.1f}' y='{y}' width='{max(w, 0.5):.1f}' height='{bar_h}' fill='{colour}'>"
+                    f"<title>{html.escape(name)}: {human_bytes(v)}</title></rect>"
+                )
             x += w
         over = s["total_bytes"] > gpu_bytes
-        rows.append(f"<text x='{x + 4:.1f}' y='{y + bar_h * 0.7:.0f}' class='t{' over' if over else ''}'>"
-                    f"{human_bytes(s['total_bytes'])}</text>")
+        rows.append(
+            f"<text x='{x + 4:.1f}' y='{y + bar_h * 0.7:.0f}' class='t{' over' if over else ''}'>"
+            f"{human_bytes(s['total_bytes'])}</text>"
+        )
         y += bar_h + 6
     gx = width - right + 10 if off_scale else left + gpu_bytes * scale
     tag = f"GPU {gpu_bytes / 1e9:.0f} GB" + (" (off scale)" if off_scale else "")
-    rows.append(f"<line x1='{gx:.1f}' y1='8' x2='{gx:.1f}' y2='{y}' stroke='#d62728' stroke-width='2' "
-                f"stroke-dasharray='5,3'/><text x='{max(gx - 110, left):.1f}' y='12' class='t' fill='#d62728'>"
-                f"{tag}</text>")
+    rows.append(
+        f"<line x1='{gx:.1f}' y1='8' x2='{gx:.1f}' y2='{y}' stroke='#d62728' stroke-width='2' "
+        f"stroke-dasharray='5,3'/><text x='{max(gx - 110, left):.1f}' y='12' class='t' fill='#d62728'>"
+        f"{tag}</text>"
+    )
     lx = left
     y += 8
     for key, name, colour in PARTS:
@@ -61,14 +78,20 @@ def cost_chart_svg(plan, gpu_bytes: float, width: int = 520, bar_h: int = 22) ->
             continue  # only under FSDP
         if lx > left and lx + 14 + 7 * len(name) > width:  # the next legend row
             lx, y = left, y + 16
-        rows.append(f"<rect x='{lx}' y='{y}' width='10' height='10' fill='{colour}'/>"
-                    f"<text x='{lx + 14}' y='{y + 9}' class='t'>{html.escape(name)}</text>")
+        rows.append(
+            f"<rect x='{lx}' y='{y}' width='10' height='10' fill='{colour}'/>"
+            f"<text x='{lx + 14}' y='{y + 9}' class='t'>{html.escape(name)}</text>"
+        )
         lx += 16 + 7 * len(name)
     height = y + 18
-    style = ("<style>.t{font:11px var(--jp-ui-font-family, sans-serif);fill:var(--jp-ui-font-color1,#222222)}"
-             ".over{fill:#d62728;font-weight:bold}</style>")
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-            f"viewBox='0 0 {width} {height}'>{style}{''.join(rows)}</svg>")
+    style = (
+        "<style>.t{font:11px var(--jp-ui-font-family, sans-serif);fill:var(--jp-ui-font-color1,#222222)}"
+        ".over{fill:#d62728;font-weight:bold}</style>"
+    )
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}'>{style}{''.join(rows)}</svg>"
+    )
 
 
 _SHARDS = {"fsdp": "FSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
@@ -80,14 +103,27 @@ def cost_summary(plan, gpu_bytes: float) -> str:
     fits = busiest <= gpu_bytes
     dp = getattr(plan, "dp", 1)
     shard = _SHARDS.get(getattr(plan, "shard", None) or "") if dp > 1 else None
-    layout = f"{plan.num_stages} stage(s) × TP {plan.world_size}" + (f" × DP {dp}" if dp > 1 else "") \
+    layout = (
+        f"{plan.num_stages} stage(s) × TP {plan.world_size}"
+        + (f" × DP {dp}" if dp > 1 else "")
         + (f", {shard}" if shard else "")
-    return (f"Busiest rank needs {human_bytes(busiest)} ({layout} = {plan.num_ranks} GPUs): "
-            f"{'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB.")
+    )
+    return (
+        f"Busiest rank needs {human_bytes(busiest)} ({layout} = {plan.num_ranks} GPUs): "
+        f"{'fits' if fits else 'does NOT fit'} in {gpu_bytes / 1e9:.0f} GB."
+    )
 
 
-_SHAPES = ("shapes cannot be multiplied", "size mismatch", "must match the size", "broadcast", "mismatching",
-           "size of tensor", "shape", "expected input")
+_SHAPES = (
+    "shapes cannot be multiplied",
+    "size mismatch",
+    "must match the size",
+    "broadcast",
+    "mismatching",
+    "size of tensor",
+    "shape",
+    "expected input",
+)
 _VALUES = ("item()", "data-dependent", "on meta tensors", "meta tensor")
 
 

@@ -1,4 +1,5 @@
 """Python syntax highlighting for the code panel (pygments), coloured by JupyterLab's theme variables."""
+
 from __future__ import annotations
 
 import functools

@@ -10,6 +10,7 @@ cut at :data:`MAX_LINE_CHARS` and the kept log at :data:`MAX_LOG_CHARS`, so a ra
 300 MB line costs the kernel a few kilobytes. Used by the editor's "Verify on GPU" button; usable on
 its own.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,14 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import psutil
 
-MAX_LINE_CHARS = 10_000      # longer output lines are cut (with a note saying how much)
-MAX_LOG_CHARS = 2_000_000    # the kept log (VerifyResult.lines) drops its oldest lines beyond this
-GRACE_S = 5.0                # seconds between SIGTERM and SIGKILL
+MAX_LINE_CHARS = 10_000  # longer output lines are cut (with a note saying how much)
+MAX_LOG_CHARS = 2_000_000  # the kept log (VerifyResult.lines) drops its oldest lines beyond this
+GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL
 _TOKEN_VAR = "SLAPO_LAB_VERIFY_RUN"
 
 _DIFF = re.compile(r"max abs diff ([0-9.eE+-]+|inf|nan)")
@@ -53,8 +54,10 @@ def plan_device(nproc: int, want: str = "cuda") -> tuple[str, str]:
         return "cpu", "CUDA is not available on this machine, so Verify runs on the CPU with gloo."
     n = torch.cuda.device_count()
     if n < nproc:
-        return "cpu", (f"The schedule needs {nproc} ranks but this machine has {n} GPU(s), "
-                       "so Verify runs on the CPU with gloo.")
+        return "cpu", (
+            f"The schedule needs {nproc} ranks but this machine has {n} GPU(s), "
+            "so Verify runs on the CPU with gloo."
+        )
     return "cuda", ""
 
 
@@ -81,12 +84,19 @@ class VerifyResult:
         if self.status == "failed":
             return f"Verify failed{where}: the scheduled model differs from the original{diff}."
         if self.status == "timeout":
-            return f"Verify was stopped after {self.seconds:.0f} s (its time limit); the schedule is unchanged."
+            return (
+                f"Verify was stopped after {self.seconds:.0f} s (its time limit); the schedule is unchanged."
+            )
         if self.status == "cancelled":
             return "Verify was cancelled; the schedule is unchanged."
-        tail = next((ln for ln in reversed(self.lines) if _EXC.match(ln) and "ChildFailedError" not in ln), "")
-        return (f"Verify crashed (exit code {self.returncode})" + (f": {tail.strip()[:200]}" if tail else "")
-                + "; the schedule is unchanged.")
+        tail = next(
+            (ln for ln in reversed(self.lines) if _EXC.match(ln) and "ChildFailedError" not in ln), ""
+        )
+        return (
+            f"Verify crashed (exit code {self.returncode})"
+            + (f": {tail.strip()[:200]}" if tail else "")
+            + "; the schedule is unchanged."
+        )
 
 
 class VerifyRunner:
@@ -97,8 +107,12 @@ class VerifyRunner:
         on_done: called with the :class:`VerifyResult` when the run ends, however it ends.
     """
 
-    def __init__(self, on_line: Callable[[str], None] | None = None,
-                 on_done: Callable[[VerifyResult], None] | None = None, grace: float = GRACE_S) -> None:
+    def __init__(
+        self,
+        on_line: Callable[[str], None] | None = None,
+        on_done: Callable[[VerifyResult], None] | None = None,
+        grace: float = GRACE_S,
+    ) -> None:
         self.on_line = on_line or (lambda line: None)
         self.on_done = on_done or (lambda result: None)
         self.grace = grace
@@ -122,12 +136,31 @@ class VerifyRunner:
 
     def command(self, script: str, nproc: int, device: str, extra: list[str] | None = None) -> list[str]:
         """The argv (no shell) of the run."""
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-                "--device", device, "--verify", "--steps", "1", *(extra or [])]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(script),
+            "--device",
+            device,
+            "--verify",
+            "--steps",
+            "1",
+            *(extra or []),
+        ]
 
-    def start(self, script: str, nproc: int, device: str = "cpu", timeout: float = 600.0,
-              extra: list[str] | None = None, note: str = "") -> None:
+    def start(
+        self,
+        script: str,
+        nproc: int,
+        device: str = "cpu",
+        timeout: float = 600.0,
+        extra: list[str] | None = None,
+        note: str = "",
+    ) -> None:
         """Start the run; returns at once.
 
         Raises:
@@ -144,12 +177,25 @@ class VerifyRunner:
         import uuid
 
         self._token = uuid.uuid4().hex  # inherited by every descendant: found even once orphaned
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   **{_TOKEN_VAR: self._token})
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True, cwd=os.path.dirname(os.path.abspath(script)))
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            **{_TOKEN_VAR: self._token},
+        )
+        self._proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            cwd=os.path.dirname(os.path.abspath(script)),
+        )
         self._remember(self._proc.pid)
-        self._thread = threading.Thread(target=self._watch, args=(self._proc, timeout, device, note), daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, args=(self._proc, timeout, device, note), daemon=True
+        )
         self._thread.start()
 
     def cancel(self) -> bool:
@@ -306,7 +352,7 @@ class VerifyRunner:
                 dropped += 1
             try:
                 self.on_line(line)
-            except Exception:  # noqa: BLE001 - a view must never stop the run's bookkeeping
+            except Exception:  # noqa: BLE001, S110 - a view must never stop the run's bookkeeping
                 pass
 
         give_up = threading.Event()
@@ -345,9 +391,10 @@ class VerifyRunner:
                     status = "failed"
                 else:
                     status = "crashed"
-                self.result = VerifyResult(status, proc.returncode, time.monotonic() - t0, diffs, lines, device,
-                                           note)
+                self.result = VerifyResult(
+                    status, proc.returncode, time.monotonic() - t0, diffs, lines, device, note
+                )
                 try:
                     self.on_done(self.result)
-                except Exception:  # noqa: BLE001 - the result is kept on self.result either way
+                except Exception:  # noqa: BLE001, S110 - the result is kept on self.result either way
                     pass

@@ -11,6 +11,7 @@ Pieces: :func:`model_spec` / :func:`input_spec` describe the model and its input
 literals only); :func:`save_schedule` / :func:`load_schedule` persist all of it
 (``slapo-lab export schedule.json -o train.py`` renders a saved file).
 """
+
 from .fold import find_runs, schedule_lines
 from .io import ScheduleFile, load_schedule, save_schedule
 from .script import LAUNCHERS, export_script, launch_command, pipeline_stages, processes, render_script

@@ -19,6 +19,7 @@ Safety: a path is written as an f-string only when the text around the index con
 folded and is written as a ``repr``'d literal by :func:`slapo_lab.record.format_call`, so no module
 name can inject code. Arguments are always ``repr``'d literals.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,13 +27,13 @@ from typing import NamedTuple
 
 from ..record import Call, format_call, pystr
 
-_INDEX = re.compile(r"(0|[1-9][0-9]*)\Z")     # canonical: f"{i}" writes it back identically
+_INDEX = re.compile(r"(0|[1-9][0-9]*)\Z")  # canonical: f"{i}" writes it back identically
 _SAFE = re.compile(r"[A-Za-z0-9_.]*\Z")
 
 
 def _tail(call: Call, var: str) -> str:
     """The rendered call after ``sch[<path>]``: ``.shard("weight", axis=0)``."""
-    return format_call(call, var)[len(f"{var}[{pystr(call.path)}]"):]
+    return format_call(call, var)[len(f"{var}[{pystr(call.path)}]") :]
 
 
 def _step(a: Call, b: Call) -> tuple[int, int, int] | None:
@@ -46,7 +47,7 @@ def _step(a: Call, b: Call) -> tuple[int, int, int] | None:
     k = diff[0]
     if not (_INDEX.match(pa[k]) and _INDEX.match(pb[k])):
         return None
-    if not _SAFE.match(".".join(pa[:k] + pa[k + 1:])):
+    if not _SAFE.match(".".join(pa[:k] + pa[k + 1 :])):
         return None
     return k, int(pa[k]), int(pb[k])
 
@@ -81,8 +82,12 @@ def _run_at(calls: list[Call], tails: list[str], s: int, length: int) -> Run | N
         ok = True
         for j in range(length):
             st = _step(calls[s + j], calls[base + j])
-            if (tails[s + j] != tails[base + j] or st is None or st[0] != positions[j]
-                    or st[2] != first + count):
+            if (
+                tails[s + j] != tails[base + j]
+                or st is None
+                or st[0] != positions[j]
+                or st[2] != first + count
+            ):
                 ok = False
                 break
         if not ok:
@@ -110,7 +115,7 @@ def find_runs(calls: list[Call], var: str = "sch") -> list[Call | Run]:
         lengths = set()
         for k, part in enumerate(parts):
             if _INDEX.match(part):
-                nxt = ".".join(parts[:k] + [str(int(part) + 1)] + parts[k + 1:])
+                nxt = ".".join(parts[:k] + [str(int(part) + 1)] + parts[k + 1 :])
                 lengths.update(q - s for q in at.get(nxt, ()) if s < q <= s + (n - s) // 2)
         if lengths:
             for length in sorted(lengths):
@@ -143,6 +148,6 @@ def schedule_lines(calls: list[Call], var: str = "sch", loop_var: str = "i") -> 
             parts = call.path.split(".")
             k = item.positions[j]
             head = ".".join(parts[:k]) + ("." if k else "")
-            rest = ("." if k + 1 < len(parts) else "") + ".".join(parts[k + 1:])
+            rest = ("." if k + 1 < len(parts) else "") + ".".join(parts[k + 1 :])
             lines.append(f'    {var}[f"{head}{{{loop_var}}}{rest}"]{_tail(call, var)}')
     return lines

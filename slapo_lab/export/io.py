@@ -11,6 +11,7 @@
 it never applies half a file): a corrupt file, another schema, a newer version, an unknown
 primitive or malformed arguments each raise :class:`ExportError` with one sentence.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,15 @@ class ScheduleFile(NamedTuple):
         return self.meta.get("world_size")
 
 
-def save_schedule(path, calls, model: nn.Module | None = None, example_inputs: dict | None = None,
-                  world_size: int | None = None, factory: str | None = None, meta: dict | None = None) -> Path:
+def save_schedule(
+    path,
+    calls,
+    model: nn.Module | None = None,
+    example_inputs: dict | None = None,
+    world_size: int | None = None,
+    factory: str | None = None,
+    meta: dict | None = None,
+) -> Path:
     """Write ``calls`` (and what export needs) to a JSON schedule file.
 
     Args:
@@ -128,23 +136,26 @@ def load_schedule(path) -> ScheduleFile:
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
-        raise ExportError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}).") \
-            from None
+        raise ExportError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})."
+        ) from None
     except ValueError as err:
         raise ExportError(f"{path} is not valid JSON ({err}).") from None
     except RecursionError:
         raise ExportError(f"{path} nests its JSON too deeply to be a schedule file.") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ExportError(f"{path} is not a slapo-lab schedule file (no \"schema\": \"{SCHEMA}\").")
+        raise ExportError(f'{path} is not a slapo-lab schedule file (no "schema": "{SCHEMA}").')
     version = data.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ExportError(f"{path} has an invalid schedule format version {version!r}.")
     if version > SCHEMA_VERSION:
-        raise ExportError(f"{path} uses schedule format version {version}, newer than this slapo-lab reads "
-                          f"(up to {SCHEMA_VERSION}); upgrade slapo-lab.")
+        raise ExportError(
+            f"{path} uses schedule format version {version}, newer than this slapo-lab reads "
+            f"(up to {SCHEMA_VERSION}); upgrade slapo-lab."
+        )
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
-        raise ExportError(f"{path} has a \"meta\" entry that is not a JSON object.")
+        raise ExportError(f'{path} has a "meta" entry that is not a JSON object.')
     if not isinstance(data.get("calls"), list):
         raise ExportError(f"{path} has no list of calls.")
     try:
@@ -158,5 +169,7 @@ def load_schedule(path) -> ScheduleFile:
     except ExportError as err:
         raise ExportError(f"{path}: {err}") from None
     except RecursionError:
-        raise ExportError(f"{path} nests a call argument or meta entry too deeply to be a schedule file.") from None
+        raise ExportError(
+            f"{path} nests a call argument or meta entry too deeply to be a schedule file."
+        ) from None
     return ScheduleFile(calls, meta)

@@ -9,6 +9,7 @@ the data, the layouts, Verify, checkpoints and metrics. It imports only ``slapo_
 Every value is JSON data validated before rendering (:mod:`slapo_lab.export.spec`) and written as a Python
 literal (``pprint``), every name a checked identifier, so nothing a schedule file holds becomes code.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,25 @@ LAUNCHERS = ("torchrun", "deepspeed")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 # Options an export may bake in as the script's defaults (the command line still overrides them).
-EXPORT_OPTIONS = ("model_path", "tokenizer", "data", "eval_data", "seq_len", "dp", "fsdp", "zero", "checkpoint_dir",
-                  "checkpoint_every", "save_hf", "global_batch_size", "micro_batch_size", "steps", "lr", "bf16",
-                  "log_dir")
+EXPORT_OPTIONS = (
+    "model_path",
+    "tokenizer",
+    "data",
+    "eval_data",
+    "seq_len",
+    "dp",
+    "fsdp",
+    "zero",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "save_hf",
+    "global_batch_size",
+    "micro_batch_size",
+    "steps",
+    "lr",
+    "bf16",
+    "log_dir",
+)
 
 
 def _literal(value, indent: int = 0) -> str:
@@ -51,9 +68,11 @@ def _check_defaults(defaults: dict | None, launcher: str) -> dict:
     defaults = dict(defaults or {})
     for key, value in defaults.items():
         if key not in EXPORT_OPTIONS:
-            raise ExportError(f"{key!r} is not an option an export can set; use one of {', '.join(EXPORT_OPTIONS)}.")
+            raise ExportError(
+                f"{key!r} is not an option an export can set; use one of {', '.join(EXPORT_OPTIONS)}."
+            )
         if key == "zero" and launcher != "deepspeed":
-            raise ExportError("zero= (a DeepSpeed ZeRO stage) needs launcher=\"deepspeed\".")
+            raise ExportError('zero= (a DeepSpeed ZeRO stage) needs launcher="deepspeed".')
         _check_json(f"The export option {key}", value)
     return {k: v for k, v in defaults.items() if v is not None}
 
@@ -65,29 +84,50 @@ def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict
     data = " --data corpus.jsonl --tokenizer TOKENIZER_DIR --seq-len 1024" if "data" not in defaults else ""
     model = " --model-path HF_DIR" if "model_path" not in defaults else ""
     if launcher == "deepspeed":
-        return [(f"  one node with N GPUs (N a multiple of {unit}: data parallelism over the rest, --zero 1 or 2 to "
-                 "shard optimizer states):"),
-                f"    deepspeed --num_gpus {n} {name} --device cuda{model}{data}",
-                f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} --device cpu",
-                f"  the DeepSpeed config:  python {name} --print-ds-config"]
+        return [
+            (
+                f"  one node with N GPUs (N a multiple of {unit}: data parallelism over the rest, --zero 1 or 2 to "
+                "shard optimizer states):"
+            ),
+            f"    deepspeed --num_gpus {n} {name} --device cuda{model}{data}",
+            f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} --device cpu",
+            f"  the DeepSpeed config:  python {name} --print-ds-config",
+        ]
     layout = f"tp {tp}" + (f" x pp {stages}" if stages > 1 else "") + (f" x dp {dp}" if dp > 1 else "")
-    lines = [f"  one node with {n} GPU(s) ({layout}):",
-             f"    torchrun --nproc_per_node={n} {name} --device cuda{model}{data}"]
+    lines = [
+        f"  one node with {n} GPU(s) ({layout}):",
+        f"    torchrun --nproc_per_node={n} {name} --device cuda{model}{data}",
+    ]
     if 32 % unit == 0:
-        lines += [f"  4 nodes x 8 GPUs: data parallelism over the rest (dp = 32 / {unit}), FSDP2, resumable:",
-                  f"    torchrun --nnodes=4 --nproc_per_node=8 --node_rank=R --master_addr=HOST0 --master_port=29500 "
-                  f"{name} \\",
-                  f"      --device cuda --bf16{model}{data} --dp {32 // unit} --fsdp --checkpoint-dir CKPT_DIR "
-                  "--checkpoint-every 500"]
-    lines.append(f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} "
-                 "--device cpu")
+        lines += [
+            f"  4 nodes x 8 GPUs: data parallelism over the rest (dp = 32 / {unit}), FSDP2, resumable:",
+            (
+                f"    torchrun --nnodes=4 --nproc_per_node=8 --node_rank=R --master_addr=HOST0 --master_port=29500 "
+                f"{name} \\"
+            ),
+            (
+                f"      --device cuda --bf16{model}{data} --dp {32 // unit} --fsdp --checkpoint-dir CKPT_DIR "
+                "--checkpoint-every 500"
+            ),
+        ]
+    lines.append(
+        f"  CPU test (gloo on 127.0.0.1):  torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {name} "
+        "--device cpu"
+    )
     if n == 1:
         lines.append(f"  one process:  python {name} --device cpu")
     return lines
 
 
-def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: str = "torchrun",
-                  script_name: str = "train.py", defaults: dict | None = None) -> str:
+def render_script(
+    spec: dict,
+    calls,
+    inputs: dict,
+    world_size: int,
+    launcher: str = "torchrun",
+    script_name: str = "train.py",
+    defaults: dict | None = None,
+) -> str:
     """The training script for a recorded schedule, as Python source text.
 
     Args:
@@ -109,7 +149,7 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
             (non-tensor) inputs, or tensor x pipeline parallelism with the DeepSpeed launcher.
     """
     if launcher not in LAUNCHERS:
-        raise ExportError(f"The launcher {launcher!r} is not supported; use \"torchrun\" or \"deepspeed\".")
+        raise ExportError(f'The launcher {launcher!r} is not supported; use "torchrun" or "deepspeed".')
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ExportError(f"world_size must be a positive integer, not {world_size!r}.")
     spec = validate_model_spec(spec)
@@ -122,17 +162,23 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
 
         cls = spec["class"] if spec["kind"] == "hf" else spec["factory"]
         if spec["kind"] != "hf" or objective_of(cls) is None:
-            raise ExportError(f"{cls} has no language-model head, so it has no loss to train on text; export a "
-                              "*ForCausalLM or *ForMaskedLM model, or leave data synthetic.")
+            raise ExportError(
+                f"{cls} has no language-model head, so it has no loss to train on text; export a "
+                "*ForCausalLM or *ForMaskedLM model, or leave data synthetic."
+            )
     stages = pipeline_stages(calls)
     if stages > 1 and launcher == "deepspeed" and world_size > 1:
-        raise ExportError(f"DeepSpeed's pipeline engine runs pipeline x data parallelism only, but this schedule "
-                          f"also has {world_size}-way tensor parallelism; export it with launcher=\"torchrun\" "
-                          "(torch.distributed.pipelining runs tensor x pipeline x data parallelism).")
+        raise ExportError(
+            f"DeepSpeed's pipeline engine runs pipeline x data parallelism only, but this schedule "
+            f'also has {world_size}-way tensor parallelism; export it with launcher="torchrun" '
+            "(torch.distributed.pipelining runs tensor x pipeline x data parallelism)."
+        )
     constants = [k for k, e in inputs.items() if "value" in e]
     if stages > 1 and constants:
-        raise ExportError(f"A pipeline feeds only tensors to its first stage, but the example input {constants[0]!r} "
-                          "is a constant; drop it from the example inputs (or set it in the model config).")
+        raise ExportError(
+            f"A pipeline feeds only tensors to its first stage, but the example input {constants[0]!r} "
+            "is a constant; drop it from the example inputs (or set it in the model config)."
+        )
     from .. import __version__
 
     name = script_name if isinstance(script_name, str) and _SAFE_NAME.match(script_name) else "train.py"
@@ -141,24 +187,31 @@ def render_script(spec: dict, calls, inputs: dict, world_size: int, launcher: st
     if stages > 1:
         parts.append(f"{stages} pipeline stages")
     headline = " x ".join(parts) or "no model parallelism"
-    built = (f"transformers {spec['class']} built from the config below (--model-path DIR reads the config and "
-             "weights of a Hugging Face directory instead)" if spec["kind"] == "hf" else
-             f"built by calling {spec['factory']} (importable on every node)")
+    built = (
+        f"transformers {spec['class']} built from the config below (--model-path DIR reads the config and "
+        "weights of a Hugging Face directory instead)"
+        if spec["kind"] == "hf"
+        else f"built by calling {spec['factory']} (importable on every node)"
+    )
     body = schedule_lines(calls) or ["pass  # no recorded calls"]
-    doc = "\n".join([
-        f'"""Train {what} with a slapo-lab schedule: {headline}.',
-        "",
-        textwrap.fill(f"Generated by slapo-lab {__version__} from a recorded schedule; edit freely. The training "
-                      "itself (data, data / tensor / pipeline parallelism, FSDP2, Verify, checkpoints, metrics) is "
-                      "slapo_lab.train; this file holds what is yours: the model, the schedule and the defaults.",
-                      width=100),
-        "",
-        "Launch:",
-        *_launch_lines(name, world_size, stages, launcher, defaults),
-        "",
-        f"All options: python {name} --help",
-        '"""',
-    ])
+    doc = "\n".join(
+        [
+            f'"""Train {what} with a slapo-lab schedule: {headline}.',
+            "",
+            textwrap.fill(
+                f"Generated by slapo-lab {__version__} from a recorded schedule; edit freely. The training "
+                "itself (data, data / tensor / pipeline parallelism, FSDP2, Verify, checkpoints, metrics) is "
+                "slapo_lab.train; this file holds what is yours: the model, the schedule and the defaults.",
+                width=100,
+            ),
+            "",
+            "Launch:",
+            *_launch_lines(name, world_size, stages, launcher, defaults),
+            "",
+            f"All options: python {name} --help",
+            '"""',
+        ]
+    )
     lines = [
         doc,
         "import slapo_lab.train",
@@ -201,8 +254,9 @@ def processes(calls, world_size: int) -> int:
     return world_size * pipeline_stages(calls)
 
 
-def launch_command(calls, world_size: int, script: str = "train.py", launcher: str = "torchrun",
-                   device: str = "cuda") -> str:
+def launch_command(
+    calls, world_size: int, script: str = "train.py", launcher: str = "torchrun", device: str = "cuda"
+) -> str:
     """The one-node command that launches an exported script (``tp x pp`` processes, no data parallelism)."""
     n = processes(calls, world_size)
     if launcher == "deepspeed":
@@ -210,8 +264,16 @@ def launch_command(calls, world_size: int, script: str = "train.py", launcher: s
     return f"torchrun --nproc_per_node={n} {script} --device {device}"
 
 
-def export_script(path, model: nn.Module, calls, example_inputs: dict, world_size: int,
-                  launcher: str = "torchrun", factory: str | None = None, defaults: dict | None = None) -> Path:
+def export_script(
+    path,
+    model: nn.Module,
+    calls,
+    example_inputs: dict,
+    world_size: int,
+    launcher: str = "torchrun",
+    factory: str | None = None,
+    defaults: dict | None = None,
+) -> Path:
     """Write the training script for ``model`` scheduled by ``calls`` to ``path``.
 
     Args:
@@ -265,8 +327,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp = None
     except OSError as err:
         reason = err.strerror or str(err)
-        raise ExportError(f"Cannot write {path}: {reason[0].lower() + reason[1:] if reason else 'unknown error'}.") \
-            from None
+        raise ExportError(
+            f"Cannot write {path}: {reason[0].lower() + reason[1:] if reason else 'unknown error'}."
+        ) from None
     finally:
         if tmp is not None:
             try:

@@ -5,6 +5,7 @@ it and the script renderer (:mod:`slapo_lab.export.script`) can trust it only af
 every name that ends up as code (a class, a factory, a primitive, a keyword) is checked against a
 strict pattern or a registry, and every value ends up as a ``repr``'d literal.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,7 +31,18 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # dtypes an input may have (the names are ``torch.<name>`` attributes).
-INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+INPUT_DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
 
 
 def is_identifier(name: Any) -> bool:
@@ -40,7 +52,9 @@ def is_identifier(name: Any) -> bool:
 
 def _full_shapes(model: nn.Module) -> dict[str, tuple]:
     """Parameter name -> full (unsharded) shape; a scheduled model reports ``orig_shape``."""
-    return {n: tuple(getattr(p, "orig_shape", p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
+    return {
+        n: tuple(getattr(p, "orig_shape", p.shape)) for n, p in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _transformers_class(name: Any, base_name: str):
@@ -83,17 +97,22 @@ def model_spec(model: nn.Module, factory: str | None = None) -> dict:
     cls = type(model)
     name = cls.__name__
     if _transformers_class(name, "PreTrainedModel") is not cls:
-        raise ExportError(f"{name} is not a transformers model that its config rebuilds, so the script cannot "
-                          f"rebuild it; {FACTORY_HINT}.")
+        raise ExportError(
+            f"{name} is not a transformers model that its config rebuilds, so the script cannot "
+            f"rebuild it; {FACTORY_HINT}."
+        )
     config = model.config
     config_name = type(config).__name__
     if _transformers_class(config_name, "PretrainedConfig") is not type(config):
-        raise ExportError(f"The config class {config_name} of {name} is not importable from transformers; "
-                          f"{FACTORY_HINT}.")
+        raise ExportError(
+            f"The config class {config_name} of {name} is not importable from transformers; {FACTORY_HINT}."
+        )
     try:
         cfg = json.loads(json.dumps(config.to_dict(), allow_nan=False))
     except (TypeError, ValueError) as err:
-        raise ExportError(f"The config of {name} cannot be written as JSON ({err}); {FACTORY_HINT}.") from None
+        raise ExportError(
+            f"The config of {name} cannot be written as JSON ({err}); {FACTORY_HINT}."
+        ) from None
     spec = {"kind": "hf", "module": "transformers", "class": name, "config_class": config_name, "config": cfg}
     attn = getattr(config, "_attn_implementation", None)
     if isinstance(attn, str) and attn:
@@ -126,7 +145,9 @@ def build_from_spec(spec: dict, device: str = "meta") -> nn.Module:
                 return getattr(importlib.import_module(mod_name), fn_name)()
         return _build_hf(spec, device)
     except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
-        raise ExportError(f"The model could not be built on the {device} device ({type(err).__name__}: {err}).") from None
+        raise ExportError(
+            f"The model could not be built on the {device} device ({type(err).__name__}: {err})."
+        ) from None
 
 
 def _check_rebuilds(model: nn.Module, spec: dict) -> None:
@@ -135,16 +156,24 @@ def _check_rebuilds(model: nn.Module, spec: dict) -> None:
     try:
         rebuilt = _build_hf(spec)
     except Exception as err:  # noqa: BLE001 - any failure means the script would fail the same way
-        raise ExportError(f"{name} could not be rebuilt from its config ({type(err).__name__}: {err}); "
-                          f"{FACTORY_HINT}.") from None
+        raise ExportError(
+            f"{name} could not be rebuilt from its config ({type(err).__name__}: {err}); {FACTORY_HINT}."
+        ) from None
     want, got = _full_shapes(model), _full_shapes(rebuilt)
     if want != got:
         extra = sorted(set(got) - set(want))
         missing = sorted(set(want) - set(got))
         shape = sorted(k for k in set(want) & set(got) if want[k] != got[k])
-        what = (f"it would add {extra[0]!r}" if extra else f"it would lack {missing[0]!r}" if missing
-                else f"{shape[0]!r} would have shape {got[shape[0]]} instead of {want[shape[0]]}")
-        raise ExportError(f"{name} rebuilt from its config differs from the given model ({what}); {FACTORY_HINT}.")
+        what = (
+            f"it would add {extra[0]!r}"
+            if extra
+            else f"it would lack {missing[0]!r}"
+            if missing
+            else f"{shape[0]!r} would have shape {got[shape[0]]} instead of {want[shape[0]]}"
+        )
+        raise ExportError(
+            f"{name} rebuilt from its config differs from the given model ({what}); {FACTORY_HINT}."
+        )
 
 
 def check_factory(factory: Any, importable: bool = False) -> None:
@@ -154,20 +183,27 @@ def check_factory(factory: Any, importable: bool = False) -> None:
         ExportError: a malformed string, or with ``importable`` a module that does not import here or
             a name in it that is missing or not callable.
     """
-    if not isinstance(factory, str) or not _FACTORY.match(factory) or any(
-            keyword.iskeyword(p) for p in re.split(r"[.:]", factory)):
-        raise ExportError(f"The factory {factory!r} is not of the form \"package.module:function\".")
+    if (
+        not isinstance(factory, str)
+        or not _FACTORY.match(factory)
+        or any(keyword.iskeyword(p) for p in re.split(r"[.:]", factory))
+    ):
+        raise ExportError(f'The factory {factory!r} is not of the form "package.module:function".')
     if not importable:
         return
     mod_name, fn_name = factory.split(":")
     if mod_name == "__main__":
-        raise ExportError(f"The factory {factory!r} lives in __main__ (a notebook or script), which the exported "
-                          "script cannot import; move it into an importable module.")
+        raise ExportError(
+            f"The factory {factory!r} lives in __main__ (a notebook or script), which the exported "
+            "script cannot import; move it into an importable module."
+        )
     try:
         mod = importlib.import_module(mod_name)
     except Exception as err:  # noqa: BLE001 - an import can raise anything
-        raise ExportError(f"The factory module {mod_name!r} does not import here ({type(err).__name__}: {err}); "
-                          "it must be importable on every node.") from None
+        raise ExportError(
+            f"The factory module {mod_name!r} does not import here ({type(err).__name__}: {err}); "
+            "it must be importable on every node."
+        ) from None
     if not callable(getattr(mod, fn_name, None)):
         raise ExportError(f"The factory module {mod_name!r} has no function {fn_name!r}.")
 
@@ -179,17 +215,18 @@ def validate_model_spec(spec: Any) -> dict:
         ExportError: naming the first problem.
     """
     if not isinstance(spec, dict) or spec.get("kind") not in ("hf", "factory"):
-        raise ExportError("The model spec must be a dict with kind \"hf\" or \"factory\".")
+        raise ExportError('The model spec must be a dict with kind "hf" or "factory".')
     if spec["kind"] == "factory":
         check_factory(spec.get("factory"))
         return spec
     if spec.get("module", "transformers") != "transformers":
-        raise ExportError(f"The model spec's module must be \"transformers\", not {spec.get('module')!r}.")
+        raise ExportError(f'The model spec\'s module must be "transformers", not {spec.get("module")!r}.')
     if _transformers_class(spec.get("class"), "PreTrainedModel") is None:
         raise ExportError(f"The model spec's class {spec.get('class')!r} is not a transformers model class.")
     if _transformers_class(spec.get("config_class"), "PretrainedConfig") is None:
-        raise ExportError(f"The model spec's config_class {spec.get('config_class')!r} is not a transformers "
-                          "config class.")
+        raise ExportError(
+            f"The model spec's config_class {spec.get('config_class')!r} is not a transformers config class."
+        )
     if not isinstance(spec.get("config"), dict):
         raise ExportError("The model spec's config must be a JSON object.")
     _check_json("the model config", spec["config"])
@@ -223,11 +260,17 @@ def input_spec(example_inputs: dict, vocab_size: int | None = None) -> dict:
             scalar, or an unsupported dtype.
     """
     if not isinstance(example_inputs, dict):
-        raise ExportError("The example inputs must be a dict of keyword arguments, e.g. {\"input_ids\": ids}.")
+        raise ExportError('The example inputs must be a dict of keyword arguments, e.g. {"input_ids": ids}.')
     tensors = {k: v for k, v in example_inputs.items() if isinstance(v, torch.Tensor)}
     batch = next((t.shape[0] for t in tensors.values() if t.dim() >= 1), None)
-    seq = next((t.shape[1] for t in tensors.values()
-                if t.dim() >= 2 and not t.is_floating_point() and t.dtype != torch.bool), None)
+    seq = next(
+        (
+            t.shape[1]
+            for t in tensors.values()
+            if t.dim() >= 2 and not t.is_floating_point() and t.dtype != torch.bool
+        ),
+        None,
+    )
     spec: dict[str, dict] = {}
     for name, v in example_inputs.items():
         if not isinstance(name, str):
@@ -236,8 +279,10 @@ def input_spec(example_inputs: dict, vocab_size: int | None = None) -> dict:
             if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
                 spec[name] = {"value": v}
                 continue
-            raise ExportError(f"The example input {name!r} is a {type(v).__name__}; only tensors and JSON scalars "
-                              "can be exported.")
+            raise ExportError(
+                f"The example input {name!r} is a {type(v).__name__}; only tensors and JSON scalars "
+                "can be exported."
+            )
         dtype = str(v.dtype).removeprefix("torch.")
         if dtype not in INPUT_DTYPES:
             raise ExportError(f"The example input {name!r} has dtype {dtype}, which export does not support.")
@@ -287,8 +332,9 @@ def validate_input_spec(spec: Any) -> dict:
             raise ExportError(f"{where} has dtype {e.get('dtype')!r}; supported: {', '.join(INPUT_DTYPES)}.")
         dims = e.get("dims", e.get("shape"))
         if not isinstance(dims, list) or not all(
-                d in ("batch", "seq") or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in dims):
-            raise ExportError(f"{where} needs dims: a list of sizes, \"batch\" or \"seq\".")
+            d in ("batch", "seq") or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in dims
+        ):
+            raise ExportError(f'{where} needs dims: a list of sizes, "batch" or "seq".')
         if not isinstance(e.get("shape", dims), list) or len(e.get("shape", dims)) != len(dims):
             raise ExportError(f"{where} has a shape that does not match its dims.")
         if e["dtype"].startswith(("float", "bfloat")):
@@ -296,8 +342,10 @@ def validate_input_spec(spec: Any) -> dict:
         if "fill" in e:
             if not isinstance(e["fill"], (int, bool)):
                 raise ExportError(f"{where} has a non-integer fill value.")
-        elif not all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool) for k in ("low", "high")) \
-                or e["low"] >= e["high"]:
+        elif (
+            not all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool) for k in ("low", "high"))
+            or e["low"] >= e["high"]
+        ):
             raise ExportError(f"{where} needs integer bounds low < high (or a fill value).")
     return spec
 
@@ -321,8 +369,10 @@ def _check_json(where: str, v: Any) -> None:
         return
     if isinstance(v, float):
         if not math.isfinite(v):
-            raise ExportError(f"{where} has the value {v!r}, which is not finite and cannot be written as JSON "
-                              "or a Python literal.")
+            raise ExportError(
+                f"{where} has the value {v!r}, which is not finite and cannot be written as JSON "
+                "or a Python literal."
+            )
         return
     if isinstance(v, (list, tuple)):
         for x in v:
@@ -335,12 +385,20 @@ def _check_json(where: str, v: Any) -> None:
             _check_json(where, x)
         return
     if isinstance(v, nn.Module):
-        raise ExportError(f"{where} passes a {type(v).__name__} module object, which cannot be written into a "
-                          "script; only JSON values (strings, numbers, lists, dicts) can be exported.")
+        raise ExportError(
+            f"{where} passes a {type(v).__name__} module object, which cannot be written into a "
+            "script; only JSON values (strings, numbers, lists, dicts) can be exported."
+        )
     if callable(v):
         name = getattr(v, "__qualname__", None) or type(v).__name__
-        hint = "use a named sync op such as \"all_reduce\"" if ".sync" in where else "only JSON values can be exported"
-        raise ExportError(f"{where} passes the Python function {name}, which cannot be written into a script; {hint}.")
+        hint = (
+            'use a named sync op such as "all_reduce"'
+            if ".sync" in where
+            else "only JSON values can be exported"
+        )
+        raise ExportError(
+            f"{where} passes the Python function {name}, which cannot be written into a script; {hint}."
+        )
     raise ExportError(f"{where} has an argument of type {type(v).__name__}, which cannot be exported.")
 
 

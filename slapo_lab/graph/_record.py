@@ -37,17 +37,56 @@ _BOOL = torch.Tensor.__bool__
 
 # Argument types that are hashable and whose value fully describes them.
 _ATOM_TYPES = frozenset(
-    {int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
-     torch.memory_format, torch.layout}
+    {
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        type(None),
+        type(Ellipsis),
+        torch.dtype,
+        torch.device,
+        torch.memory_format,
+        torch.layout,
+    }
 )
 
 # In-place dunders (Python operator protocol) and other functions whose results must not be cached.
 _NO_CACHE_NAMES = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__",
-     "__get__", "__set__", "__delitem__", "__deepcopy__", "__reduce_ex__", "__setstate__",
-     "__torch_function__", "item", "tolist", "numpy", "data_ptr", "backward", "register_hook",
-     "retain_grad", "set_", "untyped_storage", "storage"}
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+        "__setitem__",
+        "__get__",
+        "__set__",
+        "__delitem__",
+        "__deepcopy__",
+        "__reduce_ex__",
+        "__setstate__",
+        "__torch_function__",
+        "item",
+        "tolist",
+        "numpy",
+        "data_ptr",
+        "backward",
+        "register_hook",
+        "retain_grad",
+        "set_",
+        "untyped_storage",
+        "storage",
+    }
 )
 
 
@@ -229,8 +268,22 @@ def _func_cacheable(func) -> bool:
 
 _FUNC_MUTATING: dict = {}
 _INPLACE_DUNDERS = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+        "__setitem__",
+    }
 )
 
 
@@ -460,9 +513,7 @@ class Recorder(TorchFunctionMode):
             ci = len(self.calls)
             call = Call(ci, path, n, parent, depth, len(self.op_func))
             names = _positional_names(mod)
-            pairs = [
-                (names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args)
-            ]
+            pairs = [(names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args)]
             pairs.extend(kwargs.items())
             call.inputs = self._named(pairs)
             self.calls.append(call)

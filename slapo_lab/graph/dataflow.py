@@ -341,8 +341,17 @@ class Dataflow:
         for name in input_names:
             shapes = self._input_shapes(frames, name)
             G.add_node(
-                INPUT_PREFIX + name, path=path, label=name, sub=shapes, type="input", kind="input",
-                params=0, count=1, members=[], ran=True, calls=len(frames),
+                INPUT_PREFIX + name,
+                path=path,
+                label=name,
+                sub=shapes,
+                type="input",
+                kind="input",
+                params=0,
+                count=1,
+                members=[],
+                ran=True,
+                calls=len(frames),
             )
         for node, members in groups:
             snap = self._modules[members[0]]
@@ -353,13 +362,21 @@ class Dataflow:
                 label, sub = f"{snap.type} × {len(members)}", rel
                 params = sum(self.params(m) for m in members)
             else:
-                rel = members[0][len(path) + 1:] if path else members[0]
+                rel = members[0][len(path) + 1 :] if path else members[0]
                 label, sub = rel, snap.type
                 params = self.params(members[0])
             G.add_node(
-                node, path=members[0], label=label, sub=sub, type=snap.type,
-                kind="folded" if folded else "module", params=params, count=len(members),
-                members=list(members), ran=any(m in self._active for m in members), calls=calls,
+                node,
+                path=members[0],
+                label=label,
+                sub=sub,
+                type=snap.type,
+                kind="folded" if folded else "module",
+                params=params,
+                count=len(members),
+                members=list(members),
+                ran=any(m in self._active for m in members),
+                calls=calls,
             )
             for m in members:
                 node_of_path[m] = node
@@ -371,8 +388,16 @@ class Dataflow:
                     if s not in out_shapes:
                         out_shapes.append(s)
         G.add_node(
-            OUTPUT_NODE, path=path, label="output", sub=", ".join(out_shapes[:_MAX_EDGE_SHAPES]),
-            type="output", kind="output", params=0, count=1, members=[], ran=bool(frames),
+            OUTPUT_NODE,
+            path=path,
+            label="output",
+            sub=", ".join(out_shapes[:_MAX_EDGE_SHAPES]),
+            type="output",
+            kind="output",
+            params=0,
+            count=1,
+            members=[],
+            ran=bool(frames),
             calls=len(frames),
         )
 
@@ -478,9 +503,16 @@ class Dataflow:
         for path, snap in self._modules.items():
             name = path.rsplit(".", 1)[-1] if path else ""
             G.add_node(
-                path, path=path, name=name, label=name or snap.type, type=snap.type, kind="module",
-                params=self.params(path), own_params=sum(x[4] for x in snap.params),
-                depth=0 if not path else path.count(".") + 1, calls=len(self._calls_of.get(path, ())),
+                path,
+                path=path,
+                name=name,
+                label=name or snap.type,
+                type=snap.type,
+                kind="module",
+                params=self.params(path),
+                own_params=sum(x[4] for x in snap.params),
+                depth=0 if not path else path.count(".") + 1,
+                calls=len(self._calls_of.get(path, ())),
             )
         for path, snap in self._modules.items():
             for c in snap.children:
@@ -491,7 +523,8 @@ class Dataflow:
 def _fwd_ops(meta: dict) -> set:
     return {
         op if isinstance(op, str) else getattr(op, "__name__", "fn")
-        for mode, op in meta.get("syncs", ()) if str(mode).startswith("fwd_post")
+        for mode, op in meta.get("syncs", ())
+        if str(mode).startswith("fwd_post")
     }
 
 
@@ -575,16 +608,27 @@ def per_rank_edges(G: nx.DiGraph, world_size: int, module_of, state_of) -> nx.Di
             per_rank.append("×".join(dims[:a] + [str(part)] + dims[a + 1 :]))
         if not shapes:
             continue
-        attrs["label"] = ", ".join(labels[:_MAX_EDGE_SHAPES]) + (", …" if len(labels) > _MAX_EDGE_SHAPES else "")
+        attrs["label"] = ", ".join(labels[:_MAX_EDGE_SHAPES]) + (
+            ", …" if len(labels) > _MAX_EDGE_SHAPES else ""
+        )
         attrs["rank_shapes"] = per_rank
         how = (
-            "partial sums on every rank (all-reduce pending)" if kind == "partial"
+            "partial sums on every rank (all-reduce pending)"
+            if kind == "partial"
             else f"split over {world_size} ranks on dim {axis}"
         )
-        attrs["tooltip"] = f"per rank: {', '.join(per_rank[:_MAX_EDGE_SHAPES])} ({how}); whole: {', '.join(shapes[:3])}"
+        attrs["tooltip"] = (
+            f"per rank: {', '.join(per_rank[:_MAX_EDGE_SHAPES])} ({how}); whole: {', '.join(shapes[:3])}"
+        )
     return G
 
 
 __all__ = [
-    "PASSTHROUGH", "Dataflow", "DataflowError", "output_split", "per_rank_edges", "record_dataflow", "shape_str",
+    "PASSTHROUGH",
+    "Dataflow",
+    "DataflowError",
+    "output_split",
+    "per_rank_edges",
+    "record_dataflow",
+    "shape_str",
 ]

@@ -78,9 +78,7 @@ def _html(text, limit: int = _MAX_LABEL) -> str:
 def _dot_string(text: str) -> str:
     """A DOT double-quoted string whose escString expansion is ``text`` literally (``\\n`` = line)."""
     lines = [display(line, 400) for line in str(text).split("\n")]
-    body = "\\n".join(
-        line.replace("\\", "\\\\\\\\").replace('"', '\\"') for line in lines
-    )
+    body = "\\n".join(line.replace("\\", "\\\\\\\\").replace('"', '\\"') for line in lines)
     return '"' + body + '"'
 
 
@@ -113,7 +111,10 @@ def _exe(name: str) -> str:
 def _run(prog: str, args: list[str], dot: str, timeout: float) -> str:
     try:
         r = subprocess.run(
-            [_exe(prog), *args], input=dot.encode("utf-8"), capture_output=True, timeout=timeout,
+            [_exe(prog), *args],
+            input=dot.encode("utf-8"),
+            capture_output=True,
+            timeout=timeout,
             check=False,
         )
     except subprocess.TimeoutExpired:
@@ -159,7 +160,12 @@ def layout_cache_info() -> dict:
     """Layout cache statistics: ``{"hits", "misses", "size", "maxsize"}`` (counts since the last
     :func:`clear_layout_cache`)."""
     with _CACHE.lock:
-        return {"hits": _CACHE.hits, "misses": _CACHE.misses, "size": len(_CACHE.data), "maxsize": _CACHE.maxsize}
+        return {
+            "hits": _CACHE.hits,
+            "misses": _CACHE.misses,
+            "size": len(_CACHE.data),
+            "maxsize": _CACHE.maxsize,
+        }
 
 
 def clear_layout_cache() -> None:
@@ -308,7 +314,9 @@ def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = ()):
         tok = f"n{i}"
         tokens[node] = tok
         node_ids[tok] = node
-        kind, shape, gv_style, fill, border, pw, badges, band, cut = _node_style(node, attrs, styles.get(node))
+        kind, shape, gv_style, fill, border, pw, badges, band, cut = _node_style(
+            node, attrs, styles.get(node)
+        )
         cls = f"slapo-node slapo-{kind}" if kind in _KIND_LOOK else "slapo-node"
         if band is not None:
             cls += " slapo-staged"
@@ -399,8 +407,7 @@ def _row_lines(rows: list[list], tokens: dict) -> list[str]:
     the first nodes of consecutive rows so the rows stack left-aligned (layout pass only)."""
     out = ["{rank=same; " + "; ".join(tokens[n] for n in r) + "}" for r in rows]
     out += [
-        f"{tokens[a[0]]} -> {tokens[b[0]]} [style=invis, weight=20];"
-        for a, b in itertools.pairwise(rows)
+        f"{tokens[a[0]]} -> {tokens[b[0]]} [style=invis, weight=20];" for a, b in itertools.pairwise(rows)
     ]
     return out
 
@@ -466,8 +473,9 @@ def render_svg(
     struct_text = _GRAPH_HEAD.format(
         rankdir=rankdir, font=FONT, label_pt=LABEL_PT, edge_pt=EDGE_PT, extra=head
     ) + "\n".join(
-        [f"  {s};" for s in struct] + [f"  {r}" for r in _row_lines(rows, tokens)]
-        + [f"  {u} -> {v} [id=\"{e}\"{lab}];" for e, u, v, lab in edges]
+        [f"  {s};" for s in struct]
+        + [f"  {r}" for r in _row_lines(rows, tokens)]
+        + [f'  {u} -> {v} [id="{e}"{lab}];' for e, u, v, lab in edges]
     )
     key = hashlib.sha1(struct_text.encode("utf-8")).hexdigest()
     layout = _CACHE.get(key)
@@ -554,21 +562,31 @@ def legend_svg(entries: Mapping[str, str] | Iterable[tuple[str, str]], title: st
         if kind == "fill":
             mark = f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="{colour}" stroke="#4a5568"/>'
         elif kind == "band":
-            mark = (f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="#ffffff" stroke="#4a5568"/>'
-                    f'<rect x="{x + 1}" y="{t + 1}" width="5" height="10" fill="{colour}"/>')
+            mark = (
+                f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="#ffffff" stroke="#4a5568"/>'
+                f'<rect x="{x + 1}" y="{t + 1}" width="5" height="10" fill="{colour}"/>'
+            )
         elif kind == "dashed":
-            mark = (f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="none" stroke="{colour}" '
-                    'stroke-width="1.6" stroke-dasharray="4,2"/>')
+            mark = (
+                f'<rect x="{x}" y="{t}" width="{sw}" height="12" rx="2" fill="none" stroke="{colour}" '
+                'stroke-width="1.6" stroke-dasharray="4,2"/>'
+            )
         elif kind == "bar":
-            mark = (f'<line x1="{x + 2}" y1="{t}" x2="{x + 2}" y2="{t + 12}" stroke="{colour}" stroke-width="3"/>'
-                    f'<line x1="{x + 2}" y1="{t + 6}" x2="{x + sw}" y2="{t + 6}" stroke="{colour}" stroke-width="3"/>')
+            mark = (
+                f'<line x1="{x + 2}" y1="{t}" x2="{x + 2}" y2="{t + 12}" stroke="{colour}" stroke-width="3"/>'
+                f'<line x1="{x + 2}" y1="{t + 6}" x2="{x + sw}" y2="{t + 6}" stroke="{colour}" stroke-width="3"/>'
+            )
         elif kind == "halo":
-            mark = (f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
-                    f'stroke="{colour}" stroke-width="4" stroke-opacity="0.45"/>'
-                    f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
-                    'stroke="#4a5568"/>')
+            mark = (
+                f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
+                f'stroke="{colour}" stroke-width="4" stroke-opacity="0.45"/>'
+                f'<rect x="{x + 1}" y="{t + 1}" width="{sw - 2}" height="10" rx="2" fill="none" '
+                'stroke="#4a5568"/>'
+            )
         else:
-            raise ValueError(f"Unknown legend swatch {display(repr(kind))}; use fill, band, dashed, bar or halo.")
+            raise ValueError(
+                f"Unknown legend swatch {display(repr(kind))}; use fill, band, dashed, bar or halo."
+            )
         rows.append(
             mark + f'<text x="{pad + sw + 6}" y="{y + 12}" font-family="{FONT}" font-size="11">'
             f"{html.escape(label)}</text>"

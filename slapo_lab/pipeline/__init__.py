@@ -18,6 +18,7 @@ Sources: Slapo ``slapo/pipeline.py`` (seed 002); PyTorch ``torch/distributed/pip
 (seed 003) and ``schedules.py``; torchgpipe ``skip/layout.py`` (seed 004); DeepSpeed
 ``deepspeed/runtime/pipe``.
 """
+
 from .balance import CutSuggestion, suggest_cuts
 from .mesh import PipelineMesh, make_mesh
 from .order import CallOrder, call_order, check_cuts, record_call_order, set_example_inputs

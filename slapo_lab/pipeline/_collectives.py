@@ -7,6 +7,7 @@ implementations and autograd formulas on every live group, in eager runs, under 
 swapped it in for the export; :func:`exportable_sync_ops` stays as the (now empty) block that callers open
 around an export.
 """
+
 from __future__ import annotations
 
 import contextlib

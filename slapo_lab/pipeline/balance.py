@@ -17,6 +17,7 @@ Costs (``by``):
   median of ``repeats`` runs under ``torch.no_grad``; forward only -- backward is roughly 2x and
   scales alike).
 """
+
 from __future__ import annotations
 
 import time
@@ -66,8 +67,10 @@ def find_block_list(model: nn.Module) -> tuple[str, list[str]]:
         if best is None or key > best[0]:
             best = (key, path, [f"{path}.{n}" if path else n for n, _ in kids])
     if best is None:
-        raise ScheduleError("suggest_cuts found no list of repeated blocks (a ModuleList or Sequential of at least "
-                            "two modules of one type) to cut between.")
+        raise ScheduleError(
+            "suggest_cuts found no list of repeated blocks (a ModuleList or Sequential of at least "
+            "two modules of one type) to cut between."
+        )
     return best[1], best[2]
 
 
@@ -124,10 +127,16 @@ def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats
         handles = []
         for i, b in enumerate(blocks):
             m = copy.get_submodule(b)
-            handles.append(m.register_forward_pre_hook(
-                lambda mod, a, i=i: marks.append((2 * i, counter.get_total_flops()))))
-            handles.append(m.register_forward_hook(
-                lambda mod, a, o, i=i: marks.append((2 * i + 1, counter.get_total_flops()))))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda mod, a, i=i: marks.append((2 * i, counter.get_total_flops()))
+                )
+            )
+            handles.append(
+                m.register_forward_hook(
+                    lambda mod, a, o, i=i: marks.append((2 * i + 1, counter.get_total_flops()))
+                )
+            )
         from .order import _OpCounter
 
         with torch.no_grad(), _OpCounter(), counter:
@@ -143,10 +152,16 @@ def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats
         handles = []
         for i, b in enumerate(blocks):
             m = model.get_submodule(b)
-            handles.append(m.register_forward_pre_hook(
-                lambda mod, a, i=i, marks=marks: marks.append((2 * i, time.perf_counter()))))
-            handles.append(m.register_forward_hook(
-                lambda mod, a, o, i=i, marks=marks: marks.append((2 * i + 1, time.perf_counter()))))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda mod, a, i=i, marks=marks: marks.append((2 * i, time.perf_counter()))
+                )
+            )
+            handles.append(
+                m.register_forward_hook(
+                    lambda mod, a, o, i=i, marks=marks: marks.append((2 * i + 1, time.perf_counter()))
+                )
+            )
         try:
             with torch.no_grad():
                 t0 = time.perf_counter()
@@ -163,7 +178,9 @@ def _from_marks(marks, n: int, total: float) -> list[float]:
     at = {}
     for k, v in marks:
         if k in at:
-            raise ScheduleError("suggest_cuts: a block runs more than once per forward pass; cannot balance by it.")
+            raise ScheduleError(
+                "suggest_cuts: a block runs more than once per forward pass; cannot balance by it."
+            )
         at[k] = v
     if len(at) != 2 * n:
         raise ScheduleError("suggest_cuts: some blocks did not run in the forward pass with these inputs.")
@@ -187,7 +204,9 @@ def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[floa
     if not order.ok:  # fall back on definition order: everything before the list = first stage
         names = [nm for nm, _ in model.named_modules()]
         first = names.index(blocks[0])
-        last_block_end = max(i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks))
+        last_block_end = max(
+            i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks)
+        )
         where = {}
         for i, nm in enumerate(names):
             where[nm] = 0 if i < first else (n + 1 if i > last_block_end else None)
@@ -228,8 +247,9 @@ def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[floa
     return costs
 
 
-def suggest_cuts(sch, num_stages: int, by: str = "params", example_inputs=None, apply: bool = False,
-                 repeats: int = 3) -> CutSuggestion:
+def suggest_cuts(
+    sch, num_stages: int, by: str = "params", example_inputs=None, apply: bool = False, repeats: int = 3
+) -> CutSuggestion:
     """Propose ``num_stages - 1`` cut paths over the model's repeated blocks, balanced by ``by``.
 
     Args:
@@ -256,11 +276,15 @@ def suggest_cuts(sch, num_stages: int, by: str = "params", example_inputs=None, 
     model = top.mod
     list_path, blocks = find_block_list(model)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 2 <= num_stages <= len(blocks):
-        raise ScheduleError(f"suggest_cuts: num_stages must be an integer in [2, {len(blocks)}] for the "
-                            f"{len(blocks)} blocks of {list_path}, not {num_stages!r}.")
+        raise ScheduleError(
+            f"suggest_cuts: num_stages must be an integer in [2, {len(blocks)}] for the "
+            f"{len(blocks)} blocks of {list_path}, not {num_stages!r}."
+        )
     if apply and top.metadata.primitives["cut_pipeline_stage"]:
-        raise ScheduleError("suggest_cuts(apply=True): the schedule already has cuts "
-                            f"({', '.join(top.metadata.primitives['cut_pipeline_stage'])}); apply to a fresh schedule.")
+        raise ScheduleError(
+            "suggest_cuts(apply=True): the schedule already has cuts "
+            f"({', '.join(top.metadata.primitives['cut_pipeline_stage'])}); apply to a fresh schedule."
+        )
     inputs = example_inputs
     if inputs is None:
         from .order import _INPUTS_KEY
@@ -269,11 +293,13 @@ def suggest_cuts(sch, num_stages: int, by: str = "params", example_inputs=None, 
     if inputs is None:
         inputs = dummy_inputs(model)
     if inputs is None:
-        raise ScheduleError("suggest_cuts needs example_inputs= (or set_example_inputs(sch, ...)) to run the model.")
+        raise ScheduleError(
+            "suggest_cuts needs example_inputs= (or set_example_inputs(sch, ...)) to run the model."
+        )
     costs = _segment_costs(model, blocks, inputs, by, repeats)
     # items: block i carries the pre part (i == 0) or the post part (i == n - 1)
     n = len(blocks)
-    items = list(costs[1:n + 1])
+    items = list(costs[1 : n + 1])
     items[0] += costs[0]
     items[-1] += costs[n + 1]
     allowed = [True] * n
@@ -281,7 +307,7 @@ def suggest_cuts(sch, num_stages: int, by: str = "params", example_inputs=None, 
     idx = _linear_partition(items, num_stages, allowed)
     paths = [blocks[i] for i in idx]
     bounds = [-1] + idx + [n - 1]
-    per_stage = [sum(items[bounds[k] + 1: bounds[k + 1] + 1]) for k in range(num_stages)]
+    per_stage = [sum(items[bounds[k] + 1 : bounds[k + 1] + 1]) for k in range(num_stages)]
     unit = {"params": "parameters", "flops": "FLOPs", "time": "seconds"}[by]
     if by != "time":
         per_stage = [round(v) for v in per_stage]

@@ -23,6 +23,7 @@ Engine constraints handled here:
 
 Only pipeline x data parallelism (no tensor parallelism) and one stage per rank.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,8 +35,12 @@ from torch import nn
 from ..errors import ScheduleError
 from .order import _split_inputs
 
-_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-           torch.bfloat16: torch.int16}
+_INT_OF = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def _encode(t: torch.Tensor, codec: tuple) -> torch.Tensor:
@@ -58,8 +63,10 @@ def _decode(t: torch.Tensor, codec: tuple) -> torch.Tensor:
 
 def _codec(t: Any) -> tuple:
     if not isinstance(t, torch.Tensor):
-        raise ScheduleError(f"DeepSpeed pipelines pass only tensors between stages, but a stage produces a "
-                            f"{type(t).__name__}.")
+        raise ScheduleError(
+            f"DeepSpeed pipelines pass only tensors between stages, but a stage produces a "
+            f"{type(t).__name__}."
+        )
     if t.dtype == torch.bool:
         return ("bool",)
     if t.is_floating_point():
@@ -157,8 +164,9 @@ def _dry_run_codecs(partition) -> list[list[tuple]]:
     return codecs
 
 
-def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, device, codecs=None,
-                    lr_scheduler=None) -> None:
+def build_deepspeed(
+    pm, loss_fn, optimizer, ds_config: dict, example_inputs, device, codecs=None, lr_scheduler=None
+) -> None:
     """Fill ``pm`` (a :class:`~slapo_lab.pipeline.PipelineModel`) with a DeepSpeed ``PipelineEngine``.
 
     ``codecs``: :func:`_dry_run_codecs` of the partition, computed before this rank's stages were
@@ -173,33 +181,52 @@ def build_deepspeed(pm, loss_fn, optimizer, ds_config: dict, example_inputs, dev
         import deepspeed
         from deepspeed.runtime.pipe.topology import ProcessTopology
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ScheduleError("target='deepspeed' needs DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed).") from err
+        raise ScheduleError(
+            "target='deepspeed' needs DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed)."
+        ) from err
     if optimizer is None:
-        raise ScheduleError("target='deepspeed' needs optimizer=lambda params: torch.optim.SGD(params, lr=...) "
-                            "(DeepSpeed's engine owns the optimizer step).")
+        raise ScheduleError(
+            "target='deepspeed' needs optimizer=lambda params: torch.optim.SGD(params, lr=...) "
+            "(DeepSpeed's engine owns the optimizer step)."
+        )
     partition = pm.partition
     args, kwargs = _split_inputs(example_inputs)
     for v in list(args) + list(kwargs.values()):
         if not isinstance(v, torch.Tensor):
-            raise ScheduleError("target='deepspeed' feeds only tensors to the first stage; every example input "
-                                f"must be a tensor, not a {type(v).__name__}.")
+            raise ScheduleError(
+                "target='deepspeed' feeds only tensors to the first stage; every example input "
+                f"must be a tensor, not a {type(v).__name__}."
+            )
     pp = partition.num_stages
     ws = dist.get_world_size()
     dp = ws // pp
     if dp * pp != ws or (pm.dp_group is not None and dist.get_world_size(pm.dp_group) != dp):
-        raise ScheduleError(f"target='deepspeed' supports pipeline x data parallelism only: the world size {ws} must "
-                            f"be {pp} stages x the data-parallel size (tensor parallelism is not supported there).")
+        raise ScheduleError(
+            f"target='deepspeed' supports pipeline x data parallelism only: the world size {ws} must "
+            f"be {pp} stages x the data-parallel size (tensor parallelism is not supported there)."
+        )
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     codecs = codecs if codecs is not None else _dry_run_codecs(partition)
     layers = [DeepSpeedStage(partition, i, codecs) for i in range(pp)]
     # Our mesh puts the pipeline inside the data-parallel replicas: rank = d * pp + p.
     topo = ProcessTopology(axes=["data", "pipe"], dims=[dp, pp])
-    mb = partition.mb_args[0].shape[0] if partition.mb_args else next(iter(partition.mb_kwargs.values())).shape[0]
-    module = pipeline_module_class()(partition, layers=layers, topology=topo, loss_fn=loss_fn,
-                                     partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": int(mb), "gradient_accumulation_steps": pm.n_microbatches,
-              "train_batch_size": int(mb) * pm.n_microbatches * dp, "steps_per_print": 10 ** 9,
-              "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "wall_clock_breakdown": False}
+    mb = (
+        partition.mb_args[0].shape[0]
+        if partition.mb_args
+        else next(iter(partition.mb_kwargs.values())).shape[0]
+    )
+    module = pipeline_module_class()(
+        partition, layers=layers, topology=topo, loss_fn=loss_fn, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": int(mb),
+        "gradient_accumulation_steps": pm.n_microbatches,
+        "train_batch_size": int(mb) * pm.n_microbatches * dp,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,
+        "wall_clock_breakdown": False,
+    }
     config.update(ds_config)
     opt = optimizer([p for p in module.parameters()])
     sched = lr_scheduler(opt) if lr_scheduler is not None else None

@@ -4,6 +4,7 @@ Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (
 mesh_dim_names=("dp", "pp", "tp"))``: global rank ``= (d * pp + p) * tp + t``; tensor-parallel
 groups are the innermost (neighbouring ranks), as in Megatron-LM.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,13 +53,27 @@ def make_mesh(tp: int = 1, pp: int = 1, dp: int = 1, device: str = "cpu") -> Pip
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ScheduleError(f"make_mesh: {name} must be a positive integer, not {v!r}.")
     if not (dist.is_available() and dist.is_initialized()):
-        raise ScheduleError("make_mesh needs an initialised torch.distributed process group "
-                            "(torch.distributed.init_process_group, e.g. under torchrun).")
+        raise ScheduleError(
+            "make_mesh needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)."
+        )
     ws = dist.get_world_size()
     if ws != tp * pp * dp:
-        raise ScheduleError(f"The world size is {ws}, but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}; "
-                            "the mesh must cover every rank exactly once.")
+        raise ScheduleError(
+            f"The world size is {ws}, but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}; "
+            "the mesh must cover every rank exactly once."
+        )
     mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     r = dist.get_rank()
-    return PipelineMesh(mesh, mesh.get_group("tp"), mesh.get_group("pp"), mesh.get_group("dp"), tp, pp, dp,
-                        r % tp, (r // tp) % pp, r // (tp * pp))
+    return PipelineMesh(
+        mesh,
+        mesh.get_group("tp"),
+        mesh.get_group("pp"),
+        mesh.get_group("dp"),
+        tp,
+        pp,
+        dp,
+        r % tp,
+        (r // tp) % pp,
+        r // (tp * pp),
+    )

@@ -17,6 +17,7 @@ inputs)`` (stored as ``sch._top.extra["example_inputs"]``); a Hugging Face model
 (the root's, or a descendant's ``input_ids`` fed to the root's ``input_ids`` / first parameter).
 Without any, the call-order checks are skipped and ``build_pipeline`` checks the cuts instead.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -74,7 +75,13 @@ class _OpCounter(TorchFunctionMode):
         self.n = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _BOOL and args and isinstance(args[0], torch.Tensor) and args[0].is_meta and args[0].numel() == 1:
+        if (
+            func is _BOOL
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta
+            and args[0].numel() == 1
+        ):
             return True
         self.n += 1
         return func(*args, **(kwargs or {}))
@@ -86,7 +93,11 @@ def _strip_schedule(model: nn.Module) -> None:
     for m in model.modules():
         m._forward_hooks.clear()
         m._forward_pre_hooks.clear()
-        for d in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        for d in (
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_forward_pre_hooks_with_kwargs",
+        ):
             if hasattr(m, d):
                 getattr(m, d).clear()
         if META_ATTR in m.__dict__ and "forward" in m.__dict__:
@@ -100,8 +111,10 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
         return tuple(example_inputs), {}
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
-    raise ScheduleError("example_inputs must be a dict of keyword arguments, a tuple of positional arguments "
-                        f"or one tensor, not a {type(example_inputs).__name__}.")
+    raise ScheduleError(
+        "example_inputs must be a dict of keyword arguments, a tuple of positional arguments "
+        f"or one tensor, not a {type(example_inputs).__name__}."
+    )
 
 
 def dummy_inputs(model: nn.Module):
@@ -123,7 +136,10 @@ def dummy_inputs(model: nn.Module):
         return None
     if any(p.name == "input_ids" for p in params):
         return {"input_ids": ids}
-    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    if params and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
         return (ids,)
     return None
 
@@ -132,8 +148,9 @@ def _signature(model: nn.Module) -> tuple:
     return tuple(id(m) for m in model.modules())
 
 
-def record_call_order(model: nn.Module, example_inputs=None, *, args: tuple = (),
-                      kwargs: dict | None = None) -> CallOrder:
+def record_call_order(
+    model: nn.Module, example_inputs=None, *, args: tuple = (), kwargs: dict | None = None
+) -> CallOrder:
     """Run ``model`` once on a meta copy with module hooks and return its :class:`CallOrder`.
 
     Inputs: ``example_inputs`` (a tuple of positional tensors, a dict of keyword tensors, or one
@@ -228,11 +245,15 @@ def _runs_twice_message(path: str, order: CallOrder) -> str:
             break
     n = order.count(path)
     if outer != path:
-        return (f"Cannot cut a pipeline stage after {path}: it sits inside {outer}, which runs "
-                f"{order.count(outer)} times in one forward pass, so the cut would have {n} places; "
-                f"cut after {outer} or outside it.")
-    return (f"Cannot cut a pipeline stage after {path}: it runs {n} times in one forward pass, so the cut "
-            "would have several places; cut after a module that runs once.")
+        return (
+            f"Cannot cut a pipeline stage after {path}: it sits inside {outer}, which runs "
+            f"{order.count(outer)} times in one forward pass, so the cut would have {n} places; "
+            f"cut after {outer} or outside it."
+        )
+    return (
+        f"Cannot cut a pipeline stage after {path}: it runs {n} times in one forward pass, so the cut "
+        "would have several places; cut after a module that runs once."
+    )
 
 
 def stage_ops(cuts: list[str], order: CallOrder) -> tuple[list[str], list[int]]:
@@ -258,8 +279,10 @@ def check_cuts(cuts: list[str], order: CallOrder, new: str | None = None) -> Non
     for p in all_cuts:
         n = order.count(p)
         if n == 0:
-            raise ScheduleError(f"Cannot cut a pipeline stage after {p}: it does not run in the forward pass "
-                                "with the example inputs, so there is no point after it.")
+            raise ScheduleError(
+                f"Cannot cut a pipeline stage after {p}: it does not run in the forward pass "
+                "with the example inputs, so there is no point after it."
+            )
         if n > 1:
             raise ScheduleError(_runs_twice_message(p, order))
     sorted_cuts, ops = stage_ops(all_cuts, order)
@@ -268,13 +291,19 @@ def check_cuts(cuts: list[str], order: CallOrder, new: str | None = None) -> Non
             continue
         what = new or (sorted_cuts[i] if i < len(sorted_cuts) else sorted_cuts[-1])
         if i == 0:
-            raise ScheduleError(f"Cutting after {what} would leave the first pipeline stage empty: no operation "
-                                f"runs up to and including {sorted_cuts[0]}.")
+            raise ScheduleError(
+                f"Cutting after {what} would leave the first pipeline stage empty: no operation "
+                f"runs up to and including {sorted_cuts[0]}."
+            )
         if i == len(sorted_cuts):
-            raise ScheduleError(f"Cutting after {what} would leave the last pipeline stage empty: nothing runs "
-                                f"after {sorted_cuts[-1]}.")
-        raise ScheduleError(f"Cutting after {what} would leave an empty pipeline stage: nothing runs between the "
-                            f"end of {sorted_cuts[i - 1]} and the end of {sorted_cuts[i]}.")
+            raise ScheduleError(
+                f"Cutting after {what} would leave the last pipeline stage empty: nothing runs "
+                f"after {sorted_cuts[-1]}."
+            )
+        raise ScheduleError(
+            f"Cutting after {what} would leave an empty pipeline stage: nothing runs between the "
+            f"end of {sorted_cuts[i - 1]} and the end of {sorted_cuts[i]}."
+        )
 
 
 def check_cut(sch) -> None:

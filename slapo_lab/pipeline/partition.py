@@ -22,6 +22,7 @@ lists them so the runtimes can sum their gradients (Slapo's ``analyze_tie_weight
 parameter of a stage *is* the schedule's parameter object, so training a pipeline updates ``sch.mod``
 in place (tied copies excepted) and sharding annotations (``shard_axis``, ``orig_shape``) stay on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,10 @@ def default_output_fn(out: Any) -> torch.Tensor:
 
     items = flatten_outputs(out)
     if not items:
-        raise ScheduleError("The model output has no floating-point tensor for the pipeline to return; "
-                            "pass output_fn= to pick one.")
+        raise ScheduleError(
+            "The model output has no floating-point tensor for the pipeline to return; "
+            "pass output_fn= to pick one."
+        )
     return items[0][1]
 
 
@@ -128,8 +131,10 @@ class PipelinePartition:
         """
         kwargs = dict(kwargs or {})
         if set(kwargs) != set(self.mb_kwargs) or len(args) != len(self.mb_args):
-            raise ScheduleError(f"The pipeline was built for {len(self.mb_args)} positional inputs and keyword inputs "
-                                f"{sorted(self.mb_kwargs)}; got {len(args)} positional and {sorted(kwargs)}.")
+            raise ScheduleError(
+                f"The pipeline was built for {len(self.mb_args)} positional inputs and keyword inputs "
+                f"{sorted(self.mb_kwargs)}; got {len(args)} positional and {sorted(kwargs)}."
+            )
         return list(args) + [kwargs[k] for k in self.mb_kwargs]
 
     def stage0_inputs(self, args: tuple = (), kwargs: dict | None = None) -> tuple:
@@ -147,8 +152,10 @@ class PipelinePartition:
         for s in self.stages:
             names = list(s.params)
             span = f"{names[0]} .. {names[-1]}" if names else "(no parameters)"
-            lines.append(f"stage {s.index}: {s.n_params} params, {span}; receives {len(self.liveness[s.index])} "
-                         f"values, passes on {len(self.liveness[s.index + 1])}")
+            lines.append(
+                f"stage {s.index}: {s.n_params} params, {span}; receives {len(self.liveness[s.index])} "
+                f"values, passes on {len(self.liveness[s.index + 1])}"
+            )
         for t in self.tied:
             lines.append("tied: " + ", ".join(f"stage {k}: {v}" for k, v in sorted(t.items())))
         return "\n".join(lines)
@@ -238,15 +245,19 @@ def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
                 for i, x in enumerate(outs):
                     if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
                         d = g.call_function(torch.ops.aten.detach.default, (x,))
-                        d.meta = {k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+                        d.meta = {
+                            k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")
+                        }
                         outs[i] = d
         for u in list(node.users):
             if u.op == "call_function" and u.target is operator.getitem:
                 u.replace_all_uses_with(outs[u.args[1]])
                 g.erase_node(u)
         if node.users:  # used as a whole (not seen in HF models): rebuild the tuple
-            raise ScheduleError("The exported model uses a no_grad/autocast region's result as a whole; "
-                                "the pipeline partitioner cannot inline it.")
+            raise ScheduleError(
+                "The exported model uses a no_grad/autocast region's result as a whole; "
+                "the pipeline partitioner cannot inline it."
+            )
         g.erase_node(node)
         if not body_node.users:
             g.erase_node(body_node)
@@ -260,8 +271,10 @@ def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
 def _chunk0(x, n: int):
     if isinstance(x, torch.Tensor):
         if x.dim() == 0 or x.shape[0] % n:
-            raise ScheduleError(f"The batch dimension of an example input of shape {tuple(x.shape)} is not divisible "
-                                f"by n_microbatches={n}.")
+            raise ScheduleError(
+                f"The batch dimension of an example input of shape {tuple(x.shape)} is not divisible "
+                f"by n_microbatches={n}."
+            )
         return x.chunk(n, dim=0)[0]
     if isinstance(x, dict):
         return {k: _chunk0(v, n) for k, v in x.items()}
@@ -357,7 +370,9 @@ def _value_meta(split: fx.GraphModule, v: fx.Node):
         for u in v.users:
             if u.op == "call_module":
                 sub = split.get_submodule(u.target)
-                return [n for n in sub.graph.nodes if n.op == "placeholder"][list(u.args).index(v)].meta.get("val")
+                return [n for n in sub.graph.nodes if n.op == "placeholder"][list(u.args).index(v)].meta.get(
+                    "val"
+                )
         return None
     if v.op == "call_function" and v.target is operator.getitem:
         res = _output_node(split.get_submodule(v.args[0].target).graph).args[0]
@@ -386,8 +401,9 @@ def _next_carry(top: fx.Graph, sidx: dict):
             prod = 0
         elif v.op == "call_function" and v.target is operator.getitem and v.args[0] in sidx:
             prod = sidx[v.args[0]]
-        elif v.op == "call_module" and not any(u.op == "call_function" and u.target is operator.getitem
-                                               for u in v.users):
+        elif v.op == "call_module" and not any(
+            u.op == "call_function" and u.target is operator.getitem for u in v.users
+        ):
             prod = sidx[v]
         else:
             continue
@@ -535,6 +551,7 @@ def _checkpointed_class(base: type) -> type:
     """A subclass of ``base`` whose forward runs under :func:`slapo_lab.random.checkpoint` (cached)."""
     cls = _CKPT_CLASSES.get(base)
     if cls is None:
+
         def forward(self, *args, **kwargs):
             if torch.is_grad_enabled():
                 from ..random import checkpoint as _ckpt
@@ -542,8 +559,11 @@ def _checkpointed_class(base: type) -> type:
                 return _ckpt(base.forward, self, *args, **kwargs)
             return base.forward(self, *args, **kwargs)
 
-        cls = type(base.__name__, (base,), {"forward": forward, "_slapo_checkpointed": True,
-                                            "__module__": base.__module__})
+        cls = type(
+            base.__name__,
+            (base,),
+            {"forward": forward, "_slapo_checkpointed": True, "__module__": base.__module__},
+        )
         cls.__qualname__ = base.__qualname__
         _CKPT_CLASSES[base] = cls
     return cls
@@ -633,7 +653,7 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
 
 
 def _orig_name(stage_fqn: str) -> str | None:
-    return stage_fqn[len(ROOT_PREFIX):] if stage_fqn.startswith(ROOT_PREFIX) else None
+    return stage_fqn[len(ROOT_PREFIX) :] if stage_fqn.startswith(ROOT_PREFIX) else None
 
 
 def _analyze_split(split_gm: fx.GraphModule, n: int):
@@ -675,8 +695,9 @@ def _analyze_split(split_gm: fx.GraphModule, n: int):
     return inputs, outputs, liveness, input_names, producer
 
 
-def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
-                       output_fn: Callable[[Any], Any] | None = None) -> PipelinePartition:
+def partition_pipeline(
+    sch, example_inputs, n_microbatches: int = 1, output_fn: Callable[[Any], Any] | None = None
+) -> PipelinePartition:
     """Split ``sch.mod`` into pipeline stages at ``sch.metadata.primitives["cut_pipeline_stage"]``.
 
     Args:
@@ -700,8 +721,10 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
     sch = sch.get_top_schedule()
     cuts = list(sch.metadata.primitives["cut_pipeline_stage"])
     if not cuts:
-        raise ScheduleError("The schedule has no pipeline cuts: call sch[path].cut_pipeline_stage() first "
-                            "(or slapo_lab.pipeline.suggest_cuts(sch, num_stages, apply=True)).")
+        raise ScheduleError(
+            "The schedule has no pipeline cuts: call sch[path].cut_pipeline_stage() first "
+            "(or slapo_lab.pipeline.suggest_cuts(sch, num_stages, apply=True))."
+        )
     model = sch.mod
     mb_args, mb_kwargs = microbatch(example_inputs, n_microbatches)
     order = record_call_order(model, args=mb_args, kwargs=mb_kwargs)
@@ -725,15 +748,19 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
     if n == len(cuts) + 1:
         _normalize_pipe(pipe)
     if n != len(cuts) + 1:
-        raise ScheduleError(f"The {len(cuts)} cuts produced {n} pipeline stages instead of {len(cuts) + 1}: a cut "
-                            "module probably runs more than once or its stage is empty.")
+        raise ScheduleError(
+            f"The {len(cuts)} cuts produced {n} pipeline stages instead of {len(cuts) + 1}: a cut "
+            "module probably runs more than once or its stage is empty."
+        )
     orig_params = dict(model.named_parameters(remove_duplicate=False))
     split_gm = pipe.split_gm
     ins, outs, liveness, input_names, producer = _analyze_split(split_gm, n)
     if len(input_names) != len(mb_args) + len(mb_kwargs):
-        raise ScheduleError(f"The exported model has {len(input_names)} inputs but {len(mb_args) + len(mb_kwargs)} "
-                            "example inputs were given; pass tensors only (constants such as use_cache=False belong "
-                            "in the model config).")
+        raise ScheduleError(
+            f"The exported model has {len(input_names)} inputs but {len(mb_args) + len(mb_kwargs)} "
+            "example inputs were given; pass tensors only (constants such as use_cache=False belong "
+            "in the model config)."
+        )
     stages = []
     ckpt_paths = _checkpointed_paths(model)
     for i in range(n):
@@ -754,5 +781,6 @@ def partition_pipeline(sch, example_inputs, n_microbatches: int = 1,
     tied = _tie_within_stages(model, stages, pipe.replicated_params)
     for st in stages:
         st.n_params = sum(p.numel() for p in {id(p): p for p in st.params.values()}.values())
-    return PipelinePartition(pipe, cuts, stages, tied, liveness, input_names, tuple(mb_args), dict(mb_kwargs),
-                             producer)
+    return PipelinePartition(
+        pipe, cuts, stages, tied, liveness, input_names, tuple(mb_args), dict(mb_kwargs), producer
+    )

@@ -16,6 +16,7 @@ Runtimes (the ``target``):
 * ``"deepspeed"``: ``deepspeed.pipe.PipelineModule`` with one layer per stage (see
   :mod:`slapo_lab.pipeline.deepspeed_runtime`) and ``engine.train_batch``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -54,8 +55,15 @@ class PipelineModel:
         n_microbatches: micro-batches per step.
     """
 
-    def __init__(self, partition: PipelinePartition, target: str, stage_ids: list[int], pp_group, dp_group,
-                 n_microbatches: int) -> None:
+    def __init__(
+        self,
+        partition: PipelinePartition,
+        target: str,
+        stage_ids: list[int],
+        pp_group,
+        dp_group,
+        n_microbatches: int,
+    ) -> None:
         self.partition = partition
         self.target = target
         self.stage_ids = stage_ids
@@ -121,7 +129,11 @@ class PipelineModel:
                 if s in self.stage_ids:
                     local.append(self.partition.stages[s].params[name])
             uniq = list({id(p): p for p in local}.values())
-            like = uniq[0] if uniq else self.partition.stages[next(iter(group))].params[next(iter(group.values()))]
+            like = (
+                uniq[0]
+                if uniq
+                else self.partition.stages[next(iter(group))].params[next(iter(group.values()))]
+            )
             # a rank without a copy adds zeros of the copies' shape, on its own device (the others are meta there)
             total = torch.zeros(like.shape, dtype=like.dtype, device=like.device if uniq else self._device)
             for p in uniq:
@@ -145,7 +157,7 @@ class PipelineModel:
         off = 0
         for p, g in zip(params, grads):
             k = g.numel()
-            p.grad = flat[off:off + k].view_as(g).clone()
+            p.grad = flat[off : off + k].view_as(g).clone()
             off += k
 
     # --- training ------------------------------------------------------------------------------------
@@ -205,9 +217,15 @@ class PipelineModel:
 
     def _broadcast_loss(self, losses) -> float:
         # NCCL only moves CUDA tensors: put the loss on this rank's device (CPU for gloo)
-        dev = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.is_initialized() and self.pp_group is not None and dist.get_backend(self.pp_group) == "nccl") \
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if (
+                dist.is_initialized()
+                and self.pp_group is not None
+                and dist.get_backend(self.pp_group) == "nccl"
+            )
             else torch.device("cpu")
+        )
         val = torch.zeros((), dtype=torch.float64, device=dev)
         if losses:
             val = torch.stack([torch.as_tensor(x).detach().double().to(dev) for x in losses]).mean()
@@ -222,9 +240,15 @@ class PipelineModel:
             p.grad = None
 
 
-def deepspeed_from(pm: PipelineModel, *, loss_fn: Callable, optimizer: Callable[[list], Any],
-                   lr_scheduler: Callable[[Any], Any] | None = None, ds_config: dict | None = None,
-                   device: str | torch.device = "cpu") -> PipelineModel:
+def deepspeed_from(
+    pm: PipelineModel,
+    *,
+    loss_fn: Callable,
+    optimizer: Callable[[list], Any],
+    lr_scheduler: Callable[[Any], Any] | None = None,
+    ds_config: dict | None = None,
+    device: str | torch.device = "cpu",
+) -> PipelineModel:
     """The same stages (same partition, same parameter objects) on DeepSpeed's pipeline engine.
 
     ``pm`` was built by :func:`build_pipeline` with ``deepspeed_later=True`` (its torch runtime is
@@ -237,13 +261,18 @@ def deepspeed_from(pm: PipelineModel, *, loss_fn: Callable, optimizer: Callable[
 
     codecs = getattr(pm.partition, "ds_codecs", None)
     if codecs is None:
-        raise ScheduleError("deepspeed_from needs a pipeline built with build_pipeline(..., deepspeed_later=True).")
+        raise ScheduleError(
+            "deepspeed_from needs a pipeline built with build_pipeline(..., deepspeed_later=True)."
+        )
     if len(pm.stage_ids) != 1:
-        raise ScheduleError("DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'.")
+        raise ScheduleError(
+            "DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'."
+        )
     out = PipelineModel(pm.partition, "deepspeed", pm.stage_ids, pm.pp_group, pm.dp_group, pm.n_microbatches)
     example = dict(pm.partition.mb_kwargs) or tuple(pm.partition.mb_args)
-    build_deepspeed(out, loss_fn, optimizer, ds_config or {}, example, device, codecs=codecs,
-                    lr_scheduler=lr_scheduler)
+    build_deepspeed(
+        out, loss_fn, optimizer, ds_config or {}, example, device, codecs=codecs, lr_scheduler=lr_scheduler
+    )
     return out
 
 
@@ -328,12 +357,15 @@ def _retarget_devices(module: nn.Module, device: torch.device) -> None:
                 if val is None or val.dtype.is_floating_point:
                     continue
                 with gm.graph.inserting_before(node):
-                    as_float = gm.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
-                                                      {"dtype": torch.float32})
+                    as_float = gm.graph.call_function(
+                        torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32}
+                    )
                 node.args = (as_float, *node.args[1:])
                 with gm.graph.inserting_after(node):  # and hand on the dtype the graph was traced with
-                    back = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
-                node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+                    back = gm.graph.call_function(
+                        torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype}
+                    )
+                node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
                 changed = True
         if changed:
             _recompile(gm)
@@ -352,7 +384,8 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
         with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             out = inner(*args, **kwargs)
         return torch.utils._pytree.tree_map(
-            lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, out)
+            lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, out
+        )
 
     module.forward = types.MethodType(forward, module)
 
@@ -363,13 +396,26 @@ def _default_pp_group():
     return None
 
 
-def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Callable, schedule: str = "1F1B",
-                   n_microbatches: int | None = None, pp_group=None, dp_group=None, stages_per_rank: int = 1,
-                   optimizer: Callable[[list], Any] | None = None, output_fn: Callable | None = None,
-                   device: str | torch.device = "cpu", ds_config: dict | None = None,
-                   prepare_stages: Callable[[PipelinePartition, list[int]], None] | None = None,
-                   autocast_bf16: bool = False, lr_scheduler: Callable[[Any], Any] | None = None,
-                   deepspeed_later: bool = False) -> PipelineModel:
+def build_pipeline(
+    sch,
+    target: str = "torch",
+    *,
+    example_inputs,
+    loss_fn: Callable,
+    schedule: str = "1F1B",
+    n_microbatches: int | None = None,
+    pp_group=None,
+    dp_group=None,
+    stages_per_rank: int = 1,
+    optimizer: Callable[[list], Any] | None = None,
+    output_fn: Callable | None = None,
+    device: str | torch.device = "cpu",
+    ds_config: dict | None = None,
+    prepare_stages: Callable[[PipelinePartition, list[int]], None] | None = None,
+    autocast_bf16: bool = False,
+    lr_scheduler: Callable[[Any], Any] | None = None,
+    deepspeed_later: bool = False,
+) -> PipelineModel:
     """Build this rank's pipeline stages from a cut schedule (Slapo's ``build(sch, target=...)`` for pipelines).
 
     Every rank of ``pp_group`` calls this with the same schedule (same cuts, same shapes); with tensor
@@ -432,22 +478,32 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ScheduleError(f"n_microbatches must be a positive integer, not {n_microbatches!r}.")
     if stages_per_rank > 1 and target == "deepspeed":
-        raise ScheduleError("DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'.")
+        raise ScheduleError(
+            "DeepSpeed runs one stage per rank: use stages_per_rank=1 with target='deepspeed'."
+        )
     if stages_per_rank > 1 and schedule != "Interleaved1F1B":
-        raise ScheduleError(f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' ({schedule} runs "
-                            "one stage per rank).")
+        raise ScheduleError(
+            f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' ({schedule} runs "
+            "one stage per rank)."
+        )
     n_cuts = len(sch.get_top_schedule().metadata.primitives["cut_pipeline_stage"])
     if n_cuts + 1 != pp * stages_per_rank:
-        raise ScheduleError(f"The schedule has {n_cuts} cuts, i.e. {n_cuts + 1} stages, but the pipeline group has "
-                            f"{pp} ranks x stages_per_rank={stages_per_rank} = {pp * stages_per_rank} stage slots.")
+        raise ScheduleError(
+            f"The schedule has {n_cuts} cuts, i.e. {n_cuts + 1} stages, but the pipeline group has "
+            f"{pp} ranks x stages_per_rank={stages_per_rank} = {pp * stages_per_rank} stage slots."
+        )
     if pp_group is None:
-        raise ScheduleError("build_pipeline runs its stages on a process group, but torch.distributed is not "
-                            "initialised: launch with torchrun (or call dist.init_process_group, world size 1 "
-                            "for all stages in one process) first.")
+        raise ScheduleError(
+            "build_pipeline runs its stages on a process group, but torch.distributed is not "
+            "initialised: launch with torchrun (or call dist.init_process_group, world size 1 "
+            "for all stages in one process) first."
+        )
     partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
     codecs = None
-    if target == "deepspeed" or deepspeed_later:  # how values travel between DeepSpeed stages: one micro-batch
+    if (
+        target == "deepspeed" or deepspeed_later
+    ):  # how values travel between DeepSpeed stages: one micro-batch
         from .deepspeed_runtime import (
             _dry_run_codecs,  # through every stage, while they are all alike (all meta,
         )
@@ -464,8 +520,16 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
     if target == "deepspeed":
         from .deepspeed_runtime import build_deepspeed
 
-        build_deepspeed(pm, loss_fn, optimizer, ds_config or {}, example_inputs, device, codecs=codecs,
-                        lr_scheduler=lr_scheduler)
+        build_deepspeed(
+            pm,
+            loss_fn,
+            optimizer,
+            ds_config or {},
+            example_inputs,
+            device,
+            codecs=codecs,
+            lr_scheduler=lr_scheduler,
+        )
         return pm
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -477,8 +541,10 @@ def build_pipeline(sch, target: str = "torch", *, example_inputs, loss_fn: Calla
         # in memory and infers their shapes from the first micro-batch.
         from torch.distributed.pipelining import PipelineStage
 
-        pm.stages = [PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pp_group)
-                     for i in stage_ids]
+        pm.stages = [
+            PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pp_group)
+            for i in stage_ids
+        ]
     else:
         pm.stages = [partition.pipe.build_stage(i, dev, pp_group) for i in stage_ids]
     if schedule == "Interleaved1F1B":

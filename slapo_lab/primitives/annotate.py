@@ -5,6 +5,7 @@ Slapo's ``slapo/primitives/annotate.py``: set an attribute on a parameter and re
 parameter's attributes to its shard, and ``replace`` / ``replace_all`` copy tagged attributes to a
 same-named parameter of the new module (or keep the very same parameter object).
 """
+
 from __future__ import annotations
 
 from typing import Any

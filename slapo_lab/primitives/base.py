@@ -5,14 +5,16 @@ Every schedule primitive (``shard``, ``sync``, ``checkpoint`` ...) is a subclass
 name up here; calls go through one dispatch point (:meth:`Schedule._dispatch`) that validates,
 applies and records them.
 """
+
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ScheduleError
 
-_PRIMITIVES: dict[str, type["Primitive"]] = {}
+_PRIMITIVES: dict[str, type[Primitive]] = {}
 
 
 class Primitive:
@@ -42,7 +44,7 @@ class Primitive:
     @classmethod
     def check(cls, sch, *args, **kwargs) -> None:
         """Raise ScheduleError if ``apply`` with these arguments would fail; default: no checks."""
-        return None
+        return
 
     @classmethod
     def signature(cls) -> inspect.Signature:

@@ -15,6 +15,7 @@ the composed forward replaces every ``Cache`` argument by ``None`` and ``use_cac
 lacks those blocks); see :func:`slapo_lab.module_state.without_kv_cache`, applied by the composed forward.
 Under ``torch.no_grad()`` (generation) nothing is checkpointed or changed.
 """
+
 from __future__ import annotations
 
 from ..errors import ScheduleError
@@ -41,14 +42,16 @@ class CheckpointPrimitive(Primitive):
         if sch.parent is None:
             raise ScheduleError(
                 "Cannot checkpoint the root module: nothing outside it would keep fewer activations; "
-                "checkpoint its blocks (e.g. each encoder layer) instead.")
+                "checkpoint its blocks (e.g. each encoder layer) instead."
+            )
         meta = peek_meta(sch.mod)
         if meta and meta["checkpoint"]:
             raise ScheduleError(f"{sch.path} is already checkpointed.")
         if subgraph is not None:
             raise ScheduleError(
                 "checkpoint(subgraph=...) needs a traced parent; replace the subgraph with a module first, "
-                "then checkpoint that module.")
+                "then checkpoint that module."
+            )
         if order_args_fn is not None and not callable(order_args_fn):
             raise ScheduleError("order_args_fn must be a callable.")
 

@@ -12,6 +12,7 @@ recorded once, lazily, with forward hooks on a meta-device copy of the model
 (``slapo_lab.pipeline.set_example_inputs``, or a Hugging Face model's ``dummy_inputs``) or the model
 cannot run on meta tensors, only the static checks apply and ``build_pipeline`` checks the rest.
 """
+
 from __future__ import annotations
 
 from ..errors import ScheduleError
@@ -36,7 +37,9 @@ class CutPipelineStagePrimitive(Primitive):
     @classmethod
     def check(cls, sch) -> None:
         if sch.parent is None:
-            raise ScheduleError("Cannot cut a pipeline stage at the root module: cut after one of its submodules.")
+            raise ScheduleError(
+                "Cannot cut a pipeline stage at the root module: cut after one of its submodules."
+            )
         meta = peek_meta(sch.mod)
         if meta and meta["cut"]:
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")

@@ -15,6 +15,7 @@ Semantics follow Slapo (``slapo/primitives/replace.py``, ``fusion.py``; ``slapo.
 Everything is validated before the first change; every refusal is a :class:`ScheduleError` with one
 sentence.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -78,8 +79,11 @@ def _sig_text(owner: str, sig: inspect.Signature | None) -> str:
 def _calls_compatible(old: inspect.Signature, new: inspect.Signature) -> bool:
     """Whether ``new`` accepts every call ``old`` requires (its required arguments) and needs no more."""
     P = inspect.Parameter
-    pos = [p for p in old.parameters.values()
-           if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) and p.default is P.empty]
+    pos = [
+        p
+        for p in old.parameters.values()
+        if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) and p.default is P.empty
+    ]
     kw = {p.name: None for p in old.parameters.values() if p.kind == P.KEYWORD_ONLY and p.default is P.empty}
     try:
         new.bind(*range(len(pos)), **kw)
@@ -106,14 +110,16 @@ def _check_module_signature(sch, new: nn.Module) -> None:
         except TypeError as err:
             raise ScheduleError(
                 f"{new_txt} cannot take the call {_where(sch)} receives ({len(args)} positional, keywords "
-                f"{', '.join(kwargs) or 'none'}: {err}), unlike {old_txt}.") from None
+                f"{', '.join(kwargs) or 'none'}: {err}), unlike {old_txt}."
+            ) from None
     for owner_path, node in _graph_calls(sch):  # traced ancestors call it with these arguments
         try:
             new_sig.bind(*node.args, **node.kwargs)
         except TypeError as err:
             raise ScheduleError(
                 f"{new_txt} cannot take the call {node.name} in the traced graph of {owner_path or 'the root'} "
-                f"makes ({len(node.args)} positional, keywords {', '.join(node.kwargs) or 'none'}: {err}).") from None
+                f"makes ({len(node.args)} positional, keywords {', '.join(node.kwargs) or 'none'}: {err})."
+            ) from None
     if old_sig is not None and not _calls_compatible(old_sig, new_sig):
         raise ScheduleError(f"{new_txt} does not take the same required arguments as {old_txt}.")
 
@@ -139,7 +145,9 @@ def check_module_swap(sch, new: Any) -> None:
 
     where = _where(sch)
     if isinstance(new, type):
-        raise ScheduleError(f"replace() takes a module instance, not the class {new.__name__}; call it first.")
+        raise ScheduleError(
+            f"replace() takes a module instance, not the class {new.__name__}; call it first."
+        )
     if not isinstance(new, nn.Module):
         raise ScheduleError(f"replace() takes an nn.Module or a function, not {type(new).__name__}.")
     if new is sch.mod:
@@ -147,20 +155,31 @@ def check_module_swap(sch, new: Any) -> None:
     top = sch.get_top_schedule().mod
     for qn, m in top.named_modules():
         if m is new:
-            raise ScheduleError(f"The new module is already in the model at {qn or 'the root'}; pass a fresh module.")
+            raise ScheduleError(
+                f"The new module is already in the model at {qn or 'the root'}; pass a fresh module."
+            )
     if isinstance(sch.mod, InterpreterModule):
         raise ScheduleError(
             f"{where} was traced by torch.export as part of its parent, which does not keep its call signature; "
-            "trace the parent with this path in leaf_modules (or replace before tracing) to replace it.")
+            "trace the parent with this path in leaf_modules (or replace before tracing) to replace it."
+        )
     state = needs_call(sch.mod)
     if state:
-        raise ScheduleError(f"{where} already carries {', '.join(state)}; replace it before applying those primitives.")
+        raise ScheduleError(
+            f"{where} already carries {', '.join(state)}; replace it before applying those primitives."
+        )
     _check_module_signature(sch, new)
 
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
-               "_backward_hooks")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 
 
 def swap_module(sch, new: nn.Module) -> nn.Module:
@@ -210,7 +229,8 @@ def as_subgraphs(target_ops) -> list[list[tuple[str, fx.Node]]]:
             return [list(x) for x in target_ops]
     raise ScheduleError(
         "target_ops must be what find() returns: a (path, node) pair, a list of them (one subgraph) or a "
-        "non-empty list of such lists.")
+        "non-empty list of such lists."
+    )
 
 
 @dataclass
@@ -230,9 +250,13 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
     nodes = [n for sub in subs for _, n in sub]
     graph = nodes[0].graph
     if any(n.graph is not graph for n in nodes):
-        raise ScheduleError("The nodes in target_ops come from different graphs; one replacement works inside one graph.")
+        raise ScheduleError(
+            "The nodes in target_ops come from different graphs; one replacement works inside one graph."
+        )
     if any(getattr(n, "_erased", False) for n in nodes):
-        raise ScheduleError("Some nodes in target_ops were removed by an earlier replacement; call find() again.")
+        raise ScheduleError(
+            "Some nodes in target_ops were removed by an earlier replacement; call find() again."
+        )
     owner_path = owner = None
     for qn, m in sch.mod.named_modules():
         if getattr(m, "graph", None) is graph and is_traced(m):
@@ -241,7 +265,8 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
     if owner is None:
         raise ScheduleError(
             f"The nodes in target_ops are not in a traced graph under {_where(sch)}; call replace() on the "
-            "schedule you called find() on (or on an ancestor).")
+            "schedule you called find() on (or on an ancestor)."
+        )
     if len(set(nodes)) != len(nodes):
         raise ScheduleError("A node appears twice in target_ops; subgraphs must not overlap.")
     for n in nodes:
@@ -255,18 +280,22 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
         members = set(group)
         out = [n for n in group if any(u not in members for u in n.users)]
         if not out:
-            raise ScheduleError(f"The subgraph {', '.join(n.name for n in group)} has no result used outside it.")
+            raise ScheduleError(
+                f"The subgraph {', '.join(n.name for n in group)} has no result used outside it."
+            )
         if len(out) > 1:
             raise ScheduleError(
                 f"The subgraph {', '.join(n.name for n in group)} has {len(out)} results used outside it "
-                f"({', '.join(n.name for n in out)}); one call can stand for one result per subgraph.")
+                f"({', '.join(n.name for n in out)}); one call can stand for one result per subgraph."
+            )
         for n in group:
             for a in n.all_input_nodes:
                 if a in members:
                     continue
                 if a in all_nodes:
                     raise ScheduleError(
-                        f"Subgraphs that feed each other ({a.name} -> {n.name}) cannot be fused horizontally.")
+                        f"Subgraphs that feed each other ({a.name} -> {n.name}) cannot be fused horizontally."
+                    )
                 if a not in inputs:
                     inputs.append(a)
         groups.append(group)
@@ -280,11 +309,14 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
             if u not in all_nodes and order[u] < pos:
                 raise ScheduleError(
                     f"The subgraphs cannot become one call: {u.name} uses {out.name} before input "
-                    f"{anchor[1].name} is computed.")
+                    f"{anchor[1].name} is computed."
+                )
     return SubgraphPlan(owner_path, owner, groups, outs, inputs, order, anchor)
 
 
-def _check_call_signature(sig: inspect.Signature | None, label: str, plan: SubgraphPlan, concrete_args) -> None:
+def _check_call_signature(
+    sig: inspect.Signature | None, label: str, plan: SubgraphPlan, concrete_args
+) -> None:
     if sig is None:
         return
     try:
@@ -293,7 +325,8 @@ def _check_call_signature(sig: inspect.Signature | None, label: str, plan: Subgr
         extra = f" and concrete_args {', '.join(concrete_args)}" if concrete_args else ""
         raise ScheduleError(
             f"{_sig_text(label, sig)} cannot take the subgraph's {len(plan.inputs)} input(s) "
-            f"({', '.join(a.name for a in plan.inputs) or 'none'}){extra}; adjust it or pass concrete_args.") from None
+            f"({', '.join(a.name for a in plan.inputs) or 'none'}){extra}; adjust it or pass concrete_args."
+        ) from None
 
 
 def _unique_name(owner: nn.Module, base: str) -> str:
@@ -414,23 +447,29 @@ class ReplacePrimitive(Primitive):
 
     @classmethod
     def check(cls, sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
-        if concrete_args is not None and (not isinstance(concrete_args, dict)
-                                          or not all(isinstance(k, str) for k in concrete_args)):
+        if concrete_args is not None and (
+            not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args)
+        ):
             raise ScheduleError("concrete_args must be a dict from argument names to values.")
         if target_ops is None:
             if _is_function(new_mod_or_func):
                 raise ScheduleError("A function can only replace a found node or subgraph: pass target_ops=.")
             if name is not None and name != sch.name:
                 raise ScheduleError(
-                    f"name= only names a module replacing a subgraph; {_where(sch)} keeps its path when replaced.")
+                    f"name= only names a module replacing a subgraph; {_where(sch)} keeps its path when replaced."
+                )
             if concrete_args:
                 raise ScheduleError("concrete_args only applies when replacing a subgraph (target_ops=).")
             check_module_swap(sch, new_mod_or_func)
             return None
         if isinstance(new_mod_or_func, type):
-            raise ScheduleError(f"replace() takes a module instance, not the class {new_mod_or_func.__name__}.")
+            raise ScheduleError(
+                f"replace() takes a module instance, not the class {new_mod_or_func.__name__}."
+            )
         if not isinstance(new_mod_or_func, nn.Module) and not _is_function(new_mod_or_func):
-            raise ScheduleError(f"replace() takes an nn.Module or a function, not {type(new_mod_or_func).__name__}.")
+            raise ScheduleError(
+                f"replace() takes an nn.Module or a function, not {type(new_mod_or_func).__name__}."
+            )
         subs = as_subgraphs(target_ops)
         if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
             node = subs[0][0][1]
@@ -438,7 +477,8 @@ class ReplacePrimitive(Primitive):
             if node.op != "call_function":
                 raise ScheduleError(
                     f"A function can replace a call_function node, but {node.name} is a {node.op}; replace "
-                    "the module at its path instead.")
+                    "the module at its path instead."
+                )
             sig = _fn_signature(new_mod_or_func)
             if sig is not None:
                 try:
@@ -447,17 +487,22 @@ class ReplacePrimitive(Primitive):
                     raise ScheduleError(
                         f"{_sig_text(getattr(new_mod_or_func, '__name__', 'the function'), sig)} cannot take the "
                         f"arguments of {node.name} ({len(node.args)} positional, keywords "
-                        f"{', '.join(node.kwargs) or 'none'}).") from None
+                        f"{', '.join(node.kwargs) or 'none'})."
+                    ) from None
             return plan
         if isinstance(new_mod_or_func, nn.Module):
-            if new_mod_or_func is sch.mod or any(m is new_mod_or_func for m in sch.get_top_schedule().mod.modules()):
+            if new_mod_or_func is sch.mod or any(
+                m is new_mod_or_func for m in sch.get_top_schedule().mod.modules()
+            ):
                 raise ScheduleError("The new module is already in the model; pass a fresh module.")
             if name is not None:
                 _check_name(name)
         plan = plan_subgraphs(sch, target_ops)
         if isinstance(new_mod_or_func, nn.Module):
             if name is not None and hasattr(plan.owner, name):
-                raise ScheduleError(f"{plan.owner_path or _where(sch)} already has an attribute {name!r}; pick another name.")
+                raise ScheduleError(
+                    f"{plan.owner_path or _where(sch)} already has an attribute {name!r}; pick another name."
+                )
             label = f"{type(new_mod_or_func).__name__}.forward"
             _check_call_signature(_forward_signature(new_mod_or_func), label, plan, concrete_args)
         else:
@@ -475,7 +520,9 @@ class ReplacePrimitive(Primitive):
             node = subs[0][0][1]
             graph = edit_graph(plan.owner)
             with graph.inserting_after(node):
-                call = graph.call_function(new_mod_or_func, node.args, {**node.kwargs, **(concrete_args or {})})
+                call = graph.call_function(
+                    new_mod_or_func, node.args, {**node.kwargs, **(concrete_args or {})}
+                )
             node.replace_all_uses_with(call)
             graph.erase_node(node)
             refresh(plan.owner)
@@ -509,7 +556,9 @@ class ReplaceAllPrimitive(Primitive):
     def _targets(sch, target_type):
         found = []
         for rel, sub in sch.named_schedules():
-            if isinstance(sub.mod, target_type) and not any(rel.startswith(f"{r}.") or r == "" for r, _ in found):
+            if isinstance(sub.mod, target_type) and not any(
+                rel.startswith(f"{r}.") or r == "" for r, _ in found
+            ):
                 found.append((rel, sub))
         return found
 
@@ -517,7 +566,9 @@ class ReplaceAllPrimitive(Primitive):
     def check(cls, sch, target_type, make_mod_fn):
         types_ = target_type if isinstance(target_type, tuple) else (target_type,)
         if not types_ or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types_):
-            raise ScheduleError(f"replace_all() takes an nn.Module class (or a tuple of them), not {target_type!r}.")
+            raise ScheduleError(
+                f"replace_all() takes an nn.Module class (or a tuple of them), not {target_type!r}."
+            )
         if not callable(make_mod_fn):
             raise ScheduleError("make_mod_fn must be a callable (path, module) -> new module.")
         targets = cls._targets(sch, types_)
@@ -534,11 +585,17 @@ class ReplaceAllPrimitive(Primitive):
             try:
                 new = make_mod_fn(rel, sub.mod)
             except Exception as err:
-                raise ScheduleError(f"make_mod_fn failed for {sub.path or 'the root'}: {type(err).__name__}: {err}.") from err
+                raise ScheduleError(
+                    f"make_mod_fn failed for {sub.path or 'the root'}: {type(err).__name__}: {err}."
+                ) from err
             if not isinstance(new, nn.Module):
-                raise ScheduleError(f"make_mod_fn returned a {type(new).__name__} for {sub.path or 'the root'}, not an nn.Module.")
+                raise ScheduleError(
+                    f"make_mod_fn returned a {type(new).__name__} for {sub.path or 'the root'}, not an nn.Module."
+                )
             if any(new is n for n in news):
-                raise ScheduleError("make_mod_fn returned the same module object twice; return a fresh module per path.")
+                raise ScheduleError(
+                    "make_mod_fn returned the same module object twice; return a fresh module per path."
+                )
             check_module_swap(sub, new)
             news.append(new)
         for (_, sub), new in zip(targets, news):
@@ -580,15 +637,20 @@ class FusePrimitive(Primitive):
         if len(subs) != 1 or len(subs[0]) < 2:
             raise ScheduleError(
                 f"fuse() fuses one subgraph of two or more nodes (vertical fusion), not {len(subs)} subgraph(s) "
-                f"of {', '.join(str(len(s)) for s in subs)} node(s).")
+                f"of {', '.join(str(len(s)) for s in subs)} node(s)."
+            )
         return plan_subgraphs(sch, subgraph)
 
     @staticmethod
     def apply(sch, subgraph, compiler="torch.compile", name="FusedModule"):
         plan = FusePrimitive.check(sch, subgraph, compiler, name)
         if compiler == "TorchScript":
-            warnings.warn("fuse(compiler='TorchScript'): TorchScript is deprecated in PyTorch 2.x; using "
-                          "torch.compile instead.", FutureWarning, stacklevel=3)
+            warnings.warn(
+                "fuse(compiler='TorchScript'): TorchScript is deprecated in PyTorch 2.x; using "
+                "torch.compile instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
             compiler = "torch.compile"
         uname = _unique_name(plan.owner, name)
         fused = subgraph_module(plan, name)
@@ -617,17 +679,24 @@ class DecomposePrimitive(Primitive):
         if isinstance(mod, LinearWithSeparateBias):
             raise ScheduleError(f"{where} is already decomposed.")
         if not isinstance(mod, nn.Linear):
-            raise ScheduleError(f"decompose() applies to an nn.Linear, but {where} is a {orig_class(mod).__name__}.")
+            raise ScheduleError(
+                f"decompose() applies to an nn.Linear, but {where} is a {orig_class(mod).__name__}."
+            )
         if mod.bias is None:
             raise ScheduleError(f"{where} has no bias to separate.")
         meta = peek_meta(mod)
         sharded = (meta or {}).get("sharded") or {}
-        if sharded or getattr(mod.weight, "shard_axis", None) is not None or \
-                getattr(mod.bias, "shard_axis", None) is not None:
+        if (
+            sharded
+            or getattr(mod.weight, "shard_axis", None) is not None
+            or getattr(mod.bias, "shard_axis", None) is not None
+        ):
             raise ScheduleError(f"{where} is already sharded; decompose() must come before shard().")
         state = needs_call(mod)
         if state:
-            raise ScheduleError(f"{where} already carries {', '.join(state)}; decompose it before those primitives.")
+            raise ScheduleError(
+                f"{where} already carries {', '.join(state)}; decompose it before those primitives."
+            )
 
     @staticmethod
     def apply(sch):
@@ -638,4 +707,3 @@ class DecomposePrimitive(Primitive):
         new.weight = old.weight
         new.bias = old.bias
         return swap_module(sch, new)
-

@@ -3,6 +3,7 @@
 Semantics follow Slapo (``slapo/primitives/shard.py``, ``sync.py``, ``fork_rng.py``) with
 Megatron-LM's communication pairs (see :mod:`slapo_lab.sharding.sync_ops`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,12 +30,17 @@ def _tensor(sch, tensor_name: Any) -> torch.Tensor:
     if not isinstance(tensor_name, str):
         raise ScheduleError(f"shard() takes a parameter or buffer name as a string, not {tensor_name!r}.")
     mod = sch.mod
-    t = mod._parameters.get(tensor_name, None) if tensor_name in mod._parameters else mod._buffers.get(tensor_name)
+    t = (
+        mod._parameters.get(tensor_name, None)
+        if tensor_name in mod._parameters
+        else mod._buffers.get(tensor_name)
+    )
     if t is None:
         names = [n for n, v in list(mod._parameters.items()) + list(mod._buffers.items()) if v is not None]
         have = ", ".join(names) if names else "no parameters or buffers of its own"
         raise ScheduleError(
-            f"{_where(sch)} ({type(mod).__name__}) has no parameter or buffer named {tensor_name!r}; it has {have}.")
+            f"{_where(sch)} ({type(mod).__name__}) has no parameter or buffer named {tensor_name!r}; it has {have}."
+        )
     return t
 
 
@@ -72,7 +78,8 @@ def _stride(sites: list[ShardSite], axis: int, full: str) -> int:
     if len(strides) > 1:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: the modules it is tied to store it in different layouts "
-            f"(strides {sorted(strides)}).")
+            f"(strides {sorted(strides)})."
+        )
     return strides.pop()
 
 
@@ -85,17 +92,25 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
     if not -t.dim() <= axis < t.dim():
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: it has shape {tuple(t.shape)}, so the axis must be in "
-            f"[{-t.dim()}, {t.dim() - 1}]." if t.dim() else f"Cannot shard {full}: it is a scalar.")
+            f"[{-t.dim()}, {t.dim() - 1}]."
+            if t.dim()
+            else f"Cannot shard {full}: it is a scalar."
+        )
     axis = axis % t.dim()
     meta = peek_meta(sch.mod)
     if meta and tensor_name in meta["sharded"]:
-        raise ScheduleError(f"{full} is already sharded on axis {meta['sharded'][tensor_name]}; shard each tensor once.")
+        raise ScheduleError(
+            f"{full} is already sharded on axis {meta['sharded'][tensor_name]}; shard each tensor once."
+        )
     if getattr(t, "shard_axis", None) is not None:
-        raise ScheduleError(f"{full} is already sharded on axis {t.shard_axis} (it is tied to a sharded tensor).")
+        raise ScheduleError(
+            f"{full} is already sharded on axis {t.shard_axis} (it is tied to a sharded tensor)."
+        )
     if meta and tensor_name in meta.get("grad_allreduce_params", ()):
         raise ScheduleError(
             f"{full} has its gradient all-reduced by sync(param_grads=True) (a replicated parameter under "
-            "sequence parallelism), so it must stay replicated.")
+            "sequence parallelism), so it must stay replicated."
+        )
     ws = sch.world_size
     sites = _sites(sch, t, tensor_name)
     for site in sites:  # attention heads first: the more telling reason
@@ -107,10 +122,12 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
     if stride > 1 and t.shape[axis] % (stride * ws):
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: it stores {stride} projections of size {t.shape[axis] // stride} "
-            f"back to back (fused q, k, v), and {t.shape[axis] // stride} is not divisible by the world size {ws}.")
+            f"back to back (fused q, k, v), and {t.shape[axis] // stride} is not divisible by the world size {ws}."
+        )
     if t.shape[axis] % ws:
         raise ScheduleError(
-            f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}.")
+            f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}."
+        )
     for mod, name in _owners(sch, t):
         reason = get_shard_rule(mod).check(mod, name or tensor_name, axis)
         if reason:
@@ -230,15 +247,22 @@ def _has_shard_below(mod: nn.Module) -> bool:
     return False
 
 
-_OP_KWARGS = {"all_reduce": {"param_grads"}, "all_gather": {"axis", "tensor_parallel_output_grad"},
-              "reduce_scatter": {"axis"}, "scatter": {"axis"}}
+_OP_KWARGS = {
+    "all_reduce": {"param_grads"},
+    "all_gather": {"axis", "tensor_parallel_output_grad"},
+    "reduce_scatter": {"axis"},
+    "scatter": {"axis"},
+}
 PARAM_GRADS_OP = "all_reduce_param_grads"  # the label of sync(..., param_grads=True) in _slapo_meta["syncs"]
 
 
 def _replicated_params(mod: nn.Module) -> list[str]:
     """Names of ``mod``'s own trainable parameters that are not sharded."""
-    return [n for n, p in mod._parameters.items()
-            if p is not None and p.requires_grad and getattr(p, "shard_axis", None) is None]
+    return [
+        n
+        for n, p in mod._parameters.items()
+        if p is not None and p.requires_grad and getattr(p, "shard_axis", None) is None
+    ]
 
 
 def _check_param_grads(sch, mode, value) -> None:
@@ -248,14 +272,18 @@ def _check_param_grads(sch, mode, value) -> None:
     if mode != "bwd_post":
         raise ScheduleError(
             f"param_grads=True all-reduces parameter gradients in backward, so it needs mode='bwd_post', "
-            f"not {mode!r}.")
+            f"not {mode!r}."
+        )
     meta = peek_meta(sch.mod)
     if meta and ("bwd_post", PARAM_GRADS_OP) in meta["syncs"]:
-        raise ScheduleError(f"{where} already all-reduces its parameter gradients; a second one would apply it twice.")
+        raise ScheduleError(
+            f"{where} already all-reduces its parameter gradients; a second one would apply it twice."
+        )
     if not _replicated_params(sch.mod):
         raise ScheduleError(
             f"{where} ({type(sch.mod).__name__}) has no replicated trainable parameters of its own, so there is "
-            "no parameter gradient to all-reduce.")
+            "no parameter gradient to all-reduce."
+        )
 
 
 def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
@@ -289,19 +317,23 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
         raise ScheduleError(
             f"{where} has no sharded parameters, so its {'output' if mode == 'fwd_post' else 'input gradient'} "
             f"is already complete on every rank and an all_reduce would multiply it by {sch.world_size}; "
-            "shard a parameter first.")
+            "shard a parameter first."
+        )
     if mode == "fwd_post" and op in ("all_reduce", "reduce_scatter") and out_type == "partition":
         raise ScheduleError(
             f"{where} has a partitioned output (its weight is split on the output features), so an {op} would "
-            "sum different slices; use all_gather, or shard the weight on the input axis for a partial sum.")
+            "sum different slices; use all_gather, or shard the weight on the input axis for a partial sum."
+        )
     if mode == "fwd_post" and op in ("all_gather", "scatter") and out_type == "partial":
         raise ScheduleError(
             f"{where} produces partial sums (row parallel), so its output needs all_reduce or reduce_scatter, "
-            f"not {op}.")
+            f"not {op}."
+        )
     if mode == "bwd_post" and out_type == "partial" and not meta.get("replicated_input"):
         raise ScheduleError(
             f"{where} is row parallel: its input is already split, so its input gradient must not be "
-            "all-reduced; put bwd_post all_reduce on the column-parallel layer before it.")
+            "all-reduced; put bwd_post all_reduce on the column-parallel layer before it."
+        )
     if mode == "fwd_pre" and op in ("all_reduce", "reduce_scatter"):
         raise ScheduleError(f"fwd_pre supports all_gather and scatter on the input, not {op}.")
 
@@ -360,9 +392,13 @@ class SyncPrimitive(Primitive):
             _install_param_grad_all_reduce(sch.mod, g)
             return
         if mode == "bwd_post":
+
             def pre(module, args, kw):
-                wrap = lambda x: sync_ops.all_reduce_backward(x, g) if (
-                    isinstance(x, torch.Tensor) and x.is_floating_point()) else x
+                wrap = lambda x: (
+                    sync_ops.all_reduce_backward(x, g)
+                    if (isinstance(x, torch.Tensor) and x.is_floating_point())
+                    else x
+                )
                 return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
 
             meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
@@ -374,7 +410,7 @@ class SyncPrimitive(Primitive):
                 if idx is None:
                     return None
                 if idx[0] == "arg":
-                    args = (*args[: idx[1]], fn(args[idx[1]]), *args[idx[1] + 1:])
+                    args = (*args[: idx[1]], fn(args[idx[1]]), *args[idx[1] + 1 :])
                 else:
                     kw = dict(kw)
                     kw[idx[1]] = fn(kw[idx[1]])
@@ -383,7 +419,11 @@ class SyncPrimitive(Primitive):
             meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         else:
             fn = _op_fn(op, sch, kwargs)
-            if meta["output_type"] == "partial" and meta["impl"] is not None and op in ("all_reduce", "reduce_scatter"):
+            if (
+                meta["output_type"] == "partial"
+                and meta["impl"] is not None
+                and op in ("all_reduce", "reduce_scatter")
+            ):
                 meta["partial_reducers"].append(fn)  # reduce before the bias add
             else:
                 meta["hooks"].append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))

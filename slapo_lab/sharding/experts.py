@@ -21,6 +21,7 @@ Tensor-parallel experts (Megatron's MLP split applied to every expert; HF's ``mo
 The router (``gate``) stays replicated: every rank routes every token identically. The expert axis (0) is
 refused: expert parallelism needs an all-to-all token exchange that this rule does not provide.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,9 @@ def is_experts_module(mod: nn.Module) -> bool:
     if not isinstance(down, torch.Tensor) or down.dim() != 3:
         return False
     up = next((mod._parameters.get(n) for n in UP_NAMES if mod._parameters.get(n) is not None), None)
-    return isinstance(up, torch.Tensor) and up.dim() == 3 and isinstance(getattr(mod, "num_experts", None), int)
+    return (
+        isinstance(up, torch.Tensor) and up.dim() == 3 and isinstance(getattr(mod, "num_experts", None), int)
+    )
 
 
 def _transposed(mod: nn.Module) -> bool:
@@ -72,16 +75,22 @@ class ExpertsRule(ShardRule):
     def check(self, mod, name, axis):
         want = intermediate_axis(mod, name)
         if want is None:
-            return (f"only the expert weights ({', '.join(n for n in (*UP_NAMES, DOWN_NAME) if n in mod._parameters)}) "
-                    "can be sharded, on their intermediate axis (tensor-parallel experts)")
+            return (
+                f"only the expert weights ({', '.join(n for n in (*UP_NAMES, DOWN_NAME) if n in mod._parameters)}) "
+                "can be sharded, on their intermediate axis (tensor-parallel experts)"
+            )
         if axis == 0 and name != "gate_up_proj_bias" and name != "up_proj_bias":
-            return ("axis 0 splits the experts themselves (expert parallelism), which needs an all-to-all token "
-                    f"exchange; shard {name} on its intermediate axis {want} instead (tensor-parallel experts)")
+            return (
+                "axis 0 splits the experts themselves (expert parallelism), which needs an all-to-all token "
+                f"exchange; shard {name} on its intermediate axis {want} instead (tensor-parallel experts)"
+            )
         if axis != want:
             return f"{name} holds the intermediate features on axis {want}; other axes would split the hidden size"
         if name == DOWN_NAME and mod._parameters.get("down_proj_bias") is not None:
-            return ("its down_proj_bias would be added on every rank before the all_reduce; experts with an "
-                    "output bias cannot be tensor parallel")
+            return (
+                "its down_proj_bias would be added on every rank before the all_reduce; experts with an "
+                "output bias cannot be tensor parallel"
+            )
         return None
 
     def stride(self, site: ShardSite, axis: int) -> int:
@@ -101,7 +110,6 @@ class ExpertsRule(ShardRule):
 
 
 __all__ = ["ExpertsRule", "intermediate_axis", "is_experts_module"]
-
 
 
 def _register() -> None:

@@ -25,6 +25,7 @@ is refused with one sentence before anything changes. The rewrite is recorded in
 ``_slapo_meta["attention_heads"]`` (``{"heads", "kv_heads", "world_size", "attrs": {name: [global,
 local]}}``) and happens inside the ``shard`` primitive, so replay, undo and exported scripts reproduce it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,8 +51,16 @@ _REGISTRY: dict[str, tuple[str, ...]] = {
     "GPTNeoSelfAttention": ("num_heads", "embed_dim"),
     "T5Attention": ("n_heads", "inner_dim"),
     # T5's copies (same attributes, not subclasses)
-    **{name: ("n_heads", "inner_dim") for name in (
-        "MT5Attention", "UMT5Attention", "LongT5Attention", "LongT5LocalAttention", "LongT5TransientGlobalAttention")},
+    **{
+        name: ("n_heads", "inner_dim")
+        for name in (
+            "MT5Attention",
+            "UMT5Attention",
+            "LongT5Attention",
+            "LongT5LocalAttention",
+            "LongT5TransientGlobalAttention",
+        )
+    },
 }
 
 
@@ -81,7 +90,11 @@ def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
     self_attrs: set[str] = set()
     cfg_attrs: set[str] = set()
     for klass in cls.__mro__:
-        if klass in (nn.Module, object) or not issubclass(klass, nn.Module) or klass.__module__.startswith("torch."):
+        if (
+            klass in (nn.Module, object)
+            or not issubclass(klass, nn.Module)
+            or klass.__module__.startswith("torch.")
+        ):
             continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
@@ -97,8 +110,12 @@ def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
                 base = node.value
                 if isinstance(base, ast.Name) and base.id == "self":
                     self_attrs.add(node.attr)
-                elif (isinstance(base, ast.Attribute) and base.attr == "config" and isinstance(base.value, ast.Name)
-                      and base.value.id == "self"):
+                elif (
+                    isinstance(base, ast.Attribute)
+                    and base.attr == "config"
+                    and isinstance(base.value, ast.Name)
+                    and base.value.id == "self"
+                ):
                     cfg_attrs.add(node.attr)
     return frozenset(self_attrs), frozenset(cfg_attrs)
 
@@ -132,12 +149,20 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         read_attrs, cfg_reads = reads
     bad_cfg = sorted(cfg_reads & CONFIG_HEAD_KEYS)
     if bad_cfg:
-        return {}, (f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
-                    f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated")
+        return {}, (
+            f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
+            f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated"
+        )
     registered = _registered(cls)
     wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
-    head_dim = next((getattr(attn, a) for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
-                     if _int(getattr(attn, a, None)) and getattr(attn, a) > 0), None)
+    head_dim = next(
+        (
+            getattr(attn, a)
+            for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
+            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
+        ),
+        None,
+    )
     out: dict[str, tuple[int, int]] = {}
     for a in wanted:
         v = getattr(attn, a, None)
@@ -146,8 +171,10 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         if a in HEAD_ATTRS or a in KV_HEAD_ATTRS:
             want = heads if a in HEAD_ATTRS else kv_heads
             if not _int(v) or v != want:
-                return {}, (f"{name}.{a} is {v!r}, not the module's {want} heads, so slapo cannot rewrite it to "
-                            "this rank's share")
+                return {}, (
+                    f"{name}.{a} is {v!r}, not the module's {want} heads, so slapo cannot rewrite it to "
+                    "this rank's share"
+                )
             out[a] = (v, v // world_size)
         else:
             if not _int(v):
@@ -155,8 +182,10 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
             hd = head_dim or (v // heads if v % heads == 0 else None)
             if hd is None or v != heads * hd:
                 if a in registered:
-                    return {}, (f"{name}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
-                                "hold, so slapo cannot rewrite it to this rank's share")
+                    return {}, (
+                        f"{name}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
+                        "hold, so slapo cannot rewrite it to this rank's share"
+                    )
                 continue  # a model width that happens to be read, not the heads' width
             out[a] = (v, v // world_size)
     return out, None
@@ -186,7 +215,11 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) 
         raise ValueError(reason)
     for a, (_g, local) in plan.items():
         setattr(attn, a, local)
-    rec = {"heads": heads, "kv_heads": kv_heads, "world_size": world_size,
-           "attrs": {a: [g, loc] for a, (g, loc) in plan.items()}}
+    rec = {
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "world_size": world_size,
+        "attrs": {a: [g, loc] for a, (g, loc) in plan.items()},
+    }
     meta["attention_heads"] = rec
     return rec

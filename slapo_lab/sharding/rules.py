@@ -8,6 +8,7 @@ reduce; a vocab-parallel embedding masks ids outside this rank's range). Semanti
 ``slapo/sharding/shard_ops.py`` and Megatron-LM's ``ColumnParallelLinear`` / ``RowParallelLinear`` /
 ``VocabParallelEmbedding``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -95,7 +96,8 @@ def attention_heads(parent: nn.Module | None) -> tuple[int, int] | None:
         return recorded
     cfg = getattr(parent, "config", None)
     n = _pos_int(parent, "num_heads", "num_attention_heads", "n_head", "n_heads") or _pos_int(
-        cfg, "num_attention_heads", "n_head")
+        cfg, "num_attention_heads", "n_head"
+    )
     if n is None:
         return None
     kv = _pos_int(parent, "num_key_value_heads", "num_kv_heads") or _pos_int(cfg, "num_key_value_heads") or n
@@ -117,7 +119,9 @@ def head_dim(attn: nn.Module) -> int | None:
 
 def is_norm(mod: nn.Module) -> bool:
     """Whether ``mod`` is a LayerNorm / RMSNorm (torch's, or a model's own class named so)."""
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(("LayerNorm", "RMSNorm"))
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(
+        ("LayerNorm", "RMSNorm")
+    )
 
 
 def fused_qkv_blocks(site: ShardSite) -> int:
@@ -276,7 +280,9 @@ def _vocab_parallel_embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Te
     local = (ids - start).masked_fill(outside, 0)
     pad = meta.get("orig_padding_idx")
     pad = pad - start if pad is not None and start <= pad < end else None
-    out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+    out = F.embedding(
+        local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+    )
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return _reduce_partial(self, out)
 
@@ -313,11 +319,15 @@ class DenseRule(ShardRule):
             if axis != 0:
                 return f"a {self.kind} bias has a single axis, 0"
             if meta["sharded"].get("weight") == self.in_axis:
-                return (f"the weight is sharded on axis {self.in_axis} (row parallel), so the bias must stay "
-                        "replicated: it is added once, after the all_reduce")
+                return (
+                    f"the weight is sharded on axis {self.in_axis} (row parallel), so the bias must stay "
+                    "replicated: it is added once, after the all_reduce"
+                )
         if name == "weight" and axis == self.in_axis and "bias" in meta["sharded"]:
-            return (f"the bias is sharded, which only fits a column-parallel {self.kind} weight "
-                    f"(axis {self.out_axis})")
+            return (
+                f"the bias is sharded, which only fits a column-parallel {self.kind} weight "
+                f"(axis {self.out_axis})"
+            )
         return None
 
     def check_site(self, site, axis, world_size):
@@ -397,7 +407,11 @@ class Conv1DRule(DenseRule):
         super().apply_site(site, axis, world_size, rank)
         # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
         blocks = getattr(site.mod.weight, "shard_stride", 1) if site.name == "weight" and axis == 1 else 1
-        if blocks > 1 and site.parent is not None and isinstance(getattr(site.parent, "split_size", None), int):
+        if (
+            blocks > 1
+            and site.parent is not None
+            and isinstance(getattr(site.parent, "split_size", None), int)
+        ):
             site.parent.split_size = site.mod.nf // blocks
 
 
@@ -499,11 +513,20 @@ class NormRule(ShardRule):
         return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or (name.endswith(("LayerNorm", "RMSNorm")))
 
     def check(self, mod, name, axis):
-        return (f"{type(mod).__name__} normalises over its whole feature dimension, so a sharded {name} would "
-                "change the result; keep it replicated (sequence parallelism splits the sequence axis instead)")
+        return (
+            f"{type(mod).__name__} normalises over its whole feature dimension, so a sharded {name} would "
+            "change the result; keep it replicated (sequence parallelism splits the sequence axis instead)"
+        )
 
 
-_RULES: list[ShardRule] = [LinearRule(), Conv1DRule(), EmbeddingRule(), Conv2dRule(), BatchNormRule(), NormRule()]
+_RULES: list[ShardRule] = [
+    LinearRule(),
+    Conv1DRule(),
+    EmbeddingRule(),
+    Conv2dRule(),
+    BatchNormRule(),
+    NormRule(),
+]
 _DEFAULT = ShardRule()
 
 

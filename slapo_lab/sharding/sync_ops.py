@@ -36,6 +36,7 @@ the identity.
 Sources: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``; PyTorch's custom-op guide
 (``torch.library.custom_op``, ``register_fake``, ``register_autograd``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,7 +77,8 @@ def _check_divisible(x: torch.Tensor, axis: int, ws: int, what: str) -> None:
     if x.shape[axis] % ws:
         raise RuntimeError(
             f"{what}: dimension {axis} of a tensor of shape {tuple(x.shape)} is not divisible by the "
-            f"tensor-parallel size {ws}")
+            f"tensor-parallel size {ws}"
+        )
 
 
 def _all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
@@ -220,8 +222,9 @@ _d_all_reduce_bwd.register_autograd(_bwd_all_reduce, setup_context=_setup_ctx)
 
 
 @torch.library.custom_op(f"{_NS}::gather_fwd", mutates_args=())
-def _d_all_gather(x: torch.Tensor, axis: int, tp_output_grad: bool, group_name: str, ws: int,
-                  rank: int) -> torch.Tensor:
+def _d_all_gather(
+    x: torch.Tensor, axis: int, tp_output_grad: bool, group_name: str, ws: int, rank: int
+) -> torch.Tensor:
     """Forward: all-gather on ``axis``; backward: reduce-scatter (or split when not tp_output_grad)."""
     return _c_all_gather(x, axis, group_name, ws, rank)
 
@@ -367,7 +370,9 @@ def all_reduce_backward(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     return _AllReduceBackward.apply(x, g)
 
 
-def all_gather(x: torch.Tensor, axis: int, g: TPGroup, tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, axis: int, g: TPGroup, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along ``axis``: shape ``[..., n, ...]`` becomes ``[..., n * ws, ...]``
     (Megatron's ``gather_from_tensor_model_parallel_region`` on the last axis,
     ``gather_from_sequence_parallel_region`` on the sequence axis).

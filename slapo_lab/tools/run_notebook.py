@@ -2,6 +2,7 @@
 
 Exits non-zero (with the failing cell's error) on any error. Used by ``scripts/lab.sh --headless``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ def run(path: str | Path, timeout: int = 600, kernel: str = "python3") -> None:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel,
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(path.parent.resolve())}}
+    )
     client.execute()
 
 
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         run(args.notebook, timeout=args.timeout)
-    except Exception as err:  # report, exit non-zero
+    except Exception as err:  # noqa: BLE001 - report, exit non-zero
         print(f"[headless] {args.notebook} FAILED: {type(err).__name__}: {str(err)[-3000:]}", file=sys.stderr)
         return 1
     print(f"[headless] {args.notebook} ran end to end in {time.perf_counter() - t0:.1f} s")

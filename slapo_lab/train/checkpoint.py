@@ -15,6 +15,7 @@ A save writes ``step-00000004.partial`` and renames it once every rank has finis
 ``.metadata`` last), so an interrupted save never looks complete; :func:`latest_checkpoint` takes the
 newest complete one.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,17 @@ class Checkpointer:
             weights' source dtype): what ``slapo-lab convert`` needs to write a Hugging Face directory.
     """
 
-    def __init__(self, folder: str | os.PathLike, modules: list[tuple[nn.Module, dict[int, tuple]]],
-                 optimizer: torch.optim.Optimizer | None, scheduler, mesh, layout_key: str, keep: int = 0,
-                 run_info: dict | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        modules: list[tuple[nn.Module, dict[int, tuple]]],
+        optimizer: torch.optim.Optimizer | None,
+        scheduler,
+        mesh,
+        layout_key: str,
+        keep: int = 0,
+        run_info: dict | None = None,
+    ) -> None:
         self.run_info = run_info or {}
         self.folder = Path(folder)
         self.modules = modules
@@ -123,7 +132,7 @@ class Checkpointer:
                 if fqn is None:
                     continue
                 name, lay = fqn_info[fqn]
-                suffix = rest[len(fqn) + 1:]
+                suffix = rest[len(fqn) + 1 :]
                 new_key = f"{kind}.{name}.{suffix}"
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     value = lay.checkpoint_view(_local(value), self.mesh)
@@ -151,15 +160,19 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         _barrier()
         optim, _ = self._optim_state() if self.optimizer is not None else ({}, [])
-        state = {"model": self._model_state(), "optim": optim,
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-                 "train": dict(train_state, layout=self.layout_key),
-                 "rng": {self.layout_key: self._rng_state()}}
+        state = {
+            "model": self._model_state(),
+            "optim": optim,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "train": dict(train_state, layout=self.layout_key),
+            "rng": {self.layout_key: self._rng_state()},
+        }
         dcp.save(state, checkpoint_id=str(partial))
         _barrier()
         if rank0:
-            (partial / RUN_INFO).write_text(json.dumps(dict(self.run_info, step=step, layout=self.layout_key),
-                                                       indent=1), encoding="utf-8")
+            (partial / RUN_INFO).write_text(
+                json.dumps(dict(self.run_info, step=step, layout=self.layout_key), indent=1), encoding="utf-8"
+            )
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
@@ -170,9 +183,12 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep <= 0:
             return
-        done = sorted((int(m.group(1)), p) for p in self.folder.iterdir()
-                      if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
-        for _, p in done[:-self.keep]:
+        done = sorted(
+            (int(m.group(1)), p)
+            for p in self.folder.iterdir()
+            if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()
+        )
+        for _, p in done[: -self.keep]:
             shutil.rmtree(p, ignore_errors=True)
 
     def load(self, path: str | os.PathLike, train_state: dict[str, Any]) -> dict[str, Any]:
@@ -191,16 +207,21 @@ class Checkpointer:
         model = self._model_state()
         optim, originals = self._optim_state() if self.optimizer is not None else ({}, [])
         # DCP reads the keys it is given: the templates name them (their values are replaced)
-        state = {"model": model, "optim": optim,
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-                 "train": dict(train_state, layout=""), "rng": {self.layout_key: self._rng_state()}}
+        state = {
+            "model": model,
+            "optim": optim,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "train": dict(train_state, layout=""),
+            "rng": {self.layout_key: self._rng_state()},
+        }
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
         for module, sd, keys in originals:
             for new_key, old_key in keys.items():  # tensors were read in place; other values were replaced
                 if not isinstance(sd[old_key], torch.Tensor) or sd[old_key].dim() == 0:
                     sd[old_key] = optim[new_key]
-            set_optimizer_state_dict(module, self.optimizer, sd,
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+            set_optimizer_state_dict(
+                module, self.optimizer, sd, options=StateDictOptions(flatten_optimizer_state_dict=True)
+            )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         train = state["train"]
@@ -220,8 +241,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (inner if inner is not None else t).detach()
 
 
-def save_hf(folder: str | os.PathLike, tensors: dict[str, tuple[torch.Tensor, Any]], mesh, dtype: torch.dtype,
-            max_shard_bytes: int = 5 * 2**30) -> None:
+def save_hf(
+    folder: str | os.PathLike,
+    tensors: dict[str, tuple[torch.Tensor, Any]],
+    mesh,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
     """Write the model as a Hugging Face safetensors directory (consolidated full tensors).
 
     Every rank passes its local tensors; ``torch.distributed.checkpoint.save`` with
@@ -269,8 +295,9 @@ def save_hf(folder: str | os.PathLike, tensors: dict[str, tuple[torch.Tensor, An
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder / "sharded", ignore_errors=True)
     _barrier()
-    writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=mapping, save_distributed=True,
-                                      enable_consolidation=True)
+    writer = HuggingFaceStorageWriter(
+        str(folder), fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=True
+    )
     dcp.save(state, storage_writer=writer)
     _barrier()
     if rank0:
@@ -282,8 +309,12 @@ class ConvertError(ValueError):
     """A checkpoint could not be converted; ``str(err)`` is one sentence."""
 
 
-def convert_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "auto",
-                  max_shard_bytes: int = 5 * 2**30) -> Path:
+def convert_to_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str = "auto",
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
     """Write the model of a checkpoint as a Hugging Face directory that ``from_pretrained`` loads.
 
     ``checkpoint`` is a ``step-NNNNNNNN`` directory (or a ``--checkpoint-dir``: its newest complete one).
@@ -310,18 +341,27 @@ def convert_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: 
         latest = latest_checkpoint(path)
         if latest is None:
             if (path / "latest").is_file():
-                raise ConvertError(f"{path} is a DeepSpeed checkpoint; convert it with the zero_to_fp32.py DeepSpeed "
-                                   "wrote beside it, or train with the torchrun script and --save-hf.")
-            raise ConvertError(f"{path} holds no complete checkpoint (a step-NNNNNNNN directory with .metadata).")
+                raise ConvertError(
+                    f"{path} is a DeepSpeed checkpoint; convert it with the zero_to_fp32.py DeepSpeed "
+                    "wrote beside it, or train with the torchrun script and --save-hf."
+                )
+            raise ConvertError(
+                f"{path} holds no complete checkpoint (a step-NNNNNNNN directory with .metadata)."
+            )
         path = latest[1]
     if not (path / ".metadata").is_file() or not (path / RUN_INFO).is_file():
-        raise ConvertError(f"{path} is not a complete slapo-lab checkpoint (it needs .metadata and {RUN_INFO}).")
+        raise ConvertError(
+            f"{path} is not a complete slapo-lab checkpoint (it needs .metadata and {RUN_INFO})."
+        )
     info = json.loads((path / RUN_INFO).read_text(encoding="utf-8"))
     spec = info.get("model") or {}
     want = getattr(torch, info.get("source_dtype", "float32")) if dtype == "auto" else getattr(torch, dtype)
     meta = FileSystemReader(str(path)).read_metadata()
-    names = sorted(k[len("model."):] for k, v in meta.state_dict_metadata.items()
-                   if k.startswith("model.") and isinstance(v, TensorStorageMetadata))
+    names = sorted(
+        k[len("model.") :]
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    )
     if not names:
         raise ConvertError(f"{path} holds no model tensors.")
     size = {n: meta.state_dict_metadata["model." + n].size for n in names}
@@ -338,17 +378,25 @@ def convert_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: 
     total = len(groups)
     weight_map = {}
     for i, group in enumerate(groups, 1):
-        src = {n: torch.empty(size[n], dtype=meta.state_dict_metadata["model." + n].properties.dtype) for n in group}
-        with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": that is the point
+        src = {
+            n: torch.empty(size[n], dtype=meta.state_dict_metadata["model." + n].properties.dtype)
+            for n in group
+        }
+        with (
+            warnings.catch_warnings()
+        ):  # "torch.distributed is disabled ... a single process": that is the point
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": src}, checkpoint_id=str(path), no_dist=True)
         fname = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-        save_file({n: t.to(want).contiguous() for n, t in src.items()}, str(out / fname), metadata={"format": "pt"})
+        save_file(
+            {n: t.to(want).contiguous() for n, t in src.items()}, str(out / fname), metadata={"format": "pt"}
+        )
         os.chmod(out / fname, 0o644)  # safetensors writes 0600
         weight_map.update(dict.fromkeys(group, fname))
     if total > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
+        )
     if spec.get("kind") == "hf":
         import transformers
 

@@ -600,7 +600,9 @@ class SyntheticData:
                 f"only {', '.join(input_spec)}."
             )
         if seq_len is None and any("seq" in e.get("dims", ()) for e in input_spec.values()):
-            raise DataError("Synthetic data of the example's shapes needs --seq-len (a sequence axis has no length).")
+            raise DataError(
+                "Synthetic data of the example's shapes needs --seq-len (a sequence axis has no length)."
+            )
         self.input_spec = input_spec
         self.seq_len = None if seq_len is None else int(seq_len)
         self.seed = int(seed)
@@ -823,7 +825,7 @@ def eval_micro_batches(
             f"one evaluation batch of {m * g}; add text or pass a smaller --micro-batch-size or --seq-len."
         )
     batches = [list(range(k * m, (k + 1) * m)) for k in range(n // m)]
-    groups = [batches[k * g:(k + 1) * g] for k in range(len(batches) // g)]
+    groups = [batches[k * g : (k + 1) * g] for k in range(len(batches) // g)]
     mine = [b for k, grp in enumerate(groups) if k % dp == dp_rank for b in grp]
     return _EvalBatches(data, mine)
 

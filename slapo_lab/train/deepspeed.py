@@ -15,6 +15,7 @@ Sources: DeepSpeed ``deepspeed/runtime/engine.py`` (``initialize``, ``backward``
 ``save_checkpoint``), ``deepspeed/runtime/utils.py`` (``clip_grad_norm_`` and its model-parallel rules),
 Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (the parameter attributes).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,7 +40,7 @@ def ds_config(args, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": float(args.max_grad_norm),
         "bf16": {"enabled": bool(args.bf16)},
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
@@ -113,10 +114,13 @@ class DeepSpeedStepper:
             for t in run.targets:
                 t.param.model_parallel = t.param.tensor_model_parallel = id(t.param) in owners
             run.pm = deepspeed_from(
-                run.pm, loss_fn=pipeline_loss_fn(run.objective, args.seed),
+                run.pm,
+                loss_fn=pipeline_loss_fn(run.objective, args.seed),
                 optimizer=lambda params: make_optimizer(args, params),
                 lr_scheduler=lambda opt: make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps),
-                ds_config=ds_config(args, run.micro, run.plan.accumulation, lay.dp), device=run.device)
+                ds_config=ds_config(args, run.micro, run.plan.accumulation, lay.dp),
+                device=run.device,
+            )
             self.engine = run.pm.engine
         else:
             mark_model_parallel(run.targets)
@@ -124,8 +128,12 @@ class DeepSpeedStepper:
             optimizer = run._optimizer()
             scheduler = make_scheduler(optimizer, args.lr_schedule, args.warmup_steps, args.steps)
             self.engine, _, _, _ = deepspeed.initialize(
-                model=run.module, optimizer=optimizer, lr_scheduler=scheduler,
-                config=ds_config(args, run.micro, run.plan.accumulation, lay.dp), mpu=ModelParallelUnit(lay))
+                model=run.module,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=ds_config(args, run.micro, run.plan.accumulation, lay.dp),
+                mpu=ModelParallelUnit(lay),
+            )
             run.model = self.engine
         self.engine.train()
         self.norm = None
@@ -175,8 +183,10 @@ class DeepSpeedStepper:
             total = torch.zeros((), device=run.device)
             for mb in micro_batches:
                 loss = model_loss(self.engine(**_to(mb, run.device)), run.args.seed)
-                self.engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps, averaged over replicas
-                self.engine.step()          # steps the optimizer (and the scheduler) after the last micro-batch
+                self.engine.backward(
+                    loss
+                )  # scaled by 1 / gradient_accumulation_steps, averaged over replicas
+                self.engine.step()  # steps the optimizer (and the scheduler) after the last micro-batch
                 total += loss.detach().float() / len(micro_batches)
             loss = run._dp_mean(total)
         norm = self.norm if self.norm is not None else self.engine.get_global_grad_norm()
@@ -186,6 +196,7 @@ class DeepSpeedStepper:
         from pathlib import Path
 
         tag = f"step-{step:08d}"
-        self.engine.save_checkpoint(self.run.args.checkpoint_dir, tag=tag,
-                                    client_state=dict(state, layout=self.run.layout_key))
+        self.engine.save_checkpoint(
+            self.run.args.checkpoint_dir, tag=tag, client_state=dict(state, layout=self.run.layout_key)
+        )
         return Path(self.run.args.checkpoint_dir) / tag

@@ -17,6 +17,7 @@ One run, whatever the target:
 
 Exit status: 0 done, 1 Verify failed, 2 a launch or input problem (one sentence on stderr).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,10 @@ def _device_of(args) -> tuple[str, str | None]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if ranks > gpus and _backend(args) == "nccl":
-        return "", (f"error: {ranks} processes on this node but {gpus} GPU(s), and NCCL needs one GPU per process; "
-                    "launch at most one process per GPU, or add --backend gloo to share GPUs (testing).")
+        return "", (
+            f"error: {ranks} processes on this node but {gpus} GPU(s), and NCCL needs one GPU per process; "
+            "launch at most one process per GPU, or add --backend gloo to share GPUs (testing)."
+        )
     return f"cuda:{local_rank % gpus}", None
 
 
@@ -125,14 +128,17 @@ def model_loss(outputs, seed: int) -> torch.Tensor:
 def pipeline_loss_fn(objective: str | None, seed: int) -> Callable:
     """``loss_fn(output, target)`` of the last pipeline stage: next-token cross entropy (causal LM, as
     transformers' ``ForCausalLMLoss``), token cross entropy ignoring -100 (masked LM), or the probe."""
+
     def loss_fn(output, target):
         if objective == "causal_lm":
             logits = output[:, :-1].reshape(-1, output.shape[-1]).float()
             return torch.nn.functional.cross_entropy(logits, target[:, 1:].reshape(-1), ignore_index=-100)
         if objective == "masked_lm":
-            return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(),
-                                                     target.reshape(-1), ignore_index=-100)
+            return torch.nn.functional.cross_entropy(
+                output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), ignore_index=-100
+            )
         return probe_loss(output, seed)
+
     return loss_fn
 
 
@@ -169,8 +175,18 @@ class Run:
         pm: the pipeline (:class:`slapo_lab.pipeline.PipelineModel`) or None.
     """
 
-    def __init__(self, args, *, spec: dict, schedule_fn: Callable, input_spec: dict, tp: int, stages: int,
-                 launcher: str, device: str) -> None:
+    def __init__(
+        self,
+        args,
+        *,
+        spec: dict,
+        schedule_fn: Callable,
+        input_spec: dict,
+        tp: int,
+        stages: int,
+        launcher: str,
+        device: str,
+    ) -> None:
         self.args = args
         self.spec = spec
         self.schedule_fn = schedule_fn
@@ -195,9 +211,16 @@ class Run:
         metrics.mark_memory_baseline()
         hint = "deepspeed --num_gpus " if self.launcher == "deepspeed" else "torchrun --nproc_per_node="
         try:
-            self.layout = make_layout(self.tp_size, self.stages, dist.get_world_size(), dp=args.dp,
-                                      stages_per_rank=getattr(args, "stages_per_rank", 1), fsdp=args.fsdp,
-                                      device=torch.device(self.device).type, launch_hint=hint)
+            self.layout = make_layout(
+                self.tp_size,
+                self.stages,
+                dist.get_world_size(),
+                dp=args.dp,
+                stages_per_rank=getattr(args, "stages_per_rank", 1),
+                fsdp=args.fsdp,
+                device=torch.device(self.device).type,
+                launch_hint=hint,
+            )
         except (LayoutError, ScheduleError) as err:
             raise RunError(str(err)) from None
         lay = self.layout
@@ -219,28 +242,55 @@ class Run:
         self.objective = objective_of(cls)
         if args.data != "synthetic":
             if self.objective is None:
-                raise RunError(f"{cls or 'This model'} has no language-model head, so it has no loss to train on "
-                               "text; export a *ForCausalLM or *ForMaskedLM model (or use --data synthetic).")
+                raise RunError(
+                    f"{cls or 'This model'} has no language-model head, so it has no loss to train on "
+                    "text; export a *ForCausalLM or *ForMaskedLM model (or use --data synthetic)."
+                )
             if args.tokenizer is None:
-                raise RunError("--data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
-                               "files).")
+                raise RunError(
+                    "--data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer files)."
+                )
         if args.eval_data and args.tokenizer is None:
-            raise RunError("--eval-data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
-                           "files).")
+            raise RunError(
+                "--eval-data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
+                "files)."
+            )
         objective = self.objective or "causal_lm"
         try:
-            self.data = load_data(args.data, tokenizer_dir=args.tokenizer, seq_len=args.seq_len, objective=objective,
-                                  seed=args.seed, input_spec=self.input_spec, main_first=self._main_first(),
-                                  lm_labels=self.objective is not None)
+            self.data = load_data(
+                args.data,
+                tokenizer_dir=args.tokenizer,
+                seq_len=args.seq_len,
+                objective=objective,
+                seed=args.seed,
+                input_spec=self.input_spec,
+                main_first=self._main_first(),
+                lm_labels=self.objective is not None,
+            )
             self.eval_data = None
             if args.eval_data:
-                self.eval_data = load_data(args.eval_data, tokenizer_dir=args.tokenizer, seq_len=args.seq_len,
-                                           objective=objective, seed=args.seed, main_first=self._main_first(),
-                                           lm_labels=True)
+                self.eval_data = load_data(
+                    args.eval_data,
+                    tokenizer_dir=args.tokenizer,
+                    seq_len=args.seq_len,
+                    objective=objective,
+                    seed=args.seed,
+                    main_first=self._main_first(),
+                    lm_labels=True,
+                )
             g = args.global_batch_size
-            self.micro = args.micro_batch_size or max(1, g // (lay.dp * (self.stages if self.pipeline else 1)))
-            self.plan = BatchPlan(self.data.num_samples, g, self.micro, lay.dp, lay.dp_rank, args.seed,
-                                  source=getattr(self.data, "source", None))
+            self.micro = args.micro_batch_size or max(
+                1, g // (lay.dp * (self.stages if self.pipeline else 1))
+            )
+            self.plan = BatchPlan(
+                self.data.num_samples,
+                g,
+                self.micro,
+                lay.dp,
+                lay.dp_rank,
+                args.seed,
+                source=getattr(self.data, "source", None),
+            )
         except ValueError as err:
             raise RunError(str(err)) from None
         if args.epochs is not None:
@@ -310,7 +360,9 @@ class Run:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            out.append(Target(self.canon_of_fqn.get(fqn, fqn), p, layout_of(p, self.layout.tp, self.layout.tp_rank)))
+            out.append(
+                Target(self.canon_of_fqn.get(fqn, fqn), p, layout_of(p, self.layout.tp, self.layout.tp_rank))
+            )
         return out
 
     def _setup_pipeline(self, sch, blocks) -> None:
@@ -324,8 +376,10 @@ class Run:
         fake = _fake_parameters(sch.mod, self.device)
         example, _ = _split_target(self._replica_batch(0), 1, "meta")
         with fake:
-            example = {k: torch.empty_like(v, device=self.device) if isinstance(v, torch.Tensor) else v
-                       for k, v in example.items()}
+            example = {
+                k: torch.empty_like(v, device=self.device) if isinstance(v, torch.Tensor) else v
+                for k, v in example.items()
+            }
 
         def prepare(partition, stage_ids):
             for i in stage_ids:
@@ -341,12 +395,20 @@ class Run:
         # DeepSpeed's engine comes after Verify (its train_batch steps the optimizer): the torch runtime first
         try:
             self.pm = build_pipeline(
-                sch, "torch", example_inputs=example, loss_fn=pipeline_loss_fn(self.objective, args.seed),
-                schedule=getattr(args, "pp_schedule", "1F1B"), n_microbatches=self.plan.accumulation,
-                pp_group=lay.mesh.pp_group, dp_group=None if lay.fsdp or lay.dp == 1 else lay.mesh.dp_group,
-                stages_per_rank=lay.stages_per_rank, device=self.device, prepare_stages=prepare,
+                sch,
+                "torch",
+                example_inputs=example,
+                loss_fn=pipeline_loss_fn(self.objective, args.seed),
+                schedule=getattr(args, "pp_schedule", "1F1B"),
+                n_microbatches=self.plan.accumulation,
+                pp_group=lay.mesh.pp_group,
+                dp_group=None if lay.fsdp or lay.dp == 1 else lay.mesh.dp_group,
+                stages_per_rank=lay.stages_per_rank,
+                device=self.device,
+                prepare_stages=prepare,
                 autocast_bf16=args.bf16 and self.launcher != "deepspeed",
-                deepspeed_later=self.launcher == "deepspeed")
+                deepspeed_later=self.launcher == "deepspeed",
+            )
         except ScheduleError as err:
             raise RunError(f"The pipeline could not be built: {err}") from None
         self.module = nn.ModuleList([self.pm.partition.stage_module(i) for i in self.pm.stage_ids])
@@ -358,8 +420,12 @@ class Run:
 
         if fsdp:
             buffers = dict(module.named_buffers())
-            allocate([t for t in targets if getattr(t.param, "_local_tensor", None) is None], self.device, module,
-                     tables)
+            allocate(
+                [t for t in targets if getattr(t.param, "_local_tensor", None) is None],
+                self.device,
+                module,
+                tables,
+            )
             module.to_empty(device=self.device)
             with torch.no_grad():
                 for name, b in module.named_buffers():
@@ -399,10 +465,13 @@ class Run:
                 init_random(ref_sch, targets, args.seed)
 
         ref = Reference(lambda: build_meta_model(self.spec, args.model_path), fill, self.device)
-        note = (f"one forward and backward of {rows} sequence(s)" + (f" of {seq} tokens" if seq else "")
-                + f" ({'synthetic inputs' if args.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
-                f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
-                f"{self.layout.describe()}")
+        note = (
+            f"one forward and backward of {rows} sequence(s)"
+            + (f" of {seq} tokens" if seq else "")
+            + f" ({'synthetic inputs' if args.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
+            f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
+            f"{self.layout.describe()}"
+        )
         dropouts = _dropout_off([self.module, ref.model])
         if self.pm is not None:  # dropout traced into the stage graphs
             self.pm.set_dropout(False)
@@ -410,8 +479,14 @@ class Run:
         for m in autocast:  # Verify compares in float32
             m.autocast_bf16 = False
         try:
-            report = run_verify(ref, self.targets, lambda: self._verify_scheduled(batch),
-                                lambda m: self._verify_reference(m, batch), device=self.device, note=note)
+            report = run_verify(
+                ref,
+                self.targets,
+                lambda: self._verify_scheduled(batch),
+                lambda m: self._verify_reference(m, batch),
+                device=self.device,
+                note=note,
+            )
         finally:
             _dropout_restore(dropouts)
             if self.pm is not None:
@@ -433,14 +508,20 @@ class Run:
         if self.pipeline:  # its shapes are fixed: one step's batch, replica 0's on every replica
             from .data import BatchPlan
 
-            first = BatchPlan(self.data.num_samples, args.global_batch_size, self.micro, self.layout.dp, 0, args.seed)
+            first = BatchPlan(
+                self.data.num_samples, args.global_batch_size, self.micro, self.layout.dp, 0, args.seed
+            )
             return _to(_cat(first.micro_batches(self.data, 0)), self.device)
         rows = args.verify_batch_size or 2
         batch = self.data.batch(list(range(rows)), 0)
         length = args.verify_seq_len or (min(self.seq_len, 64) if self.seq_len else None)
         if length is not None and self.seq_len:
-            batch = {k: v[:, :length] if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == self.seq_len
-                     else v for k, v in batch.items()}
+            batch = {
+                k: v[:, :length]
+                if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == self.seq_len
+                else v
+                for k, v in batch.items()
+            }
         return _to(batch, self.device)
 
     def _verify_scheduled(self, batch: dict) -> tuple[float, Any]:
@@ -469,7 +550,9 @@ class Run:
         inputs, target = _split_target(batch, n, self.device)
         total = 0.0
         for i in range(n):
-            chunk = {k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()}
+            chunk = {
+                k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()
+            }
             loss = loss_fn(first_tensor(model(**chunk)), target.chunk(n)[i]) / n
             loss.backward()
             total += float(loss.detach())
@@ -492,7 +575,9 @@ class Run:
                 stage_of.setdefault(id(p), i)
         seen, out = set(), []
         for t in self.targets:
-            if t.name in seen or stage_of.get(id(t.param), 0) != owner.get(t.name, stage_of.get(id(t.param), 0)):
+            if t.name in seen or stage_of.get(id(t.param), 0) != owner.get(
+                t.name, stage_of.get(id(t.param), 0)
+            ):
                 continue
             seen.add(t.name)
             out.append(t)
@@ -516,8 +601,11 @@ class Run:
         return float(value)
 
     def _autocast(self):
-        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16,
-                              enabled=bool(self.args.bf16) and self.pm is None)
+        return torch.autocast(
+            device_type=torch.device(self.device).type,
+            dtype=torch.bfloat16,
+            enabled=bool(self.args.bf16) and self.pm is None,
+        )
 
     def _forward_backward(self, step: int) -> float:
         """Forward and backward of this replica's part of ``step``; gradients ready on return. Returns the
@@ -564,7 +652,11 @@ class Run:
         from .optim import clip_
 
         norm = self.grad_norm(norm_targets)
-        grads = [getattr(t.param.grad, "_local_tensor", t.param.grad) for t in self.targets if t.param.grad is not None]
+        grads = [
+            getattr(t.param.grad, "_local_tensor", t.param.grad)
+            for t in self.targets
+            if t.param.grad is not None
+        ]
         clip_(grads, self.args.max_grad_norm, norm)
         return float(norm)
 
@@ -580,9 +672,14 @@ class Run:
 
         lay = self.layout
         group = self.plan.accumulation if self.pm is not None else 1
-        micro = list(eval_micro_batches(self.eval_data, self.micro, lay.dp, lay.dp_rank, self.args.eval_samples,
-                                        group=group))
-        most = len(eval_micro_batches(self.eval_data, self.micro, lay.dp, 0, self.args.eval_samples, group=group))
+        micro = list(
+            eval_micro_batches(
+                self.eval_data, self.micro, lay.dp, lay.dp_rank, self.args.eval_samples, group=group
+            )
+        )
+        most = len(
+            eval_micro_batches(self.eval_data, self.micro, lay.dp, 0, self.args.eval_samples, group=group)
+        )
         batches = [(mb, True) for mb in micro]
         if lay.fsdp:
             batches += [(batches[0][0] if batches else self._eval_filler(group), False)] * (most - len(micro))
@@ -591,7 +688,7 @@ class Run:
         with torch.no_grad():
             if self.pm is not None:
                 for k in range(0, len(batches), group):
-                    batch = _to(_cat([b for b, _ in batches[k:k + group]]), self.device)
+                    batch = _to(_cat([b for b, _ in batches[k : k + group]]), self.device)
                     inputs, target = _split_target(batch, 1, self.device)
                     loss = self.pm.eval_step(**inputs, target=target)
                     if batches[k][1]:
@@ -607,7 +704,9 @@ class Run:
                         total += loss * n
                         rows += n
                 self.module.train()
-        if lay.fsdp:  # a forward without backward leaves FSDP2's root unsharded (then the optimizer's parameters
+        if (
+            lay.fsdp
+        ):  # a forward without backward leaves FSDP2's root unsharded (then the optimizer's parameters
             from torch.distributed.fsdp import (
                 FSDPModule,  # are not the module's, and a checkpoint cannot map them)
             )
@@ -625,8 +724,13 @@ class Run:
         """A batch of the evaluation shapes for a replica that has none left (its forwards are not counted)."""
         from .data import eval_micro_batches
 
-        return next(iter(eval_micro_batches(self.eval_data, self.micro, self.layout.dp, 0, self.args.eval_samples,
-                                            group=group)))
+        return next(
+            iter(
+                eval_micro_batches(
+                    self.eval_data, self.micro, self.layout.dp, 0, self.args.eval_samples, group=group
+                )
+            )
+        )
 
     @property
     def layout_key(self) -> str:
@@ -651,17 +755,30 @@ class Run:
             stepper = TorchStepper(self)
         start = stepper.resume()
         tokens_per_step = args.global_batch_size * (self.seq_len or 1)
-        _say(f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}"
-             + (f", DeepSpeed ZeRO-{args.zero}" if self.launcher == "deepspeed" else "")
-             + f", device {self.device}, global batch {args.global_batch_size}"
-             + (f" x {self.seq_len} tokens" if self.seq_len else "")
-             + f" in micro-batches of {self.micro} ({self.plan.accumulation} per step and replica)"
-             + (", bf16 compute / fp32 weights" if args.bf16 else ""),
-             self.data.describe())
-        precision = "bf16" if args.bf16 else ("fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32")
-        logger = MetricsLogger(dist.get_rank(), log_dir=args.log_dir, total_steps=args.steps, start_step=start,
-                               progress=args.progress, device=self.device, n_params=self.n_params,
-                               world_size=dist.get_world_size(), precision=precision, peak_tflops=args.peak_tflops)
+        _say(
+            f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}"
+            + (f", DeepSpeed ZeRO-{args.zero}" if self.launcher == "deepspeed" else "")
+            + f", device {self.device}, global batch {args.global_batch_size}"
+            + (f" x {self.seq_len} tokens" if self.seq_len else "")
+            + f" in micro-batches of {self.micro} ({self.plan.accumulation} per step and replica)"
+            + (", bf16 compute / fp32 weights" if args.bf16 else ""),
+            self.data.describe(),
+        )
+        precision = (
+            "bf16" if args.bf16 else ("fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32")
+        )
+        logger = MetricsLogger(
+            dist.get_rank(),
+            log_dir=args.log_dir,
+            total_steps=args.steps,
+            start_step=start,
+            progress=args.progress,
+            device=self.device,
+            n_params=self.n_params,
+            world_size=dist.get_world_size(),
+            precision=precision,
+            peak_tflops=args.peak_tflops,
+        )
         saved_at = start if start else None
         with logger:
             for step in range(start, args.steps):
@@ -673,9 +790,21 @@ class Run:
                     torch.cuda.synchronize(self.device)
                 seconds = time.perf_counter() - t0
                 done = step + 1
-                logger.log_step(done, loss=loss, lr=lr, grad_norm=norm, tokens=tokens_per_step,
-                                samples=args.global_batch_size, seconds=seconds)
-                if self.eval_data is not None and args.eval_every and done % args.eval_every == 0 and done < args.steps:
+                logger.log_step(
+                    done,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=norm,
+                    tokens=tokens_per_step,
+                    samples=args.global_batch_size,
+                    seconds=seconds,
+                )
+                if (
+                    self.eval_data is not None
+                    and args.eval_every
+                    and done % args.eval_every == 0
+                    and done < args.steps
+                ):
                     self._log_eval(logger, done)
                 if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every == 0:
                     _say(f"checkpoint step {done} saved: {stepper.save(done, self._train_state(done))}")
@@ -683,7 +812,9 @@ class Run:
             if self.eval_data is not None:
                 self._log_eval(logger, args.steps)
         if args.checkpoint_dir and saved_at != args.steps:
-            _say(f"checkpoint step {args.steps} saved: {stepper.save(args.steps, self._train_state(args.steps))}")
+            _say(
+                f"checkpoint step {args.steps} saved: {stepper.save(args.steps, self._train_state(args.steps))}"
+            )
         if args.save_hf:
             self.save_hf(args.save_hf)
         return 0
@@ -704,8 +835,10 @@ class Run:
             warnings.simplefilter("ignore")
             for _ in range(start):
                 fresh.step()
-        _say(f"note: the checkpoint's learning-rate schedule ended at step {saved}; it now runs over --steps "
-             f"{self.args.steps} (lr {optimizer.param_groups[0]['lr']:.2e} at step {start + 1}).")
+        _say(
+            f"note: the checkpoint's learning-rate schedule ended at step {saved}; it now runs over --steps "
+            f"{self.args.steps} (lr {optimizer.param_groups[0]['lr']:.2e} at step {start + 1})."
+        )
         return fresh
 
     def resumed(self, path, state: dict, start: int) -> None:
@@ -715,9 +848,17 @@ class Run:
         lay = self.layout
         same = state.get("layout") == self.layout_key
         if not same:
-            set_random_seed(self.args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
-        _say(f"resumed from {path} at step {start}" + ("" if same else
-             f" (saved as {state.get('layout')}, now {self.layout_key}: weights and optimizer resharded)"))
+            set_random_seed(
+                self.args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank
+            )
+        _say(
+            f"resumed from {path} at step {start}"
+            + (
+                ""
+                if same
+                else f" (saved as {state.get('layout')}, now {self.layout_key}: weights and optimizer resharded)"
+            )
+        )
 
     def _log_eval(self, logger, step: int) -> None:
         loss, rows = self.evaluate()
@@ -731,15 +872,23 @@ class Run:
         spec = dict(self.spec)
         if self.config is not None and spec.get("kind") == "hf":
             spec["config"] = self.config.to_dict()
-        absolute = (lambda p: str(Path(p).resolve()) if p else None)
-        return {"model": spec, "model_path": absolute(self.args.model_path),
-                "tokenizer": absolute(self.args.tokenizer),
-                "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch.")}
+        absolute = lambda p: str(Path(p).resolve()) if p else None
+        return {
+            "model": spec,
+            "model_path": absolute(self.args.model_path),
+            "tokenizer": absolute(self.args.tokenizer),
+            "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch."),
+        }
 
     def _train_state(self, step: int) -> dict:
-        return {"step": step, "samples": step * self.args.global_batch_size, "epoch": self.plan.epoch(step),
-                "seed": self.args.seed, "global_batch_size": self.args.global_batch_size,
-                "total_steps": self.args.steps}
+        return {
+            "step": step,
+            "samples": step * self.args.global_batch_size,
+            "epoch": self.plan.epoch(step),
+            "seed": self.args.seed,
+            "global_batch_size": self.args.global_batch_size,
+            "total_steps": self.args.steps,
+        }
 
     def save_hf(self, folder: str) -> None:
         """Write the trained model as a Hugging Face directory (gathered from every shard) with its config
@@ -748,13 +897,14 @@ class Run:
         from .weights import copy_hf_extras, source_dtype
 
         args = self.args
-        dtype = source_dtype(args.model_path) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+        dtype = (
+            source_dtype(args.model_path) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+        )
         tensors = {t.name: (t.param, t.layout) for t in self._norm_targets()}
         save_hf(folder, tensors, self.layout.view_mesh, dtype)
-        if _rank0():
-            if self.config is not None:
-                self.config.dtype = dtype
-                copy_hf_extras(args.model_path, args.tokenizer, folder, self.config)
+        if _rank0() and self.config is not None:
+            self.config.dtype = dtype
+            copy_hf_extras(args.model_path, args.tokenizer, folder, self.config)
         dist.barrier()
         _say(f"saved the model as a Hugging Face directory: {folder} ({dtype}; from_pretrained loads it)")
 
@@ -782,9 +932,16 @@ class TorchStepper:
         self.ckpt = None
         if args.checkpoint_dir:
             info = {id(t.param): (t.name, t.layout) for t in run.targets}
-            self.ckpt = Checkpointer(args.checkpoint_dir, [(run.module, info)], self.optimizer, self.scheduler,
-                                     lay.view_mesh, run.layout_key, keep=args.keep_checkpoints,
-                                     run_info=run.run_info())
+            self.ckpt = Checkpointer(
+                args.checkpoint_dir,
+                [(run.module, info)],
+                self.optimizer,
+                self.scheduler,
+                lay.view_mesh,
+                run.layout_key,
+                keep=args.keep_checkpoints,
+                run_info=run.run_info(),
+            )
 
     def resume(self) -> int:
         """Load the newest complete checkpoint (any layout); returns the step to start from."""
@@ -799,7 +956,9 @@ class TorchStepper:
         state = self.ckpt.load(latest[1], run._train_state(0))
         start = int(state.get("step", latest[0]))
         run.resumed(latest[1], state, start)
-        self.scheduler = self.ckpt.scheduler = run.stretch_schedule(self.optimizer, self.scheduler, state, start)
+        self.scheduler = self.ckpt.scheduler = run.stretch_schedule(
+            self.optimizer, self.scheduler, state, start
+        )
         return start
 
     def step(self, step: int) -> tuple[float, float, float]:
@@ -817,8 +976,18 @@ class TorchStepper:
 
 
 # ---------------------------------------------------------------------------------------- entry point
-def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int = 1, launcher: str = "torchrun",
-         defaults: dict | None = None, argv: list[str] | None = None, title: str | None = None) -> int:
+def main(
+    *,
+    model: dict,
+    schedule: Callable,
+    inputs: dict,
+    tp: int,
+    stages: int = 1,
+    launcher: str = "torchrun",
+    defaults: dict | None = None,
+    argv: list[str] | None = None,
+    title: str | None = None,
+) -> int:
     """Train the model of an exported script; the one call an exported script makes.
 
     Args:
@@ -843,8 +1012,14 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
     spec = validate_model_spec(model)
     input_spec = validate_input_spec(inputs)
     batch, seq = example_sizes(input_spec)
-    parser = build_parser(title or "Train a model with a slapo-lab schedule.", launcher=launcher, pipeline=stages > 1,
-                          example_batch=int(batch or 1), example_seq=seq, defaults=defaults)
+    parser = build_parser(
+        title or "Train a model with a slapo-lab schedule.",
+        launcher=launcher,
+        pipeline=stages > 1,
+        example_batch=int(batch or 1),
+        example_seq=seq,
+        defaults=defaults,
+    )
     args = parse_args(parser, argv)
     if getattr(args, "print_ds_config", False):
         import json
@@ -854,20 +1029,32 @@ def main(*, model: dict, schedule: Callable, inputs: dict, tp: int, stages: int 
         world = int(os.environ.get("WORLD_SIZE", tp * stages))
         dp = args.dp or max(1, world // (tp * stages))
         micro = args.micro_batch_size or max(1, args.global_batch_size // (dp * (max(1, stages))))
-        print(json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2))
+        print(
+            json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2)
+        )
         return 0
     device, error = _device_of(args)
     if not error and stages > 1 and device.startswith("cuda") and _backend(args) == "gloo":
-        error = ("error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
-                 "process, or --device cpu.")
+        error = (
+            "error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
+            "process, or --device cpu."
+        )
     if error:
         print(error, file=sys.stderr)
         return 2
     _init_process_group(args, device)
     run = None
     try:
-        run = Run(args, spec=spec, schedule_fn=schedule, input_spec=input_spec, tp=tp, stages=stages,
-                  launcher=launcher, device=device)
+        run = Run(
+            args,
+            spec=spec,
+            schedule_fn=schedule,
+            input_spec=input_spec,
+            tp=tp,
+            stages=stages,
+            launcher=launcher,
+            device=device,
+        )
         run.setup()
         if args.verify:
             passed = run.verify()

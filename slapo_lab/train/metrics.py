@@ -361,7 +361,9 @@ class MetricsLogger:
         only ``step`` and ``eval_loss``. Returns the line."""
         if not self.active:
             return None
-        line = f"eval step {step}: loss {loss:.6f}" + (f" ({samples} sequences)" if samples is not None else "")
+        line = f"eval step {step}: loss {loss:.6f}" + (
+            f" ({samples} sequences)" if samples is not None else ""
+        )
         self.info(line)
         self._scalar("eval/loss", loss, step)
         self._row(step=step, eval_loss=loss)

@@ -7,6 +7,7 @@ mesh (sharded parts summed, replicated ones counted once), and the pipeline stag
 summed over the pipeline group (torchtitan's ``clip_grad_norm_`` does the same for pipeline parallelism).
 Tied copies of one parameter on several stages count once.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,13 @@ def make_optimizer(args, params: Sequence[torch.nn.Parameter]) -> torch.optim.Op
     params = list(params)
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, weight_decay=args.weight_decay)
-    return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             weight_decay=args.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int, total: int):
@@ -72,8 +78,12 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group=None) -> torch.Tens
     else:
         total = torch.zeros((), dtype=torch.float32)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else "cpu"
-        sq = (total ** 2).to(dev)
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(pp_group) == "nccl"
+            else "cpu"
+        )
+        sq = (total**2).to(dev)
         dist.all_reduce(sq, group=pp_group)
         total = sq.sqrt().to(total.device)
     return total

@@ -12,6 +12,7 @@ on the ``(dp, tp)`` mesh; a 1-D tensor split over ``tp`` (a column-parallel bias
 dimension and stays whole on every replica (FSDP2's ``ignored_params``), its gradient averaged over
 ``dp`` by :meth:`Layout.average_ignored_grads`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -82,12 +83,21 @@ class Layout:
         flat /= self.dp
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 
-def make_layout(tp: int, stages: int, world: int, *, dp: int | None, stages_per_rank: int, fsdp: bool,
-                device: str, launch_hint: str = "torchrun --nproc_per_node=") -> Layout:
+def make_layout(
+    tp: int,
+    stages: int,
+    world: int,
+    *,
+    dp: int | None,
+    stages_per_rank: int,
+    fsdp: bool,
+    device: str,
+    launch_hint: str = "torchrun --nproc_per_node=",
+) -> Layout:
     """The layout of ``world`` processes for a schedule of ``tp``-way tensor parallelism and ``stages`` stages.
 
     Raises:
@@ -98,16 +108,20 @@ def make_layout(tp: int, stages: int, world: int, *, dp: int | None, stages_per_
     from ..pipeline import make_mesh
 
     if stages % stages_per_rank:
-        raise LayoutError(f"--stages-per-rank {stages_per_rank} does not divide the {stages} pipeline stages.")
+        raise LayoutError(
+            f"--stages-per-rank {stages_per_rank} does not divide the {stages} pipeline stages."
+        )
     pp = stages // stages_per_rank
     unit = tp * pp
     got = world // unit
     if world % unit or (dp is not None and dp != got) or got < 1:
         want = unit * (dp or max(got, 1))
         need = f"--dp {dp} x {unit} = {want}" if dp else f"a multiple of {unit}"
-        raise LayoutError(f"This schedule runs tp={tp} (tensor parallel) x pp={pp} (pipeline) x dp processes, so the "
-                          f"world size must be {need}, but {world} process(es) were launched; use "
-                          f"{launch_hint}{want}.")
+        raise LayoutError(
+            f"This schedule runs tp={tp} (tensor parallel) x pp={pp} (pipeline) x dp processes, so the "
+            f"world size must be {need}, but {world} process(es) were launched; use "
+            f"{launch_hint}{want}."
+        )
     mesh = make_mesh(tp=tp, pp=pp, dp=got, device=device)
     return Layout(tp, pp, got, stages_per_rank, mesh, mesh.mesh["dp", "tp"], fsdp=fsdp and got > 1)
 
@@ -177,8 +191,9 @@ def wrap_ddp(model: nn.Module, layout: Layout, device: str, find_unused: bool) -
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [torch.device(device).index] if device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=layout.mesh.dp_group,
-                                   find_unused_parameters=find_unused)
+    return DistributedDataParallel(
+        model, device_ids=ids, process_group=layout.mesh.dp_group, find_unused_parameters=find_unused
+    )
 
 
 def is_main(layout_or_rank) -> bool:

@@ -16,6 +16,7 @@ within ``atol + rtol * |reference|`` (1e-5 each). Reference tensors are gathered
 time (``DTensor.full_tensor``). The report is :class:`slapo_lab.VerifyReport`; its last line is
 ``Verify: PASSED`` or ``Verify: FAILED``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -54,8 +55,9 @@ class Reference:
         device: this rank's device.
     """
 
-    def __init__(self, build: Callable[[], nn.Module], fill: Callable[[Any, list[Target], Any], None],
-                 device: str) -> None:
+    def __init__(
+        self, build: Callable[[], nn.Module], fill: Callable[[Any, list[Target], Any], None], device: str
+    ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -87,9 +89,17 @@ class Reference:
         self.sch = sch
 
 
-def run_verify(reference: Reference, scheduled: list[Target], run_scheduled: Callable[[], tuple[float, Any]],
-               run_reference: Callable[[nn.Module], tuple[float, Any]], *, device: str, note: str,
-               atol: float = 1e-5, rtol: float = 1e-5) -> VerifyReport:
+def run_verify(
+    reference: Reference,
+    scheduled: list[Target],
+    run_scheduled: Callable[[], tuple[float, Any]],
+    run_reference: Callable[[nn.Module], tuple[float, Any]],
+    *,
+    device: str,
+    note: str,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> VerifyReport:
     """Run both models and compare (see the module docstring); every rank calls it and gets the same report.
 
     Args:
@@ -128,10 +138,16 @@ def run_verify(reference: Reference, scheduled: list[Target], run_scheduled: Cal
                 continue
             s = sched_outs.get(name)
             if s is None:
-                report.outputs.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+                report.outputs.append(
+                    Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)")
+                )
                 continue
             a, r, ok = _diff(s, t, atol, rtol)
-            note_ = "" if s.shape == t.shape else f"(shape {tuple(s.shape)} vs {tuple(t.shape)}: a missing all_gather?)"
+            note_ = (
+                ""
+                if s.shape == t.shape
+                else f"(shape {tuple(s.shape)} vs {tuple(t.shape)}: a missing all_gather?)"
+            )
             report.outputs.append(Comparison(name, a, r, ok, note_))
     del out, ref_out
     # 3. gradients, one reference parameter at a time
@@ -150,7 +166,9 @@ def run_verify(reference: Reference, scheduled: list[Target], run_scheduled: Cal
             a, r, ok = _diff(local_grad, want, atol, rtol)
             grads.append(Comparison(name, a, r, ok))
         del full
-    report.weights = weights + [Comparison(n, math.inf, 0.0, False, "(not in the reference)") for n in unknown]
+    report.weights = weights + [
+        Comparison(n, math.inf, 0.0, False, "(not in the reference)") for n in unknown
+    ]
     report.grads = grads
     _agree(report, device)
     return report
@@ -162,8 +180,9 @@ def _agree(report: VerifyReport, device: str) -> None:
         return
     local = {"outputs": report.outputs, "weights": report.weights, "grads": report.grads}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: [(c.name, c.max_abs, c.max_rel, c.ok, c.note) for c in v]
-                                      for k, v in local.items()})
+    dist.all_gather_object(
+        gathered, {k: [(c.name, c.max_abs, c.max_rel, c.ok, c.note) for c in v] for k, v in local.items()}
+    )
     for key in local:
         merged: dict[str, Comparison] = {}
         for g in gathered:

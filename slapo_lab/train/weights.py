@@ -13,6 +13,7 @@ shape (:class:`~slapo_lab.sharding.placements.ShardLayout`) -- and values:
   ``HuggingFaceStorageReader`` into DTensor views of the local tensors, which reads only this rank's
   slices of the safetensors files.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,14 +71,17 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
         try:
             config = json.loads(cfg_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise WeightsError(f"{model_path} has no config.json; --model-path takes a directory written by "
-                               "save_pretrained.") from None
+            raise WeightsError(
+                f"{model_path} has no config.json; --model-path takes a directory written by save_pretrained."
+            ) from None
         except (OSError, ValueError) as err:
             raise WeightsError(f"Cannot read {cfg_file}: {err}.") from None
         want = spec["config"].get("model_type")
         if want and config.get("model_type") not in (None, want):
-            raise WeightsError(f"{model_path} holds a {config.get('model_type')!r} model, but this script trains a "
-                               f"{want!r} ({spec['class']}).")
+            raise WeightsError(
+                f"{model_path} holds a {config.get('model_type')!r} model, but this script trains a "
+                f"{want!r} ({spec['class']})."
+            )
         spec = dict(spec, config=config)
     with init_empty_weights():
         return build_from_spec(spec, device="cpu")
@@ -92,8 +96,12 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def allocate(targets: Iterable[Target], device: torch.device | str, module: nn.Module | None = None,
-             tables: Iterable[dict] = ()) -> None:
+def allocate(
+    targets: Iterable[Target],
+    device: torch.device | str,
+    module: nn.Module | None = None,
+    tables: Iterable[dict] = (),
+) -> None:
     """Give every meta (or fake) parameter of ``targets`` uninitialised storage of its local shape on ``device``.
 
     In place where it can be (``torch.utils.swap_tensors``: the same Python object, so everything that
@@ -107,8 +115,9 @@ def allocate(targets: Iterable[Target], device: torch.device | str, module: nn.M
         p = t.param
         if not (p.is_meta or is_fake(p)) or getattr(p, "_local_tensor", None) is not None:
             continue
-        new = nn.Parameter(torch.empty(t.layout.local_shape, dtype=p.dtype, device=device),
-                           requires_grad=p.requires_grad)
+        new = nn.Parameter(
+            torch.empty(t.layout.local_shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+        )
         new.__dict__.update(p.__dict__)
         try:
             torch.utils.swap_tensors(p, new)
@@ -184,13 +193,16 @@ def hf_index(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise WeightsError(f"The model directory {model_path} does not exist.")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        extra = " (it has pytorch_model.bin: re-save it with save_pretrained(safe_serialization=True))" if any(
-            folder.glob("pytorch_model*.bin")) else ""
+        extra = (
+            " (it has pytorch_model.bin: re-save it with save_pretrained(safe_serialization=True))"
+            if any(folder.glob("pytorch_model*.bin"))
+            else ""
+        )
         raise WeightsError(f"{model_path} has no *.safetensors weights{extra}.")
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():
+            for key in h.keys():  # noqa: SIM118 - a safetensors handle is not a dict
                 sl = h.get_slice(key)
                 out[key] = (tuple(sl.get_shape()), _getdtype(sl.get_dtype()))
     return out
@@ -216,11 +228,15 @@ def load_hf(model_path: str, targets: list[Target], mesh) -> None:
         first.setdefault(t.name, t)
     for name, t in first.items():
         if name not in index:
-            raise WeightsError(f"{model_path} has no tensor {name!r} (the model needs {len(first)} on this rank); "
-                               "is it a checkpoint of this model class?")
+            raise WeightsError(
+                f"{model_path} has no tensor {name!r} (the model needs {len(first)} on this rank); "
+                "is it a checkpoint of this model class?"
+            )
         if tuple(index[name][0]) != tuple(t.layout.shape):
-            raise WeightsError(f"{name} in {model_path} has shape {tuple(index[name][0])}, but the model expects "
-                               f"{tuple(t.layout.shape)}.")
+            raise WeightsError(
+                f"{name} in {model_path} has shape {tuple(index[name][0])}, but the model expects "
+                f"{tuple(t.layout.shape)}."
+            )
     state = {name: t.layout.checkpoint_view(t.local, mesh) for name, t in first.items()}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(model_path))
     with torch.no_grad():
@@ -246,7 +262,9 @@ def copy_hf_extras(model_path: str | None, tokenizer_dir: str | None, out: str |
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     if model_path is not None and (Path(model_path) / "generation_config.json").is_file():
-        (out / "generation_config.json").write_bytes((Path(model_path) / "generation_config.json").read_bytes())
+        (out / "generation_config.json").write_bytes(
+            (Path(model_path) / "generation_config.json").read_bytes()
+        )
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
         from transformers import AutoTokenizer
 

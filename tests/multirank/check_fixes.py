@@ -10,6 +10,7 @@ check names are applied (``sl.close_open_items``: round after round, until it fi
 ``RESULT {json}`` for both states: the findings' kinds, the loss of the scheduled and of the reference
 model, and the worst gradient difference (sharded gradients gathered across ranks).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,16 @@ warnings.filterwarnings("ignore")
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=128, max_position_embeddings=64, attention_dropout=0.0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -50,8 +59,13 @@ def compare(sch, ref, ids) -> dict:
     for name, p in sch.mod.named_parameters():
         g = gather_full(p.grad, p, sch.tp) if getattr(p, "shard_axis", None) is not None else p.grad
         worst = max(worst, (g - ref_params[name].grad).abs().max().item())
-    return {"kinds": sorted({f.kind for f in found}), "n": len(found), "loss": loss.item(),
-            "ref_loss": ref_loss.item(), "grad_diff": worst}
+    return {
+        "kinds": sorted({f.kind for f in found}),
+        "n": len(found),
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "grad_diff": worst,
+    }
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ report no graph break and must have put the tensor-parallel collectives into the
 custom ops). Rank 0 prints one ``RESULT {json}`` line per case; the exit status is non-zero when any case fails on
 any rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,17 +38,39 @@ BATCH, SEQ, VOCAB = 2, 8, 128
 def llama_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
-                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def gpt2_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -61,13 +84,20 @@ CASES = {
     "llama_tp_checkpoint": (llama_model, _tp_ckpt(), "model.layers", "wrap"),
     "llama_tp_checkpoint_inplace": (llama_model, _tp_ckpt(), "model.layers", "inplace"),
     "gpt2_tp_checkpoint": (gpt2_model, _tp_ckpt(), "transformer.h", "wrap"),
-    "gpt2_sequence_parallel_checkpoint": (gpt2_model, _tp_ckpt(sequence_parallel=True), "transformer.h", "wrap"),
+    "gpt2_sequence_parallel_checkpoint": (
+        gpt2_model,
+        _tp_ckpt(sequence_parallel=True),
+        "transformer.h",
+        "wrap",
+    ),
 }
 
 
 def batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=g), torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=g
+    )
 
 
 def recording_backend(backend: str, ops: set):
@@ -110,10 +140,18 @@ def run_case(name: str, backend: str) -> dict:
         if how == "inplace":
             block.compile(backend=recording_backend(backend, ops), fullgraph=True)
         else:  # torchtitan's apply_compile
-            blocks.register_module(str(i), torch.compile(block, backend=recording_backend(backend, ops),
-                                                         fullgraph=True))
+            blocks.register_module(
+                str(i), torch.compile(block, backend=recording_backend(backend, ops), fullgraph=True)
+            )
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    res = {"case": name, "backend": backend, "loss": [], "max_loss_diff": 0.0, "max_grad_diff": 0.0, "bad": []}
+    res = {
+        "case": name,
+        "backend": backend,
+        "loss": [],
+        "max_loss_diff": 0.0,
+        "max_grad_diff": 0.0,
+        "bad": [],
+    }
     t0 = time.perf_counter()
     for step in range(STEPS):
         ids, labels = batch(step)
@@ -159,7 +197,9 @@ def run_case(name: str, backend: str) -> dict:
         res["bad"].append("no tensor-parallel collective in the compiled graphs")
     res["n_sharded"] = sum(getattr(p, "shard_axis", None) is not None for p in compiled.parameters())
     # agree across ranks: the worst figures, and every rank's failures
-    t = torch.tensor([res["max_loss_diff"], res["max_grad_diff"], float(len(res["bad"]))], dtype=torch.float64)
+    t = torch.tensor(
+        [res["max_loss_diff"], res["max_grad_diff"], float(len(res["bad"]))], dtype=torch.float64
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     res["max_loss_diff"], res["max_grad_diff"], n_bad = t.tolist()
     if n_bad and not res["bad"]:

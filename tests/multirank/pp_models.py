@@ -11,6 +11,7 @@
 
 All with random weights (seeded), dropout 0, fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,9 +28,16 @@ class BertClassifier(nn.Module):
         super().__init__()
         from transformers import BertConfig, BertModel
 
-        cfg = BertConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=4, intermediate_size=128,
-                         vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0)
+        cfg = BertConfig(
+            num_hidden_layers=layers,
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         self.bert = BertModel(cfg, add_pooling_layer=False)
         self.head = nn.Linear(HIDDEN, CLASSES)
 
@@ -40,8 +48,19 @@ class BertClassifier(nn.Module):
 def gpt2(layers: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=HIDDEN,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -49,8 +68,20 @@ def t5():
     """HF ``T5ForConditionalGeneration`` (4 + 4 blocks); ``shared`` / both ``embed_tokens`` / ``lm_head`` tied."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=4, num_heads=4,
-                   dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=4,
+        num_decoder_layers=4,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return T5ForConditionalGeneration(cfg)
 
 
@@ -156,7 +187,9 @@ def batch(name: str, step: int, batch_size: int):
     ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
     if name == "t5":
         dec = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
-        return {"input_ids": ids, "decoder_input_ids": dec}, torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+        return {"input_ids": ids, "decoder_input_ids": dec}, torch.randint(
+            0, VOCAB, (batch_size, SEQ), generator=g
+        )
     if name == "bert":
         y = torch.randint(0, CLASSES, (batch_size,), generator=g)
     elif name == "gpt2":
@@ -177,8 +210,8 @@ def forward_output(name: str, model: nn.Module, inputs):
 def take(inputs, lo: int, n: int):
     """Rows ``lo .. lo + n`` of a batch of inputs (tensor or dict of tensors)."""
     if isinstance(inputs, dict):
-        return {k: v[lo:lo + n] for k, v in inputs.items()}
-    return inputs[lo:lo + n]
+        return {k: v[lo : lo + n] for k, v in inputs.items()}
+    return inputs[lo : lo + n]
 
 
 # ------------------------------------------------------------------ twelve HF families (issue 10)
@@ -187,69 +220,159 @@ def take(inputs, lo: int, n: int):
 # a 32 x 32 image in 8 x 8 patches, i.e. 16 patches + CLS).
 FAMILY_SEQ = 16
 _DROP = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-_DEC = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64, "use_cache": False, "pad_token_id": 0,
-        "bos_token_id": 0, "eos_token_id": 0}
+_DEC = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+    "pad_token_id": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 
 
 def _bert_mlm():
     from transformers import BertConfig, BertForMaskedLM
 
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=128, max_position_embeddings=64, **_DROP))
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            **_DROP,
+        )
+    )
 
 
 def _roberta():
     from transformers import RobertaConfig, RobertaForMaskedLM
 
-    return RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-                                            num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                                            pad_token_id=1, bos_token_id=0, eos_token_id=2, **_DROP))
+    return RobertaForMaskedLM(
+        RobertaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            **_DROP,
+        )
+    )
 
 
 def _albert():
     # one layer group per layer (num_hidden_groups = layers): each block runs once, so it can end a stage
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    return AlbertForMaskedLM(AlbertConfig(vocab_size=VOCAB, embedding_size=32, hidden_size=HIDDEN,
-                                          num_hidden_layers=2, num_hidden_groups=2, num_attention_heads=4,
-                                          intermediate_size=128, max_position_embeddings=64,
-                                          classifier_dropout_prob=0.0, **_DROP))
+    return AlbertForMaskedLM(
+        AlbertConfig(
+            vocab_size=VOCAB,
+            embedding_size=32,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_hidden_groups=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            classifier_dropout_prob=0.0,
+            **_DROP,
+        )
+    )
 
 
 def _opt():
     from transformers import OPTConfig, OPTForCausalLM
 
-    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                                    ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0,
-                                    attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, use_cache=False,
-                                    pad_token_id=1, bos_token_id=0, eos_token_id=0))
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=128,
+            max_position_embeddings=64,
+            word_embed_proj_dim=HIDDEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            layerdrop=0.0,
+            use_cache=False,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _gpt_neo():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2, num_heads=4,
-                                          intermediate_size=128, attention_types=[[["global", "local"], 1]],
-                                          window_size=8, max_position_embeddings=64, embed_dropout=0.0,
-                                          attention_dropout=0.0, resid_dropout=0.0, use_cache=False,
-                                          bos_token_id=0, eos_token_id=0))
+    return GPTNeoForCausalLM(
+        GPTNeoConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=128,
+            attention_types=[[["global", "local"], 1]],
+            window_size=8,
+            max_position_embeddings=64,
+            embed_dropout=0.0,
+            attention_dropout=0.0,
+            resid_dropout=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _t5_fam():
     from transformers import T5Config, T5ForConditionalGeneration
 
-    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=128, num_layers=2,
-                                               num_decoder_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False,
-                                               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            use_cache=False,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
 
 
 def _vit():
     from transformers import ViTConfig, ViTForImageClassification
 
-    return ViTForImageClassification(ViTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                                               intermediate_size=128, image_size=32, patch_size=8, num_channels=3,
-                                               num_labels=CLASSES, **_DROP))
+    return ViTForImageClassification(
+        ViTConfig(
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            image_size=32,
+            patch_size=8,
+            num_channels=3,
+            num_labels=CLASSES,
+            **_DROP,
+        )
+    )
 
 
 def _llama():
@@ -273,8 +396,11 @@ def _qwen3():
 def _mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                            router_jitter_noise=0.0, **_DEC))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, **_DEC
+        )
+    )
 
 
 # family: (builder, the cut, "kind": causal_lm | mlm | seq2seq | image)
@@ -301,13 +427,16 @@ def family_batch(name: str, step: int, batch_size: int):
     kind = FAMILIES[name][2]
     g = torch.Generator().manual_seed(2000 + step)
     if kind == "image":
-        return ({"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g)},
-                torch.randint(0, CLASSES, (batch_size,), generator=g))
+        return (
+            {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g)},
+            torch.randint(0, CLASSES, (batch_size,), generator=g),
+        )
     ids = torch.randint(3, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
     if kind == "seq2seq":
         dec = torch.randint(3, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
-        return {"input_ids": ids, "decoder_input_ids": dec}, torch.randint(0, VOCAB, (batch_size, FAMILY_SEQ),
-                                                                            generator=g)
+        return {"input_ids": ids, "decoder_input_ids": dec}, torch.randint(
+            0, VOCAB, (batch_size, FAMILY_SEQ), generator=g
+        )
     if kind == "mlm":
         return {"input_ids": ids}, torch.randint(0, VOCAB, (batch_size, FAMILY_SEQ), generator=g)
     return {"input_ids": ids}, ids.clone()

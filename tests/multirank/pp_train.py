@@ -11,6 +11,7 @@ loss vs the reference's full-batch loss), and after the last step every paramete
 (by original FQN; tied copies included; tensor-parallel shards against the reference's slice).
 Rank 0 prints one ``RESULT {json}`` line per case; the exit status is non-zero if any case fails.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,13 +44,54 @@ CASES = {
     "gpt2_1f1b": ("gpt2", "torch", "1F1B", 1, 2, 1, 1, ["transformer.h.1"], 4, 4),
     "bert_gpipe": ("bert", "torch", "GPipe", 1, 2, 1, 1, ["bert.encoder.layer.1"], 2, 4),
     "bert_1f1b": ("bert", "torch", "1F1B", 1, 2, 1, 1, ["bert.encoder.layer.1"], 4, 4),
-    "gpt2_interleaved": ("gpt2", "torch", "Interleaved1F1B", 1, 2, 1, 2,
-                         ["transformer.h.0", "transformer.h.1", "transformer.h.2"], 4, 4),
-    "bert_interleaved": ("bert", "torch", "Interleaved1F1B", 1, 2, 1, 2,
-                         ["bert.embeddings", "bert.encoder.layer.1", "bert.encoder.layer.2"], 2, 4),
-    "skip_interleaved": ("skip", "torch", "Interleaved1F1B", 1, 2, 1, 2, ["blocks.0", "blocks.1", "blocks.2"], 2, 4),
-    "nested_interleaved": ("nested", "torch", "Interleaved1F1B", 1, 2, 1, 2,
-                           ["encoder.block.1", "encoder", "decoder.block.1"], 2, 4),
+    "gpt2_interleaved": (
+        "gpt2",
+        "torch",
+        "Interleaved1F1B",
+        1,
+        2,
+        1,
+        2,
+        ["transformer.h.0", "transformer.h.1", "transformer.h.2"],
+        4,
+        4,
+    ),
+    "bert_interleaved": (
+        "bert",
+        "torch",
+        "Interleaved1F1B",
+        1,
+        2,
+        1,
+        2,
+        ["bert.embeddings", "bert.encoder.layer.1", "bert.encoder.layer.2"],
+        2,
+        4,
+    ),
+    "skip_interleaved": (
+        "skip",
+        "torch",
+        "Interleaved1F1B",
+        1,
+        2,
+        1,
+        2,
+        ["blocks.0", "blocks.1", "blocks.2"],
+        2,
+        4,
+    ),
+    "nested_interleaved": (
+        "nested",
+        "torch",
+        "Interleaved1F1B",
+        1,
+        2,
+        1,
+        2,
+        ["encoder.block.1", "encoder", "decoder.block.1"],
+        2,
+        4,
+    ),
     "gpt2_deepspeed": ("gpt2", "deepspeed", "1F1B", 1, 2, 1, 1, ["transformer.h.1"], 2, 4),
     "bert_deepspeed": ("bert", "deepspeed", "1F1B", 1, 2, 1, 1, ["bert.encoder.layer.1"], 2, 4),
     "skip_deepspeed": ("skip", "deepspeed", "1F1B", 1, 2, 1, 1, ["blocks.1"], 2, 4),
@@ -60,20 +102,48 @@ CASES = {
     "gpt2_dp2_pp2": ("gpt2", "torch", "1F1B", 1, 2, 2, 1, ["transformer.h.1"], 2, 4),
     "skip_tp2_pp2_dp2": ("skip", "torch", "1F1B", 2, 2, 2, 1, ["blocks.1"], 2, 8),
     "gpt2_dp2_pp2_deepspeed": ("gpt2", "deepspeed", "1F1B", 1, 2, 2, 1, ["transformer.h.1"], 2, 4),
-    "t5_interleaved": ("t5", "torch", "Interleaved1F1B", 1, 2, 1, 2, ["encoder.block.1", "encoder", "decoder.block.1"],
-                       2, 4),
+    "t5_interleaved": (
+        "t5",
+        "torch",
+        "Interleaved1F1B",
+        1,
+        2,
+        1,
+        2,
+        ["encoder.block.1", "encoder", "decoder.block.1"],
+        2,
+        4,
+    ),
 }
 # issue 10: two stages interleaved on a single rank (world size 1)
 CASES["gpt2_interleaved_ws1"] = ("gpt2", "torch", "Interleaved1F1B", 1, 1, 1, 2, ["transformer.h.1"], 2, 4)
-CASES["llama_interleaved_ws1"] = ("fam_llama", "torch", "Interleaved1F1B", 1, 1, 1, 2, ["model.layers.0"], 2, 4)
+CASES["llama_interleaved_ws1"] = (
+    "fam_llama",
+    "torch",
+    "Interleaved1F1B",
+    1,
+    1,
+    1,
+    2,
+    ["model.layers.0"],
+    2,
+    4,
+)
 # issue 10: every common HF family, one cut after its first block, 2 ranks, 1F1B, 2 micro-batches of 2
-CASES.update({name: (name, "torch", "1F1B", 1, 2, 1, 1, [cut], 2, 4) for name, (_, cut, _) in M.FAMILIES.items()})
+CASES.update(
+    {name: (name, "torch", "1F1B", 1, 2, 1, 1, [cut], 2, 4) for name, (_, cut, _) in M.FAMILIES.items()}
+)
 
 
 def bert_tp(sch, layers: int = 4) -> None:
     """Slapo's canonical BERT tensor parallelism (reference.md), on ``bert.*`` inside the classifier."""
-    apply_bert_tp(sch, layers, checkpoint=False, prefix="bert.encoder.layer",
-                  embeddings="bert.embeddings.word_embeddings")
+    apply_bert_tp(
+        sch,
+        layers,
+        checkpoint=False,
+        prefix="bert.encoder.layer",
+        embeddings="bert.embeddings.word_embeddings",
+    )
 
 
 def gpt2_tp(sch, layers: int = 4) -> None:
@@ -88,7 +158,9 @@ def gpt2_tp(sch, layers: int = 4) -> None:
     sch["transformer.wte"].shard("weight", axis=0)
     sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     sch["lm_head"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-    sch["lm_head"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+    sch["lm_head"].sync(
+        mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False
+    )
 
 
 def skip_tp(sch, n: int = 4) -> None:
@@ -128,18 +200,30 @@ def run_case(name: str) -> dict:
     local_bs = bs // dp
     ids, y = M.batch(model_name, -1, bs)
     example = M.take(ids, 0, local_bs)
-    pm = build_pipeline(sch, target, example_inputs=example if isinstance(example, dict) else (example,),
-                        loss_fn=M.LOSS[model_name],
-                        schedule=schedule, n_microbatches=n_mb, pp_group=mesh.pp_group,
-                        dp_group=mesh.dp_group if dp > 1 else None, stages_per_rank=spr,
-                        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    pm = build_pipeline(
+        sch,
+        target,
+        example_inputs=example if isinstance(example, dict) else (example,),
+        loss_fn=M.LOSS[model_name],
+        schedule=schedule,
+        n_microbatches=n_mb,
+        pp_group=mesh.pp_group,
+        dp_group=mesh.dp_group if dp > 1 else None,
+        stages_per_rank=spr,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+    )
     res["build_s"] = round(time.perf_counter() - t0, 2)
     res["num_stages"] = pm.partition.num_stages
     res["stage_ids"] = pm.stage_ids
     res["tied"] = [sorted(t.items()) for t in pm.partition.tied]
     res["n_sharded"] = sum(getattr(p, "shard_axis", None) is not None for _, p in pm.named_parameters())
-    res["tp_ops"] = sum(str(n.target).startswith("slapo_lab_pp.") for m in pm.stage_modules for sub in m.modules()
-                        if hasattr(sub, "graph") for n in sub.graph.nodes)
+    res["tp_ops"] = sum(
+        str(n.target).startswith("slapo_lab_pp.")
+        for m in pm.stage_modules
+        for sub in m.modules()
+        if hasattr(sub, "graph")
+        for n in sub.graph.nodes
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     lo = mesh.dp_rank * local_bs
     step_times = []
@@ -148,9 +232,9 @@ def run_case(name: str) -> dict:
         ts = time.perf_counter()
         mine = M.take(ids, lo, local_bs)
         if isinstance(mine, dict):
-            loss = pm.train_step(target=y[lo:lo + local_bs], **mine)
+            loss = pm.train_step(target=y[lo : lo + local_bs], **mine)
         else:
-            loss = pm.train_step(mine, target=y[lo:lo + local_bs])
+            loss = pm.train_step(mine, target=y[lo : lo + local_bs])
         step_times.append(time.perf_counter() - ts)
         if dp > 1:
             t = torch.tensor(loss, dtype=torch.float64)
@@ -182,8 +266,15 @@ def run_case(name: str) -> dict:
     res["seconds"] = round(time.perf_counter() - t0, 2)
     # every rank's view: coverage of the reference's parameters, worst diffs, failures
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"names": names, "bad": res["bad"], "loss_diff": res["max_loss_diff"],
-                                      "param_diff": res["max_param_diff"]})
+    dist.all_gather_object(
+        gathered,
+        {
+            "names": names,
+            "bad": res["bad"],
+            "loss_diff": res["max_loss_diff"],
+            "param_diff": res["max_param_diff"],
+        },
+    )
     canon = {}  # every alias of a tied reference parameter -> its first name
     first = {}
     for pname, p in ref_params.items():
@@ -195,7 +286,9 @@ def run_case(name: str) -> dict:
     res["max_loss_diff"] = max(g["loss_diff"] for g in gathered)
     res["max_param_diff"] = max(g["param_diff"] for g in gathered)
     res["n_params_checked"] = sum(len(g["names"]) for g in gathered)
-    res["bad"] = (res["bad"] + [b for i, g in enumerate(gathered) if i != dist.get_rank() for b in g["bad"]])[:8]
+    res["bad"] = (res["bad"] + [b for i, g in enumerate(gathered) if i != dist.get_rank() for b in g["bad"]])[
+        :8
+    ]
     if pm.engine is not None:
         pm.engine.destroy() if hasattr(pm.engine, "destroy") else None
     return res

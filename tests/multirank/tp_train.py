@@ -9,6 +9,7 @@ steps on the same batches and compare, at every step, the loss, every gradient (
 across ranks) and every updated parameter. Rank 0 prints one ``RESULT {json}`` line per case; the exit
 status is non-zero when any comparison exceeds the tolerance (atol = rtol = 1e-5, fp32) on any rank.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,44 +39,91 @@ BATCH, SEQ, VOCAB = 2, 8, 128
 def bert_model():
     from transformers import BertConfig, BertModel
 
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertModel(cfg)
 
 
 def bert_mlm_model():
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForMaskedLM(cfg)
 
 
 def gpt2_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def llama_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=32,
-                      tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def roberta_mlm_model():
     from transformers import RobertaConfig, RobertaForMaskedLM
 
-    cfg = RobertaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=VOCAB, max_position_embeddings=40, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    cfg = RobertaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     return RobertaForMaskedLM(cfg)
 
 
@@ -85,19 +133,43 @@ def opt_model(**kw):
     from transformers import OPTConfig, OPTForCausalLM
 
     kw = {"word_embed_proj_dim": 32, **kw}
-    cfg = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=VOCAB,
-                    max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2,
-                    eos_token_id=2, use_cache=False, **kw)
+    cfg = OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        ffn_dim=64,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+        use_cache=False,
+        **kw,
+    )
     return OPTForCausalLM(cfg)
 
 
 def gpt_neo_model():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    cfg = GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64, vocab_size=VOCAB,
-                       max_position_embeddings=32, attention_types=[[["global", "local"], 1]], window_size=4,
-                       embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                       use_cache=False)
+    cfg = GPTNeoConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return GPTNeoForCausalLM(cfg)
 
 
@@ -106,19 +178,46 @@ def t5_model(ff: str = "relu", variant: str = "T5"):
     LM head tied to the shared embedding (T5's default; the decoder output is scaled by d_model ** -0.5)."""
     import transformers
 
-    config_cls, model_cls = (getattr(transformers, f"{variant}{n}") for n in ("Config", "ForConditionalGeneration"))
-    cfg = config_cls(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, d_ff=64, num_heads=4,
-                     vocab_size=VOCAB, relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj=ff,
-                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False,
-                     tie_word_embeddings=True)
+    config_cls, model_cls = (
+        getattr(transformers, f"{variant}{n}") for n in ("Config", "ForConditionalGeneration")
+    )
+    cfg = config_cls(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_heads=4,
+        vocab_size=VOCAB,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj=ff,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+        tie_word_embeddings=True,
+    )
     return model_cls(cfg)
 
 
 def _decoder_cfg(cls, **kw):
     """Issue 10's tiny decoder config: 2 layers, hidden 64, 4 heads, 2 KV heads, no cache."""
-    return cls(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
-               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
+    return cls(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def qwen3_model():
@@ -142,25 +241,48 @@ def mixtral_model():
 def qwen3_moe_model():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM(_decoder_cfg(Qwen3MoeConfig, head_dim=16, moe_intermediate_size=64, num_experts=4,
-                                            num_experts_per_tok=2))
+    return Qwen3MoeForCausalLM(
+        _decoder_cfg(
+            Qwen3MoeConfig, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2
+        )
+    )
 
 
 def albert_model():
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    return AlbertForMaskedLM(AlbertConfig(num_hidden_layers=2, hidden_size=64, embedding_size=32, intermediate_size=128,
-                                          num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
-                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                          classifier_dropout_prob=0.0))
+    return AlbertForMaskedLM(
+        AlbertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            embedding_size=32,
+            intermediate_size=128,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout_prob=0.0,
+        )
+    )
 
 
 def vit_model():
     from transformers import ViTConfig, ViTForImageClassification
 
-    return ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                               num_attention_heads=4, image_size=32, patch_size=8, num_labels=10,
-                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return ViTForImageClassification(
+        ViTConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def pixels(ids):
@@ -188,7 +310,9 @@ def gpt2_manual(sch):
     sch["transformer.wte"].shard("weight", axis=0)
     sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     sch["lm_head"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-    sch["lm_head"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+    sch["lm_head"].sync(
+        mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False
+    )
 
 
 CASES = {
@@ -201,12 +325,19 @@ CASES = {
         ("gpt2_manual_tied_vocab", gpt2_model, gpt2_manual),
         ("gpt2_megatron_tp", gpt2_model, lambda s: presets.megatron_tp(s)),
         ("gpt2_sequence_parallel", gpt2_model, lambda s: presets.megatron_tp(s, sequence_parallel=True)),
-        ("gpt2_sequence_parallel_checkpointed", gpt2_model,
-         lambda s: presets.megatron_tp(s, sequence_parallel=True) + presets.checkpoint_blocks(s)),
+        (
+            "gpt2_sequence_parallel_checkpointed",
+            gpt2_model,
+            lambda s: presets.megatron_tp(s, sequence_parallel=True) + presets.checkpoint_blocks(s),
+        ),
     ],
     "llama": [
         ("llama_megatron_tp", llama_model, lambda s: presets.megatron_tp(s)),
-        ("llama_hf_plan", llama_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
+        (
+            "llama_hf_plan",
+            llama_model,
+            lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False),
+        ),
     ],
 }
 
@@ -215,29 +346,46 @@ CASES = {
 # (tests/test_families_tp.py).
 FAMILY_CASES = {
     "roberta": [("roberta_megatron_tp", roberta_mlm_model, lambda s: presets.megatron_tp(s))],
-    "opt": [("opt_megatron_tp", opt_model, lambda s: presets.megatron_tp(s)),
-            ("opt_350m_layout_megatron_tp", lambda: opt_model(word_embed_proj_dim=16, do_layer_norm_before=False),
-             lambda s: presets.megatron_tp(s))],
+    "opt": [
+        ("opt_megatron_tp", opt_model, lambda s: presets.megatron_tp(s)),
+        (
+            "opt_350m_layout_megatron_tp",
+            lambda: opt_model(word_embed_proj_dim=16, do_layer_norm_before=False),
+            lambda s: presets.megatron_tp(s),
+        ),
+    ],
     "gpt_neo": [("gpt_neo_megatron_tp", gpt_neo_model, lambda s: presets.megatron_tp(s))],
-    "t5": [("t5_megatron_tp", t5_model, lambda s: presets.megatron_tp(s)),
-           ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s)),
-           ("umt5_megatron_tp", lambda: t5_model("gated-gelu", "UMT5"), lambda s: presets.megatron_tp(s))],
+    "t5": [
+        ("t5_megatron_tp", t5_model, lambda s: presets.megatron_tp(s)),
+        ("t5_gated_megatron_tp", lambda: t5_model("gated-gelu"), lambda s: presets.megatron_tp(s)),
+        ("umt5_megatron_tp", lambda: t5_model("gated-gelu", "UMT5"), lambda s: presets.megatron_tp(s)),
+    ],
 }
 
-FAMILY_CASES.update({
-    # issue 10: the Megatron preset on Qwen3 (per-head q/k norms), Mistral (GQA), Mixtral (tensor-parallel experts),
-    # ALBERT (one shared layer, tied vocab-parallel decoder), ViT (no vocabulary)
-    "families2": [
-        ("qwen3_megatron_tp", qwen3_model, lambda s: presets.megatron_tp(s)),
-        ("qwen3_hf_plan", qwen3_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
-        ("mistral_megatron_tp", mistral_model, lambda s: presets.megatron_tp(s)),
-        ("mixtral_megatron_tp", mixtral_model, lambda s: presets.megatron_tp(s)),
-        ("mixtral_hf_plan", mixtral_model, lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False)),
-        ("qwen3_moe_hf_plan", qwen3_moe_model, lambda s: presets.megatron_tp(s, use_hf_plan=True)),
-        ("albert_megatron_tp", albert_model, lambda s: presets.megatron_tp(s)),
-        ("vit_megatron_tp", vit_model, lambda s: presets.megatron_tp(s, vocab_parallel=False)),
-    ],
-})
+FAMILY_CASES.update(
+    {
+        # issue 10: the Megatron preset on Qwen3 (per-head q/k norms), Mistral (GQA), Mixtral (tensor-parallel experts),
+        # ALBERT (one shared layer, tied vocab-parallel decoder), ViT (no vocabulary)
+        "families2": [
+            ("qwen3_megatron_tp", qwen3_model, lambda s: presets.megatron_tp(s)),
+            (
+                "qwen3_hf_plan",
+                qwen3_model,
+                lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False),
+            ),
+            ("mistral_megatron_tp", mistral_model, lambda s: presets.megatron_tp(s)),
+            ("mixtral_megatron_tp", mixtral_model, lambda s: presets.megatron_tp(s)),
+            (
+                "mixtral_hf_plan",
+                mixtral_model,
+                lambda s: presets.megatron_tp(s, use_hf_plan=True, vocab_parallel=False),
+            ),
+            ("qwen3_moe_hf_plan", qwen3_moe_model, lambda s: presets.megatron_tp(s, use_hf_plan=True)),
+            ("albert_megatron_tp", albert_model, lambda s: presets.megatron_tp(s)),
+            ("vit_megatron_tp", vit_model, lambda s: presets.megatron_tp(s, vocab_parallel=False)),
+        ],
+    }
+)
 
 
 def batch(step: int):
@@ -257,7 +405,9 @@ def loss_of(model, ids, labels):
     out = model(input_ids=ids)
     g = torch.Generator().manual_seed(7)
     h, pooled = out.last_hidden_state, out.pooler_output
-    return ((h * torch.randn(h.shape, generator=g)).mean() + (pooled * torch.randn(pooled.shape, generator=g)).mean())
+    return (h * torch.randn(h.shape, generator=g)).mean() + (
+        pooled * torch.randn(pooled.shape, generator=g)
+    ).mean()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool]:
@@ -288,9 +438,18 @@ def run_case(name, make, schedule, tp) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_params = dict(ref.named_parameters())
-    res = {"case": name, "calls": n_calls, "preset_calls": len(calls) if isinstance(calls, list) else None,
-           "verify": v.report.passed, "verify_max_grad_diff": max((c.max_abs for c in v.report.grads), default=0.0),
-           "loss": [], "max_loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0, "bad": []}
+    res = {
+        "case": name,
+        "calls": n_calls,
+        "preset_calls": len(calls) if isinstance(calls, list) else None,
+        "verify": v.report.passed,
+        "verify_max_grad_diff": max((c.max_abs for c in v.report.grads), default=0.0),
+        "loss": [],
+        "max_loss_diff": 0.0,
+        "max_grad_diff": 0.0,
+        "max_param_diff": 0.0,
+        "bad": [],
+    }
     sharded = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_axis", None) is not None)
     res["n_sharded"] = len(sharded)
     res["strided"] = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_stride", 1) > 1)
@@ -328,8 +487,10 @@ def run_case(name, make, schedule, tp) -> dict:
             res["bad"].append("lm_head.weight is no longer transformer.wte.weight")
     res["seconds"] = round(time.perf_counter() - t0, 2)
     # agree across ranks: the worst figures, and every rank's failures
-    t = torch.tensor([res["max_loss_diff"], res["max_grad_diff"], res["max_param_diff"], float(len(res["bad"]))],
-                     dtype=torch.float64)
+    t = torch.tensor(
+        [res["max_loss_diff"], res["max_grad_diff"], res["max_param_diff"], float(len(res["bad"]))],
+        dtype=torch.float64,
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     res["max_loss_diff"], res["max_grad_diff"], res["max_param_diff"], n_bad = t.tolist()
     if n_bad and not res["bad"]:
