@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harness import child_env, free_port
+from tests.harness import child_env, torchrun_argv
 
 CONFIG = {
     "hidden_size": 1024,
@@ -78,16 +78,7 @@ def peak_mib(
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            str(script),
-            *args,
-        ]
+        cmd = torchrun_argv(script, nproc, args)
     proc = subprocess.run(
         cmd, cwd=ROOT, env=child_env(**(env or {})), capture_output=True, text=True, check=False, timeout=1800
     )

@@ -159,7 +159,9 @@ def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | Non
     return sh
 
 
-def _meta_shadow(mod: nn.Module | None) -> nn.Module | None:
+def _meta_shadow(mod: nn.Module | None, depth: int | None = None) -> nn.Module | None:
+    """A copy of ``mod`` whose parameters and buffers are full-size meta tensors (no memory), children likewise:
+    all of them, or ``depth`` levels (deeper ones dropped: what an init function reads of a module's children)."""
     if mod is None:
         return None
     sh = _copy_module(mod)
@@ -175,7 +177,13 @@ def _meta_shadow(mod: nn.Module | None) -> nn.Module | None:
         k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
         for k, t in mod._buffers.items()
     }
-    sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
+    if depth is None:
+        sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
+    else:
+        sh._modules = {
+            k: _meta_shadow(c, depth - 1) for k, c in mod._modules.items() if c is not None and depth > 0
+        }
+    sh.__dict__.pop("forward", None)
     return sh
 
 
@@ -324,31 +332,6 @@ def _assign(owner_list, name, new, replaced, old=None) -> None:
         replaced[id(old)] = new
 
 
-def _shallow_meta(mod: nn.Module, depth: int) -> nn.Module:
-    """A shallow copy of ``mod`` whose parameters and buffers are full-size meta tensors, ``depth`` levels of
-    children likewise (deeper ones dropped): what an init function reads of a module's children."""
-    sh = _copy_module(mod)
-    sh._parameters = {
-        k: (
-            None
-            if t is None
-            else nn.Parameter(torch.empty(_full_shape(t), dtype=t.dtype, device="meta"), requires_grad=False)
-        )
-        for k, t in mod._parameters.items()
-    }
-    sh._buffers = {
-        k: (None if t is None else torch.empty(_full_shape(t), dtype=t.dtype, device="meta"))
-        for k, t in mod._buffers.items()
-    }
-    sh._modules = (
-        {k: _shallow_meta(c, depth - 1) for k, c in mod._modules.items() if c is not None}
-        if depth > 0
-        else {}
-    )
-    sh.__dict__.pop("forward", None)
-    return sh
-
-
 def _init_ancestors(node, sh: nn.Module, hf: Callable[[nn.Module], None]) -> None:
     """Run Hugging Face's ``_init_weights`` on ``node``'s ancestors too, up to the model, with ``sh`` (the shadow
     of ``node.mod``) in place of the module: ``PreTrainedModel.init_weights`` applies it to every module
@@ -358,7 +341,7 @@ def _init_ancestors(node, sh: nn.Module, hf: Callable[[nn.Module], None]) -> Non
     child, below = node, sh
     parent = node.parent
     while parent is not None:
-        up = _shallow_meta(parent.mod, 2)
+        up = _meta_shadow(parent.mod, depth=2)
         up._modules[child.name] = below
         hf(up)
         if getattr(type(parent.mod), "_init_weights", None) is not None and hasattr(parent.mod, "config"):

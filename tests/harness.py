@@ -93,13 +93,9 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
-    """Run ``torchrun --nproc_per_node=nproc script *args`` on 127.0.0.1 (no shell), bounded.
-
-    The launch runs in its own process session, killed whole on timeout (return code -9 and the
-    output so far). Returns ``(returncode, stdout + stderr)``.
-    """
-    cmd = [
+def torchrun_argv(script, nproc: int, args: list[str]) -> list[str]:
+    """``python -m torch.distributed.run --nproc_per_node=nproc`` on 127.0.0.1 and a free port, then ``script *args``."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -107,10 +103,18 @@ def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tupl
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         str(script),
-        *args,
+        *map(str, args),
     ]
+
+
+def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``torchrun --nproc_per_node=nproc script *args`` on 127.0.0.1 (no shell), bounded.
+
+    The launch runs in its own process session, killed whole on timeout (return code -9 and the
+    output so far). Returns ``(returncode, stdout + stderr)``.
+    """
     proc = subprocess.Popen(
-        cmd,
+        torchrun_argv(script, nproc, args),
         cwd=REPO_ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,

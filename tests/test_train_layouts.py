@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, child_env, free_port, kill_tree, launch_torchrun
+from tests.harness import REPO_ROOT, child_env, kill_tree, launch_torchrun, torchrun_argv
 from tests.train_fixtures import write_corpus, write_pretrained, write_tokenizer
 
 pytestmark = pytest.mark.multirank
@@ -198,18 +198,8 @@ def test_bf16_keeps_fp32_master_weights(ft, baseline, layout):
 def _kill_after_checkpoint(script, nproc, args, step: int) -> str:
     """Launch, read the output line by line, SIGKILL the whole process group right after it reports the
     checkpoint of ``step``; returns the output so far."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(script),
-        *args,
-    ]
     proc = subprocess.Popen(
-        cmd,
+        torchrun_argv(script, nproc, args),
         cwd=REPO_ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,
