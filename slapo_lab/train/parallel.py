@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sharding.placements import ShardLayout, fsdp_dim_for, layout_of
+from ..sharding.placements import fsdp_dim_for
 
 
 class LayoutError(ValueError):
@@ -126,11 +126,6 @@ def make_layout(
     return Layout(tp, pp, got, stages_per_rank, mesh, mesh.mesh["dp", "tp"], fsdp=fsdp and got > 1)
 
 
-def tp_layouts(params: dict[str, nn.Parameter], layout: Layout) -> dict[str, ShardLayout]:
-    """``{name: ShardLayout}`` of plain (not yet FSDP-sharded) scheduled parameters."""
-    return {name: layout_of(p, layout.tp, layout.tp_rank) for name, p in params.items()}
-
-
 def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout: Layout) -> list:
     """``fully_shard`` every block, then ``module``, over the ``dp`` mesh (on meta parameters: nothing is
     allocated).
@@ -194,8 +189,3 @@ def wrap_ddp(model: nn.Module, layout: Layout, device: str, find_unused: bool) -
     return DistributedDataParallel(
         model, device_ids=ids, process_group=layout.mesh.dp_group, find_unused_parameters=find_unused
     )
-
-
-def is_main(layout_or_rank) -> bool:
-    """Whether this process is global rank 0."""
-    return (not dist.is_initialized()) or dist.get_rank() == 0
