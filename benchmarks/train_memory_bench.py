@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.harness import child_env, torchrun_argv
+from tests.train_fixtures import meta_model
 
 CONFIG = {
     "hidden_size": 1024,
@@ -49,7 +50,7 @@ def export(folder: Path) -> dict[str, Path]:
     ids = torch.zeros(4, 128, dtype=torch.long)
     out = {}
     for name, tp in (("one", 1), ("tp2", 2)):
-        sch = sl.create_schedule(LlamaForCausalLM(config).to("meta"), world_size=tp)
+        sch = sl.create_schedule(meta_model("LlamaForCausalLM", config), world_size=tp)
         if tp > 1:
             sl.presets.megatron_tp(sch)
         out[name] = sl.export_script(

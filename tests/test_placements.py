@@ -94,3 +94,20 @@ def test_dcp_and_norms_through_views_on_4_gloo_ranks():
         assert res[case]["ok"], (case, res[case], out[-3000:])
     # the strided (fused q/k/v) tensor really went through a ShardedTensor, the others through DTensor
     assert res["save_tp2_fsdp2"]["kinds"] == {"qkv": "ShardedTensor", "dense": "DTensor", "bias": "DTensor"}
+
+
+@pytest.mark.multirank
+def test_model_path_reads_only_this_ranks_slices(tmp_path):
+    """--model-path: each of 2 tensor-parallel ranks reads exactly its local elements of the safetensors files
+    (every split tensor as its own slice), and gets the files' values."""
+    from tests.train_fixtures import write_pretrained
+
+    model_dir = write_pretrained(tmp_path / "llama", intermediate_size=128, vocab_size=256)
+    rc, out, res = launch_results(
+        REPO_ROOT / "tests" / "multirank" / "hf_slices.py", 2, [str(model_dir)], timeout=240
+    )
+    assert rc == 0 and "slices" in res, out[-3000:]
+    for r in res["slices"]["ranks"]:
+        assert r["equal"], r
+        assert r["sharded"] > 0 and r["whole_reads_of_shards"] == [], r
+        assert r["read"] == r["local"] < r["full"], r

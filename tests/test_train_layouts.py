@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.harness import REPO_ROOT, child_env, kill_tree, launch_torchrun, torchrun_argv
-from tests.train_fixtures import write_corpus, write_pretrained, write_tokenizer
+from tests.train_fixtures import meta_model, write_corpus, write_pretrained, write_tokenizer
 
 pytestmark = pytest.mark.multirank
 
@@ -93,7 +93,7 @@ def ft(tmp_path_factory):
         ("ds_tp", 2, True, False),
         ("ds_pp", 1, False, True),
     ):
-        sch = sl.create_schedule(LlamaForCausalLM(config).to("meta"), world_size=tp)
+        sch = sl.create_schedule(meta_model("LlamaForCausalLM", config), world_size=tp)
         if megatron:
             sl.presets.megatron_tp(sch)
         if cut:

@@ -158,3 +158,14 @@ def write_pretrained(
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return folder
+
+
+def meta_model(model_cls: str, config):
+    """``transformers.<model_cls>(config)`` on the meta device, to record a schedule on, as the editor does
+    (``init_empty_weights`` keeps tied weights tied; ``model.to("meta")`` would untie them)."""
+    import transformers
+
+    import slapo_lab as sl
+
+    with sl.init_empty_weights():
+        return getattr(transformers, model_cls)(config)
