@@ -52,6 +52,7 @@ class _TopState:
         self.metadata = ScheduleMetadata()
         self.extra: dict[str, Any] = {}
         self.lock = None  # see Schedule.serialize_with
+        self.retired: str | None = None  # see Schedule.adopt_tree: why calls on this tree are refused
 
 
 def _resolve_world(group, world_size: int | None, rank: int | None) -> tuple[Any, int, int, bool]:
@@ -158,9 +159,13 @@ class Schedule(TracingMixin):
         """
         if not isinstance(path, str):
             raise ScheduleError(f"A schedule path must be a string like 'encoder.layer.0', not {path!r}.")
-        node = self
         if path == "":
-            return node
+            return self
+        with self._top.lock or contextlib.nullcontext():  # not half-way through a UI's adopt_tree
+            return self._walk(path)
+
+    def _walk(self, path: str) -> Schedule:
+        node = self
         for part in path.split("."):
             if part not in node.child:
                 where = node.path or "the root module"
@@ -200,6 +205,37 @@ class Schedule(TracingMixin):
         meanwhile waits and is recorded after the action, never inside it.
         """
         self._top.lock = lock
+
+    def adopt_tree(self, other: Schedule) -> None:
+        """Make this root node stand for ``other``'s tree from now on, so that handles to it stay valid.
+
+        A UI that rebuilds a schedule (undo replays the earlier calls on a fresh copy of the model) keeps
+        the root object users hold (``sch = editor.schedule``): this root takes ``other``'s module,
+        children, record and metadata. Every other node of the old tree (``layer = sch["encoder.layer.0"]``
+        taken before) is retired: a primitive called on it raises :class:`ScheduleError` with one
+        sentence saying to take the node again, so a call never lands on a model that is no longer
+        shown, recorded or exported.
+
+        Args:
+            other: the root of the new tree (built with :func:`create_schedule`).
+
+        Raises:
+            ScheduleError: if this node or ``other`` is not a root.
+        """
+        if self.parent is not None or other.parent is not None:
+            raise ScheduleError("adopt_tree() takes the root nodes of two schedule trees.")
+        old = self._top
+        state = dict(other.__dict__)
+        for key in [k for k in self.__dict__ if k not in state]:
+            del self.__dict__[key]
+        self.__dict__.update(state)  # one dict update: a reader on another thread sees old or new
+        for sub in self.child.values():
+            sub.parent = self
+        if old is not self._top:
+            old.retired = (
+                "it belongs to a schedule the editor has rebuilt since (undo, redo, load or clear); take "
+                "it again from the current schedule, e.g. editor.schedule[path]"
+            )
 
     def get_module(self, name: str) -> nn.Module:
         """The module at ``name`` relative to this node."""
@@ -277,6 +313,9 @@ class Schedule(TracingMixin):
         """The one dispatch point: bind, apply (which validates first), record on success (under the
         tree's lock, if :meth:`serialize_with` set one)."""
         with self._top.lock or contextlib.nullcontext():
+            if self._top.retired:
+                where = f"sch[{self.path!r}]" if self.path else "this schedule"
+                raise ScheduleError(f"{prim.name}() on {where} was refused: {self._top.retired}.")
             bound = prim.bind(*args, **kwargs)
             if prim.name not in self._STRUCTURE_SAFE:
                 self._top.extra.pop("owners", None)

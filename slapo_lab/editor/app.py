@@ -191,6 +191,43 @@ def _serialized(method):
     return locked
 
 
+def _file_stamp(path) -> tuple | None:
+    """What identifies the content of the file at ``path``: ``(mtime_ns, size, sha256 hex)``, or None
+    when there is no file. Raises OSError for a file that exists but cannot be read."""
+    import hashlib
+    import os
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    with open(path, "rb") as f:  # schedule files are bounded (export.io), so one read is fine
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return (st.st_mtime_ns, st.st_size, digest)
+
+
+def _same_file(a: tuple | None, b: tuple | None) -> bool:
+    """Two stamps of :func:`_file_stamp` name the same content: both absent, or same size and hash (an
+    equal mtime alone is not trusted: a rewrite within the clock's resolution keeps it)."""
+    if a is None or b is None:
+        return a is b
+    return a[1:] == b[1:]
+
+
+def _mine_name(path) -> str:
+    """``bert.schedule.json`` → ``bert.schedule.mine-20261124-093015.json`` (next to it, a name not yet taken)."""
+    import time
+    from pathlib import Path
+
+    src = Path(path)
+    stem = src.name.removesuffix(".json")
+    base = f"{stem}.mine-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = src.with_name(base + ".json"), 1
+    while out.exists():
+        out, n = src.with_name(f"{base}-{n}.json"), n + 1
+    return str(out)
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -271,12 +308,22 @@ class ScheduleEditor(W.VBox):
         self._log_lines: list[str] = []
         self._build_widgets()
         super().__init__(
-            children=[self._header, self._body, self._message, self._costs_box, self._code_box],
+            children=[
+                self._header,
+                self._body,
+                self._message,
+                self._file_bar,
+                self._costs_box,
+                self._code_box,
+            ],
             layout=W.Layout(width="100%"),
         )
         self.add_class("slapo-editor")
         self._record_flow()
         self.schedule_file = schedule_file
+        self._disk = None  # _file_stamp of schedule_file as this editor last read or wrote it
+        self._file_problem: str | None = None  # a failed write or an outside change, shown with every message
+        self._conflict = False  # the file changed outside this editor: autosave waits for the user's choice
         restored = None
         if schedule_file is not None:
             import os
@@ -540,9 +587,12 @@ class ScheduleEditor(W.VBox):
         self._redo.extend(reversed(actions))
         self._info(f"Cleared {n} recorded calls.")
 
-    def _rebuild(self, actions) -> None:
+    def _rebuild(self, actions, autosave: bool = True) -> None:
         """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
-        plain calls: one action each); the new schedule replaces ``self.schedule`` only on success."""
+        plain calls: one action each). Only once every call has replayed does the root object
+        ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
+        KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
+        earlier stays valid."""
         from .. import replay
         from ..record import Action
 
@@ -556,13 +606,15 @@ class ScheduleEditor(W.VBox):
             with sch.record.action(act.label):
                 replay(sch, act.calls)
         old.record.remove_listener(self._on_record)
-        self._meta_model, self.schedule = meta, sch
-        sch.record.add_listener(self._on_record)
+        old.adopt_tree(sch)  # `sch = editor.schedule` taken before stays valid; older sub-nodes are refused
+        self._meta_model = meta
+        old.record.add_listener(self._on_record)
         for path in (self.selected, self.level):
             if path not in sch:
                 self.selected = self.level = ""
         self._refresh_all()
-        self._autosave()
+        if autosave:
+            self._autosave()
 
     @_serialized
     def save(self, path: str) -> str:
@@ -589,41 +641,29 @@ class ScheduleEditor(W.VBox):
                 **({"export_options": self.export_options} if self.export_options else {}),
             },
         )
+        if self._is_schedule_file(path):  # an explicit save to the file: this content is now ours
+            self._disk = _file_stamp(path)
+            self._conflict, self._file_problem = False, None
+            self._file_bar.layout.display = "none"
         return str(path)
 
+    def _is_schedule_file(self, path) -> bool:
+        import os
+
+        return self.schedule_file is not None and os.path.abspath(os.path.expanduser(str(path))) == (
+            os.path.abspath(os.path.expanduser(self.schedule_file))
+        )
+
     def _keep_unrestorable(self, path: str, reason: str) -> None:
-        """Copy a schedule file that could not be restored to ``<name>.bak-<time>`` before any autosave.
+        """Leave a schedule file that could not be restored exactly as it is, and autosave elsewhere.
 
-        An identical earlier backup is reused; if no copy can be written, autosave is switched off.
+        The editor starts empty and autosaves to ``<name>.mine-<time>.json`` next to it (see
+        :func:`_mine_name`), so the file the user looks for keeps its content; the message names both.
         """
-        import shutil
-        import time
-        from pathlib import Path
-
-        src = Path(path)
-        backup = None
-        try:
-            data = src.read_bytes()
-            for old in sorted(src.parent.glob(src.name + ".bak-*")):
-                if old.is_file() and old.read_bytes() == data:
-                    backup = old
-                    break
-            if backup is None:
-                stem = src.with_name(f"{src.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
-                backup, n = stem, 1
-                while backup.exists():
-                    backup, n = stem.with_name(f"{stem.name}-{n}"), n + 1
-                shutil.copy2(src, backup)
-        except OSError as err:
-            self.schedule_file = None
-            self._error(
-                f"{reason.rstrip('.')}. It could not be backed up ({err.strerror or err}), so autosave is "
-                f"off and {path} is left as it is."
-            )
-            return
+        mine = _mine_name(path)
+        self.schedule_file, self._disk = mine, None
         self._error(
-            f"{reason.rstrip('.')}. The file is kept unchanged as {backup}; this editor starts empty "
-            f"and autosaves to {path}."
+            f"{reason.rstrip('.')}. {path} is left as it is; this editor starts empty and autosaves to {mine}."
         )
 
     @_serialized
@@ -634,7 +674,9 @@ class ScheduleEditor(W.VBox):
         """
         from ..export import load_schedule
 
+        own = self._is_schedule_file(path)
         try:
+            stamp = _file_stamp(path) if own else None
             sf = load_schedule(path)
             ws = (sf.meta or {}).get("world_size")
             if ws is not None and ws != self.world_size:
@@ -643,7 +685,10 @@ class ScheduleEditor(W.VBox):
                     f"{self.world_size}; create the editor with world_size={ws}."
                 )
             with self._working(f"loading {path}"):
-                self._rebuild(_file_actions(sf, path))
+                self._rebuild(_file_actions(sf, path), autosave=not own)  # the file already holds it
+            if own:
+                self._disk, self._conflict, self._file_problem = stamp, False, None
+                self._file_bar.layout.display = "none"
             self._redo = []
             remembered = (sf.meta or {}).get("export_options")
             if isinstance(remembered, dict) and isinstance(remembered.get("options", {}), dict):
@@ -651,6 +696,9 @@ class ScheduleEditor(W.VBox):
                 self._set_form(remembered)
         except ScheduleError as err:
             return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
+        except KeyboardInterrupt:  # Kernel > Interrupt: nothing of the file was applied
+            self._error(f"Loading {path} was interrupted, so the schedule is unchanged.")
+            raise
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             return self._error(str(err) if str(err).endswith(".") else f"{path} could not be loaded: {err}")
         self._info(f"Loaded {len(self.schedule.record.calls)} recorded calls from {path}.")
@@ -670,12 +718,75 @@ class ScheduleEditor(W.VBox):
             _log.warning("example inputs not usable for cut checks: %s", err)
 
     def _autosave(self) -> None:
-        if self.schedule_file is None:
+        """Write the schedule to ``schedule_file`` (atomically: a temporary file and a rename), but only
+        while the file on disk is the one this editor last read or wrote (same size and SHA-256): a file
+        changed by another editor, a text editor or git is never overwritten without the user's choice
+        (:meth:`reload_file`, :meth:`keep_mine`, :meth:`overwrite_file`). A failed write leaves the old
+        file intact and is said with every message until a write succeeds."""
+        path = self.schedule_file
+        if path is None or self._conflict:
             return
         try:
+            now = _file_stamp(path)
+        except OSError as err:
+            now = ("unreadable", err.strerror)
+        if not _same_file(now, self._disk):
+            self._conflict = True
+            self._file_problem = (
+                f"{path} was changed outside this editor since it last read or wrote it (another editor, "
+                "a text editor or git), so autosave is off: reload the file, keep this schedule as a new "
+                "file, or overwrite the file (editor.reload_file(), editor.keep_mine(), editor.overwrite_file())."
+            )
+            self._file_bar.layout.display = "flex"
+            self._error(self._file_problem)
+            return
+        try:
+            self.save(path)
+        except Exception as err:  # noqa: BLE001 - reported with every message until a write succeeds
+            reason = str(err).rstrip(".")
+            self._file_problem = (
+                f"The schedule was not kept in {path} ({reason}); the file still holds the schedule as last "
+                "saved, and the next change tries again."
+            )
+            self._error(self._file_problem)
+
+    @_serialized
+    def reload_file(self) -> str | None:
+        """Take the schedule in ``schedule_file`` as it is on disk now (after an outside change), dropping
+        this editor's unsaved calls; returns None or the one-sentence reason nothing changed."""
+        if self.schedule_file is None:
+            return self._error("This editor has no schedule file to reload; create it with schedule_file=.")
+        return self.load(self.schedule_file)
+
+    @_serialized
+    def keep_mine(self) -> str | None:
+        """Save this editor's schedule as ``<name>.mine-<time>.json`` next to ``schedule_file`` and
+        autosave there from now on; the changed file is left as it is. Returns None or one sentence."""
+        if self.schedule_file is None:
+            return self._error("This editor has no schedule file; save with editor.save(path).")
+        old, mine = self.schedule_file, _mine_name(self.schedule_file)
+        try:
+            self.save(mine)
+        except Exception as err:  # noqa: BLE001 - one sentence, nothing changed
+            return self._error(f"Could not save this schedule as {mine}: {str(err).rstrip('.')}.")
+        self.schedule_file, self._disk = mine, _file_stamp(mine)
+        self._conflict, self._file_problem = False, None
+        self._file_bar.layout.display = "none"
+        self._info(f"Saved this schedule as {mine} and autosave goes there now; {old} is left as it is.")
+        return None
+
+    @_serialized
+    def overwrite_file(self) -> str | None:
+        """Replace ``schedule_file`` by this editor's schedule (after an outside change) and autosave
+        again; returns None or one sentence."""
+        if self.schedule_file is None:
+            return self._error("This editor has no schedule file; save with editor.save(path).")
+        try:
             self.save(self.schedule_file)
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            self._error(f"Could not keep the schedule in {self.schedule_file}: {err}")
+        except Exception as err:  # noqa: BLE001 - one sentence; the file is intact
+            return self._error(f"Could not overwrite {self.schedule_file}: {str(err).rstrip('.')}.")
+        self._info(f"Overwrote {self.schedule_file} with this schedule; autosave is on again.")
+        return None
 
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
         """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
@@ -1334,6 +1445,23 @@ class ScheduleEditor(W.VBox):
         )
         self._message = W.HTML()
         self._message.add_class("slapo-message")
+        self._btn_reload = W.Button(description="reload file", icon="refresh", tooltip="editor.reload_file()")
+        self._btn_mine = W.Button(
+            description="keep mine as new file", icon="copy", tooltip="editor.keep_mine()"
+        )
+        self._btn_overwrite = W.Button(
+            description="overwrite file",
+            icon="save",
+            tooltip="editor.overwrite_file()",
+            button_style="danger",
+        )
+        self._btn_reload.on_click(lambda _: self.reload_file())
+        self._btn_mine.on_click(lambda _: self.keep_mine())
+        self._btn_overwrite.on_click(lambda _: self.overwrite_file())
+        self._file_bar = W.HBox(
+            [self._btn_reload, self._btn_mine, self._btn_overwrite], layout=W.Layout(display="none")
+        )
+        self._file_bar.add_class("slapo-file-bar")
         self._inspector.add_class("slapo-inspector")
         self._tree.add_class("slapo-tree")
         self._last_message = ""
@@ -1527,7 +1655,7 @@ class ScheduleEditor(W.VBox):
         self._busy = True
         for b in buttons:
             b.disabled = True
-        self._info(f"Working: {what}…")
+        self._info(f"Working: {what}…", transient=True)
         working = self._message.value
         try:
             yield
@@ -1612,7 +1740,13 @@ class ScheduleEditor(W.VBox):
                 return first
         return None
 
-    def _info(self, text: str) -> None:
+    def _info(self, text: str, transient: bool = False) -> None:
+        """Show ``text`` as the status line; while the schedule file is not kept (a failed write or an
+        outside change) the status says so too, so "Applied …" never hides it."""
+        problem = None if transient else getattr(self, "_file_problem", None)
+        if problem:
+            self._error(f"{text.rstrip('.')}. {problem}")
+            return
         self._last_message = text
         self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
 
