@@ -2,8 +2,8 @@
 
 ::
 
-    slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed]
-    slapo-lab check schedule.json
+    slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed] [--trust-factory [--project DIR]]
+    slapo-lab check schedule.json [--trust-factory [--project DIR]]
     slapo-lab convert CKPT --to-hf DIR
 
 ``check`` rebuilds the model on the meta device, replays the calls and prints the schedule check's open
@@ -16,6 +16,12 @@ recorded calls plus ``meta.model``, ``meta.inputs`` and ``meta.world_size`` (the
 width; a schedule with pipeline cuts launches ``world_size x stages`` processes per replica). Errors
 are printed as one sentence on stderr with exit status 2 (1 for an unexpected failure, still one
 sentence and no traceback); nothing is written unless the whole file is valid.
+
+A schedule file is data that people send each other. When its ``meta.model`` names a factory
+(``"package.module:function"``), ``check`` would import and call it and ``export`` would write a script
+that does, so both refuse (exit status 2, one sentence) unless run with ``--trust-factory``; even then the
+factory's package must live in the project folder (``--project DIR``, default: the current directory),
+never in the standard library or site-packages (:func:`slapo_lab.export.spec.check_factory_in_project`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["torchrun", "deepspeed"],
         help="launcher the script is written for (default: torchrun)",
     )
+    _trust_arguments(e)
     c = sub.add_parser(
         "check",
         help="list what a saved tensor-parallel schedule still lacks",
@@ -49,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         "open items (exit status 3 when there are any).",
     )
     c.add_argument("schedule", help="schedule file written by slapo_lab.export.save_schedule or the editor")
+    _trust_arguments(c)
     v = sub.add_parser(
         "convert",
         help="write a training checkpoint as a Hugging Face directory",
@@ -69,15 +77,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_command(schedule: str) -> list:
+def _trust_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-factory",
+        action="store_true",
+        help="import and call the factory the file's meta.model names (package.module:function) to build "
+        "the model; without it such a file is refused, since a schedule file may come from anyone",
+    )
+    p.add_argument(
+        "--project",
+        metavar="DIR",
+        default=None,
+        help="the project folder a trusted factory's package must live in (default: the current directory)",
+    )
+
+
+def _check_factory_consent(schedule: str, spec, trust_factory: bool, project) -> None:
+    """Refuse a factory ``spec`` names unless trusted and in the project (imports nothing)."""
+    from .export.spec import check_factory_in_project, factory_consent_error
+
+    if isinstance(spec, dict) and spec.get("kind") == "factory":
+        if not trust_factory:
+            raise factory_consent_error(spec["factory"], f"the schedule file {schedule}")
+        check_factory_in_project(spec["factory"], project)
+
+
+def check_command(schedule: str, trust_factory: bool = False, project: str | None = None) -> list:
     """The open items (:class:`slapo_lab.Finding`) of the schedule file ``schedule``.
 
     The model is rebuilt from ``meta.model`` on the meta device (no weights are allocated) and the
     calls are replayed at ``meta.world_size``.
 
+    Args:
+        schedule: the schedule file.
+        trust_factory: consent to import and call the factory ``meta.model`` names (``--trust-factory``);
+            a Hugging Face config spec needs none.
+        project: the folder a trusted factory's package must live in (default: the current directory).
+
     Raises:
-        ExportError: an invalid file, one without a model spec or world size, a model that does not
-            rebuild, or a call that no longer applies (one sentence).
+        ExportError: an invalid file, one without a model spec or world size, a factory without
+            ``trust_factory`` or outside ``project``, a model that does not rebuild, or a call that no
+            longer applies (one sentence).
     """
     from .check import check_schedule
     from .errors import ScheduleError
@@ -93,8 +133,9 @@ def check_command(schedule: str) -> list:
             f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
             "save_schedule(path, calls, model=..., world_size=...)."
         )
+    _check_factory_consent(schedule, meta["model"], trust_factory, project)
     try:
-        model = build_from_spec(meta["model"])
+        model = build_from_spec(meta["model"], trust_factory=trust_factory, project=project)
     except ExportError as err:
         raise ExportError(f"{schedule}: {err}") from None
     sch = create_schedule(model, world_size=meta["world_size"])
@@ -105,12 +146,29 @@ def check_command(schedule: str) -> list:
     return check_schedule(sch)
 
 
-def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tuple[str, str]:
+def export_command(
+    schedule: str,
+    output: str,
+    launcher: str = "torchrun",
+    trust_factory: bool = False,
+    project: str | None = None,
+) -> tuple[str, str]:
     """Render ``schedule`` (a schedule file) to ``output``; returns (path written, one-node launch command).
 
+    Nothing the file names is imported here, but a script that builds its model with a factory would
+    import and call it, so such a file needs ``trust_factory`` and a factory in ``project``.
+
+    Args:
+        schedule: the schedule file.
+        output: the script to write.
+        launcher: ``"torchrun"`` or ``"deepspeed"``.
+        trust_factory: consent to write a script that calls the factory ``meta.model`` names
+            (``--trust-factory``).
+        project: the folder a trusted factory's package must live in (default: the current directory).
+
     Raises:
-        ExportError: an invalid file, one without a model/input spec or world size, or an
-            unwritable output.
+        ExportError: an invalid file, one without a model/input spec or world size, a factory without
+            ``trust_factory`` or outside ``project``, or an unwritable output.
     """
     from pathlib import Path
 
@@ -124,6 +182,7 @@ def export_command(schedule: str, output: str, launcher: str = "torchrun") -> tu
             f"{schedule} has no {', '.join('meta.' + k for k in missing)}; save it with "
             "save_schedule(path, calls, model=..., example_inputs=..., world_size=...)."
         )
+    _check_factory_consent(schedule, meta["model"], trust_factory, project)
     out = Path(output).expanduser()
     text = render_script(
         meta["model"], calls, meta["inputs"], meta["world_size"], launcher, script_name=out.name
@@ -165,14 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         done, status = _guarded(
-            "export", args.schedule, lambda: export_command(args.schedule, args.output, args.launcher)
+            "export",
+            args.schedule,
+            lambda: export_command(
+                args.schedule, args.output, args.launcher, args.trust_factory, args.project
+            ),
         )
         if status is not None:
             return status
         path, command = done
         print(f"wrote {path}\nlaunch: {command}")
         try:
-            found = check_command(args.schedule)
+            found = check_command(args.schedule, args.trust_factory, args.project)
         except Exception:  # noqa: BLE001 - the script is written; the check is advice
             found = []
         if found:
@@ -194,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} (from_pretrained loads it)")
         return 0
     if args.command == "check":
-        found, status = _guarded("check", args.schedule, lambda: check_command(args.schedule))
+        found, status = _guarded(
+            "check", args.schedule, lambda: check_command(args.schedule, args.trust_factory, args.project)
+        )
         if status is not None:
             return status
         if not found:

@@ -131,6 +131,15 @@ def _since(sch, n: int) -> list[Call]:
     return list(sch.record.calls[n:])
 
 
+class PresetCalls(list):
+    """The calls a preset recorded (a list of :class:`~slapo_lab.record.Call`), plus ``notes``: one
+    sentence for each part the preset left as it was and why (e.g. a vocabulary that does not divide)."""
+
+    def __init__(self, calls, notes=()) -> None:
+        super().__init__(calls)
+        self.notes = list(notes)
+
+
 def _copy_containers(v, depth: int = 0):
     """``v`` with its dicts / lists / sets copied (recursively); tensors, modules, functions and hook
     handles are shared: the state a primitive changes in place is the containers, never those objects."""
@@ -288,6 +297,42 @@ def _dense(sch, path: str, what: str):
     return node, rule
 
 
+def _ensure_shard(node, name: str, axis: int) -> None:
+    """``node.shard(name, axis=axis)``, unless the tensor is already sharded on that axis (typed earlier, or
+    tied to a sharded tensor): presets compose with what is there.
+
+    Raises:
+        ScheduleError: the tensor is sharded on another axis (one sentence saying which call to undo).
+    """
+    from .module_state import peek_meta
+
+    t = getattr(node.mod, name)
+    axis %= max(t.dim(), 1)
+    meta = peek_meta(node.mod)
+    have = meta["sharded"].get(name) if meta else None
+    if have is None:
+        have = getattr(t, "shard_axis", None)
+    if have is None:
+        node.shard(name, axis=axis)
+    elif have != axis:
+        full = f"{node.path}.{name}" if node.path else name
+        raise ScheduleError(
+            f"{full} is already sharded on axis {have}, but this preset shards it on axis {axis}; undo "
+            f"that shard (or shard it on axis {axis}) and apply the preset again."
+        )
+
+
+def _ensure_sync(node, mode: str, op: str, **kwargs) -> None:
+    """``node.sync(mode=mode, sync_op_or_fn=op, **kwargs)``, unless the module already has that sync."""
+    from .module_state import peek_meta
+    from .primitives.tensor_parallel import PARAM_GRADS_OP
+
+    meta = peek_meta(node.mod)
+    key = (mode, PARAM_GRADS_OP if kwargs.get("param_grads") else op)
+    if not (meta and key in meta["syncs"]):
+        node.sync(mode=mode, sync_op_or_fn=op, **kwargs)
+
+
 @_all_or_nothing
 def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` column parallel (Megatron ``ColumnParallelLinear``).
@@ -299,13 +344,13 @@ def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Cal
     n = len(sch.record)
     node, rule = _dense(sch, path, "column_parallel")
     mod = node.mod
-    node.shard("weight", axis=rule.out_axis)
+    _ensure_shard(node, "weight", rule.out_axis)
     if getattr(mod, "bias", None) is not None:
-        node.shard("bias", axis=0)
+        _ensure_shard(node, "bias", 0)
     if sequence_parallel:
-        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1)
+        _ensure_sync(node, "fwd_pre", "all_gather", axis=1)
     else:
-        node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        _ensure_sync(node, "bwd_post", "all_reduce")
     return _since(sch, n)
 
 
@@ -320,13 +365,13 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     n = len(sch.record)
     node, rule = _dense(sch, path, "row_parallel")
     mod = node.mod
-    node.shard("weight", axis=rule.in_axis)
+    _ensure_shard(node, "weight", rule.in_axis)
     if sequence_parallel:
-        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)
+        _ensure_sync(node, "fwd_post", "reduce_scatter", axis=1)
         if getattr(mod, "bias", None) is not None:
-            node.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+            _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     else:
-        node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        _ensure_sync(node, "fwd_post", "all_reduce")
     return _since(sch, n)
 
 
@@ -411,10 +456,10 @@ def experts_parallel(sch, path: str) -> list[Call]:
     n = len(sch.record)
     for name in (*UP_NAMES, "gate_up_proj_bias", "up_proj_bias"):
         if mod._parameters.get(name) is not None:
-            node.shard(name, axis=intermediate_axis(mod, name))
-    node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-    node.shard("down_proj", axis=intermediate_axis(mod, "down_proj"))
-    node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+            _ensure_shard(node, name, intermediate_axis(mod, name))
+    _ensure_sync(node, "bwd_post", "all_reduce")
+    _ensure_shard(node, "down_proj", intermediate_axis(mod, "down_proj"))
+    _ensure_sync(node, "fwd_post", "all_reduce")
     return _since(sch, n)
 
 
@@ -457,12 +502,12 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
         elif kind == "row":
             row_parallel(sch, path, sequence_parallel)
         elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
-            sch[path].shard("weight", axis=1)
+            _ensure_shard(sch[path], "weight", 1)
         elif kind == "experts":
             experts_parallel(sch, path)
         elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
             # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
-            sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+            _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
     return _since(sch, n)
 
 
@@ -473,18 +518,23 @@ def _path_of(sch, mod: nn.Module) -> str | None:
     return None
 
 
+def vocab_size(sch) -> int | None:
+    """Rows of the model's input ``nn.Embedding`` (``get_input_embeddings()``), or None without one."""
+    get_in = getattr(sch.mod, "get_input_embeddings", None)
+    try:
+        emb = get_in() if callable(get_in) else None
+    except NotImplementedError:
+        emb = None
+    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+
+
 def has_vocab_embedding(sch) -> bool:
     """Whether the model's ``get_input_embeddings()`` is an ``nn.Embedding`` (a vocabulary to shard).
 
     False for vision models (ViT's input embedding is a patch ``Conv2d``) and models without the HF method;
     the editor's Megatron button passes this as ``megatron_tp(vocab_parallel=...)``.
     """
-    get_in = getattr(sch.mod, "get_input_embeddings", None)
-    try:
-        emb = get_in() if callable(get_in) else None
-    except NotImplementedError:
-        emb = None
-    return isinstance(emb, nn.Embedding)
+    return vocab_size(sch) is not None
 
 
 @_all_or_nothing
@@ -505,13 +555,13 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
         raise ScheduleError("vocab_parallel needs a model whose get_input_embeddings() is an nn.Embedding.")
     emb_path = _path_of(sch, emb)
     n = len(sch.record)
-    sch[emb_path].shard("weight", axis=0)
-    sch[emb_path].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    _ensure_shard(sch[emb_path], "weight", 0)
+    _ensure_sync(sch[emb_path], "fwd_post", "all_reduce")
     # every other embedding tied to it (T5: encoder.embed_tokens, decoder.embed_tokens share ``shared.weight``)
     # looks up through the same masked vocab-parallel forward, so its partial output needs the same all_reduce
     for owner, _name in sch.owners_of(sch[emb_path].mod.weight):
         if owner is not emb and isinstance(owner, nn.Embedding):
-            sch[_path_of(sch, owner)].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+            _ensure_sync(sch[_path_of(sch, owner)], "fwd_post", "all_reduce")
     get_out = getattr(top, "get_output_embeddings", None)
     try:
         head = get_out() if callable(get_out) else None
@@ -521,11 +571,11 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
         hp = _path_of(sch, head)
         node = sch[hp]
         if getattr(head.weight, "shard_axis", None) is None:  # untied
-            node.shard("weight", axis=0)
+            _ensure_shard(node, "weight", 0)
         if head.bias is not None and getattr(head.bias, "shard_axis", None) is None:
-            node.shard("bias", axis=0)
-        node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
+            _ensure_shard(node, "bias", 0)
+        _ensure_sync(node, "bwd_post", "all_reduce")
+        _ensure_sync(node, "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
     return _since(sch, n)
 
 
@@ -636,15 +686,13 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
         if kind == "row":
             row_parallel(sch, p)
         elif kind == "grad_allreduce":
-            sch[p].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
+            _ensure_sync(sch[p], "bwd_post", "all_reduce", param_grads=True)
         elif kind == "experts":
             experts_parallel(sch, p)
         else:
             column_parallel(sch, p)
             if kind == "column_gather":
-                sch[p].sync(
-                    mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False
-                )
+                _ensure_sync(sch[p], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
     return _since(sch, n)
 
 
@@ -666,18 +714,23 @@ def megatron_tp(
             ``"generic"``; None detects it from the block classes (``"generic"`` = :func:`find_blocks` +
             :func:`tp_block` by projection names). A named family must match the model's blocks.
         vocab_parallel: also shard the word embedding (and the output embedding) by vocabulary
-            (:func:`vocab_parallel_embeddings`).
+            (:func:`vocab_parallel_embeddings`); a vocabulary that does not divide by the world size
+            (GPT-2's 50257 on 4 ranks) stays replicated, with a sentence in the result's ``notes``.
         sequence_parallel: Megatron sequence parallelism between the TP regions (GPT-2 only; see the
             module docstring).
         use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
             instead of by names.
 
+    Composes with what is already there: a tensor already sharded on the axis the preset would use and a
+    sync the module already has are skipped, so a layer sharded by hand first is completed, not refused.
+
     Returns:
-        list[Call]: the recorded calls this preset made.
+        PresetCalls: the recorded calls this preset made (a list) and its ``notes``.
 
     Raises:
         ScheduleError: unknown family, sequence parallelism for a family other than GPT-2, no blocks found,
-            or the first primitive call that fails (e.g. heads not divisible by the world size).
+            a tensor already sharded on another axis, or the first primitive call that fails (e.g. heads
+            not divisible by the world size).
     """
     fam = family or detect_family(sch) or "generic"
     if fam not in (*FAMILIES, "generic"):
@@ -712,15 +765,21 @@ def megatron_tp(
     else:
         for b in blocks:
             tp_block(sch, b, sequence_parallel)
+    notes = []
     if vocab_parallel:
-        vocab_parallel_embeddings(sch)
+        vocab = vocab_size(sch)
+        if vocab is not None and vocab % sch.world_size:
+            notes.append(
+                f"The word embedding stays replicated: its vocabulary of {vocab} does not divide by the "
+                f"world size {sch.world_size} (pad the vocabulary to a multiple of {sch.world_size} to shard it)."
+            )
+        else:
+            vocab_parallel_embeddings(sch)
     if sequence_parallel:
         pre = f"{base}." if base else ""
-        sch[f"{pre}drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", axis=1)
-        sch[f"{pre}ln_f"].sync(
-            mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=False
-        )
-    return _since(sch, n)
+        _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
+        _ensure_sync(sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False)
+    return PresetCalls(_since(sch, n), notes)
 
 
 @_all_or_nothing

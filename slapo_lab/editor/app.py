@@ -491,26 +491,27 @@ class ScheduleEditor(W.VBox):
                 self._batch(),
                 self.schedule.record.action(f"preset {name}"),
             ):
-                self._run_preset(name, k)
+                notes = self._run_preset(name, k)
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             return self._error(f"The {name} preset was not applied: {msg}")
         n = len(self.schedule.record.calls) - n0
-        self._info(f"Preset {name} recorded {n} calls.")
+        self._info(" ".join([f"Preset {name} recorded {n} calls.", *notes]))
         return None
 
-    def _run_preset(self, name: str, k: int) -> None:
+    def _run_preset(self, name: str, k: int) -> list[str]:
+        """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
         from .. import presets
 
         if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
-            presets.megatron_tp(
+            return presets.megatron_tp(
                 self.schedule,
                 use_hf_plan=name == "hf_plan",
                 vocab_parallel=presets.has_vocab_embedding(self.schedule),
-            )
-        elif name == "checkpoint":
+            ).notes
+        if name == "checkpoint":
             presets.checkpoint_blocks(self.schedule, every=int(k))
         elif name == "stages":
             from ..pipeline import suggest_cuts
@@ -518,6 +519,7 @@ class ScheduleEditor(W.VBox):
             suggest_cuts(self.schedule, int(k), by="params", apply=True)
         else:
             raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+        return []
 
     @_serialized
     def undo(self) -> str | None:
@@ -1906,7 +1908,7 @@ class ScheduleEditor(W.VBox):
                 styles[n] = st
         key = (self.level, tuple(G.nodes), tuple(G.edges), repr(sorted(styles.items())))
         if key != self._rendered_key or reset_view:  # redraw only what is visible and changed
-            svg, node_ids = render_svg(G, styles)
+            svg, node_ids = render_svg(G, styles, token_prefix=self._graph.next_token_prefix())
             self._graph.set_graph(svg, node_ids, reset_view=reset_view)
             self._rendered_key = key
         inverse = {p: t for t, p in self._graph.node_ids.items()}

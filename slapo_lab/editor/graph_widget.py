@@ -8,14 +8,17 @@ the SVG (DOMPurify, SVG profile), lets the user pan (drag) and zoom (wheel), hig
     {"event": "dblclick", "node": "<token>", "render": <render id>}
 
 A token is the ``id`` attribute graphviz gives a node's ``<g class="node">`` (set it with the
-node's ``id`` attribute in dot). Tokens are positional (``n0, n1, ...``), so the same token names a
-different module after a redraw; every :meth:`GraphWidget.set_graph` therefore bumps ``render_id``
-(synced together with ``svg``), and the browser sends the ``render_id`` of the drawing the user
-clicked. A click on an older drawing (sent before the new SVG arrived) is reported as one sentence
-and selects nothing. ``node_ids`` maps each token of the current SVG to a module path; every message
-is checked against it, and anything malformed is reported to the ``on_error`` callbacks as one
-sentence instead of raising. (A message without ``render`` is checked against the current drawing:
-kernel-side drivers and tests that send messages directly need not know the id.)
+node's ``id`` attribute in dot). Every :meth:`GraphWidget.set_graph` bumps ``render_id`` (synced
+together with ``svg``), and the browser sends the ``render_id`` of the drawing the user clicked: a
+click on an older drawing (sent before the new SVG arrived) is reported as one sentence and selects
+nothing. Tokens should also name their drawing: draw with
+``render_svg(G, styles, token_prefix=widget.next_token_prefix())`` (tokens ``d<render_id>n<i>``, e.g.
+``d7n3``), so that a token from an older drawing is never a token of the current one, and a message
+*without* ``render`` (kernel-side drivers and tests that send messages directly need not know the id)
+carrying a stale token is ignored with one sentence instead of selecting whatever module the
+positional token ``n3`` names now. ``node_ids`` maps each token of the current SVG to a module path;
+every message is checked against it, and anything malformed or stale is reported to the ``on_error``
+callbacks as one sentence instead of raising.
 
 Zoom: the browser keeps its pan/zoom when ``svg`` changes (e.g. only colours changed). Call
 :meth:`GraphWidget.reset_zoom` (or pass ``reset_view=True`` to :meth:`GraphWidget.set_graph`) to
@@ -25,6 +28,7 @@ fit the whole graph again, e.g. after showing a different level of the model.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +43,8 @@ MODULE_NAME = "slapo-lab"
 MODULE_VERSION = "^0.1.0"
 
 _EVENTS = ("click", "dblclick")
+#: A token made with :meth:`GraphWidget.next_token_prefix`: ``d<drawing>n<node>``.
+_DRAWN_TOKEN = re.compile(r"d(\d{1,18})n\d{1,18}")
 _log = logging.getLogger(__name__)
 
 
@@ -101,12 +107,24 @@ class GraphWidget(widgets.DOMWidget):
 
     # ------------------------------------------------------------------ public API
 
+    def next_token_prefix(self) -> str:
+        """The ``token_prefix`` to draw the next :meth:`set_graph`'s SVG with: ``"d<k>n"``, ``k`` the
+        ``render_id`` that call will set (``render_svg(G, styles, token_prefix=w.next_token_prefix())``).
+
+        Its tokens (``d<k>n0, d<k>n1, ...``) are then unique across the drawings of this widget, so a
+        message naming a token of an older drawing is ignored (one sentence to ``on_error``) even when
+        it carries no ``render`` id, instead of selecting the node that now has the same position.
+        """
+        return f"d{self.render_id + 1}n"
+
     def set_graph(self, svg: str, node_ids: Mapping[str, str], reset_view: bool = False) -> None:
         """Show a new graph: set ``node_ids`` and ``svg`` together.
 
         ``reset_view=True`` also resets the browser's pan/zoom (use it when the graph is a
         different one, not a recoloured one). Increments ``render_id``: clicks the browser sends
-        for the previous drawing are ignored from now on (with one sentence to ``on_error``).
+        for the previous drawing are ignored from now on (with one sentence to ``on_error``). Draw
+        ``svg`` with :meth:`next_token_prefix` (called just before) so that its tokens cannot be
+        confused with an older drawing's.
         """
         self.node_ids = dict(node_ids)
         with self.hold_sync():
@@ -168,6 +186,12 @@ class GraphWidget(widgets.DOMWidget):
                     f"now {self.render_id}); click the node again."
                 )
         if token not in self.node_ids:
+            drawn = _DRAWN_TOKEN.fullmatch(token)
+            if drawn is not None and int(drawn.group(1)) != self.render_id:
+                return (
+                    f"Ignored a '{event}' on node {_short(token)} of drawing {drawn.group(1)}, not of the graph "
+                    f"shown now (drawing {self.render_id}); click the node again."
+                )
             return f"Ignored a '{event}' on node {_short(token)}, which is not in the current graph."
         handlers = self._click_handlers if event == "click" else self._dblclick_handlers
         handlers(token, self.node_ids[token])

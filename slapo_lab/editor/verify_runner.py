@@ -183,6 +183,7 @@ class VerifyRunner:
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
             **{_TOKEN_VAR: self._token},
         )
+        # an argv list, no shell: torchrun on the script this editor just exported (docs/SECURITY.md)
         self._proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

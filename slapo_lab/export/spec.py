@@ -4,15 +4,26 @@ Everything here is plain JSON data, so that a schedule file (:mod:`slapo_lab.exp
 it and the script renderer (:mod:`slapo_lab.export.script`) can trust it only after validation:
 every name that ends up as code (a class, a factory, a primitive, a keyword) is checked against a
 strict pattern or a registry, and every value ends up as a ``repr``'d literal.
+
+A factory a schedule file names is never imported without consent: :func:`build_from_spec` refuses it
+unless ``trust_factory=True`` (``--trust-factory`` on the command line), and even then only a factory
+whose top-level package lives in the user's project folder (:func:`check_factory_in_project`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import json
 import keyword
 import math
+import os
 import re
+import site
+import sys
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,13 +68,13 @@ def _full_shapes(model: nn.Module) -> dict[str, tuple]:
     }
 
 
-def _transformers_class(name: Any, base_name: str):
+def transformers_class(name: Any, base_name: str):
     """The class ``transformers.<name>`` if it exists and subclasses ``transformers.<base_name>``."""
     if not is_identifier(name):
         return None
     import transformers
 
-    try:
+    try:  # a file's name: an identifier, looked up in transformers only, kept only if a subclass of base
         cls = getattr(transformers, name)
     except (AttributeError, ImportError, RuntimeError):
         return None
@@ -96,14 +107,14 @@ def model_spec(model: nn.Module, factory: str | None = None) -> dict:
         return {"kind": "factory", "factory": factory}
     cls = type(model)
     name = cls.__name__
-    if _transformers_class(name, "PreTrainedModel") is not cls:
+    if transformers_class(name, "PreTrainedModel") is not cls:
         raise ExportError(
             f"{name} is not a transformers model that its config rebuilds, so the script cannot "
             f"rebuild it; {FACTORY_HINT}."
         )
     config = model.config
     config_name = type(config).__name__
-    if _transformers_class(config_name, "PretrainedConfig") is not type(config):
+    if transformers_class(config_name, "PretrainedConfig") is not type(config):
         raise ExportError(
             f"The config class {config_name} of {name} is not importable from transformers; {FACTORY_HINT}."
         )
@@ -122,32 +133,221 @@ def model_spec(model: nn.Module, factory: str | None = None) -> dict:
 
 
 def _build_hf(spec: dict, device: str = "meta") -> nn.Module:
-    cls = _transformers_class(spec["class"], "PreTrainedModel")
-    config_cls = _transformers_class(spec["config_class"], "PretrainedConfig")
+    cls = transformers_class(spec["class"], "PreTrainedModel")
+    config_cls = transformers_class(spec["config_class"], "PretrainedConfig")
     kwargs = {"attn_implementation": spec["attn_implementation"]} if "attn_implementation" in spec else {}
     config = config_cls.from_dict(dict(spec["config"]), **kwargs)
     with torch.device(device):
         return cls(config)
 
 
-def build_from_spec(spec: dict, device: str = "meta") -> nn.Module:
-    """The model a spec from :func:`model_spec` describes, built on ``device`` (``"meta"``: no weights
-    are allocated): the config route builds the ``transformers`` class from its config, the factory
-    route calls ``package.module:function`` under that device.
+def factory_consent_error(factory: str, what: str = "the schedule file") -> ExportError:
+    """The one-sentence refusal of a factory ``what`` names and the user has not consented to import.
+
+    Args:
+        factory: the ``"package.module:function"`` string.
+        what: who names it, e.g. ``"the schedule file s.json"``.
+    """
+    return ExportError(
+        f"{what[:1].upper()}{what[1:]} names the factory {factory!r}, which would be imported and called to "
+        "build the model; run again with --trust-factory (trust_factory=True in Python) if you trust it."
+    )
+
+
+def _realpath(p) -> Path:
+    return Path(os.path.realpath(os.fspath(p)))
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _python_roots() -> list[tuple[str, Path]]:
+    """(what, folder) of every folder of the Python installation: a factory there is never the user's."""
+    paths = sysconfig.get_paths()
+    roots = [("site-packages", paths.get(key)) for key in ("purelib", "platlib")]
+    with contextlib.suppress(AttributeError):  # site.getsitepackages is missing in some virtualenvs
+        roots += [("site-packages", p) for p in site.getsitepackages()]
+    roots.append(("site-packages", site.getusersitepackages()))
+    roots += [("the standard library", paths.get(key)) for key in ("stdlib", "platstdlib")]
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, paths.get("data")):
+        roots.append(("the Python installation", p))
+    return [(what, _realpath(p)) for what, p in roots if p]
+
+
+def _project_folder(project=None) -> Path:
+    """The resolved project folder: ``project``, or the current working directory when None.
 
     Raises:
-        ExportError: when the model cannot be built (one sentence with the reason).
+        ExportError: ``project`` is not an existing folder.
     """
+    folder = _realpath(Path.cwd() if project is None else Path(os.fspath(project)).expanduser())
+    if not folder.is_dir():
+        raise ExportError(f"The project folder {folder} is not an existing folder.")
+    return folder
+
+
+@contextlib.contextmanager
+def _importable_from(folder: Path):
+    """``folder`` first on ``sys.path`` while the block runs (unless it is there already)."""
+    entry = str(folder)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+        importlib.invalidate_caches()
     try:
-        if spec["kind"] == "factory":
-            mod_name, fn_name = spec["factory"].split(":")
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
+
+
+def check_factory_in_project(factory: Any, project=None) -> Path:
+    """Check, without importing anything, that ``factory``'s top-level package lives in the project.
+
+    The package is located the way ``import`` would find it with the project folder first on
+    ``sys.path`` (:func:`importlib.util.find_spec` of the top-level name only, which loads no code; a
+    module already imported is located by its spec). It must be a file or folder inside the project
+    and outside the Python installation (``sys.prefix``, ``sys.base_prefix``, the standard library,
+    site-packages, any ``site-packages`` or ``dist-packages`` folder; a virtual environment inside the
+    project is still the installation), so that a schedule file can name only the user's own code,
+    never ``os:abort``. Symbolic links are resolved first.
+
+    Args:
+        factory: ``"package.module:function"``.
+        project: the user's project folder (default: the current working directory).
+
+    Returns:
+        The resolved location of the top-level package (its folder, or its ``.py`` file).
+
+    Raises:
+        ExportError: a malformed factory, a missing project folder, or (one sentence naming the factory
+            and why) a package that is ``__main__``, built into Python, not found, or resolves outside
+            the project or inside the Python installation.
+    """
+    check_factory(factory)
+    folder = _project_folder(project)
+    top = factory.split(":")[0].split(".")[0]
+
+    located, why = _locate_in_project(top, folder)
+    if why:
+        raise _project_refusal(factory, why)
+    return located
+
+
+def _project_refusal(factory: str, why: str) -> ExportError:
+    return ExportError(
+        f"The factory {factory!r} is refused because {why}; only a factory whose package lives in "
+        "the project folder (--project DIR, project= in Python) is imported."
+    )
+
+
+def _locate_in_project(top: str, folder: Path) -> tuple[Path | None, str]:
+    """``(location, "")`` of the top-level module ``top`` when it lives in ``folder``, else ``(None, why)``."""
+    if top == "__main__":
+        return None, f"__main__ is the running program, not a module of the project {folder}"
+    with _importable_from(folder):
+        try:
+            # a top-level name: find_spec imports no parent package and runs no module code
+            found = importlib.util.find_spec(top)
+        except (ImportError, ValueError) as err:
+            return None, f"{top} cannot be located ({type(err).__name__}: {err})"
+    if found is None:
+        return None, f"no module {top} is found in the project {folder} or on sys.path"
+    where = list(found.submodule_search_locations or [])
+    if not where and found.has_location and found.origin:
+        where = [found.origin]
+    if not where:
+        how = "built into Python" if found.origin in ("built-in", "frozen") else "not loaded from a file"
+        return None, f"{top} is {how}, not a module in the project {folder}"
+    roots = _python_roots()
+    for loc in map(_realpath, where):
+        if not _inside(loc, folder):
+            return None, f"{top} resolves to {loc}, outside the project {folder}"
+        for what, root in roots:
+            if _inside(loc, root) and not _inside(folder, root):  # e.g. a venv inside the project
+                return None, f"{top} resolves to {loc}, inside {what} {root}"
+        if {"site-packages", "dist-packages"} & set(loc.relative_to(folder).parts):
+            return None, f"{top} resolves to {loc}, inside a site-packages folder"
+    return _realpath(where[0]), ""
+
+
+def build_from_spec(
+    spec: dict, device: str = "meta", trust_factory: bool = False, project=None, *, confine: bool = True
+) -> nn.Module:
+    """The model a spec from :func:`model_spec` describes, built on ``device`` (``"meta"``: no weights
+    are allocated): the config route builds the ``transformers`` class from its config, the factory
+    route imports ``package.module:function`` and calls it under that device.
+
+    A spec is usually read from a schedule file, which is data that people send each other, so the
+    factory route needs consent: without ``trust_factory`` it raises before importing anything, and with
+    it the factory must still pass :func:`check_factory_in_project` before its module is imported, and
+    the function must be defined in a module of the project (not ``from os import abort``) before it is
+    called.
+
+    Args:
+        spec: a model spec (``{"kind": "hf", ...}`` or ``{"kind": "factory", "factory": "pkg.mod:fn"}``).
+        device: where the model is built.
+        trust_factory: consent to import and call the factory the spec names (the command line's
+            ``--trust-factory``).
+        project: the user's project folder the factory's package must live in (default: the current
+            working directory); it is first on ``sys.path`` while the factory is imported and called.
+        confine: False skips the project check (the factory is imported from ``sys.path`` as it is):
+            only for a spec that is part of code the user runs, such as an exported script's ``MODEL``,
+            never for one read from a file.
+
+    Raises:
+        ExportError: a factory without ``trust_factory`` (one sentence naming it and the flag), one that
+            :func:`check_factory_in_project` refuses or whose function the project does not define, or a
+            model that cannot be built (one sentence with the reason).
+    """
+    if not (isinstance(spec, dict) and spec.get("kind") == "factory"):
+        try:
+            return _build_hf(spec, device)
+        except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
+            raise _not_built(device, err) from None
+    factory = spec.get("factory")
+    check_factory(factory)
+    if not trust_factory:
+        raise factory_consent_error(factory, "the model spec")
+    folder = None
+    if confine:
+        folder = _project_folder(project)
+        check_factory_in_project(factory, folder)
+    mod_name, fn_name = factory.split(":")
+    with _importable_from(folder) if folder is not None else contextlib.nullcontext():
+        try:
+            # consented above, and (unless confine=False) checked to be the user's project code
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except Exception as err:  # noqa: BLE001 - an import can raise anything
+            raise _not_built(device, err) from None
+        if folder is not None:
+            _check_defined_in_project(factory, fn, folder)
+        try:
             with torch.device(device):
-                return getattr(importlib.import_module(mod_name), fn_name)()
-        return _build_hf(spec, device)
-    except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
-        raise ExportError(
-            f"The model could not be built on the {device} device ({type(err).__name__}: {err})."
-        ) from None
+                return fn()
+        except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
+            raise _not_built(device, err) from None
+
+
+def _not_built(device: str, err: BaseException) -> ExportError:
+    return ExportError(f"The model could not be built on the {device} device ({type(err).__name__}: {err}).")
+
+
+def _check_defined_in_project(factory: str, fn: Any, folder: Path) -> None:
+    """Refuse a factory the project module only re-exports (``from os import abort``): the callable itself
+    must be defined in a module of the project."""
+    owner = getattr(fn, "__module__", None)
+    fn_name = factory.split(":")[1]
+    if not isinstance(owner, str) or not owner:
+        why = f"{fn_name} is a {type(fn).__name__} that no module of the project {folder} defines"
+    else:
+        why = _locate_in_project(owner.split(".")[0], folder)[1]
+        if why:
+            why = f"{fn_name} is defined in {owner} and {why}"
+    if why:
+        raise _project_refusal(factory, why)
 
 
 def _check_rebuilds(model: nn.Module, spec: dict) -> None:
@@ -179,6 +379,10 @@ def _check_rebuilds(model: nn.Module, spec: dict) -> None:
 def check_factory(factory: Any, importable: bool = False) -> None:
     """Raise ExportError unless ``factory`` is ``"package.module:function"`` (and, if asked, imports).
 
+    ``importable=True`` imports the module, so it is only for a factory the caller's own code passes
+    (``model_spec``, ``save_schedule``, ``ScheduleEditor(factory=...)``); a factory read from a file
+    goes through :func:`build_from_spec`'s consent and :func:`check_factory_in_project` instead.
+
     Raises:
         ExportError: a malformed string, or with ``importable`` a module that does not import here or
             a name in it that is missing or not callable.
@@ -198,7 +402,7 @@ def check_factory(factory: Any, importable: bool = False) -> None:
             "script cannot import; move it into an importable module."
         )
     try:
-        mod = importlib.import_module(mod_name)
+        mod = importlib.import_module(mod_name)  # the caller's own factory (see above), never a file's
     except Exception as err:  # noqa: BLE001 - an import can raise anything
         raise ExportError(
             f"The factory module {mod_name!r} does not import here ({type(err).__name__}: {err}); "
@@ -221,9 +425,9 @@ def validate_model_spec(spec: Any) -> dict:
         return spec
     if spec.get("module", "transformers") != "transformers":
         raise ExportError(f'The model spec\'s module must be "transformers", not {spec.get("module")!r}.')
-    if _transformers_class(spec.get("class"), "PreTrainedModel") is None:
+    if transformers_class(spec.get("class"), "PreTrainedModel") is None:
         raise ExportError(f"The model spec's class {spec.get('class')!r} is not a transformers model class.")
-    if _transformers_class(spec.get("config_class"), "PretrainedConfig") is None:
+    if transformers_class(spec.get("config_class"), "PretrainedConfig") is None:
         raise ExportError(
             f"The model spec's config_class {spec.get('config_class')!r} is not a transformers config class."
         )

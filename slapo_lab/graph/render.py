@@ -1,10 +1,12 @@
 """Graphviz rendering of level graphs to SVG, with a layout cache for restyling.
 
 A graph is laid out once by ``dot``; the positions (nodes, edge splines, label positions) are kept in
-an LRU cache keyed by a hash of the *structure*: node tokens, shapes, labels (badges included, since
-they change node sizes) and edges with their labels.  A later call whose structure hashes the same
-(only fill / border colour / pen width differ) feeds the cached positions to ``neato -n2``, which
-draws without laying out again.  Graphviz is run as a subprocess (no shell) with a timeout.
+an LRU cache keyed by a hash of the *structure*: node tokens (always the canonical ``n<i>``; the
+``token_prefix`` of the drawn SVG is applied afterwards, so it never misses the cache), shapes,
+labels (badges included, since they change node sizes) and edges with their labels.  A later call
+whose structure hashes the same (only fill / border colour / pen width differ) feeds the cached
+positions to ``neato -n2``, which draws without laying out again.  Graphviz is run as a subprocess
+(no shell) with a timeout.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def _exe(name: str) -> str:
 
 def _run(prog: str, args: list[str], dot: str, timeout: float) -> str:
     try:
+        # a fixed argv (dot/neato found on PATH), no shell; the DOT text goes in on stdin, every label escaped
         r = subprocess.run(
             [_exe(prog), *args],
             input=dot.encode("utf-8"),
@@ -300,8 +303,13 @@ def _tooltip(node, attrs: Mapping, badges: list[str] = ()) -> str:
     return "\n".join(display(line, 200) for line in lines if line)
 
 
-def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = ()):
-    """Returns (tokens, node_ids, structure_lines, node_style_attrs, edge_lines, busy)."""
+def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = (), prefix: str = "n"):
+    """Returns (tokens, node_ids, structure_lines, node_style_attrs, edge_lines, busy).
+
+    ``tokens`` (node -> ``n<i>``), the structure lines, the style attributes and the edges use the
+    *canonical* tokens ``n<i>``: the layout pass and its cache key never depend on ``prefix``.
+    ``node_ids`` maps the *public* tokens ``<prefix><i>`` (what the drawn SVG carries) to the nodes.
+    """
     flat = {(r[k], r[k + 1]) for r in rows for k in range(len(r) - 1)}
     wrap = {(a[-1], b[0]) for a, b in itertools.pairwise(rows)}
     styles = styles or {}
@@ -313,7 +321,7 @@ def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = ()):
     for i, (node, attrs) in enumerate(G.nodes(data=True)):
         tok = f"n{i}"
         tokens[node] = tok
-        node_ids[tok] = node
+        node_ids[f"{prefix}{i}"] = node
         kind, shape, gv_style, fill, border, pw, badges, band, cut = _node_style(
             node, attrs, styles.get(node)
         )
@@ -421,7 +429,12 @@ _GRAPH_HEAD = (
 
 
 def render_svg(
-    G: nx.DiGraph, styles: Mapping | None = None, *, rankdir: str = "TB", timeout: float = 30.0
+    G: nx.DiGraph,
+    styles: Mapping | None = None,
+    *,
+    rankdir: str = "TB",
+    timeout: float = 30.0,
+    token_prefix: str = "n",
 ) -> tuple[str, dict]:
     """Render a level graph (or any DiGraph) to SVG with graphviz ``dot``, top to bottom.
 
@@ -440,13 +453,21 @@ def render_svg(
         ``tooltip`` (e.g. per-rank shapes from :func:`~slapo_lab.graph.dataflow.per_rank_edges`).
       rankdir: graphviz rank direction ("TB" top to bottom, "LR" left to right).
       timeout: seconds allowed for each graphviz subprocess.
+      token_prefix: the node tokens are ``<token_prefix><i>``; default ``"n"`` (``n0, n1, ...``).
+        A prefix that names the drawing (``"d7n"`` -> ``d7n0, d7n1, ...``, see
+        :meth:`slapo_lab.editor.graph_widget.GraphWidget.next_token_prefix`) makes tokens unique
+        across drawings, so a token from an older drawing can never name a node of a newer one.  It
+        must be a letter followed by letters, digits or ``_``, end with a letter or ``_`` (so
+        ``<prefix><i>`` is never ambiguous), and not be ``"e"`` or start with ``"a_"`` (graphviz's
+        edge and anchor ids).  The prefix changes only the drawn ids: the layout cache is shared by
+        every prefix.
 
     Returns:
-      ``(svg, node_ids)``: the SVG text (UTF-8 string; each node is ``<g id="n<i>" class="node">``
+      ``(svg, node_ids)``: the SVG text (UTF-8 string; each node is ``<g id="<token>" class="node">``
       with a ``<title>`` equal to the token and a tooltip; edges are ``<g id="e<j>">``) and a dict
       token -> node id of ``G`` (for level graphs: the module path, the fold key, ``".input:<name>"``
-      or ``".output"``).  Tokens are ``n0, n1, ...`` in ``G.nodes`` order; raw names never appear in
-      ids.
+      or ``".output"``).  Tokens are ``<token_prefix><i>`` (``n0, n1, ...`` by default) in ``G.nodes``
+      order; raw names never appear in ids.
 
     Layout: the first render of a structure runs ``dot -Tjson0`` for positions; every render draws
     from cached positions with ``neato -n2``, so renders whose nodes, labels, badges and edges are
@@ -459,14 +480,15 @@ def render_svg(
     readable when fitted (top to bottom only).
 
     Raises:
-      ValueError: a colour that is not ``#rrggbb``, a bad pen width, an unknown style key, or a bad
-        ``rankdir``.
+      ValueError: a colour that is not ``#rrggbb``, a bad pen width, an unknown style key, a bad
+        ``rankdir`` or a bad ``token_prefix``.
       RenderError: graphviz is missing, failed, or timed out.
     """
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be one of TB, LR, BT, RL, got {display(repr(rankdir))}.")
+    _check_prefix(token_prefix)
     rows = _chain_rows(G) if rankdir == "TB" else []
-    tokens, node_ids, struct, looks, edges, busy = _build(G, styles, rows)
+    tokens, node_ids, struct, looks, edges, busy = _build(G, styles, rows, token_prefix)
     head = ", concentrate=true" if busy else ""
     if rows:
         head += ", newrank=true"
@@ -484,30 +506,49 @@ def render_svg(
         layout = _parse_layout(json.loads(out))
         _CACHE.put(key, layout)
     # always draw from the cached positions, so a restyled SVG matches the first one exactly
-    dot = _compose(rankdir, struct, looks, edges, layout, head)
+    dot = _compose(rankdir, struct, looks, edges, layout, head, token_prefix)
     svg = _run("neato", ["-n2", "-Tsvg"], dot, timeout)
     return _strip_svg(svg), node_ids
 
 
-def _compose(rankdir, struct, looks, edges, layout, extra: str = "") -> str:
+_PREFIX = re.compile(r"^[A-Za-z](?:[A-Za-z0-9_]{0,30}[A-Za-z_])?$")
+
+
+def _check_prefix(prefix) -> None:
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix) or prefix == "e" or prefix.startswith("a_"):
+        raise ValueError(
+            f"token_prefix must be a letter, then letters, digits or '_', ending in a letter or '_' (not 'e' "
+            f"and not starting with 'a_'), like 'n' or 'd7n', got {display(repr(prefix))}."
+        )
+
+
+def _compose(rankdir, struct, looks, edges, layout, extra: str = "", prefix: str = "n") -> str:
+    """The DOT drawn by ``neato -n2``: canonical tokens ``n<i>`` (``struct``, ``looks``, ``edges``,
+    ``layout``) renamed to the public tokens ``<prefix><i>``."""
+
+    def pub(tok: str) -> str:
+        return prefix + tok[1:]
+
     if layout is not None:
         extra += f', bb="{layout["bb"]}"'
     lines = [_GRAPH_HEAD.format(rankdir=rankdir, font=FONT, label_pt=LABEL_PT, edge_pt=EDGE_PT, extra=extra)]
     for s in struct:
         tok = s.split(" ", 1)[0]
+        head = f'{tok} [id="{tok}", '  # how _build starts every node line
         geo = ""
         if layout is not None:
             n = layout["nodes"].get(tok)
             if n is not None:
                 geo = f', pos="{n[0]}", width={n[1]}, height={n[2]}'
-        lines.append(f"  {s[:-1]}, {looks[tok]}{geo}];\n")
+        p = pub(tok)
+        lines.append(f'  {p} [id="{p}", {s[len(head) : -1]}, {looks[tok]}{geo}];\n')
     for e, u, v, lab in edges:
         geo = ""
         if layout is not None:
             g = layout["edges"].get(e)
             if g is not None:
                 geo = f', pos="{g[0]}"' + (f', lp="{g[1]}"' if g[1] else "")
-        lines.append(f'  {u} -> {v} [id="{e}"{lab}{geo}];\n')
+        lines.append(f'  {pub(u)} -> {pub(v)} [id="{e}"{lab}{geo}];\n')
     lines.append("}\n")
     return "".join(lines)
 

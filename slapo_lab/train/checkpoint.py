@@ -214,6 +214,7 @@ class Checkpointer:
             "train": dict(train_state, layout=""),
             "rng": {self.layout_key: self._rng_state()},
         }
+        # DCP unpickles .metadata: only checkpoints the user's own runs wrote are read (docs/SECURITY.md)
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
         for module, sd, keys in originals:
             for new_key, old_key in keys.items():  # tensors were read in place; other values were replaced
@@ -355,7 +356,14 @@ def convert_to_hf(
         )
     info = json.loads((path / RUN_INFO).read_text(encoding="utf-8"))
     spec = info.get("model") or {}
-    want = getattr(torch, info.get("source_dtype", "float32")) if dtype == "auto" else getattr(torch, dtype)
+    src_dtype = info.get("source_dtype", "float32")
+    if src_dtype not in ("float32", "bfloat16", "float16", "float64"):
+        raise ConvertError(
+            f"{path}/{RUN_INFO} names the dtype {src_dtype!r}; expected float32, bfloat16, float16 or float64."
+        )
+    want = getattr(torch, src_dtype) if dtype == "auto" else getattr(torch, dtype)
+    # torch.distributed.checkpoint unpickles .metadata (and non-tensor entries): only checkpoints the
+    # user's own runs wrote are read (docs/SECURITY.md)
     meta = FileSystemReader(str(path)).read_metadata()
     names = sorted(
         k[len("model.") :]
@@ -398,11 +406,16 @@ def convert_to_hf(
             json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
         )
     if spec.get("kind") == "hf":
-        import transformers
-
+        from ..export.spec import transformers_class
         from .weights import copy_hf_extras
 
-        config = getattr(transformers, spec["config_class"]).from_dict(dict(spec["config"]))
+        config_cls = transformers_class(spec.get("config_class"), "PretrainedConfig")
+        if config_cls is None:
+            raise ConvertError(
+                f"{path}/{RUN_INFO} names the config class {spec.get('config_class')!r}, which is not a "
+                "transformers config class."
+            )
+        config = config_cls.from_dict(dict(spec["config"]))
         config.dtype = want
         copy_hf_extras(info.get("model_path"), info.get("tokenizer"), out, config)
     return out

@@ -183,6 +183,7 @@ def _load_files(files: list[Path], builder: str, cache_dir):
     import datasets
 
     kwargs = {"columns": ["text"]} if builder == "parquet" else {}
+    # builder is a packaged builder of FILE_BUILDERS (text/json/parquet), never a dataset script or hub name
     ds = datasets.load_dataset(
         builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir, **kwargs
     )

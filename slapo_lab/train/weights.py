@@ -57,7 +57,8 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
     """The model of an export spec, parameters on the meta device, buffers real (no weights allocated).
 
     With ``model_path``, the config comes from that Hugging Face directory (``config.json``) instead of the
-    spec, so a schedule recorded on a small config can run on the real one.
+    spec, so a schedule recorded on a small config can run on the real one. A factory spec is imported and
+    called as it is: this builds the model of the script the user launched (never pass it a file's spec).
 
     Raises:
         WeightsError: the directory has no readable config.json, or its model type differs from the spec's.
@@ -84,7 +85,11 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
             )
         spec = dict(spec, config=config)
     with init_empty_weights():
-        return build_from_spec(spec, device="cpu")
+        # The spec is the MODEL literal of the exported script the user launched: code they run (and can
+        # read), like a factory= they pass in Python, not a schedule file's data. So its factory is trusted
+        # and imported from sys.path as it is (Verify runs the script from a temporary folder, other nodes
+        # from theirs); `slapo-lab export` already asked for --trust-factory before writing it.
+        return build_from_spec(spec, device="cpu", trust_factory=True, confine=False)
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
@@ -268,4 +273,4 @@ def copy_hf_extras(model_path: str | None, tokenizer_dir: str | None, out: str |
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+        AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)

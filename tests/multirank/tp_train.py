@@ -388,6 +388,32 @@ FAMILY_CASES.update(
 )
 
 
+def gpt2_odd_vocab_model():
+    """GPT-2 whose vocabulary (VOCAB + 1) does not divide by the world size: the preset keeps wte replicated."""
+    model = gpt2_model()
+    return type(model)(type(model.config)(**{**model.config.to_dict(), "vocab_size": VOCAB + 1}))
+
+
+def bert_typed_layer0_then_megatron(sch):
+    """The quickstart: layer 0's attention sharded by hand first, then the Megatron preset completes the rest."""
+    p = "encoder.layer.0.attention"
+    for name in ("query", "key", "value"):
+        node = sch[f"{p}.self.{name}"]
+        node.shard("weight", axis=0)
+        node.shard("bias", axis=0)
+        node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    sch[f"{p}.output.dense"].shard("weight", axis=1)
+    sch[f"{p}.output.dense"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    return presets.megatron_tp(sch)
+
+
+# presets compose with calls typed before them, and fall back where the vocabulary does not divide
+FAMILY_CASES["compose"] = [
+    ("bert_typed_layer0_then_megatron", bert_model, bert_typed_layer0_then_megatron),
+    ("gpt2_odd_vocab_megatron_tp", gpt2_odd_vocab_model, lambda s: presets.megatron_tp(s)),
+]
+
+
 def batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)

@@ -1,0 +1,92 @@
+"""Presets compose with what is already there (the quickstart types layer 0 by hand, then clicks Megatron),
+and a vocabulary that does not divide by the world size stays replicated with one sentence saying so.
+
+* one process: the preset skips tensors sharded the same way and syncs already there, refuses a tensor
+  sharded on another axis in one sentence (nothing applied), and ends with the same calls as the preset alone;
+* 2 gloo ranks (``tests/multirank/tp_train.py compose``): both schedules train like the unsharded model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import launch_results
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.errors import ScheduleError
+
+SCRIPT = Path(__file__).resolve().parent / "multirank" / "tp_train.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import tp_train
+
+
+def _bert():
+    torch.manual_seed(0)
+    return BertModel(
+        BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    )
+
+
+def _key(c):
+    return (c.path, c.primitive, repr(c.args), repr(sorted(c.kwargs.items())))
+
+
+def test_megatron_completes_a_layer_sharded_by_hand():
+    alone = sl.create_schedule(_bert(), world_size=2)
+    presets.megatron_tp(alone)
+    sch = sl.create_schedule(_bert(), world_size=2)
+    tp_train.bert_typed_layer0_then_megatron(sch)
+    assert sorted(map(_key, sch.record.calls)) == sorted(map(_key, alone.record.calls))
+    assert len(sch.record.actions()) == 12  # 11 typed calls, then the preset as one action
+
+
+def test_a_tensor_sharded_on_another_axis_is_refused_in_one_sentence_and_nothing_applies():
+    sch = sl.create_schedule(_bert(), world_size=2)
+    sch["encoder.layer.1.attention.self.key"].shard("weight", axis=1)
+    n = len(sch.record.calls)
+    with pytest.raises(ScheduleError) as info:
+        presets.megatron_tp(sch)
+    msg = str(info.value)
+    assert msg == (
+        "encoder.layer.1.attention.self.key.weight is already sharded on axis 1, but this preset shards it on "
+        "axis 0; undo that shard (or shard it on axis 0) and apply the preset again."
+    )
+    assert len(sch.record.calls) == n
+    assert sch["encoder.layer.0.attention.self.query"].mod.weight.shape == (64, 64)
+
+
+def test_the_editor_applies_megatron_after_the_quickstart_cell_and_says_what_stayed_whole():
+    model = _bert()
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 100, (2, 8))}, world_size=2)
+    sch = ed.schedule
+    p = "encoder.layer.0.attention"
+    for name in ("query", "key", "value"):
+        sch[f"{p}.self.{name}"].shard("weight", axis=0)
+    assert ed.apply_preset("megatron") is None, ed.message
+    assert ed.message.startswith("Preset megatron recorded") and ed.check() == []
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50257))
+    ed = sl.ScheduleEditor(gpt2, example_inputs={"input_ids": torch.randint(0, 50257, (2, 8))}, world_size=4)
+    assert ed.apply_preset("megatron") is None, ed.message
+    assert ed.message.endswith(
+        "The word embedding stays replicated: its vocabulary of 50257 does not divide by the world size 4 "
+        "(pad the vocabulary to a multiple of 4 to shard it)."
+    )
+    assert not hasattr(ed.schedule["transformer.wte"].mod.weight, "shard_axis") and ed.check() == []
+    assert ed.schedule["transformer.h.0.attn.c_attn"].mod.weight.shape == (64, 48)
+
+
+@pytest.mark.multirank
+def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
+    rc, out, res = launch_results(SCRIPT, 2, ["compose"], 300)
+    for case in ("bert_typed_layer0_then_megatron", "gpt2_odd_vocab_megatron_tp"):
+        assert case in res, f"no result for {case} (torchrun exit {rc}):\n{out[-4000:]}"
+        r = res[case]
+        assert not r["bad"], f"{case}: " + "; ".join(r["bad"])
+        assert r["verify"] is True and r["n_sharded"] > 0
+        assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5 and r["max_param_diff"] <= 1e-5, r
