@@ -91,11 +91,12 @@ def test_replace_module_keeps_path_and_numerics(ids):
     sch[INTER].mod.register_forward_hook(lambda m, a, o: o * 1.0)  # a plain hook moves along
 
     new = MyIntermediate(dense)
-    assert sch[INTER].replace(new) is new
+    got = sch[INTER].replace(new)
+    assert got is not new and type(got) is MyIntermediate  # the model gets a copy (user objects never change)
 
-    assert model.encoder.layer[0].intermediate is new and sch[INTER].mod is new
-    assert list(sch[INTER].child) == ["fc"] and sch[f"{INTER}.fc"].mod is dense
-    assert len(new._forward_hooks) == 1
+    assert model.encoder.layer[0].intermediate is got and sch[INTER].mod is got
+    assert list(sch[INTER].child) == ["fc"] and sch[f"{INTER}.fc"].mod is dense  # shared with the model
+    assert len(got._forward_hooks) == 1 and not new._forward_hooks
     assert dense.weight.my_tag == 7
     torch.testing.assert_close(out(model, ids), ref)
     assert sl.format_call(sch.record.calls[-1]) == f'sch["{INTER}"].replace(<MyIntermediate>)'
@@ -414,7 +415,8 @@ def test_annotate_survives_shard_and_replace():
     key = sch["encoder.layer.0.attention.self.key"]
     fresh = nn.Linear(64, 64)
     key.replace(fresh)  # a new parameter object under the same name
-    assert fresh.weight.lr_scale == 0.5
+    assert key.mod.weight.lr_scale == 0.5
+    assert not hasattr(fresh.weight, "lr_scale")  # the user's module is copied, never changed
 
 
 def test_replace_checks_the_call_in_a_traced_parent_graph():

@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import check_primitive, create_schedule, module_state
 from ..errors import ScheduleError
-from ..record import format_call
+from ..record import format_call, gc_paused
 from ..utils import meta_copy, to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
@@ -244,6 +244,10 @@ _CKPT = "#718096"  # legend swatch of the dashed border (readable on light and d
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 _CUT = "#d6336c"  # the bar after a cut (render.CUT_COLOUR)
 _OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
+# The code panel shows at most _PANEL_LINES lines (the last ones); above _PANEL_FOLD_CALLS recorded calls it
+# does not fold repeats into loops (that reads every call on every redraw) and shows the last calls as typed.
+_PANEL_LINES = 1_000
+_PANEL_FOLD_CALLS = 5_000
 
 
 class ScheduleEditor(W.VBox):
@@ -498,7 +502,12 @@ class ScheduleEditor(W.VBox):
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             return self._error(f"The {name} preset was not applied: {msg}")
         n = len(self.schedule.record.calls) - n0
-        self._info(" ".join([f"Preset {name} recorded {n} calls.", *notes]))
+        done = (
+            f"Preset {name} recorded {n} calls."
+            if n
+            else f"Preset {name} added nothing: the schedule has it all."
+        )
+        self._info(" ".join([done, *notes]))
         return None
 
     def _run_preset(self, name: str, k: int) -> list[str]:
@@ -589,6 +598,7 @@ class ScheduleEditor(W.VBox):
         self._redo.extend(reversed(actions))
         self._info(f"Cleared {n} recorded calls.")
 
+    @gc_paused()  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap
     def _rebuild(self, actions, autosave: bool = True) -> None:
         """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
         plain calls: one action each). Only once every call has replayed does the root object
@@ -2066,19 +2076,25 @@ class ScheduleEditor(W.VBox):
         calls = list(self.schedule.record.calls)
         if not calls:
             return "# no primitives yet: click a module, then an action — or type on editor.schedule"
+        if len(calls) > _PANEL_FOLD_CALLS:  # a huge record: its last calls as typed, in bounded time
+            return "\n".join(
+                [f"# {len(calls):,} recorded calls, the last {_PANEL_LINES:,} shown (editor.code: all)"]
+                + [format_call(c) for c in calls[-_PANEL_LINES:]]
+            )
         try:
             from ..export.fold import schedule_lines
 
             lines = schedule_lines(calls)
         except Exception as err:  # noqa: BLE001 - an unexportable argument: show the calls one per line
             _log.warning("code panel folding failed: %s", err)
-            return self.code
-        if len(lines) == len(calls):
-            return "\n".join(lines)
-        return "\n".join(
-            [f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
-            + lines
-        )
+            lines = [format_call(c) for c in calls]
+        head = []
+        if len(lines) != len(calls):
+            head = [f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
+        if len(lines) > _PANEL_LINES:  # each line new to the highlighter costs it about 0.15 ms
+            head.append(f"# … {len(lines) - _PANEL_LINES:,} lines before these not shown (editor.code: all)")
+            lines = lines[-_PANEL_LINES:]
+        return "\n".join(head + lines)
 
     def _refresh_costs(self) -> None:
         """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows

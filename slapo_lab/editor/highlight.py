@@ -18,16 +18,25 @@ _CSS = """<style>
 </style>"""
 
 
-@functools.lru_cache(maxsize=20000)
-def _line(line: str) -> str:
+@functools.lru_cache(maxsize=1)
+def _pygments():
+    """``(highlight, lexer, formatter)``, made once (a new formatter per line tripled the cost), or None."""
     try:
         from pygments import highlight
         from pygments.formatters import HtmlFormatter
         from pygments.lexers import PythonLexer
-
-        return highlight(line, PythonLexer(), HtmlFormatter(nowrap=True)).rstrip("\n")
     except ImportError:  # pragma: no cover
+        return None
+    return highlight, PythonLexer(), HtmlFormatter(nowrap=True)
+
+
+@functools.lru_cache(maxsize=20000)
+def _line(line: str) -> str:
+    tools = _pygments()
+    if tools is None:  # pragma: no cover
         return html.escape(line)
+    highlight, lexer, formatter = tools
+    return highlight(line, lexer, formatter).rstrip("\n")
 
 
 def highlight_python(code: str) -> str:

@@ -23,12 +23,20 @@ name can inject code. Arguments are always ``repr``'d literals.
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from typing import NamedTuple
 
 from ..record import Call, format_call, pystr
 
 _INDEX = re.compile(r"(0|[1-9][0-9]*)\Z")  # canonical: f"{i}" writes it back identically
 _SAFE = re.compile(r"[A-Za-z0-9_.]*\Z")
+# Bounds on the search for runs, so that a long record that repeats the same calls (``annotate``
+# overwriting a tag thousands of times) folds in linear time: at most _MAX_TRIES block lengths are tried
+# per position (the shortest; a layered schedule has one or two), and at most _BUDGET_PER_CALL call pairs
+# are compared per call of the record (a layered schedule needs about one), after which the rest is
+# written one call per line (it replays the same).
+_MAX_TRIES = 8
+_BUDGET_PER_CALL = 2
 
 
 def _tail(call: Call, var: str) -> str:
@@ -62,12 +70,14 @@ class Run(NamedTuple):
     positions: tuple[int, ...]  # the index component of each call of the block
 
 
-def _run_at(calls: list[Call], tails: list[str], s: int, length: int) -> Run | None:
+def _run_at(calls: list[Call], tails: list[str], s: int, length: int, budget: list[int]) -> Run | None:
+    """The run of blocks of ``length`` calls at ``s``, or None; ``budget[0]`` is lowered by the pairs compared."""
     n = len(calls)
     if s + 2 * length > n:
         return None
     positions, first = [], None
     for j in range(length):
+        budget[0] -= 1
         a, b = calls[s + j], calls[s + length + j]
         if tails[s + j] != tails[s + length + j]:
             return None
@@ -80,6 +90,7 @@ def _run_at(calls: list[Call], tails: list[str], s: int, length: int) -> Run | N
     while s + (count + 1) * length <= n:
         base = s + count * length
         ok = True
+        budget[0] -= length
         for j in range(length):
             st = _step(calls[s + j], calls[base + j])
             if (
@@ -102,24 +113,29 @@ def find_runs(calls: list[Call], var: str = "sch") -> list[Call | Run]:
     At each position the run covering the most calls wins (ties: the shorter block).
     """
     tails = [_tail(c, var) for c in calls]
-    at: dict[str, list[int]] = {}  # path -> positions, ascending
+    at: dict[tuple[str, str], list[int]] = {}  # (path, rendered call after it) -> positions, ascending
     for k, c in enumerate(calls):
-        at.setdefault(c.path, []).append(k)
+        at.setdefault((c.path, tails[k]), []).append(k)
     out: list[Call | Run] = []
     s, n = 0, len(calls)
+    budget = [_BUDGET_PER_CALL * n + 10_000]
     while s < n:
         best: Run | None = None
         parts = calls[s].path.split(".")
-        # a block of length L can start here only if call s + L is call s one layer on (one index + 1):
-        # trying just those lengths keeps a long unfoldable record linear instead of quadratic
+        # a block of length L can start here only if call s + L is call s one layer on (one index + 1, the
+        # same arguments): trying just those lengths keeps a long unfoldable record linear, not quadratic
         lengths = set()
         for k, part in enumerate(parts):
-            if _INDEX.match(part):
+            if budget[0] > 0 and _INDEX.match(part):
                 nxt = ".".join(parts[:k] + [str(int(part) + 1)] + parts[k + 1 :])
-                lengths.update(q - s for q in at.get(nxt, ()) if s < q <= s + (n - s) // 2)
+                qs = at.get((nxt, tails[s]), ())
+                lo = bisect_right(qs, s)
+                lengths.update(q - s for q in qs[lo : lo + _MAX_TRIES] if q <= s + (n - s) // 2)
         if lengths:
-            for length in sorted(lengths):
-                run = _run_at(calls, tails, s, length)
+            for length in sorted(lengths)[:_MAX_TRIES]:
+                if budget[0] <= 0:
+                    break
+                run = _run_at(calls, tails, s, length, budget)
                 if run is not None and (best is None or run.length * run.count > best.length * best.count):
                     best = run
         if best is None:

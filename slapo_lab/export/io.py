@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps
+from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
 from .script import write_text_atomic
 from .spec import (
     ExportError,
@@ -33,6 +33,13 @@ from .spec import (
     validate_input_spec,
     validate_model_spec,
 )
+
+#: The most calls :func:`load_schedule` reads from one schedule file, and the most bytes (checked before
+#: the file is read): the editor loads 50,000 calls in about 3 s (``benchmarks/schedule_load_bench.py``),
+#: while a 70B Llama's Megatron schedule has about 1,100 calls. A file :func:`save_schedule` writes
+#: takes 150 to 400 bytes per call, so 32 MiB holds 50,000 calls with room to spare.
+MAX_SCHEDULE_CALLS = 50_000
+MAX_SCHEDULE_BYTES = 32 * 2**20
 
 
 class ScheduleFile(NamedTuple):
@@ -82,7 +89,7 @@ def save_schedule(
     if model is not None:
         out["model"] = model_spec(model, factory)
     elif factory is not None:
-        check_factory(factory, importable=True)
+        check_factory(factory, importable=True)  # the caller's own factory= (their code), never a file's
         out["model"] = {"kind": "factory", "factory": factory}
     if example_inputs is not None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -114,20 +121,34 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+@gc_paused()  # parsed JSON and Call objects hold no cycles: collecting meanwhile only re-scans them
 def load_schedule(path) -> ScheduleFile:
     """Read and fully validate a schedule file written by :func:`save_schedule`.
+
+    A file is bounded: one larger than :data:`MAX_SCHEDULE_BYTES` (32 MiB) is refused before it is
+    read, and one with more than :data:`MAX_SCHEDULE_CALLS` (50,000) calls before any call is
+    validated, each with one sentence.
 
     Returns:
         ``ScheduleFile(calls, meta)``; ``meta["model"]``, ``meta["inputs"]`` and
         ``meta["world_size"]`` are validated when present.
 
     Raises:
-        ExportError: a missing/unreadable file, invalid JSON (NaN included), another schema, a
-            version newer than this slapo-lab reads, or any bad call or meta entry.
+        ExportError: a missing/unreadable file, a file over the bounds, invalid JSON (NaN included),
+            another schema, a version newer than this slapo-lab reads, or any bad call or meta entry.
     """
     path = Path(os.fspath(path)).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_SCHEDULE_BYTES + 1) if size <= MAX_SCHEDULE_BYTES else b""
+        if size > MAX_SCHEDULE_BYTES or len(raw) > MAX_SCHEDULE_BYTES:
+            raise ExportError(
+                f"{path} is {max(size, len(raw)) / 2**20:,.1f} MiB, over the {MAX_SCHEDULE_BYTES // 2**20} MiB "
+                f"that slapo-lab reads per schedule file (at most {MAX_SCHEDULE_CALLS:,} calls; a 70B Llama's "
+                "Megatron schedule has about 1,100)."
+            )
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ExportError(f"The schedule file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -158,6 +179,11 @@ def load_schedule(path) -> ScheduleFile:
         raise ExportError(f'{path} has a "meta" entry that is not a JSON object.')
     if not isinstance(data.get("calls"), list):
         raise ExportError(f"{path} has no list of calls.")
+    if len(data["calls"]) > MAX_SCHEDULE_CALLS:
+        raise ExportError(
+            f"{path} has {len(data['calls']):,} calls; slapo-lab reads at most {MAX_SCHEDULE_CALLS:,} calls "
+            "per schedule file (a 70B Llama's Megatron schedule has about 1,100)."
+        )
     try:
         calls = validate_calls(data["calls"])
         if "model" in meta:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ScheduleError
-from .base import Primitive, register_primitive
+from .base import Primitive, own_copy, register_primitive
 
 #: attributes that primitives set themselves and that an annotation must not overwrite
 RESERVED = frozenset({"orig_shape", "shard_axis", "shard_stride", "sequence_parallel"})
@@ -32,15 +32,21 @@ def _param(sch, param_name: Any) -> nn.Parameter:
         raise ScheduleError(f"{where} has no parameter named {param_name!r}; it has {have}.") from None
 
 
+_GOOD_KEYS: set[str] = set()  # keys that passed the checks below (a long schedule repeats a few keys)
+
+
 def check_annotate(sch, param_name, key) -> nn.Parameter:
     """Validate an annotate call; return the parameter (raises ScheduleError)."""
     p = _param(sch, param_name)
+    if type(key) is str and key in _GOOD_KEYS:
+        return p
     if not isinstance(key, str) or not key.isidentifier():
         raise ScheduleError(f"An annotation key must be a Python identifier string, not {key!r}.")
     if key in RESERVED:
         raise ScheduleError(f"{key!r} is set by shard() itself and cannot be used as an annotation key.")
     if hasattr(torch.Tensor, key) or hasattr(nn.Parameter, key) or key.startswith("__"):
         raise ScheduleError(f"{key!r} is a tensor attribute; pick another annotation key.")
+    _GOOD_KEYS.add(key)
     return p
 
 
@@ -48,7 +54,9 @@ def check_annotate(sch, param_name, key) -> nn.Parameter:
 class AnnotatePrimitive(Primitive):
     """Set ``param.<key> = value`` on the parameter ``param_name`` of this module (dotted names reach
     into submodules) and add ``key`` to ``sch.metadata.param_tags``. Annotating the same key again
-    overwrites the value.
+    overwrites the value. A module or tensor ``value`` (also inside a list, tuple or dict) is
+    deep-copied first, like ``replace``'s module (anything already in the model, e.g. another
+    parameter, is kept as is), so the annotation never aliases an object the user holds.
 
     Raises:
         ScheduleError: unknown parameter, a key that is not an identifier, or a key that would shadow a
@@ -65,6 +73,6 @@ class AnnotatePrimitive(Primitive):
     @staticmethod
     def apply(sch, param_name: str, key: str, value: Any):
         p = check_annotate(sch, param_name, key)
-        setattr(p, key, value)
+        setattr(p, key, own_copy(sch, value, "annotate()"))
         sch.metadata.param_tags.add(key)
         return p

@@ -14,6 +14,12 @@ Semantics follow Slapo (``slapo/primitives/replace.py``, ``fusion.py``; ``slapo.
 
 Everything is validated before the first change; every refusal is a :class:`ScheduleError` with one
 sentence.
+
+Unlike Slapo, which puts the very object passed in into the model, a module (or tensor) passed to
+``replace`` -- or returned by ``replace_all``'s ``make_mod_fn`` -- is deep-copied first
+(:func:`~slapo_lab.primitives.base.own_copy`; anything already in the model, such as the old module's
+parameters, is shared, not copied): later primitives change the model in place (``shard`` slices a
+weight), and they must never change an object the user holds. ``replace`` returns the copy in the model.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch import fx, nn
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
 from ..tracing import edit_graph, is_traced, needs_call, orig_class, refresh, set_child
-from .base import Primitive, register_primitive
+from .base import Primitive, own_copy, register_primitive
 
 
 class LinearWithSeparateBias(nn.Linear):
@@ -432,8 +438,17 @@ class ReplacePrimitive(Primitive):
     * ``replace(fn, target_ops=(path, node))``: a ``call_function`` node calls ``fn`` with the same
       arguments.
 
+    ``new_module`` is deep-copied before it enters the model (so is every tensor in
+    ``concrete_args``), on any device: later primitives (``shard``, ``sync``, hooks moved over by a
+    replacement) change the copy, never the object you hold; use the returned module (or
+    ``sch[path].mod``) to reach the one in the model. Modules, parameters and buffers the new module
+    shares with the model (a wrapper around the old module, ``new.weight = old.weight``) stay shared.
+    A module that cannot be deep-copied enters the model itself, with a warning. A function is used
+    as is (not copied), tensors it closes over included; nothing here changes it.
+
     Returns:
-        The new module, or the new ``fx.Node`` for a function.
+        The new module as it is in the model (a copy of ``new_module``), or the new ``fx.Node`` for a
+        function.
 
     Raises:
         ScheduleError: a class instead of an instance, a module already in the model, incompatible
@@ -513,9 +528,11 @@ class ReplacePrimitive(Primitive):
     @staticmethod
     def apply(sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
         plan = ReplacePrimitive.check(sch, new_mod_or_func, target_ops, name, concrete_args)
+        subs = as_subgraphs(target_ops) if plan is not None else None
+        # the model gets its own copies: later primitives must not change the user's objects
+        new_mod_or_func, concrete_args = own_copy(sch, (new_mod_or_func, concrete_args), "replace()")
         if plan is None:
             return swap_module(sch, new_mod_or_func)
-        subs = as_subgraphs(target_ops)
         if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
             node = subs[0][0][1]
             graph = edit_graph(plan.owner)
@@ -538,7 +555,10 @@ class ReplacePrimitive(Primitive):
 class ReplaceAllPrimitive(Primitive):
     """Replace every submodule of ``target_type`` (this node included) with ``make_mod_fn(path, module)``
     (Slapo's ``replace_all``). ``path`` is relative to this node; a match inside another match is left
-    to the outer replacement.
+    to the outer replacement. As with ``replace``, the returned modules are deep-copied (together, so
+    what they share stays shared; what they share with the model, e.g. the old module's parameters,
+    is not copied) before they enter the model, so a module ``make_mod_fn`` hands out that the user
+    still holds is never changed by later primitives.
 
     Returns:
         list[str]: the replaced paths (from the root).
@@ -598,6 +618,7 @@ class ReplaceAllPrimitive(Primitive):
                 )
             check_module_swap(sub, new)
             news.append(new)
+        news = own_copy(sch, news, "replace_all()")
         for (_, sub), new in zip(targets, news):
             swap_module(sub, new)
         return [sub.path for _, sub in targets]
