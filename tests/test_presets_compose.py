@@ -84,7 +84,11 @@ def test_the_editor_applies_megatron_after_the_quickstart_cell_and_says_what_sta
 @pytest.mark.multirank
 def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
     rc, out, res = launch_results(SCRIPT, 2, ["compose"], 300)
-    for case in ("bert_typed_layer0_then_megatron", "gpt2_odd_vocab_megatron_tp"):
+    for case in (
+        "bert_typed_layer0_then_megatron",
+        "gpt2_odd_vocab_megatron_tp",
+        "gemma3_vocab_parallel_megatron_tp",
+    ):
         assert case in res, f"no result for {case} (torchrun exit {rc}):\n{out[-4000:]}"
         r = res[case]
         assert not r["bad"], f"{case}: " + "; ".join(r["bad"])

@@ -278,11 +278,10 @@ def _vocab_parallel_embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Te
     end = start + self.weight.shape[0]
     outside = (ids < start) | (ids >= end)
     local = (ids - start).masked_fill(outside, 0)
-    pad = meta.get("orig_padding_idx")
-    pad = pad - start if pad is not None and start <= pad < end else None
-    out = F.embedding(
-        local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
-    )
+    # the class's own forward on this rank's rows: nn.Embedding's lookup (``padding_idx`` is the local pad
+    # row, or None when another rank holds it), or a subclass's (Gemma-3's ScaledWordEmbedding multiplies
+    # by ``embed_scale``): whatever it adds to the lookup stays in the result
+    out = type(self).forward(self, local)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return _reduce_partial(self, out)
 
@@ -453,9 +452,10 @@ class EmbeddingRule(ShardRule):
         if axis == 0:
             meta = module_meta(mod)
             meta["vocab_start"] = rank * mod.weight.shape[0]
-            meta["orig_padding_idx"] = mod.padding_idx
-            mod.num_embeddings = mod.weight.shape[0]
-            mod.padding_idx = None
+            meta["orig_padding_idx"] = pad = mod.padding_idx
+            start, rows = meta["vocab_start"], mod.weight.shape[0]
+            mod.num_embeddings = rows
+            mod.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
             meta["impl"] = _vocab_parallel_embedding
             install_forward(mod)
             _set_output(mod, "partial")

@@ -232,6 +232,14 @@ def mistral_model():
     return MistralForCausalLM(_decoder_cfg(MistralConfig))
 
 
+def gemma3_model():
+    """Gemma-3's word embedding scales its lookup by sqrt(hidden) (``Gemma3TextScaledWordEmbedding``): the
+    vocab-parallel forward must keep that scale (it dropped it: logits off by 0.187)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(_decoder_cfg(Gemma3TextConfig, head_dim=16, sliding_window=8))
+
+
 def mixtral_model():
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -411,6 +419,7 @@ def bert_typed_layer0_then_megatron(sch):
 FAMILY_CASES["compose"] = [
     ("bert_typed_layer0_then_megatron", bert_model, bert_typed_layer0_then_megatron),
     ("gpt2_odd_vocab_megatron_tp", gpt2_odd_vocab_model, lambda s: presets.megatron_tp(s)),
+    ("gemma3_vocab_parallel_megatron_tp", gemma3_model, lambda s: presets.megatron_tp(s)),
 ]
 
 
