@@ -417,6 +417,44 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     return out
 
 
+def replicated_dense(sch) -> str | None:
+    """One sentence naming the dense layers (``nn.Linear`` / HF ``Conv1D``) a tensor-parallel schedule keeps
+    whole (replicated on every rank) and why, or None when it shards them all.
+
+    Inside the repeated blocks (:func:`find_blocks`) a layer is named once by its path within a block
+    ("in every block self_attention.query_key_value"); the reason there is that its name is not one of the
+    recognised projections (:func:`block_layers`). Outside the blocks it is named by its path (BERT's
+    ``pooler.dense``, a tied ``lm_head`` whose vocabulary stayed whole).
+    """
+    from .module_state import peek_meta
+
+    blocks = find_blocks(sch)
+    inside: dict[str, None] = {}
+    outside: list[str] = []
+    for path, node in sch.named_schedules():
+        mod = node.mod
+        if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)) or getattr(mod, "weight", None) is None:
+            continue
+        meta = peek_meta(mod)
+        if (meta and meta["sharded"]) or getattr(mod.weight, "shard_axis", None) is not None:
+            continue
+        block = next((b for b in blocks if path.startswith(b + ".")), None)
+        if block is None:
+            outside.append(path)
+        else:
+            inside[path[len(block) + 1 :]] = None
+    if not inside and not outside:
+        return None
+    parts = []
+    if inside:
+        names = ", ".join(list(inside)[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+        parts.append(f"in every block {names} (not a recognised q/k/v, output or MLP projection)")
+    if outside:
+        names = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
+        parts.append(f"{names} (outside the repeated blocks)")
+    return "Kept whole on every rank: " + "; ".join(parts) + "."
+
+
 def _is_experts(mod: nn.Module) -> bool:
     from .sharding.experts import is_experts_module
 
@@ -721,6 +759,9 @@ def megatron_tp(
         use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
             instead of by names.
 
+    The result's ``notes`` say what stayed whole and why: a vocabulary that does not divide, and the dense
+    layers left replicated (:func:`replicated_dense`).
+
     Composes with what is already there: a tensor already sharded on the axis the preset would use and a
     sync the module already has are skipped, so a layer sharded by hand first is completed, not refused.
 
@@ -779,7 +820,8 @@ def megatron_tp(
         pre = f"{base}." if base else ""
         _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
         _ensure_sync(sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False)
-    return PresetCalls(_since(sch, n), notes)
+    whole = replicated_dense(sch)
+    return PresetCalls(_since(sch, n), [*notes, *([whole] if whole else [])])
 
 
 @_all_or_nothing

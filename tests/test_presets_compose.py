@@ -75,7 +75,8 @@ def test_the_editor_applies_megatron_after_the_quickstart_cell_and_says_what_sta
     assert ed.apply_preset("megatron") is None, ed.message
     assert ed.message.endswith(
         "The word embedding stays replicated: its vocabulary of 50257 does not divide by the world size 4 "
-        "(pad the vocabulary to a multiple of 4 to shard it)."
+        "(pad the vocabulary to a multiple of 4 to shard it). "
+        "Kept whole on every rank: lm_head (outside the repeated blocks)."
     )
     assert not hasattr(ed.schedule["transformer.wte"].mod.weight, "shard_axis") and ed.check() == []
     assert ed.schedule["transformer.h.0.attn.c_attn"].mod.weight.shape == (64, 48)
@@ -94,3 +95,22 @@ def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
         assert not r["bad"], f"{case}: " + "; ".join(r["bad"])
         assert r["verify"] is True and r["n_sharded"] > 0
         assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5 and r["max_param_diff"] <= 1e-5, r
+
+
+def test_the_preset_says_which_dense_layers_stay_whole_and_why():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    sch = sl.create_schedule(_bert(), world_size=2)
+    assert presets.megatron_tp(sch).notes == [
+        "Kept whole on every rank: pooler.dense (outside the repeated blocks)."
+    ]
+    torch.manual_seed(0)
+    falcon = FalconForCausalLM(
+        FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    )
+    sch = sl.create_schedule(falcon, world_size=2)
+    whole = (
+        "Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense (not a "
+        "recognised q/k/v, output or MLP projection)."
+    )
+    assert presets.megatron_tp(sch).notes == [whole]
