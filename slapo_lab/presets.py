@@ -266,22 +266,37 @@ def find_blocks(sch) -> list[str]:
     """Paths (relative to ``sch``) of the repeated transformer blocks, in order.
 
     The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
-    the children of the largest ``nn.ModuleList`` whose children all share one class and have parameters.
+    the children of every stack of blocks: the largest ``nn.ModuleList`` whose children all share one class
+    and have parameters, then each other such list of at least two that is neither inside nor around one
+    already taken (Whisper's decoder beside its encoder, CLIP's vision tower beside its text tower), in
+    module order.
     """
     fam = detect_family(sch)
     if fam is not None:
         classes = _BLOCK_CLASSES[fam]
         return [p for p, node in sch.named_schedules() if p and type(node.mod).__name__ in classes]
-    best: list[str] = []
-    for p, node in sch.named_schedules():
+    stacks: list[tuple[int, str, list[str]]] = []  # (order, path, block paths)
+    for i, (p, node) in enumerate(sch.named_schedules()):
         if not isinstance(node.mod, nn.ModuleList) or len(node.mod) < 1:
             continue
         kids = list(node.mod)
         if len({type(k) for k in kids}) != 1 or not any(True for _ in kids[0].parameters()):
             continue
-        if len(kids) > len(best):
-            best = [f"{p}.{name}" if p else name for name in node.child]
-    return best
+        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
+    taken: list[tuple[int, str, list[str]]] = []
+    for stack in sorted(stacks, key=lambda s: -len(s[2])):  # stable: the first of equal lengths wins
+        if taken and len(stack[2]) < 2:
+            continue
+        p = stack[1]
+        if any(_nested(p, q) or _nested(q, p) for _, q, _ in taken):
+            continue
+        taken.append(stack)
+    return [b for _, _, blocks in sorted(taken) for b in blocks]
+
+
+def _nested(inner: str, outer: str) -> bool:
+    """Whether module path ``inner`` is ``outer`` or below it ("" is the root)."""
+    return not outer or inner == outer or inner.startswith(outer + ".")
 
 
 def _dense(sch, path: str, what: str):
@@ -588,7 +603,10 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
     """
     top = sch.mod
     get_in = getattr(top, "get_input_embeddings", None)
-    emb = get_in() if callable(get_in) else None
+    try:
+        emb = get_in() if callable(get_in) else None
+    except NotImplementedError:  # transformers' default for a model with several towers (CLIP)
+        emb = None
     if not isinstance(emb, nn.Embedding):
         raise ScheduleError("vocab_parallel needs a model whose get_input_embeddings() is an nn.Embedding.")
     emb_path = _path_of(sch, emb)
@@ -753,7 +771,9 @@ def megatron_tp(
             :func:`tp_block` by projection names). A named family must match the model's blocks.
         vocab_parallel: also shard the word embedding (and the output embedding) by vocabulary
             (:func:`vocab_parallel_embeddings`); a vocabulary that does not divide by the world size
-            (GPT-2's 50257 on 4 ranks) stays replicated, with a sentence in the result's ``notes``.
+            (GPT-2's 50257 on 4 ranks), or a model without an ``nn.Embedding`` from
+            ``get_input_embeddings()`` (CLIP, a hand-written GPT), stays replicated, with a sentence in
+            the result's ``notes``.
         sequence_parallel: Megatron sequence parallelism between the TP regions (GPT-2 only; see the
             module docstring).
         use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
@@ -809,7 +829,12 @@ def megatron_tp(
     notes = []
     if vocab_parallel:
         vocab = vocab_size(sch)
-        if vocab is not None and vocab % sch.world_size:
+        if vocab is None:
+            notes.append(
+                "No word embedding is sharded: the model's get_input_embeddings() is not an nn.Embedding, "
+                "so its embeddings stay replicated."
+            )
+        elif vocab % sch.world_size:
             notes.append(
                 f"The word embedding stays replicated: its vocabulary of {vocab} does not divide by the "
                 f"world size {sch.world_size} (pad the vocabulary to a multiple of {sch.world_size} to shard it)."

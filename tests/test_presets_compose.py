@@ -89,6 +89,7 @@ def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
         "bert_typed_layer0_then_megatron",
         "gpt2_odd_vocab_megatron_tp",
         "gemma3_vocab_parallel_megatron_tp",
+        "whisper_encoder_and_decoder_megatron_tp",
     ):
         assert case in res, f"no result for {case} (torchrun exit {rc}):\n{out[-4000:]}"
         r = res[case]
@@ -114,3 +115,33 @@ def test_the_preset_says_which_dense_layers_stay_whole_and_why():
         "recognised q/k/v, output or MLP projection)."
     )
     assert presets.megatron_tp(sch).notes == [whole]
+
+
+def test_every_stack_of_blocks_is_found_and_a_model_without_a_vocabulary_embedding_gets_a_note():
+    from transformers import CLIPConfig, CLIPModel
+
+    sch = sl.create_schedule(tp_train.whisper_model(), world_size=2)
+    assert presets.find_blocks(sch) == [
+        f"model.{s}.layers.{i}" for s in ("encoder", "decoder") for i in (0, 1)
+    ]
+    assert presets.megatron_tp(sch).notes == []  # every dense layer of both stacks is sharded
+    assert sch["model.decoder.layers.1.encoder_attn.k_proj"].mod.weight.shape == (16, 32)
+
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    cfg = CLIPConfig(
+        text_config={**tower, "vocab_size": 128},
+        vision_config={**tower, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )
+    sch = sl.create_schedule(CLIPModel(cfg), world_size=2)  # get_input_embeddings raises NotImplementedError
+    notes = presets.megatron_tp(sch).notes
+    assert notes[0] == (
+        "No word embedding is sharded: the model's get_input_embeddings() is not an nn.Embedding, so its "
+        "embeddings stay replicated."
+    )
+    assert (
+        notes[1]
+        == "Kept whole on every rank: visual_projection, text_projection (outside the repeated blocks)."
+    )
+    for name in ("text_model", "vision_model"):
+        assert sch[f"{name}.encoder.layers.1.mlp.fc1"].mod.weight.shape == (32, 32)

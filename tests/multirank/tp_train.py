@@ -299,6 +299,38 @@ def pixels(ids):
     return torch.randn(BATCH, 3, 32, 32, generator=g)
 
 
+def features(ids):
+    """Whisper's input for a batch: log-mel features (16 bins, 64 frames) seeded by the token batch."""
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return torch.randn(BATCH, 16, 64, generator=g)
+
+
+def whisper_model():
+    """Whisper: an encoder stack and a decoder stack (with cross attention) -- the preset covers both."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        dropout=0.0,
+        use_cache=False,
+    )
+    return WhisperForConditionalGeneration(cfg)
+
+
 def bert_manual(sch):
     """Slapo's canonical BERT schedule written out call by call (the reference.md list)."""
     apply_bert_tp(sch, 2, checkpoint=False, embeddings="embeddings.word_embeddings")
@@ -420,6 +452,7 @@ FAMILY_CASES["compose"] = [
     ("bert_typed_layer0_then_megatron", bert_model, bert_typed_layer0_then_megatron),
     ("gpt2_odd_vocab_megatron_tp", gpt2_odd_vocab_model, lambda s: presets.megatron_tp(s)),
     ("gemma3_vocab_parallel_megatron_tp", gemma3_model, lambda s: presets.megatron_tp(s)),
+    ("whisper_encoder_and_decoder_megatron_tp", whisper_model, lambda s: presets.megatron_tp(s)),
 ]
 
 
@@ -433,6 +466,8 @@ def batch(step: int):
 def loss_of(model, ids, labels):
     """A replicated scalar loss: the LM / MLM loss, ViT's classification loss, or a fixed projection of
     BertModel's outputs."""
+    if getattr(model.config, "model_type", "") == "whisper":
+        return model(input_features=features(ids), labels=labels[:, : SEQ // 2]).loss
     if getattr(model.config, "model_type", "") == "vit":
         return model(pixel_values=pixels(ids), labels=labels[:, 0] % model.config.num_labels).loss
     if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
@@ -463,6 +498,8 @@ def run_case(name, make, schedule, tp) -> dict:
     inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
     if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):  # qwen3_moe too
         inputs["use_cache"] = False
+    if name.startswith("whisper"):
+        inputs = {"input_features": features(ids), "decoder_input_ids": labels[:, : SEQ // 2]}
     if name.split("_")[0].endswith("t5"):  # T5 / UMT5: encoder and decoder, a shorter target (q != k lengths)
         inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
     with sl.Verify(sch, inputs, device="cpu", eval_mode=False) as v:
