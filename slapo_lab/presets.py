@@ -116,6 +116,9 @@ COLUMN_NAMES = COLUMN_NAMES | {"wi", "wi_0", "wi_1"}  # T5's (gated) feed-forwar
 # ALBERT: AlbertAttention.dense is its output projection, AlbertLayer.ffn / ffn_output its MLP
 COLUMN_NAMES = COLUMN_NAMES | {"ffn"}
 ROW_NAMES = ROW_NAMES | {"attention.dense", "ffn_output"}
+# DeBERTa-v2/v3: q/k/v and the relative-position projections (applied to the replicated relative embeddings,
+# then split by heads like k and q)
+COLUMN_NAMES = COLUMN_NAMES | {"query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj"}
 # Per-head norms applied to q / k after the head split (Qwen3, Gemma 3 ...): replicated weights of size head_dim
 # that see only this rank's heads, so their gradients are partial sums (HF style "replicated_with_grad_allreduce").
 HEAD_NORM_NAMES = frozenset(

@@ -90,6 +90,8 @@ def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
         "gpt2_odd_vocab_megatron_tp",
         "gemma3_vocab_parallel_megatron_tp",
         "whisper_encoder_and_decoder_megatron_tp",
+        "deberta_v2_megatron_tp",
+        "deberta_v3_shared_keys_megatron_tp",
     ):
         assert case in res, f"no result for {case} (torchrun exit {rc}):\n{out[-4000:]}"
         r = res[case]
@@ -145,3 +147,15 @@ def test_every_stack_of_blocks_is_found_and_a_model_without_a_vocabulary_embeddi
     )
     for name in ("text_model", "vision_model"):
         assert sch[f"{name}.encoder.layers.1.mlp.fc1"].mod.weight.shape == (32, 32)
+
+
+def test_deberta_projections_are_recognised():
+    sch = sl.create_schedule(tp_train.deberta_v2_model(), world_size=2)
+    calls = presets.megatron_tp(sch)
+    att = "deberta.encoder.layer.1.attention.self"
+    for name in ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj"):
+        assert sch[f"{att}.{name}"].mod.weight.shape == (16, 32), name
+    assert sch[att].mod.num_attention_heads == 2
+    assert calls.notes == [
+        "Kept whole on every rank: cls.predictions.transform.dense (outside the repeated blocks)."
+    ]

@@ -331,6 +331,28 @@ def whisper_model():
     return WhisperForConditionalGeneration(cfg)
 
 
+def deberta_v2_model(share_att_key: bool = False):
+    """DeBERTa-v2 masked LM with disentangled relative attention (p2c + c2p): q/k/v are named *_proj, and
+    the relative embeddings go through pos_key_proj / pos_query_proj (or key_proj / query_proj when shared)."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    cfg = DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=share_att_key,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return DebertaV2ForMaskedLM(cfg)
+
+
 def bert_manual(sch):
     """Slapo's canonical BERT schedule written out call by call (the reference.md list)."""
     apply_bert_tp(sch, 2, checkpoint=False, embeddings="embeddings.word_embeddings")
@@ -453,6 +475,8 @@ FAMILY_CASES["compose"] = [
     ("gpt2_odd_vocab_megatron_tp", gpt2_odd_vocab_model, lambda s: presets.megatron_tp(s)),
     ("gemma3_vocab_parallel_megatron_tp", gemma3_model, lambda s: presets.megatron_tp(s)),
     ("whisper_encoder_and_decoder_megatron_tp", whisper_model, lambda s: presets.megatron_tp(s)),
+    ("deberta_v2_megatron_tp", deberta_v2_model, lambda s: presets.megatron_tp(s)),
+    ("deberta_v3_shared_keys_megatron_tp", lambda: deberta_v2_model(True), lambda s: presets.megatron_tp(s)),
 ]
 
 
