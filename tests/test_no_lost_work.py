@@ -252,3 +252,23 @@ def test_an_interrupted_load_leaves_the_schedule_as_it_was(bert, tmp_path, monke
     assert ed.code == 'sch["encoder.layer.0"].checkpoint()' and not ed._busy
     assert ed.message == f"Loading {tmp_path / 'big.json'} was interrupted, so the schedule is unchanged."
     assert not ed._btn_undo.disabled
+
+
+def test_undo_and_redo_are_enabled_only_with_something_to_do(bert):
+    ed = _editor(bert)
+    assert ed._btn_undo.disabled and ed._btn_redo.disabled  # an empty schedule
+    ed.apply("checkpoint", path="encoder.layer.0")
+    assert not ed._btn_undo.disabled and ed._btn_redo.disabled
+    ed.schedule["encoder.layer.1"].checkpoint()  # typed: the same
+    assert not ed._btn_undo.disabled
+    assert ed.undo() is None and ed.undo() is None
+    assert ed._btn_undo.disabled and not ed._btn_redo.disabled
+    assert ed.redo() is None and not ed._btn_undo.disabled and not ed._btn_redo.disabled
+    assert ed.redo() is None and ed._btn_redo.disabled
+    assert "BertModel · 83,136 parameters" in ed._header.value
+
+
+def test_parameter_counts_read_in_their_unit():
+    from slapo_lab.editor.app import _count
+
+    assert (_count(68_976_599_040), _count(124_439_808), _count(6_400)) == ("69.0 B", "124.4 M", "6,400")

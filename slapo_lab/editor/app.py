@@ -228,6 +228,14 @@ def _mine_name(path) -> str:
     return str(out)
 
 
+def _count(n: int) -> str:
+    """``68976599040`` → ``69.0 B``, ``124439808`` → ``124.4 M``, ``6400`` → ``6,400``."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:,}"
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -553,6 +561,7 @@ class ScheduleEditor(W.VBox):
                 f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged."
             )
         self._redo.append(last)
+        self._refresh_history()
         self._info(f"Undid {_describe(last)}.")
         return None
 
@@ -585,6 +594,7 @@ class ScheduleEditor(W.VBox):
         finally:
             self._replaying = False
         self._redo.pop()
+        self._refresh_history()
         self._info(f"Redid {_describe(act)}.")
         return None
 
@@ -596,6 +606,7 @@ class ScheduleEditor(W.VBox):
         with self._working("clearing the schedule"):
             self._rebuild([])
         self._redo.extend(reversed(actions))
+        self._refresh_history()
         self._info(f"Cleared {n} recorded calls.")
 
     @gc_paused()  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap
@@ -702,6 +713,7 @@ class ScheduleEditor(W.VBox):
                 self._disk, self._conflict, self._file_problem = stamp, False, None
                 self._file_bar.layout.display = "none"
             self._redo = []
+            self._refresh_history()
             remembered = (sf.meta or {}).get("export_options")
             if isinstance(remembered, dict) and isinstance(remembered.get("options", {}), dict):
                 self.export_options = remembered  # the form skips entries of the wrong type
@@ -1349,7 +1361,7 @@ class ScheduleEditor(W.VBox):
         name = type(self.model).__name__
         nparams = sum(p.numel() for p in self.model.parameters())
         self._header = W.HTML(
-            f"<b>slapo-lab</b> · {html.escape(name)} · {nparams / 1e6:.1f} M parameters · "
+            f"<b>slapo-lab</b> · {html.escape(name)} · {_count(nparams)} parameters · "
             f"world size {self.world_size} (planning for rank {self.rank})"
         )
         self._all_tree_options = self._tree_options()
@@ -1675,6 +1687,7 @@ class ScheduleEditor(W.VBox):
             self._busy = False
             for b, w in zip(buttons, was):
                 b.disabled = w
+            self._refresh_history()
             if self._message.value == working:  # the action said nothing of its own: put the line back
                 self._last_message, self._message.value = before
 
@@ -2200,9 +2213,16 @@ class ScheduleEditor(W.VBox):
         self._refresh_check()
         self._refresh_costs()
         self._refresh_view(reset_view)
+        self._refresh_history()
         loop = _running_loop()
         if loop is not None and self.example_inputs:  # in a kernel: once this cell / click is done
             loop.call_soon(self._prefetch_checks)
+
+    def _refresh_history(self) -> None:
+        """Undo is enabled only with something to undo, Redo only with something to redo."""
+        if not self._busy:
+            self._btn_undo.disabled = not self.schedule.record.calls
+            self._btn_redo.disabled = not self._redo
 
     def _prefetch_checks(self) -> float:
         """Record the forward call order that the cut checks (and the cut button's reason) need, so the
