@@ -272,3 +272,30 @@ def test_parameter_counts_read_in_their_unit():
     from slapo_lab.editor.app import _count
 
     assert (_count(68_976_599_040), _count(124_439_808), _count(6_400)) == ("69.0 B", "124.4 M", "6,400")
+
+
+def test_verify_refuses_a_cpu_run_that_cannot_fit(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slapo_lab.editor.verify_runner import cpu_verify_too_big
+
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 100, (1, 8))}, world_size=8)
+    assert ed.verify(device="cpu", wait=True) is None and ed._runner is None
+    assert ed.message.startswith(
+        "Verify on the CPU would start 8 rank(s) holding about 1,577 GiB for this 70.6 B"
+    )
+    assert cpu_verify_too_big(1_000_000, 2, available=2**30) is None
+    assert cpu_verify_too_big(100_000_000, 2, available=2**30).endswith(
+        "more than the 1 GiB free here; run it on GPUs, or verify the schedule on a smaller config of the same model."
+    )

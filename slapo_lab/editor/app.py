@@ -829,7 +829,7 @@ class ScheduleEditor(W.VBox):
         """
         import tempfile
 
-        from .verify_runner import VerifyRunner, plan_device
+        from .verify_runner import VerifyRunner, cpu_verify_too_big, plan_device
 
         if self._runner is not None and self._runner.running:
             self._error("A Verify run is already in progress; wait for it or press Cancel.")
@@ -849,6 +849,11 @@ class ScheduleEditor(W.VBox):
             return None
         nproc = self.num_ranks * options.get("dp", 1)
         dev, note = plan_device(nproc, device)
+        if dev == "cpu":
+            too_big = cpu_verify_too_big(sum(p.numel() for p in self.model.parameters()), nproc)
+            if too_big:
+                self._error(too_big)
+                return None
         note = (note + " " if note else "") + used
         self._log_lines = []
         self._log.value = ""

@@ -61,6 +61,31 @@ def plan_device(nproc: int, want: str = "cuda") -> tuple[str, str]:
     return "cuda", ""
 
 
+#: bytes per parameter a CPU Verify run holds over all its ranks: fp32 weights, gradients and two AdamW
+#: states of the scheduled model, plus the unsharded reference's weights and gradients (FSDP-sharded)
+VERIFY_BYTES_PER_PARAM = 4 * 6
+
+
+def cpu_verify_too_big(n_params: int, nproc: int, available: int | None = None) -> str | None:
+    """One sentence when a CPU Verify of an ``n_params`` model on ``nproc`` ranks would not fit in this
+    machine's free memory (``available`` bytes; default: psutil's available memory), else None.
+
+    The estimate is :data:`VERIFY_BYTES_PER_PARAM` per parameter over all ranks together.
+    """
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    need = n_params * VERIFY_BYTES_PER_PARAM
+    if need <= available:
+        return None
+    return (
+        f"Verify on the CPU would start {nproc} rank(s) holding about {need / 2**30:,.0f} GiB for this "
+        f"{n_params / 1e9:.1f} B-parameter model, more than the {available / 2**30:,.0f} GiB free here; "
+        "run it on GPUs, or verify the schedule on a smaller config of the same model."
+    )
+
+
 @dataclass
 class VerifyResult:
     """Outcome of one run: ``status`` in passed / failed / crashed / timeout / cancelled."""
