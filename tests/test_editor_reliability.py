@@ -57,6 +57,7 @@ def test_apply_to_all_similar_is_one_action_and_unticks(bert):
     ed._param.value, ed._axis.value = "weight", 0
     ed._btn_shard.click()
     assert len(ed.schedule.record.calls) == 2
+    assert ed.message == f"Applied shard to 2 similar modules, {Q0} to {Q1} (2 calls)."
     assert ed._similar.value is False  # the next click applies to one module only
     ed.select("encoder.layer.0")
     ed._btn_cut.click()

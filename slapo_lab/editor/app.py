@@ -439,6 +439,11 @@ class ScheduleEditor(W.VBox):
             return self._error(
                 f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged."
             )
+        if len(targets) > 1:  # say what the one action did, not only its last call
+            n = len(self.schedule.record.calls) - n0
+            self._info(
+                f"Applied {primitive} to {len(targets)} similar modules, {targets[0]} to {targets[-1]} ({n} calls)."
+            )
         return None
 
     def similar(self, path: str) -> list[str]:
