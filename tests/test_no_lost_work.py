@@ -299,3 +299,13 @@ def test_verify_refuses_a_cpu_run_that_cannot_fit(tmp_path):
     assert cpu_verify_too_big(100_000_000, 2, available=2**30).endswith(
         "more than the 1 GiB free here; run it on GPUs, or verify the schedule on a smaller config of the same model."
     )
+
+
+def test_an_error_is_cleared_once_the_user_moves_on(bert):
+    ed = _editor(bert)
+    assert "no module" in ed.select("encoder.layer.9")
+    assert "slapo-err" in ed._message.value
+    assert ed.select("encoder.layer.1") is None
+    assert ed.message == "" and ed._message.value == ""
+    assert ed.apply("checkpoint", path="encoder.layer.1") is None
+    assert ed.select("encoder.layer.0") is None and ed.message.startswith("Applied")  # not an error: kept

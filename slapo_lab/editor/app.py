@@ -379,6 +379,7 @@ class ScheduleEditor(W.VBox):
         if path and path not in shown and self.level != path:  # stay on the level when it shows the module
             self.level = node.parent.path
         self._refresh_view()
+        self._clear_stale_error()
         return None
 
     @_serialized
@@ -391,6 +392,7 @@ class ScheduleEditor(W.VBox):
         self.level = path
         self.selected = path
         self._refresh_view(reset_view=True)
+        self._clear_stale_error()
         return None
 
     @_serialized
@@ -1784,11 +1786,25 @@ class ScheduleEditor(W.VBox):
             return
         self._last_message = text
         self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
+        self._stale_error = False
 
     def _error(self, text: str) -> str:
         self._last_message = text
         self._message.value = f"<div class='slapo-msg slapo-err'>&#9888; {html.escape(text)}</div>"
+        self._stale_error = True
         return text
+
+    def _clear_stale_error(self) -> None:
+        """After the user moved on (selected or opened another module), an earlier error no longer
+        applies: clear it, or show the schedule file's problem, which stays until it is resolved."""
+        if not getattr(self, "_stale_error", False):
+            return
+        problem = getattr(self, "_file_problem", None)
+        if problem:
+            self._error(problem)
+        else:
+            self._last_message, self._message.value = "", ""
+        self._stale_error = False
 
     def _record_flow(self) -> None:
         if not self.example_inputs:
