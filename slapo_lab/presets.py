@@ -574,14 +574,21 @@ def _path_of(sch, mod: nn.Module) -> str | None:
     return None
 
 
-def vocab_size(sch) -> int | None:
-    """Rows of the model's input ``nn.Embedding`` (``get_input_embeddings()``), or None without one."""
+def _input_embedding(sch) -> nn.Embedding | None:
+    """The model's ``get_input_embeddings()`` when it is an ``nn.Embedding``, else None (no such method, a
+    patch ``Conv2d``, or transformers' ``NotImplementedError`` for a model with several towers: CLIP)."""
     get_in = getattr(sch.mod, "get_input_embeddings", None)
     try:
         emb = get_in() if callable(get_in) else None
     except NotImplementedError:
         emb = None
-    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+    return emb if isinstance(emb, nn.Embedding) else None
+
+
+def vocab_size(sch) -> int | None:
+    """Rows of the model's input ``nn.Embedding`` (``get_input_embeddings()``), or None without one."""
+    emb = _input_embedding(sch)
+    return None if emb is None else emb.num_embeddings
 
 
 def has_vocab_embedding(sch) -> bool:
@@ -605,12 +612,8 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
         ScheduleError: when the model has no ``nn.Embedding`` input embedding.
     """
     top = sch.mod
-    get_in = getattr(top, "get_input_embeddings", None)
-    try:
-        emb = get_in() if callable(get_in) else None
-    except NotImplementedError:  # transformers' default for a model with several towers (CLIP)
-        emb = None
-    if not isinstance(emb, nn.Embedding):
+    emb = _input_embedding(sch)
+    if emb is None:
         raise ScheduleError("vocab_parallel needs a model whose get_input_embeddings() is an nn.Embedding.")
     emb_path = _path_of(sch, emb)
     n = len(sch.record)

@@ -672,10 +672,14 @@ class ScheduleEditor(W.VBox):
             },
         )
         if self._is_schedule_file(path):  # an explicit save to the file: this content is now ours
-            self._disk = _file_stamp(path)
-            self._conflict, self._file_problem = False, None
-            self._file_bar.layout.display = "none"
+            self._in_sync(_file_stamp(path))
         return str(path)
+
+    def _in_sync(self, stamp: tuple | None) -> None:
+        """``schedule_file`` now holds this editor's schedule (its :func:`_file_stamp` is ``stamp``): autosave
+        is on again and no file problem is said any more."""
+        self._disk, self._conflict, self._file_problem = stamp, False, None
+        self._file_bar.layout.display = "none"
 
     def _is_schedule_file(self, path) -> bool:
         import os
@@ -717,8 +721,7 @@ class ScheduleEditor(W.VBox):
             with self._working(f"loading {path}"):
                 self._rebuild(_file_actions(sf, path), autosave=not own)  # the file already holds it
             if own:
-                self._disk, self._conflict, self._file_problem = stamp, False, None
-                self._file_bar.layout.display = "none"
+                self._in_sync(stamp)
             self._redo = []
             self._refresh_history()
             remembered = (sf.meta or {}).get("export_options")
@@ -800,9 +803,8 @@ class ScheduleEditor(W.VBox):
             self.save(mine)
         except Exception as err:  # noqa: BLE001 - one sentence, nothing changed
             return self._error(f"Could not save this schedule as {mine}: {str(err).rstrip('.')}.")
-        self.schedule_file, self._disk = mine, _file_stamp(mine)
-        self._conflict, self._file_problem = False, None
-        self._file_bar.layout.display = "none"
+        self.schedule_file = mine
+        self._in_sync(_file_stamp(mine))
         self._info(f"Saved this schedule as {mine} and autosave goes there now; {old} is left as it is.")
         return None
 
