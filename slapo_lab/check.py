@@ -61,8 +61,9 @@ class Finding:
 
     Attributes:
         path: the module it is about (a path of the scheduled model, "" for the root).
-        kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"``, ``"whole_bias"`` or
-            ``"unreduced_param_grads"``.
+        kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"``, ``"whole_bias"``,
+            ``"unreduced_param_grads"``, or ``"numeric"`` (the numeric check: the scheduled copy computes
+            another model, or fails, at :attr:`path`).
         message: one sentence: what is missing, why it matters, and the call that fixes it.
         calls: the primitive calls that close it (what the message names).
     """
@@ -98,16 +99,60 @@ def _shard(path: str, name: str, axis: int) -> Call:
     return Call(path, "shard", (name,), {"axis": axis})
 
 
-def check_schedule(sch) -> list[Finding]:
+def check_schedule(
+    sch, numeric: bool = False, reference: nn.Module | None = None, example_inputs=None
+) -> list[Finding]:
     """The open items of ``sch``'s tensor parallelism (see the module docstring), in module order.
 
     Args:
         sch: a :class:`~slapo_lab.Schedule` (any node: the whole tree from its top is checked).
+        numeric: also run the schedule's recorded calls on a shrunk copy of the model over simulated ranks
+            and compare outputs and gradients with the unsharded copy (:func:`slapo_lab.numeric.numeric_check`:
+            a second or two for most models). A difference or a failing forward is a ``"numeric"``
+            finding naming the first module that differs (or fails); run only when the structural check
+            finds nothing open, since an open item already explains a difference.
+        reference: the unscheduled model for the numeric check (any device). Default: a Hugging Face
+            model is rebuilt from ``sch``'s config; any other model needs it.
+        example_inputs: keyword inputs for the numeric check. Default: the inputs the schedule remembers
+            (the editor's), else ``input_ids`` of 2 x 16 tokens.
 
     Returns:
-        A list of :class:`Finding` (empty when nothing is open). A schedule with world size 1 has none.
+        A list of :class:`Finding` (empty when nothing is open). A schedule with world size 1 has no
+        structural findings (the numeric check still runs when asked).
+
+    Raises:
+        ScheduleError: ``numeric=True`` on a model that is neither a Hugging Face model with a config nor
+            given as ``reference``, or without inputs to run.
     """
     top = sch.get_top_schedule() if hasattr(sch, "get_top_schedule") else sch
+    findings = _structural(top)
+    if numeric and not findings:
+        findings.extend(_numeric(top, reference, example_inputs))
+    return findings
+
+
+def _numeric(top, reference, example_inputs) -> list[Finding]:
+    from .numeric import numeric_check, remembered_inputs
+
+    if reference is None:
+        if getattr(top.mod, "config", None) is None:
+            raise ScheduleError(
+                "check_schedule(numeric=True) needs reference=<the unscheduled model> for a model without a "
+                "Hugging Face config."
+            )
+        reference = top.mod
+    inputs = example_inputs if example_inputs is not None else remembered_inputs(top, reference)
+    report = numeric_check(
+        reference, top.record.calls, top.world_size, inputs, from_config=reference is top.mod
+    )
+    if report.status == "skipped" and reference is top.mod:
+        raise ScheduleError(report.message)
+    if report.status in ("failed", "error"):
+        return [Finding(report.module, "numeric", report.message)]
+    return []
+
+
+def _structural(top) -> list[Finding]:
     if getattr(top, "world_size", 1) <= 1:
         return []
     root: nn.Module = top.mod

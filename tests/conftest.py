@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,10 @@ import pytest
 from harness import apply_bert_tp as apply_bert_tp_fn
 
 REPO_ROOT = harness.REPO_ROOT
+
+# The editor's live numeric check runs in background threads after every change; the suite creates hundreds of
+# editors, so it is off unless a test turns it on (tests/test_numeric_check.py passes live_check=True).
+os.environ.setdefault("SLAPO_LAB_LIVE_CHECK", "0")
 
 
 @pytest.fixture(scope="session")

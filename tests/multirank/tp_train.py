@@ -511,13 +511,9 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool]:
     return float((a - b).abs().max()), bool(torch.allclose(a, b, atol=ATOL, rtol=RTOL))
 
 
-def run_case(name, make, schedule, tp) -> dict:
-    torch.manual_seed(1234)
-    model = make()
-    model.train()
-    ref = copy.deepcopy(model)
-    t0 = time.perf_counter()
-    sch = sl.create_schedule(model)
+def case_inputs(name: str) -> dict:
+    """The forward's keyword inputs of case ``name`` (token ids, ViT's pixels, Whisper's features; a decoder
+    input for the encoder-decoder models)."""
     ids, labels = batch(-1)
     inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
     if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):  # qwen3_moe too
@@ -526,6 +522,17 @@ def run_case(name, make, schedule, tp) -> dict:
         inputs = {"input_features": features(ids), "decoder_input_ids": labels[:, : SEQ // 2]}
     if name.split("_")[0].endswith("t5"):  # T5 / UMT5: encoder and decoder, a shorter target (q != k lengths)
         inputs["decoder_input_ids"] = labels[:, : SEQ // 2]
+    return inputs
+
+
+def run_case(name, make, schedule, tp) -> dict:
+    torch.manual_seed(1234)
+    model = make()
+    model.train()
+    ref = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    sch = sl.create_schedule(model)
+    inputs = case_inputs(name)
     with sl.Verify(sch, inputs, device="cpu", eval_mode=False) as v:
         calls = schedule(sch)
     n_calls = len(sch.record.calls)

@@ -1,0 +1,698 @@
+"""Numeric schedule check: replay a schedule on a shrunk copy of the model over simulated ranks and compare.
+
+:func:`slapo_lab.check_schedule` reads only the schedule's own state, so a schedule whose every call is
+consistent can still compute another model: a vocab-parallel embedding that drops the module's scale, a
+forward that derives its head count from a width the schedule halved, a pipeline stage that duplicates a
+shared projection. :func:`numeric_check` runs the model instead:
+
+1. **A shrunk copy.** Blocks whose recorded calls are the same (relative to the block) are checked once:
+   each stack of blocks (:func:`slapo_lab.presets.find_blocks`) keeps the shortest prefix that holds one
+   block of every distinct schedule, so per-layer properties that depend on the index (T5's relative bias in
+   block 0, Gemma-3's sliding / full pattern) stay what they are. A Hugging Face model too large to run
+   quickly is rebuilt from its config with small widths that keep its head structure: the same head and
+   key/value head counts, a head dimension of 8, an intermediate size and a vocabulary that divide the
+   tensor-parallel degree exactly when the original's do (so every ``shard`` of the schedule still applies,
+   and every refusal still refuses). Calls on later blocks are mapped onto the kept block with the same
+   schedule.
+2. **Simulated ranks.** One thread per tensor-parallel rank, joined in an in-process process group
+   (PyTorch's threaded backend, ``torch.testing._internal.distributed.multi_threaded_pg``: real
+   ``torch.distributed`` collectives between threads), each replaying the calls on its own copy.
+3. **The comparison** is :func:`slapo_lab.verify_models`, the same one the exported script's ``--verify``
+   runs: weights, forward outputs and every gradient against the unsharded copy.
+
+The exported script's Verify remains the full proof (real model, real ranks, pipelines, optimiser steps);
+this check answers within seconds whether the tensor-parallel schedule is right, and where it is not.
+Pipeline cuts are not split here (stages run whole), so the check is about sharding, syncs, replacements
+and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ScheduleError
+from .record import Call
+
+__all__ = ["NumericReport", "numeric_check"]
+
+#: Below this many parameters (after keeping one block per distinct schedule) the copy keeps its widths.
+SHRINK_ABOVE = 4_000_000
+#: Above this many parameters even the shrunk copy is too large to check within seconds.
+MAX_CHECK_PARAMS = 40_000_000
+#: Head dimension of a shrunk copy (even, so rotary embeddings still pair dimensions).
+SMALL_HEAD_DIM = 8
+#: Sequence length the example inputs are cut to.
+MAX_SEQ = 32
+#: Primitives that change nothing a single forward on one stage can see (pipelines run whole here).
+_SKIPPED = frozenset({"cut_pipeline_stage"})
+
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim")
+_HEAD_DIM = ("head_dim", "d_kv", "kv_channels")
+_INTERMEDIATE = (
+    "intermediate_size",
+    "n_inner",
+    "ffn_dim",
+    "d_ff",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+
+_run_lock = threading.Lock()  # one check at a time: the threaded process group is process-wide state
+
+
+@dataclasses.dataclass
+class NumericReport:
+    """What :func:`numeric_check` found.
+
+    Attributes:
+        status: ``"passed"``, ``"failed"`` (the scheduled copy computes another model), ``"error"`` (a call or
+            the forward fails: :attr:`message` says where) or ``"skipped"`` (nothing to run: why in
+            :attr:`message`).
+        message: one sentence for the user.
+        module: the first module (in parameter order) whose weight, output or gradient differs, or where the
+            forward failed; "" when none.
+        worst: the largest absolute difference over outputs and gradients (0.0 when passed exactly, ``inf``
+            on a shape mismatch, ``nan`` when not run).
+        ranks: the simulated tensor-parallel ranks.
+        blocks: ``(kept, total)`` blocks of the copy against the original.
+        params: parameters of the copy that ran.
+        seconds: wall time of the check.
+    """
+
+    status: str
+    message: str
+    module: str = ""
+    worst: float = math.nan
+    ranks: int = 1
+    blocks: tuple[int, int] = (0, 0)
+    params: int = 0
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True when the scheduled copy equals the unsharded copy."""
+        return self.status == "passed"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# ----------------------------------------------------------------------------------------------- the copy
+def _block_of(path: str, blocks: list[str]) -> str | None:
+    for b in blocks:
+        if path == b or path.startswith(b + "."):
+            return b
+    return None
+
+
+def _signature(calls: list[Call], block: str) -> tuple:
+    out = []
+    for c in calls:
+        if c.primitive in _SKIPPED or _block_of(c.path, [block]) is None:
+            continue
+        out.append((c.path[len(block) :], c.primitive, repr(c.args), repr(sorted(c.kwargs.items()))))
+    return tuple(out)
+
+
+def _plan_blocks(calls: list[Call], blocks: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """For each stack (a block's parent path): how many leading blocks to keep; and for each block path,
+    the kept block whose schedule it shares."""
+    stacks: dict[str, list[str]] = {}
+    for b in blocks:
+        stacks.setdefault(b.rsplit(".", 1)[0] if "." in b else "", []).append(b)
+    keep: dict[str, int] = {}
+    alias: dict[str, str] = {}
+    for parent, members in stacks.items():
+        first_of: dict[tuple, str] = {}
+        last = 0
+        for i, b in enumerate(members):
+            sig = _signature(calls, b)
+            if sig not in first_of:
+                first_of[sig] = b
+                last = i
+            alias[b] = first_of[sig]
+        keep[parent] = last + 1
+    return keep, alias
+
+
+def _map_calls(calls: list[Call], blocks: list[str], alias: dict[str, str]) -> list[Call]:
+    """The calls of the kept blocks (calls on a block that shares a kept block's schedule are dropped: the
+    kept block runs the same calls)."""
+    out = []
+    for c in calls:
+        if c.primitive in _SKIPPED:
+            continue
+        b = _block_of(c.path, blocks)
+        if b is not None and alias.get(b, b) != b:
+            continue
+        out.append(c)
+    return out
+
+
+def _configs(cfg) -> list:
+    """``cfg`` and its sub-configs (CLIP's text / vision, encoder / decoder configs)."""
+    from transformers import PretrainedConfig
+
+    out, todo = [], [cfg]
+    while todo:
+        c = todo.pop()
+        if any(c is o for o in out):
+            continue
+        out.append(c)
+        for v in vars(c).values():
+            if isinstance(v, PretrainedConfig):
+                todo.append(v)
+    return out
+
+
+def _keep_remainder(small: int, orig: int, ws: int) -> int:
+    """The smallest value >= ``small`` with the same remainder modulo ``ws`` as ``orig``."""
+    base = -(-small // ws) * ws
+    return base + orig % ws
+
+
+def _shrink_config(cfg, ws: int) -> dict[str, Any]:
+    """Small widths in place on ``cfg`` (a deep copy); returns {attribute: (old, new)} of what changed."""
+    changed: dict[str, Any] = {}
+    vocab_new = None
+    for c in _configs(cfg):
+        heads_key = next((k for k in _HEADS if isinstance(getattr(c, k, None), int)), None)
+        hidden_key = next((k for k in _HIDDEN if isinstance(getattr(c, k, None), int)), None)
+        if heads_key is None or hidden_key is None:
+            continue
+        heads, hidden = getattr(c, heads_key), getattr(c, hidden_key)
+        new_hidden = _keep_remainder(heads * SMALL_HEAD_DIM, hidden, ws)
+        if new_hidden >= hidden:
+            continue
+        swap = {hidden: new_hidden}
+        for k in _HEAD_DIM:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and v > 0:
+                setattr(c, k, SMALL_HEAD_DIM)
+                changed[k] = (v, SMALL_HEAD_DIM)
+        for k in _INTERMEDIATE:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and v > 0:
+                new = _keep_remainder(2 * new_hidden, v, ws)
+                swap.setdefault(v, new)
+        for k, v in list(vars(c).items()):
+            if (
+                isinstance(v, int)
+                and not isinstance(v, bool)
+                and v in swap
+                and k not in _HEADS
+                and "layer" not in k
+            ):
+                setattr(c, k, swap[v])
+                changed[k] = (v, swap[v])
+        vocab = getattr(c, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 64 * ws:
+            vocab_new = _keep_remainder(32 * ws, vocab, ws)
+            c.vocab_size = vocab_new
+            changed["vocab_size"] = (vocab, vocab_new)
+            for k in _TOKEN_IDS:
+                t = getattr(c, k, None)
+                if isinstance(t, int) and t >= vocab_new:
+                    setattr(c, k, vocab_new - 1)
+    return changed
+
+
+def _set_layer_counts(cfg, keep: dict[str, int], lengths: dict[str, int]) -> set[str]:
+    """Set each config layer count that equals a stack's length to the kept prefix; returns the stacks done."""
+    done = set()
+    for parent, n in keep.items():
+        total = lengths[parent]
+        if n == total:
+            done.add(parent)
+            continue
+        for c in _configs(cfg):
+            for k, v in list(vars(c).items()):
+                if (
+                    isinstance(v, int)
+                    and not isinstance(v, bool)
+                    and v == total
+                    and ("layer" in k or "block" in k)
+                ):
+                    setattr(c, k, n)
+                    done.add(parent)
+                elif isinstance(v, list) and len(v) == total and k.endswith("layer_types"):
+                    setattr(c, k, v[:n])
+    return done
+
+
+def _truncate(model: nn.Module, keep: dict[str, int]) -> None:
+    for parent, n in keep.items():
+        stack = model.get_submodule(parent) if parent else model
+        if isinstance(stack, (nn.ModuleList, nn.Sequential)) and len(stack) > n:
+            for name in list(stack._modules)[n:]:
+                del stack._modules[name]
+
+
+def _n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _materialize(meta: nn.Module, reference: nn.Module) -> nn.Module:
+    """``meta`` (a truncated structural copy of ``reference``) with ``reference``'s tensors copied in, tied
+    tensors kept tied (a deep copy whose memo maps each meta tensor to its real copy, as :func:`meta_copy`)."""
+    src = dict(reference.named_parameters(remove_duplicate=False))
+    src.update(reference.named_buffers(remove_duplicate=False))
+    memo: dict[int, Any] = {}
+    for name, t in [
+        *meta.named_parameters(remove_duplicate=False),
+        *meta.named_buffers(remove_duplicate=False),
+    ]:
+        if id(t) in memo:
+            continue
+        real = src[name].detach().to("cpu", copy=True)
+        if isinstance(t, nn.Parameter):
+            real = nn.Parameter(real, requires_grad=t.requires_grad)
+        memo[id(t)] = real
+    return copy.deepcopy(meta, memo)
+
+
+def _refuse_too_big(n: int, kept_blocks: tuple[int, int]) -> None:
+    if n > MAX_CHECK_PARAMS:
+        raise ScheduleError(
+            f"The numeric check skips this model: even with {kept_blocks[0]} of {kept_blocks[1]} blocks it has "
+            f"{n / 1e6:.0f} M parameters (the live check runs up to {MAX_CHECK_PARAMS / 1e6:.0f} M)."
+        )
+
+
+def shrunk_copy(
+    reference: nn.Module, calls: list[Call], world_size: int, seed: int = 2013, from_config: bool = False
+):
+    """A small copy of ``reference`` to check ``calls`` on, with real (seeded) weights.
+
+    Args:
+        reference: the unscheduled model, on any device (``meta`` included: a Hugging Face model is rebuilt
+            from its config; any other model needs real weights).
+        calls: the schedule's recorded calls (paths of ``reference``).
+        world_size: the tensor-parallel degree the calls were recorded for.
+        from_config: rebuild from the Hugging Face config even when small (``reference`` is a scheduled
+            model, whose weights are shards).
+
+    Returns:
+        ``(copy, mapped calls, (kept blocks, total blocks), notes)``.
+
+    Raises:
+        ScheduleError: a meta model without a Hugging Face config, or one still too large once shrunk.
+    """
+    from .presets import find_blocks
+    from .schedule import create_schedule
+    from .utils import meta_copy
+
+    meta = meta_copy(reference)
+    blocks = find_blocks(create_schedule(meta, world_size=world_size))
+    keep, alias = _plan_blocks(calls, blocks)
+    lengths = {p: sum(1 for b in blocks if (b.rsplit(".", 1)[0] if "." in b else "") == p) for p in keep}
+    mapped = _map_calls(calls, blocks, alias)
+    kept_blocks = (sum(keep.values()), len(blocks))
+    _truncate(meta, keep)
+    config = getattr(reference, "config", None)
+    is_meta = any(p.is_meta for p in reference.parameters())
+    notes: list[str] = []
+    if (
+        config is not None
+        and hasattr(config, "to_dict")
+        and (from_config or is_meta or _n_params(meta) > SHRINK_ABOVE)
+    ):
+        cfg = copy.deepcopy(config)
+        done = _set_layer_counts(cfg, keep, lengths)
+        if _n_params(meta) > SHRINK_ABOVE:
+            changed = _shrink_config(cfg, world_size)
+            if changed:
+                notes.append("widths " + ", ".join(f"{k} {a}→{b}" for k, (a, b) in sorted(changed.items())))
+        try:
+            with torch.device("meta"):
+                sized = type(reference)(cfg)
+            _truncate(sized, {p: n for p, n in keep.items() if p not in done})
+            _refuse_too_big(_n_params(sized), kept_blocks)
+            torch.manual_seed(seed)
+            model = type(reference)(cfg)
+        except ScheduleError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any constructor failure becomes one sentence
+            raise ScheduleError(
+                f"The numeric check could not rebuild {type(reference).__name__} from its config with small "
+                f"widths ({type(err).__name__}: {err})."
+            ) from None
+        _truncate(model, {p: n for p, n in keep.items() if p not in done})
+    elif is_meta:
+        raise ScheduleError(
+            f"The numeric check needs real weights or a Hugging Face config, and {type(reference).__name__} "
+            "has neither (its parameters are on the meta device)."
+        )
+    else:  # the kept blocks' real weights, copied from the model (never a copy of the whole model)
+        _refuse_too_big(_n_params(meta), kept_blocks)
+        model = _materialize(meta, reference)
+    model.train(False)
+    return model, mapped, kept_blocks, notes
+
+
+def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
+    """``inputs`` for the shrunk copy: real tensors (meta ones drawn at random), at most 2 samples and
+    :data:`MAX_SEQ` positions of token inputs, token ids folded into the copy's vocabulary (-100 kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = None
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        vocab = getattr(cfg, "vocab_size", None) or getattr(
+            getattr(cfg, "text_config", None), "vocab_size", None
+        )
+    if vocab is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        vocab = emb.num_embeddings if emb is not None else None
+    seqs = {
+        t.shape[-1]
+        for t in inputs.values()
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+    }
+    out: dict[str, Any] = {}
+    for k, t in inputs.items():
+        if not isinstance(t, torch.Tensor):
+            out[k] = t
+            continue
+        if t.is_meta:
+            if t.is_floating_point():
+                t = torch.randn(t.shape, generator=gen, dtype=t.dtype)
+            elif t.dtype == torch.bool:
+                t = torch.ones(t.shape, dtype=torch.bool)
+            elif "mask" in k:
+                t = torch.ones(t.shape, dtype=t.dtype)
+            else:
+                t = torch.randint(0, vocab or 2, t.shape, generator=gen, dtype=t.dtype)
+        t = t[:2] if t.dim() >= 1 and t.shape[0] > 2 else t
+        if t.dim() == 2 and not t.is_floating_point() and t.shape[-1] in seqs and t.shape[-1] > MAX_SEQ:
+            t = t[:, :MAX_SEQ]
+        if vocab and not t.is_floating_point() and t.dtype != torch.bool and "mask" not in k:
+            t = torch.where(t >= vocab, t % vocab, t)
+        out[k] = t.clone()
+    return out
+
+
+def remembered_inputs(sch, model: nn.Module) -> dict:
+    """The example inputs the schedule remembers (:func:`slapo_lab.pipeline.order.set_example_inputs`, as the
+    editor sets them), else ``input_ids`` of 2 x 16 tokens for a model whose forward takes them.
+
+    Raises:
+        ScheduleError: neither is available.
+    """
+    import inspect
+
+    from .pipeline.order import _INPUTS_KEY
+
+    stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
+    if stored:
+        return dict(stored)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "input_ids" in params:
+        return {"input_ids": torch.empty(2, 16, dtype=torch.long, device="meta")}
+    raise ScheduleError(
+        f"The numeric check needs example inputs for {type(model).__name__}; pass example_inputs=."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@contextlib.contextmanager
+def _threaded_world():
+    """Install PyTorch's threaded process-group backend for the duration (process-wide, one at a time)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise ScheduleError(
+            "The numeric check simulates ranks in this process, which already holds a process group; "
+            "run Verify instead."
+        )
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    with _run_lock:
+        mtpg._install_threaded_pg()
+        mtpg.ProcessLocalGroup._terminate.clear()
+        torch._C._distributed_c10d._set_thread_isolation_mode(
+            True
+        )  # group names per thread, as torch's tests
+        try:
+            yield mtpg
+        finally:
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            mtpg._uninstall_threaded_pg()
+            mtpg.ProcessLocalGroup._terminate.clear()
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        return next((t for t in (_first_tensor(v) for v in x) if t is not None), None)
+    if isinstance(x, dict):
+        return next((t for t in (_first_tensor(v) for v in x.values()) if t is not None), None)
+    return None
+
+
+class _Trace:
+    """Forward hooks on every module: each module's first tensor output (in completion order), and the
+    innermost module running when the forward raised."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.failed: str | None = None
+        self.handles = []
+        for name, m in model.named_modules():
+            self.handles.append(m.register_forward_pre_hook(lambda *_a, n=name: self.stack.append(n)))
+            self.handles.append(m.register_forward_hook(lambda _m, _i, o, n=name: self._done(n, o)))
+
+    def _done(self, name: str, out) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        t = _first_tensor(out)
+        if t is not None and name not in self.outputs:
+            self.outputs[name] = t.detach().clone()
+
+    def fail(self) -> str:
+        self.failed = self.stack[-1] if self.stack else ""
+        return self.failed
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def first_differing_module(ref: _Trace, sch: _Trace, atol: float = 1e-5, rtol: float = 1e-5) -> str | None:
+    """The first module (in forward completion order) whose output differs from the reference's while every
+    enclosing module with a comparable output differs too (a row-parallel layer whose partial sums a sync
+    on its parent reduces is not a difference). Outputs of another shape (a column-parallel layer's slice)
+    are not compared."""
+    differs: dict[str, bool] = {}
+    for name, a in sch.outputs.items():
+        b = ref.outputs.get(name)
+        if b is None or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if a.is_floating_point():
+            differs[name] = not torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol)
+        else:
+            differs[name] = not torch.equal(a, b)
+    for name, bad in differs.items():
+        if not bad:
+            continue
+        parts = name.split(".") if name else []
+        ancestors = [".".join(parts[:i]) for i in range(len(parts))]
+        if all(differs.get(a, True) for a in ancestors):
+            return name
+    return None
+
+
+def _rank_run(
+    rank: int, ws: int, store, base: nn.Module, calls: list[Call], inputs: dict, out: dict, mtpg
+) -> None:
+    import torch.distributed as dist
+
+    from .record import replay
+    from .schedule import create_schedule
+    from .verify import verify_models
+
+    traces: list[_Trace] = []
+    phase = "replaying the schedule"
+    try:
+        dist.init_process_group("threaded", rank=rank, world_size=ws, store=store)
+        try:
+            reference = copy.deepcopy(base)
+            sch = create_schedule(copy.deepcopy(base))
+            for i, c in enumerate(calls):
+                phase = f"replaying call {i + 1} (sch[{c.path!r}].{c.primitive})"
+                replay(sch, [c])
+            phase = "running the forward and backward"
+            traces = [_Trace(reference), _Trace(sch.mod)]
+            report = verify_models(reference, sch.mod, inputs, sch.tp, device="cpu", eval_mode=True)
+            out[rank] = (report, first_differing_module(*traces))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - one rank's failure must reach the caller, never hang the others
+        module = traces[1].fail() if len(traces) == 2 else ""
+        out[rank] = (phase, module, err)
+        mtpg.ProcessLocalGroup._terminate.set()  # the other ranks leave their collectives
+    finally:
+        for t in traces:
+            t.remove()
+
+
+def _first_error(out: dict):
+    errs = [v for v in out.values() if len(v) == 3]
+    real = [e for e in errs if not isinstance(e[2], SystemExit)]
+    return (real or errs or [None])[0]
+
+
+def numeric_check(
+    reference: nn.Module,
+    calls: list[Call],
+    world_size: int,
+    example_inputs: dict,
+    timeout: float = 60.0,
+    cancelled: threading.Event | None = None,
+    from_config: bool = False,
+) -> NumericReport:
+    """Check ``calls`` numerically on a shrunk copy of ``reference`` over ``world_size`` simulated ranks.
+
+    Args:
+        reference: the unscheduled model (any device; see :func:`shrunk_copy`).
+        calls: the recorded calls (``sch.record.calls``), paths of ``reference``.
+        world_size: the tensor-parallel degree (1 checks replacements and checkpoints alone).
+        example_inputs: keyword inputs of the model's forward (tensors; meta tensors are drawn at random;
+            token inputs are cut to 2 samples of :data:`MAX_SEQ` positions).
+        timeout: seconds before the ranks are told to stop (the report then says so).
+        cancelled: set it to stop early; the report is then ``"skipped"``.
+        from_config: see :func:`shrunk_copy`.
+
+    Returns:
+        NumericReport: never raises for a wrong schedule, a failing call or forward (those are reported).
+
+    Raises:
+        ScheduleError: only for a ``world_size`` below 1.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ScheduleError(f"The numeric check needs a positive integer world size, not {world_size!r}.")
+
+    def done(status, message, **kw) -> NumericReport:
+        return NumericReport(status, message, ranks=world_size, seconds=time.perf_counter() - t0, **kw)
+
+    if not example_inputs:
+        return done("skipped", "The numeric check needs example inputs (pass example_inputs= to the editor).")
+    try:
+        base, mapped, kept, _notes = shrunk_copy(reference, list(calls), world_size, from_config=from_config)
+        inputs = shrunk_inputs(example_inputs, base)
+    except ScheduleError as err:
+        return done("skipped", str(err))
+    n_params = _n_params(base)
+    try:
+        base(**inputs)
+    except Exception as err:  # noqa: BLE001 - the unscheduled copy itself: the check cannot judge the schedule
+        return done(
+            "skipped",
+            f"The numeric check skipped: the unscheduled copy's forward fails on the example inputs "
+            f"({type(err).__name__}: {err}).",
+            blocks=kept,
+            params=n_params,
+        )
+    if cancelled is not None and cancelled.is_set():
+        return done("skipped", "The numeric check was cancelled.", blocks=kept, params=n_params)
+    import torch.distributed as dist
+
+    out: dict[int, Any] = {}
+    try:
+        with _threaded_world() as mtpg:
+            store = dist.HashStore()
+            threads = [
+                threading.Thread(
+                    target=_rank_run,
+                    args=(r, world_size, store, base, mapped, inputs, out, mtpg),
+                    name=f"slapo-numeric-rank{r}",
+                    daemon=True,
+                )
+                for r in range(world_size)
+            ]
+            for th in threads:
+                th.start()
+            deadline = time.monotonic() + timeout
+            for th in threads:
+                while th.is_alive() and time.monotonic() < deadline:
+                    th.join(0.05)
+                    if cancelled is not None and cancelled.is_set():
+                        mtpg.ProcessLocalGroup._terminate.set()
+                if th.is_alive():
+                    mtpg.ProcessLocalGroup._terminate.set()
+                    th.join(5.0)
+    except ScheduleError as err:
+        return done("skipped", str(err), blocks=kept, params=n_params)
+    kw = {"blocks": kept, "params": n_params}
+    if cancelled is not None and cancelled.is_set():
+        return done("skipped", "The numeric check was cancelled.", **kw)
+    err = _first_error(out)
+    if err is not None:
+        phase, module, exc = err
+        if isinstance(exc, SystemExit) or len(out) < world_size:
+            return done("error", f"The numeric check stopped after {timeout:.0f} s while {phase}.", **kw)
+        at = f" in {module}" if module else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not isinstance(exc, ScheduleError):
+            text = f"{type(exc).__name__}: {text}"
+        return done(
+            "error",
+            f"The scheduled model fails{at} while {phase} on {world_size} simulated rank"
+            f"{'s' if world_size > 1 else ''}: {text}",
+            module=module,
+            worst=math.inf,
+            **kw,
+        )
+    if len(out) < world_size:
+        return done("error", f"The numeric check stopped after {timeout:.0f} s.", **kw)
+    report, first_module = out[0]
+    worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
+    if report.passed:
+        return done(
+            "passed",
+            f"Numerically equal to the unsharded model on {world_size} simulated rank"
+            f"{'s' if world_size > 1 else ''} (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, "
+            f"{n_params / 1e6:.1f} M parameters).",
+            worst=worst,
+            **kw,
+        )
+    bad_w = [c for c in report.weights if not c.ok]
+    bad_g = [c for c in report.grads if not c.ok]
+    if bad_w:
+        what, first = "the weights differ first", _module_of(bad_w[0].name)
+    elif first_module is not None:
+        what, first = "outputs first differ", first_module
+    elif bad_g:
+        what, first = "only gradients differ, first", _module_of(bad_g[0].name)
+    else:
+        what, first = "outputs differ", next((c.name for c in report.outputs if not c.ok), "")
+    return done(
+        "failed",
+        f"The scheduled model differs from the unsharded one: {what} at {first or 'the model root'} "
+        f"(worst difference {worst:.3g} on {world_size} simulated rank{'s' if world_size > 1 else ''}).",
+        module=first,
+        worst=worst,
+        **kw,
+    )

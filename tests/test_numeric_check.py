@@ -1,0 +1,219 @@
+"""The numeric check (``slapo_lab.numeric``, ``check_schedule(numeric=True)``, the editor's live check).
+
+It replays a schedule on a shrunk copy of the model over simulated ranks (threads in PyTorch's threaded
+process group) and compares with the unsharded copy: ✓ for each right schedule of every family the
+two-rank suite trains, ✗ with the first differing (or failing) module for wrong ones.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.numeric import numeric_check
+from slapo_lab.utils import meta_copy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+import tp_train
+
+ALL_CASES = [c for c in tp_train.CASES.values() for c in ([c] if isinstance(c, tuple) else c)]
+ALL_CASES += [c for cases in tp_train.FAMILY_CASES.values() for c in cases]
+
+
+def _scheduled(make, apply, ws: int = 2):
+    torch.manual_seed(1234)
+    model = make()
+    sch = sl.create_schedule(meta_copy(model), world_size=ws)
+    apply(sch)
+    return model, sch
+
+
+@pytest.mark.parametrize("name,make,apply", ALL_CASES, ids=[c[0] for c in ALL_CASES])
+def test_every_right_schedule_of_the_suite_checks_equal(name, make, apply):
+    model, sch = _scheduled(make, apply)
+    report = numeric_check(model, sch.record.calls, 2, tp_train.case_inputs(name))
+    assert report.status == "passed", report.message
+    assert report.message.startswith("Numerically equal to the unsharded model on 2 simulated ranks")
+    assert report.worst < 1e-4 and report.seconds < 30
+
+
+def test_a_missing_reduce_is_found_at_the_layer_that_lacks_it():
+    model, sch = _scheduled(tp_train.bert_model, lambda s: presets.megatron_tp(s))
+    calls = [
+        c
+        for c in sch.record.calls
+        if not (c.path == "encoder.layer.1.output.dense" and c.primitive == "sync")
+    ]
+    report = numeric_check(model, calls, 2, tp_train.case_inputs("bert"))
+    assert report.status == "failed" and report.module == "encoder.layer.1.output.dense", report.message
+    assert report.message.startswith(
+        "The scheduled model differs from the unsharded one: outputs first differ at encoder.layer.1.output.dense"
+    )
+    assert report.blocks == (2, 2)  # block 1's schedule differs from block 0's: both are checked
+
+
+def test_the_embedding_scale_dropped_by_a_vocab_parallel_lookup_is_caught(monkeypatch):
+    """The bug the live check must catch (Gemma-3's logits were off by 0.187): a vocab-parallel lookup that
+    ignores the module's own forward, as the engine's once did."""
+    from slapo_lab.sharding import rules
+
+    model, sch = _scheduled(tp_train.gemma3_model, lambda s: presets.megatron_tp(s))
+    inputs = tp_train.case_inputs("gemma3")
+    assert numeric_check(model, sch.record.calls, 2, inputs).passed
+
+    def lookup_only(self, ids):
+        meta = rules.module_meta(self)
+        start = meta["vocab_start"]
+        outside = (ids < start) | (ids >= start + self.weight.shape[0])
+        out = F.embedding((ids - start).masked_fill(outside, 0), self.weight, self.padding_idx)
+        return rules._reduce_partial(self, out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    monkeypatch.setattr(rules, "_vocab_parallel_embedding", lookup_only)
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.status == "failed" and report.module == "model.embed_tokens", report.message
+
+
+class _Attention(nn.Module):
+    """nanoGPT's attention: the head size comes from the input's width (``C // n_head``)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), _Attention(width, heads)
+        self.ln_2, self.mlp = nn.LayerNorm(width), nn.Sequential(nn.Linear(width, 4 * width), nn.GELU())
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.proj(self.mlp(self.ln_2(x)))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int = 128, width: int = 64, heads: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.h = nn.ModuleList([_Block(width, heads) for _ in range(layers)])
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)
+        for b in self.h:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def test_a_head_size_taken_from_the_width_fails_in_one_sentence_naming_the_attention():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    presets.megatron_tp(sch, vocab_parallel=False)
+    assert sl.check_schedule(sch) == []  # structurally complete: only running it shows the fault
+    found = sl.check_schedule(
+        sch, numeric=True, reference=model, example_inputs={"input_ids": torch.randint(0, 128, (2, 16))}
+    )
+    assert [f.kind for f in found] == ["numeric"] and found[0].path == "h.0.attn", found
+    assert found[0].message.startswith("The scheduled model fails in h.0.attn while running the forward")
+    assert "\n" not in found[0].message
+
+
+def test_check_schedule_numeric_rebuilds_a_hugging_face_model_from_its_config():
+    _model, sch = _scheduled(tp_train.llama_model, lambda s: presets.megatron_tp(s))
+    assert sl.check_schedule(sch, numeric=True) == []
+    with pytest.raises(sl.ScheduleError, match=r"needs reference=<the unscheduled model>"):
+        sl.check_schedule(sl.create_schedule(NanoGPT(), world_size=2), numeric=True)
+
+
+def test_a_70b_plan_is_checked_on_a_shrunk_copy_in_seconds():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        big = LlamaForCausalLM(cfg)
+    sch = sl.create_schedule(meta_copy(big), world_size=8)
+    presets.megatron_tp(sch)
+    presets.checkpoint_blocks(sch, every=2)
+    ids = torch.empty(1, 4096, dtype=torch.long, device="meta")
+    report = numeric_check(big, sch.record.calls, 8, {"input_ids": ids})
+    assert report.passed, report.message
+    assert report.blocks == (2, 80) and report.params < 10e6  # checkpointed and plain blocks, small widths
+
+
+def test_a_meta_model_without_a_config_is_skipped_in_one_sentence():
+    with torch.device("meta"):
+        model = NanoGPT()
+    report = numeric_check(model, [], 2, {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+    assert report.status == "skipped"
+    assert report.message == (
+        "The numeric check needs real weights or a Hugging Face config, and NanoGPT has neither (its "
+        "parameters are on the meta device)."
+    )
+
+
+def _wait_for(ed, timeout: float = 60.0):
+    end = time.monotonic() + timeout
+    while ed.numeric_report is None and time.monotonic() < end:
+        time.sleep(0.05)
+    return ed.numeric_report
+
+
+def test_the_editor_checks_in_the_background_after_every_change_and_lists_a_failure_as_an_open_item():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    ids = torch.randint(0, 128, (2, 16))
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, live_check=True)
+    first = _wait_for(ed)
+    assert first is not None and first.passed, first  # nothing scheduled: equal
+    t0 = time.perf_counter()
+    assert ed.apply("checkpoint", path="h.1") is None
+    assert ed.numeric_report is None  # the click returns at once; the check runs after it
+    assert time.perf_counter() - t0 < ed.NUMERIC_DEBOUNCE
+    report = _wait_for(ed)
+    assert report.passed and "✓" in ed._numeric_box.value.replace("&#10003;", "✓")
+    assert ed.apply_preset("megatron") is None, ed.message
+    report = _wait_for(ed)
+    assert report.status == "error" and report.module == "h.0.attn", report.message
+    assert "&#10007;" in ed._numeric_box.value and "h.0.attn" in ed._numeric_box.value
+    assert "1 open item" in ed._check.value and "h.0.attn" in ed._check.value
+    ed.undo()
+    assert _wait_for(ed).passed and "open item" not in ed._check.value
+
+
+def test_a_burst_of_changes_runs_one_check_for_the_last_schedule():
+    torch.manual_seed(0)
+    model = NanoGPT(layers=4)
+    ed = sl.ScheduleEditor(
+        model, example_inputs={"input_ids": torch.randint(0, 128, (2, 8))}, world_size=2, live_check=True
+    )
+    _wait_for(ed)
+    for i in range(4):
+        ed.apply("checkpoint", path=f"h.{i}")
+    report = _wait_for(ed)
+    assert report.passed and report.blocks == (1, 4)  # four checkpointed blocks: one is checked
