@@ -28,11 +28,19 @@ def test_verify_button_runs_torchrun_and_passes(tmp_path, monkeypatch):
     ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 200, (2, 16))}, world_size=2)
     sl.presets.megatron_tp(ed.schedule)
     ed.apply("checkpoint", path="encoder.layer.0")
+    phases = []
+    show = ed._on_verify_phase
+    monkeypatch.setattr(ed, "_on_verify_phase", lambda name: (phases.append(name), show(name)))
     ed._btn_verify.click()
     assert ed._runner is not None and ed._btn_cancel.disabled is False
+    assert "Verify 2/7: launching the ranks" in ed._phase.value or phases  # named from the first second
+    assert ed._progress.layout.visibility == "visible" and ed._progress.value >= 1
     result = ed._runner.wait(300)
     assert result is not None, "verify did not finish in 300 s"
     assert result.status == "passed", "\n".join(result.lines[-30:])
+    assert phases == ["launch", "setup", "reference", "compare", "train", "done"], phases
+    assert "Verify 7/7: done" in ed._phase.value and ed._progress.value == ed._progress.max
+    assert "slapo-lab phase:" not in ed._log.value and "slapo-lab phase: setup" in "\n".join(ed.verify_log())
     assert result.max_abs_diffs and max(result.max_abs_diffs) <= 1e-5
     if not torch.cuda.is_available():
         assert "CUDA is not available on this machine, so Verify runs on the CPU with gloo." in ed.message
@@ -229,3 +237,25 @@ def test_kept_log_is_capped(tmp_path):
     assert res.status == "passed"  # the verdict survives dropping old lines
     assert sum(len(ln) for ln in res.lines) <= MAX_LOG_CHARS + 100
     assert res.lines[0].endswith("earlier lines not kept]") and res.lines[-1] == "Verify: PASSED"
+
+
+def test_the_visible_log_hides_warnings_and_phase_markers():
+    from slapo_lab.editor.verify_runner import LogFilter
+
+    lines = [
+        "slapo-lab phase: setup",
+        "/x/site-packages/transformers/utils/generic.py:441: FutureWarning: `torch.utils._pytree` is deprecated.",
+        "  _torch_pytree._register_pytree_node(",
+        "[rank1]:/x/torch/distributed/tensor/_api.py:12: UserWarning: something",
+        "[rank1]:  warnings.warn(",
+        "model: 0.43 M parameters, 2 rank(s) = TP 2",
+        "  indented line of the run's own output",
+        "Verify: PASSED",
+    ]
+    f = LogFilter()
+    assert [line for line in lines if f.visible(line)] == [
+        "model: 0.43 M parameters, 2 rank(s) = TP 2",
+        "  indented line of the run's own output",
+        "Verify: PASSED",
+    ]
+    assert f.hidden == 4

@@ -33,6 +33,9 @@ MAX_LOG_CHARS = 2_000_000  # the kept log (VerifyResult.lines) drops its oldest 
 GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL
 _TOKEN_VAR = "SLAPO_LAB_VERIFY_RUN"
 
+# A Python warning as ``warnings`` prints it ("path.py:12: FutureWarning: message"), torchrun's rank prefix allowed;
+# the source line printed after it is indented.
+_WARNING = re.compile(r"^(\[[a-z]*\d+\]:\s*)?\S.*:\d+: \w*Warning: ")
 _DIFF = re.compile(r"max abs diff ([0-9.eE+-]+|inf|nan)")
 _EXC = re.compile(r"^\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
 
@@ -124,12 +127,45 @@ class VerifyResult:
         )
 
 
+class LogFilter:
+    """Which output lines of a run the editor shows: Python warnings (the ``file:line: XWarning: message``
+    line and the indented source lines after it) and phase markers (:mod:`slapo_lab.train.phases`) are kept
+    out of the visible log; the full log (:attr:`VerifyResult.lines`) keeps every line.
+
+    Attributes:
+        hidden: how many warning lines were kept out so far.
+    """
+
+    def __init__(self) -> None:
+        self.hidden = 0
+        self._in_warning = False
+
+    def visible(self, line: str) -> bool:
+        """Whether ``line`` belongs in the visible log (call once per line, in order)."""
+        from ..train.phases import parse_phase
+
+        if parse_phase(line) is not None:
+            return False
+        if _WARNING.match(line):
+            self.hidden += 1
+            self._in_warning = True
+            return False
+        body = re.sub(r"^\[[a-z]*\d+\]:", "", line)
+        if self._in_warning and body.startswith((" ", "\t")):
+            self.hidden += 1
+            return False
+        self._in_warning = False
+        return True
+
+
 class VerifyRunner:
     """Runs ``torchrun --nproc_per_node=N script --verify --steps 1 --device D`` in the background.
 
     Args:
-        on_line: called with each output line (from a reader thread).
+        on_line: called with each output line (from a reader thread), phase markers included.
         on_done: called with the :class:`VerifyResult` when the run ends, however it ends.
+        on_phase: called with the name of each phase (:data:`slapo_lab.train.phases.PHASES`) as it begins:
+            ``"launch"`` when the process starts, the script's own markers, ``"done"`` when it ends.
     """
 
     def __init__(
@@ -137,9 +173,11 @@ class VerifyRunner:
         on_line: Callable[[str], None] | None = None,
         on_done: Callable[[VerifyResult], None] | None = None,
         grace: float = GRACE_S,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self.on_line = on_line or (lambda line: None)
         self.on_done = on_done or (lambda result: None)
+        self.on_phase = on_phase or (lambda name: None)
         self.grace = grace
         self._proc: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
@@ -148,6 +186,12 @@ class VerifyRunner:
         self._seen: dict[int, psutil.Process] = {}
         self._token = ""
         self.result: VerifyResult | None = None
+
+    def _phase(self, name: str) -> None:
+        try:
+            self.on_phase(name)
+        except Exception:  # noqa: BLE001, S110 - a view must never stop the run's bookkeeping
+            pass
 
     @property
     def running(self) -> bool:
@@ -364,8 +408,13 @@ class VerifyRunner:
         diffs: list[float] = []
         passed = failed = timed_out = False
 
+        from ..train.phases import parse_phase
+
         def emit(line: str) -> None:
             nonlocal size, dropped, passed, failed
+            phase = parse_phase(line)
+            if phase is not None:
+                self._phase(phase)
             if line.startswith("Verify:"):
                 if len(diffs) < 100_000:
                     diffs.extend(float(x) for x in _DIFF.findall(line))
@@ -381,6 +430,7 @@ class VerifyRunner:
             except Exception:  # noqa: BLE001, S110 - a view must never stop the run's bookkeeping
                 pass
 
+        self._phase("launch")
         give_up = threading.Event()
         reader = threading.Thread(target=self._read, args=(proc.stdout.fileno(), emit, give_up), daemon=True)
         reader.start()

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from .args import build_parser, parse_args
+from .phases import say_phase
 
 
 class RunError(ValueError):
@@ -453,6 +454,7 @@ class Run:
         from .verify import Reference, release, run_verify
         from .weights import build_meta_model, init_random, load_hf
 
+        say_phase("reference")
         args = self.args
         batch = self._verify_batch()
         rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
@@ -754,6 +756,7 @@ class Run:
         else:
             stepper = TorchStepper(self)
         start = stepper.resume()
+        say_phase("train")
         tokens_per_step = args.global_batch_size * (self.seq_len or 1)
         _say(
             f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}"
@@ -1043,6 +1046,7 @@ def main(
         print(error, file=sys.stderr)
         return 2
     _init_process_group(args, device)
+    say_phase("setup")
     run = None
     try:
         run = Run(

@@ -127,6 +127,9 @@ def run_verify(
             weights.append(Comparison(name, a, 0.0, ok and a == 0.0))
         del full
     # 2. forward and backward of both
+    from .phases import say_phase
+
+    say_phase("compare")
     loss, out = run_scheduled()
     ref_loss, ref_out = run_reference(reference.model)
     a, r, ok = _diff(torch.tensor(loss), torch.tensor(ref_loss), atol, rtol)
