@@ -19,12 +19,15 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from .fold import schedule_lines
 from .spec import (
     ExportError,
+    _build_hf,
     _check_json,
+    example_sizes,
     input_spec,
     model_spec,
     validate_calls,
@@ -119,6 +122,65 @@ def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict
     return lines
 
 
+def _micro_batch_rows(inputs: dict, stages: int, defaults: dict) -> tuple[int, int]:
+    """``(micro-batches per step, rows per micro-batch)`` of the script's defaults (as the run computes them)."""
+    batch, _ = example_sizes(inputs)
+    g = int(defaults.get("global_batch_size") or batch or 1)
+    dp = int(defaults.get("dp") or 1)
+    micro = int(defaults.get("micro_batch_size") or max(1, g // (dp * max(1, stages))))
+    return max(1, g // (micro * dp)), micro
+
+
+def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict, model) -> None:
+    """Refuse defaults under which BatchNorm or a contrastive loss makes the run wrong or crash.
+
+    With more than one pipeline stage: BatchNorm using batch statistics (the exported stages keep them
+    in the run's Verify, which compares in eval mode), or micro-batches > 1 with a contrastive model
+    (CLIP, SigLIP). Always (when the model is known): a micro-batch that leaves a training
+    BatchNorm one value per channel. Without ``model`` only a transformers spec is checked, on meta.
+    """
+    from ..pipeline.coupling import (
+        batchnorm_single_value,
+        coupling_refusal,
+        export_batchnorm_refusal,
+        single_value_refusal,
+    )
+
+    if model is None:
+        if stages <= 1 or spec["kind"] != "hf":
+            return
+        try:
+            model = _build_hf(spec, "meta")
+        except Exception:  # noqa: BLE001 - the run reports a model it cannot build
+            return
+    # the script rebuilds a transformers model in training mode, and a run without stages trains every module
+    all_bn = stages <= 1 or spec["kind"] == "hf" or not model.training
+    n, rows = _micro_batch_rows(inputs, stages, defaults)
+    if stages > 1:
+        refusal = export_batchnorm_refusal(model, all_bn)
+        if refusal:
+            raise ExportError(refusal)
+        g = int(defaults.get("global_batch_size") or example_sizes(inputs)[0] or 1)
+        one = f"export with micro_batch_size={max(1, g // int(defaults.get('dp') or 1))}"
+        refusal = coupling_refusal(model, n, one, all_batchnorms=all_bn)
+        if refusal:
+            raise ExportError(refusal)
+    kwargs = {}
+    for name, e in inputs.items():
+        if "value" in e:
+            kwargs[name] = e["value"]
+            continue
+        shape = [rows if d == "batch" else int(s) for d, s in zip(e["dims"], e["shape"])]
+        kwargs[name] = torch.empty(shape, dtype=getattr(torch, e["dtype"]), device="meta")
+    path = batchnorm_single_value(model, (), kwargs, all_batchnorms=all_bn)
+    if path is not None:
+        raise ExportError(
+            single_value_refusal(
+                model, rows, path, "export with a larger micro_batch_size or global_batch_size"
+            )
+        )
+
+
 def render_script(
     spec: dict,
     calls,
@@ -127,6 +189,8 @@ def render_script(
     launcher: str = "torchrun",
     script_name: str = "train.py",
     defaults: dict | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> str:
     """The training script for a recorded schedule, as Python source text.
 
@@ -139,6 +203,8 @@ def render_script(
         script_name: the file name shown in the launch commands of the docstring.
         defaults: option defaults baked into the script (:data:`EXPORT_OPTIONS`: ``model_path``, ``data``,
             ``dp``, ``fsdp``, ``checkpoint_dir`` ...).
+        model: the model the calls were recorded on, for the batch-coupling checks (None: a transformers
+            spec is built on the meta device when the schedule has pipeline stages).
 
     Returns:
         The script: ruff-clean, importing only ``slapo_lab`` (and, through it, torch and transformers).
@@ -146,7 +212,11 @@ def render_script(
     Raises:
         ExportError: an unknown launcher or option, a bad world size, a spec / call / value that fails
             validation (see :func:`~slapo_lab.export.spec.validate_calls`), a pipeline with constant
-            (non-tensor) inputs, or tensor x pipeline parallelism with the DeepSpeed launcher.
+            (non-tensor) inputs, or tensor x pipeline parallelism with the DeepSpeed launcher; a pipeline
+            of a model with BatchNorm using batch statistics, or of a contrastive model (CLIP, SigLIP)
+            whose default micro-batches (``global_batch_size / (micro_batch_size * dp)``) are more than
+            one; a micro-batch that leaves a training BatchNorm one value per channel (one sentence
+            naming the module and the fix).
     """
     if launcher not in LAUNCHERS:
         raise ExportError(f'The launcher {launcher!r} is not supported; use "torchrun" or "deepspeed".')
@@ -179,6 +249,7 @@ def render_script(
             f"A pipeline feeds only tensors to its first stage, but the example input {constants[0]!r} "
             "is a constant; drop it from the example inputs (or set it in the model config)."
         )
+    _check_batch_coupling(spec, inputs, stages, defaults, model)
     from .. import __version__
 
     name = script_name if isinstance(script_name, str) and _SAFE_NAME.match(script_name) else "train.py"
@@ -299,7 +370,9 @@ def export_script(
     spec = model_spec(model, factory)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     inputs = input_spec(example_inputs, vocab if isinstance(vocab, int) else None)
-    text = render_script(spec, calls, inputs, world_size, launcher, script_name=path.name, defaults=defaults)
+    text = render_script(
+        spec, calls, inputs, world_size, launcher, script_name=path.name, defaults=defaults, model=model
+    )
     write_text_atomic(path, text)
     return path.resolve()
 

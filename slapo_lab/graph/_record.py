@@ -353,6 +353,8 @@ class Recorder(TorchFunctionMode):
         self.use_cache = use_cache
         self.assume_bool = assume_bool
         self.assumptions: list = []  # (module path, function name) where a meta bool was assumed
+        # bool() of a meta tensor reached torch (and failed there): a failure assume_bool can guess past
+        self.meta_bool_failed = False
         self.tensors: list = []  # tid -> tensor (keeps every seen tensor alive: ids stay unique)
         self.tid_of: dict = {}  # id(tensor) -> latest tid
         self.producer: list = []  # tid -> op index, -1 for tensors from outside the pass
@@ -408,6 +410,8 @@ class Recorder(TorchFunctionMode):
             top = self.stack[-1]
             self.assumptions.append((self.calls[top].path if top >= 0 else "", "__bool__"))
             return self.assume_bool
+        if func is _BOOL and args and isinstance(args[0], _Tensor) and args[0].is_meta:
+            self.meta_bool_failed = True
         ins: list = []
         out = None
         cached = False

@@ -18,7 +18,16 @@ _MAX_EDGE_SHAPES = 3
 
 
 class DataflowError(RuntimeError):
-    """The recorded forward pass failed; ``str()`` is one sentence naming the module that raised."""
+    """The recorded forward pass failed; ``str()`` is one sentence naming the module that raised.
+
+    Attributes: ``where`` (``"module 'encoder.layer.0'"`` or ``"the model itself"``), ``reason`` (the
+    underlying error, one line) and ``meta_bool`` (the pass failed on ``bool()`` of a meta tensor, which
+    ``assume_bool`` can guess).
+    """
+
+    where: str = "the model itself"
+    reason: str = ""
+    meta_bool: bool = False
 
 
 def shape_str(shape) -> str:
@@ -30,8 +39,17 @@ def _dtype_str(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# The real-tensor fallback runs models up to this many parameter and buffer elements (fp32: 800 MB).
+REAL_FALLBACK_LIMIT = 200_000_000
+
+
 def record_dataflow(
-    model: nn.Module, example_inputs, *, cache_meta_ops: bool = True, assume_bool: bool | None = None
+    model: nn.Module,
+    example_inputs,
+    *,
+    cache_meta_ops: bool = True,
+    assume_bool: bool | None = None,
+    real_fallback: bool = True,
 ) -> Dataflow:
     """Run ONE forward pass of ``model`` under ``torch.no_grad`` and record its dataflow.
 
@@ -48,6 +66,12 @@ def record_dataflow(
         (a guess: the recorded branch may differ from a real run); every guess is listed in
         ``Dataflow.assumptions`` as ``(module path, "__bool__")``.  ``.item()`` still fails.
         Example: HF BERT with an ``attention_mask`` on meta needs ``assume_bool=True``.
+      real_fallback: when the pass fails on meta tensors for another reason than a guessable ``bool()``
+        (e.g. DeBERTa-v2's ``Tensor.item()`` on relative positions), record again on a real CPU copy of
+        the model (rebuilt from its Hugging Face config, else materialised with small random weights; at
+        most :data:`REAL_FALLBACK_LIMIT` elements) with real inputs of the example shapes (the given
+        values where real, else zeros, ones for a ``*mask``, standard normal floats).  The result's
+        ``fallback`` says so.
 
     Returns:
       a :class:`Dataflow`: every module call (path, class, call number, named input/output tensor
@@ -55,7 +79,8 @@ def record_dataflow(
 
     Raises:
       DataflowError: if the forward raises (e.g. ``.item()`` on a meta tensor in data-dependent
-        control flow); the message is one sentence naming the innermost module that was running.
+        control flow) and the real fallback is off, not possible or fails too; the message is one
+        sentence naming the innermost module that was running and what to do.
         The recorder's hooks are always removed.  :func:`module_tree` still works without a pass.
       TypeError: if ``model`` is not an ``nn.Module`` or ``example_inputs`` is not a dict/tuple/list.
 
@@ -75,6 +100,35 @@ def record_dataflow(
             "example_inputs must be a dict of keyword arguments or a tuple of positional arguments, "
             f"got {type(example_inputs).__name__}."
         )
+    try:
+        return _record(model, args, kwargs, cache_meta_ops, assume_bool)
+    except DataflowError as err:
+        if (
+            not real_fallback
+            or not _uses_meta(model, args, kwargs)
+            or (err.meta_bool and assume_bool is None)
+        ):
+            raise
+        first = err
+    what = f"{type(model).__name__}'s forward pass failed on meta tensors in {first.where} ({first.reason})"
+    copy, why = _real_copy(model)
+    if copy is None:
+        raise DataflowError(
+            f"{what} and {why}, so no dataflow was recorded; record it on a real model with real example "
+            "inputs (record_dataflow(model, inputs))."
+        ) from first
+    try:
+        flow = _record(copy, _real_args(args), _real_args(kwargs), False, assume_bool)
+    except DataflowError as err:
+        raise DataflowError(
+            f"{what} and on a small real copy in {err.where} ({err.reason}), so no dataflow was recorded; "
+            "check that the example inputs fit the model (names, shapes, value ranges)."
+        ) from err
+    flow.fallback = f"recorded on a real CPU copy with real inputs of the example shapes: {what}"
+    return flow
+
+
+def _record(model: nn.Module, args: tuple, kwargs: dict, cache_meta_ops: bool, assume_bool) -> Dataflow:
     modules, path_of = snapshot(model)
     rec = Recorder(path_of, use_cache=cache_meta_ops, assume_bool=assume_bool)
     handles = []
@@ -98,15 +152,96 @@ def record_dataflow(
             where = f"module '{where}'" if where else "the model itself"
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-            raise DataflowError(
-                f"The forward pass of {type(model).__name__} failed in {where} ({msg})."
-            ) from e
+            err = DataflowError(f"The forward pass of {type(model).__name__} failed in {where} ({msg}).")
+            err.where, err.reason, err.meta_bool = where, msg, rec.meta_bool_failed
+            raise err from e
     finally:
         for h in handles:
             h.remove()
         if gc_was_enabled:
             gc.enable()
     return Dataflow(model, modules, rec, output)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _uses_meta(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model or the inputs hold meta tensors (the only passes the real fallback redoes)."""
+    held = [*model.parameters(), *model.buffers(), *_tensors(args), *_tensors(kwargs)]
+    return any(t.is_meta for t in held)
+
+
+def _real_args(x, name: str = ""):
+    """``x`` with every meta tensor replaced by a real CPU one of its shape and dtype."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta:
+            return x
+        if x.dtype == torch.bool:
+            return torch.ones(x.shape, dtype=torch.bool)
+        if x.is_floating_point() or x.is_complex():
+            return torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(x.dtype)
+        return (torch.ones if "mask" in name else torch.zeros)(x.shape, dtype=x.dtype)
+    if isinstance(x, dict):
+        return {k: _real_args(v, str(k)) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_real_args(v, name) for v in x)
+    return x
+
+
+def _real_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """A real CPU copy of ``model`` with the same module paths, shapes and modes, or ``(None, why not)``."""
+    import copy
+
+    size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+    if size > REAL_FALLBACK_LIMIT:
+        return None, (
+            f"the model is too large for a real copy ({size / 1e6:.0f}M elements, the limit is "
+            f"{REAL_FALLBACK_LIMIT / 1e6:.0f}M)"
+        )
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
+    out = None
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(type(model), "config_class"):
+        try:  # a transformers model: its config rebuilds it with real buffers (position ids, rotary tables)
+            with torch.device("cpu"):
+                out = type(model)(copy.deepcopy(config))
+            dtypes = {d for _, _, d in shapes if d.is_floating_point}
+            if len(dtypes) == 1:
+                out = out.to(next(iter(dtypes)))
+            got = [(n, tuple(p.shape), p.dtype) for n, p in out.named_parameters(remove_duplicate=False)]
+            if got != shapes:
+                out = None
+        except Exception:  # noqa: BLE001 - a model its config does not rebuild: materialise a copy
+            out = None
+    if out is None:
+        try:
+            out = copy.deepcopy(model).to_empty(device="cpu")
+            gen = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for t in [*out.parameters(), *out.buffers()]:
+                    if t.is_floating_point():
+                        t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+                    else:
+                        t.zero_()
+        except Exception as err:  # noqa: BLE001 - reported as the reason
+            return (
+                None,
+                f"no real copy could be made ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
+            )
+    for (_, a), (_, b) in zip(
+        model.named_modules(remove_duplicate=False), out.named_modules(remove_duplicate=False)
+    ):
+        b.training = a.training
+    return out, ""
 
 
 class Dataflow:
@@ -118,6 +253,8 @@ class Dataflow:
       num_ops: number of recorded torch-level ops (including synthetic passthroughs).
       cache_hits / cache_misses: meta-op cache statistics of the pass.
       assumptions: ``(module path, "__bool__")`` for every guessed meta bool (see ``assume_bool``).
+      fallback: ``""``, or one sentence saying the pass was recorded on a real copy and why (see
+        ``real_fallback``).
 
     The module structure is snapshotted at record time; re-record after changing the model.
     """
@@ -138,6 +275,7 @@ class Dataflow:
         self.cache_hits = rec.cache_hits
         self.cache_misses = rec.cache_misses
         self.assumptions: list[tuple[str, str]] = list(rec.assumptions)
+        self.fallback = ""  # why the pass ran on a real copy instead of meta ("" when it did not)
         self._calls_of: dict[str, list[int]] = {}
         for c in self.calls:
             self._calls_of.setdefault(c.path, []).append(c.index)

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..errors import ScheduleError
 from ._collectives import exportable_sync_ops
+from .coupling import batchnorm_single_value, coupling_refusal, single_value_refusal
 from .order import _split_inputs, check_cuts, record_call_order, stage_ops
 
 ROOT_PREFIX = "model."
@@ -695,6 +697,19 @@ def _analyze_split(split_gm: fx.GraphModule, n: int):
     return inputs, outputs, liveness, input_names, producer
 
 
+def _check_batch_coupling(model: nn.Module, n_microbatches: int, mb_args: tuple, mb_kwargs: dict) -> None:
+    """Refuse micro-batches that BatchNorm or a contrastive loss cannot honour (see :mod:`.coupling`)."""
+    refusal = coupling_refusal(model, n_microbatches, "n_microbatches=1")
+    if refusal:
+        raise ScheduleError(refusal)
+    path = batchnorm_single_value(model, mb_args, mb_kwargs)
+    if path is not None:
+        rows = next((t.shape[0] for t in [*mb_args, *mb_kwargs.values()] if isinstance(t, torch.Tensor)), 1)
+        raise ScheduleError(
+            single_value_refusal(model, int(rows), path, "use fewer micro-batches or a bigger batch")
+        )
+
+
 def partition_pipeline(
     sch, example_inputs, n_microbatches: int = 1, output_fn: Callable[[Any], Any] | None = None
 ) -> PipelinePartition:
@@ -712,9 +727,15 @@ def partition_pipeline(
     Returns:
         PipelinePartition with ``len(cuts) + 1`` stages.
 
+    BatchNorm layers that a model in training mode has put in eval mode stay in eval mode (frozen:
+    running statistics); everything else is exported in training mode.
+
     Raises:
         ScheduleError: no cuts; a cut that cannot be honoured (runs twice, never runs, empty stage);
-            ``torch.export`` failing on the model; a stage count that differs from the cuts.
+            ``n_microbatches > 1`` with BatchNorm using batch statistics or a contrastive model (CLIP,
+            SigLIP: see :mod:`slapo_lab.pipeline.coupling`); a micro-batch that leaves a training BatchNorm
+            one value per channel; ``torch.export`` failing on the model; a stage count that differs from
+            the cuts.
     """
     from torch.distributed.pipelining import pipeline
 
@@ -732,9 +753,16 @@ def partition_pipeline(
     if order.ok:
         cuts, _ = stage_ops(cuts, order)
     root = _Root(model, output_fn or default_output_fn)
-    was_training = model.training
+    flags = [(m, m.training) for m in model.modules()]
+    # exported in training mode; BatchNorm a training model put in eval mode stays frozen (running stats)
+    frozen = (
+        [m for m in model.modules() if isinstance(m, _BatchNorm) and not m.training] if model.training else []
+    )
     model.train()
+    for m in frozen:
+        m.eval()
     try:
+        _check_batch_coupling(model, n_microbatches, mb_args, mb_kwargs)
         with _split_hooks(root, cuts), exportable_sync_ops():
             pipe = pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
     except ScheduleError:
@@ -743,7 +771,8 @@ def partition_pipeline(
         msg = f"{type(err).__name__}: {err}".splitlines()[0][:400]
         raise ScheduleError(f"Could not capture the model for pipelining with torch.export ({msg}).") from err
     finally:
-        model.train(was_training)
+        for m, training in flags:
+            m.training = training
     n = pipe.num_stages
     if n == len(cuts) + 1:
         _normalize_pipe(pipe)

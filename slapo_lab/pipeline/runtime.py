@@ -458,8 +458,10 @@ def build_pipeline(
     Raises:
         ScheduleError: unknown target or schedule; torch.distributed not initialised; no cuts or a cut that cannot be honoured; a stage
             count that does not match ``pp * stages_per_rank``; ``stages_per_rank > 1`` with a
-            single-stage schedule or with DeepSpeed; a batch not divisible by ``n_microbatches``; no
-            optimizer for DeepSpeed.
+            single-stage schedule or with DeepSpeed; a batch not divisible by ``n_microbatches``; 1F1B
+            with more than one but fewer micro-batches than stages (one micro-batch runs as GPipe);
+            micro-batches that BatchNorm or a contrastive loss cannot honour (see
+            :func:`~slapo_lab.pipeline.partition_pipeline`); no optimizer for DeepSpeed.
     """
     if target not in TARGETS:
         raise ScheduleError(f"Unknown pipeline target {target!r}; use one of {', '.join(TARGETS)}.")
@@ -491,6 +493,11 @@ def build_pipeline(
         raise ScheduleError(
             f"The schedule has {n_cuts} cuts, i.e. {n_cuts + 1} stages, but the pipeline group has "
             f"{pp} ranks x stages_per_rank={stages_per_rank} = {pp * stages_per_rank} stage slots."
+        )
+    if schedule == "1F1B" and target == "torch" and 1 < n_microbatches < n_cuts + 1:
+        raise ScheduleError(
+            f"The 1F1B schedule needs at least as many micro-batches as stages ({n_cuts + 1}), not "
+            f"n_microbatches={n_microbatches}; use more micro-batches, one, or schedule='GPipe'."
         )
     if pp_group is None:
         raise ScheduleError(
@@ -550,7 +557,9 @@ def build_pipeline(
     if schedule == "Interleaved1F1B":
         pm.schedule = ScheduleInterleaved1F1B(pm.stages, n_microbatches, loss_fn=loss_fn)
     else:
-        cls = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
+        # one micro-batch: 1F1B is GPipe's order (forward, then backward), which torch's 1F1B refuses
+        one = n_microbatches == 1 and partition.num_stages > 1
+        cls = ScheduleGPipe if schedule == "GPipe" or one else Schedule1F1B
         pm.schedule = cls(pm.stages[0], n_microbatches, loss_fn=loss_fn)
     if optimizer is not None:
         pm.optimizer = optimizer(pm.parameters())
