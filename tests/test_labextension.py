@@ -295,11 +295,13 @@ def test_graph_widget_in_real_browser(tmp_path):
             assert graph.locator("g.node").count() == 3
             assert graph.locator("title").count() == 0
 
-            # zoom with the wheel
+            # zoom with Ctrl+wheel (the plain wheel pans, and only a focused graph: test_browser_navigation.py)
             graph.scroll_into_view_if_needed()
             box = graph.bounding_box()
             page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            page.keyboard.down("Control")
             page.mouse.wheel(0, -150)  # a mild zoom: every node stays in the box
+            page.keyboard.up("Control")
             page.wait_for_function(
                 f"() => document.querySelector('{LAYER}').getAttribute('transform') !== '{IDENTITY}'"
             )

@@ -7,12 +7,27 @@
  * - `height`: CSS height of the box (default '420px');
  * - `reset_view`: a counter; each change resets pan/zoom to "fit";
  * - `render_id`: the id of the drawing in `svg` (the kernel bumps it with
- *   every new SVG; node tokens are positional, so a click names its drawing).
+ *   every new SVG; node tokens are positional, so a click names its drawing);
+ * - `highlighted`: tokens of the highlighted nodes (search matches): class
+ *   `slapo-highlighted` on them (and in the minimap), the other nodes dimmed;
+ * - `centre` / `centre_request`: each change of the counter centres the view on
+ *   the node `centre` (zooming in first if its text would be unreadably small).
  *
  * Zoom state: the view keeps its pan/zoom transform when `svg` changes (a
  * recolouring after a primitive call should not move the picture); it goes
- * back to the identity ("fit the whole graph") when `reset_view` changes or
- * when the user presses the fit button. Mouse: drag pans, wheel zooms.
+ * back to the identity (the home view: the whole drawing, or its top at a
+ * readable scale) when `reset_view` changes.
+ *
+ * Navigation (Netron / Model Explorer): drag pans. The wheel and a trackpad's
+ * two-finger scroll pan (deltaX and deltaY; Shift turns a vertical wheel into a
+ * horizontal pan) only while the graph has focus (a click in it, or Tab; the
+ * box gets `slapo-focused`); over an unfocused graph the event is left alone so
+ * the notebook scrolls (a hint says how to pan). Ctrl/Cmd+wheel and a pinch
+ * (delivered as a wheel event with ctrlKey) zoom about the pointer by
+ * exp(-deltaY * ZOOM_PER_PX), clamped per event and to SCALE_EXTENT. The "Fit"
+ * button fits the whole drawing (its getBBox) into the visible box. Drawings of
+ * more than MINIMAP_NODES nodes get a minimap: a small copy of the drawing with
+ * the visible part framed; a click or drag in it moves the view there.
  *
  * Messages to the kernel (custom messages):
  *   {event: 'click', node: token, render: id} and {event: 'dblclick', node: token, render: id},
@@ -28,6 +43,20 @@ import { nodeTooltip, sanitizeSvg, stripNativeTooltips } from './sanitize';
 import { MODULE_NAME, MODULE_VERSION } from './version';
 
 const SELECTED_CLASS = 'slapo-selected';
+const HIGHLIGHT_CLASS = 'slapo-highlighted';
+/** Zoom per CSS px of wheel deltaY for Ctrl+wheel / pinch: a 100-px notch is exp(0.15) = 1.16x. */
+const ZOOM_PER_PX = 0.0015;
+/** One wheel event never zooms by more than this factor (or less than its inverse). */
+const MAX_STEP_ZOOM = 1.5;
+/** Zoom transform scale limits, relative to the home view. */
+const SCALE_EXTENT: [number, number] = [0.02, 40];
+/** Drawings with more nodes than this get a minimap (graph_widget.py MINIMAP_NODES). */
+const MINIMAP_NODES = 40;
+/** The minimap's largest width / height in CSS px. */
+const MINIMAP_MAX_W = 180;
+const MINIMAP_MAX_H = 140;
+/** Margin (CSS px) left around the drawing by "Fit". */
+const FIT_MARGIN_PX = 8;
 /**
  * The smallest scale (CSS px per SVG user unit = point) the fit uses: 12-pt node names stay at
  * least 9 px and 10-pt badges 7.5 px. A drawing that would need less is shown from its top at this
@@ -113,6 +142,19 @@ export class GraphView extends DOMWidgetView {
   private _resizeObserver: ResizeObserver | null = null;
   /** `render_id` of the SVG on screen (sent back with every click). */
   private _renderId = 0;
+  private _layer: SVGGElement | null = null;
+  private _hint!: HTMLDivElement;
+  private _hintTimer = 0;
+  private _minimap!: HTMLDivElement;
+  private _miniSvg: SVGSVGElement | null = null;
+  private _miniView: SVGRectElement | null = null;
+  /** The drawing's box in layer coordinates (getBBox of the zoom layer, else the natural viewBox). */
+  private _drawing: { x: number; y: number; w: number; h: number } | null = null;
+  /** The nodes of the drawing and their minimap copies, in the same order. */
+  private _nodes: Element[] = [];
+  private _miniNodes: Element[] = [];
+  /** A centre request that arrived before the drawing could be measured. */
+  private _pendingCentre = false;
 
   render(): void {
     // this.el belongs to ipywidgets (its `layout` styles are applied to it, and
@@ -121,6 +163,13 @@ export class GraphView extends DOMWidgetView {
     this.el.classList.add('slapo-graph');
     this._box = document.createElement('div');
     this._box.className = 'slapo-graph-box';
+    // focusable, so that a click (or Tab) gives the graph the wheel; see _onWheel
+    this._box.tabIndex = 0;
+    this._box.setAttribute('role', 'group');
+    this._box.setAttribute(
+      'aria-label',
+      'Model graph: drag or (when focused) scroll to pan, Ctrl+scroll or pinch to zoom'
+    );
     this.el.appendChild(this._box);
 
     this._canvas = document.createElement('div');
@@ -134,10 +183,23 @@ export class GraphView extends DOMWidgetView {
     const fit = document.createElement('button');
     fit.className = 'slapo-graph-fit jp-Button';
     fit.type = 'button';
-    fit.title = 'Fit the whole graph (reset pan and zoom)';
+    fit.title = 'Fit the whole drawing into the view';
     fit.textContent = 'Fit';
-    fit.addEventListener('click', () => this.resetView());
+    fit.addEventListener('click', () => this.fitAll());
     this._box.appendChild(fit);
+
+    this._minimap = document.createElement('div');
+    this._minimap.className = 'slapo-graph-minimap';
+    this._minimap.title = 'Minimap: click or drag to move the view';
+    this._minimap.style.display = 'none';
+    this._minimap.addEventListener('pointerdown', this._onMiniDown);
+    this._box.appendChild(this._minimap);
+
+    this._hint = document.createElement('div');
+    this._hint.className = 'slapo-graph-hint';
+    this._hint.textContent = 'Click the graph to pan with the wheel · Ctrl+wheel or pinch zooms';
+    this._hint.style.display = 'none';
+    this._box.appendChild(this._hint);
 
     this._tooltip = document.createElement('div');
     this._tooltip.className = 'slapo-graph-tooltip';
@@ -150,14 +212,28 @@ export class GraphView extends DOMWidgetView {
     this._canvas.addEventListener('mousemove', this._onMove);
     this._canvas.addEventListener('mouseout', this._onOut);
     this._canvas.addEventListener('mouseleave', this._hideTooltip);
+    // capture: d3-zoom stops the mousedown's propagation, focus must still move here
+    this._box.addEventListener('pointerdown', this._onPointerDown, true);
+    this._box.addEventListener('wheel', this._onWheel, { passive: false });
+    this._box.addEventListener('focus', this._onFocusChange);
+    this._box.addEventListener('blur', this._onFocusChange);
 
     this.listenTo(this.model, 'change:svg', this._renderSvg);
     this.listenTo(this.model, 'change:selected', this._applySelection);
     this.listenTo(this.model, 'change:height', this._applyHeight);
     this.listenTo(this.model, 'change:reset_view', this.resetView);
+    this.listenTo(this.model, 'change:highlighted', this._applyHighlight);
+    this.listenTo(this.model, 'change:centre_request', this._requestCentre);
 
     if (typeof ResizeObserver !== 'undefined') {
-      this._resizeObserver = new ResizeObserver(() => this._fitViewBox());
+      this._resizeObserver = new ResizeObserver(() => {
+        this._fitViewBox();
+        this._measure();
+        this._updateMinimap();
+        if (this._pendingCentre) {
+          this._centreNow();
+        }
+      });
       this._resizeObserver.observe(this._canvas);
     }
 
@@ -167,6 +243,9 @@ export class GraphView extends DOMWidgetView {
 
   remove(): void {
     this._hideTooltip();
+    window.clearTimeout(this._hintTimer);
+    this._box.removeEventListener('wheel', this._onWheel);
+    this._endMiniDrag();
     this._resizeObserver?.disconnect();
     this._resizeObserver = null;
     if (this._svg) {
@@ -175,11 +254,164 @@ export class GraphView extends DOMWidgetView {
     return super.remove();
   }
 
-  /** Back to the identity transform: the whole graph fitted in the box. */
+  /** Back to the identity transform: the home view (see _fitViewBox). */
   resetView(): void {
     this._transform = zoomIdentity;
     if (this._svg && this._zoom) {
       select(this._svg).call(this._zoom.transform, zoomIdentity);
+    }
+  }
+
+  /** "Fit": the transform that shows the whole drawing, centred, inside the visible box. */
+  fitAll(): void {
+    const vis = this._visible();
+    const d = this._drawing;
+    if (!vis || !d || d.w <= 0 || d.h <= 0) {
+      this.resetView();
+      return;
+    }
+    const margin = FIT_MARGIN_PX / vis.pxPerUnit;
+    let k = Math.min((vis.w - 2 * margin) / d.w, (vis.h - 2 * margin) / d.h);
+    // never enlarge beyond the natural size (a three-node graph is not blown up)
+    if (this._natural) {
+      k = Math.min(k, this._natural.pxPerUnit / vis.pxPerUnit);
+    }
+    k = Math.max(SCALE_EXTENT[0], Math.min(SCALE_EXTENT[1], k));
+    const x = vis.x + (vis.w - k * d.w) / 2 - k * d.x;
+    const y = vis.y + (vis.h - k * d.h) / 2 - k * d.y;
+    this._setTransform(zoomIdentity.translate(x, y).scale(k));
+  }
+
+  private _setTransform(t: ZoomTransform): void {
+    if (this._svg && this._zoom) {
+      select(this._svg).call(this._zoom.transform, t);
+    }
+  }
+
+  /**
+   * The part of the root SVG's user space the box shows ({x, y, w, h}) and the CSS px per user
+   * unit; null while the box has no size. With preserveAspectRatio "meet" this can be larger
+   * than the viewBox, so it is measured from the screen matrix.
+   */
+  private _visible(): { x: number; y: number; w: number; h: number; pxPerUnit: number } | null {
+    const svg = this._svg;
+    if (!svg) {
+      return null;
+    }
+    const ctm = svg.getScreenCTM();
+    const rect = svg.getBoundingClientRect();
+    if (!ctm || !(ctm.a > 0) || rect.width <= 0 || rect.height <= 0) {
+      return null;
+    }
+    return {
+      x: (rect.left - ctm.e) / ctm.a,
+      y: (rect.top - ctm.f) / ctm.d,
+      w: rect.width / ctm.a,
+      h: rect.height / ctm.d,
+      pxPerUnit: ctm.a
+    };
+  }
+
+  /** Pan by (dx, dy) CSS px on screen: the drawing moves by that much. */
+  private _panByScreen(dx: number, dy: number): void {
+    const vis = this._visible();
+    if (!vis || (!dx && !dy)) {
+      return;
+    }
+    const t = this._transform;
+    this._setTransform(zoomIdentity.translate(t.x + dx / vis.pxPerUnit, t.y + dy / vis.pxPerUnit).scale(t.k));
+  }
+
+  /** The drawing's box in layer coordinates, from getBBox (needs layout); else the natural geometry. */
+  private _measure(): void {
+    const layer = this._layer;
+    if (!layer) {
+      this._drawing = null;
+      return;
+    }
+    let box: { x: number; y: number; w: number; h: number } | null = null;
+    try {
+      const b = layer.getBBox();
+      if (b.width > 0 && b.height > 0) {
+        box = { x: b.x, y: b.y, w: b.width, h: b.height };
+      }
+    } catch {
+      box = null; // not rendered yet (display: none): keep the natural geometry
+    }
+    if (!box && this._natural) {
+      const n = this._natural;
+      box = { x: n.x, y: n.y, w: n.w, h: n.h };
+    }
+    this._drawing = box;
+  }
+
+  private _hasFocus(): boolean {
+    const active = document.activeElement;
+    return !!active && this._box.contains(active);
+  }
+
+  private _onFocusChange = (): void => {
+    this._box.classList.toggle('slapo-focused', this._hasFocus());
+    if (this._hasFocus()) {
+      this._showHint(false);
+    }
+  };
+
+  private _onPointerDown = (event: PointerEvent): void => {
+    const target = event.target as Element | null;
+    if (target && typeof target.closest === 'function' && target.closest('button')) {
+      return; // the Fit button takes the focus itself
+    }
+    if (!this._hasFocus()) {
+      this._box.focus({ preventScroll: true });
+    }
+  };
+
+  /**
+   * Wheel: Ctrl/Cmd (a pinch sets ctrlKey) zooms about the pointer at a bounded rate, whether the
+   * graph has focus or not (the browser would otherwise zoom the whole page); a plain wheel or
+   * two-finger scroll pans only while the graph has focus, and otherwise is left to the notebook.
+   */
+  private _onWheel = (event: WheelEvent): void => {
+    if (!this._svg || !this._zoom) {
+      return;
+    }
+    const unit = event.deltaMode === 1 ? 16 : event.deltaMode === 2 ? this._canvas.clientHeight || 400 : 1;
+    let dx = event.deltaX * unit;
+    let dy = event.deltaY * unit;
+    if (event.ctrlKey || event.metaKey) {
+      event.preventDefault();
+      const factor = Math.min(MAX_STEP_ZOOM, Math.max(1 / MAX_STEP_ZOOM, Math.exp(-dy * ZOOM_PER_PX)));
+      const ctm = this._svg.getScreenCTM();
+      if (!ctm) {
+        return;
+      }
+      // the pointer in root user units: the point under it stays put
+      const px = (event.clientX - ctm.e) / ctm.a;
+      const py = (event.clientY - ctm.f) / ctm.d;
+      const t = this._transform;
+      const k = Math.max(SCALE_EXTENT[0], Math.min(SCALE_EXTENT[1], t.k * factor));
+      const r = k / t.k;
+      this._setTransform(zoomIdentity.translate(px - (px - t.x) * r, py - (py - t.y) * r).scale(k));
+      return;
+    }
+    if (!this._hasFocus()) {
+      this._showHint(true);
+      return; // no preventDefault: the notebook scrolls
+    }
+    event.preventDefault();
+    if (event.shiftKey && !dx) {
+      dx = dy;
+      dy = 0;
+    }
+    this._panByScreen(-dx, -dy);
+  };
+
+  private _showHint(show: boolean): void {
+    window.clearTimeout(this._hintTimer);
+    this._hint.style.display = show ? '' : 'none';
+    if (show) {
+      this._hintTimer = window.setTimeout(() => this._showHint(false), 1500);
     }
   }
 
@@ -199,6 +431,10 @@ export class GraphView extends DOMWidgetView {
     this._canvas.replaceChildren();
     this._svg = null;
     this._zoom = null;
+    this._layer = null;
+    this._drawing = null;
+    this._nodes = [];
+    this._buildMinimap(null);
 
     if (!text.trim()) {
       this._showMessage('(no graph)');
@@ -225,6 +461,8 @@ export class GraphView extends DOMWidgetView {
       }
     });
     stripNativeTooltips(svg);
+    this._nodes = Array.from(svg.querySelectorAll('g.node'));
+    const mini = this._nodes.length > MINIMAP_NODES ? (svg.cloneNode(true) as SVGSVGElement) : null;
 
     // Fit: the drawing is scaled into the box by the viewBox (never above its
     // natural size, so a three-node graph is not blown up); the zoom transform
@@ -243,22 +481,194 @@ export class GraphView extends DOMWidgetView {
     svg.appendChild(layer);
     this._canvas.appendChild(svg);
     this._svg = svg;
+    this._layer = layer;
     this._fitViewBox();
+    this._measure();
+    this._buildMinimap(mini);
 
     const behaviour = zoom<SVGSVGElement, unknown>()
-      .scaleExtent([0.05, 40])
+      .scaleExtent(SCALE_EXTENT)
       .on('zoom', event => {
         this._transform = event.transform as ZoomTransform;
         layer.setAttribute('transform', this._transform.toString());
         this._hideTooltip();
+        this._updateMinimap();
       });
     const sel: Selection<SVGSVGElement, unknown, null, undefined> = select(svg);
-    sel.call(behaviour).on('dblclick.zoom', null);
+    // d3's own wheel zoom is replaced by _onWheel (pan when focused, bounded Ctrl/pinch zoom)
+    sel.call(behaviour).on('dblclick.zoom', null).on('wheel.zoom', null);
     this._zoom = behaviour;
     // Keep the previous pan/zoom across re-renders.
     sel.call(behaviour.transform, this._transform);
 
     this._applySelection();
+    this._applyHighlight();
+    if (this._pendingCentre) {
+      this._centreNow();
+    }
+  }
+
+  // ---------------------------------------------------------------- minimap
+
+  /**
+   * Show `copy` (a clone of the sanitised drawing, or null for none) as the minimap: ids, text and
+   * the node/edge classes are dropped (no duplicate tokens, no hover styles), the graphviz
+   * transform kept; its viewBox is the drawing's box in layer coordinates, so a point in it is a
+   * point of the layer. The frame `_miniView` shows the visible part.
+   */
+  private _buildMinimap(copy: SVGSVGElement | null): void {
+    this._endMiniDrag();
+    this._minimap.replaceChildren();
+    this._miniSvg = null;
+    this._miniView = null;
+    this._miniNodes = [];
+    if (!copy || !this._drawing) {
+      this._minimap.style.display = 'none';
+      return;
+    }
+    copy.querySelectorAll('text, title').forEach(e => e.remove());
+    this._miniNodes = Array.from(copy.querySelectorAll('g.node'));
+    copy.querySelectorAll('[id]').forEach(e => e.removeAttribute('id'));
+    copy.querySelectorAll('g.node, g.edge, g.cluster').forEach(g => {
+      const cls = g.getAttribute('class') || '';
+      g.setAttribute('class', cls.replace(/\b(node|edge|cluster)\b/g, 'slapo-mini-$1'));
+    });
+    copy.removeAttribute('id');
+    copy.removeAttribute('width');
+    copy.removeAttribute('height');
+    copy.setAttribute('class', 'slapo-minimap-svg');
+    copy.setAttribute('preserveAspectRatio', 'xMidYMid meet');
+    copy.setAttribute('aria-hidden', 'true');
+    const d = this._drawing;
+    copy.setAttribute('viewBox', `${d.x} ${d.y} ${d.w} ${d.h}`);
+    const scale = Math.min(MINIMAP_MAX_W / d.w, MINIMAP_MAX_H / d.h);
+    this._minimap.style.width = `${Math.max(24, Math.round(d.w * scale))}px`;
+    this._minimap.style.height = `${Math.max(24, Math.round(d.h * scale))}px`;
+    const view = document.createElementNS(SVG_NS, 'rect') as SVGRectElement;
+    view.setAttribute('class', 'slapo-minimap-view');
+    view.setAttribute('vector-effect', 'non-scaling-stroke');
+    copy.appendChild(view);
+    this._minimap.appendChild(copy);
+    this._minimap.style.display = '';
+    this._miniSvg = copy;
+    this._miniView = view;
+  }
+
+  /** Move the minimap's frame to the visible part of the drawing (layer coordinates). */
+  private _updateMinimap(): void {
+    const view = this._miniView;
+    const vis = this._visible();
+    if (!view || !vis) {
+      return;
+    }
+    const t = this._transform;
+    const d = this._drawing;
+    let x0 = (vis.x - t.x) / t.k;
+    let y0 = (vis.y - t.y) / t.k;
+    let x1 = x0 + vis.w / t.k;
+    let y1 = y0 + vis.h / t.k;
+    if (d) {
+      // the frame is clipped to the drawing (a box wider than the drawing would leave only a band)
+      const clip = (a: number, lo: number, hi: number) => Math.min(hi, Math.max(lo, a));
+      [x0, x1] = [clip(x0, d.x, d.x + d.w), clip(x1, d.x, d.x + d.w)];
+      [y0, y1] = [clip(y0, d.y, d.y + d.h), clip(y1, d.y, d.y + d.h)];
+    }
+    view.setAttribute('x', String(x0));
+    view.setAttribute('y', String(y0));
+    view.setAttribute('width', String(Math.max(0, x1 - x0)));
+    view.setAttribute('height', String(Math.max(0, y1 - y0)));
+  }
+
+  /** Centre the view on the layer point under a minimap pointer event (keeps the zoom). */
+  private _moveToMini(event: PointerEvent): void {
+    const mini = this._miniSvg;
+    const vis = this._visible();
+    const ctm = mini?.getScreenCTM();
+    if (!mini || !vis || !ctm || !(ctm.a > 0)) {
+      return;
+    }
+    const px = (event.clientX - ctm.e) / ctm.a;
+    const py = (event.clientY - ctm.f) / ctm.d;
+    const k = this._transform.k;
+    this._setTransform(zoomIdentity.translate(vis.x + vis.w / 2 - k * px, vis.y + vis.h / 2 - k * py).scale(k));
+  }
+
+  private _onMiniDown = (event: PointerEvent): void => {
+    if (event.button !== 0 || !this._miniSvg) {
+      return;
+    }
+    event.preventDefault();
+    event.stopPropagation();
+    this._box.focus({ preventScroll: true });
+    this._moveToMini(event);
+    window.addEventListener('pointermove', this._onMiniMove, true);
+    window.addEventListener('pointerup', this._endMiniDrag, true);
+  };
+
+  private _onMiniMove = (event: PointerEvent): void => {
+    event.preventDefault();
+    this._moveToMini(event);
+  };
+
+  private _endMiniDrag = (): void => {
+    window.removeEventListener('pointermove', this._onMiniMove, true);
+    window.removeEventListener('pointerup', this._endMiniDrag, true);
+  };
+
+  // ---------------------------------------------------------------- highlight and centre
+
+  private _applyHighlight(): void {
+    if (!this._svg) {
+      return;
+    }
+    const tokens = new Set<string>((this.model.get('highlighted') as string[] | null) || []);
+    let any = false;
+    this._nodes.forEach((node, i) => {
+      const on = tokens.has(node.id);
+      any = any || on;
+      node.classList.toggle(HIGHLIGHT_CLASS, on);
+      this._miniNodes[i]?.classList.toggle(HIGHLIGHT_CLASS, on);
+    });
+    this._svg.classList.toggle('slapo-has-highlight', any);
+    this._miniSvg?.classList.toggle('slapo-has-highlight', any);
+  }
+
+  private _requestCentre(): void {
+    this._pendingCentre = true;
+    this._centreNow();
+  }
+
+  /**
+   * Centre the node `centre` in the visible box: zoom in first (about the box's centre) if its
+   * text would be smaller than MIN_FIT_SCALE px per point, then pan. Waits (keeps the request)
+   * while there is no drawing or the box has no size.
+   */
+  private _centreNow(): void {
+    const token: string = this.model.get('centre') || '';
+    if (!token) {
+      this._pendingCentre = false;
+      return;
+    }
+    const node = this._findNode(token);
+    const layer = this._layer;
+    if (!node || !layer || !this._visible()) {
+      return; // try again after the next render / resize
+    }
+    this._pendingCentre = false;
+    const layerCtm = layer.getScreenCTM();
+    const nat = this._natural;
+    if (layerCtm && nat && layerCtm.a / nat.pxPerUnit < MIN_FIT_SCALE) {
+      const vis = this._visible()!;
+      const t = this._transform;
+      const k = Math.min(SCALE_EXTENT[1], (t.k * MIN_FIT_SCALE * nat.pxPerUnit) / layerCtm.a);
+      const cx = vis.x + vis.w / 2;
+      const cy = vis.y + vis.h / 2;
+      const r = k / t.k;
+      this._setTransform(zoomIdentity.translate(cx - (cx - t.x) * r, cy - (cy - t.y) * r).scale(k));
+    }
+    const box = this._canvas.getBoundingClientRect();
+    const n = node.getBoundingClientRect();
+    this._panByScreen(box.left + box.width / 2 - (n.left + n.width / 2), box.top + box.height / 2 - (n.top + n.height / 2));
   }
 
   /**

@@ -251,6 +251,12 @@ _TP_INSIDE = "#e5f5e0"
 _CKPT = "#718096"  # legend swatch of the dashed border (readable on light and dark)
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 _CUT = "#d6336c"  # the bar after a cut (render.CUT_COLOUR)
+# The live numeric check's line: JupyterLab's theme colours (light and dark), with fallbacks outside it.
+_NUMERIC_COLOURS = {
+    "passed": "var(--jp-success-color1, #2e7d32)",
+    "failed": "var(--jp-error-color1, #c62828)",
+    "error": "var(--jp-error-color1, #c62828)",
+}
 _OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
 # The code panel shows at most _PANEL_LINES lines (the last ones); above _PANEL_FOLD_CALLS recorded calls it
 # does not fold repeats into loops (that reads every call on every redraw) and shows the last calls as typed.
@@ -272,6 +278,11 @@ class ScheduleEditor(W.VBox):
         schedule_file: a JSON schedule path kept in sync with the editor: restored (replayed) when the
             editor is created — so re-running the cell after a kernel restart brings the work back —
             and rewritten after every change.
+        live_check: after every change (debounced, in a background thread, cancelled by the next change),
+            run the schedule numerically on a shrunk copy of the model over simulated ranks and show ✓ or ✗
+            with the worst difference and the first module that differs
+            (:func:`slapo_lab.numeric.numeric_check`); needs ``example_inputs``. Default: on, unless the
+            environment sets ``SLAPO_LAB_LIVE_CHECK=0``.
 
     Attributes:
         schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
@@ -291,7 +302,10 @@ class ScheduleEditor(W.VBox):
         rank: int = 0,
         factory: str | None = None,
         schedule_file: str | None = None,
+        live_check: bool | None = None,
     ) -> None:
+        import os
+
         if not isinstance(model, nn.Module):
             raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
         self.model = model
@@ -317,13 +331,23 @@ class ScheduleEditor(W.VBox):
         self._pending = False
         self._flush_scheduled = False
         self._batch_depth = 0
-        self._log_lines: list[str] = []
+        self._log_lines: list[str] = []  # the visible log of the last Verify (no warnings)
+        self._verify_all: list[str] = []  # every line of it (the runner's result keeps them once it ends)
+        self._log_filter = None
+        self.live_check = (
+            os.environ.get("SLAPO_LAB_LIVE_CHECK", "1") != "0" if live_check is None else live_check
+        )
+        self.numeric_report = None  # the last live check's NumericReport for the current schedule
+        self._numeric_gen = 0  # bumped by every schedule change: an older check's result is dropped
+        self._numeric_cancel = threading.Event()
+        self._numeric_timer: threading.Timer | None = None
         self._build_widgets()
         super().__init__(
             children=[
                 self._header,
                 self._body,
                 self._message,
+                self._numeric_box,
                 self._file_bar,
                 self._costs_box,
                 self._code_box,
@@ -472,13 +496,19 @@ class ScheduleEditor(W.VBox):
         return [path]
 
     def search(self, text: str) -> int:
-        """Filter the module tree to names or types containing ``text`` (case-insensitive); returns matches."""
-        text = (text or "").strip().lower()
+        """Filter the module tree to names or types containing ``text`` (case-insensitive); returns matches.
+
+        Matches are listed by full module path (``encoder.layer.0.intermediate · BertIntermediate``);
+        the graph highlights every node that is or contains a match and centres the first one; no
+        match shows one sentence instead of an empty tree. An empty ``text`` restores the tree.
+        """
+        raw = (text or "").strip()
+        text = raw.lower()
         opts = (
             self._all_tree_options
             if not text
             else [
-                (label, path)
+                (f"{path or '(model)'} · {label.rsplit(' · ', 1)[-1]}", path)
                 for label, path in self._all_tree_options
                 if text in label.lower() or text in path.lower()
             ]
@@ -488,6 +518,21 @@ class ScheduleEditor(W.VBox):
         self._tree.options = opts
         self._tree.value = keep
         self._tree.observe(self._on_tree, names="value")
+        none = bool(text) and not opts
+        self._tree.layout.display = "none" if none else None
+        self._search_info.value = f"No module matches '{html.escape(raw)}'." if none else ""
+        hits = {p for _, p in opts} if text else set()
+        inside = {".".join(p.split(".")[:i]) for p in hits for i in range(1, p.count(".") + 1)}
+
+        def shows_match(_token: str, node: Any) -> bool:  # re-applied to every redraw of the graph
+            G = getattr(self, "_last_graph", None)
+            data = G.nodes[node] if G is not None and node in G else {}
+            if data.get("kind") not in ("module", "folded"):
+                return False
+            members = data.get("members") or [data.get("path", node)]
+            return any(m in hits or m in inside for m in members)
+
+        self._graph.highlight(shows_match if hits else None)
         return len(opts)
 
     @_serialized
@@ -837,12 +882,20 @@ class ScheduleEditor(W.VBox):
             The :class:`VerifyResult` if ``wait`` (None if it could not start), else the runner.
         """
         import tempfile
+        import time
 
-        from .verify_runner import VerifyRunner, cpu_verify_too_big, plan_device
+        from .verify_runner import LogFilter, VerifyRunner, cpu_verify_too_big, plan_device
 
         if self._runner is not None and self._runner.running:
             self._error("A Verify run is already in progress; wait for it or press Cancel.")
             return None
+        self._verify_t0 = time.monotonic()  # the bar and the phase show from the first second
+        self._verify_all, self._log_filter = [], LogFilter()
+        self._phase_name = "export"
+        self._progress.bar_style = ""
+        self._progress.value = 0
+        self._progress.layout.visibility = "visible"
+        self._show_phase(self._verify_t0)
         try:
             launcher, _, options = self._form_options()
             options, used = self._verify_options(launcher, options)
@@ -854,6 +907,7 @@ class ScheduleEditor(W.VBox):
                 )
             )
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
+            self._hide_progress()
             self._error(f"Verify could not start: {err}")
             return None
         nproc = self.num_ranks * options.get("dp", 1)
@@ -861,23 +915,28 @@ class ScheduleEditor(W.VBox):
         if dev == "cpu":
             too_big = cpu_verify_too_big(sum(p.numel() for p in self.model.parameters()), nproc)
             if too_big:
+                self._hide_progress()
                 self._error(too_big)
                 return None
         note = (note + " " if note else "") + used
         self._log_lines = []
         self._log.value = ""
         self._progress.layout.visibility = "visible"
-        self._progress.value = 0
+        self._progress.value = 1  # exported; now launching
+        self._phase_name = "launch"
+        self._show_phase(time.monotonic())
         self._btn_cancel.disabled = False
         self._btn_verify.disabled = True
         self._info(note + f" Verifying on {nproc} rank(s)…")
-        self._runner = VerifyRunner(on_line=self._on_verify_line, on_done=self._on_verify_done)
+        self._runner = VerifyRunner(
+            on_line=self._on_verify_line, on_done=self._on_verify_done, on_phase=self._on_verify_phase
+        )
         try:
             self._runner.start(script, nproc, dev, timeout=timeout, note=note)
         except (OSError, RuntimeError) as err:  # the buttons must never stay disabled
             self._btn_cancel.disabled = True
             self._btn_verify.disabled = False
-            self._progress.layout.visibility = "hidden"
+            self._hide_progress()
             self._error(f"Verify could not start: {err}")
             return None
         if wait:
@@ -936,14 +995,77 @@ class ScheduleEditor(W.VBox):
         """Cancel a running Verify; returns whether one was running."""
         return self._runner is not None and self._runner.cancel()
 
+    def _hide_progress(self) -> None:
+        self._progress.layout.visibility = "hidden"
+        self._phase.value = ""
+
+    def verify_log(self) -> list[str]:
+        """Every output line of the last (or current) Verify run, warnings included (the panel hides them)."""
+        runner = self._runner
+        if runner is None:
+            return []
+        return list(runner.result.lines) if runner.result is not None else list(self._verify_all)
+
+    def _on_verify_phase(self, name: str) -> None:
+        """A phase began (:mod:`slapo_lab.train.phases`): name it beside the bar and move the bar."""
+        import time
+
+        from ..train.phases import PHASES
+
+        order = list(PHASES)
+        if name not in order:
+            return
+        if name == "train":  # Verify runs one step after it passed; the bar stays on "compare"
+            return
+        self._phase_name = name
+        self._progress.value = order.index(name)
+        self._show_phase(time.monotonic())
+
+    def _show_phase(self, now: float) -> None:
+        from ..train.phases import PHASES
+
+        name = getattr(self, "_phase_name", "export")
+        i = list(PHASES).index(name)
+        secs = now - getattr(self, "_verify_t0", now)
+        self._phase.value = (
+            f"<span class='slapo-phase'>Verify {i + 1}/{len(PHASES)}: {html.escape(PHASES[name])} "
+            f"<small>({secs:.0f} s)</small></span>"
+        )
+
     def _on_verify_line(self, line: str) -> None:
-        """One output line (already cut at MAX_LINE_CHARS by the runner); the panel keeps the last 200."""
+        """One output line (already cut at MAX_LINE_CHARS by the runner). The panel shows the last 40 lines
+        that are not warnings or phase markers (:class:`~slapo_lab.editor.verify_runner.LogFilter`);
+        :meth:`verify_log` has them all."""
+        import time
+
+        if self._log_filter is None:
+            from .verify_runner import LogFilter
+
+            self._log_filter = LogFilter()
+        self._verify_all.append(line)
+        del self._verify_all[:-5000]
+        self._show_phase(time.monotonic())
+        if not self._log_filter.visible(line):
+            if self._log_filter.hidden and self._log_lines:
+                self._render_log()
+            return
         self._log_lines.append(line)
         del self._log_lines[:-200]
-        self._progress.value = min(self._progress.max - 1, self._progress.value + 1)
-        self._log.value = f"<pre class='slapo-log'>{html.escape(chr(10).join(self._log_lines[-40:]))}</pre>"
+        self._render_log()
+
+    def _render_log(self) -> None:
+        hidden = self._log_filter.hidden
+        note = (
+            f"({hidden} warning line{'s' if hidden != 1 else ''} hidden; editor.verify_log() has every line)\n"
+            if hidden
+            else ""
+        )
+        self._log.value = (
+            f"<pre class='slapo-log'>{html.escape(note + chr(10).join(self._log_lines[-40:]))}</pre>"
+        )
 
     def _on_verify_done(self, result) -> None:
+        self._on_verify_phase("done")
         self._progress.value = self._progress.max
         self._progress.bar_style = "success" if result.status == "passed" else "danger"
         self._btn_cancel.disabled = True
@@ -1357,6 +1479,7 @@ class ScheduleEditor(W.VBox):
         if getattr(self, "_form_updating", False):
             return
         self._on_launcher()
+        self._refresh_cluster()
         self._refresh_costs()
 
     def _on_export(self) -> None:
@@ -1374,15 +1497,16 @@ class ScheduleEditor(W.VBox):
     def _build_widgets(self) -> None:
         name = type(self.model).__name__
         nparams = sum(p.numel() for p in self.model.parameters())
-        self._header = W.HTML(
-            f"<b>slapo-lab</b> · {html.escape(name)} · {_count(nparams)} parameters · "
-            f"world size {self.world_size} (planning for rank {self.rank})"
-        )
+        self._numeric_box = W.HTML()
+        self._header_base = f"<b>slapo-lab</b> · {html.escape(name)} · {_count(nparams)} parameters · "
+        self._header = W.HTML(self._header_base)
         self._all_tree_options = self._tree_options()
         self._tree = W.Select(options=self._all_tree_options, rows=30, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
         self._search = W.Text(placeholder="search name or type", layout=W.Layout(width="100%"))
         self._search.observe(lambda ch: self.search(ch["new"]), names="value")
+        self._search_info = W.HTML()  # "No module matches 'xyz'." instead of an empty tree
+        self._search_info.add_class("slapo-search-info")
         self._crumbs = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self._graph = GraphWidget(height="600px", layout=W.Layout(width="100%"))
         self._graph.on_node_click(lambda tok, path: self._on_node_click(path))
@@ -1447,12 +1571,41 @@ class ScheduleEditor(W.VBox):
             options=list(GPU_SIZES.items()), value=80e9, description="GPU", layout=W.Layout(width="320px")
         )
         self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
+        from .cluster import ClusterShape, tp_choices
+
+        self._cluster = ClusterShape(1, max(1, self.world_size))  # one node of one replica: dp 1, as the form
+        self._cluster_set = False  # dp follows the cluster only once the user sets its shape
+        self._nodes = W.BoundedIntText(
+            value=1, min=1, max=100_000, description="nodes", layout=W.Layout(width="140px")
+        )
+        self._gpn = W.BoundedIntText(
+            value=self._cluster.gpus_per_node,
+            min=1,
+            max=1024,
+            description="GPUs/node",
+            layout=W.Layout(width="170px"),
+        )
+        self._tp = W.Dropdown(
+            options=tp_choices(self._cluster, self.world_size),
+            value=self.world_size,
+            description="TP",
+            layout=W.Layout(width="120px"),
+        )
+        for w in (self._nodes, self._gpn, self._tp):
+            w.style = {"description_width": "initial"}
+        self._nodes.observe(self._on_cluster, names="value")
+        self._gpn.observe(self._on_cluster, names="value")
+        self._tp.observe(self._on_tp, names="value")
+        self._cluster_info = W.HTML()
         self._costs = W.HTML()
         self._costs_text = W.HTML()
         narrow = {"description_width": "48px"}
         for w in (self._param, self._axis, self._sync, self._preset, self._preset_k):
             w.style = narrow
-        left = W.VBox([W.HTML("<b>Modules</b>"), self._search, self._tree], layout=W.Layout(width="22%"))
+        left = W.VBox(
+            [W.HTML("<b>Modules</b>"), self._search, self._search_info, self._tree],
+            layout=W.Layout(width="22%"),
+        )
         self._legend = W.HTML()
         self._legend.add_class("slapo-legend")
         center = W.VBox([self._crumbs, self._graph, self._legend], layout=W.Layout(width="48%"))
@@ -1476,7 +1629,8 @@ class ScheduleEditor(W.VBox):
                     "activations of one micro-batch; dp, FSDP and ZeRO as set in the Export "
                     "form)"
                 ),
-                self._gpu,
+                W.HBox([self._nodes, self._gpn, self._gpu, self._tp]),
+                self._cluster_info,
                 self._costs_text,
                 self._costs,
             ]
@@ -1517,14 +1671,19 @@ class ScheduleEditor(W.VBox):
         self._btn_cancel = W.Button(description="Cancel", icon="stop", disabled=True)
         self._btn_verify.on_click(lambda _: self.verify())
         self._btn_cancel.on_click(lambda _: self.cancel_verify())
+        from ..train.phases import PHASES
+
         self._progress = W.IntProgress(
-            value=0, min=0, max=60, layout=W.Layout(visibility="hidden", width="30%")
+            value=0, min=0, max=len(PHASES) - 1, layout=W.Layout(visibility="hidden", width="30%")
         )
+        self._phase = W.HTML()  # "Verify 3/6: building this rank's shards … (12 s)"
         self._log = W.HTML()
         self._btn_undo.on_click(lambda _: self.undo())
         self._btn_redo.on_click(lambda _: self.redo())
         self._check = W.HTML()
         self._check.add_class("slapo-check")
+        self._coverage = W.HTML()  # "Kept whole on every rank: …" (check_schedule's "replicated" finding)
+        self._coverage.add_class("slapo-coverage")
         self._btn_fix = W.Button(
             description="close open items",
             icon="wrench",
@@ -1538,11 +1697,12 @@ class ScheduleEditor(W.VBox):
                     "<b>Schedule</b> (recorded calls — typing on <code>editor.schedule</code> lands here too)"
                 ),
                 self._check,
+                self._coverage,
                 self._btn_fix,
                 self._code,
                 W.HBox([self._btn_undo, self._btn_redo]),
                 self._export_box,
-                W.HBox([self._btn_verify, self._btn_cancel, self._progress]),
+                W.HBox([self._btn_verify, self._btn_cancel, self._progress, self._phase]),
                 self._log,
             ]
         )
@@ -1828,6 +1988,8 @@ class ScheduleEditor(W.VBox):
                     f"The dataflow was recorded by assuming that a data-dependent condition in {where} "
                     "is true (meta tensors have no values), so the edges there show that branch only."
                 )
+            if getattr(self._flow, "fallback", ""):
+                self._flow_error = f"The dataflow was {self._flow.fallback.rstrip('.')}."
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             self._flow = None
             reason = str(err).splitlines()[0][:200].rstrip(".")
@@ -2220,6 +2382,12 @@ class ScheduleEditor(W.VBox):
             _log.warning("schedule check failed", exc_info=True)
             found = []
         self._btn_fix.layout.display = "" if found else "none"
+        rep = self.numeric_report
+        if not found and rep is not None and rep.status in ("failed", "error"):
+            from ..check import Finding
+
+            found = [Finding(rep.module, "numeric", rep.message)]
+        self._refresh_coverage()
         if not found:
             self._check.value = ""
             return
@@ -2235,16 +2403,188 @@ class ScheduleEditor(W.VBox):
             f"fail):<ul>{items}{more}</ul></div>"
         )
 
+    # ------------------------------------------------------------------ the cluster shape
+    @_serialized
+    def set_cluster(self, nodes: int, gpus_per_node: int) -> str | None:
+        """Plan for ``nodes`` x ``gpus_per_node`` GPUs: data parallelism fills the cluster with replicas of
+        TP x PP GPUs (the export form's dp follows), and the header states the three degrees in words.
+
+        Returns:
+            None, or the one sentence saying why the shape does not fit (it is kept, dp the largest that fits).
+        """
+        from .cluster import ClusterShape
+
+        try:
+            shape = ClusterShape(nodes, gpus_per_node)
+        except ValueError as err:
+            return self._error(str(err))
+        self._cluster, self._cluster_set = shape, True
+        for w, v in ((self._nodes, nodes), (self._gpn, gpus_per_node)):
+            if w.value != v:
+                w.unobserve(self._on_cluster, names="value")
+                w.value = v
+                w.observe(self._on_cluster, names="value")
+        problem = self._refresh_cluster()
+        self._refresh_costs()
+        return self._error(problem) if problem else None
+
+    @_serialized
+    def set_tp(self, degree: int) -> str | None:
+        """Change the tensor-parallel degree: every recorded action replays at ``degree`` ranks (presets'
+        choices included, as recorded), or, when one cannot, the schedule stays at its degree and the reason
+        is said in one sentence (returned).
+        """
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            return self._error(f"The tensor-parallel degree must be a positive whole number, not {degree!r}.")
+        old = self.world_size
+        if degree == old:
+            return None
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        n = len(self.schedule.record.calls)
+        old_rank = self.rank
+        self.world_size = degree
+        self.rank = self.rank if self.rank < degree else 0
+        try:
+            with self._working(f"replaying {n} calls at TP {degree}"):
+                self._rebuild(self.schedule.record.actions())
+        except Exception as err:  # noqa: BLE001 - the schedule stays whole at its degree
+            self.world_size, self.rank = old, old_rank
+            self._refresh_cluster()
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            return self._error(f"The schedule stays at TP {old}: at TP {degree} {msg[:1].lower() + msg[1:]}")
+        self._info(f"Replayed {n} recorded call{'s' if n != 1 else ''} at TP {degree} (was TP {old}).")
+        return None
+
+    def _on_cluster(self, _change=None) -> None:
+        self.set_cluster(int(self._nodes.value), int(self._gpn.value))
+
+    def _on_tp(self, change) -> None:
+        if change["new"] != self.world_size:
+            self.set_tp(int(change["new"]))
+
+    def _refresh_cluster(self) -> str | None:
+        """The header's degrees, the TP choices, the cluster line and (once the user set the shape) the form's
+        dp; returns the sentence saying why the shape does not fit, or None."""
+        from .cluster import data_parallel, degrees_text, tp_choices
+
+        pp = self.num_ranks // self.world_size
+        dp, problem = data_parallel(self._cluster, self.world_size, pp)
+        if self._cluster_set and str(self._f_dp.value).strip() != str(dp):
+            self._f_dp.value = str(dp)
+        dp_form, shard, _ = self._plan_layout()
+        degrees = degrees_text(self.world_size, pp, dp_form, shard)
+        self._header.value = self._header_base + html.escape(degrees) + f" (planning for rank {self.rank})"
+        choices = tp_choices(self._cluster, self.world_size)
+        if list(self._tp.options) != choices or self._tp.value != self.world_size:
+            self._tp.unobserve(self._on_tp, names="value")
+            self._tp.options = choices
+            self._tp.value = self.world_size
+            self._tp.observe(self._on_tp, names="value")
+        self._cluster_info.value = (
+            f"<small>{html.escape(str(self._cluster))}: {html.escape(degrees)}"
+            + (f" — {html.escape(problem)}" if problem else "")
+            + "</small>"
+        )
+        return problem
+
+    def _refresh_coverage(self) -> None:
+        """One line under the open items naming the dense layers kept whole while others are sharded (right,
+        but neither their memory nor their compute is split); empty when none."""
+        from ..check import coverage_findings
+
+        try:
+            found = coverage_findings(self.schedule)
+        except Exception:  # noqa: BLE001 - advice only: the view must never break the engine
+            _log.warning("coverage check failed", exc_info=True)
+            found = []
+        self._coverage.value = (
+            f"<div class='slapo-coverage-line' style='color: var(--jp-ui-font-color2, #616161)'>&#9432; "
+            f"{html.escape(found[0].message)} Verify passes; their memory and compute are not split.</div>"
+            if found
+            else ""
+        )
+
     def _refresh_all(self, reset_view: bool = False) -> None:
         """Redraw after the schedule changed: the view, the code panel, the schedule check and the costs."""
+        self.numeric_report = None  # the last live check was of another schedule
+        self._refresh_cluster()
         self._refresh_code()
         self._refresh_check()
         self._refresh_costs()
         self._refresh_view(reset_view)
         self._refresh_history()
+        self._schedule_numeric()
         loop = _running_loop()
         if loop is not None and self.example_inputs:  # in a kernel: once this cell / click is done
             loop.call_soon(self._prefetch_checks)
+
+    # ------------------------------------------------------------------ the live numeric check
+    #: seconds of quiet after a change before the live check starts (a burst of clicks runs one check)
+    NUMERIC_DEBOUNCE = 0.6
+
+    def numeric_check(self):
+        """Run the numeric check now, in this thread, on the current schedule (what the live check shows):
+        the recorded calls replayed on a shrunk copy of the model over ``world_size`` simulated ranks and
+        compared with the unsharded copy (:func:`slapo_lab.numeric.numeric_check`).
+
+        Returns:
+            The :class:`~slapo_lab.numeric.NumericReport` (also shown under the message line, and a failure is
+            listed with the open items).
+        """
+        with self._lock:
+            self._numeric_gen += 1
+            gen, calls = self._numeric_gen, list(self.schedule.record.calls)
+        return self._run_numeric(gen, calls, threading.Event())
+
+    def _schedule_numeric(self) -> None:
+        """Cancel the check under way and start one :attr:`NUMERIC_DEBOUNCE` seconds after the last change."""
+        self._numeric_gen += 1
+        self._numeric_cancel.set()
+        if self._numeric_timer is not None:
+            self._numeric_timer.cancel()
+        self.numeric_report = None
+        if not (self.live_check and self.example_inputs):
+            self._numeric_box.value = ""
+            return
+        self._numeric_cancel = threading.Event()
+        self._numeric_box.value = "<div class='slapo-numeric slapo-numeric-running'>Numeric check: waiting for the clicks to settle…</div>"
+        self._numeric_timer = threading.Timer(
+            self.NUMERIC_DEBOUNCE,
+            self._run_numeric,
+            args=(self._numeric_gen, list(self.schedule.record.calls), self._numeric_cancel),
+        )
+        self._numeric_timer.daemon = True
+        self._numeric_timer.start()
+
+    def _run_numeric(self, gen: int, calls: list, cancel: threading.Event):
+        from ..numeric import numeric_check
+
+        if gen == self._numeric_gen:
+            self._numeric_box.value = (
+                f"<div class='slapo-numeric slapo-numeric-running'>Numeric check: running on {self.world_size} "
+                f"simulated rank{'s' if self.world_size > 1 else ''}…</div>"
+            )
+        try:
+            report = numeric_check(self.model, calls, self.world_size, self.example_inputs, cancelled=cancel)
+        except Exception as err:  # noqa: BLE001 - the live check is advice: it must never break the editor
+            _log.warning("numeric check failed", exc_info=True)
+            from ..numeric import NumericReport
+
+            report = NumericReport("skipped", f"The numeric check could not run: {type(err).__name__}: {err}")
+        if gen != self._numeric_gen or cancel.is_set():
+            return report  # the schedule changed meanwhile: a newer check shows its own result
+        self.numeric_report = report
+        mark = {"passed": "&#10003;", "failed": "&#10007;", "error": "&#10007;"}.get(report.status, "&#8226;")
+        colour = _NUMERIC_COLOURS.get(report.status, "var(--jp-ui-font-color2, #616161)")
+        self._numeric_box.value = (
+            f"<div class='slapo-numeric slapo-numeric-{report.status}' style='color: {colour}' title='a shrunk "
+            f"copy, simulated ranks: Verify is the full proof'>{mark} {html.escape(report.message)} "
+            f"<small>({report.seconds:.1f} s)</small></div>"
+        )
+        with self._lock:
+            self._refresh_check()  # a failure is an open item; a pass clears the previous one
+        return report
 
     def _refresh_history(self) -> None:
         """Undo is enabled only with something to undo, Redo only with something to redo."""

@@ -1,8 +1,9 @@
 """GraphWidget: a graphviz SVG shown in JupyterLab with pan, zoom, click and double-click.
 
 The browser half is the ``slapo-lab`` labextension (``labextension/src/widget.ts``): it sanitises
-the SVG (DOMPurify, SVG profile), lets the user pan (drag) and zoom (wheel), highlights the
-``selected`` node and sends custom messages back to the kernel::
+the SVG (DOMPurify, SVG profile), lets the user pan and zoom (see *Navigation* below), highlights the
+``selected`` node and the ``highlighted`` ones (search matches) and sends custom messages back to the
+kernel::
 
     {"event": "click", "node": "<token>", "render": <render id>}
     {"event": "dblclick", "node": "<token>", "render": <render id>}
@@ -22,25 +23,41 @@ callbacks as one sentence instead of raising.
 
 Zoom: the browser keeps its pan/zoom when ``svg`` changes (e.g. only colours changed). Call
 :meth:`GraphWidget.reset_zoom` (or pass ``reset_view=True`` to :meth:`GraphWidget.set_graph`) to
-fit the whole graph again, e.g. after showing a different level of the model.
+go back to the home view, e.g. after showing a different level of the model: the whole drawing,
+or, when that would make its text unreadably small, its top at a readable scale.
+
+Navigation (browser only, as in Netron / Model Explorer): drag pans. The wheel and a trackpad's
+two-finger scroll pan (both axes) only while the graph has focus (click it, or Tab to it; a focused
+graph has a brand-coloured frame); over an unfocused graph they scroll the notebook as usual.
+Ctrl+wheel (and a trackpad pinch, which browsers deliver as a wheel event with ``ctrlKey``) zooms
+about the pointer by ``exp(-deltaY * 0.0015)`` (a 100-px wheel notch is 1.16x; scale clamped). The
+"Fit" button fits the whole drawing into the box; levels of more than :data:`MINIMAP_NODES` nodes
+get a minimap (a small copy of the drawing with the visible part framed; click or drag it to move).
+
+Search: :meth:`GraphWidget.highlight` marks nodes (the synced ``highlighted`` tokens get the
+``slapo-highlighted`` class, the others are dimmed) and asks the browser to centre the first one
+(``centre`` + the ``centre_request`` counter). The rule is kept and re-applied to every new drawing
+(tokens change with each :meth:`set_graph`), without centring again.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ipywidgets as widgets
-from traitlets import Int, Unicode
+from traitlets import Int, List, Unicode
 
-__all__ = ["MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
+__all__ = ["MINIMAP_NODES", "MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
 
 #: npm package / widget module name of the browser half.
 MODULE_NAME = "slapo-lab"
 #: Semver range of the browser module this Python class talks to (package.json ``version``).
 MODULE_VERSION = "^0.1.0"
+#: Drawings with more nodes than this get a minimap in the browser (``widget.ts`` ``MINIMAP_NODES``).
+MINIMAP_NODES = 40
 
 _EVENTS = ("click", "dblclick")
 #: A token made with :meth:`GraphWidget.next_token_prefix`: ``d<drawing>n<node>``.
@@ -77,6 +94,13 @@ class GraphWidget(widgets.DOMWidget):
         A counter: each change makes the browser reset pan/zoom to "fit the whole graph".
     render_id : int
         Id of the current drawing; :meth:`set_graph` increments it together with ``svg``.
+    highlighted : list[str]
+        Tokens of the highlighted nodes (search matches); set with :meth:`highlight`.
+    centre : str
+        Token of the node to centre the view on; the browser does it each time ``centre_request``
+        changes (so asking twice for the same node centres it twice).
+    centre_request : int
+        A counter: each change makes the browser centre ``centre`` (see :meth:`centre_on`).
 
     Callbacks are called as ``callback(token, path)`` for clicks and double clicks, and as
     ``callback(message)`` (one sentence) for malformed browser messages. A double click in the
@@ -95,6 +119,9 @@ class GraphWidget(widgets.DOMWidget):
     height = Unicode("420px", help="CSS height of the view").tag(sync=True)
     reset_view = Int(0, help="bump to reset the browser's pan/zoom").tag(sync=True)
     render_id = Int(0, help="id of the current drawing; clicks carry it back").tag(sync=True)
+    highlighted = List(Unicode(), help="tokens of the highlighted nodes (search matches)").tag(sync=True)
+    centre = Unicode("", help="token of the node to centre on when centre_request changes").tag(sync=True)
+    centre_request = Int(0, help="bump to centre the view on the node `centre`").tag(sync=True)
 
     def __init__(self, svg: str = "", node_ids: Mapping[str, str] | None = None, **kwargs: Any) -> None:
         #: Token (graphviz node ``id``) → module path, for the nodes of the current ``svg``.
@@ -102,6 +129,8 @@ class GraphWidget(widgets.DOMWidget):
         self._click_handlers = widgets.CallbackDispatcher()
         self._dblclick_handlers = widgets.CallbackDispatcher()
         self._error_handlers = widgets.CallbackDispatcher()
+        #: The rule of the last :meth:`highlight` (re-applied to each new drawing), or None.
+        self._highlight_rule: Callable[[str, Any], bool] | None = None
         super().__init__(svg=svg, **kwargs)
         self.on_msg(self._on_browser_msg)
 
@@ -130,12 +159,52 @@ class GraphWidget(widgets.DOMWidget):
         with self.hold_sync():
             self.render_id += 1
             self.svg = svg
+            self.highlighted = self._matching(self._highlight_rule)
+            if self.centre not in self.node_ids:
+                self.centre = ""
             if reset_view:
                 self.reset_view += 1
 
     def reset_zoom(self) -> None:
-        """Make every browser view fit the whole graph again (resets pan and zoom)."""
+        """Put every browser view back to its home view (resets pan and zoom)."""
         self.reset_view += 1
+
+    def highlight(
+        self,
+        match: Callable[[str, Any], bool] | Iterable[str] | None,
+        centre: bool = True,
+    ) -> list[str]:
+        """Highlight the nodes ``match`` names and (``centre=True``) centre the view on the first.
+
+        ``match`` is ``callback(token, node)`` → bool, asked for every node of the current drawing
+        in drawing order (``node`` is the ``node_ids`` value), or a collection of ``node_ids`` values
+        (module paths) to highlight, or None (or empty) to clear. The rule is kept: each later
+        :meth:`set_graph` highlights the matching nodes of the new drawing (without centring). Returns
+        the highlighted tokens; a rule that raises highlights nothing and is reported to ``on_error``.
+        """
+        if match is None:
+            rule = None
+        elif callable(match):
+            rule = match
+        else:
+            wanted = {str(path) for path in match}
+            rule = (lambda _tok, node: node in wanted) if wanted else None
+        self._highlight_rule = rule
+        tokens = self._matching(rule)
+        with self.hold_sync():
+            self.highlighted = tokens
+            if centre and tokens:
+                self.centre_on(tokens[0])
+        return tokens
+
+    def centre_on(self, token: str) -> bool:
+        """Ask every browser view to centre ``token``'s node; False (nothing asked) if it is not drawn."""
+        if token not in self.node_ids:
+            return False
+        with self.hold_sync():
+            self.centre = token
+            self.centre_request += 1
+        return True
 
     def on_node_click(self, callback: Callable[[str, str], Any], remove: bool = False) -> None:
         """Register ``callback(token, path)`` for clicks on a node (``remove=True`` unregisters)."""
@@ -150,6 +219,17 @@ class GraphWidget(widgets.DOMWidget):
         self._error_handlers.register_callback(callback, remove=remove)
 
     # ------------------------------------------------------------------ internals
+
+    def _matching(self, rule: Callable[[str, Any], bool] | None) -> list[str]:
+        """Tokens of the current drawing that ``rule`` accepts (drawing order); [] if it raises."""
+        if rule is None:
+            return []
+        try:
+            return [tok for tok, node in self.node_ids.items() if rule(tok, node)]
+        except Exception as exc:  # noqa: BLE001 - a bad rule must not break a redraw
+            _log.exception("slapo-lab GraphWidget highlight rule failed")
+            self._report(f"Highlighting failed ({type(exc).__name__}: {exc}); nothing is highlighted.")
+            return []
 
     def _on_browser_msg(self, _widget: Any, content: Any, _buffers: Any = None) -> None:
         """Validate one custom message from the browser and dispatch it; never raises."""
