@@ -3,13 +3,14 @@
 The public API, and nothing else: the editor and exported scripts use only these names.
 """
 
-from . import graph, presets
+from . import framework_dialect, graph, op, pattern, pipeline, presets, sharding, utils
 from .build import build
 from .check import Finding, check_schedule, close_open_items
 from .errors import ScheduleError
 from .export import ExportError, export_script, load_schedule, save_schedule
 from .init import consolidate_model, init_empty_weights
 from .module_state import peek_meta as module_state
+from .pipeline import analyze_tie_weights
 from .plan import Plan, plan
 from .primitives import Primitive, list_primitives, register_primitive
 from .primitives.replace import LinearWithSeparateBias
@@ -62,6 +63,7 @@ __all__ = [
     "TPGroup",
     "Verify",
     "VerifyReport",
+    "analyze_tie_weights",
     "build",
     "call_module",
     "check_primitive",
@@ -72,6 +74,7 @@ __all__ = [
     "create_schedule",
     "export_script",
     "format_call",
+    "framework_dialect",
     "get_cuda_rng_tracker",
     "graph",
     "init_empty_weights",
@@ -79,6 +82,9 @@ __all__ = [
     "list_primitives",
     "load_schedule",
     "module_state",
+    "op",
+    "pattern",
+    "pipeline",
     "plan",
     "presets",
     "record_example_inputs",
@@ -86,6 +92,8 @@ __all__ = [
     "replay",
     "save_schedule",
     "set_random_seed",
+    "sharding",
+    "utils",
     "verify_models",
 ]
 

@@ -245,6 +245,7 @@ class _Opts:
     leaf_paths: set = field(default_factory=set)
     leaf_names: set = field(default_factory=set)
     leaf_types: tuple = ()
+    dummy_inputs: bool = False  # tracer="pytorch": may record a HF model's dummy_inputs for torch.export
 
     def user_leaf(self, mod: nn.Module, rel: str) -> bool:
         if rel in self.leaf_paths:
@@ -347,14 +348,20 @@ def _add_leaf_path(opts: _Opts, mod: nn.Module, path: str) -> None:
         opts.leaf_paths.add(path)
 
 
+_VAR_POS, _VAR_KW = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
+
+
 def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, example_inputs) -> _Opts:
     where = _where(sch)
     if not isinstance(recursive, bool):
         raise ScheduleError(f"recursive must be True or False, not {recursive!r}.")
     if not isinstance(flatten, bool):
         raise ScheduleError(f"flatten must be True or False, not {flatten!r}.")
-    if tracer == "pytorch":
-        tracer = "fx"
+    # Slapo's tracer="pytorch": fx where it can, else torch.export -- on a HuggingFace model with its
+    # dummy_inputs recorded as example inputs when none were (Slapo's own tracer made up HF inputs too)
+    slapo_pytorch = tracer == "pytorch"
+    if slapo_pytorch:
+        tracer = "auto"
     if tracer == "huggingface":
         raise ScheduleError(
             "tracer='huggingface' is gone (transformers 5 has no transformers.utils.fx); "
@@ -375,6 +382,14 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
             params = inspect.signature(type(sch.mod).forward).parameters
         except (TypeError, ValueError):
             params = None
+        # Slapo's recipe ({p.name: p.default for the other parameters}) also names required and
+        # */** parameters, with the value inspect.Parameter.empty: those are not concrete values
+        concrete_args = {
+            k: v
+            for k, v in concrete_args.items()
+            if v is not inspect.Parameter.empty
+            and not (params is not None and k in params and params[k].kind in (_VAR_POS, _VAR_KW))
+        }
         if params is not None and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(concrete_args) - set(params))
             if unknown:
@@ -396,6 +411,7 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         concrete_args=dict(concrete_args) if concrete_args else None,
         examples=sch._top.extra.get(_EXAMPLES_KEY, {}),
         explicit=explicit,
+        dummy_inputs=slapo_pytorch,
     )
     _leaf_spec(opts, sch.mod, leaf_modules, where)
     state = needs_call(sch.mod)
@@ -1052,6 +1068,52 @@ def set_child(parent: nn.Module, name: str, new: nn.Module) -> None:
         parent.finalize()
 
 
+_PLAIN_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def _move_plain_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Hooks registered on the module (not by a primitive: those refuse tracing) stay at its path (Slapo)."""
+    if new is old:
+        return
+    for attr in _PLAIN_HOOKS:
+        src = getattr(old, attr, None)
+        if src:
+            getattr(new, attr).update(src)
+            src.clear()
+    if new._backward_hooks:
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
+def _dummy_examples(sch) -> bool:
+    """Record example inputs from a HuggingFace model's ``dummy_inputs`` (token ids), so that torch.export can
+    trace a submodule fx cannot (transformers 5.x code unpacks shapes and ``**kwargs``) without the user
+    passing inputs; False where the root is not such a model or the forward fails."""
+    top = sch.get_top_schedule()
+    dummy = getattr(type(top.mod), "dummy_inputs", None)
+    if dummy is None or not isinstance(dummy, property) or _EXAMPLES_KEY in sch._top.extra:
+        return False
+    try:
+        inputs = dict(top.mod.dummy_inputs)
+    except Exception:  # noqa: BLE001 - a model without usable dummies: no fallback
+        return False
+    if not inputs or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
+        return False
+    try:
+        record_example_inputs(top, inputs)
+    except ScheduleError as err:
+        log.debug("dummy inputs did not run: %s", err)
+        return False
+    return True
+
+
 def _install(sch, new: nn.Module) -> None:
     """Put ``new`` at ``sch``'s path (parent attribute and ``sch.mod``) and re-mirror the children."""
     if sch.parent is not None:
@@ -1091,7 +1153,9 @@ class TracingMixin:
             flatten: fx only: inline every non-leaf submodule into one graph.
             leaf_modules: submodule paths (relative to this node), class names or classes that must
                 not be traced into.
-            tracer: ``"auto"`` (fx, then export), ``"fx"`` or ``"export"`` (``"pytorch"`` = ``"fx"``).
+            tracer: ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``; Slapo's ``"pytorch"`` is
+                ``"auto"`` that, on a HuggingFace model without recorded inputs, first records the model's
+                ``dummy_inputs`` (one forward pass) so torch.export can stand in where fx fails.
             concrete_args: fx: values that specialise forward arguments; export: extra keyword inputs.
             example_inputs: inputs of this module for torch.export: a tensor, a tuple of positional
                 arguments, a dict of keyword arguments or an ``(args, kwargs)`` pair. Defaults to the
@@ -1108,6 +1172,7 @@ class TracingMixin:
         if is_traced(self.mod):
             return self.mod
         gm = _trace_module(self, opts)
+        _move_plain_hooks(self.mod, gm)
         _install(self, gm)
         return gm
 
@@ -1259,6 +1324,9 @@ def _trace_module(sch, opts: _Opts) -> nn.Module:
             ex_err = "flatten=True needs the fx tracer"
         else:
             example = opts.example_for("")
+            if example is None and opts.dummy_inputs and _dummy_examples(sch):
+                opts.examples = sch._top.extra.get(_EXAMPLES_KEY, {})
+                example = opts.example_for("")
             if example is None:
                 ex_err = (
                     "it needs example inputs: pass example_inputs= or call "

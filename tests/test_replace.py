@@ -220,8 +220,9 @@ def test_replace_found_subgraph_with_a_module(ids):
     sch[INTER].replace(new, target_ops=sub, name="dense_gelu")
 
     gm = sch[INTER].mod
-    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["dense_gelu"]
-    assert list(sch[INTER].child) == ["dense_gelu"] and sch[f"{INTER}.dense_gelu.fc"].mod is dense
+    # Slapo numbers the name it registers the module under (_get_unique_module_name): dense_gelu_0
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["dense_gelu_0"]
+    assert list(sch[INTER].child) == ["dense_gelu_0"] and sch[f"{INTER}.dense_gelu_0.fc"].mod is dense
     torch.testing.assert_close(out(model, ids), ref)
     with pytest.raises(sl.ScheduleError, match=r"removed by an earlier replacement; call find\(\) again"):
         sch[INTER].replace(MyGelu(), target_ops=sub)
@@ -236,7 +237,7 @@ def test_fuse_found_subgraph(ids):
     fused = sch[INTER].fuse(sub, compiler=None)
 
     assert isinstance(fused, fx.GraphModule) and type(fused).__name__ == "FusedModule"
-    assert list(sch[INTER].child) == ["FusedModule"]
+    assert list(sch[INTER].child) == ["FusedModule_0"]
     assert [n.target for n in fused.graph.nodes if n.op == "call_module"] == ["dense", "intermediate_act_fn"]
     torch.testing.assert_close(out(model, ids), ref)
     assert sch.record.calls[-1].primitive == "fuse"
@@ -305,7 +306,7 @@ def test_horizontal_fusion_of_qkv_in_an_exported_layer(ids):
 
     layer.replace(QKV(), target_ops=[[n] for n in nodes], name="qkv")
 
-    assert list(sch["encoder.layer.0.attention.self"].child)[-1] == "qkv"
+    assert list(sch["encoder.layer.0.attention.self"].child)[-1] == "qkv_0"
     assert "query" not in sch["encoder.layer.0.attention.self"].child
     torch.testing.assert_close(out(model, ids), ref)
 
@@ -395,7 +396,7 @@ def test_decompose_trace_flatten_and_fuse_bias_gelu(ids):
     sub = inter.find(lambda x, b: F.gelu(x + b))
     assert [[n.name for _, n in s] for s in sub] == [["add", "gelu"]]
     fused = inter.fuse(sub, compiler=None, name="BiasGeLU")
-    assert type(fused).__name__ == "BiasGeLU" and "BiasGeLU" in inter.child
+    assert type(fused).__name__ == "BiasGeLU" and "BiasGeLU_0" in inter.child
     torch.testing.assert_close(out(model, ids), ref)
 
 

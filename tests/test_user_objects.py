@@ -170,8 +170,8 @@ def test_replace_all_and_subgraph_replace_copy_the_modules_they_are_given():
     act = Gelu()
     snap = _snapshot(act)
     got = traced.replace(act, target_ops=sub, name="act")
-    assert got is not act and traced["act"].mod is got
-    traced["act"].annotate("alpha", "lr_scale", 0.5)
+    assert got is not act and traced["act_0"].mod is got
+    traced["act_0"].annotate("alpha", "lr_scale", 0.5)
     _assert_untouched(act, snap)
 
 

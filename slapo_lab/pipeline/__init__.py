@@ -12,7 +12,8 @@ this package turns them into something that trains:
 * :func:`suggest_cuts` -- balanced cut paths over repeated blocks (by parameters, measured time or
   estimated FLOPs);
 * :func:`call_order` / :func:`set_example_inputs` -- the forward call order that
-  ``cut_pipeline_stage`` checks against (a meta-device forward, cached on the schedule).
+  ``cut_pipeline_stage`` checks against (a meta-device forward, cached on the schedule);
+* :func:`analyze_tie_weights` -- Slapo's tied-weight groups, by stage.
 
 Sources: Slapo ``slapo/pipeline.py`` (seed 002); PyTorch ``torch/distributed/pipelining/_IR.py``
 (seed 003) and ``schedules.py``; torchgpipe ``skip/layout.py`` (seed 004); DeepSpeed
@@ -34,6 +35,7 @@ __all__ = [
     "PipelineModel",
     "PipelinePartition",
     "StageInfo",
+    "analyze_tie_weights",
     "build_pipeline",
     "call_order",
     "check_cuts",
@@ -44,3 +46,51 @@ __all__ = [
     "set_example_inputs",
     "suggest_cuts",
 ]
+
+
+def analyze_tie_weights(top_mod, is_pipeline_partitioned):
+    """Tied weights (one parameter object under several names) and the pipeline stage of each name.
+
+    Slapo's ``slapo.pipeline.analyze_tie_weights`` (Slapo 0.0.3 ``slapo/pipeline.py``), same signature and
+    result; the same alias walk as :func:`partition_pipeline`'s tied groups (``PipelinePartition.tied``).
+
+    Args:
+        top_mod: an ``nn.Module``. When ``is_pipeline_partitioned``, its children are the pipeline stages in
+            order (stage ``i`` is the ``i``-th child) and names are relative to the stage.
+        is_pipeline_partitioned: False: every name is in stage 0 and every set of two or more aliasing names
+            is a group; True: only parameters held by two or more stages form a group (the first name in its
+            first stage, then every name in later stages).
+
+    Returns:
+        ``{parameter: group}``: a set of ``(name, 0)`` when not partitioned, a list of ``(name, stage id)``
+        when partitioned.
+
+    Raises:
+        ScheduleError: ``top_mod`` is not an ``nn.Module``.
+    """
+    from torch import nn
+
+    from ..errors import ScheduleError
+
+    if not isinstance(top_mod, nn.Module):
+        raise ScheduleError(f"analyze_tie_weights() takes an nn.Module, not {type(top_mod).__name__}.")
+    if not is_pipeline_partitioned:
+        names: dict[int, list] = {}
+        params: dict[int, nn.Parameter] = {}
+        for name, p in top_mod.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+        return {params[k]: {(n, 0) for n in v} for k, v in names.items() if len(set(v)) > 1}
+    held: dict[int, list] = {}
+    params = {}
+    for stage_id, (_, stage) in enumerate(top_mod.named_children()):
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            held.setdefault(id(p), []).append((name, stage_id))
+            params[id(p)] = p
+    ret = {}
+    for k, entries in held.items():
+        first_stage = entries[0][1]
+        if all(sid == first_stage for _, sid in entries):
+            continue
+        ret[params[k]] = [entries[0]] + [e for e in entries if e[1] != first_stage]
+    return ret

@@ -336,12 +336,94 @@ def _check_call_signature(
 
 
 def _unique_name(owner: nn.Module, base: str) -> str:
-    if not hasattr(owner, base):
-        return base
-    i = 1
+    """``base_0``, ``base_1``, ...: the first not yet an attribute of ``owner`` (Slapo's
+    ``_get_unique_module_name`` in Slapo 0.0.3 ``slapo/primitives/replace.py``: a given name is numbered too)."""
+    i = 0
     while hasattr(owner, f"{base}_{i}"):
         i += 1
     return f"{base}_{i}"
+
+
+_FWD_PRE = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+_FWD_POST = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_BWD = ("_backward_pre_hooks", "_backward_hooks")
+_KIND_ATTRS = {"fwd_pre": _FWD_PRE, "fwd_post": _FWD_POST, "bwd_post": _BWD}
+
+
+def _has(mod: nn.Module, attrs) -> bool:
+    """Whether ``mod`` has a hook in the dicts ``attrs`` (the with-kwargs / always-called sets only flag hooks)."""
+    return any(getattr(mod, a, None) for a in attrs if not a.endswith(("_with_kwargs", "_always_called")))
+
+
+def move_hooks(moves, new: nn.Module) -> None:
+    """Copy the hooks :func:`check_fusion_hooks` picked onto ``new`` (the old modules keep theirs)."""
+    for old, kinds in moves:
+        for kind in kinds:
+            for attr in _KIND_ATTRS[kind]:
+                src = getattr(old, attr, None)
+                if src:
+                    getattr(new, attr).update(src)
+        if "bwd_post" in kinds and old._backward_hooks:
+            new._is_full_backward_hook = old._is_full_backward_hook
+
+
+def check_fusion_hooks(owner: nn.Module, target_ops) -> list[tuple[nn.Module, list[str]]]:
+    """Which plain hooks of the modules a replaced subgraph calls move to the new module (Slapo's
+    ``transfer_hooks_for_fusion``, Slapo 0.0.3 ``slapo/utils/common.py``): ``[(module, kinds)]`` with kinds
+    among ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_post"``.
+
+    One subgraph: the first module's forward-pre and backward hooks and the last module's forward hooks move.
+
+    Raises:
+        ScheduleError: a hook that would be lost -- any hook in horizontal fusion (several subgraphs), a forward
+            hook on the first module (or a forward-pre / backward hook on the last) of several, any hook on a
+            module in between.
+    """
+    subs = as_subgraphs(target_ops)
+    moves: list[tuple[nn.Module, list[str]]] = []
+
+    def mod_of(node):
+        if node.op != "call_module":
+            return None
+        try:
+            return owner.get_submodule(node.target) if isinstance(owner, nn.Module) else None
+        except AttributeError:
+            return None
+
+    if len(subs) > 1:
+        for sub in subs:
+            for _, node in sub:
+                m = mod_of(node)
+                if m is not None and (_has(m, _FWD_PRE) or _has(m, _FWD_POST) or _has(m, _BWD)):
+                    raise ScheduleError(
+                        f"{node.target} carries hooks, which cannot be kept when several subgraphs become one "
+                        "call (horizontal fusion); remove them first."
+                    )
+        return moves
+    nodes = [n for _, n in subs[0]]
+    for i, node in enumerate(nodes):
+        m = mod_of(node)
+        if m is None:
+            continue
+        first, last = i == 0, i == len(nodes) - 1
+        kinds = []
+        if _has(m, _FWD_PRE) or _has(m, _BWD):
+            if not first:
+                raise ScheduleError(
+                    f"{node.target} has a forward-pre or backward hook but is not the first op of the subgraph; "
+                    "the new module could not keep it."
+                )
+            kinds += ["fwd_pre", "bwd_post"]
+        if _has(m, _FWD_POST):
+            if not last:
+                raise ScheduleError(
+                    f"{node.target} has a forward hook but is not the last op of the subgraph; the new module "
+                    "could not keep it."
+                )
+            kinds.append("fwd_post")
+        if kinds:
+            moves.append((m, kinds))
+    return moves
 
 
 def _check_name(name: Any) -> None:
@@ -415,6 +497,46 @@ def subgraph_module(plan: SubgraphPlan, name: str) -> fx.GraphModule:
     return gm
 
 
+def _function_call_kwargs(fn, node: fx.Node, concrete_args) -> dict | None:
+    """The keywords ``fn`` is called with in place of ``node``'s function, or None if it cannot take the call.
+
+    ``node``'s arguments plus ``concrete_args``; keywords ``fn`` does not accept are dropped when they hold the
+    old function's default (fx records ``F.relu(x, inplace=False)``, which ``identity(x)`` can stand for, as
+    Slapo allows).
+    """
+    kwargs = {**node.kwargs, **(concrete_args or {})}
+    sig = _fn_signature(fn)
+    if sig is None:
+        return kwargs
+    try:
+        sig.bind(*node.args, **kwargs)
+        return kwargs
+    except TypeError:
+        pass
+    old = _fn_signature(node.target) if callable(node.target) else None
+    P = inspect.Parameter
+    if old is None or any(p.kind == P.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    kept = {}
+    for k, v in kwargs.items():
+        param = old.parameters.get(k)
+        is_default = (
+            k in node.kwargs
+            and k not in (concrete_args or {})
+            and param is not None
+            and param.default is not P.empty
+            and type(param.default) is type(v)
+            and param.default == v
+        )
+        if k in sig.parameters or not is_default:
+            kept[k] = v
+    try:
+        sig.bind(*node.args, **kept)
+    except TypeError:
+        return None
+    return kept
+
+
 def _is_function(x) -> bool:
     return callable(x) and not isinstance(x, (nn.Module, type))
 
@@ -433,10 +555,13 @@ class ReplacePrimitive(Primitive):
       (``find()`` output, in a traced graph under this node) becomes one call taking the subgraph's
       external inputs in graph order plus ``concrete_args`` as keywords; several subgraphs become one
       call whose i-th result replaces subgraph i (horizontal fusion). The module is registered under
-      ``name`` (default: its class name, made unique) next to the graph's other submodules; modules
-      only the subgraph called are removed.
+      ``name`` (default: its class name) numbered as Slapo does -- ``Identity_0``, ``Identity_1`` ...,
+      ``name="test"`` gives ``test_0`` -- next to the graph's other submodules; modules only the subgraph
+      called are removed. Plain hooks move as in Slapo: the first module's forward-pre and backward hooks
+      and the last module's forward hooks go to the new module.
     * ``replace(fn, target_ops=(path, node))``: a ``call_function`` node calls ``fn`` with the same
-      arguments.
+      arguments; a keyword ``fn`` does not take is dropped when it holds the old function's default
+      (``F.relu(x, inplace=False)`` -> ``fn(x)``).
 
     ``new_module`` is deep-copied before it enters the model (so is every tensor in
     ``concrete_args``), on any device: later primitives (``shard``, ``sync``, hooks moved over by a
@@ -453,7 +578,7 @@ class ReplacePrimitive(Primitive):
     Raises:
         ScheduleError: a class instead of an instance, a module already in the model, incompatible
             signatures (both named), malformed or stale ``target_ops``, a subgraph with several
-            results, a bad ``name``, a module carrying hook-based primitives, or an export-traced
+            results, a bad ``name``, a hook that the new module could not keep (see above), a module carrying hook-based primitives, or an export-traced
             submodule that lost its call signature.
     """
 
@@ -494,16 +619,13 @@ class ReplacePrimitive(Primitive):
                     f"A function can replace a call_function node, but {node.name} is a {node.op}; replace "
                     "the module at its path instead."
                 )
-            sig = _fn_signature(new_mod_or_func)
-            if sig is not None:
-                try:
-                    sig.bind(*node.args, **{**node.kwargs, **(concrete_args or {})})
-                except TypeError:
-                    raise ScheduleError(
-                        f"{_sig_text(getattr(new_mod_or_func, '__name__', 'the function'), sig)} cannot take the "
-                        f"arguments of {node.name} ({len(node.args)} positional, keywords "
-                        f"{', '.join(node.kwargs) or 'none'})."
-                    ) from None
+            if _function_call_kwargs(new_mod_or_func, node, concrete_args) is None:
+                sig = _fn_signature(new_mod_or_func)
+                raise ScheduleError(
+                    f"{_sig_text(getattr(new_mod_or_func, '__name__', 'the function'), sig)} cannot take the "
+                    f"arguments of {node.name} ({len(node.args)} positional, keywords "
+                    f"{', '.join(node.kwargs) or 'none'})."
+                )
             return plan
         if isinstance(new_mod_or_func, nn.Module):
             if new_mod_or_func is sch.mod or any(
@@ -514,12 +636,9 @@ class ReplacePrimitive(Primitive):
                 _check_name(name)
         plan = plan_subgraphs(sch, target_ops)
         if isinstance(new_mod_or_func, nn.Module):
-            if name is not None and hasattr(plan.owner, name):
-                raise ScheduleError(
-                    f"{plan.owner_path or _where(sch)} already has an attribute {name!r}; pick another name."
-                )
             label = f"{type(new_mod_or_func).__name__}.forward"
             _check_call_signature(_forward_signature(new_mod_or_func), label, plan, concrete_args)
+            check_fusion_hooks(plan.owner, target_ops)
         else:
             label = getattr(new_mod_or_func, "__name__", "the function")
             _check_call_signature(_fn_signature(new_mod_or_func), label, plan, concrete_args)
@@ -536,16 +655,16 @@ class ReplacePrimitive(Primitive):
         if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
             node = subs[0][0][1]
             graph = edit_graph(plan.owner)
+            kwargs = _function_call_kwargs(new_mod_or_func, node, concrete_args)
             with graph.inserting_after(node):
-                call = graph.call_function(
-                    new_mod_or_func, node.args, {**node.kwargs, **(concrete_args or {})}
-                )
+                call = graph.call_function(new_mod_or_func, node.args, kwargs)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
             refresh(plan.owner)
             return call
         if isinstance(new_mod_or_func, nn.Module):
-            name = name or _unique_name(plan.owner, type(new_mod_or_func).__name__)
+            name = _unique_name(plan.owner, name or type(new_mod_or_func).__name__)
+            move_hooks(check_fusion_hooks(plan.owner, target_ops), new_mod_or_func)
             apply_subgraphs(sch, plan, new_mod_or_func, name, concrete_args)
             return new_mod_or_func
         return apply_subgraphs(sch, plan, new_mod_or_func, None, concrete_args)
@@ -636,7 +755,7 @@ class FusePrimitive(Primitive):
     result. ``compiler="torch.compile"`` (default) compiles it with ``nn.Module.compile()`` (lazily, at
     the first call); ``None`` leaves it uncompiled. ``"TorchScript"`` (Slapo's default, deprecated in
     PyTorch 2.x) is mapped to ``torch.compile`` with a ``FutureWarning``. The module is registered as
-    ``name`` (made unique: ``FusedModule``, ``FusedModule_1`` ...) in the graph's owner.
+    ``name`` numbered as Slapo does (``FusedModule_0``, ``FusedModule_1`` ...) in the graph's owner.
 
     Returns:
         The fused module.
