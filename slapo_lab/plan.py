@@ -162,12 +162,15 @@ def _find_blocks(nodes: dict) -> tuple[str | None, int]:
     return best, (best_n if best is not None else 0)
 
 
-def stage_assignment(sch) -> StageAssignment:
+def stage_assignment(sch, forward_order=None) -> StageAssignment:
     """Assign every module of ``sch`` to a pipeline stage from the recorded cuts.
 
     A module belongs to the stage in which it starts in depth-first registration order; a cut at
     ``p`` ends its stage after ``p``'s whole subtree, so everything inside ``p`` shares ``p``'s stage.
-    With no cuts every module is in stage 0.
+    With no cuts every module is in stage 0. Given the forward's ``forward_order``
+    (:class:`slapo_lab.pipeline.order.CallOrder`), a module that runs is placed by when it first runs
+    instead: after how many cuts' exits (Llama's ``rotary_emb``, registered after the layers, runs before
+    them, so in stage 0, where the pipeline computes it).
 
     Raises:
         ScheduleError: if a recorded cut names a module that is no longer in the schedule.
@@ -203,6 +206,15 @@ def stage_assignment(sch) -> StageAssignment:
         while s < len(boundaries) and boundaries[s] < i:
             s += 1
         stage_of[path] = s
+    fo = forward_order
+    if fo is not None and fo.ok and cuts and all(fo.count(c) == 1 for c in cuts):
+        import bisect
+
+        exits = sorted(fo.exit_point(c)[0] for c in cuts)
+        for path in stage_of:
+            calls = fo.calls.get(path)
+            if calls:
+                stage_of[path] = bisect.bisect_right(exits, calls[0][0])
     blocks, n_blocks = _find_blocks(nodes)
     return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged, nodes)
 

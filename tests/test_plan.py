@@ -468,3 +468,22 @@ def test_fsdp_with_tp_and_stages_hand_count():
     for bad in ({"dp": 0}, {"dp": True}, {"dp": 2.0}, {"shard": "zero3"}, {"shard": "FSDP"}):
         with pytest.raises(sl.ScheduleError):
             sl.plan(sch, **bad)
+
+
+def test_a_module_registered_after_the_layers_but_run_before_them_is_in_the_first_stage():
+    """Llama's rotary_emb is registered after the layers and norm but runs before layer 0: with the forward's
+    call order it is in stage 0, where the pipeline computes it (registration order put it in the last)."""
+    from slapo_lab.pipeline.order import cached_call_order, call_order, set_example_inputs
+
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    sch = sl.create_schedule(model)
+    set_example_inputs(sch, {"input_ids": torch.zeros(1, 8, dtype=torch.long, device="meta")})
+    sch["model.layers.0"].cut_pipeline_stage()
+    assert stage_assignment(sch).stage_of["model.rotary_emb"] == 1
+    assert cached_call_order(sch) is not None  # the cut's check recorded it
+    by_run = stage_assignment(sch, call_order(sch)).stage_of
+    assert by_run["model.rotary_emb"] == 0 and by_run["model.layers.1"] == 1 and by_run["model.norm"] == 1

@@ -10,11 +10,13 @@ is the source for Verify and Export.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import html
 import logging
 import threading
+import weakref
 from typing import Any
 
 import ipywidgets as W
@@ -234,6 +236,21 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:,}"
+
+
+_LIVE_CHECKS: weakref.WeakSet = weakref.WeakSet()  # editors whose live check may be running
+
+
+@atexit.register
+def _stop_live_checks() -> None:
+    """At interpreter exit, cancel every live numeric check and wait (briefly) for its threads: a daemon
+    thread killed inside a collective aborts the process ("terminate called without an active exception")."""
+    for ed in list(_LIVE_CHECKS):
+        ed._numeric_cancel.set()
+        timer = ed._numeric_timer
+        if timer is not None:
+            timer.cancel()
+            timer.join(10.0)
 
 
 def _running_loop():
@@ -585,6 +602,12 @@ class ScheduleEditor(W.VBox):
         elif name == "stages":
             from ..pipeline import suggest_cuts
 
+            cuts = self.schedule.metadata.primitives.get("cut_pipeline_stage") or []
+            if cuts:
+                raise ScheduleError(
+                    f"it places every cut itself, and the schedule already cuts after {', '.join(cuts)}; press "
+                    "Undo until those cuts are gone (or editor.clear() to start over), then apply it again"
+                )
             suggest_cuts(self.schedule, int(k), by="params", apply=True)
         else:
             raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
@@ -2101,9 +2124,11 @@ class ScheduleEditor(W.VBox):
         stage_of = None
         if self.schedule.metadata.primitives.get("cut_pipeline_stage"):
             try:
+                from ..pipeline.order import cached_call_order
                 from ..plan import stage_assignment
 
-                stage_of = stage_assignment(self.schedule).stage_of
+                # by when modules run, once the forward's order is known (never recorded just for this)
+                stage_of = stage_assignment(self.schedule, cached_call_order(self.schedule)).stage_of
             except Exception:  # noqa: BLE001 - a stale cut: show no bands rather than fail the view
                 stage_of = None
         styles = {}
@@ -2144,8 +2169,16 @@ class ScheduleEditor(W.VBox):
             entries += [
                 (f"stage {i} (band on the left)", _STAGES[i % len(_STAGES)], "band") for i in range(min(n, 8))
             ]
-        return "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>" + legend_svg(
-            entries
+        badges = (
+            "<div class='slapo-legend-badges'><small>Badges: <b>TP col</b> / <b>TP row</b> column / row "
+            "parallel; <b>AR fwd</b>, <b>AG fwd</b>, <b>RS fwd</b>, <b>AR bwd</b> all-reduce, all-gather, "
+            "reduce-scatter after the forward / in the backward; <b>TP 3/8</b>, <b>ckpt 4/8</b> in a folded "
+            "run: how many of its modules; <b>+2</b>: two more badges (hover the node for all).</small></div>"
+        )
+        return (
+            "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>"
+            + legend_svg(entries)
+            + badges
         )
 
     def _refresh_crumbs(self) -> None:
@@ -2259,7 +2292,13 @@ class ScheduleEditor(W.VBox):
         mode, op = self._sync.value
         reasons[self._btn_sync] = check_primitive(node, "sync", mode=mode, sync_op_or_fn=op)
         reasons[self._btn_ckpt] = check_primitive(node, "checkpoint")
-        reasons[self._btn_cut] = check_primitive(node, "cut_pipeline_stage")
+        from ..pipeline.order import cached_call_order
+
+        thread = getattr(self, "_order_thread", None)
+        if thread is not None and thread.is_alive() and cached_call_order(self.schedule) is None:
+            reasons[self._btn_cut] = None  # being recorded: the button checks itself when clicked
+        else:
+            reasons[self._btn_cut] = check_primitive(node, "cut_pipeline_stage")
         lines = []
         for btn, why in reasons.items():
             btn.tooltip = why or ""
@@ -2517,7 +2556,7 @@ class ScheduleEditor(W.VBox):
         self._schedule_numeric()
         loop = _running_loop()
         if loop is not None and self.example_inputs:  # in a kernel: once this cell / click is done
-            loop.call_soon(self._prefetch_checks)
+            self._prefetch_in_background()
 
     # ------------------------------------------------------------------ the live numeric check
     #: seconds of quiet after a change before the live check starts (a burst of clicks runs one check)
@@ -2556,6 +2595,7 @@ class ScheduleEditor(W.VBox):
         )
         self._numeric_timer.daemon = True
         self._numeric_timer.start()
+        _LIVE_CHECKS.add(self)
 
     def _run_numeric(self, gen: int, calls: list, cancel: threading.Event):
         from ..numeric import numeric_check
@@ -2568,7 +2608,7 @@ class ScheduleEditor(W.VBox):
         try:
             report = numeric_check(self.model, calls, self.world_size, self.example_inputs, cancelled=cancel)
         except Exception as err:  # noqa: BLE001 - the live check is advice: it must never break the editor
-            _log.warning("numeric check failed", exc_info=True)
+            _log.warning("numeric check could not run: %s: %s", type(err).__name__, err)
             from ..numeric import NumericReport
 
             report = NumericReport("skipped", f"The numeric check could not run: {type(err).__name__}: {err}")
@@ -2591,6 +2631,21 @@ class ScheduleEditor(W.VBox):
         if not self._busy:
             self._btn_undo.disabled = not self.schedule.record.calls
             self._btn_redo.disabled = not self._redo
+
+    def _prefetch_in_background(self) -> None:
+        """Record the forward call order the cut checks need in a background thread (a meta forward: about a
+        second at 80 layers), so that the first navigation never waits for it; the cut button's reason
+        follows once it is known."""
+        from ..pipeline.order import record_in_background
+
+        def done():
+            if self.selected in self.schedule and not self._busy:
+                self._refresh_reasons()
+
+        try:
+            self._order_thread = record_in_background(self.schedule, self._lock, done)
+        except Exception as err:  # noqa: BLE001 - the check then runs (and explains itself) on the first cut
+            _log.warning("call order not recorded ahead: %s", err)
 
     def _prefetch_checks(self) -> float:
         """Record the forward call order that the cut checks (and the cut button's reason) need, so the

@@ -149,12 +149,18 @@ def _signature(model: nn.Module) -> tuple:
 
 
 def record_call_order(
-    model: nn.Module, example_inputs=None, *, args: tuple = (), kwargs: dict | None = None
+    model: nn.Module,
+    example_inputs=None,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    copied: bool = False,
 ) -> CallOrder:
     """Run ``model`` once on a meta copy with module hooks and return its :class:`CallOrder`.
 
     Inputs: ``example_inputs`` (a tuple of positional tensors, a dict of keyword tensors, or one
-    tensor), or ``args`` / ``kwargs``. Never raises for a model that fails on meta tensors: the
+    tensor), or ``args`` / ``kwargs``. ``copied``: ``model`` is already a meta copy this call may change
+    (hooks, stripped schedule forwards). Never raises for a model that fails on meta tensors: the
     failure is returned in ``.error``.
     """
     from ..utils import meta_copy, to_meta
@@ -164,7 +170,7 @@ def record_call_order(
         if example_inputs is not None:
             args, kwargs = _split_inputs(example_inputs)
         kwargs = dict(kwargs or {})
-        copy = meta_copy(model)
+        copy = model if copied else meta_copy(model)
         _strip_schedule(copy)
         names: dict[int, list[str]] = {}
         for name, m in copy.named_modules(remove_duplicate=False):
@@ -210,6 +216,63 @@ def set_example_inputs(sch, example_inputs) -> None:
     top = sch._top
     top.extra[_INPUTS_KEY] = to_meta(example_inputs)
     top.extra.pop(_CACHE_KEY, None)
+
+
+def cached_call_order(sch) -> CallOrder | None:
+    """The :class:`CallOrder` :func:`call_order` would return without running the model, or None when it
+    would have to record it first (a meta forward: about a second at 80 layers)."""
+    root = sch.get_top_schedule().mod
+    cached = sch._top.extra.get(_CACHE_KEY)
+    if cached is not None and cached[0] == (_signature(root), "default"):
+        return cached[1]
+    return None
+
+
+def record_in_background(sch, lock, on_done=None):
+    """Record :func:`call_order`'s order in a daemon thread and cache it, so that no click waits for it.
+
+    The meta copy is taken under ``lock`` (the editor's: nothing changes the schedule meanwhile); the forward
+    runs without it. The result is cached only if the schedule's modules are still the ones copied.
+
+    Args:
+        sch: any node of the schedule.
+        lock: held while copying and while caching.
+        on_done: called (in the thread, under ``lock``) once the order is cached.
+
+    Returns:
+        The started thread, or None when the order is cached already or there are no inputs to run.
+    """
+    import threading
+
+    from ..utils import meta_copy
+
+    with lock:
+        if cached_call_order(sch) is not None:
+            return None
+        top = sch._top
+        root = sch.get_top_schedule().mod
+        inputs = top.extra.get(_INPUTS_KEY)
+        if inputs is None:
+            inputs = dummy_inputs(root)
+        if inputs is None:
+            return None
+        key = (_signature(root), "default")
+
+    def run():
+        with lock:
+            if top.extra.get(_CACHE_KEY, (None,))[0] == key or _signature(root) != key[0]:
+                return
+            copy = meta_copy(root)
+        order = record_call_order(copy, inputs, copied=True)
+        with lock:
+            if _signature(root) == key[0]:
+                top.extra[_CACHE_KEY] = (key, order)
+                if on_done is not None:
+                    on_done()
+
+    t = threading.Thread(target=run, name="slapo-call-order", daemon=True)
+    t.start()
+    return t
 
 
 def call_order(sch, example_inputs=None) -> CallOrder:
