@@ -56,7 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .errors import ScheduleError
 from .module_state import peek_meta
@@ -270,6 +272,42 @@ def _meta_pass_inputs(model: nn.Module, example_inputs: Any):
     return model, to_meta(example_inputs), path_of
 
 
+#: The attention kernel the activation passes assume: what one ``scaled_dot_product_attention`` keeps for backward.
+ATTENTION_KERNEL = (
+    "flash attention (SDPA) without attention dropout: q, k, v, the output and the log-sum-exp, no sequence x "
+    "sequence matrix; with attention dropout the math kernel (as on CPU), which saves the probabilities"
+)
+
+
+class FlashSDPA(TorchFunctionMode):
+    """Run ``torch.nn.functional.scaled_dot_product_attention`` on meta tensors as the flash-attention kernel
+    real runs use (``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA's flash kernel saves the same)
+    when there is no attention dropout:
+    on meta, SDPA otherwise takes the math path, which saves two batch x heads x seq x seq matrices that a
+    real run never holds, an error that grows with the sequence length (:data:`ATTENTION_KERNEL`). Grouped
+    query attention (``enable_gqa``) keeps k and v at their own head count, as the kernel does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention or not args or not args[0].is_meta:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if q.dim() != 4 or float(bound.get("dropout_p") or 0.0) > 0.0:  # CPU's flash kernel has no dropout
+            return func(*args, **kwargs)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q,
+            k,
+            v,
+            float(bound.get("dropout_p") or 0.0),
+            bool(bound.get("is_causal") or False),
+            attn_mask=bound.get("attn_mask"),
+            scale=bound.get("scale"),
+        )[0]
+
+
 def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) -> float:
     """One forward in training mode with ``pre``/``post`` hooks on every module, inside ``context``
     (and ``FakeTensorMode`` if ``fake``); hooks and modes are restored. Returns seconds."""
@@ -295,7 +333,7 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) 
             handles.append(m.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
             handles.append(m.register_forward_hook(leave, with_kwargs=True))
         t0 = time.perf_counter()
-        with context:
+        with context, FlashSDPA():
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -523,6 +561,54 @@ def _cached_profile(sch, example_inputs, cache: bool, mode: str = "estimate"):
         per_model.pop(next(iter(per_model)))
     per_model[key] = prof
     return prof, False
+
+
+def has_cached_profile(sch, example_inputs, mode: str = "autograd") -> bool:
+    """Whether :func:`plan` has the activation pass of ``mode`` for this schedule state cached (answers
+    without running the model)."""
+    top = sch.get_top_schedule()
+    per_model = _PROFILE_CACHE.get(top.mod)
+    return per_model is not None and _profile_key(top, example_inputs, mode) in per_model
+
+
+def profile_in_background(sch, example_inputs, lock, mode: str = "autograd", on_done=None):
+    """Run :func:`plan`'s activation pass (``mode``: "estimate" or "autograd") in a daemon thread and cache
+    it, so that a large model's memory view never waits for it (a meta forward of every layer).
+
+    The schedule's model is copied (:func:`slapo_lab.utils.meta_copy`, its hooks and forwards included) under
+    ``lock``; the pass runs on the copy without it; the profile is cached only if the schedule is still in
+    the state copied, and ``on_done`` is then called under ``lock``.
+
+    Returns:
+        The started thread, or None when the profile is cached already.
+    """
+    import threading
+
+    fn = estimate_activations if mode == "estimate" else saved_activations
+    with lock:
+        top = sch.get_top_schedule()
+        key = _profile_key(top, example_inputs, mode)
+        per_model = _PROFILE_CACHE.setdefault(top.mod, {})
+        if key in per_model:
+            return None
+        snapshot = meta_copy(top.mod)
+
+    def run():
+        try:
+            prof = fn(snapshot, example_inputs)
+        except Exception:  # noqa: BLE001 - the memory view then says so when it runs the pass itself
+            return
+        with lock:
+            if _profile_key(top, example_inputs, mode) == key:
+                if len(per_model) >= 8:
+                    per_model.pop(next(iter(per_model)))
+                per_model[key] = prof
+                if on_done is not None:
+                    on_done()
+
+    t = threading.Thread(target=run, name="slapo-activations", daemon=True)
+    t.start()
+    return t
 
 
 def _activation_per_stage(

@@ -243,3 +243,37 @@ def test_folding_a_long_unfoldable_record_tries_only_candidate_blocks(monkeypatc
     fresh = sl.create_schedule(meta_copy(model), world_size=2)
     _exec_panel("\n".join(lines), fresh)
     assert fresh.record.calls == calls
+
+
+def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_view_follows():
+    """Above 2 B parameters the activation pass (a meta forward of every layer, seconds at 70B) runs in a
+    background thread in a kernel; the memory line says so, then shows the figure without a click."""
+    import asyncio
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(1, 512, dtype=torch.long)
+
+    async def cell():
+        return sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=8)
+
+    loop = asyncio.new_event_loop()
+    try:
+        ed = loop.run_until_complete(cell())
+    finally:
+        loop.close()
+    assert "activations: being estimated" in ed._costs_text.value
+    assert ed.last_plan.activation_method is None
+    ed._act_thread.join(120)
+    assert "being estimated" not in ed._costs_text.value and "flash-attention SDPA" in ed._costs_text.value
+    assert ed.last_plan.activation_method == "autograd" and ed.last_plan.per_stage[0]["activation_bytes"] > 0

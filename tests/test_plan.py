@@ -1,5 +1,6 @@
 """Simulated planning (slapo_lab.plan): numbers checked against hand computation."""
 
+import copy
 import json
 import time
 
@@ -487,3 +488,69 @@ def test_a_module_registered_after_the_layers_but_run_before_them_is_in_the_firs
     assert cached_call_order(sch) is not None  # the cut's check recorded it
     by_run = stage_assignment(sch, call_order(sch)).stage_of
     assert by_run["model.rotary_emb"] == 0 and by_run["model.layers.1"] == 1 and by_run["model.norm"] == 1
+
+
+def _llama_gqa():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg).train()
+
+
+def test_the_activation_pass_counts_attention_as_flash_attention_saves_it():
+    """On meta tensors SDPA takes the math path and saves two batch x heads x seq x seq matrices that a real
+    (flash) kernel never holds; the pass runs it as the flash kernel: equal to a real run's saved bytes."""
+    from slapo_lab.plan import ATTENTION_KERNEL
+
+    model = _llama_gqa()
+    ids = torch.randint(0, 256, (2, 512))
+    pl = sl.plan(
+        sl.create_schedule(copy.deepcopy(model)), example_inputs={"input_ids": ids}, activation="autograd"
+    )
+    assert pl.per_stage[0]["activation_bytes"] == _measured_saved_bytes(model, ids)
+    assert ATTENTION_KERNEL.startswith("flash attention (SDPA)")
+
+
+def test_the_per_rank_activation_estimate_matches_two_simulated_ranks_within_10_percent():
+    """The Megatron schedule at TP 2: the plan's per-rank estimate (meta, simulated) against the bytes autograd
+    saves on rank 0 of a real two-rank run (threads in PyTorch's threaded process group)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from slapo_lab.numeric import _threaded_world
+    from slapo_lab.utils import meta_copy
+
+    model = _llama_gqa()
+    ids = torch.randint(0, 256, (2, 512))
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    sl.presets.megatron_tp(sch)
+    estimate = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd").per_stage[0]
+    measured = {}
+
+    def rank(r, store):
+        dist.init_process_group("threaded", rank=r, world_size=2, store=store)
+        try:
+            ranked = sl.create_schedule(copy.deepcopy(model))
+            sl.replay(ranked, sch.record.calls)
+            measured[r] = _measured_saved_bytes(ranked.mod, ids)
+        finally:
+            dist.destroy_process_group()
+
+    with _threaded_world():
+        store = dist.HashStore()
+        threads = [threading.Thread(target=rank, args=(r, store)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert set(measured) == {0, 1}
+    ratio = estimate["activation_bytes"] / measured[0]
+    assert 0.9 <= ratio <= 1.1, (estimate["activation_bytes"], measured)

@@ -1535,6 +1535,9 @@ class ScheduleEditor(W.VBox):
         self._graph.on_node_click(lambda tok, path: self._on_node_click(path))
         self._graph.on_node_dblclick(lambda tok, path: self._on_node_dblclick(path))
         self._graph.on_error(self._error)
+        self._graph.on_action(self._on_browser_action)  # keys, context menus, command palette
+        self._graph.on_panel(self._on_panel_answer)
+        self._search.add_class("slapo-search")
         self._inspector = W.HTML()
         self._param = W.Dropdown(description="tensor", layout=W.Layout(width="95%"))
         self._axis = W.Dropdown(description="axis", options=[0, 1], layout=W.Layout(width="95%"))
@@ -2307,6 +2310,7 @@ class ScheduleEditor(W.VBox):
                 lines.append(f"<li><b>{html.escape(btn.description)}</b>: {html.escape(why)}</li>")
         # Buttons stay clickable: a click on an invalid action explains itself in the message line.
         self._reasons.value = f"<ul class='slapo-reasons'>{''.join(lines)}</ul>" if lines else ""
+        self._sync_action_reasons()
 
     def _refresh_code(self) -> None:
         """The code panel: the recorded calls with repeats over layers folded into ``for`` loops, exactly
@@ -2342,19 +2346,34 @@ class ScheduleEditor(W.VBox):
         """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
         one sentence (what failed, where, why), never an exception's text (that goes to the log); the rest of
         the view is unaffected."""
-        from ..plan import plan
+        from ..plan import has_cached_profile, plan, profile_in_background
 
         if getattr(self, "_n_params", None) is None:  # of the user's model: sharding shrinks the meta copy
             self._n_params = sum(p.numel() for p in self.model.parameters())
-        small = self._n_params < 2e9
         dp, shard, note = self._plan_layout()
-        note += "" if small else " <i>(activations not estimated above 2B parameters)</i>"
+        inputs = self.example_inputs or None
+        mode = "autograd"  # what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL)
+        if (
+            inputs is not None
+            and self._n_params >= 2e9
+            and _running_loop() is not None
+            and not has_cached_profile(self.schedule, inputs, mode)
+        ):  # a meta forward of every layer: in a background thread, the view follows when it is done
+            thread = getattr(self, "_act_thread", None)
+            if thread is None or not thread.is_alive():
+                self._act_thread = profile_in_background(
+                    self.schedule, inputs, self._lock, mode, on_done=self._refresh_costs
+                )
+            inputs = None
+            note += " <i>(activations: being estimated…)</i>"
+        elif inputs is not None:
+            note += " <small>(activations: what autograd saves, attention as flash-attention SDPA)</small>"
         try:
             try:
                 pl = plan(
                     self.schedule,
-                    example_inputs=self.example_inputs if small else None,
-                    activation="estimate" if (small and self.example_inputs) else None,
+                    example_inputs=inputs,
+                    activation=mode if inputs is not None else None,
                     dp=dp,
                     shard=shard,
                 )
@@ -2674,3 +2693,206 @@ class ScheduleEditor(W.VBox):
             self._tree.observe(self._on_tree, names="value")
         if self._flow_error and not self._last_message:
             self._info(self._flow_error)
+
+    # ------------------------------------------------------------------ panel, keys and context menus (issue 17)
+    def open(self) -> str | None:
+        """Open this editor as a JupyterLab panel beside the notebook (see :meth:`open_panel`).
+
+        ipywidgets also calls ``open()`` to create the widget's comm while it is constructed; that use
+        (no comm yet) still does exactly that.
+        """
+        if getattr(self, "comm", None) is None:
+            return super().open()
+        return self.open_panel()
+
+    def open_panel(self) -> str | None:
+        """Show the editor in a JupyterLab main-area panel split to the right of the notebook, full height.
+
+        The panel is another view of :meth:`panel_view` (the same child widgets as the cell's view, laid
+        out tree | graph | inspector under a toolbar): same kernel, same schedule; the cell's view stays.
+        Returns None once the request is sent (the panel's answer shows in the message line), else one
+        sentence why no panel can be opened (e.g. no JupyterLab front end: a plain Python process).
+        """
+        try:
+            problem = self._graph.open_panel(self.panel_view().model_id)
+        except Exception as err:  # noqa: BLE001 - never raise from a convenience call
+            _log.exception("open_panel failed")
+            problem = f"The panel could not be requested ({type(err).__name__}: {err})."
+        if problem is not None:
+            return self._error(f"{problem.rstrip('.')}; display the editor in a cell instead.")
+        self._info("Opening the editor in a panel beside the notebook…", transient=True)
+        return None
+
+    def panel_view(self) -> W.VBox:
+        """The editor's widgets arranged for a full-height panel (built once, then reused).
+
+        The SAME child widgets as the cell's view: a toolbar (Undo, Redo, preset, Export, Verify, progress),
+        the message line, then the module tree | graph | inspector, and the schedule, memory, export, Verify-log
+        and legend panes in an Accordion (collapsed). ``editor.open()`` shows it in JupyterLab.
+        """
+        panel = getattr(self, "_panel", None)
+        if panel is not None:
+            return panel
+        left, center, right = self._body.children[:3]
+        presets = (self._preset, self._preset_k, self._btn_preset)
+        inspector = W.VBox(
+            [
+                c
+                for c in right.children
+                if all(c is not p for p in presets) and not (isinstance(c, W.HTML) and "Presets" in c.value)
+            ]
+        )
+        graph_column = W.VBox([c for c in center.children if c is not self._legend])  # the legend is a pane
+        body = W.HBox([left, graph_column, inspector], layout=W.Layout(width="100%"))
+        body.add_class("slapo-panel-body")
+        hint = W.HTML(
+            "<span title='keyboard shortcuts (click the graph or the tree first)'><kbd>?</kbd> keys</span>"
+        )
+        hint.add_class("slapo-keys-hint")
+        toolbar = W.HBox(
+            [
+                self._btn_undo,
+                self._btn_redo,
+                self._preset,
+                self._preset_k,
+                self._btn_preset,
+                self._btn_export,
+                self._btn_verify,
+                self._btn_cancel,
+                self._progress,
+                self._phase,
+                hint,
+            ],
+            layout=W.Layout(width="100%"),
+        )
+        toolbar.add_class("slapo-toolbar")
+        status = W.VBox([self._message, self._numeric_box, self._file_bar])
+        status.add_class("slapo-panel-status")
+        panes = W.Accordion(
+            children=[
+                W.VBox([self._check, self._coverage, self._btn_fix, self._code]),
+                self._costs_box,
+                self._export_box,
+                W.VBox([self._log]),
+                self._legend,
+            ],
+            titles=(
+                "Schedule (recorded calls)",
+                "Memory per rank",
+                "Export a training run",
+                "Verify log",
+                "Legend",
+            ),
+            selected_index=None,
+        )
+        panes.add_class("slapo-panes")
+        panel = W.VBox([self._header, toolbar, status, body, panes], layout=W.Layout(width="100%"))
+        panel.add_class("slapo-editor")
+        panel.add_class("slapo-panel")
+        self._panel = panel
+        return panel
+
+    def _on_panel_answer(self, opened: bool, reason: str) -> None:
+        if opened:
+            self._info(reason or "Opened the editor in a panel beside the notebook (the cell's view stays).")
+        else:
+            self._error(reason or "JupyterLab could not open the editor panel.")
+
+    def _sync_action_reasons(self) -> None:
+        """Send the selected module's per-action reasons (the buttons' tooltips) to the browser's context
+        menus and keys: action -> "" when it applies, else the one sentence why not."""
+        sel = self.selected
+        node = self.schedule[sel]
+        name = sel or "The root module"
+        n_similar = len(self.similar(sel)) if sel else 1
+        reasons = {
+            "checkpoint": self._btn_ckpt.tooltip,
+            "cut": self._btn_cut.tooltip,
+            "shard": self._btn_shard.tooltip,
+            "sync": self._btn_sync.tooltip,
+            "open": "" if node.child else f"{name} has no submodules to open.",
+            "up": "" if self.level else "The graph already shows the top level of the model.",
+            "similar": ""
+            if n_similar > 1
+            else f"{name} has no modules of the same type at the same place in other repeated blocks.",
+        }
+        mode, op = self._sync.value
+        op_name = op if isinstance(op, str) else getattr(op, "__name__", "fn")
+        labels = {
+            "shard": f"Shard {self._param.value} on axis {self._axis.value}"
+            if self._param.value is not None
+            else "Shard…",
+            "sync": f"Sync {op_name} ({mode})",
+            "similar": f"Select similar ({n_similar} modules)" if n_similar > 1 else "Select similar",
+        }
+        self._graph.set_action_reasons(sel, reasons, labels)
+
+    @_serialized
+    def _on_browser_action(self, action: str, token: str | None, path: str | None) -> None:
+        """Run one browser action (keyboard shortcut, context menu, command palette) with the same public
+        methods as the editor's buttons; anything that does not apply is one sentence in the message line."""
+        try:
+            if action == "undo":
+                self.undo()
+            elif action == "redo":
+                self.redo()
+            elif action == "panel":
+                self.open_panel()
+            elif action == "up":
+                self._go_up()
+            elif action == "open":
+                if path is not None:
+                    self._on_node_dblclick(path)
+                elif not self.schedule[self.selected].child:
+                    self._error(f"{self.selected or 'The root module'} has no submodules to open.")
+                else:
+                    self.open_level(self.selected)
+            else:
+                if path is not None:
+                    target = self._resolve_node(path)
+                    if target is None:
+                        self._error(f"{path} is not a module: there is nothing to {action} there.")
+                        return
+                    if target != self.selected:
+                        self.select(target)
+                if action == "select":
+                    return
+                if action == "similar":
+                    self._select_similar()
+                elif action == "checkpoint":
+                    self.apply("checkpoint")
+                elif action == "cut":
+                    self.apply("cut_pipeline_stage")
+                elif action == "shard":
+                    self._on_shard()
+                elif action == "sync":
+                    self.apply("sync", mode=self._sync.value[0], sync_op_or_fn=self._sync.value[1])
+        except Exception as err:  # noqa: BLE001 - a key press must never break the kernel
+            _log.exception("browser action failed")
+            self._error(
+                f"The {action} action failed ({type(err).__name__}: {err}); the schedule is unchanged."
+            )
+
+    def _go_up(self) -> None:
+        """Show the parent level of the graph and select the module whose level it was (Backspace)."""
+        if not self.level:
+            self._error("The graph already shows the top level of the model.")
+            return
+        came_from = self.level
+        self.open_level(came_from.rsplit(".", 1)[0] if "." in came_from else "")
+        self.select(came_from)
+
+    def _select_similar(self) -> None:
+        """Highlight the modules similar to the selected one and tick "apply to all similar" for the next action."""
+        found = self.similar(self.selected) if self.selected else [self.selected]
+        if len(found) < 2:
+            self._error(
+                f"{self.selected or 'The root module'} has no modules of the same type at the same place in "
+                "other repeated blocks."
+            )
+            return
+        self._graph.highlight(found, centre=False)
+        self._similar.value = True
+        self._info(
+            f"Selected {len(found)} similar modules ({found[0]} … {found[-1]}); the next action applies to all of them."
+        )
