@@ -246,8 +246,8 @@ def test_folding_a_long_unfoldable_record_tries_only_candidate_blocks(monkeypatc
 
 
 def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_view_follows():
-    """Above 2 B parameters the activation pass (a meta forward of every layer, seconds at 70B) runs in a
-    background thread in a kernel; the memory line says so, then shows the figure without a click."""
+    """In a kernel the activation pass (a meta forward of every layer, seconds at 70B) runs in a background
+    thread; the memory line says so, then shows the figure without a click."""
     import asyncio
 
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -2355,10 +2355,10 @@ class ScheduleEditor(W.VBox):
         mode = "autograd"  # what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL)
         if (
             inputs is not None
-            and self._n_params >= 2e9
             and _running_loop() is not None
             and not has_cached_profile(self.schedule, inputs, mode)
-        ):  # a meta forward of every layer: in a background thread, the view follows when it is done
+        ):  # a meta forward of every layer (3.5 s at 70B): in a background thread in a kernel, so that no click
+            # waits for it; the view follows when it is done (outside a kernel it runs here)
             thread = getattr(self, "_act_thread", None)
             if thread is None or not thread.is_alive():
                 self._act_thread = profile_in_background(
