@@ -15,11 +15,13 @@ looks at the whole schedule and names each open item in one sentence, with the c
   layers before it train on wrong gradients while the forward looks right. Skipped when the schedule
   uses ``reduce_scatter`` (sequence parallelism: the input arrives through an ``all_gather`` whose
   backward reduces);
-* **attention heads split in some projections only** — q, k, v (or a fused qkv) and the output
-  projection of one attention module must all split the same heads; otherwise each rank pairs its
-  query heads with other heads' keys, which grouped-query attention can even compute without a shape
-  error. The output projection is the attention's ``o_proj`` / ``out_proj`` / ``c_proj`` ..., ALBERT's
-  ``dense``, or BERT / ViT's ``output.dense`` beside the heads' module;
+* **attention heads split in some projections only** — q, k, v (or a fused qkv: GPT-2's ``c_attn``,
+  Falcon's / BLOOM's ``query_key_value``, Phi-3's ``qkv_proj``, recognised by their layout,
+  :func:`slapo_lab.sharding.rules.fused_layout`) and the output projection of one attention module must
+  all split the same heads; otherwise each rank pairs its query heads with other heads' keys, which
+  grouped-query attention can even compute without a shape error. The output projection is the
+  attention's ``o_proj`` / ``out_proj`` / ``c_proj`` ..., ``dense`` beside a fused qkv (Falcon, BLOOM) or
+  in ALBERT, or BERT / ViT's ``output.dense`` beside the heads' module;
 * **per-head norm gradients never reduced** — a norm inside an attention module whose heads are split
   (Qwen3's ``q_norm`` / ``k_norm``: one weight shared by every head) gets a partial gradient on each rank
   unless ``sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)`` sums it;
@@ -62,8 +64,9 @@ class Finding:
     Attributes:
         path: the module it is about (a path of the scheduled model, "" for the root).
         kind: ``"unreduced_partial"``, ``"unreduced_input_grad"``, ``"partial_heads"``, ``"whole_bias"``,
-            ``"unreduced_param_grads"``, or ``"numeric"`` (the numeric check: the scheduled copy computes
-            another model, or fails, at :attr:`path`).
+            ``"unreduced_param_grads"``, ``"numeric"`` (the numeric check: the scheduled copy computes
+            another model, or fails, at :attr:`path`), or ``"replicated"`` (dense layers kept whole: right,
+            but not split; asked for with ``coverage=True``).
         message: one sentence: what is missing, why it matters, and the call that fixes it.
         calls: the primitive calls that close it (what the message names).
     """
@@ -100,7 +103,11 @@ def _shard(path: str, name: str, axis: int) -> Call:
 
 
 def check_schedule(
-    sch, numeric: bool = False, reference: nn.Module | None = None, example_inputs=None
+    sch,
+    numeric: bool = False,
+    reference: nn.Module | None = None,
+    example_inputs=None,
+    coverage: bool = False,
 ) -> list[Finding]:
     """The open items of ``sch``'s tensor parallelism (see the module docstring), in module order.
 
@@ -115,6 +122,9 @@ def check_schedule(
             model is rebuilt from ``sch``'s config; any other model needs it.
         example_inputs: keyword inputs for the numeric check. Default: the inputs the schedule remembers
             (the editor's), else ``input_ids`` of 2 x 16 tokens.
+        coverage: also say, as one ``"replicated"`` finding, which dense layers a schedule that shards
+            something keeps whole on every rank, and why (:func:`slapo_lab.presets.replicated_dense`). Not a
+            fault (the model stays right), but their memory and compute are not split.
 
     Returns:
         A list of :class:`Finding` (empty when nothing is open). A schedule with world size 1 has no
@@ -128,7 +138,23 @@ def check_schedule(
     findings = _structural(top)
     if numeric and not findings:
         findings.extend(_numeric(top, reference, example_inputs))
+    if coverage:
+        findings.extend(coverage_findings(top))
     return findings
+
+
+def coverage_findings(sch) -> list[Finding]:
+    """The ``"replicated"`` finding of a schedule that shards some parameter but keeps dense layers whole
+    (one sentence naming them and why), or none."""
+    from .presets import replicated_dense
+
+    top = sch.get_top_schedule() if hasattr(sch, "get_top_schedule") else sch
+    if getattr(top, "world_size", 1) <= 1 or not any(
+        getattr(p, "shard_axis", None) is not None for p in top.mod.parameters()
+    ):
+        return []
+    sentence = replicated_dense(top)
+    return [Finding("", "replicated", sentence)] if sentence else []
 
 
 def _numeric(top, reference, example_inputs) -> list[Finding]:

@@ -393,6 +393,29 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     return _since(sch, n)
 
 
+def _fused_kind(node) -> tuple[str | None, str | None]:
+    """``(kind, refusal)`` of a dense layer from its attention module's attributes rather than its name: a
+    fused projection (:func:`slapo_lab.sharding.rules.fused_layout`: Falcon's / BLOOM's ``query_key_value``,
+    Phi-3's ``qkv_proj`` / ``gate_up_proj``, GPT-2's ``c_attn``) is ``"column"``, the output projection beside
+    a fused q/k/v (Falcon's / BLOOM's ``self_attention.dense``) ``"row"``; an attention whose heads cannot be
+    split (Falcon's multi-query attention) gives ``(None, reason)``; ``(None, None)`` for anything else."""
+    from .sharding.rules import ShardSite, attention_refusal, attention_role, fused_layout
+
+    if node.parent is None:
+        return None, None
+    site = ShardSite(node.mod, "weight", node.parent.mod, node.name, node.path)
+    lay = fused_layout(site)
+    role = attention_role(site)
+    if lay is None and role != "o":
+        return None, None
+    reason = attention_refusal(node.parent.mod) if role is not None else None
+    if reason is None and lay is not None:
+        reason = lay.refusal
+    if reason:
+        return None, reason
+    return ("column" if lay is not None else "row"), None
+
+
 def _classify(rel: str) -> str | None:
     parts = rel.split(".")
     last, last2 = parts[-1], ".".join(parts[-2:])
@@ -407,10 +430,13 @@ def _classify(rel: str) -> str | None:
 def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     """``(path, kind)`` for the projections, norms and experts of one block, in module order.
 
-    Kinds: ``"column"`` / ``"row"``: ``nn.Linear`` / HF ``Conv1D`` recognised by name (``q_proj``, ``query``,
-    ``c_attn``, ``gate_proj``, ``intermediate.dense``, ALBERT's ``ffn`` ... column; ``o_proj``, ``c_proj``,
-    ``output.dense``, ``down_proj``, ALBERT's ``attention.dense`` / ``ffn_output`` ... row, see
-    ``COLUMN_NAMES`` / ``ROW_NAMES``; other linears stay replicated); ``"norm"``; ``"head_norm"`` (a per-head
+    Kinds: ``"column"`` / ``"row"``: ``nn.Linear`` / HF ``Conv1D`` recognised as a fused projection by its
+    module's layout (Falcon's / BLOOM's ``query_key_value`` and Phi-3's ``qkv_proj`` / ``gate_up_proj``
+    column, Falcon's / BLOOM's ``self_attention.dense`` row; see :func:`_fused_kind`) or by name (``q_proj``,
+    ``query``, ``c_attn``, ``gate_proj``, ``intermediate.dense``, ALBERT's ``ffn`` ... column; ``o_proj``,
+    ``c_proj``, ``output.dense``, ``down_proj``, ALBERT's ``attention.dense`` / ``ffn_output`` ... row, see
+    ``COLUMN_NAMES`` / ``ROW_NAMES``; other linears stay replicated, as do the projections of an attention
+    whose heads cannot be split: Falcon's multi-query attention); ``"norm"``; ``"head_norm"`` (a per-head
     q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"qk_norm_full"`` (a q/k norm over all heads, which
     cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
     table such as T5's relative attention bias).
@@ -423,7 +449,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         path = f"{block_path}.{rel}" if block_path else rel
         mod = node.mod
         if isinstance(mod, nn.Linear) or _is_conv1d(mod):
-            kind = _classify(rel)
+            fused, refusal = _fused_kind(node)
+            kind = None if refusal else fused or _classify(rel)
             if kind:
                 out.append((path, kind))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
@@ -441,13 +468,14 @@ def replicated_dense(sch) -> str | None:
 
     Inside the repeated blocks (:func:`find_blocks`) a layer is named once by its path within a block
     ("in every block self_attention.query_key_value"); the reason there is that its name is not one of the
-    recognised projections (:func:`block_layers`). Outside the blocks it is named by its path (BERT's
-    ``pooler.dense``, a tied ``lm_head`` whose vocabulary stayed whole).
+    recognised projections (:func:`block_layers`), or why its attention cannot be split by heads (Falcon's
+    multi-query attention). Outside the blocks it is named by its path (BERT's ``pooler.dense``, a tied
+    ``lm_head`` whose vocabulary stayed whole).
     """
     from .module_state import peek_meta
 
     blocks = find_blocks(sch)
-    inside: dict[str, None] = {}
+    inside: dict[str, str] = {}
     outside: list[str] = []
     for path, node in sch.named_schedules():
         mod = node.mod
@@ -460,13 +488,19 @@ def replicated_dense(sch) -> str | None:
         if block is None:
             outside.append(path)
         else:
-            inside[path[len(block) + 1 :]] = None
+            rel = path[len(block) + 1 :]
+            if rel not in inside:
+                why = _fused_kind(node)[1] or "not a recognised q/k/v, output or MLP projection"
+                inside[rel] = why
     if not inside and not outside:
         return None
     parts = []
-    if inside:
-        names = ", ".join(list(inside)[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
-        parts.append(f"in every block {names} (not a recognised q/k/v, output or MLP projection)")
+    by_reason: dict[str, list[str]] = {}
+    for rel, why in inside.items():
+        by_reason.setdefault(why, []).append(rel)
+    for why, rels in by_reason.items():
+        names = ", ".join(rels[:4]) + (f" and {len(rels) - 4} more" if len(rels) > 4 else "")
+        parts.append(f"in every block {names} ({why})")
     if outside:
         names = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
         parts.append(f"{names} (outside the repeated blocks)")

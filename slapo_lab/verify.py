@@ -38,7 +38,9 @@ def flatten_outputs(out: Any, prefix: str = "output") -> list[tuple[str, torch.T
 def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Reassemble a sharded tensor (``like`` carries ``shard_axis``) into its full shape.
 
-    A strided shard (``like.shard_stride`` > 1, GPT-2's fused q, k, v) is put back block by block.
+    A strided shard (``like.shard_stride`` > 1, GPT-2's fused q, k, v) is put back block by block; a
+    :class:`~slapo_lab.sharding.rules.BlockStride` (Phi-3's ``qkv_proj`` with fewer key/value heads) by its
+    unequal blocks (:func:`~slapo_lab.sharding.rules.merge_shards`).
 
     Raises:
         RuntimeError: if the tensor is sharded but there is no process group to gather over.

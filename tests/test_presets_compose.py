@@ -100,6 +100,24 @@ def test_composed_schedules_train_like_the_unsharded_model_on_two_ranks():
         assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5 and r["max_param_diff"] <= 1e-5, r
 
 
+@pytest.mark.multirank
+def test_fused_projections_train_like_the_unsharded_model_on_two_ranks():
+    """Falcon (new decoder architecture, old per-head layout, ALiBi), BLOOM (ALiBi), Phi-3 (equal and unequal
+    q/k/v blocks, gate/up): Verify passes and 3 SGD steps match the unsharded model within 1e-5."""
+    rc, out, res = launch_results(SCRIPT, 2, ["fused"], 300)
+    assert rc == 0, out[-4000:]
+    for case, *_ in tp_train.FAMILY_CASES["fused"]:
+        assert case in res, f"no result for {case} (torchrun exit {rc}):\n{out[-4000:]}"
+        r = res[case]
+        assert not r["bad"], f"{case}: " + "; ".join(r["bad"])
+        assert r["verify"] is True and r["n_sharded"] > 0
+        assert r["max_loss_diff"] <= 1e-5 and r["max_grad_diff"] <= 1e-5 and r["max_param_diff"] <= 1e-5, r
+    # Phi-3's fused projections are strided (q/k/v blocks, gate/up), Falcon's and BLOOM's contiguous by heads
+    assert "model.layers.0.self_attn.qkv_proj.weight" in res["phi3_gqa_megatron_tp"]["strided"]
+    assert "model.layers.0.mlp.gate_up_proj.weight" in res["phi3_megatron_tp"]["strided"]
+    assert res["bloom_megatron_tp"]["strided"] == []
+
+
 def test_the_preset_says_which_dense_layers_stay_whole_and_why():
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -112,11 +130,15 @@ def test_the_preset_says_which_dense_layers_stay_whole_and_why():
         FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     )
     sch = sl.create_schedule(falcon, world_size=2)
+    # FalconConfig's default is multi-query attention: one key/value head, so the fused query_key_value (and
+    # the dense after it) cannot be split by heads; the MLP is sharded
     whole = (
-        "Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense (not a "
-        "recognised q/k/v, output or MLP projection)."
+        "Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense "
+        "(FalconAttention uses multi-query attention, one key/value head for all 4 query heads, so its fused "
+        "query_key_value and its dense cannot be split by heads)."
     )
     assert presets.megatron_tp(sch).notes == [whole]
+    assert sch["transformer.h.0.mlp.dense_h_to_4h"].mod.weight.shape == (128, 64)
 
 
 def test_every_stack_of_blocks_is_found_and_a_model_without_a_vocabulary_embedding_gets_a_note():

@@ -15,7 +15,14 @@ from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
 from ..sharding import sync_ops
-from ..sharding.rules import ShardSite, get_shard_rule, local_shard
+from ..sharding.rules import (
+    ShardSite,
+    block_sizes,
+    fused_layout,
+    get_shard_rule,
+    local_shard,
+    stride_key,
+)
 from .base import Primitive, register_primitive
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -74,13 +81,18 @@ def _rule_hook(site: ShardSite, name: str):
 
 
 def _stride(sites: list[ShardSite], axis: int, full: str) -> int:
-    strides = {(_rule_hook(s, "stride") or (lambda site, ax: 1))(s, axis) for s in sites}
+    """The tensor's ``shard_stride`` (an int, or a :class:`~slapo_lab.sharding.rules.BlockStride` of unequal
+    blocks), the same for every owner."""
+    strides = {}
+    for s in sites:
+        v = (_rule_hook(s, "stride") or (lambda site, ax: 1))(s, axis)
+        strides.setdefault(stride_key(v), v)
     if len(strides) > 1:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: the modules it is tied to store it in different layouts "
-            f"(strides {sorted(strides)})."
+            f"(strides {sorted(map(repr, strides.values()))})."
         )
-    return strides.pop()
+    return next(iter(strides.values()))
 
 
 def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
@@ -119,11 +131,23 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
         if reason:
             raise ScheduleError(f"Cannot shard {full} on axis {axis} across {ws} ranks: {reason}.")
     stride = _stride(sites, axis, full)
-    if stride > 1 and t.shape[axis] % (stride * ws):
-        raise ScheduleError(
-            f"Cannot shard {full} on axis {axis}: it stores {stride} projections of size {t.shape[axis] // stride} "
-            f"back to back (fused q, k, v), and {t.shape[axis] // stride} is not divisible by the world size {ws}."
-        )
+    if stride > 1:
+        sizes = block_sizes(t.shape[axis], stride)
+        odd = next((b for b in sizes if b % ws), None)
+        if odd is not None:
+            what = (
+                f"{len(sizes)} projections of size {sizes[0]}"
+                if len(set(sizes)) == 1
+                else f"{len(sizes)} projections of sizes {', '.join(map(str, sizes))}"
+            )
+            lay = fused_layout(sites[0])
+            label = {"kv": "fused k, v", "gate_up": "fused gate and up"}.get(
+                lay.parts if lay is not None else "", "fused q, k, v"
+            )
+            raise ScheduleError(
+                f"Cannot shard {full} on axis {axis}: it stores {what} back to back ({label}), and "
+                f"{odd} is not divisible by the world size {ws}."
+            )
     if t.shape[axis] % ws:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}."
@@ -144,15 +168,21 @@ class ShardPrimitive(Primitive):
     every module holding the same tensor receives the same shard. The new parameter carries
     ``orig_shape`` (the full ``torch.Size``), ``shard_axis`` and ``shard_stride``.
 
-    A fused projection that stores several blocks back to back on ``axis`` (GPT-2's ``c_attn``: q, k, v)
-    is sharded *strided* (``shard_stride`` = 3): this rank keeps its chunk of each block, so it holds
-    whole heads of q, k and v. An attention projection's head features must split into whole heads
-    (and whole key/value heads under grouped-query attention) on every rank.
+    A fused projection that stores several blocks back to back on ``axis`` (GPT-2's ``c_attn``: q, k, v;
+    Phi-3's ``gate_up_proj``: gate, up) is sharded *strided* (``shard_stride`` = 3, 2): this rank keeps its
+    chunk of each block, so it holds whole heads of q, k and v. Blocks of unequal sizes (Phi-3's ``qkv_proj``
+    with fewer key/value heads) give a :class:`~slapo_lab.sharding.rules.BlockStride` (an int, the number
+    of blocks, carrying the sizes). A fused projection whose parts are interleaved per head (BLOOM's
+    ``query_key_value``) or per key/value group (Falcon's with ``new_decoder_architecture``) is a plain
+    contiguous shard of whole heads / groups (:func:`slapo_lab.sharding.rules.fused_layout`). An attention
+    projection's head features must split into whole heads (and whole key/value heads under grouped-query
+    attention) on every rank; Falcon's multi-query attention (one key/value head) is refused.
 
     Raises:
-        ScheduleError: unknown tensor name, non-integer or out-of-range axis, a size not divisible by the
-            world size, attention heads (or key/value heads) not divisible by the world size, a tensor
-            already sharded, or a shard the module's rule refuses.
+        ScheduleError: unknown tensor name, non-integer or out-of-range axis, a size (or a fused block) not
+            divisible by the world size, attention heads (or key/value heads) not divisible by the world
+            size, heads that cannot be split (multi-query attention), a tensor already sharded, or a shard
+            the module's rule refuses.
     """
 
     name = "shard"

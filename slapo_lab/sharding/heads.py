@@ -21,14 +21,30 @@ Which attributes a class treats as per-rank comes from two sources, unioned:
 
 A class whose run-time code reads a head count from its ``config`` (shared by every layer and rank, so it
 cannot hold a per-rank number), or keeps a head-count attribute that disagrees with the module's heads,
-is refused with one sentence before anything changes. The rewrite is recorded in the attention module's
-``_slapo_meta["attention_heads"]`` (``{"heads", "kv_heads", "world_size", "attrs": {name: [global,
-local]}}``) and happens inside the ``shard`` primitive, so replay, undo and exported scripts reproduce it.
+is refused with one sentence before anything changes -- unless the class is registered for a per-module
+config (:data:`CONFIG_HEADS`, :func:`register_config_heads`: Phi-3's ``Phi3Attention.forward`` slices its
+fused ``qkv_proj`` output at ``self.config.num_attention_heads * self.head_dim``): the module then gets its
+own shallow copy of the config holding this rank's counts (the model's and the other layers' config stay
+global).
+
+Some attention classes take a per-head tensor that the *model* builds for all heads: BLOOM's ALiBi bias
+(``BloomModel.build_alibi_tensor``: ``(batch x heads, 1, keys)``, consumed by ``BloomAttention.forward`` as
+``alibi.baddbmm(...)`` over ``batch x self.num_heads`` rows) and Falcon's with ``alibi=True`` (``FalconModel``
+folds it into a ``(batch, heads, queries, keys)`` attention mask and passes ``(batch, heads, 1, keys)``). Those
+arguments (:data:`PER_HEAD_INPUTS`) are cut to this rank's heads by a forward pre-hook on the attention
+module, so each rank adds its own heads' slopes.
+
+The rewrite is recorded in the attention module's ``_slapo_meta["attention_heads"]`` (``{"heads",
+"kv_heads", "world_size", "attrs": {name: [global, local]}}``, plus ``"config": {key: [global, local]}``
+and ``"inputs": [argument names]`` when those apply) and happens inside the ``shard`` primitive, so replay,
+undo and exported scripts reproduce it.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import inspect
 import textwrap
 from functools import cache
@@ -62,6 +78,35 @@ _REGISTRY: dict[str, tuple[str, ...]] = {
         )
     },
 }
+
+
+CONFIG_HEADS: dict[str, tuple[str, ...]] = {
+    # class name -> config keys its run-time code reads as head counts; the module gets a per-rank config copy
+    "Phi3Attention": ("num_attention_heads", "num_key_value_heads"),
+}
+
+PER_HEAD_INPUTS: dict[str, tuple[tuple[str, int | str], ...]] = {
+    # class name -> (forward argument, its heads axis) for the per-head tensors the model builds for all heads:
+    # "flat" = (batch x heads, ...) rows (BLOOM's alibi), an int = that axis has one entry per head (Falcon with
+    # alibi=True: alibi (batch, heads, 1, keys) and the attention mask (batch, heads, queries, keys) it is folded
+    # into; a mask with one entry on that axis is shared by all heads and stays whole)
+    "BloomAttention": (("alibi", "flat"),),
+    "FalconAttention": (("alibi", 1), ("attention_mask", 1)),
+}
+
+
+def register_config_heads(class_name: str, keys: tuple[str, ...] | list[str]) -> None:
+    """Let the attention class ``class_name`` (or a subclass) read head counts ``keys`` from its ``config`` at
+    run time: once its heads are split, the module gets its own shallow copy of the config with this rank's
+    counts.
+
+    Raises:
+        ValueError: for a key that is not a head count (:data:`HEAD_ATTRS`, :data:`KV_HEAD_ATTRS`).
+    """
+    bad = [k for k in keys if k not in CONFIG_HEAD_KEYS]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a head-count config key slapo can rewrite.")
+    CONFIG_HEADS[class_name] = tuple(keys)
 
 
 def register_attention_heads(class_name: str, attrs: tuple[str, ...] | list[str]) -> None:
@@ -120,10 +165,11 @@ def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
     return frozenset(self_attrs), frozenset(cfg_attrs)
 
 
-def _registered(cls: type) -> tuple[str, ...]:
+def _registered(cls: type, table: dict | None = None) -> tuple[str, ...]:
+    table = _REGISTRY if table is None else table
     for klass in cls.__mro__:
-        if klass.__name__ in _REGISTRY:
-            return _REGISTRY[klass.__name__]
+        if klass.__name__ in table:
+            return table[klass.__name__]
     return ()
 
 
@@ -147,12 +193,16 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         read_attrs, cfg_reads = set(known), set()
     else:
         read_attrs, cfg_reads = reads
-    bad_cfg = sorted(cfg_reads & CONFIG_HEAD_KEYS)
+    cfg_keys = _registered(cls, CONFIG_HEADS)
+    bad_cfg = sorted((cfg_reads & CONFIG_HEAD_KEYS) - set(cfg_keys))
     if bad_cfg:
         return {}, (
             f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
             f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated"
         )
+    cfg_plan, reason = plan_config_heads(attn, heads, kv_heads, world_size)
+    if reason:
+        return {}, reason
     registered = _registered(cls)
     wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
     head_dim = next(
@@ -188,7 +238,69 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
                     )
                 continue  # a model width that happens to be read, not the heads' width
             out[a] = (v, v // world_size)
+    out.update({f"config.{k}": v for k, v in cfg_plan.items()})
     return out, None
+
+
+def plan_config_heads(
+    attn: nn.Module, heads: int, kv_heads: int, world_size: int
+) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """The per-rank counts of the config keys :data:`CONFIG_HEADS` registers for ``attn``'s class:
+    ``({key: (global, local)}, None)``, or ``({}, reason)`` when the config's value is not the module's count."""
+    keys = _registered(type(attn), CONFIG_HEADS)
+    cfg = getattr(attn, "config", None)
+    out: dict[str, tuple[int, int]] = {}
+    for k in keys:
+        v = getattr(cfg, k, None) if cfg is not None else None
+        if v is None:
+            continue
+        want = heads if k in HEAD_ATTRS else kv_heads
+        if not _int(v) or v != want:
+            return {}, (
+                f"{type(attn).__name__}.config.{k} is {v!r}, not the module's {want} heads, so slapo cannot "
+                "give it this rank's share"
+            )
+        out[k] = (v, v // world_size)
+    return out, None
+
+
+def _cut_heads(t, axis, heads: int, local: int, rank: int):
+    """This rank's heads of a per-head tensor (``axis`` "flat": rows ``batch x heads``; an int: that axis)."""
+    if not hasattr(t, "shape") or t.dim() == 0:
+        return t
+    if axis == "flat":
+        if t.shape[0] % heads:
+            return t
+        v = t.view(-1, heads, *t.shape[1:])[:, rank * local : (rank + 1) * local]
+        return v.reshape(-1, *t.shape[1:])
+    if t.dim() <= axis or t.shape[axis] != heads:
+        return t  # shared by all heads (a (batch, 1, q, k) mask)
+    return t.narrow(axis, rank * local, local)
+
+
+def _slice_per_head_inputs(module, args, kwargs, *, specs, index, heads, world_size, rank):
+    """Forward pre-hook: cut each per-head argument of ``specs`` (``(name, heads axis)``) to this rank's
+    heads, whether passed by keyword or by position."""
+    local = heads // world_size
+    args = list(args)
+    for n, axis in specs:
+        if kwargs.get(n) is not None:
+            kwargs[n] = _cut_heads(kwargs[n], axis, heads, local, rank)
+        elif index.get(n) is not None and index[n] < len(args) and args[index[n]] is not None:
+            args[index[n]] = _cut_heads(args[index[n]], axis, heads, local, rank)
+    return tuple(args), kwargs
+
+
+def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size: int, rank: int):
+    try:
+        params = list(inspect.signature(type(attn).forward).parameters)[1:]  # without self
+    except (TypeError, ValueError):
+        params = []
+    index = {n: params.index(n) if n in params else None for n, _ in specs}
+    hook = functools.partial(
+        _slice_per_head_inputs, specs=specs, index=index, heads=heads, world_size=world_size, rank=rank
+    )
+    return attn.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
@@ -198,8 +310,11 @@ def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     return (rec["heads"], rec["kv_heads"]) if rec else None
 
 
-def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> dict:
+def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0) -> dict:
     """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
+
+    Also gives the module a per-rank config copy (:data:`CONFIG_HEADS`) and cuts the per-head arguments
+    the model builds for all heads to this rank's (``rank``; :data:`PER_HEAD_INPUTS`).
 
     Returns the record stored in ``attn._slapo_meta["attention_heads"]``.
 
@@ -213,6 +328,8 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) 
     plan, reason = plan_local_heads(attn, heads, kv_heads, world_size)
     if reason:
         raise ValueError(reason)
+    cfg_plan = {a[len("config.") :]: v for a, v in plan.items() if a.startswith("config.")}
+    plan = {a: v for a, v in plan.items() if not a.startswith("config.")}
     for a, (_g, local) in plan.items():
         setattr(attn, a, local)
     rec = {
@@ -221,5 +338,15 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) 
         "world_size": world_size,
         "attrs": {a: [g, loc] for a, (g, loc) in plan.items()},
     }
+    if cfg_plan:
+        cfg = copy.copy(attn.config)  # this module's own: the model's config and other layers' stay global
+        for k, (_g, local) in cfg_plan.items():
+            setattr(cfg, k, local)
+        attn.config = cfg
+        rec["config"] = {k: [g, loc] for k, (g, loc) in cfg_plan.items()}
+    inputs = _registered(type(attn), PER_HEAD_INPUTS)
+    if inputs and world_size > 1:
+        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank))
+        rec["inputs"] = [n for n, _ in inputs]
     meta["attention_heads"] = rec
     return rec

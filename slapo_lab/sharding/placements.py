@@ -19,6 +19,12 @@ turns a local tensor into the view those tools read:
   a strided layout is handed over as a ``ShardedTensor`` with one local shard per block (DCP's native
   several-chunks-per-rank form), so checkpoints reshard between any layouts.
 
+Blocks of unequal sizes (Phi-3's ``qkv_proj`` under grouped-query attention: ``[q; k; v]`` of heads x
+head_dim, kv x head_dim, kv x head_dim features; ``tp_stride`` a
+:class:`~slapo_lab.sharding.rules.BlockStride`) have a ``ShardedTensor`` checkpoint view like any strided
+layout, but no DTensor placement describes them (``_StridedShard`` splits equal blocks only), so
+:meth:`ShardLayout.placements` / :meth:`ShardLayout.dtensor` refuse them with one sentence.
+
 Sources: PyTorch ``torch/distributed/tensor/placement_types.py`` (``Shard``, ``_StridedShard``: the
 ``split_factor`` semantics used here), ``torch/distributed/checkpoint/planner_helpers.py`` (chunk lists of
 DTensor and ShardedTensor), Megatron-LM's ``partition_stride`` for fused projections.
@@ -48,7 +54,8 @@ class ShardLayout:
     Attributes:
         shape: the global (unsharded) shape.
         tp_axis: the tensor-parallel axis, or None (replicated over ``tp``).
-        tp_stride: blocks stored back to back on ``tp_axis`` (1, or 3 for a fused q, k, v).
+        tp_stride: blocks stored back to back on ``tp_axis`` (1, or 3 for a fused q, k, v); a
+            :class:`~slapo_lab.sharding.rules.BlockStride` (an int carrying ``sizes``) for unequal blocks.
         tp / tp_rank: tensor-parallel size and this rank's coordinate.
         fsdp_dim: the dimension FSDP2 shards the tensor-parallel local tensor on (never ``tp_axis``), or
             None (whole on every data-parallel replica).
@@ -61,7 +68,7 @@ class ShardLayout:
 
     shape: tuple[int, ...]
     tp_axis: int | None = None
-    tp_stride: int = 1
+    tp_stride: int = 1  # or a BlockStride
     tp: int = 1
     tp_rank: int = 0
     fsdp_dim: int | None = None
@@ -82,12 +89,28 @@ class ShardLayout:
         """This layout with FSDP2's shard on ``dim`` over ``dp`` replicas (None: replicated over dp)."""
         return ShardLayout(self.shape, self.tp_axis, self.tp_stride, self.tp, self.tp_rank, dim, dp, dp_rank)
 
+    @property
+    def tp_block_sizes(self) -> tuple[int, ...]:
+        """The global sizes of the blocks stored back to back on ``tp_axis`` (one block when not strided)."""
+        from .rules import block_sizes
+
+        if self.tp_axis is None:
+            return ()
+        return tuple(block_sizes(self.shape[self.tp_axis], self.tp_stride))
+
+    @property
+    def uneven_blocks(self) -> bool:
+        """Whether the strided blocks have unequal sizes (no DTensor placement describes the layout)."""
+        return len(set(self.tp_block_sizes)) > 1
+
     def _tp_runs(self) -> list[tuple[int, int]]:
         """Global ``(start, length)`` runs on ``tp_axis`` held by this rank, in local order."""
-        n = self.shape[self.tp_axis]
-        block = n // self.tp_stride
-        piece = block // self.tp
-        return [(j * block + self.tp_rank * piece, piece) for j in range(self.tp_stride)]
+        runs, start = [], 0
+        for size in self.tp_block_sizes:
+            piece = size // self.tp
+            runs.append((start + self.tp_rank * piece, piece))
+            start += size
+        return runs
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -142,15 +165,26 @@ class ShardLayout:
 
     # -------------------------------------------------------------------------------- views
     def placements(self) -> tuple:
-        """The DTensor placements of the local tensor on the ``(dp, tp)`` mesh."""
+        """The DTensor placements of the local tensor on the ``(dp, tp)`` mesh.
+
+        Raises:
+            ValueError: for blocks of unequal sizes (:attr:`uneven_blocks`), which no placement describes.
+        """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.placement_types import _StridedShard
+
+        if self.tp_sharded and self.uneven_blocks:
+            raise ValueError(
+                f"a tensor-parallel layout of unequal blocks {list(self.tp_block_sizes)} on axis {self.tp_axis} "
+                "has no DTensor placement (_StridedShard splits equal blocks only); use checkpoint_view, or "
+                "merge_shards to gather it"
+            )
 
         dp_place = Shard(self.fsdp_dim) if self.fsdp_dim is not None and self.dp > 1 else Replicate()
         if not self.tp_sharded:
             tp_place = Replicate()
         elif self.tp_stride > 1:
-            tp_place = _StridedShard(self.tp_axis, split_factor=self.tp_stride)
+            tp_place = _StridedShard(self.tp_axis, split_factor=int(self.tp_stride))
         else:
             tp_place = Shard(self.tp_axis)
         return dp_place, tp_place
@@ -164,7 +198,7 @@ class ShardLayout:
             mesh: the ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (sizes ``dp`` x ``tp``).
 
         Raises:
-            ValueError: if ``local`` does not have the local shape.
+            ValueError: if ``local`` does not have the local shape, or for unequal blocks (:meth:`placements`).
         """
         from torch.distributed.tensor import DTensor
 
@@ -230,7 +264,8 @@ def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout
     """The tensor-parallel layout of a scheduled parameter or buffer (no FSDP).
 
     Reads the annotations ``shard`` leaves: ``orig_shape`` (the global shape), ``shard_axis`` and
-    ``shard_stride``; an unannotated tensor is replicated (its own shape is global).
+    ``shard_stride`` (an int, or a :class:`~slapo_lab.sharding.rules.BlockStride` of unequal blocks, kept
+    as is); an unannotated tensor is replicated (its own shape is global).
 
     Args:
         param: a parameter or buffer of a scheduled model (plain local tensor).
@@ -240,7 +275,9 @@ def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout
     shape = tuple(getattr(param, "orig_shape", None) or param.shape)
     if axis is None or tp == 1:
         return ShardLayout(shape)
-    return ShardLayout(shape, axis % len(shape), int(getattr(param, "shard_stride", 1) or 1), tp, tp_rank)
+    stride = getattr(param, "shard_stride", 1) or 1
+    stride = stride if getattr(stride, "sizes", None) is not None else int(stride)
+    return ShardLayout(shape, axis % len(shape), stride, tp, tp_rank)
 
 
 def fsdp_dim_for(layout: ShardLayout, dp: int) -> int | None:

@@ -7,6 +7,13 @@ math requires it, swaps in a sharded forward (a row-parallel layer adds its bias
 reduce; a vocab-parallel embedding masks ids outside this rank's range). Semantics follow Slapo's
 ``slapo/sharding/shard_ops.py`` and Megatron-LM's ``ColumnParallelLinear`` / ``RowParallelLinear`` /
 ``VocabParallelEmbedding``.
+
+Fused projections (:func:`fused_layout`) are column parallel by the layout their attention module's
+attributes and config give: GPT-2's ``c_attn`` and Phi-3's ``qkv_proj`` / ``gate_up_proj`` store their parts
+as blocks back to back (a strided shard, Megatron-LM's ``partition_stride``; unequal blocks under
+grouped-query attention are a :class:`BlockStride`), BLOOM's and Falcon's ``query_key_value`` interleave
+them per head or per key/value group (a contiguous shard of whole heads / groups), and Falcon's multi-query
+attention cannot be split by heads (refused).
 """
 
 from __future__ import annotations
@@ -38,30 +45,113 @@ class ShardSite:
     path: str = ""
 
 
-def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride: int = 1) -> torch.Tensor:
-    """This rank's shard of ``t`` along ``axis`` (a view).
+class BlockStride(int):
+    """A ``shard_stride`` of blocks of unequal sizes (Phi-3's ``qkv_proj`` under grouped-query attention:
+    ``[q (heads x head_dim); k (kv heads x head_dim); v (kv heads x head_dim)]``).
+
+    Its integer value is the number of blocks, so code that only asks whether a tensor is strided
+    (``shard_stride > 1``) or how many blocks it has keeps working; ``sizes`` are the blocks' global sizes
+    along the shard axis, in order. Every block must divide by the world size. Pickles and deep-copies as
+    itself. Equal blocks are a plain ``int`` stride (Megatron-LM's ``partition_stride``).
+    """
+
+    sizes: tuple[int, ...]
+
+    def __new__(cls, sizes):
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) < 2 or min(sizes) <= 0:
+            raise ValueError(f"a BlockStride needs two or more positive block sizes, not {sizes!r}")
+        obj = super().__new__(cls, len(sizes))
+        obj.sizes = sizes
+        return obj
+
+    def __getnewargs__(self):
+        return (self.sizes,)
+
+    def __repr__(self) -> str:
+        return f"BlockStride({', '.join(map(str, self.sizes))})"
+
+    __str__ = __repr__
+
+
+def make_stride(sizes) -> int:
+    """The ``shard_stride`` of a tensor storing blocks of ``sizes`` back to back: ``len(sizes)`` when they are
+    equal (a plain int), else a :class:`BlockStride`."""
+    sizes = [int(s) for s in sizes]
+    if len(sizes) <= 1:
+        return 1
+    return len(sizes) if len(set(sizes)) == 1 else BlockStride(sizes)
+
+
+def block_sizes(n: int, stride) -> list[int]:
+    """The global sizes of the blocks a tensor of ``n`` features along its shard axis stores back to back.
+
+    ``stride``: an int (that many equal blocks), a :class:`BlockStride`, or a sequence of block sizes
+    (which must sum to ``n``).
+
+    Raises:
+        ValueError: when the sizes do not sum to ``n`` or equal blocks do not divide it.
+    """
+    sizes = getattr(stride, "sizes", None)
+    if sizes is None and not isinstance(stride, int):
+        sizes = tuple(int(s) for s in stride)
+    if sizes is None:
+        stride = int(stride)
+        if stride < 1 or n % stride:
+            raise ValueError(f"{n} features do not split into {stride} equal blocks")
+        return [n // stride] * stride
+    if sum(sizes) != n:
+        raise ValueError(f"blocks of sizes {list(sizes)} do not add up to the {n} features they should tile")
+    return list(sizes)
+
+
+def stride_key(stride) -> tuple:
+    """A hashable key that tells strides apart by their blocks (``3`` and ``BlockStride(4, 2, 2)`` differ)."""
+    return (int(stride), getattr(stride, "sizes", None))
+
+
+def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1) -> torch.Tensor:
+    """This rank's shard of ``t`` along ``axis`` (a view for a plain or an equal-block stride).
 
     ``stride`` > 1 means ``t`` stores ``stride`` equal blocks back to back along ``axis`` (GPT-2's fused
     q, k, v): the shard is this rank's chunk of *each* block, concatenated (a strided shard, as
-    Megatron's ``partition_stride``).
+    Megatron's ``partition_stride``). ``stride`` may also be a :class:`BlockStride` or a sequence of block
+    sizes (Phi-3's ``[q; k; v]`` with fewer key/value heads): this rank's chunk of each block, concatenated
+    (a copy).
+
+    Raises:
+        ValueError: when the blocks do not tile the axis (see :func:`block_sizes`).
     """
     if world_size == 1:
         return t
-    if stride == 1:
-        return t.chunk(world_size, dim=axis)[rank]
-    blocks = t.unflatten(axis, (stride, t.shape[axis] // stride))
-    return blocks.chunk(world_size, dim=axis + 1)[rank].flatten(axis, axis + 1)
+    if isinstance(stride, int) and not isinstance(stride, BlockStride):
+        if stride == 1:
+            return t.chunk(world_size, dim=axis)[rank]
+        blocks = t.unflatten(axis, (stride, t.shape[axis] // stride))
+        return blocks.chunk(world_size, dim=axis + 1)[rank].flatten(axis, axis + 1)
+    parts = t.split(block_sizes(t.shape[axis], stride), dim=axis)
+    return torch.cat([p.chunk(world_size, dim=axis)[rank] for p in parts], dim=axis)
 
 
-def merge_shards(parts: list[torch.Tensor], axis: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of :func:`local_shard`: the full tensor from every rank's shard, in rank order."""
+def merge_shards(parts: list[torch.Tensor], axis: int, stride=1) -> torch.Tensor:
+    """Inverse of :func:`local_shard`: the full tensor from every rank's shard, in rank order.
+
+    ``stride``: as for :func:`local_shard` (a :class:`BlockStride` or a sequence holds the *global* block
+    sizes; each rank holds ``size / len(parts)`` of each block).
+    """
     if len(parts) == 1:
         return parts[0]
     axis = axis % parts[0].dim()
-    if stride == 1:
-        return torch.cat(parts, dim=axis)
-    blocks = [p.unflatten(axis, (stride, p.shape[axis] // stride)) for p in parts]
-    return torch.cat(blocks, dim=axis + 1).flatten(axis, axis + 1)
+    if isinstance(stride, int) and not isinstance(stride, BlockStride):
+        if stride == 1:
+            return torch.cat(parts, dim=axis)
+        blocks = [p.unflatten(axis, (stride, p.shape[axis] // stride)) for p in parts]
+        return torch.cat(blocks, dim=axis + 1).flatten(axis, axis + 1)
+    ws = len(parts)
+    sizes = block_sizes(sum(p.shape[axis] for p in parts), stride)
+    local = [s // ws for s in sizes]
+    pieces = [p.split(local, dim=axis) for p in parts]
+    return torch.cat([pieces[r][j] for j in range(len(sizes)) for r in range(ws)], dim=axis)
 
 
 # --- attention awareness ---------------------------------------------------------------------------
@@ -144,8 +234,206 @@ def fused_qkv_blocks(site: ShardSite) -> int:
     return 1
 
 
+def _class_names(mod: nn.Module | None) -> set[str]:
+    return {k.__name__ for k in type(mod).__mro__} if mod is not None else set()
+
+
+def _global_out(mod: nn.Module) -> int | None:
+    """The global number of output features of an ``nn.Linear`` / HF ``Conv1D`` (its weight's ``orig_shape``
+    once sharded)."""
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    shape = tuple(getattr(w, "orig_shape", None) or w.shape)
+    if type(mod).__name__ == "Conv1D":
+        return shape[1]
+    return shape[0] if isinstance(mod, nn.Linear) else None
+
+
+def _global_in(mod: nn.Module) -> int | None:
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    shape = tuple(getattr(w, "orig_shape", None) or w.shape)
+    if type(mod).__name__ == "Conv1D":
+        return shape[0]
+    return shape[1] if isinstance(mod, nn.Linear) else None
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How a fused projection stores its parts on its output features, read from the attention module's
+    attributes and config (or the MLP's shapes), and so how a column-parallel shard of it splits.
+
+    Attributes:
+        parts: ``"qkv"``, ``"kv"`` (attention) or ``"gate_up"`` (a gated MLP's gate and up projections).
+        stride: the ``shard_stride`` of a column-parallel shard: 1 when each rank keeps one contiguous range
+            (parts interleaved per head or per key/value group), n for n equal blocks back to back, or a
+            :class:`BlockStride` for unequal blocks.
+        units: how many pieces a contiguous shard must keep whole (heads, or key/value groups), else None.
+        unit: what those pieces are, for messages (``"attention heads"``, ``"key/value head groups"``).
+        source: the code the layout follows.
+        refusal: why the projection cannot be split by heads at all (one sentence fragment), or None.
+    """
+
+    parts: str
+    stride: int = 1
+    units: int | None = None
+    unit: str = ""
+    source: str = ""
+    refusal: str | None = None
+
+
+# Attention classes (matched along the MRO) whose fused q/k/v layout has been read from transformers' code:
+# class name -> (child name, layout). "heads": per head [q, k, v] interleaved (``view(..., heads, 3,
+# head_dim)``), so a contiguous range is whole heads of all three; "blocks": [q; k; v] back to back with
+# heads x head_dim, kv x head_dim, kv x head_dim features. Falcon is read from its own attributes.
+_FUSED_QKV: dict[str, tuple[str, str, str]] = {
+    "BloomAttention": ("query_key_value", "heads", "transformers modeling_bloom.py BloomAttention._reshape"),
+    "Phi3Attention": ("qkv_proj", "blocks", "transformers modeling_phi3.py Phi3Attention.forward"),
+}
+
+
+def register_fused_qkv(class_name: str, child: str, layout: str, source: str = "") -> None:
+    """Declare that attention class ``class_name`` (or a subclass) stores q, k and v fused in its child
+    ``child`` with ``layout`` ``"heads"`` (per head ``[q, k, v]`` interleaved: a contiguous shard by heads)
+    or ``"blocks"`` (``[q; k; v]`` back to back: a strided shard, unequal blocks under grouped-query
+    attention).
+
+    Raises:
+        ValueError: for another layout name.
+    """
+    if layout not in ("heads", "blocks"):
+        raise ValueError(f"fused q/k/v layout {layout!r} is not 'heads' or 'blocks'")
+    _FUSED_QKV[class_name] = (child, layout, source)
+
+
+def _falcon_layout(site: ShardSite, out: int) -> FusedLayout | None:
+    """Falcon's ``query_key_value`` (transformers modeling_falcon.py ``FalconAttention.__init__`` /
+    ``_split_heads``), from the module's ``new_decoder_architecture`` / ``multi_query`` attributes."""
+    parent = site.parent
+    new_arch, mqa = getattr(parent, "new_decoder_architecture", None), getattr(parent, "multi_query", None)
+    if not isinstance(new_arch, bool) or not isinstance(mqa, bool):
+        return None
+    counts, hd = attention_heads(parent), head_dim(parent)
+    if counts is None or hd is None:
+        return None
+    n, kv = counts
+    src = "transformers modeling_falcon.py FalconAttention._split_heads"
+    cls = type(parent).__name__
+    if new_arch:
+        if out != (n + 2 * kv) * hd:
+            return None
+        return FusedLayout("qkv", 1, kv, "key/value head groups", src)
+    if mqa:
+        return FusedLayout(
+            "qkv",
+            1,
+            None,
+            "",
+            src,
+            f"{cls} uses multi-query attention, one key/value head for all {n} query heads, so its fused "
+            "query_key_value and its dense cannot be split by heads",
+        )
+    if out != 3 * n * hd:
+        return None
+    return FusedLayout("qkv", 1, n, "attention heads", src)
+
+
+def fused_layout(site: ShardSite) -> FusedLayout | None:
+    """The layout of a fused projection (see :class:`FusedLayout`), or None for any other tensor's module.
+
+    * GPT-2's ``c_attn`` (:func:`fused_qkv_blocks`): q, k, v (or k, v) as equal blocks;
+    * Falcon's ``query_key_value`` (``FalconAttention``): with ``new_decoder_architecture`` one group per
+      key/value head, ``[q x heads/kv, k, v]`` (contiguous by groups); otherwise per head ``[q, k, v]``
+      (contiguous by heads); with ``multi_query`` (one key/value head) a refusal;
+    * BLOOM's ``query_key_value``: per head ``[q, k, v]`` (contiguous by heads);
+    * Phi-3's ``qkv_proj``: ``[q; k; v]`` blocks of heads x head_dim, kv x head_dim, kv x head_dim;
+    * a gated MLP's ``gate_up_proj`` whose sibling ``down_proj`` takes half its outputs (Phi-3's
+      ``Phi3MLP``: ``gate, up = y.chunk(2, -1)``): 2 equal blocks.
+
+    Sizes are global (a weight's ``orig_shape`` once sharded); a layout whose sizes do not match the
+    module's head counts is not recognised (None).
+    """
+    mod, parent, name = site.mod, site.parent, site.child_name
+    if parent is None:
+        return None
+    out = _global_out(mod)
+    if out is None:
+        return None
+    blocks = fused_qkv_blocks(site)
+    if blocks > 1:
+        return FusedLayout(
+            "qkv" if blocks == 3 else "kv", blocks, None, "", "transformers GPT2Attention (split_size)"
+        )
+    if name == "gate_up_proj":
+        down = getattr(parent, "down_proj", None)
+        half = _global_in(down) if isinstance(down, nn.Module) else None
+        if half is not None and out == 2 * half:
+            return FusedLayout(
+                "gate_up", 2, None, "", "transformers modeling_phi3.py Phi3MLP.forward (chunk(2))"
+            )
+        return None
+    if name == "query_key_value":
+        falcon = _falcon_layout(site, out)
+        if falcon is not None:
+            return falcon
+    names = _class_names(parent)
+    spec = next((v for k, v in _FUSED_QKV.items() if k in names), None)
+    if spec is None or spec[0] != name:
+        return None
+    counts, hd = attention_heads(parent), head_dim(parent)
+    if counts is None or hd is None:
+        return None
+    n, kv = counts
+    if spec[1] == "heads":
+        if n != kv or out != 3 * n * hd:
+            return None
+        return FusedLayout("qkv", 1, n, "attention heads", spec[2])
+    if out != (n + 2 * kv) * hd:
+        return None
+    return FusedLayout("qkv", make_stride((n * hd, kv * hd, kv * hd)), None, "", spec[2])
+
+
+def fused_qkv_of(attn: nn.Module | None) -> tuple[str, FusedLayout] | None:
+    """``(child name, layout)`` of the fused q/k/v projection directly inside ``attn``, or None."""
+    if attn is None:
+        return None
+    for cname, child in attn.named_children():
+        if cname in ("query_key_value", "qkv_proj", "c_attn"):
+            lay = fused_layout(ShardSite(child, "weight", attn, cname))
+            if lay is not None and lay.parts in ("qkv", "kv"):
+                return cname, lay
+    return None
+
+
+def attention_refusal(attn: nn.Module | None) -> str | None:
+    """Why ``attn``'s heads cannot be split across ranks at all, or None: Falcon's multi-query attention (its
+    one key/value head), BLOOM's ``pretraining_tp`` emulation (``slow_but_exact`` slices ``dense.weight``
+    itself)."""
+    fused = fused_qkv_of(attn)
+    if fused is not None and fused[1].refusal:
+        return fused[1].refusal
+    if (
+        "BloomAttention" in _class_names(attn)
+        and getattr(attn, "slow_but_exact", False)
+        and (getattr(attn, "pretraining_tp", 1) or 1) > 1
+    ):
+        return (
+            f"{type(attn).__name__} emulates pretraining_tp={attn.pretraining_tp} with slow_but_exact, slicing "
+            "dense.weight itself instead of calling dense, so a row-parallel dense would be bypassed; set "
+            "slow_but_exact=False"
+        )
+    return None
+
+
 def attention_role(site: ShardSite) -> str | None:
-    """``"q"``, ``"k"``, ``"v"``, ``"o"`` (output projection), ``"qkv"`` / ``"kv"`` (fused) or None."""
+    """``"q"``, ``"k"``, ``"v"``, ``"o"`` (output projection), ``"qkv"`` / ``"kv"`` (fused) or None.
+
+    Fused projections are recognised by their layout (:func:`fused_layout`); the output projection by its
+    name, GPT-2's ``c_proj`` beside ``c_attn``, or ``dense`` beside a fused ``query_key_value`` / ``qkv_proj``
+    (Falcon's and BLOOM's ``self_attention.dense``).
+    """
     name, parent = site.child_name, site.parent
     if parent is None or attention_heads(parent) is None:
         return None
@@ -157,11 +445,11 @@ def attention_role(site: ShardSite) -> str | None:
         return "v"
     if name in _O_NAMES or (name == "c_proj" and hasattr(parent, "c_attn")):
         return "o"
-    blocks = fused_qkv_blocks(site)
-    if blocks == 3:
-        return "qkv"
-    if blocks == 2:
-        return "kv"
+    lay = fused_layout(site)
+    if lay is not None and lay.parts in ("qkv", "kv"):
+        return lay.parts
+    if name == "dense" and fused_qkv_of(parent) is not None:
+        return "o"
     return None
 
 
@@ -177,6 +465,9 @@ def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | No
     role = attention_role(site)
     if role is None or (role == "o") != (side == "in"):
         return None
+    refusal = attention_refusal(site.parent)
+    if refusal:
+        return refusal
     n, kv = attention_heads(site.parent)
     if n == kv:
         order = [("attention", n)]
@@ -205,12 +496,13 @@ def local_heads_reason(site: ShardSite, world_size: int) -> str | None:
     return _heads.plan_local_heads(site.parent, n, kv, world_size)[1]
 
 
-def localise_parent_heads(site: ShardSite, world_size: int) -> None:
-    """Rewrite the parent attention module's head attributes to this rank's share (once)."""
+def localise_parent_heads(site: ShardSite, world_size: int, rank: int = 0) -> None:
+    """Rewrite the parent attention module's head attributes to this rank's share (once; ``rank`` picks the
+    per-head inputs it keeps, BLOOM's ALiBi slopes)."""
     if world_size == 1 or site.parent is None:
         return
     n, kv = attention_heads(site.parent)
-    _heads.localise_heads(site.parent, n, kv, world_size)
+    _heads.localise_heads(site.parent, n, kv, world_size, rank)
 
 
 class ShardRule:
@@ -236,7 +528,8 @@ class ShardRule:
         """Like :meth:`check` with the parent in view; the reason is shown after "across N ranks: "."""
 
     def stride(self, site: ShardSite, axis: int) -> int:
-        """How many equal blocks the tensor stores back to back along ``axis`` (see :func:`local_shard`)."""
+        """How many equal blocks the tensor stores back to back along ``axis``, or a :class:`BlockStride` of
+        unequal ones (see :func:`local_shard`)."""
         return 1
 
     def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
@@ -336,10 +629,17 @@ class DenseRule(ShardRule):
             reason = local_heads_reason(site, world_size)
         return reason
 
+    def stride(self, site, axis):
+        """A column-parallel shard of a fused projection (:func:`fused_layout`) is strided by its blocks."""
+        if self._side(site.name, axis) != "out":
+            return 1
+        lay = fused_layout(site)
+        return lay.stride if lay is not None and lay.refusal is None else 1
+
     def apply_site(self, site, axis, world_size, rank):
         """A q/k/v (or output) projection split by heads: the parent's head attributes become per rank."""
         if splits_heads(site, self._side(site.name, axis)):
-            localise_parent_heads(site, world_size)
+            localise_parent_heads(site, world_size, rank)
 
     def set_features(self, mod, out_features: int | None = None, in_features: int | None = None) -> None:
         """Keep the module's own feature-count attributes equal to its (sharded) weight."""
@@ -399,9 +699,6 @@ class Conv1DRule(DenseRule):
         if in_features is not None and hasattr(mod, "nx"):
             mod.nx = in_features
 
-    def stride(self, site, axis):
-        return fused_qkv_blocks(site) if self._side(site.name, axis) == "out" else 1
-
     def apply_site(self, site, axis, world_size, rank):
         super().apply_site(site, axis, world_size, rank)
         # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
@@ -446,7 +743,7 @@ class EmbeddingRule(ShardRule):
 
     def apply_site(self, site, axis, world_size, rank):
         if is_head_table(site, axis):
-            localise_parent_heads(site, world_size)
+            localise_parent_heads(site, world_size, rank)
 
     def apply(self, mod, name, axis, world_size, rank):
         if axis == 0:

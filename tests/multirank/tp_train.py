@@ -480,6 +480,93 @@ FAMILY_CASES["compose"] = [
 ]
 
 
+def falcon_new_arch_model(heads: int = 4, kv_heads: int = 2):
+    """Falcon with ``new_decoder_architecture``: the fused query_key_value is one [q x heads/kv, k, v] group
+    per key/value head (sharded contiguously by groups)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(
+        FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            new_decoder_architecture=True,
+            num_kv_heads=kv_heads,
+            use_cache=False,
+        )
+    )
+
+
+def falcon_old_layout_model(alibi: bool = False):
+    """Falcon without multi-query attention: query_key_value is per head [q, k, v] (sharded by heads); with
+    ``alibi`` the model folds a per-head bias into the attention mask (each rank takes its heads' slice)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(
+        FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=False,
+            alibi=alibi,
+            use_cache=False,
+        )
+    )
+
+
+def bloom_model():
+    """BLOOM: per head [q, k, v] query_key_value and an ALiBi bias built by BloomModel for all heads."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(
+        BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, use_cache=False)
+    )
+
+
+def phi3_model(kv_heads: int = 4):
+    """Phi-3: qkv_proj is [q; k; v] back to back (3 equal blocks, or unequal ones with fewer key/value heads),
+    gate_up_proj is [gate; up]; Phi3Attention reads config.num_attention_heads at run time."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM(
+        Phi3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=64,
+            original_max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+        )
+    )
+
+
+def phi3_gqa_model():
+    return phi3_model(kv_heads=2)
+
+
+# issue 16 item 4: fused q/k/v and gate/up projections, their layout read from the attention module
+FAMILY_CASES["fused"] = [
+    ("falcon_new_arch_megatron_tp", falcon_new_arch_model, lambda s: presets.megatron_tp(s)),
+    ("falcon_old_layout_megatron_tp", falcon_old_layout_model, lambda s: presets.megatron_tp(s)),
+    (
+        "falcon_alibi_megatron_tp",
+        lambda: falcon_old_layout_model(alibi=True),
+        lambda s: presets.megatron_tp(s),
+    ),
+    ("bloom_megatron_tp", bloom_model, lambda s: presets.megatron_tp(s)),
+    ("phi3_megatron_tp", phi3_model, lambda s: presets.megatron_tp(s)),
+    ("phi3_gqa_megatron_tp", phi3_gqa_model, lambda s: presets.megatron_tp(s)),
+]
+
+
 def batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
@@ -516,7 +603,8 @@ def case_inputs(name: str) -> dict:
     input for the encoder-decoder models)."""
     ids, labels = batch(-1)
     inputs = {"input_ids": ids} if not name.startswith("vit") else {"pixel_values": pixels(ids)}
-    if name.startswith(("gpt2", "llama", "qwen3", "mistral", "mixtral")):  # qwen3_moe too
+    decoders = ("gpt2", "llama", "qwen3", "mistral", "mixtral", "falcon", "bloom", "phi3")  # qwen3_moe too
+    if name.startswith(decoders):
         inputs["use_cache"] = False
     if name.startswith("whisper"):
         inputs = {"input_features": features(ids), "decoder_input_ids": labels[:, : SEQ // 2]}
