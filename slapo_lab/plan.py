@@ -308,13 +308,15 @@ class FlashSDPA(TorchFunctionMode):
         )[0]
 
 
-def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) -> float:
+def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context, cancelled=None) -> float:
     """One forward in training mode with ``pre``/``post`` hooks on every module, inside ``context``
     (and ``FakeTensorMode`` if ``fake``); hooks and modes are restored. Returns seconds."""
     handles, modes, seen = [], [], set()
     running: list[nn.Module] = []  # modules whose forward is open: the last one is where a failure is
 
     def enter(mod, args, kwargs):
+        if cancelled is not None and cancelled.is_set():
+            raise RuntimeError("cancelled")
         running.append(mod)
         return pre(mod, args, kwargs)
 
@@ -355,7 +357,7 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context) 
             m.training = mode
 
 
-def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationProfile:
+def estimate_activations(model: nn.Module, example_inputs: Any, cancelled=None) -> ActivationProfile:
     """Run one forward pass of ``model`` on meta tensors and record tensor bytes per module.
 
     Every leaf module's outputs and every module's tensor inputs are recorded with an identity, so
@@ -370,6 +372,7 @@ def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationPro
         model: the (scheduled) model; sync hooks of a simulated schedule keep per-rank shapes.
         example_inputs: dict of keyword arguments, tuple of positional arguments, or one tensor; any
             device (converted to meta).
+        cancelled: a ``threading.Event``; once set, the pass stops at the next module (ScheduleError).
 
     Returns:
         ActivationProfile.
@@ -404,7 +407,7 @@ def estimate_activations(model: nn.Module, example_inputs: Any) -> ActivationPro
                 got = [it for t, it in zip(_tensors(out), items(out)) if id(t) not in inputs_ids]
                 prof.leaf_out.setdefault(path_of[id(mod)], []).extend(got)
 
-        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, torch.no_grad())
+        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, torch.no_grad(), cancelled)
         return prof
 
     return _run_with_fallback(run)
@@ -441,7 +444,7 @@ class SavedProfile:
     fake: bool = False
 
 
-def saved_activations(model: nn.Module, example_inputs: Any) -> SavedProfile:
+def saved_activations(model: nn.Module, example_inputs: Any, cancelled=None) -> SavedProfile:
     """Count the bytes autograd saves for backward in one forward pass on meta tensors.
 
     The forward runs with gradients enabled, in training mode, under
@@ -492,7 +495,7 @@ def saved_activations(model: nn.Module, example_inputs: Any) -> SavedProfile:
         grad_ctx = contextlib.ExitStack()
         grad_ctx.enter_context(torch.enable_grad())
         grad_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, grad_ctx)
+        prof.seconds = _hooked_pass(model, inputs, pre, post, fake, grad_ctx, cancelled)
         return prof
 
     return _run_with_fallback(run)
@@ -571,44 +574,37 @@ def has_cached_profile(sch, example_inputs, mode: str = "autograd") -> bool:
     return per_model is not None and _profile_key(top, example_inputs, mode) in per_model
 
 
-def profile_in_background(sch, example_inputs, lock, mode: str = "autograd", on_done=None):
-    """Run :func:`plan`'s activation pass (``mode``: "estimate" or "autograd") in a daemon thread and cache
-    it, so that a large model's memory view never waits for it (a meta forward of every layer).
+def profile_for_cache(sch, example_inputs, lock, mode: str = "autograd", cancelled=None) -> bool:
+    """Run :func:`plan`'s activation pass (``mode``: "estimate" or "autograd") and cache it, for a background
+    thread: the schedule's state is read under ``lock``; the model is copied (:func:`slapo_lab.utils.meta_copy`,
+    its hooks and forwards included) and the pass runs on the copy without it, so no click waits for them; the
+    profile is cached only if the schedule is still in the state read (a copy a click changed is dropped).
 
-    The schedule's model is copied (:func:`slapo_lab.utils.meta_copy`, its hooks and forwards included) under
-    ``lock``; the pass runs on the copy without it; the profile is cached only if the schedule is still in
-    the state copied, and ``on_done`` is then called under ``lock``.
+    Args:
+        cancelled: a ``threading.Event``; once set, the pass stops at the next module.
 
     Returns:
-        The started thread, or None when the profile is cached already.
+        True when a new profile was cached (False: cached already, cancelled, failed or stale).
     """
-    import threading
-
     fn = estimate_activations if mode == "estimate" else saved_activations
     with lock:
         top = sch.get_top_schedule()
         key = _profile_key(top, example_inputs, mode)
         per_model = _PROFILE_CACHE.setdefault(top.mod, {})
         if key in per_model:
-            return None
+            return False
+    try:  # copy and pass without the lock, so that no click waits: a state a click changed is dropped below
         snapshot = meta_copy(top.mod)
-
-    def run():
-        try:
-            prof = fn(snapshot, example_inputs)
-        except Exception:  # noqa: BLE001 - the memory view then says so when it runs the pass itself
-            return
-        with lock:
-            if _profile_key(top, example_inputs, mode) == key:
-                if len(per_model) >= 8:
-                    per_model.pop(next(iter(per_model)))
-                per_model[key] = prof
-                if on_done is not None:
-                    on_done()
-
-    t = threading.Thread(target=run, name="slapo-activations", daemon=True)
-    t.start()
-    return t
+        prof = fn(snapshot, example_inputs, cancelled=cancelled)
+    except Exception:  # noqa: BLE001 - cancelled, or the view runs the pass itself and says why it failed
+        return False
+    with lock:
+        if _profile_key(top, example_inputs, mode) != key:
+            return False
+        if len(per_model) >= 8:
+            per_model.pop(next(iter(per_model)))
+        per_model[key] = prof
+    return True
 
 
 def _activation_per_stage(

@@ -200,8 +200,7 @@ def test_call_order_for_cut_checks_is_recorded_in_the_background_not_on_first_do
         loop.run_until_complete(asyncio.sleep(0))  # the kernel goes idle: queued callbacks run
     finally:
         loop.close()
-    assert ed._order_thread is not None
-    ed._order_thread.join(60)
+    assert ed.wait_background(60)
     assert recorded == [1]
     ed._on_node_dblclick("encoder")
     ed._on_node_dblclick("encoder.layer.0")
@@ -274,6 +273,6 @@ def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_vi
         loop.close()
     assert "activations: being estimated" in ed._costs_text.value
     assert ed.last_plan.activation_method is None
-    ed._act_thread.join(120)
+    assert ed.wait_background(120)
     assert "being estimated" not in ed._costs_text.value and "flash-attention SDPA" in ed._costs_text.value
     assert ed.last_plan.activation_method == "autograd" and ed.last_plan.per_stage[0]["activation_bytes"] > 0

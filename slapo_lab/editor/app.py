@@ -268,6 +268,8 @@ _TP_INSIDE = "#e5f5e0"
 _CKPT = "#718096"  # legend swatch of the dashed border (readable on light and dark)
 _STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 _CUT = "#d6336c"  # the bar after a cut (render.CUT_COLOUR)
+# What the memory view counts as activations: what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL).
+_ACTIVATIONS = "autograd"
 # The live numeric check's line: JupyterLab's theme colours (light and dark), with fallbacks outside it.
 _NUMERIC_COLOURS = {
     "passed": "var(--jp-success-color1, #2e7d32)",
@@ -351,6 +353,7 @@ class ScheduleEditor(W.VBox):
         self._log_lines: list[str] = []  # the visible log of the last Verify (no warnings)
         self._verify_all: list[str] = []  # every line of it (the runner's result keeps them once it ends)
         self._log_filter = None
+        self._panels_pending = False  # code, open items and memory are redrawn once the action returned
         self.live_check = (
             os.environ.get("SLAPO_LAB_LIVE_CHECK", "1") != "0" if live_check is None else live_check
         )
@@ -2297,9 +2300,10 @@ class ScheduleEditor(W.VBox):
         reasons[self._btn_ckpt] = check_primitive(node, "checkpoint")
         from ..pipeline.order import cached_call_order
 
-        thread = getattr(self, "_order_thread", None)
-        if thread is not None and thread.is_alive() and cached_call_order(self.schedule) is None:
-            reasons[self._btn_cut] = None  # being recorded: the button checks itself when clicked
+        if _running_loop() is not None and cached_call_order(self.schedule) is None:
+            reasons[self._btn_cut] = (
+                None  # recorded in the background (a kernel): the button checks when clicked
+            )
         else:
             reasons[self._btn_cut] = check_primitive(node, "cut_pipeline_stage")
         lines = []
@@ -2346,24 +2350,19 @@ class ScheduleEditor(W.VBox):
         """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
         one sentence (what failed, where, why), never an exception's text (that goes to the log); the rest of
         the view is unaffected."""
-        from ..plan import has_cached_profile, plan, profile_in_background
+        from ..plan import has_cached_profile, plan
 
         if getattr(self, "_n_params", None) is None:  # of the user's model: sharding shrinks the meta copy
             self._n_params = sum(p.numel() for p in self.model.parameters())
         dp, shard, note = self._plan_layout()
         inputs = self.example_inputs or None
-        mode = "autograd"  # what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL)
+        mode = _ACTIVATIONS
         if (
             inputs is not None
             and _running_loop() is not None
             and not has_cached_profile(self.schedule, inputs, mode)
-        ):  # a meta forward of every layer (3.5 s at 70B): in a background thread in a kernel, so that no click
-            # waits for it; the view follows when it is done (outside a kernel it runs here)
-            thread = getattr(self, "_act_thread", None)
-            if thread is None or not thread.is_alive():
-                self._act_thread = profile_in_background(
-                    self.schedule, inputs, self._lock, mode, on_done=self._refresh_costs
-                )
+        ):  # a meta forward of every layer (3.5 s at 70B): the background work runs it in a kernel, so that no
+            # click waits for it, and redraws this view when it is done (outside a kernel it runs here)
             inputs = None
             note += " <i>(activations: being estimated…)</i>"
         elif inputs is not None:
@@ -2564,22 +2563,39 @@ class ScheduleEditor(W.VBox):
         )
 
     def _refresh_all(self, reset_view: bool = False) -> None:
-        """Redraw after the schedule changed: the view, the code panel, the schedule check and the costs."""
+        """Redraw after the schedule changed: the view first; the code panel, the schedule check and the costs
+        right after the action returns in a kernel (:meth:`_refresh_panels`, so a click's colours and message
+        reach the browser without waiting for them), at once outside one."""
         self.numeric_report = None  # the last live check was of another schedule
         self._refresh_cluster()
+        loop = _running_loop()
+        if loop is None:
+            self._refresh_panels()
+        elif not self._panels_pending:
+            self._panels_pending = True
+            loop.call_soon(self._idle_panels)
+        self._refresh_view(reset_view)
+        self._refresh_history()
+        self._schedule_background()
+
+    def _refresh_panels(self) -> None:
+        """The panels that read the whole schedule: code (folded), open items, coverage and memory."""
         self._refresh_code()
         self._refresh_check()
         self._refresh_costs()
-        self._refresh_view(reset_view)
-        self._refresh_history()
-        self._schedule_numeric()
-        loop = _running_loop()
-        if loop is not None and self.example_inputs:  # in a kernel: once this cell / click is done
-            self._prefetch_in_background()
 
-    # ------------------------------------------------------------------ the live numeric check
-    #: seconds of quiet after a change before the live check starts (a burst of clicks runs one check)
-    NUMERIC_DEBOUNCE = 0.6
+    def _idle_panels(self) -> None:
+        self._panels_pending = False
+        try:
+            with self._lock:
+                self._refresh_panels()
+        except Exception:  # noqa: BLE001 - the view must never break the engine
+            _log.exception("editor panels refresh failed")
+
+    # ------------------------------------------------------------------ background work and the live check
+    #: seconds of quiet after a change before the background work starts (a burst of clicks runs it once)
+    BACKGROUND_DEBOUNCE = 0.6
+    NUMERIC_DEBOUNCE = BACKGROUND_DEBOUNCE
 
     def numeric_check(self):
         """Run the numeric check now, in this thread, on the current schedule (what the live check shows):
@@ -2595,26 +2611,70 @@ class ScheduleEditor(W.VBox):
             gen, calls = self._numeric_gen, list(self.schedule.record.calls)
         return self._run_numeric(gen, calls, threading.Event())
 
-    def _schedule_numeric(self) -> None:
-        """Cancel the check under way and start one :attr:`NUMERIC_DEBOUNCE` seconds after the last change."""
+    def wait_background(self, timeout: float = 120.0) -> bool:
+        """Wait until the background work after the last change is done (for scripts, tests and benchmarks);
+        returns whether it finished within ``timeout`` seconds."""
+        timer = self._numeric_timer
+        if timer is None:
+            return True
+        timer.join(timeout)
+        return not timer.is_alive()
+
+    def _schedule_background(self) -> None:
+        """After every change: cancel the background work under way, and :attr:`BACKGROUND_DEBOUNCE` seconds
+        after the last change run, in one daemon thread, in order and each cancelled by the next change: in a
+        kernel, the forward call order (the cut button's reason) and the activation pass (the memory view),
+        each a meta forward of every layer; then the live numeric check. One thread, one at a time: they never
+        compete with each other, and a burst of clicks runs them once."""
         self._numeric_gen += 1
         self._numeric_cancel.set()
         if self._numeric_timer is not None:
             self._numeric_timer.cancel()
         self.numeric_report = None
-        if not (self.live_check and self.example_inputs):
+        kernel = _running_loop() is not None
+        numeric = bool(self.live_check and self.example_inputs)
+        if not numeric:
             self._numeric_box.value = ""
+        if not (numeric or kernel):
             return
-        self._numeric_cancel = threading.Event()
-        self._numeric_box.value = "<div class='slapo-numeric slapo-numeric-running'>Numeric check: waiting for the clicks to settle…</div>"
+        self._numeric_cancel = cancel = threading.Event()
+        if numeric:
+            self._numeric_box.value = (
+                "<div class='slapo-numeric slapo-numeric-running'>Numeric check: waiting for the clicks to "
+                "settle…</div>"
+            )
         self._numeric_timer = threading.Timer(
-            self.NUMERIC_DEBOUNCE,
-            self._run_numeric,
-            args=(self._numeric_gen, list(self.schedule.record.calls), self._numeric_cancel),
+            self.BACKGROUND_DEBOUNCE,
+            self._background,
+            args=(self._numeric_gen, list(self.schedule.record.calls), cancel, kernel, numeric),
         )
         self._numeric_timer.daemon = True
         self._numeric_timer.start()
         _LIVE_CHECKS.add(self)
+
+    def _background(
+        self, gen: int, calls: list, cancel: threading.Event, kernel: bool, numeric: bool
+    ) -> None:
+        from ..pipeline.order import record_for_cache
+        from ..plan import profile_for_cache
+
+        try:
+            if kernel and record_for_cache(self.schedule, self._lock, cancel):
+                with self._lock:
+                    if self.selected in self.schedule and not self._busy:
+                        self._refresh_reasons()
+            if (
+                kernel
+                and self.example_inputs
+                and not cancel.is_set()
+                and profile_for_cache(self.schedule, self.example_inputs, self._lock, _ACTIVATIONS, cancel)
+            ):
+                with self._lock:
+                    self._refresh_costs()
+        except Exception as err:  # noqa: BLE001 - background work is advice: it must never break the editor
+            _log.warning("background work failed: %s: %s", type(err).__name__, err)
+        if numeric and not cancel.is_set():
+            self._run_numeric(gen, calls, cancel)
 
     def _run_numeric(self, gen: int, calls: list, cancel: threading.Event):
         from ..numeric import numeric_check
@@ -2650,21 +2710,6 @@ class ScheduleEditor(W.VBox):
         if not self._busy:
             self._btn_undo.disabled = not self.schedule.record.calls
             self._btn_redo.disabled = not self._redo
-
-    def _prefetch_in_background(self) -> None:
-        """Record the forward call order the cut checks need in a background thread (a meta forward: about a
-        second at 80 layers), so that the first navigation never waits for it; the cut button's reason
-        follows once it is known."""
-        from ..pipeline.order import record_in_background
-
-        def done():
-            if self.selected in self.schedule and not self._busy:
-                self._refresh_reasons()
-
-        try:
-            self._order_thread = record_in_background(self.schedule, self._lock, done)
-        except Exception as err:  # noqa: BLE001 - the check then runs (and explains itself) on the first cut
-            _log.warning("call order not recorded ahead: %s", err)
 
     def _prefetch_checks(self) -> float:
         """Record the forward call order that the cut checks (and the cut button's reason) need, so the

@@ -155,13 +155,15 @@ def record_call_order(
     args: tuple = (),
     kwargs: dict | None = None,
     copied: bool = False,
+    cancelled=None,
 ) -> CallOrder:
     """Run ``model`` once on a meta copy with module hooks and return its :class:`CallOrder`.
 
     Inputs: ``example_inputs`` (a tuple of positional tensors, a dict of keyword tensors, or one
     tensor), or ``args`` / ``kwargs``. ``copied``: ``model`` is already a meta copy this call may change
-    (hooks, stripped schedule forwards). Never raises for a model that fails on meta tensors: the
-    failure is returned in ``.error``.
+    (hooks, stripped schedule forwards). ``cancelled``: a ``threading.Event`` that stops the forward at the
+    next module once set (the order then has an error). Never raises for a model that fails on meta tensors:
+    the failure is returned in ``.error``.
     """
     from ..utils import meta_copy, to_meta
 
@@ -180,6 +182,8 @@ def record_call_order(
         open_calls: dict[int, list[tuple[int, int]]] = {}
 
         def pre(mod, a):
+            if cancelled is not None and cancelled.is_set():
+                raise RuntimeError("cancelled")
             open_calls.setdefault(id(mod), []).append((seq[0], counter.n))
             seq[0] += 1
 
@@ -228,51 +232,44 @@ def cached_call_order(sch) -> CallOrder | None:
     return None
 
 
-def record_in_background(sch, lock, on_done=None):
-    """Record :func:`call_order`'s order in a daemon thread and cache it, so that no click waits for it.
-
-    The meta copy is taken under ``lock`` (the editor's: nothing changes the schedule meanwhile); the forward
-    runs without it. The result is cached only if the schedule's modules are still the ones copied.
+def record_for_cache(sch, lock, cancelled=None) -> bool:
+    """Record :func:`call_order`'s order and cache it, for a background thread: the schedule's state is read
+    under ``lock`` (the editor's), the meta copy and the forward run without it (no click waits for them), and
+    the order is cached only if the schedule still has the modules read (a copy a click changed is dropped).
 
     Args:
         sch: any node of the schedule.
-        lock: held while copying and while caching.
-        on_done: called (in the thread, under ``lock``) once the order is cached.
+        lock: held while reading the schedule's state and while caching.
+        cancelled: a ``threading.Event``; once set, the forward stops at the next module.
 
     Returns:
-        The started thread, or None when the order is cached already or there are no inputs to run.
+        True when a new order was cached (False: cached already, no inputs to run, cancelled, or stale).
     """
-    import threading
-
     from ..utils import meta_copy
 
     with lock:
         if cached_call_order(sch) is not None:
-            return None
+            return False
         top = sch._top
         root = sch.get_top_schedule().mod
         inputs = top.extra.get(_INPUTS_KEY)
         if inputs is None:
             inputs = dummy_inputs(root)
         if inputs is None:
-            return None
+            return False
         key = (_signature(root), "default")
-
-    def run():
-        with lock:
-            if top.extra.get(_CACHE_KEY, (None,))[0] == key or _signature(root) != key[0]:
-                return
-            copy = meta_copy(root)
-        order = record_call_order(copy, inputs, copied=True)
-        with lock:
-            if _signature(root) == key[0]:
-                top.extra[_CACHE_KEY] = (key, order)
-                if on_done is not None:
-                    on_done()
-
-    t = threading.Thread(target=run, name="slapo-call-order", daemon=True)
-    t.start()
-    return t
+    try:  # without the lock, so that no click waits for it: a copy torn by a click is discarded below
+        copy = meta_copy(root)
+    except Exception:  # noqa: BLE001 - a click changed the modules while they were copied
+        return False
+    order = record_call_order(copy, inputs, copied=True, cancelled=cancelled)
+    if cancelled is not None and cancelled.is_set():
+        return False
+    with lock:
+        if _signature(root) != key[0]:
+            return False
+        top.extra[_CACHE_KEY] = (key, order)
+    return True
 
 
 def call_order(sch, example_inputs=None) -> CallOrder:

@@ -1,0 +1,213 @@
+"""Editor speed at scale (issue 17 item 7): Llama-70B, Llama-405B and a 64-expert MoE, one fresh process each.
+
+For each size, with ratios against a baseline measured in the same process (one ``torch.export`` of the same
+model on meta tensors):
+
+* **cold**: a fresh Python process (``--cold SIZE``) timing ``import slapo_lab`` + ``ScheduleEditor(...)`` + first view (what a
+  restarted kernel pays), and the constructor alone;
+* **warm**: the constructor in this (warmed-up) process;
+* **clicks after the Megatron preset**, run as a kernel runs them (inside an asyncio loop): the time until the
+  click's handler returns (the graph's colours and the message reach the browser then) — median and p95 —
+  and the panels redrawn right after it (code, open items, coverage, memory);
+* **undo** one click made after the preset, and undo of the preset itself.
+
+Usage: python benchmarks/editor_scale_bench.py [--sizes 70b,405b,moe64] [--clicks 40] [--no-export]
+       (each size runs in its own subprocess: ``--one SIZE`` is that subprocess)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "70b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_hidden_layers": 80,
+            "hidden_size": 8192,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "intermediate_size": 28672,
+            "vocab_size": 128256,
+        },
+    ),
+    "405b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_hidden_layers": 126,
+            "hidden_size": 16384,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 8,
+            "intermediate_size": 53248,
+            "vocab_size": 128256,
+        },
+    ),
+    "moe64": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_hidden_layers": 48,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "moe_intermediate_size": 1536,
+            "intermediate_size": 12288,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "vocab_size": 151936,
+        },
+    ),
+}
+
+
+def cold(size: str) -> None:
+    """What a restarted kernel pays: imports, then the constructor to the first view (this process must be
+    fresh: run as ``--cold SIZE``). Prints ``COLD <imports s> <constructor s> <both s>``."""
+    t0 = time.perf_counter()
+    import torch
+
+    import slapo_lab as sl
+
+    t1 = time.perf_counter()
+    model = build(size)
+    t2 = time.perf_counter()
+    sl.ScheduleEditor(
+        model, example_inputs={"input_ids": torch.zeros(1, 4096, dtype=torch.long)}, world_size=8
+    )
+    t3 = time.perf_counter()
+    print(f"COLD {t1 - t0:.3f} {t3 - t2:.3f} {t3 - t0 - (t2 - t1):.3f}")
+
+
+def build(size: str):
+    """The model of ``size`` on the meta device (transformers built from its config)."""
+    import torch
+    import transformers
+
+    cfg_name, cls_name, kw = CONFIGS[size]
+    cfg = getattr(transformers, cfg_name)(**kw)
+    with torch.device("meta"):
+        return getattr(transformers, cls_name)(cfg)
+
+
+def one(size: str, clicks: int, export: bool) -> None:
+    _, cls_name, _ = CONFIGS[size]
+    out = subprocess.run(
+        [sys.executable, __file__, "--cold", size], check=False, capture_output=True, text=True
+    )
+    cold = next((line.split()[1:] for line in out.stdout.splitlines() if line.startswith("COLD")), None)
+    if cold is None:
+        print(out.stdout[-2000:], out.stderr[-2000:])
+        raise SystemExit(f"the cold run of {size} failed")
+    import_s, ctor_cold, total_cold = map(float, cold)
+
+    import torch
+
+    import slapo_lab as sl
+
+    model = build(size)
+    n = sum(p.numel() for p in model.parameters())
+    ids = torch.zeros(1, 4096, dtype=torch.long)
+    export_s = None
+    if export:
+        t = time.perf_counter()
+        torch.export.export(model, (), {"input_ids": ids.to("meta"), "use_cache": False}, strict=False)
+        export_s = time.perf_counter() - t
+
+    def vs(x: float) -> str:
+        return f" ({x / export_s:.4f}x torch.export)" if export_s else ""
+
+    loop = asyncio.new_event_loop()
+
+    def in_kernel(fn, *a, **k):
+        """Run ``fn`` as a kernel's message handler: (seconds until it returns, seconds of the work it
+        scheduled right after, e.g. the panels)."""
+
+        async def handler():
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            return r, time.perf_counter() - t
+
+        t = time.perf_counter()
+        r, handler_s = loop.run_until_complete(handler())
+        loop.run_until_complete(asyncio.sleep(0))  # the callbacks queued by the handler (the panels)
+        return r, handler_s, time.perf_counter() - t - handler_s
+
+    t = time.perf_counter()
+    ed, _, _ = in_kernel(
+        lambda: sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=8, live_check=False)
+    )
+    ctor_warm = time.perf_counter() - t
+    t = time.perf_counter()
+    err, _, _ = in_kernel(ed.apply_preset, "megatron")
+    assert err is None, err
+    preset_s = time.perf_counter() - t
+    calls = len(ed.schedule.record.calls)
+    stack = next(p for p in (f"model.layers.{i}" for i in range(clicks)) if p in ed.schedule)
+    ed.open_level(stack)
+    handler, panels = [], []
+    for i in range(clicks):
+        err, h, p = in_kernel(ed.apply, "checkpoint", path=f"model.layers.{i}")
+        assert err is None, err
+        handler.append(h)
+        panels.append(p)
+    handler.sort()
+    p95 = handler[int(0.95 * (len(handler) - 1))]
+    t = time.perf_counter()
+    in_kernel(ed.undo)
+    undo_click = time.perf_counter() - t
+    for _ in range(clicks - 1):
+        ed.undo()
+    t = time.perf_counter()
+    in_kernel(ed.undo)
+    undo_preset = time.perf_counter() - t
+    ed.wait_background()
+    print(f"== {size}: {cls_name}, {n / 1e9:.1f} B parameters (meta), TP 8")
+    if export_s:
+        print(f"baseline: one torch.export of the model: {export_s:.2f} s")
+    print(
+        f"cold (fresh process): imports {import_s:.2f} s + constructor → first view {ctor_cold:.2f} s = "
+        f"{total_cold:.2f} s{vs(total_cold)}; warm constructor {ctor_warm:.2f} s{vs(ctor_warm)}"
+    )
+    print(f"Megatron preset: {calls} calls in {preset_s:.2f} s{vs(preset_s)}")
+    print(
+        f"click after the preset ({clicks} checkpoint clicks): until the handler returns median "
+        f"{statistics.median(handler) * 1e3:.1f} ms, p95 {p95 * 1e3:.1f} ms{vs(p95)} (goal p95 ≤ 50 ms); panels "
+        f"after it median {statistics.median(panels) * 1e3:.1f} ms"
+    )
+    print(
+        f"undo one click after the preset: {undo_click:.2f} s{vs(undo_click)} (goal ≤ 0.5 s); undo the preset "
+        f"{undo_preset:.2f} s{vs(undo_preset)}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="70b,405b,moe64")
+    ap.add_argument("--clicks", type=int, default=40)
+    ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--cold", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.cold:
+        cold(args.cold)
+        return
+    if args.one:
+        one(args.one, args.clicks, not args.no_export)
+        return
+    for size in args.sizes.split(","):
+        cmd = [sys.executable, __file__, "--one", size, "--clicks", str(args.clicks)]
+        if args.no_export:
+            cmd.append("--no-export")
+        subprocess.run(cmd, check=False)
+
+
+if __name__ == "__main__":
+    main()
