@@ -475,3 +475,105 @@ def test_editor_preset_undo_export_verify_themes(lab):
                 "{theme: 'JupyterLab Light'})"
             )
         _shutdown_kernel(page)
+
+
+# ------------------------------------------------------------------------------------ issue 17 walkthroughs
+
+GPT2_CELL = textwrap.dedent(
+    """
+    import torch
+    import slapo_lab as sl
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=50257, n_positions=64))
+    ids = torch.randint(0, 50257, (2, 16))
+    editor = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=4, live_check=True)
+    editor
+    """
+)
+
+
+def _choose(editor, label: str, option: str) -> None:
+    editor.locator(f".widget-dropdown:has(label:text-is('{label}')) select").select_option(label=option)
+
+
+def _type_number(editor, label: str, value: int) -> None:
+    box = editor.locator(f".widget-inline-hbox:has(label:text-is('{label}')) input")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+@pytest.mark.timeout(900)
+def test_the_quickstarts_default_preset_applies_after_run_all(lab):
+    """Run All, then one click on "apply preset": Megatron composes with the typed layer-0 cell (it used to
+    refuse: "…query.weight is already sharded on axis 0"), and the open items stay empty."""
+    from browser_util import save_screenshot
+
+    page, base_url, token, nb_dir, tmp = lab
+    shutil.copy(QUICKSTART, nb_dir / "quickstart_preset.ipynb")
+    try:
+        _open_and_run(page, base_url, token, "quickstart_preset.ipynb")
+        editor = page.locator(".slapo-editor").first
+        message = editor.locator(".slapo-msg")
+        _node(editor.locator(".slapo-graph").first, "encoder").wait_for(state="visible", timeout=WAIT_UI)
+        _button(editor, "apply preset").click()
+        msg = _wait_text(message, "Preset megatron recorded")
+        assert "already sharded" not in msg and "not applied" not in msg, msg
+        assert editor.locator(".slapo-check-box").count() == 0
+        _wait_text(editor.locator(".slapo-code"), 'sch[f"encoder.layer.{i}.attention.self.query"]')
+        save_screenshot(
+            page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "quickstart_preset.png"
+        )
+    except BaseException:
+        _report_failure(page, tmp, "quickstart_preset_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)
+
+
+@pytest.mark.timeout(900)
+def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_clicks(lab):
+    """GPT-2 with its 50257-token vocabulary on 2 nodes × 2 GPUs, by clicks only: TP 2 from the cluster control,
+    the Megatron preset (the vocabulary stays replicated, said in one line), checkpoint every block, 2 balanced
+    stages; the header names the three degrees and the live numeric check shows ✓."""
+    from browser_util import save_screenshot, write_notebook
+
+    page, base_url, token, nb_dir, tmp = lab
+    write_notebook(nb_dir / "gpt2_clicks.ipynb", [GPT2_CELL], hide_input=True)
+    try:
+        _open_and_run(page, base_url, token, "gpt2_clicks.ipynb")
+        editor = page.locator(".slapo-editor").first
+        message = editor.locator(".slapo-msg")
+        header = editor.locator(".widget-html-content").first
+        _node(editor.locator(".slapo-graph").first, "transformer").wait_for(state="visible", timeout=WAIT_UI)
+        _type_number(editor, "GPUs/node", 2)
+        _type_number(editor, "nodes", 2)
+        _wait_text(editor, "2 nodes × 2 GPUs")
+        _choose(editor, "TP", "2")
+        _wait_text(message, "at TP 2 (was TP 4)")
+        _wait_text(header, "tensor parallel 2 · pipeline 1 stage · data parallel 2 = 4 GPUs")
+
+        _choose(editor, "preset", "Megatron tensor parallelism (every block)")
+        _button(editor, "apply preset").click()
+        msg = _wait_text(message, "Preset megatron recorded")
+        assert "vocabulary of 50257 does not divide by the world size 2" in msg, msg
+        _choose(editor, "preset", "checkpoint every k-th block")
+        _button(editor, "apply preset").click()
+        _wait_text(message, "Preset checkpoint recorded 4 calls.")
+        _choose(editor, "preset", "cut into N balanced pipeline stages")
+        _type_number(editor, "k / N", 2)
+        _button(editor, "apply preset").click()
+        _wait_text(message, "Preset stages recorded 1 calls.")
+        _wait_text(header, "tensor parallel 2 · pipeline 2 stages · data parallel 1 = 4 GPUs")
+        editor.locator(".slapo-numeric-passed").wait_for(timeout=120_000)
+        assert editor.locator(".slapo-check-box").count() == 0
+        page.mouse.move(2, 2)
+        save_screenshot(
+            page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "gpt2_tp_ckpt_stages.png"
+        )
+    except BaseException:
+        _report_failure(page, tmp, "gpt2_clicks_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)

@@ -2556,7 +2556,7 @@ class ScheduleEditor(W.VBox):
             _log.warning("coverage check failed", exc_info=True)
             found = []
         self._coverage.value = (
-            f"<div class='slapo-coverage-line' style='color: var(--jp-ui-font-color2, #616161)'>&#9432; "
+            f"<div class='slapo-coverage-line' style='color: var(--jp-ui-font-color2, #616161)'><b>Note:</b> "
             f"{html.escape(found[0].message)} Verify passes; their memory and compute are not split.</div>"
             if found
             else ""
