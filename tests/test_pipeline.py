@@ -442,3 +442,23 @@ def test_model_inputs_and_traced_module_inputs_do_not_share_a_store():
     assert set(sch._top.extra["example_inputs"]) == {"input_ids"}
     with pytest.raises(sl.ScheduleError, match="empty"):
         sch["pooler"].cut_pipeline_stage()
+
+
+def test_balanced_cuts_span_every_stack_of_blocks():
+    """Whisper's encoder and decoder are both cut between (the default cut used to land at encoder.layers.0,
+    the middle of the encoder alone)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+    import tp_train
+
+    from slapo_lab.pipeline import suggest_cuts
+
+    sch = sl.create_schedule(tp_train.whisper_model())
+    two = suggest_cuts(sch, 2, example_inputs=tp_train.case_inputs("whisper"))
+    assert (
+        two.paths == ["model.encoder.layers.1"] and two.blocks == "model.encoder.layers, model.decoder.layers"
+    )
+    three = suggest_cuts(sch, 3, example_inputs=tp_train.case_inputs("whisper"))
+    assert three.paths == ["model.encoder.layers.1", "model.decoder.layers.0"]

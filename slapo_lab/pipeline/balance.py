@@ -50,28 +50,31 @@ class CutSuggestion(NamedTuple):
     blocks: str
 
 
-def find_block_list(model: nn.Module) -> tuple[str, list[str]]:
-    """The path of the longest ``ModuleList``/``Sequential`` of same-type blocks and the block paths.
+def block_stacks(sch) -> tuple[str, list[str]]:
+    """The repeated blocks to cut between, and the paths of their stacks (comma-separated).
 
-    Ties are broken by parameter count. Raises ScheduleError if the model has none (>= 2 blocks).
+    The blocks are :func:`slapo_lab.presets.find_blocks`'s (every stack: Whisper's and T5's encoder and
+    decoder, both towers of a dual encoder), in the order the forward runs them when that is known, else in
+    module order.
+
+    Raises:
+        ScheduleError: the model has fewer than two repeated blocks.
     """
-    best = None
-    for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        kids = list(mod.named_children())
-        if len(kids) < 2 or len({type(m) for _, m in kids}) != 1:
-            continue
-        numel = sum(p.numel() for p in mod.parameters())
-        key = (len(kids), numel)
-        if best is None or key > best[0]:
-            best = (key, path, [f"{path}.{n}" if path else n for n, _ in kids])
-    if best is None:
+    from ..presets import find_blocks
+    from .order import cached_call_order
+
+    top = sch.get_top_schedule()
+    blocks = find_blocks(top)
+    if len(blocks) < 2:
         raise ScheduleError(
             "suggest_cuts found no list of repeated blocks (a ModuleList or Sequential of at least "
             "two modules of one type) to cut between."
         )
-    return best[1], best[2]
+    order = cached_call_order(top)
+    if order is not None and order.ok and all(order.count(b) for b in blocks):
+        blocks = sorted(blocks, key=lambda b: order.calls[b][0][0])
+    stacks = list(dict.fromkeys(b.rsplit(".", 1)[0] if "." in b else "" for b in blocks))
+    return ", ".join(stacks), blocks
 
 
 def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[int]:
@@ -274,7 +277,7 @@ def suggest_cuts(
         raise ScheduleError(f"suggest_cuts: by must be one of {', '.join(BY)}, not {by!r}.")
     top = sch.get_top_schedule()
     model = top.mod
-    list_path, blocks = find_block_list(model)
+    list_path, blocks = block_stacks(top)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 2 <= num_stages <= len(blocks):
         raise ScheduleError(
             f"suggest_cuts: num_stages must be an integer in [2, {len(blocks)}] for the "
