@@ -885,8 +885,38 @@ def megatron_tp(
         pre = f"{base}." if base else ""
         _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
         _ensure_sync(sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False)
+    if getattr(sch.get_top_schedule().mod, "config", None) is None and sch.world_size > 1:
+        _refuse_width_derived_heads(sch)
     whole = replicated_dense(sch)
     return PresetCalls(_since(sch, n), [*notes, *([whole] if whole else [])])
+
+
+def _refuse_width_derived_heads(sch) -> None:
+    """A model of the user's own classes (no Hugging Face config, so no attribute the shard rules rewrite per
+    rank is known to be the one its forward reads): run the sharded model once on meta tensors with the
+    schedule's example inputs (simulated ranks: shapes only); a forward that fails means it derives head
+    counts or sizes from widths the preset split (nanoGPT's ``C // self.n_head``), and the preset is refused
+    in one sentence (all or nothing: nothing stays applied). Without example inputs nothing is run (the
+    editor's live numeric check still runs the model)."""
+    from .pipeline.order import _INPUTS_KEY
+    from .plan import estimate_activations
+
+    top = sch.get_top_schedule()
+    inputs = top._top.extra.get(_INPUTS_KEY)
+    if inputs is None:
+        return
+    try:
+        estimate_activations(top.mod, inputs)
+    except ScheduleError as err:
+        where = getattr(err, "module", None)
+        at = f"{where}'s forward" if where else "the model's forward"
+        cause = err.__cause__ if err.__cause__ is not None else err
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ScheduleError(
+            f"with its heads split over {sch.world_size} ranks, {at} fails ({type(cause).__name__}: {text}); it "
+            "probably derives head counts or sizes from the input's width (e.g. C // n_head), which tensor "
+            "parallelism changes, so shard it by hand with a forward that reads per-rank sizes"
+        ) from None
 
 
 @_all_or_nothing

@@ -197,7 +197,12 @@ def test_the_editor_checks_in_the_background_after_every_change_and_lists_a_fail
     assert time.perf_counter() - t0 < ed.NUMERIC_DEBOUNCE
     report = _wait_for(ed)
     assert report.passed and "✓" in ed._numeric_box.value.replace("&#10003;", "✓")
-    assert ed.apply_preset("megatron") is None, ed.message
+    # the preset refuses this model in one sentence (its forward takes the head size from the width) ...
+    assert ed.apply_preset("megatron") == ed.message and not ed.schedule.record.calls[1:]
+    assert "with its heads split over 2 ranks, h.0.attn's forward fails" in ed.message, ed.message
+    assert _wait_for(ed).passed
+    # ... and the same layers sharded by typing are caught by the live check
+    sl.presets.tp_block(ed.schedule, "h.0")
     report = _wait_for(ed)
     assert report.status == "error" and report.module == "h.0.attn", report.message
     assert "&#10007;" in ed._numeric_box.value and "h.0.attn" in ed._numeric_box.value
@@ -217,3 +222,59 @@ def test_a_burst_of_changes_runs_one_check_for_the_last_schedule():
         ed.apply("checkpoint", path=f"h.{i}")
     report = _wait_for(ed)
     assert report.passed and report.blocks == (1, 4)  # four checkpointed blocks: one is checked
+
+
+class _OwnAttention(nn.Module):
+    """A user's attention: separate q/k/v/o projections, head count in an attribute its forward reads."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.v_proj, self.o_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.n_heads, self.head_dim = heads, width // heads
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (
+            p(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class _OwnBlock(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(width), _OwnAttention(width, heads)
+        self.up_proj, self.down_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class OwnModel(nn.Module):
+    def __init__(self, vocab: int = 128, width: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([_OwnBlock(width, heads) for _ in range(layers)])
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_users_own_modules_get_a_right_megatron_preset_without_hugging_face_hooks():
+    torch.manual_seed(0)
+    model = OwnModel()
+    ids = torch.randint(0, 128, (2, 16))
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2)
+    assert ed.apply_preset("megatron") is None, ed.message
+    assert ed.check() == [] and ed.schedule["blocks.0.attn.q_proj"].mod.weight.shape == (32, 64)
+    report = ed.numeric_check()
+    assert report.passed, report.message
+    assert sl.check_schedule(ed.schedule, numeric=True, reference=model) == []
