@@ -2182,9 +2182,11 @@ class ScheduleEditor(W.VBox):
             "run: how many of its modules; <b>+2</b>: two more badges (hover the node for all).</small></div>"
         )
         return (
-            "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}</style>"
-            + legend_svg(entries)
-            + badges
+            "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}"
+            # the dark theme draws node fills see-through and their outlines light (labextension base.css):
+            # the swatches follow, so that a legend colour looks like the nodes it explains
+            "body[data-jp-theme-light='false'] .slapo-legend svg rect[stroke='#4a5568']"
+            "{fill-opacity:0.3;stroke:var(--jp-ui-font-color2)}</style>" + legend_svg(entries) + badges
         )
 
     def _refresh_crumbs(self) -> None:
