@@ -34,6 +34,16 @@
  * where token is the `id` of the clicked `<g class="node">` and id the
  * `render_id` the shown SVG arrived with (the kernel ignores clicks on an older
  * drawing). A double click also produces the two clicks before it, as in the DOM.
+ * Keyboard shortcuts, context menus and the command palette (editor.ts) send
+ *   {event: 'action', action: name, node?: token, render?: id}
+ * and the answer to an open_panel request is {event: 'panel', opened: bool, reason?: text}.
+ *
+ * Messages from the kernel: {cmd: 'open_panel', model_id: id} asks the front end
+ * to show widget `model_id` in a main-area panel (handled once per model, by the
+ * handler editor.ts installs with setPanelHandler).
+ *
+ * Context menus: `action_reasons` (action -> '' or the reason it does not apply),
+ * `action_labels` (action -> label) and `action_target` (the module they describe).
  */
 import { DOMWidgetModel, DOMWidgetView, ISerializers } from '@jupyter-widgets/base';
 import { select, Selection } from 'd3-selection';
@@ -99,7 +109,71 @@ function naturalGeometry(svg: SVGSVGElement): INaturalGeometry | null {
   return null;
 }
 
+/** Every GraphView on the page (editor.ts finds the view of an editor element here). */
+export const liveViews = new Set<GraphView>();
+
+/** Opens widget `modelId` in a panel; installed by the JupyterLab plugin (editor.ts). */
+export type PanelHandler = (graph: GraphModel, modelId: string) => Promise<void>;
+/** Opens the context menu of `token` (a node, or null for the selected module) at (x, y). */
+export type MenuHandler = (view: GraphView, token: string | null, x: number, y: number) => void;
+
+let panelHandler: PanelHandler | null = null;
+let menuHandler: MenuHandler | null = null;
+
+export function setPanelHandler(handler: PanelHandler | null): void {
+  panelHandler = handler;
+}
+
+export function setMenuHandler(handler: MenuHandler | null): void {
+  menuHandler = handler;
+}
+
+/** A direction for keyboard navigation of the graph. */
+export type Direction = 'left' | 'right' | 'up' | 'down';
+
 export class GraphModel extends DOMWidgetModel {
+  initialize(...args: Parameters<DOMWidgetModel['initialize']>): void {
+    super.initialize(...args);
+    this.on('msg:custom', this._onKernelMsg, this);
+  }
+
+  /** Send one action message (keyboard, context menu, palette) to the kernel. */
+  sendAction(action: string, node?: string | null, render?: number): void {
+    const msg: { [key: string]: string | number } = { event: 'action', action };
+    if (node) {
+      msg.node = node;
+      msg.render = typeof render === 'number' ? render : Number(this.get('render_id')) || 0;
+    }
+    this.send(msg, {});
+  }
+
+  private _onKernelMsg(content: unknown): void {
+    const msg = content as { cmd?: unknown; model_id?: unknown } | null;
+    if (!msg || msg.cmd !== 'open_panel') {
+      return;
+    }
+    const id = msg.model_id;
+    if (typeof id !== 'string' || !id) {
+      this.send({ event: 'panel', opened: false, reason: 'The open_panel request named no widget.' }, {});
+      return;
+    }
+    if (!panelHandler) {
+      this.send(
+        {
+          event: 'panel',
+          opened: false,
+          reason: 'This front end cannot open panels (the slapo-lab JupyterLab plugin is not active here).'
+        },
+        {}
+      );
+      return;
+    }
+    panelHandler(this, id).catch(err => {
+      console.error('slapo-lab: could not open the editor panel', err);
+      this.send({ event: 'panel', opened: false, reason: `The panel could not be opened: ${String(err)}.` }, {});
+    });
+  }
+
   defaults(): Record<string, unknown> {
     return {
       ...super.defaults(),
@@ -113,7 +187,13 @@ export class GraphModel extends DOMWidgetModel {
       selected: '',
       height: '420px',
       reset_view: 0,
-      render_id: 0
+      render_id: 0,
+      highlighted: [],
+      centre: '',
+      centre_request: 0,
+      action_reasons: {},
+      action_labels: {},
+      action_target: ''
     };
   }
 
@@ -155,6 +235,10 @@ export class GraphView extends DOMWidgetView {
   private _miniNodes: Element[] = [];
   /** A centre request that arrived before the drawing could be measured. */
   private _pendingCentre = false;
+  /** The node the keyboard is on (usually the selected one; also input/output nodes). */
+  private _cursor = '';
+  /** Pan the next selection into view (set by a keyboard move). */
+  private _revealNext = false;
 
   render(): void {
     // this.el belongs to ipywidgets (its `layout` styles are applied to it, and
@@ -212,6 +296,7 @@ export class GraphView extends DOMWidgetView {
     this._canvas.addEventListener('mousemove', this._onMove);
     this._canvas.addEventListener('mouseout', this._onOut);
     this._canvas.addEventListener('mouseleave', this._hideTooltip);
+    this._canvas.addEventListener('contextmenu', this._onContextMenu);
     // capture: d3-zoom stops the mousedown's propagation, focus must still move here
     this._box.addEventListener('pointerdown', this._onPointerDown, true);
     this._box.addEventListener('wheel', this._onWheel, { passive: false });
@@ -239,9 +324,11 @@ export class GraphView extends DOMWidgetView {
 
     this._applyHeight();
     this._renderSvg();
+    liveViews.add(this);
   }
 
   remove(): void {
+    liveViews.delete(this);
     this._hideTooltip();
     window.clearTimeout(this._hintTimer);
     this._box.removeEventListener('wheel', this._onWheel);
@@ -253,6 +340,119 @@ export class GraphView extends DOMWidgetView {
     }
     return super.remove();
   }
+
+  /** The editor element (class slapo-editor) this view is part of, if any. */
+  editorElement(): HTMLElement | null {
+    return this.el.closest('.slapo-editor');
+  }
+
+  /** The `render_id` of the drawing on screen. */
+  get renderId(): number {
+    return this._renderId;
+  }
+
+  /** The node the keyboard is on: the cursor if it is drawn, else the selected node, else ''. */
+  currentToken(): string {
+    if (this._cursor && this._findNode(this._cursor)) {
+      return this._cursor;
+    }
+    const sel: string = this.model.get('selected') || '';
+    return sel && this._findNode(sel) ? sel : '';
+  }
+
+  /** Send an action about `node` (default: none, the kernel uses its selection) for this drawing. */
+  sendAction(action: string, node?: string | null): void {
+    (this.model as GraphModel).sendAction(action, node || null, this._renderId);
+  }
+
+  /**
+   * Move the keyboard cursor to the neighbouring node in direction `dir` (by position on screen:
+   * the nearest node in that half-plane, sideways distance counting double) and select it. With
+   * no cursor yet, the first node of the drawing. Returns the new token, or '' if there is none.
+   */
+  moveCursor(dir: Direction): string {
+    if (!this._nodes.length) {
+      return '';
+    }
+    const from = this.currentToken();
+    let target: Element | null = null;
+    if (!from) {
+      target = this._nodes[0];
+    } else {
+      const here = this._findNode(from)!.getBoundingClientRect();
+      const cx = here.left + here.width / 2;
+      const cy = here.top + here.height / 2;
+      let best = Infinity;
+      for (const node of this._nodes) {
+        if (node.id === from || !node.id) {
+          continue;
+        }
+        const r = node.getBoundingClientRect();
+        const dx = r.left + r.width / 2 - cx;
+        const dy = r.top + r.height / 2 - cy;
+        const along = dir === 'left' ? -dx : dir === 'right' ? dx : dir === 'up' ? -dy : dy;
+        const side = dir === 'left' || dir === 'right' ? Math.abs(dy) : Math.abs(dx);
+        if (along <= 2) {
+          continue;
+        }
+        const score = along + 2 * side;
+        if (score < best) {
+          best = score;
+          target = node;
+        }
+      }
+    }
+    if (!target) {
+      return '';
+    }
+    this._setCursor(target.id);
+    this._revealNext = true;
+    this._reveal(target);
+    this.sendAction('select', target.id);
+    return target.id;
+  }
+
+  /** Focus the graph box (keyboard navigation starts there). */
+  focusGraph(): void {
+    this._box.focus({ preventScroll: true });
+  }
+
+  private _setCursor(token: string): void {
+    this._cursor = token;
+    this._nodes.forEach(n => n.classList.toggle('slapo-cursor', !!token && n.id === token));
+  }
+
+  /** Pan so that `node` is inside the visible box (a margin of 24 px), keeping the zoom. */
+  private _reveal(node: Element): void {
+    const box = this._canvas.getBoundingClientRect();
+    const r = node.getBoundingClientRect();
+    const m = 24;
+    let dx = 0;
+    let dy = 0;
+    if (r.left < box.left + m) {
+      dx = box.left + m - r.left;
+    } else if (r.right > box.right - m) {
+      dx = box.right - m - r.right;
+    }
+    if (r.top < box.top + m) {
+      dy = box.top + m - r.top;
+    } else if (r.bottom > box.bottom - m) {
+      dy = box.bottom - m - r.bottom;
+    }
+    this._panByScreen(dx, dy);
+  }
+
+  private _onContextMenu = (event: MouseEvent): void => {
+    const node = this._nodeOf(event);
+    if (!node || !menuHandler || event.shiftKey) {
+      return; // elsewhere: JupyterLab's own menu (with "Open schedule editor in a panel"); Shift: the browser's
+    }
+    event.preventDefault();
+    event.stopPropagation();
+    this._box.focus({ preventScroll: true });
+    this._setCursor(node.id);
+    menuHandler(this, node.id, event.clientX, event.clientY);
+  };
 
   /** Back to the identity transform: the home view (see _fitViewBox). */
   resetView(): void {
@@ -723,8 +923,13 @@ export class GraphView extends DOMWidgetView {
       const node = this._findNode(selected);
       if (node) {
         node.classList.add(SELECTED_CLASS);
+        this._setCursor(selected);
+        if (this._revealNext) {
+          this._reveal(node);
+        }
       }
     }
+    this._revealNext = false;
   }
 
   private _findNode(token: string): Element | null {

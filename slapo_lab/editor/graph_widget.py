@@ -7,6 +7,23 @@ kernel::
 
     {"event": "click", "node": "<token>", "render": <render id>}
     {"event": "dblclick", "node": "<token>", "render": <render id>}
+    {"event": "action", "action": "<name>", "node": "<token>"?, "render": <render id>?}
+    {"event": "panel", "opened": true | false, "reason": "<one sentence>"?}
+
+``action`` messages come from the keyboard shortcuts, the context menus and the command palette (JupyterLab
+commands ``slapo-lab:*``, see ``labextension/src/plugin.ts``); ``<name>`` is one of :data:`ACTIONS`. ``node``
+is optional except for ``select`` and is checked like a click's (same ``render`` rule, same stale-token rule);
+the ``on_action`` callbacks get ``(action, token, path)`` with ``token`` / ``path`` None when no node was
+named. ``panel`` acknowledges an ``open_panel`` request (``on_panel`` callbacks get ``(opened, reason)``).
+
+Kernel → browser: :meth:`GraphWidget.open_panel` sends ``{"cmd": "open_panel", "model_id": <id>}``; the
+labextension then opens another view of that widget model (the editor's panel layout) as a JupyterLab
+main-area panel split to the right of the notebook, and answers with a ``panel`` event.
+
+Context menus: ``action_reasons`` (action → "" when it applies, else the one-sentence reason it does not),
+``action_labels`` (action → menu label, e.g. ``shard weight on axis 0``) and ``action_target`` (the module
+path they describe) are synced; the browser disables a menu item whose reason is not empty and shows the
+reason with it. Set them together with :meth:`set_action_reasons`.
 
 A token is the ``id`` attribute graphviz gives a node's ``<g class="node">`` (set it with the
 node's ``id`` attribute in dot). Every :meth:`GraphWidget.set_graph` bumps ``render_id`` (synced
@@ -48,9 +65,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ipywidgets as widgets
-from traitlets import Int, List, Unicode
+from traitlets import Dict, Int, List, Unicode
 
-__all__ = ["MINIMAP_NODES", "MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
+__all__ = ["ACTIONS", "MINIMAP_NODES", "MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
 
 #: npm package / widget module name of the browser half.
 MODULE_NAME = "slapo-lab"
@@ -59,7 +76,21 @@ MODULE_VERSION = "^0.1.0"
 #: Drawings with more nodes than this get a minimap in the browser (``widget.ts`` ``MINIMAP_NODES``).
 MINIMAP_NODES = 40
 
-_EVENTS = ("click", "dblclick")
+_EVENTS = ("click", "dblclick", "action", "panel")
+#: The actions a browser ``action`` message may name (keyboard shortcuts, context menus, command palette).
+ACTIONS = (
+    "undo",
+    "redo",
+    "checkpoint",
+    "cut",
+    "shard",
+    "sync",
+    "open",
+    "up",
+    "select",
+    "similar",
+    "panel",
+)
 #: A token made with :meth:`GraphWidget.next_token_prefix`: ``d<drawing>n<node>``.
 _DRAWN_TOKEN = re.compile(r"d(\d{1,18})n\d{1,18}")
 _log = logging.getLogger(__name__)
@@ -122,6 +153,12 @@ class GraphWidget(widgets.DOMWidget):
     highlighted = List(Unicode(), help="tokens of the highlighted nodes (search matches)").tag(sync=True)
     centre = Unicode("", help="token of the node to centre on when centre_request changes").tag(sync=True)
     centre_request = Int(0, help="bump to centre the view on the node `centre`").tag(sync=True)
+    action_reasons = Dict(
+        value_trait=Unicode(),
+        help="action -> '' when it applies to action_target, else the reason it does not",
+    ).tag(sync=True)
+    action_labels = Dict(value_trait=Unicode(), help="action -> context-menu label").tag(sync=True)
+    action_target = Unicode("", help="module path action_reasons describe").tag(sync=True)
 
     def __init__(self, svg: str = "", node_ids: Mapping[str, str] | None = None, **kwargs: Any) -> None:
         #: Token (graphviz node ``id``) → module path, for the nodes of the current ``svg``.
@@ -129,6 +166,8 @@ class GraphWidget(widgets.DOMWidget):
         self._click_handlers = widgets.CallbackDispatcher()
         self._dblclick_handlers = widgets.CallbackDispatcher()
         self._error_handlers = widgets.CallbackDispatcher()
+        self._action_handlers = widgets.CallbackDispatcher()
+        self._panel_handlers = widgets.CallbackDispatcher()
         #: The rule of the last :meth:`highlight` (re-applied to each new drawing), or None.
         self._highlight_rule: Callable[[str, Any], bool] | None = None
         super().__init__(svg=svg, **kwargs)
@@ -214,6 +253,49 @@ class GraphWidget(widgets.DOMWidget):
         """Register ``callback(token, path)`` for double clicks on a node (``remove=True`` unregisters)."""
         self._dblclick_handlers.register_callback(callback, remove=remove)
 
+    def on_action(self, callback: Callable[[str, str | None, str | None], Any], remove: bool = False) -> None:
+        """Register ``callback(action, token, path)`` for browser actions (keys, context menus, palette);
+        ``token`` and ``path`` are None when the message named no node."""
+        self._action_handlers.register_callback(callback, remove=remove)
+
+    def on_panel(self, callback: Callable[[bool, str], Any], remove: bool = False) -> None:
+        """Register ``callback(opened, reason)``: the browser's answer to :meth:`open_panel`."""
+        self._panel_handlers.register_callback(callback, remove=remove)
+
+    def set_action_reasons(
+        self, target: str, reasons: Mapping[str, str | None], labels: Mapping[str, str] | None = None
+    ) -> None:
+        """Sync, in one message, the context-menu state for module ``target``: ``reasons`` (action → None or
+        "" when it applies, else one sentence) and optional ``labels`` (action → menu label)."""
+        with self.hold_sync():
+            self.action_reasons = {str(k): str(v or "") for k, v in reasons.items()}
+            if labels is not None:
+                self.action_labels = {str(k): str(v) for k, v in labels.items()}
+            self.action_target = target
+
+    def front_end_problem(self) -> str | None:
+        """None if this widget's comm reaches a Jupyter kernel's front end, else one sentence why not."""
+        comm = getattr(self, "comm", None)
+        if comm is None:
+            return "The graph widget is closed, so no browser front end can be asked."
+        if type(comm).__name__ == "DummyComm" or getattr(comm, "kernel", True) is None:
+            return "No Jupyter front end is connected to this Python process (it is not running in a kernel)."
+        return None
+
+    def open_panel(self, model_id: str) -> str | None:
+        """Ask the browser to show widget ``model_id`` in a JupyterLab main-area panel beside the notebook.
+
+        Returns None when the request was sent (the browser answers with a ``panel`` event, see
+        :meth:`on_panel`), else one sentence why it could not be (no front end: e.g. a plain Python process).
+        """
+        problem = self.front_end_problem()
+        if problem is not None:
+            return problem
+        if not isinstance(model_id, str) or not model_id:
+            return "There is no widget to open in a panel (no model id)."
+        self.send({"cmd": "open_panel", "model_id": model_id})
+        return None
+
     def on_error(self, callback: Callable[[str], Any], remove: bool = False) -> None:
         """Register ``callback(message)``, called with one sentence for each malformed browser message."""
         self._error_handlers.register_callback(callback, remove=remove)
@@ -247,34 +329,69 @@ class GraphWidget(widgets.DOMWidget):
         event = content.get("event")
         if event not in _EVENTS:
             if "event" not in content:
-                return "Ignored a graph message without an 'event' field; expected 'click' or 'dblclick'."
+                return "Ignored a graph message without an 'event' field; expected 'click', 'dblclick' or 'action'."
             return (
-                f"Ignored a graph message with unknown event {_short(event)}; expected 'click' or 'dblclick'."
+                f"Ignored a graph message with unknown event {_short(event)}; "
+                "expected 'click', 'dblclick' or 'action'."
             )
+        if event == "panel":
+            return self._dispatch_panel(content)
+        what = f"'{event}'"
+        action = None
+        if event == "action":
+            if "action" not in content:
+                return "Ignored an 'action' message without an 'action' field."
+            action = content["action"]
+            if not isinstance(action, str) or action not in ACTIONS:
+                return (
+                    f"Ignored an 'action' message with unknown action {_short(action)}; expected one of "
+                    f"{', '.join(ACTIONS)}."
+                )
+            what = f"'{action}' action"
+            if "node" not in content or content["node"] is None:
+                if action == "select":
+                    return "Ignored a 'select' action without a 'node' field."
+                self._action_handlers(action, None, None)
+                return None
         if "node" not in content:
-            return f"Ignored a '{event}' message without a 'node' field."
+            return f"Ignored a {what} message without a 'node' field."
         token = content["node"]
         if not isinstance(token, str):
-            return f"Ignored a '{event}' message whose node is not a string (got {type(token).__name__})."
+            return f"Ignored a {what} message whose node is not a string (got {type(token).__name__})."
         if "render" in content:
             rid = content["render"]
             if not isinstance(rid, int) or isinstance(rid, bool):
-                return f"Ignored a '{event}' message whose render id is not an integer (got {type(rid).__name__})."
+                return (
+                    f"Ignored a {what} message whose render id is not an integer (got {type(rid).__name__})."
+                )
             if rid != self.render_id:
                 return (
-                    f"Ignored a '{event}' on the graph as drawn before the last redraw (drawing {rid}, "
+                    f"Ignored a {what} on the graph as drawn before the last redraw (drawing {rid}, "
                     f"now {self.render_id}); click the node again."
                 )
         if token not in self.node_ids:
             drawn = _DRAWN_TOKEN.fullmatch(token)
             if drawn is not None and int(drawn.group(1)) != self.render_id:
                 return (
-                    f"Ignored a '{event}' on node {_short(token)} of drawing {drawn.group(1)}, not of the graph "
+                    f"Ignored a {what} on node {_short(token)} of drawing {drawn.group(1)}, not of the graph "
                     f"shown now (drawing {self.render_id}); click the node again."
                 )
-            return f"Ignored a '{event}' on node {_short(token)}, which is not in the current graph."
+            return f"Ignored a {what} on node {_short(token)}, which is not in the current graph."
+        if action is not None:
+            self._action_handlers(action, token, self.node_ids[token])
+            return None
         handlers = self._click_handlers if event == "click" else self._dblclick_handlers
         handlers(token, self.node_ids[token])
+        return None
+
+    def _dispatch_panel(self, content: dict) -> str | None:
+        opened = content.get("opened")
+        if not isinstance(opened, bool):
+            return f"Ignored a 'panel' message whose 'opened' is not true or false (got {_short(opened)})."
+        reason = content.get("reason", "")
+        if not isinstance(reason, str):
+            return f"Ignored a 'panel' message whose reason is not a string (got {type(reason).__name__})."
+        self._panel_handlers(opened, reason[:300])
         return None
 
     def _report(self, message: str) -> None:
