@@ -205,3 +205,15 @@ def test_dense_layers_kept_whole_are_a_replicated_finding_and_a_line_in_the_edit
     assert "self_attention.query_key_value" in ed._coverage.value and ed._check.value == ""
     ed.undo()
     assert ed._coverage.value == ""
+
+
+def test_a_preset_refused_by_an_earlier_action_offers_the_undo_that_resolves_it():
+    ed = sl.ScheduleEditor(_bert(), example_inputs={"input_ids": torch.randint(0, 100, (2, 8))}, world_size=2)
+    ed.schedule["encoder.layer.0.attention.self.query"].shard("weight", axis=1)  # typed: the other axis
+    assert ed.apply_preset("megatron") == ed.message
+    assert "is already sharded on axis 1, but this preset shards it on axis 0" in ed.message
+    assert ed._btn_resolve.layout.display == "" and ed._btn_resolve.description.startswith("Undo: ")
+    ed._btn_resolve.click()  # the offered click: undo the typed shard
+    assert not ed.schedule.record.calls and ed._btn_resolve.layout.display == "none"
+    assert ed.apply_preset("megatron") is None, ed.message
+    assert ed._btn_resolve.layout.display == "none" and ed.check() == []

@@ -366,7 +366,7 @@ class ScheduleEditor(W.VBox):
             children=[
                 self._header,
                 self._body,
-                self._message,
+                self._message_row,
                 self._numeric_box,
                 self._file_bar,
                 self._costs_box,
@@ -580,7 +580,10 @@ class ScheduleEditor(W.VBox):
             if len(self.schedule.record.calls) != n0:
                 self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            return self._error(f"The {name} preset was not applied: {msg}")
+            conflict = "already sharded" in msg or "already cuts" in msg  # an earlier action is in the way
+            return self._error(
+                f"The {name} preset was not applied: {msg}", self._undo_offer() if conflict else None
+            )
         n = len(self.schedule.record.calls) - n0
         done = (
             f"Preset {name} recorded {n} calls."
@@ -1666,6 +1669,11 @@ class ScheduleEditor(W.VBox):
         )
         self._message = W.HTML()
         self._message.add_class("slapo-message")
+        # the click that resolves a refusal, when there is one (e.g. "Undo: preset megatron")
+        self._btn_resolve = W.Button(layout=W.Layout(display="none", width="auto"), icon="reply")
+        self._btn_resolve.on_click(lambda _: self._resolve())
+        self._resolver = None
+        self._message_row = W.HBox([self._message, self._btn_resolve], layout=W.Layout(width="100%"))
         self._btn_reload = W.Button(description="reload file", icon="refresh", tooltip="editor.reload_file()")
         self._btn_mine = W.Button(
             description="keep mine as new file", icon="copy", tooltip="editor.keep_mine()"
@@ -1976,14 +1984,34 @@ class ScheduleEditor(W.VBox):
             self._error(f"{text.rstrip('.')}. {problem}")
             return
         self._last_message = text
+        self._offer(None)
         self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
         self._stale_error = False
 
-    def _error(self, text: str) -> str:
+    def _error(self, text: str, resolve: tuple[str, Any] | None = None) -> str:
+        """Show ``text`` as a refusal; ``resolve`` = ``(label, action)`` offers the click that resolves it (a
+        button beside the message)."""
         self._last_message = text
+        self._offer(resolve)
         self._message.value = f"<div class='slapo-msg slapo-err'>&#9888; {html.escape(text)}</div>"
         self._stale_error = True
         return text
+
+    def _offer(self, resolve: tuple[str, Any] | None) -> None:
+        self._resolver = resolve[1] if resolve else None
+        self._btn_resolve.description = resolve[0] if resolve else ""
+        self._btn_resolve.layout.display = "" if resolve else "none"
+
+    def _resolve(self) -> None:
+        action, self._resolver = self._resolver, None
+        self._offer(None)
+        if action is not None:
+            action()
+
+    def _undo_offer(self) -> tuple[str, Any] | None:
+        """``("Undo: <the last action>", undo)``, or None with nothing to undo."""
+        actions = self.schedule.record.actions()
+        return (f"Undo: {_describe(actions[-1])}", self.undo) if actions else None
 
     def _clear_stale_error(self) -> None:
         """After the user moved on (selected or opened another module), an earlier error no longer
@@ -2813,7 +2841,7 @@ class ScheduleEditor(W.VBox):
             layout=W.Layout(width="100%"),
         )
         toolbar.add_class("slapo-toolbar")
-        status = W.VBox([self._message, self._numeric_box, self._file_bar])
+        status = W.VBox([self._message_row, self._numeric_box, self._file_bar])
         status.add_class("slapo-panel-status")
         panes = W.Accordion(
             children=[
