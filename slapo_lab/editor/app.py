@@ -30,6 +30,7 @@ from ..utils import meta_copy, to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
+from .style import folded_style, legend_html, module_style
 
 _log = logging.getLogger("slapo_lab.editor")
 
@@ -260,14 +261,6 @@ def _running_loop():
         return None
 
 
-# One visual channel per fact: fill = tensor parallelism, band on the left = pipeline stage,
-# dashed border = checkpointed, bar on the outgoing edges = cut, halo (browser) = selected.
-_COL = "#c6dbef"  # column parallel / partitioned output (fill)
-_ROW = "#fdd0a2"  # row parallel / partial output (fill)
-_TP_INSIDE = "#e5f5e0"
-_CKPT = "#718096"  # legend swatch of the dashed border (readable on light and dark)
-_STAGES = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
-_CUT = "#d6336c"  # the bar after a cut (render.CUT_COLOUR)
 # What the memory view counts as activations: what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL).
 _ACTIVATIONS = "autograd"
 # The live numeric check's line: JupyterLab's theme colours (light and dark), with fallbacks outside it.
@@ -276,7 +269,6 @@ _NUMERIC_COLOURS = {
     "failed": "var(--jp-error-color1, #c62828)",
     "error": "var(--jp-error-color1, #c62828)",
 }
-_OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC"}
 # The code panel shows at most _PANEL_LINES lines (the last ones); above _PANEL_FOLD_CALLS recorded calls it
 # does not fold repeats into loops (that reads every call on every redraw) and shows the last calls as typed.
 _PANEL_LINES = 1_000
@@ -470,15 +462,15 @@ class ScheduleEditor(W.VBox):
         label = f"{primitive} on {target}" + (
             f" and {len(targets) - 1} similar modules" if len(targets) > 1 else ""
         )
-        before = self.schedule.record.actions()
         n0 = len(self.schedule.record.calls)
+
+        def run():
+            for t in targets:
+                getattr(self.schedule[t], primitive)(*args, **kwargs)
+
         try:
-            with self._working(label), self._batch(), self.schedule.record.action(label):
-                for t in targets:
-                    getattr(self.schedule[t], primitive)(*args, **kwargs)
+            self._run_action(label, run)
         except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            if len(self.schedule.record.calls) != n0:  # a later target failed: all or nothing
-                self._rebuild(before)
             if isinstance(err, (ScheduleError, AttributeError)):
                 return self._error(str(err))
             _log.exception("primitive failed")
@@ -491,6 +483,22 @@ class ScheduleEditor(W.VBox):
                 f"Applied {primitive} to {len(targets)} similar modules, {targets[0]} to {targets[-1]} ({n} calls)."
             )
         return None
+
+    def _run_action(self, label: str | None, fn, working: str | None = None):
+        """Run ``fn()`` as one user action: the busy state ("Working: …", buttons off), one redraw at the end,
+        recorded as one action named ``label`` (one Undo removes it; None: ``fn`` records its own), all or
+        nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
+        caller says it in one sentence). Returns what ``fn`` returns."""
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
+        recording = self.schedule.record.action(label) if label is not None else contextlib.nullcontext()
+        try:
+            with self._working(working or label or "working"), self._batch(), recording:
+                return fn()
+        except BaseException:
+            if len(self.schedule.record.calls) != n0:  # part of it applied: undo that part
+                self._rebuild(before)
+            raise
 
     def similar(self, path: str) -> list[str]:
         """``path`` and the modules of the same type at the same relative path in every repeated block.
@@ -567,18 +575,10 @@ class ScheduleEditor(W.VBox):
 
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        before = self.schedule.record.actions()
         n0 = len(self.schedule.record.calls)
         try:
-            with (
-                self._working(f"preset {name}"),
-                self._batch(),
-                self.schedule.record.action(f"preset {name}"),
-            ):
-                notes = self._run_preset(name, k)
+            notes = self._run_action(f"preset {name}", lambda: self._run_preset(name, k))
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            if len(self.schedule.record.calls) != n0:
-                self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             conflict = "already sharded" in msg or "already cuts" in msg  # an earlier action is in the way
             return self._error(
@@ -660,15 +660,12 @@ class ScheduleEditor(W.VBox):
         if not self._redo:
             return self._error("Nothing to redo.")
         act = self._redo[-1]
-        before = self.schedule.record.actions()
-        n0 = len(self.schedule.record.calls)
         self._replaying = True  # the recorder's listener must not clear the redo stack
         try:
-            with self._working(f"redoing {act.label}"), self._batch(), self.schedule.record.action(act.label):
-                replay(self.schedule, act.calls)
+            self._run_action(
+                act.label, lambda: replay(self.schedule, act.calls), working=f"redoing {act.label}"
+            )
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            if len(self.schedule.record.calls) != n0:
-                self._rebuild(before)
             return self._error(
                 f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged."
             )
@@ -2075,75 +2072,12 @@ class ScheduleEditor(W.VBox):
         return G
 
     def _style(self, path: str, stage_of: dict[str, int] | None = None) -> dict[str, Any]:
-        """Look of one module, one channel per fact: TP fill, stage band, checkpoint dashed border,
-        cut bar on the outgoing edges; short badges (``TP col``, ``AR fwd``, ``ckpt``, ``stage 1``, ``cut``),
-        repeated in the node's tooltip (render_svg cuts the badge line to fit the node)."""
-        if path not in self.schedule:
-            return {}
-        mod = self.schedule[path].mod
-        meta = module_state(mod) or {}
-        badges, fill = [], None
-        if meta.get("sharded"):
-            partial = meta.get("output_type") == "partial"
-            badges.append("TP row" if partial else "TP col")
-            fill = _ROW if partial else _COL
-        elif any((module_state(m) or {}).get("sharded") for m in mod.modules()):
-            fill = _TP_INSIDE
-            badges.append("TP inside")
-        for mode, op in meta.get("syncs", []):
-            op_name = op if isinstance(op, str) else getattr(op, "__name__", "fn")
-            badges.append(f"{_OPS.get(op_name, op_name)} {str(mode).split('_')[0]}")
-        style: dict[str, Any] = {}
-        if meta.get("checkpoint"):
-            badges.append("ckpt")
-            style["dashed"] = True
-        if meta.get("cut"):
-            badges.append("cut")
-            style["cut"] = True
-        if stage_of is not None and path in stage_of:  # last: the band shows it when badges overflow
-            badges.append(f"stage {stage_of[path]}")
-            style["band"] = _STAGES[stage_of[path] % len(_STAGES)]
-        if fill:
-            style["fill"] = fill
-        if badges:
-            style["badges"] = badges
-        return style
+        """Look of one module (:func:`slapo_lab.editor.style.module_style`)."""
+        return module_style(self.schedule, path, stage_of)
 
     def _folded_style(self, members: list[str], stage_of: dict[str, int] | None) -> dict[str, Any]:
-        """A folded run's style: the first member's colours, badges that count over all members."""
-        members = [m for m in members if m in self.schedule]
-        if not members:
-            return {}
-        style = {k: v for k, v in self._style(members[0], stage_of).items() if k in ("fill", "band")}
-        metas = [module_state(self.schedule[m].mod) or {} for m in members]
-        if any(m.get("checkpoint") for m in metas):
-            style["dashed"] = True
-        if metas[-1].get("cut"):
-            style["cut"] = True
-        badges = []
-        n_tp = sum(
-            any((module_state(x) or {}).get("sharded") for x in self.schedule[m].mod.modules())
-            for m in members
-        )
-        if n_tp:
-            badges.append(f"TP {n_tp}/{len(members)}")
-        n_ck = sum(bool(m.get("checkpoint")) for m in metas)
-        if n_ck:
-            badges.append(f"ckpt {n_ck}/{len(members)}")
-        n_cut = sum(bool(m.get("cut")) for m in metas)
-        if n_cut:
-            badges.append(f"{n_cut} cut{'s' if n_cut > 1 else ''}")
-        if stage_of is not None:
-            stages = sorted({stage_of[m] for m in members if m in stage_of})
-            if stages:
-                badges.append(
-                    f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}"
-                )
-                if len(stages) > 1:
-                    style.pop("band", None)
-        if badges:
-            style["badges"] = badges
-        return style
+        """A folded run's look (:func:`slapo_lab.editor.style.folded_style`)."""
+        return folded_style(self.schedule, members, stage_of)
 
     def _refresh_graph(self, reset_view: bool = False) -> None:
         from ..graph import render_svg
@@ -2188,34 +2122,7 @@ class ScheduleEditor(W.VBox):
         self._legend.value = self._legend_html(stage_of)
 
     def _legend_html(self, stage_of) -> str:
-        from ..graph import legend_svg
-
-        entries = [
-            ("column parallel (partitioned output): TP col", _COL),
-            ("row parallel (partial sums): TP row", _ROW),
-            ("contains sharded modules: TP inside", _TP_INSIDE),
-            ("checkpointed: dashed border, ckpt", _CKPT, "dashed"),
-            ("a pipeline stage ends after it: bar on its edges", _CUT, "bar"),
-            ("selected: halo", "#2196f3", "halo"),
-        ]
-        if stage_of:
-            n = max(stage_of.values()) + 1
-            entries += [
-                (f"stage {i} (band on the left)", _STAGES[i % len(_STAGES)], "band") for i in range(min(n, 8))
-            ]
-        badges = (
-            "<div class='slapo-legend-badges'><small>Badges: <b>TP col</b> / <b>TP row</b> column / row "
-            "parallel; <b>AR fwd</b>, <b>AG fwd</b>, <b>RS fwd</b>, <b>AR bwd</b> all-reduce, all-gather, "
-            "reduce-scatter after the forward / in the backward; <b>TP 3/8</b>, <b>ckpt 4/8</b> in a folded "
-            "run: how many of its modules; <b>+2</b>: two more badges (hover the node for all).</small></div>"
-        )
-        return (
-            "<style>.slapo-legend svg text{fill:var(--jp-ui-font-color1,#222222)}"
-            # the dark theme draws node fills see-through and their outlines light (labextension base.css):
-            # the swatches follow, so that a legend colour looks like the nodes it explains
-            "body[data-jp-theme-light='false'] .slapo-legend svg rect[stroke='#4a5568']"
-            "{fill-opacity:0.3;stroke:var(--jp-ui-font-color2)}</style>" + legend_svg(entries) + badges
-        )
+        return legend_html(stage_of)
 
     def _refresh_crumbs(self) -> None:
         key = (self.level, any(k.startswith(self.level) for k in self.expanded))
@@ -2437,14 +2344,11 @@ class ScheduleEditor(W.VBox):
 
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        before = self.schedule.record.actions()
-        n0 = len(self.schedule.record.calls)
-        try:
-            with self._working("closing the open items"), self._batch():
-                calls = close_open_items(self.schedule)
+        try:  # close_open_items records its calls as one action itself
+            calls = self._run_action(
+                None, lambda: close_open_items(self.schedule), working="closing the open items"
+            )
         except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            if len(self.schedule.record.calls) != n0:
-                self._rebuild(before)
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
             return self._error(f"The open items were not closed: {msg}")
         self._info(

@@ -41,6 +41,15 @@ LABEL_PT, SMALL_PT, EDGE_PT = 12, 10, 10
 MAX_CHAIN = 12
 #: Colour of the bar and pen of the edges that leave a node that ends a pipeline stage.
 CUT_COLOUR = "#d6336c"
+#: The schedule's colours, one visual channel per fact (the editor's nodes and legend read them here): fill =
+#: tensor parallelism, band on the left = pipeline stage, dashed border = checkpointed, bar on the outgoing
+#: edges = cut (:data:`CUT_COLOUR`), halo (drawn by the browser) = selected.
+COLUMN_COLOUR = "#c6dbef"  # column parallel / partitioned output (fill)
+ROW_COLOUR = "#fdd0a2"  # row parallel / partial sums (fill)
+TP_INSIDE_COLOUR = "#e5f5e0"  # a module that contains sharded modules (fill)
+CHECKPOINT_COLOUR = "#718096"  # the legend swatch of the dashed border (readable on light and dark)
+SELECTED_COLOUR = "#2196f3"  # the legend swatch of the selection halo
+STAGE_COLOURS = ("#1f77b4", "#2ca02c", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 
 FONT = "Helvetica,Arial,sans-serif"
 
