@@ -577,3 +577,37 @@ def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_c
         raise
     finally:
         _shutdown_kernel(page)
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_kernel_is_said_on_the_editor_instead_of_looking_alive(lab):
+    """The kernel dies (os._exit in the kernel: JupyterLab restarts it): the editor says so in one sentence and
+    its controls stop taking clicks, instead of ignoring them silently."""
+    from browser_util import save_screenshot, write_notebook
+
+    page, base_url, token, nb_dir, tmp = lab
+    write_notebook(nb_dir / "dies.ipynb", [SMALL_BERT_CELL], hide_input=True)
+    try:
+        _open_and_run(page, base_url, token, "dies.ipynb")
+        editor = page.locator(".slapo-editor").first
+        _node(editor.locator(".slapo-graph").first, "encoder").wait_for(state="visible", timeout=WAIT_UI)
+        assert editor.locator(".slapo-kernel-gone-note").count() == 0
+        with contextlib.suppress(Exception):
+            _kernel_eval(page, "import os; os._exit(1)", timeout=10)
+        note = editor.locator(".slapo-kernel-gone-note")
+        text = _wait_text(note, "this editor no longer answers clicks")
+        assert text.startswith(("The kernel restarted", "The kernel has stopped", "The kernel connection")), (
+            text
+        )
+        events = editor.locator(".slapo-graph").first.evaluate(
+            "e => getComputedStyle(e.parentElement).pointerEvents"
+        )
+        assert events == "none"
+        save_screenshot(
+            page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "editor_kernel_gone.png"
+        )
+    except BaseException:
+        _report_failure(page, tmp, "kernel_gone_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)

@@ -225,6 +225,7 @@ export class GraphView extends DOMWidgetView {
   private _layer: SVGGElement | null = null;
   private _hint!: HTMLDivElement;
   private _hintTimer = 0;
+  private _kernel: any = null;
   private _minimap!: HTMLDivElement;
   private _miniSvg: SVGSVGElement | null = null;
   private _miniView: SVGRectElement | null = null;
@@ -325,10 +326,56 @@ export class GraphView extends DOMWidgetView {
     this._applyHeight();
     this._renderSvg();
     liveViews.add(this);
+    this._watchKernel();
+  }
+
+  /**
+   * A kernel that died or restarted leaves this editor without its Python half: clicks would go nowhere.
+   * Say so on the editor (one sentence, the controls greyed out) instead of looking alive.
+   */
+  private _watchKernel(): void {
+    const manager: any = (this.model as any).widget_manager;
+    const kernel = manager && manager.kernel;
+    if (kernel && kernel.statusChanged) {
+      this._kernel = kernel;
+      kernel.statusChanged.connect(this._onKernelStatus, this);
+    }
+    this.listenTo(this.model, 'comm_live_update', () => {
+      if (!(this.model as any).comm_live) {
+        this._markGone('The kernel connection of this editor closed');
+      }
+    });
+  }
+
+  private _onKernelStatus(_kernel: any, status: string): void {
+    if (status === 'dead') {
+      this._markGone('The kernel has stopped');
+    } else if (status === 'restarting' || status === 'autorestarting') {
+      this._markGone('The kernel restarted');
+    }
+  }
+
+  private _markGone(what: string): void {
+    const host = this.editorElement() || this._box;
+    if (!host || host.classList.contains('slapo-kernel-gone')) {
+      return;
+    }
+    host.classList.add('slapo-kernel-gone');
+    const note = document.createElement('div');
+    note.className = 'slapo-kernel-gone-note';
+    note.setAttribute('role', 'alert');
+    note.textContent =
+      `${what}: this editor no longer answers clicks. Run its cell again after restarting the kernel ` +
+      '(with schedule_file= the recorded schedule comes back).';
+    host.prepend(note);
   }
 
   remove(): void {
     liveViews.delete(this);
+    if (this._kernel) {
+      this._kernel.statusChanged.disconnect(this._onKernelStatus, this);
+      this._kernel = null;
+    }
     this._hideTooltip();
     window.clearTimeout(this._hintTimer);
     this._box.removeEventListener('wheel', this._onWheel);
