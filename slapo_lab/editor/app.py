@@ -30,6 +30,7 @@ from ..utils import meta_copy, to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
+from .persistence import SchedulePersistence, serialized
 from .style import folded_style, legend_html, module_style
 
 _log = logging.getLogger("slapo_lab.editor")
@@ -58,36 +59,6 @@ def _describe(action) -> str:
     """``shard on a.b`` / ``preset megatron (1125 calls)``."""
     n = len(action.calls)
     return action.label + (f" ({n} calls)" if n > 1 else "")
-
-
-def _file_actions(sf, path) -> list:
-    """The calls of a loaded schedule file grouped into the editor's actions (``meta.editor_actions``,
-    ``[[label, number of calls], ...]``); one action for the whole file when that entry is missing or
-    does not add up."""
-    from ..record import Action
-
-    calls = list(sf.calls)
-    spec = (sf.meta or {}).get("editor_actions")
-    ok = (
-        isinstance(spec, list)
-        and all(
-            isinstance(x, list)
-            and len(x) == 2
-            and isinstance(x[0], str)
-            and isinstance(x[1], int)
-            and not isinstance(x[1], bool)
-            and x[1] > 0
-            for x in spec
-        )
-        and sum(x[1] for x in spec) == len(calls)
-    )
-    if not ok:
-        return [Action(f"load {path}", tuple(calls))] if calls else []
-    out, i = [], 0
-    for label, n in spec:
-        out.append(Action(label, tuple(calls[i : i + n])))
-        i += n
-    return out
 
 
 # ---------------------------------------------------------------------------------------- export options
@@ -177,60 +148,6 @@ def _shown_path(path) -> str:
     return shlex.quote(str(path) if rel.startswith("..") else rel)
 
 
-def _serialized(method):
-    """Run an editor method under the editor's lock.
-
-    JupyterLab 4.4+ with ipykernel 7 runs widget messages (button clicks, graph clicks) in a comm
-    subshell, a thread of its own, while typed cells and the redraw scheduled after them run in the
-    main thread: without the lock a click could apply its calls in the middle of that redraw, which
-    then reported the click's last call over the click's own message. The lock is re-entrant (an
-    action redraws through :meth:`ScheduleEditor._flush`)."""
-
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
-
-
-def _file_stamp(path) -> tuple | None:
-    """What identifies the content of the file at ``path``: ``(mtime_ns, size, sha256 hex)``, or None
-    when there is no file. Raises OSError for a file that exists but cannot be read."""
-    import hashlib
-    import os
-
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    with open(path, "rb") as f:  # schedule files are bounded (export.io), so one read is fine
-        digest = hashlib.sha256(f.read()).hexdigest()
-    return (st.st_mtime_ns, st.st_size, digest)
-
-
-def _same_file(a: tuple | None, b: tuple | None) -> bool:
-    """Two stamps of :func:`_file_stamp` name the same content: both absent, or same size and hash (an
-    equal mtime alone is not trusted: a rewrite within the clock's resolution keeps it)."""
-    if a is None or b is None:
-        return a is b
-    return a[1:] == b[1:]
-
-
-def _mine_name(path) -> str:
-    """``bert.schedule.json`` → ``bert.schedule.mine-20261124-093015.json`` (next to it, a name not yet taken)."""
-    import time
-    from pathlib import Path
-
-    src = Path(path)
-    stem = src.name.removesuffix(".json")
-    base = f"{stem}.mine-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, n = src.with_name(base + ".json"), 1
-    while out.exists():
-        out, n = src.with_name(f"{base}-{n}.json"), n + 1
-    return str(out)
-
-
 def _count(n: int) -> str:
     """``68976599040`` → ``69.0 B``, ``124439808`` → ``124.4 M``, ``6400`` → ``6,400``."""
     for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
@@ -275,7 +192,7 @@ _PANEL_LINES = 1_000
 _PANEL_FOLD_CALLS = 5_000
 
 
-class ScheduleEditor(W.VBox):
+class ScheduleEditor(W.VBox, SchedulePersistence):
     """A visual schedule editor for ``model``.
 
     Args:
@@ -400,7 +317,7 @@ class ScheduleEditor(W.VBox):
         """The text of the last status or error message shown."""
         return self._last_message
 
-    @_serialized
+    @serialized
     def select(self, path: str) -> str | None:
         """Select the module at ``path`` (and show its parent's level); returns an error sentence or None."""
         if not isinstance(path, str) or path not in self.schedule:
@@ -418,7 +335,7 @@ class ScheduleEditor(W.VBox):
         self._clear_stale_error()
         return None
 
-    @_serialized
+    @serialized
     def open_level(self, path: str) -> str | None:
         """Show the children of ``path`` in the graph (descend one level); error sentence or None."""
         if not isinstance(path, str) or path not in self.schedule:
@@ -431,13 +348,13 @@ class ScheduleEditor(W.VBox):
         self._clear_stale_error()
         return None
 
-    @_serialized
+    @serialized
     def collapse(self) -> None:
         """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
         self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
         self._refresh_view(reset_view=True)
 
-    @_serialized
+    @serialized
     def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
         """Apply ``primitive`` to the selected module (or ``path``), as a click does.
 
@@ -563,7 +480,7 @@ class ScheduleEditor(W.VBox):
         self._graph.highlight(shows_match if hits else None)
         return len(opts)
 
-    @_serialized
+    @serialized
     def apply_preset(self, name: str, k: int = 1) -> str | None:
         """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
 
@@ -619,7 +536,7 @@ class ScheduleEditor(W.VBox):
             raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
         return []
 
-    @_serialized
+    @serialized
     def undo(self) -> str | None:
         """Undo the last user action: a click, a preset, an "apply to all similar", a typed line.
 
@@ -646,7 +563,7 @@ class ScheduleEditor(W.VBox):
         self._info(f"Undid {_describe(last)}.")
         return None
 
-    @_serialized
+    @serialized
     def redo(self) -> str | None:
         """Re-apply the last undone action; returns None or one sentence (nothing to redo, or why it failed).
 
@@ -676,7 +593,7 @@ class ScheduleEditor(W.VBox):
         self._info(f"Redid {_describe(act)}.")
         return None
 
-    @_serialized
+    @serialized
     def clear(self) -> None:
         """Forget every recorded call (redo brings the actions back, one per redo)."""
         actions = self.schedule.record.actions()
@@ -717,98 +634,6 @@ class ScheduleEditor(W.VBox):
         if autosave:
             self._autosave()
 
-    @_serialized
-    def save(self, path: str) -> str:
-        """Write the recorded schedule as versioned JSON (``sl.load_schedule`` reads it back); the meta keeps
-        the editor's actions (``editor_actions``) and the last export's options (``export_options``), which
-        :meth:`load` restores.
-
-        Raises:
-            ExportError: (a ValueError) with one sentence if the file cannot be written.
-        """
-        from ..export import save_schedule
-
-        rec = self.schedule.record
-        actions = [[a.label, len(a.calls)] for a in rec.actions()]  # undo per action after a restore
-        save_schedule(
-            path,
-            rec.calls,
-            model=self.model,
-            example_inputs=self.example_inputs,
-            world_size=self.world_size,
-            factory=self.factory,
-            meta={
-                "editor_actions": actions,
-                **({"export_options": self.export_options} if self.export_options else {}),
-            },
-        )
-        if self._is_schedule_file(path):  # an explicit save to the file: this content is now ours
-            self._in_sync(_file_stamp(path))
-        return str(path)
-
-    def _in_sync(self, stamp: tuple | None) -> None:
-        """``schedule_file`` now holds this editor's schedule (its :func:`_file_stamp` is ``stamp``): autosave
-        is on again and no file problem is said any more."""
-        self._disk, self._conflict, self._file_problem = stamp, False, None
-        self._file_bar.layout.display = "none"
-
-    def _is_schedule_file(self, path) -> bool:
-        import os
-
-        return self.schedule_file is not None and os.path.abspath(os.path.expanduser(str(path))) == (
-            os.path.abspath(os.path.expanduser(self.schedule_file))
-        )
-
-    def _keep_unrestorable(self, path: str, reason: str) -> None:
-        """Leave a schedule file that could not be restored exactly as it is, and autosave elsewhere.
-
-        The editor starts empty and autosaves to ``<name>.mine-<time>.json`` next to it (see
-        :func:`_mine_name`), so the file the user looks for keeps its content; the message names both.
-        """
-        mine = _mine_name(path)
-        self.schedule_file, self._disk = mine, None
-        self._error(
-            f"{reason.rstrip('.')}. {path} is left as it is; this editor starts empty and autosaves to {mine}."
-        )
-
-    @_serialized
-    def load(self, path: str) -> str | None:
-        """Replace the schedule by the one in JSON file ``path``, all or nothing.
-
-        Returns None on success, else the one-sentence reason (the current schedule is kept).
-        """
-        from ..export import load_schedule
-
-        own = self._is_schedule_file(path)
-        try:
-            stamp = _file_stamp(path) if own else None
-            sf = load_schedule(path)
-            ws = (sf.meta or {}).get("world_size")
-            if ws is not None and ws != self.world_size:
-                return self._error(
-                    f"{path} was planned for world size {ws}, but this editor plans for "
-                    f"{self.world_size}; create the editor with world_size={ws}."
-                )
-            with self._working(f"loading {path}"):
-                self._rebuild(_file_actions(sf, path), autosave=not own)  # the file already holds it
-            if own:
-                self._in_sync(stamp)
-            self._redo = []
-            self._refresh_history()
-            remembered = (sf.meta or {}).get("export_options")
-            if isinstance(remembered, dict) and isinstance(remembered.get("options", {}), dict):
-                self.export_options = remembered  # the form skips entries of the wrong type
-                self._set_form(remembered)
-        except ScheduleError as err:
-            return self._error(f"{path} could not be applied, so the schedule is unchanged: {err}")
-        except KeyboardInterrupt:  # Kernel > Interrupt: nothing of the file was applied
-            self._error(f"Loading {path} was interrupted, so the schedule is unchanged.")
-            raise
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            return self._error(str(err) if str(err).endswith(".") else f"{path} could not be loaded: {err}")
-        self._info(f"Loaded {len(self.schedule.record.calls)} recorded calls from {path}.")
-        return None
-
     def _remember_inputs(self, sch) -> None:
         """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
         :func:`_serialized`) and the example inputs, so that a cut is checked at click time."""
@@ -821,76 +646,6 @@ class ScheduleEditor(W.VBox):
             set_example_inputs(sch, self.example_inputs)
         except Exception as err:  # noqa: BLE001 - the cut check then happens at build time
             _log.warning("example inputs not usable for cut checks: %s", err)
-
-    def _autosave(self) -> None:
-        """Write the schedule to ``schedule_file`` (atomically: a temporary file and a rename), but only
-        while the file on disk is the one this editor last read or wrote (same size and SHA-256): a file
-        changed by another editor, a text editor or git is never overwritten without the user's choice
-        (:meth:`reload_file`, :meth:`keep_mine`, :meth:`overwrite_file`). A failed write leaves the old
-        file intact and is said with every message until a write succeeds."""
-        path = self.schedule_file
-        if path is None or self._conflict:
-            return
-        try:
-            now = _file_stamp(path)
-        except OSError as err:
-            now = ("unreadable", err.strerror)
-        if not _same_file(now, self._disk):
-            self._conflict = True
-            self._file_problem = (
-                f"{path} was changed outside this editor since it last read or wrote it (another editor, "
-                "a text editor or git), so autosave is off: reload the file, keep this schedule as a new "
-                "file, or overwrite the file (editor.reload_file(), editor.keep_mine(), editor.overwrite_file())."
-            )
-            self._file_bar.layout.display = "flex"
-            self._error(self._file_problem)
-            return
-        try:
-            self.save(path)
-        except Exception as err:  # noqa: BLE001 - reported with every message until a write succeeds
-            reason = str(err).rstrip(".")
-            self._file_problem = (
-                f"The schedule was not kept in {path} ({reason}); the file still holds the schedule as last "
-                "saved, and the next change tries again."
-            )
-            self._error(self._file_problem)
-
-    @_serialized
-    def reload_file(self) -> str | None:
-        """Take the schedule in ``schedule_file`` as it is on disk now (after an outside change), dropping
-        this editor's unsaved calls; returns None or the one-sentence reason nothing changed."""
-        if self.schedule_file is None:
-            return self._error("This editor has no schedule file to reload; create it with schedule_file=.")
-        return self.load(self.schedule_file)
-
-    @_serialized
-    def keep_mine(self) -> str | None:
-        """Save this editor's schedule as ``<name>.mine-<time>.json`` next to ``schedule_file`` and
-        autosave there from now on; the changed file is left as it is. Returns None or one sentence."""
-        if self.schedule_file is None:
-            return self._error("This editor has no schedule file; save with editor.save(path).")
-        old, mine = self.schedule_file, _mine_name(self.schedule_file)
-        try:
-            self.save(mine)
-        except Exception as err:  # noqa: BLE001 - one sentence, nothing changed
-            return self._error(f"Could not save this schedule as {mine}: {str(err).rstrip('.')}.")
-        self.schedule_file = mine
-        self._in_sync(_file_stamp(mine))
-        self._info(f"Saved this schedule as {mine} and autosave goes there now; {old} is left as it is.")
-        return None
-
-    @_serialized
-    def overwrite_file(self) -> str | None:
-        """Replace ``schedule_file`` by this editor's schedule (after an outside change) and autosave
-        again; returns None or one sentence."""
-        if self.schedule_file is None:
-            return self._error("This editor has no schedule file; save with editor.save(path).")
-        try:
-            self.save(self.schedule_file)
-        except Exception as err:  # noqa: BLE001 - one sentence; the file is intact
-            return self._error(f"Could not overwrite {self.schedule_file}: {str(err).rstrip('.')}.")
-        self._info(f"Overwrote {self.schedule_file} with this schedule; autosave is on again.")
-        return None
 
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
         """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
@@ -1108,7 +863,7 @@ class ScheduleEditor(W.VBox):
                 )
             self._error(text)
 
-    @_serialized
+    @serialized
     def export(self, path: str, launcher: str = "torchrun", **options) -> str:
         """Write the schedule as a launchable training script to ``path`` (the Export button); returns the
         absolute path written.
@@ -1499,7 +1254,7 @@ class ScheduleEditor(W.VBox):
         self._f_fsdp.layout.display = "none" if deepspeed else None
         self._f_zero.layout.display = None if deepspeed else "none"
 
-    @_serialized
+    @serialized
     def _on_layout_change(self, _change=None) -> None:
         """dp, FSDP, ZeRO or the launcher changed in the form: replan the memory view."""
         if getattr(self, "_form_updating", False):
@@ -1854,7 +1609,7 @@ class ScheduleEditor(W.VBox):
             self._flush_scheduled = True
             loop.call_soon(self._flush)
 
-    @_serialized
+    @serialized
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._pending:
@@ -1916,14 +1671,14 @@ class ScheduleEditor(W.VBox):
             return
         self.select(path)
 
-    @_serialized
+    @serialized
     def _on_node_click(self, path: str) -> None:
         path = self._resolve_node(path)
         if path is None:
             return
         self.select(path)
 
-    @_serialized
+    @serialized
     def _on_node_dblclick(self, path: str) -> None:
         """Unfold a folded run of repeated blocks, or open a module's level; busy state meanwhile."""
         folded = self._is_folded(path)
@@ -2335,7 +2090,7 @@ class ScheduleEditor(W.VBox):
 
         return check_schedule(self.schedule)
 
-    @_serialized
+    @serialized
     def close_open_items(self) -> str | None:
         """Apply the calls the schedule check names until nothing is open (the "close open items" button):
         one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
@@ -2395,7 +2150,7 @@ class ScheduleEditor(W.VBox):
         )
 
     # ------------------------------------------------------------------ the cluster shape
-    @_serialized
+    @serialized
     def set_cluster(self, nodes: int, gpus_per_node: int) -> str | None:
         """Plan for ``nodes`` x ``gpus_per_node`` GPUs: data parallelism fills the cluster with replicas of
         TP x PP GPUs (the export form's dp follows), and the header states the three degrees in words.
@@ -2419,7 +2174,7 @@ class ScheduleEditor(W.VBox):
         self._refresh_costs()
         return self._error(problem) if problem else None
 
-    @_serialized
+    @serialized
     def set_tp(self, degree: int) -> str | None:
         """Change the tensor-parallel degree: every recorded action replays at ``degree`` ranks (presets'
         choices included, as recorded), or, when one cannot, the schedule stays at its degree and the reason
@@ -2806,7 +2561,7 @@ class ScheduleEditor(W.VBox):
         }
         self._graph.set_action_reasons(sel, reasons, labels)
 
-    @_serialized
+    @serialized
     def _on_browser_action(self, action: str, token: str | None, path: str | None) -> None:
         """Run one browser action (keyboard shortcut, context menu, command palette) with the same public
         methods as the editor's buttons; anything that does not apply is one sentence in the message line."""
