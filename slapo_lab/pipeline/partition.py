@@ -16,9 +16,10 @@ liveness) comes from the split graph: a value defined in stage ``i`` and used in
 is sent from ``i`` to ``j`` directly by the torch runtime, and carried through the stages between by
 the DeepSpeed runtime (see :attr:`PipelinePartition.liveness`).
 
-Tied weights used by several stages (GPT-2's ``wte`` / ``lm_head``) are replicated: each stage gets
-its own copy (PyTorch's ``MultiUseParameterConfig.REPLICATE``), and :attr:`PipelinePartition.tied`
-lists them so the runtimes can sum their gradients (Slapo's ``analyze_tie_weights``). Every other
+Tied weights used by several stages (GPT-2's ``wte`` / ``lm_head``), and parameters with one name that
+several stages read (DeBERTa's ``rel_embeddings``), are replicated: each stage gets its own copy (PyTorch's
+``MultiUseParameterConfig.REPLICATE``), and :attr:`PipelinePartition.tied` lists them so the runtimes can
+sum their gradients (Slapo's ``analyze_tie_weights``). Every other
 parameter of a stage *is* the schedule's parameter object, so training a pipeline updates ``sch.mod``
 in place (tied copies excepted) and sharding annotations (``shard_axis``, ``orig_shape``) stay on.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,7 +105,8 @@ class PipelinePartition:
         pipe: PyTorch's ``torch.distributed.pipelining.Pipe`` (``pipe.build_stage(i, device, group)``).
         cuts: the cut paths in forward order.
         stages: one :class:`StageInfo` per stage.
-        tied: one dict per tied parameter used by several stages: stage index -> original FQN.
+        tied: one dict per parameter used by several stages (tied aliases, or one name read by several
+            stages): stage index -> original FQN.
         liveness: ``liveness[b]`` = names of the values alive when stage ``b`` starts (``b = 0``: the
             model inputs, in placeholder order; ``b = num_stages``: the model output); Slapo's
             ``analyze_pipeline_module``.
@@ -617,9 +620,12 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
     T5's ``decoder.embed_tokens`` and ``lm_head`` (both ``shared``) ended up as two parameters of one
     stage, each trained on half of the gradient. Here every set of names that alias one parameter
     of ``model`` shares one object again within a stage (the stage module's attributes are pointed at
-    it), and one group ``{stage: name}`` per alias set held by several stages is returned for the
-    runtimes to sum gradients over (Slapo's ``analyze_tie_weights``). The name per stage is the one
-    PyTorch's ``Pipe.replicated_params`` reports where it has one, else the first in model order.
+    it), and one group ``{stage: name}`` per parameter held by several stages is returned for the
+    runtimes to sum gradients over (Slapo's ``analyze_tie_weights``). That includes a parameter with one
+    name that several stages read: DeBERTa's ``encoder.rel_embeddings`` feeds the relative attention of
+    every layer, so each stage gets a copy holding only its own layers' part of the gradient. The name per
+    stage is the one PyTorch's ``Pipe.replicated_params`` reports where it has one, else the first in
+    model order.
     """
     pref: dict[tuple[int, str], str] = {}
     for mapping in replicated:
@@ -632,8 +638,6 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
         alias.setdefault(id(p), []).append(name)
     tied = []
     for names in alias.values():
-        if len(names) < 2:
-            continue
         group: dict[int, str] = {}
         for st in stages:
             held = [n for n in names if n in st.params]
@@ -654,8 +658,16 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
     return tied
 
 
+_CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")
+
+
 def _orig_name(stage_fqn: str) -> str | None:
-    return stage_fqn[len(ROOT_PREFIX) :] if stage_fqn.startswith(ROOT_PREFIX) else None
+    """The model's name of a stage module's parameter: ``model.`` dropped, and the ``@N`` torch.export gives a
+    module's N-th further call (DeBERTa's shared ``key_proj`` runs on the hidden states and on the relative
+    embeddings: ``key_proj`` and ``key_proj@1``) folded into the module's own name."""
+    if not stage_fqn.startswith(ROOT_PREFIX):
+        return None
+    return _CALL_SUFFIX.sub("", stage_fqn[len(ROOT_PREFIX) :])
 
 
 def _analyze_split(split_gm: fx.GraphModule, n: int):
@@ -800,6 +812,12 @@ def partition_pipeline(
         for name, p in mod.named_parameters(remove_duplicate=False):
             orig = _orig_name(name)
             if orig is None:
+                continue
+            held = params.get(orig)
+            if held is not None:  # a further call's alias (``key_proj@1``): one parameter per name and stage
+                if held is not p:
+                    owner, _, attr = name.rpartition(".")
+                    mod.get_submodule(owner)._parameters[attr] = held
                 continue
             src = orig_params.get(orig)
             if src is not None and p is not src:  # a replicated (tied) copy: keep the annotations

@@ -33,6 +33,12 @@ from ..verify import Comparison, VerifyReport, flatten_outputs
 from .weights import Target
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a reference parameter or gradient: gathered from FSDP2's shards, or as it is (a
+    parameter kept whole on every rank)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
@@ -70,9 +76,12 @@ class Reference:
         model = build()
         sch = create_schedule(model, group=self.mesh["tp"].get_group())  # a group of one: nothing is split
         blocks = [sch[p].mod for p in find_blocks(sch)]
+        # FSDP2 cannot shard a 0-dim parameter (CLIP's logit_scale): it stays whole on every rank, where each
+        # rank's gradient is already the whole batch's (every rank runs the same Verify batch)
+        scalars = {p for p in model.parameters() if p.dim() == 0}
         for block in blocks:
-            fully_shard(block, mesh=self.mesh["dp"])
-        fully_shard(model, mesh=self.mesh["dp"])
+            fully_shard(block, mesh=self.mesh["dp"], ignored_params=scalars)
+        fully_shard(model, mesh=self.mesh["dp"], ignored_params=scalars)
         buffers = {name: b for name, b in model.named_buffers()}
         model.to_empty(device=device)
         with torch.no_grad():
@@ -83,7 +92,9 @@ class Reference:
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
             p.orig_shape = torch.Size(shape)
-            self.targets.append(Target(name, p, ShardLayout(shape, fsdp_dim=0, dp=world, dp_rank=rank)))
+            whole = getattr(p, "_local_tensor", None) is None
+            layout = ShardLayout(shape) if whole else ShardLayout(shape, fsdp_dim=0, dp=world, dp_rank=rank)
+            self.targets.append(Target(name, p, layout))
         fill(sch, self.targets, self.mesh)
         self.model = model
         self.sch = sch
@@ -121,7 +132,7 @@ def run_verify(
     # 1. weights, before anything ran
     weights = []
     for name, ref in ref_by_name.items():
-        full = ref.param.full_tensor()
+        full = _full(ref.param)
         for t in mine.get(name, ()):
             a, _, ok = _diff(t.local, t.layout.take(full), 0.0, 0.0)
             weights.append(Comparison(name, a, 0.0, ok and a == 0.0))
@@ -157,7 +168,7 @@ def run_verify(
     grads = []
     for name, ref in ref_by_name.items():
         g = ref.param.grad
-        full = g.full_tensor() if g is not None else None
+        full = _full(g) if g is not None else None
         for t in mine.get(name, ()):
             local_grad = t.param.grad
             if local_grad is None and full is None:
