@@ -915,7 +915,7 @@ def _refuse_width_derived_heads(sch) -> None:
         raise ScheduleError(
             f"with its heads split over {sch.world_size} ranks, {at} fails ({type(cause).__name__}: {text}); it "
             "probably derives head counts or sizes from the input's width (e.g. C // n_head), which tensor "
-            "parallelism changes, so shard it by hand with a forward that reads per-rank sizes"
+            "parallelism changes, so shard it by hand with a forward that reads per-rank sizes."
         ) from None
 
 
