@@ -202,6 +202,33 @@ def _hop_parts(node: fx.Node):
     return None
 
 
+def _refuse_trainable_in_no_grad(gm: fx.GraphModule, node: fx.Node, operands) -> None:
+    """A ``set_grad_enabled(False)`` region may read no trainable parameter: the rotary embedding's is
+    parameter-free, but a custom ``autograd.Function`` inside a checkpointed block (BLOOM's ``GeLUFunction``)
+    makes ``torch.export`` trace everything from there to the model's end with gradients off, and the stages
+    would then train none of those weights.
+
+    Raises:
+        ScheduleError: one sentence naming where the region starts and a weight it holds.
+    """
+    for o in operands:
+        if not (isinstance(o, fx.Node) and o.op == "get_attr"):
+            continue
+        try:
+            p = gm.get_parameter(o.target)
+        except AttributeError:
+            continue
+        if p.requires_grad:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = _orig_name(stack[-1][0]) if stack else None
+            raise ScheduleError(
+                f"Cannot pipeline this schedule: torch.export traced {where or 'a module'} and what runs after it "
+                f"with gradients off (a custom autograd.Function inside a checkpointed block, as BLOOM's GeLU), "
+                f"so the stages would never train {_orig_name(o.target) or o.target} and the weights after it; "
+                "cut without checkpointing those blocks, or checkpoint them without pipeline stages."
+            )
+
+
 def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
     """Inline grad-mode / autocast wrapper HOPs of the exported graph, in place (the ``split_policy``).
 
@@ -220,6 +247,8 @@ def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
         if node is None:
             break
         body_node, operands, detach = _hop_parts(node)
+        if detach:
+            _refuse_trainable_in_no_grad(gm, node, operands)
         body = gm.get_submodule(body_node.target)
         env: dict[fx.Node, Any] = {}
         phs = [n for n in body.graph.nodes if n.op == "placeholder"]
