@@ -20,10 +20,15 @@ shared projection. :func:`numeric_check` runs the model instead:
 3. **The comparison** is :func:`slapo_lab.verify_models`, the same one the exported script's ``--verify``
    runs: weights, forward outputs and every gradient against the unsharded copy.
 
-The exported script's Verify remains the full proof (real model, real ranks, pipelines, optimiser steps);
-this check answers within seconds whether the tensor-parallel schedule is right, and where it is not.
-Pipeline cuts are not split here (stages run whole), so the check is about sharding, syncs, replacements
-and checkpoints.
+4. **The pipeline**, when the schedule cuts: the calls replayed on one rank, the copy split into its stages
+   (:func:`slapo_lab.pipeline.partition_pipeline`, as the exported script splits it), the stages run one
+   after another with dropout off, and each original parameter's gradient compared as the pipeline runtimes
+   produce it: summed over the stages that share it only where the partition lists it as shared (a stage
+   that holds a copy of a shared projection nobody sums -- DeBERTa's relative embeddings once -- trains on
+   a partial gradient, and a parameter name the model does not have is named).
+
+The exported script's Verify remains the full proof (real model, real ranks, micro-batches, optimiser steps);
+this check answers within seconds whether the schedule is right, and where it is not.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ MAX_CHECK_PARAMS = 40_000_000
 SMALL_HEAD_DIM = 8
 #: Sequence length the example inputs are cut to.
 MAX_SEQ = 32
-#: Primitives that change nothing a single forward on one stage can see (pipelines run whole here).
+#: Primitives the tensor-parallel part skips (the pipeline part replays them).
 _SKIPPED = frozenset({"cut_pipeline_stage"})
 
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
@@ -120,8 +125,8 @@ def _block_of(path: str, blocks: list[str]) -> str | None:
 
 def _signature(calls: list[Call], block: str) -> tuple:
     out = []
-    for c in calls:
-        if c.primitive in _SKIPPED or _block_of(c.path, [block]) is None:
+    for c in calls:  # cuts included: a block that ends a stage is kept as itself, for the pipeline part
+        if _block_of(c.path, [block]) is None:
             continue
         out.append((c.path[len(block) :], c.primitive, repr(c.args), repr(sorted(c.kwargs.items()))))
     return tuple(out)
@@ -148,12 +153,14 @@ def _plan_blocks(calls: list[Call], blocks: list[str]) -> tuple[dict[str, int], 
     return keep, alias
 
 
-def _map_calls(calls: list[Call], blocks: list[str], alias: dict[str, str]) -> list[Call]:
+def _map_calls(
+    calls: list[Call], blocks: list[str], alias: dict[str, str], keep_cuts: bool = False
+) -> list[Call]:
     """The calls of the kept blocks (calls on a block that shares a kept block's schedule are dropped: the
     kept block runs the same calls)."""
     out = []
     for c in calls:
-        if c.primitive in _SKIPPED:
+        if c.primitive in _SKIPPED and not keep_cuts:
             continue
         b = _block_of(c.path, blocks)
         if b is not None and alias.get(b, b) != b:
@@ -306,7 +313,7 @@ def shrunk_copy(
             model, whose weights are shards).
 
     Returns:
-        ``(copy, mapped calls, (kept blocks, total blocks), notes)``.
+        ``(copy, mapped calls without cuts, (kept blocks, total blocks), notes, mapped calls with the cuts)``.
 
     Raises:
         ScheduleError: a meta model without a Hugging Face config, or one still too large once shrunk.
@@ -320,6 +327,7 @@ def shrunk_copy(
     keep, alias = _plan_blocks(calls, blocks)
     lengths = {p: sum(1 for b in blocks if (b.rsplit(".", 1)[0] if "." in b else "") == p) for p in keep}
     mapped = _map_calls(calls, blocks, alias)
+    mapped_cuts = _map_calls(calls, blocks, alias, keep_cuts=True)
     kept_blocks = (sum(keep.values()), len(blocks))
     _truncate(meta, keep)
     config = getattr(reference, "config", None)
@@ -360,7 +368,7 @@ def shrunk_copy(
         _refuse_too_big(_n_params(meta), kept_blocks)
         model = _materialize(meta, reference)
     model.train(False)
-    return model, mapped, kept_blocks, notes
+    return model, mapped, kept_blocks, notes, mapped_cuts
 
 
 def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
@@ -557,6 +565,101 @@ def _rank_run(
             t.remove()
 
 
+def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
+    """The pipeline part (module docstring, 4.): None when the stages equal the unsharded copy, else
+    ``(status, module, worst, one sentence)``."""
+    from .pipeline.partition import default_output_fn, partition_pipeline
+    from .pipeline.runtime import set_graph_dropout
+    from .record import replay
+    from .schedule import create_schedule
+
+    reference = copy.deepcopy(base)
+    sch = create_schedule(copy.deepcopy(base))
+    try:
+        replay(sch, calls)
+        part = partition_pipeline(sch, inputs, 1)
+    except ScheduleError as err:
+        return "error", "", math.inf, f"The pipeline cannot be built from this schedule: {err}"
+    except Exception as err:  # noqa: BLE001 - any failure of the split is said, never raised
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return (
+            "error",
+            "",
+            math.inf,
+            f"The pipeline cannot be built from this schedule ({type(err).__name__}: {text}).",
+        )
+    for st in part.stages:
+        set_graph_dropout(st.module, False)
+    env = dict(zip(part.input_names, part.flat_inputs((), inputs)))
+    try:
+        for st in part.stages:
+            res = st.module(*[env[n] for n in st.inputs])
+            env.update(zip(st.outputs, res if isinstance(res, (tuple, list)) else (res,)))
+    except Exception as err:  # noqa: BLE001 - a stage that fails is said in one sentence
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return "error", "", math.inf, f"A pipeline stage fails ({type(err).__name__}: {text})."
+    out = env[part.stages[-1].outputs[0]]
+    reference.train(True)
+    for m in reference.modules():  # as the stages run: dropout off (modules, and attention's own rate)
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    ref_out = default_output_fn(reference(**inputs))
+    if out.shape != ref_out.shape or not torch.allclose(out.double(), ref_out.double(), atol=1e-5, rtol=1e-5):
+        worst = (
+            float((out.double() - ref_out.double()).abs().max()) if out.shape == ref_out.shape else math.inf
+        )
+        return (
+            "failed",
+            "",
+            worst,
+            f"The pipeline's output differs from the unsharded model's (worst difference {worst:.3g}).",
+        )
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    (out * proj).sum().backward()
+    (ref_out * proj).sum().backward()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    summed: dict[str, torch.Tensor] = {}
+    for group in part.tied:  # what the runtimes all-reduce: the copies of one parameter across stages
+        g = sum(
+            part.stages[i].params[name].grad
+            for i, name in group.items()
+            if part.stages[i].params[name].grad is not None
+        )
+        for i, name in group.items():
+            summed[(i, name)] = g
+    worst = 0.0
+    for st in part.stages:
+        for name, p in st.params.items():
+            r = ref_params.get(name)
+            if r is None:
+                return (
+                    "failed",
+                    name.rsplit(".", 1)[0],
+                    math.inf,
+                    f"Pipeline stage {st.index} holds a parameter the model does not have: {name}.",
+                )
+            g = summed.get((st.index, name), p.grad)
+            rg = r.grad
+            if g is None or rg is None:
+                continue
+            diff = float((g.double() - rg.double()).abs().max()) if g.shape == rg.shape else math.inf
+            worst = max(worst, diff)
+            if g.shape != rg.shape or not torch.allclose(g.double(), rg.double(), atol=1e-5, rtol=1e-4):
+                return (
+                    "failed",
+                    name.rsplit(".", 1)[0],
+                    diff,
+                    (
+                        f"As pipeline stages the model trains {name} on another gradient than the unsharded "
+                        f"model (stage {st.index}; worst difference {diff:.3g}): a parameter several stages hold "
+                        "whose gradients are not summed?"
+                    ),
+                )
+    return None
+
+
 def _first_error(out: dict):
     errs = [v for v in out.values() if len(v) == 3]
     real = [e for e in errs if not isinstance(e[2], SystemExit)]
@@ -600,7 +703,9 @@ def numeric_check(
     if not example_inputs:
         return done("skipped", "The numeric check needs example inputs (pass example_inputs= to the editor).")
     try:
-        base, mapped, kept, _notes = shrunk_copy(reference, list(calls), world_size, from_config=from_config)
+        base, mapped, kept, _notes, with_cuts = shrunk_copy(
+            reference, list(calls), world_size, from_config=from_config
+        )
         inputs = shrunk_inputs(example_inputs, base)
     except ScheduleError as err:
         return done("skipped", str(err))
@@ -669,12 +774,21 @@ def numeric_check(
         return done("error", f"The numeric check stopped after {timeout:.0f} s.", **kw)
     report, first_module = out[0]
     worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
+    if report.passed and any(c.primitive == "cut_pipeline_stage" for c in with_cuts):
+        if cancelled is not None and cancelled.is_set():
+            return done("skipped", "The numeric check was cancelled.", **kw)
+        pp = _pipeline_check(base, with_cuts, inputs)
+        if pp is not None:
+            status, module, pp_worst, text = pp
+            return done(status, text, module=module, worst=pp_worst, **kw)
     if report.passed:
+        stages = sum(c.primitive == "cut_pipeline_stage" for c in with_cuts) + 1
         return done(
             "passed",
             f"Numerically equal to the unsharded model on {world_size} simulated rank"
-            f"{'s' if world_size > 1 else ''} (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, "
-            f"{n_params / 1e6:.1f} M parameters).",
+            f"{'s' if world_size > 1 else ''}"
+            + (f" and as {stages} pipeline stages" if stages > 1 else "")
+            + f" (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, {n_params / 1e6:.1f} M parameters).",
             worst=worst,
             **kw,
         )

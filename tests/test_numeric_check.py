@@ -278,3 +278,42 @@ def test_a_users_own_modules_get_a_right_megatron_preset_without_hugging_face_ho
     report = ed.numeric_check()
     assert report.passed, report.message
     assert sl.check_schedule(ed.schedule, numeric=True, reference=model) == []
+
+
+def _deberta_cut():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import matrix_models as M
+
+    model = M.deberta_v2()
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    presets.megatron_tp(sch)
+    sch["deberta.encoder.layer.0"].cut_pipeline_stage()
+    ids = torch.randint(3, M.VOCAB, (2, M.SEQ), generator=torch.Generator().manual_seed(0))
+    return model, sch, {"input_ids": ids}
+
+
+def test_pipeline_stages_are_checked_too_and_deberta_passes():
+    model, sch, inputs = _deberta_cut()
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+    assert "and as 2 pipeline stages" in report.message
+
+
+def test_a_shared_parameter_whose_stage_gradients_are_not_summed_is_caught(monkeypatch):
+    """DeBERTa's relative embeddings feed every layer: each stage holds a copy, and before the partition listed
+    it as shared, each copy trained on its own layers' part of the gradient. Put that old behaviour back (only
+    aliases are shared) and the check names it."""
+    from slapo_lab.pipeline import partition
+
+    real = partition._tie_within_stages
+
+    def aliases_only(model, stages, replicated):
+        return [g for g in real(model, stages, replicated) if len(set(g.values())) > 1]
+
+    monkeypatch.setattr(partition, "_tie_within_stages", aliases_only)
+    model, sch, inputs = _deberta_cut()
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.status == "failed" and "rel_embeddings" in report.message, report.message
+    assert report.message.startswith(
+        "As pipeline stages the model trains deberta.encoder.rel_embeddings.weight"
+    )
