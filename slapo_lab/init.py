@@ -214,7 +214,8 @@ def consolidate_model(
     the first init function that fills it: ``param_init_fn(module)`` if given; otherwise the nearest
     Hugging Face ancestor's ``_init_weights(module)``; otherwise ``module.reset_parameters()``;
     tensors still unset get :func:`_default_init` (parameters) or raise (meta buffers). Then this rank
-    keeps this rank's slice (``sharding.rules.local_shard``: strided for a fused QKV) of every sharded tensor and the whole of every
+    keeps this rank's slice (``sharding.rules.local_shard``: strided for a fused QKV; its replica group's key/value head
+    for a shard with ``shard_replicas``) of every sharded tensor and the whole of every
     replicated one. So a TP=2 model consolidated on ranks 0 and 1 concatenates to the same tensors as
     the unsharded model consolidated with world size 1 -- on every process, without communication.
 
@@ -289,7 +290,9 @@ def consolidate_model(
             if axis is not None and ws > 1:
                 from .sharding.rules import local_shard
 
-                value = local_shard(value, axis, ws, rank, getattr(t, "shard_stride", 1))
+                value = local_shard(
+                    value, axis, ws, rank, getattr(t, "shard_stride", 1), getattr(t, "shard_replicas", 1)
+                )
             dev = device if device is not None else ("cpu" if t.is_meta else t.device)
             value = value.to(dev).contiguous()
             if isinstance(t, nn.Parameter):
@@ -301,7 +304,7 @@ def consolidate_model(
                     new.__dict__.setdefault(k, v)
             else:
                 new = value
-                for k in ("orig_shape", "shard_axis", "shard_stride"):
+                for k in ("orig_shape", "shard_axis", "shard_stride", "shard_replicas"):
                     if hasattr(t, k):
                         setattr(new, k, getattr(t, k))
             _assign(owners[id(t)], name, new, replaced, old=t)

@@ -34,7 +34,9 @@ def module_meta(mod: nn.Module) -> dict[str, Any]:
     ``fork_rng`` (bool), ``cut`` (bool), ``impl`` (callable replacing the class forward or None),
     ``partial_reducers`` [callable] (run on a partial-sum output before a bias is added),
     ``hooks`` [RemovableHandle]; after ``sync(..., param_grads=True)`` also ``grad_allreduce_params`` [name]
-    and ``grad_allreduce_group`` (the :class:`~slapo_lab.sharding.sync_ops.TPGroup` to sum over).
+    and ``grad_allreduce_group`` (the :class:`~slapo_lab.sharding.sync_ops.TPGroup` to sum over); after a
+    shard with replicas (key/value heads on more ranks than heads) ``grad_replica_params`` [name] and
+    ``grad_replica_group`` (the replica sub-group).
     """
     meta = mod.__dict__.get(META_ATTR)
     if meta is None:
@@ -94,7 +96,7 @@ def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g):
+def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g, sharded: bool = False):
     """``fn`` run with this module's replicated parameters ``names`` read through
     :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` (identity forward, gradient summed over ``g``).
 
@@ -103,6 +105,9 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g):
     calls stack, and Dynamo knows the context manager (its mutations of ``_parameters`` cancel out), so it
     traces inside an activation checkpoint, where writing ``module._parameters`` from a hook is an "unsafe side
     effect" graph break.
+
+    ``sharded``: the parameters are replicated shards (``shard_replicas``, key/value heads held by several
+    ranks) and ``g`` is their replica group; otherwise they are the module's unsharded parameters.
     """
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -113,7 +118,7 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g):
         swap = {
             n: all_reduce_backward(params[n], g)
             for n in names
-            if params.get(n) is not None and getattr(params[n], "shard_axis", None) is None
+            if params.get(n) is not None and (getattr(params[n], "shard_axis", None) is not None) == sharded
         }
         with _reparametrize_module(self, swap):
             return fn(*a, **k)
@@ -135,6 +140,9 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     group = meta.get("grad_allreduce_group")
     if group is not None:
         fn = _with_param_grad_all_reduce(self, fn, meta["grad_allreduce_params"], group)
+    group = meta.get("grad_replica_group")
+    if group is not None:
+        fn = _with_param_grad_all_reduce(self, fn, meta["grad_replica_params"], group, sharded=True)
     if meta["fork_rng"]:
         from .random import get_cuda_rng_tracker
 

@@ -40,7 +40,8 @@ def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tenso
 
     A strided shard (``like.shard_stride`` > 1, GPT-2's fused q, k, v) is put back block by block; a
     :class:`~slapo_lab.sharding.rules.BlockStride` (Phi-3's ``qkv_proj`` with fewer key/value heads) by its
-    unequal blocks (:func:`~slapo_lab.sharding.rules.merge_shards`).
+    unequal blocks (:func:`~slapo_lab.sharding.rules.merge_shards`); a replicated shard
+    (``like.shard_replicas`` = r > 1, one key/value head on r ranks) from the first rank of each replica group.
 
     Raises:
         RuntimeError: if the tensor is sharded but there is no process group to gather over.
@@ -54,7 +55,7 @@ def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tenso
         raise RuntimeError("a sharded tensor can only be gathered with an initialised process group")
     parts = [torch.empty_like(t) for _ in range(tp.world_size)]
     dist.all_gather(parts, t.contiguous(), group=tp.group)
-    return merge_shards(parts, axis, getattr(like, "shard_stride", 1))
+    return merge_shards(parts, axis, getattr(like, "shard_stride", 1), getattr(like, "shard_replicas", 1))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> tuple[float, float, bool, float, float]:
@@ -218,7 +219,14 @@ def verify_models(
             continue
         axis = getattr(p, "shard_axis", None)
         want = (
-            local_shard(r.detach(), axis, tp.world_size, tp.rank, getattr(p, "shard_stride", 1))
+            local_shard(
+                r.detach(),
+                axis,
+                tp.world_size,
+                tp.rank,
+                getattr(p, "shard_stride", 1),
+                getattr(p, "shard_replicas", 1),
+            )
             if (axis is not None and tp.world_size > 1)
             else r
         )

@@ -17,7 +17,7 @@ from ..errors import ScheduleError
 from .base import Primitive, own_copy, register_primitive
 
 #: attributes that primitives set themselves and that an annotation must not overwrite
-RESERVED = frozenset({"orig_shape", "shard_axis", "shard_stride", "sequence_parallel"})
+RESERVED = frozenset({"orig_shape", "shard_axis", "shard_stride", "shard_replicas", "sequence_parallel"})
 
 
 def _param(sch, param_name: Any) -> nn.Parameter:

@@ -21,6 +21,7 @@ from ..sharding.rules import (
     fused_layout,
     get_shard_rule,
     local_shard,
+    shard_replicas,
     stride_key,
 )
 from .base import Primitive, register_primitive
@@ -95,6 +96,18 @@ def _stride(sites: list[ShardSite], axis: int, full: str) -> int:
     return next(iter(strides.values()))
 
 
+def _replicas(sites: list[ShardSite], axis: int, ws: int, full: str) -> int:
+    """On how many ranks each chunk of the tensor is replicated (:func:`~slapo_lab.sharding.rules.kv_replicas`
+    for a key / value projection with fewer key/value heads than ranks), the same for every owner."""
+    found = {shard_replicas(s, axis, ws) for s in sites}
+    if len(found) > 1:
+        raise ScheduleError(
+            f"Cannot shard {full} on axis {axis}: the modules it is tied to would replicate it on different "
+            f"numbers of ranks ({', '.join(map(str, sorted(found)))})."
+        )
+    return found.pop()
+
+
 def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
     """Validate a shard call; return the tensor and the normalised axis (raises ScheduleError)."""
     t = _tensor(sch, tensor_name)
@@ -131,7 +144,14 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
         if reason:
             raise ScheduleError(f"Cannot shard {full} on axis {axis} across {ws} ranks: {reason}.")
     stride = _stride(sites, axis, full)
-    if stride > 1:
+    replicas = _replicas(sites, axis, ws, full)
+    if replicas > 1:  # one whole key/value head per rank, shared by `replicas` ranks
+        if t.shape[axis] % (ws // replicas):
+            raise ScheduleError(
+                f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by its "
+                f"{ws // replicas} key/value heads."
+            )
+    elif stride > 1:
         sizes = block_sizes(t.shape[axis], stride)
         odd = next((b for b in sizes if b % ws), None)
         if odd is not None:
@@ -148,7 +168,7 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
                 f"Cannot shard {full} on axis {axis}: it stores {what} back to back ({label}), and "
                 f"{odd} is not divisible by the world size {ws}."
             )
-    if t.shape[axis] % ws:
+    if replicas == 1 and t.shape[axis] % ws:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}."
         )
@@ -178,11 +198,21 @@ class ShardPrimitive(Primitive):
     projection's head features must split into whole heads (and whole key/value heads under grouped-query
     attention) on every rank; Falcon's multi-query attention (one key/value head) is refused.
 
+    More ranks than key/value heads (``kv < ws``, ``ws % kv == 0``, heads divisible by ``ws``): a separate
+    ``k_proj`` / ``v_proj`` weight (axis 0) and bias are split into ``kv`` chunks of one whole head, and rank
+    ``i`` keeps head ``i // r`` (``r = ws / kv``; the parameter carries ``shard_replicas = r``), the head its
+    query heads ``[i*H/ws, (i+1)*H/ws)`` use. Its weight gradient, a partial sum over the ``r`` ranks sharing
+    it, is all-reduced over that replica group in backward
+    (:meth:`~slapo_lab.sharding.sync_ops.TPGroup.replica_group`). Sources: Megatron-LM
+    ``megatron/core/transformer/attention.py``, vLLM ``vllm/model_executor/layers/linear.py``
+    ``QKVParallelLinear`` (``num_kv_head_replicas``). Fused q/k/v projections do not replicate (refused as
+    before: "the 2 key/value heads do not divide by 4").
+
     Raises:
         ScheduleError: unknown tensor name, non-integer or out-of-range axis, a size (or a fused block) not
             divisible by the world size, attention heads (or key/value heads) not divisible by the world
-            size, heads that cannot be split (multi-query attention), a tensor already sharded, or a shard
-            the module's rule refuses.
+            size (key/value heads that divide it are replicated instead), heads that cannot be split
+            (multi-query attention), a tensor already sharded, or a shard the module's rule refuses.
     """
 
     name = "shard"
@@ -199,8 +229,11 @@ class ShardPrimitive(Primitive):
         owners = _owners(sch, t)
         sites = _sites(sch, t, tensor_name)
         stride = _stride(sites, axis, tensor_name)
+        replicas = _replicas(sites, axis, ws, tensor_name)
         with torch.no_grad():
-            chunk = local_shard(t.detach(), axis, ws, rank, stride).clone() if ws > 1 else t.detach()
+            chunk = (
+                local_shard(t.detach(), axis, ws, rank, stride, replicas).clone() if ws > 1 else t.detach()
+            )
         if isinstance(t, nn.Parameter):
             new = nn.Parameter(chunk, requires_grad=t.requires_grad)
             for k, v in t.__dict__.items():  # annotations survive
@@ -210,6 +243,8 @@ class ShardPrimitive(Primitive):
         new.orig_shape = t.shape
         new.shard_axis = axis
         new.shard_stride = stride
+        if replicas > 1:
+            new.shard_replicas = replicas
         for mod, name in owners:
             name = name or tensor_name
             if name in mod._parameters:
@@ -218,6 +253,8 @@ class ShardPrimitive(Primitive):
                 mod._buffers[name] = new
             module_meta(mod)["sharded"][name] = axis
             get_shard_rule(mod).apply(mod, name, axis, ws, rank)
+            if replicas > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
+                _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
         for site in sites:
             apply_site = _rule_hook(site, "apply_site")
             if apply_site:
@@ -481,6 +518,26 @@ def _install_param_grad_all_reduce(mod: nn.Module, g) -> None:
         mod._parameters[n].sequence_parallel = True
     install_forward(mod)
     meta["syncs"].append(("bwd_post", PARAM_GRADS_OP))
+
+
+def _install_replica_grad_all_reduce(mod: nn.Module, name: str, g) -> None:
+    """Sum the gradient of ``mod``'s replicated shard ``name`` over its replica group ``g``.
+
+    A key/value head held by ``r`` ranks (``shard_replicas``) gets, on each of them, the gradient from that
+    rank's own query heads only: a partial sum over the replica group (Megatron-LM all-reduces it the same
+    way). Each forward call reads the parameter through
+    :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``g`` (identity forward, summed gradient), by
+    the same parameter swap as ``sync(..., param_grads=True)`` (:func:`_install_param_grad_all_reduce`), so the
+    gradient is exact when ``backward()`` returns and the reduce survives checkpointing, deep copies and
+    ``torch.compile``. The forward and the input gradient need nothing more: the column-parallel ``f`` already
+    sums the input gradient over all tensor-parallel ranks, each contributing its own query heads' part.
+    """
+    meta = module_meta(mod)
+    names = meta.setdefault("grad_replica_params", [])
+    if name not in names:
+        names.append(name)
+    meta["grad_replica_group"] = g
+    install_forward(mod)
 
 
 @register_primitive()

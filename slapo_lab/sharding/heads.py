@@ -10,6 +10,11 @@ views as ``self.num_heads`` heads (crashes), ``T5Attention.forward`` builds a ``
 zero position bias for cross attention. Those attributes must hold this rank's numbers (Megatron-LM's
 ``ParallelAttention.num_attention_heads_per_partition``).
 
+With fewer key/value heads than ranks each rank holds one key/value head, replicated on ``ws / kv`` ranks
+(:func:`slapo_lab.sharding.rules.kv_replicas`): its key/value head counts become 1 and, where the class keeps
+one, ``num_key_value_groups`` (query heads per key/value head, read by HF's ``repeat_kv``) becomes
+``heads / ws`` (:func:`local_counts`).
+
 Which attributes a class treats as per-rank comes from two sources, unioned:
 
 * the registry (:func:`register_attention_heads`): the attributes a class defines as head counts or as the
@@ -177,13 +182,29 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+GROUP_ATTRS = ("num_key_value_groups",)
+"""Attribute names that hold query heads per key/value head (HF ``repeat_kv``); rewritten when the ratio
+changes per rank, i.e. when key/value heads are replicated."""
+
+
+def local_counts(heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
+    """This rank's ``(query heads, key/value heads)``: ``heads / ws`` and ``kv_heads / ws``, or one key/value
+    head when there are fewer key/value heads than ranks and each is replicated on ``ws / kv_heads`` ranks
+    (:func:`slapo_lab.sharding.rules.kv_replicas`; Megatron-LM / vLLM key/value head replication)."""
+    local_kv = kv_heads // world_size if kv_heads % world_size == 0 else 1
+    return heads // world_size, local_kv
+
+
 def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> tuple[dict, str | None]:
     """The per-rank rewrite of ``attn``'s head attributes: ``({name: (global, local)}, None)``, or
     ``({}, reason)`` when the module cannot be made consistent (a sentence fragment).
 
-    ``heads`` / ``kv_heads`` are the module's global counts, both divisible by ``world_size`` (checked
-    before). A width attribute is rewritten only when it equals ``heads * head_dim`` (head_dim from
-    ``head_dim`` / ``attention_head_size`` / ``key_value_proj_dim``, else the width over the heads).
+    ``heads`` / ``kv_heads`` are the module's global counts, ``heads`` divisible by ``world_size`` and
+    ``kv_heads`` divisible by it or dividing it (replicated key/value heads: one per rank; checked before).
+    A width attribute is rewritten only when it equals ``heads * head_dim`` (head_dim from
+    ``head_dim`` / ``attention_head_size`` / ``key_value_proj_dim``, else the width over the heads). With
+    replicated key/value heads the query heads per key/value head change too: a ``num_key_value_groups``
+    attribute (HF's Llama, Qwen3-MoE ... read it in ``repeat_kv``) becomes ``heads / ws``.
     """
     cls = type(attn)
     name = cls.__name__
@@ -213,6 +234,7 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         ),
         None,
     )
+    local_q, local_kv = local_counts(heads, kv_heads, world_size)
     out: dict[str, tuple[int, int]] = {}
     for a in wanted:
         v = getattr(attn, a, None)
@@ -225,7 +247,7 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
                     f"{name}.{a} is {v!r}, not the module's {want} heads, so slapo cannot rewrite it to "
                     "this rank's share"
                 )
-            out[a] = (v, v // world_size)
+            out[a] = (v, local_q if a in HEAD_ATTRS else local_kv)
         else:
             if not _int(v):
                 continue
@@ -238,6 +260,10 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
                     )
                 continue  # a model width that happens to be read, not the heads' width
             out[a] = (v, v // world_size)
+    for a in GROUP_ATTRS:
+        v = getattr(attn, a, None)
+        if _int(v) and kv_heads and v == heads // kv_heads and local_q // local_kv != v:
+            out[a] = (v, local_q // local_kv)
     out.update({f"config.{k}": v for k, v in cfg_plan.items()})
     return out, None
 
@@ -260,7 +286,7 @@ def plan_config_heads(
                 f"{type(attn).__name__}.config.{k} is {v!r}, not the module's {want} heads, so slapo cannot "
                 "give it this rank's share"
             )
-        out[k] = (v, v // world_size)
+        out[k] = (v, local_counts(heads, kv_heads, world_size)[0 if k in HEAD_ATTRS else 1])
     return out, None
 
 

@@ -25,6 +25,13 @@ head_dim, kv x head_dim, kv x head_dim features; ``tp_stride`` a
 layout, but no DTensor placement describes them (``_StridedShard`` splits equal blocks only), so
 :meth:`ShardLayout.placements` / :meth:`ShardLayout.dtensor` refuse them with one sentence.
 
+Key/value heads replicated over tensor-parallel ranks (fewer key/value heads ``kv`` than ranks ``tp``:
+``tp_replicas`` r = tp / kv, each rank holds one whole head shared by r consecutive ranks;
+:func:`slapo_lab.sharding.rules.kv_replicas`) are ``Shard`` over the kv groups and ``Replicate`` within a
+group: the DTensor view lives on the ``(dp, tp)`` mesh with its ``tp`` dimension unflattened to
+``(kv, r)`` (:func:`replica_mesh`), placements ``(dp, Shard(axis), Replicate())``. So DCP saves each head once
+and loads it into every replica, and ``get_total_norm`` counts each head once.
+
 Sources: PyTorch ``torch/distributed/tensor/placement_types.py`` (``Shard``, ``_StridedShard``: the
 ``split_factor`` semantics used here), ``torch/distributed/checkpoint/planner_helpers.py`` (chunk lists of
 DTensor and ShardedTensor), Megatron-LM's ``partition_stride`` for fused projections.
@@ -37,7 +44,37 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardLayout", "fsdp_dim_for", "layout_of"]
+__all__ = ["ShardLayout", "fsdp_dim_for", "layout_of", "replica_mesh"]
+
+_REPLICA_MESHES: dict[tuple[int, int], tuple[object, object]] = {}  # (id(mesh), r) -> (mesh, unflattened)
+
+
+def replica_mesh(mesh, replicas: int):
+    """The ``(dp, tp)`` ``mesh`` with its last (``tp``) dimension unflattened to ``(tp / r, r)``: dimension 1
+    runs over the key/value groups, dimension 2 over the ``r`` ranks sharing one key/value head (consecutive
+    tensor-parallel ranks, as :meth:`~slapo_lab.sharding.sync_ops.TPGroup.replica_group`).
+
+    Made once per (mesh, r) with ``DeviceMesh._unflatten`` and cached: the first call is collective over the
+    mesh's ranks (it creates the process groups of the new dimensions), so every rank of the mesh must make it
+    in the same order (the training loop's views of the same parameters do).
+
+    Raises:
+        ValueError: if ``replicas`` does not divide the mesh's last dimension.
+    """
+    tp = mesh.size(mesh.ndim - 1)
+    if replicas < 1 or tp % replicas:
+        raise ValueError(
+            f"{replicas} key/value head replicas do not divide a tensor-parallel mesh dimension of {tp}"
+        )
+    key = (id(mesh), replicas)
+    hit = _REPLICA_MESHES.get(key)
+    if hit is None or hit[0] is not mesh:
+        names = tuple(mesh.mesh_dim_names or ("dp", "tp"))
+        out = mesh._unflatten(
+            mesh.ndim - 1, (tp // replicas, replicas), (f"{names[-1]}_kv", f"{names[-1]}_kv_replica")
+        )
+        hit = _REPLICA_MESHES[key] = (mesh, out)
+    return hit[1]
 
 
 def _chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -60,6 +97,9 @@ class ShardLayout:
         fsdp_dim: the dimension FSDP2 shards the tensor-parallel local tensor on (never ``tp_axis``), or
             None (whole on every data-parallel replica).
         dp / dp_rank: data-parallel size and this rank's coordinate.
+        tp_replicas: r > 1 when consecutive groups of r tensor-parallel ranks hold the same chunk (a key/value
+            head replicated over ranks): ``tp_axis`` is split into ``tp / r`` chunks and rank ``t`` holds chunk
+            ``t // r``; only with ``tp_stride`` 1.
 
     The local tensor is: the tensor-parallel local tensor (for ``tp_stride`` = s, this rank's chunk of
     each of the s blocks, concatenated; :func:`slapo_lab.sharding.rules.local_shard`), then, with
@@ -74,10 +114,28 @@ class ShardLayout:
     fsdp_dim: int | None = None
     dp: int = 1
     dp_rank: int = 0
+    tp_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.fsdp_dim is not None and self.fsdp_dim == self.tp_axis:
             raise ValueError(f"FSDP cannot shard dimension {self.fsdp_dim}: it is the tensor-parallel axis.")
+        if self.tp_replicas != 1 and (
+            self.tp_replicas < 1 or self.tp % self.tp_replicas or int(self.tp_stride) != 1
+        ):
+            raise ValueError(
+                f"{self.tp_replicas} replicas do not fit a tensor-parallel size of {self.tp} with stride "
+                f"{self.tp_stride!r}."
+            )
+
+    @property
+    def tp_parts(self) -> int:
+        """Into how many chunks ``tp_axis`` is split: ``tp``, or ``tp / tp_replicas`` for replicated heads."""
+        return self.tp // self.tp_replicas
+
+    @property
+    def tp_index(self) -> int:
+        """Which chunk this rank holds: ``tp_rank``, or ``tp_rank // tp_replicas``."""
+        return self.tp_rank // self.tp_replicas
 
     # -------------------------------------------------------------------------------- geometry
     @property
@@ -87,7 +145,17 @@ class ShardLayout:
 
     def with_fsdp(self, dim: int | None, dp: int, dp_rank: int) -> ShardLayout:
         """This layout with FSDP2's shard on ``dim`` over ``dp`` replicas (None: replicated over dp)."""
-        return ShardLayout(self.shape, self.tp_axis, self.tp_stride, self.tp, self.tp_rank, dim, dp, dp_rank)
+        return ShardLayout(
+            self.shape,
+            self.tp_axis,
+            self.tp_stride,
+            self.tp,
+            self.tp_rank,
+            dim,
+            dp,
+            dp_rank,
+            self.tp_replicas,
+        )
 
     @property
     def tp_block_sizes(self) -> tuple[int, ...]:
@@ -107,8 +175,8 @@ class ShardLayout:
         """Global ``(start, length)`` runs on ``tp_axis`` held by this rank, in local order."""
         runs, start = [], 0
         for size in self.tp_block_sizes:
-            piece = size // self.tp
-            runs.append((start + self.tp_rank * piece, piece))
+            piece = size // self.tp_parts
+            runs.append((start + self.tp_index * piece, piece))
             start += size
         return runs
 
@@ -117,7 +185,7 @@ class ShardLayout:
         """The shape of this rank's local tensor."""
         shape = list(self.shape)
         if self.tp_sharded:
-            shape[self.tp_axis] //= self.tp
+            shape[self.tp_axis] //= self.tp_parts
         if self.fsdp_dim is not None:
             lo, hi = _chunk_range(shape[self.fsdp_dim], self.dp, self.dp_rank)
             shape[self.fsdp_dim] = hi - lo
@@ -165,7 +233,8 @@ class ShardLayout:
 
     # -------------------------------------------------------------------------------- views
     def placements(self) -> tuple:
-        """The DTensor placements of the local tensor on the ``(dp, tp)`` mesh.
+        """The DTensor placements of the local tensor on the ``(dp, tp)`` mesh; with ``tp_replicas`` > 1 three
+        placements, on the ``(dp, kv, r)`` mesh of :func:`replica_mesh`: ``(dp, Shard(tp_axis), Replicate())``.
 
         Raises:
             ValueError: for blocks of unequal sizes (:attr:`uneven_blocks`), which no placement describes.
@@ -187,6 +256,8 @@ class ShardLayout:
             tp_place = _StridedShard(self.tp_axis, split_factor=int(self.tp_stride))
         else:
             tp_place = Shard(self.tp_axis)
+        if self.tp_sharded and self.tp_replicas > 1:
+            return dp_place, tp_place, Replicate()
         return dp_place, tp_place
 
     def dtensor(self, local: torch.Tensor, mesh) -> torch.Tensor:
@@ -195,7 +266,8 @@ class ShardLayout:
         Args:
             local: this rank's local tensor, of shape :attr:`local_shape` (a gradient or an optimizer
                 state of the parameter qualifies), any dtype.
-            mesh: the ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (sizes ``dp`` x ``tp``).
+            mesh: the ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (sizes ``dp`` x ``tp``);
+                for replicated key/value heads the view lives on its :func:`replica_mesh`.
 
         Raises:
             ValueError: if ``local`` does not have the local shape, or for unequal blocks (:meth:`placements`).
@@ -203,6 +275,8 @@ class ShardLayout:
         from torch.distributed.tensor import DTensor
 
         self._check_local(local)
+        if self.tp_sharded and self.tp_replicas > 1:
+            mesh = replica_mesh(mesh, self.tp_replicas)
         full = torch.empty(self.shape, device="meta")
         return DTensor.from_local(
             local, mesh, self.placements(), run_check=False, shape=full.shape, stride=full.stride()
@@ -265,7 +339,8 @@ def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout
 
     Reads the annotations ``shard`` leaves: ``orig_shape`` (the global shape), ``shard_axis`` and
     ``shard_stride`` (an int, or a :class:`~slapo_lab.sharding.rules.BlockStride` of unequal blocks, kept
-    as is); an unannotated tensor is replicated (its own shape is global).
+    as is) and ``shard_replicas`` (key/value heads replicated over ranks); an unannotated tensor is
+    replicated (its own shape is global).
 
     Args:
         param: a parameter or buffer of a scheduled model (plain local tensor).
@@ -277,7 +352,8 @@ def layout_of(param: torch.Tensor, tp: int = 1, tp_rank: int = 0) -> ShardLayout
         return ShardLayout(shape)
     stride = getattr(param, "shard_stride", 1) or 1
     stride = stride if getattr(stride, "sizes", None) is not None else int(stride)
-    return ShardLayout(shape, axis % len(shape), stride, tp, tp_rank)
+    replicas = int(getattr(param, "shard_replicas", 1) or 1)
+    return ShardLayout(shape, axis % len(shape), stride, tp, tp_rank, tp_replicas=replicas)
 
 
 def fsdp_dim_for(layout: ShardLayout, dp: int) -> int | None:

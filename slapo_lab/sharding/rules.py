@@ -14,6 +14,12 @@ as blocks back to back (a strided shard, Megatron-LM's ``partition_stride``; une
 grouped-query attention are a :class:`BlockStride`), BLOOM's and Falcon's ``query_key_value`` interleave
 them per head or per key/value group (a contiguous shard of whole heads / groups), and Falcon's multi-query
 attention cannot be split by heads (refused).
+
+With more ranks than key/value heads (:func:`kv_replicas`: ``ws % kv == 0``, heads divisible by ``ws``) a
+separate key / value projection is "sharded with replicas": each rank holds one whole key/value head, shared
+by ``ws / kv`` consecutive ranks (``shard_replicas``; :func:`local_shard` / :func:`merge_shards` take
+``replicas``), as Megatron-LM (``megatron/core/transformer/attention.py``) and vLLM
+(``vllm/model_executor/layers/linear.py`` ``QKVParallelLinear``) replicate them.
 """
 
 from __future__ import annotations
@@ -110,8 +116,15 @@ def stride_key(stride) -> tuple:
     return (int(stride), getattr(stride, "sizes", None))
 
 
-def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1) -> torch.Tensor:
+def local_shard(
+    t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1, replicas: int = 1
+) -> torch.Tensor:
     """This rank's shard of ``t`` along ``axis`` (a view for a plain or an equal-block stride).
+
+    ``replicas`` r > 1 (a key/value projection with fewer key/value heads than ranks, see
+    :func:`kv_replicas`): ``t`` is split into ``world_size / r`` chunks and consecutive ranks
+    ``{h*r, ..., h*r + r - 1}`` all hold chunk ``h = rank // r`` (Megatron-LM / vLLM key/value head
+    replication); only a plain stride of 1 combines with replicas.
 
     ``stride`` > 1 means ``t`` stores ``stride`` equal blocks back to back along ``axis`` (GPT-2's fused
     q, k, v): the shard is this rank's chunk of *each* block, concatenated (a strided shard, as
@@ -120,8 +133,13 @@ def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1
     (a copy).
 
     Raises:
-        ValueError: when the blocks do not tile the axis (see :func:`block_sizes`).
+        ValueError: when the blocks do not tile the axis (see :func:`block_sizes`), or for replicas that do
+            not divide the world size or come with a stride.
     """
+    if replicas != 1:
+        if replicas < 1 or world_size % replicas or int(stride) != 1:
+            raise ValueError(f"{replicas} replicas do not fit {world_size} ranks with stride {stride!r}")
+        world_size, rank = world_size // replicas, rank // replicas
     if world_size == 1:
         return t
     if isinstance(stride, int) and not isinstance(stride, BlockStride):
@@ -133,12 +151,15 @@ def local_shard(t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1
     return torch.cat([p.chunk(world_size, dim=axis)[rank] for p in parts], dim=axis)
 
 
-def merge_shards(parts: list[torch.Tensor], axis: int, stride=1) -> torch.Tensor:
+def merge_shards(parts: list[torch.Tensor], axis: int, stride=1, replicas: int = 1) -> torch.Tensor:
     """Inverse of :func:`local_shard`: the full tensor from every rank's shard, in rank order.
 
     ``stride``: as for :func:`local_shard` (a :class:`BlockStride` or a sequence holds the *global* block
-    sizes; each rank holds ``size / len(parts)`` of each block).
+    sizes; each rank holds ``size / len(parts)`` of each block). ``replicas`` r > 1: consecutive groups of
+    r parts are copies of one chunk, and the first of each group is used.
     """
+    if replicas != 1:
+        parts = list(parts)[::replicas]
     if len(parts) == 1:
         return parts[0]
     axis = axis % parts[0].dim()
@@ -457,8 +478,11 @@ def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | No
     """Why splitting an attention projection's head features (``side`` "out" for q/k/v, "in" for the
     output projection) across ``world_size`` ranks breaks attention, or None.
 
-    Every rank must hold whole heads, and whole key/value heads for grouped-query attention (the ratio
-    ``heads / kv heads`` that HF's ``repeat_kv`` uses must stay the same on every rank).
+    Every rank must hold whole heads, and whole key/value heads for grouped-query attention: ``kv`` divisible
+    by ``world_size``, or -- for separate q / k / v / o projections -- dividing it, each key/value head then
+    replicated on ``world_size / kv`` ranks (:func:`kv_replicas`; the per-rank ``num_key_value_groups`` is
+    rewritten by :mod:`slapo_lab.sharding.heads`). Otherwise the sentence is "the 3 key/value heads do not
+    divide by 4" (or "the 4 attention heads do not divide by 8").
     """
     if side is None or world_size == 1:
         return None
@@ -475,10 +499,39 @@ def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | No
         order = [("key/value", kv), ("attention", n)]
     else:
         order = [("attention", n), ("key/value", kv)]
+    # separate q / k / v / o projections may replicate key/value heads over ranks (kv_replicas, which also needs
+    # the query heads to divide: checked next); a fused one cannot (its k and v rows sit beside split q rows)
+    replicable = role in ("q", "k", "v", "o") and kv < world_size and world_size % kv == 0
     for what, count in order:
-        if count % world_size:
+        if count % world_size and not (what == "key/value" and replicable):
             return f"the {count} {what} heads do not divide by {world_size}"
     return None
+
+
+def kv_replicas(heads: int, kv_heads: int, world_size: int) -> int:
+    """On how many ranks each key/value head is replicated when ``world_size`` exceeds ``kv_heads``.
+
+    ``world_size / kv_heads`` when ``kv_heads < world_size``, ``world_size % kv_heads == 0`` and
+    ``heads % world_size == 0``: rank ``i`` keeps query heads ``[i*heads/ws, (i+1)*heads/ws)`` and the whole
+    key/value head ``i // r`` -- exactly the one its query heads use under grouped-query attention, since
+    ``heads / kv_heads = r * heads / ws`` -- so attention needs no collective beyond column / row parallelism,
+    and the weight gradient of a replicated head is a partial sum over its ``r`` ranks
+    (:meth:`~slapo_lab.sharding.sync_ops.TPGroup.replica_group`). 1 otherwise (no replication, or not
+    possible). Sources: Megatron-LM ``megatron/core/transformer/attention.py`` (``num_query_groups`` below the
+    tensor-parallel size), vLLM ``vllm/model_executor/layers/linear.py`` ``QKVParallelLinear``
+    (``num_kv_head_replicas = tp_size // total_num_kv_heads``).
+    """
+    if world_size <= kv_heads or world_size % kv_heads or heads % world_size:
+        return 1
+    return world_size // kv_heads
+
+
+def shard_replicas(site: ShardSite, axis: int, world_size: int) -> int:
+    """How many ranks share each chunk when this tensor is sharded: :func:`kv_replicas` for the output
+    features of a separate key or value projection (``k_proj`` / ``v_proj`` weight axis 0 and bias), else 1."""
+    rule = get_shard_rule(site.mod)
+    hook = getattr(rule, "replicas", None)
+    return int(hook(site, axis, world_size)) if hook is not None else 1
 
 
 def splits_heads(site: ShardSite, side: str | None) -> bool:
@@ -534,6 +587,11 @@ class ShardRule:
 
     def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         """Update the parent after the shard (runs after :meth:`apply`)."""
+
+    def replicas(self, site: ShardSite, axis: int, world_size: int) -> int:
+        """On how many consecutive ranks each chunk is replicated (1: a plain shard; see
+        :func:`local_shard`)."""
+        return 1
 
 
 def _set_output(mod: nn.Module, kind: str, axis: int | None = None) -> None:
@@ -635,6 +693,14 @@ class DenseRule(ShardRule):
             return 1
         lay = fused_layout(site)
         return lay.stride if lay is not None and lay.refusal is None else 1
+
+    def replicas(self, site, axis, world_size):
+        """A separate key or value projection's output features with fewer key/value heads than ranks: each
+        rank holds one whole key/value head, shared by :func:`kv_replicas` ranks."""
+        if world_size == 1 or self._side(site.name, axis) != "out" or attention_role(site) not in ("k", "v"):
+            return 1
+        n, kv = attention_heads(site.parent)
+        return kv_replicas(n, kv, world_size)
 
     def apply_site(self, site, axis, world_size, rank):
         """A q/k/v (or output) projection split by heads: the parent's head attributes become per rank."""

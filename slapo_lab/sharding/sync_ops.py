@@ -46,6 +46,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _NS = "slapo_lab_pp"
+# (id(tp process group), r) -> (that group, its replica sub-group), see TPGroup.replica_group
+_REPLICA_GROUPS: dict[tuple[int, int], tuple[object, object]] = {}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,43 @@ class TPGroup:
     def live(self) -> bool:
         """True when the ops communicate: a process group of two or more ranks."""
         return self.group is not None and self.world_size > 1
+
+    def replica_group(self, replicas: int) -> TPGroup:
+        """The sub-group of the ``replicas`` consecutive ranks that share this rank's replicated shard.
+
+        With ``r = replicas``, rank ``i`` of this group belongs to replica group ``i // r``: its ranks
+        ``{h*r, ..., h*r + r - 1}`` (``h = i // r``) hold the same key/value head when there are fewer
+        key/value heads than ranks (:func:`slapo_lab.sharding.rules.kv_replicas`), and the weight gradient of
+        that head is summed over them. The result's ``rank`` is ``i % r``.
+
+        Simulated (no process group): a simulated group of width ``r``. Live: a process group over those ranks'
+        global ranks, made once per (process group, ``r``) with ``torch.distributed.new_group(...,
+        use_local_synchronization=True)`` (only the member ranks take part, so each replica group is made by its
+        own ranks; this works under gloo, NCCL and torch's threaded test backend) and cached. Source: Megatron-LM
+        ``megatron/core/transformer/attention.py`` (key/value heads replicated when ``num_query_groups`` is below
+        the tensor-parallel size) and vLLM ``vllm/model_executor/layers/linear.py`` ``QKVParallelLinear``
+        (``num_kv_head_replicas``).
+
+        Raises:
+            ValueError: if ``replicas`` is not a positive divisor of the group's width.
+        """
+        r = int(replicas)
+        if r < 1 or self.world_size % r:
+            raise ValueError(
+                f"{replicas} replicas do not divide a tensor-parallel group of {self.world_size}"
+            )
+        if r == 1 or r == self.world_size:
+            return self
+        if self.group is None:
+            return TPGroup(r, self.rank % r, None)
+        key = (id(self.group), r)
+        hit = _REPLICA_GROUPS.get(key)
+        if hit is None or hit[0] is not self.group:
+            ranks = dist.get_process_group_ranks(self.group)
+            start = (self.rank // r) * r
+            sub = dist.new_group(ranks[start : start + r], use_local_synchronization=True)
+            hit = _REPLICA_GROUPS[key] = (self.group, sub)
+        return TPGroup(r, self.rank % r, hit[1])
 
     def __copy__(self) -> TPGroup:
         return self

@@ -78,10 +78,14 @@ class ModelParallelUnit:
 def mark_model_parallel(targets) -> int:
     """Set Megatron's attributes on every tensor-parallel shard (``tensor_model_parallel = True``,
     ``partition_dim``, ``partition_stride``; ``model_parallel = True`` for older DeepSpeed code paths) and
-    ``False`` on replicated parameters; returns the number of shards marked."""
+    ``False`` on replicated parameters; returns the number of shards marked.
+
+    A key/value head replicated on r ranks (``layout.tp_replicas``) is marked on the first rank of its replica
+    group only: DeepSpeed's clipping norm counts a model-parallel parameter on every rank and any other on
+    model-parallel rank 0 only, so the head is counted once."""
     n = 0
     for t in targets:
-        sharded = t.layout.tp_sharded
+        sharded = t.layout.tp_sharded and t.layout.tp_rank % t.layout.tp_replicas == 0
         t.param.tensor_model_parallel = sharded
         t.param.model_parallel = sharded
         if sharded:

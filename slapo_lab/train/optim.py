@@ -72,9 +72,16 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group=None) -> torch.Tens
         import logging
 
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        total = torch.nn.utils.get_total_norm(list(grads), norm_type=2.0, error_if_nonfinite=False)
-        total = total.full_tensor() if hasattr(total, "full_tensor") else total
-        total = total.float()
+        # one norm per device mesh (replicated key/value heads live on the (dp, kv, r) mesh, the rest on
+        # (dp, tp): DTensor ops do not mix meshes), then the 2-norm of those norms
+        by_mesh: dict[int, list] = {}
+        for g in grads:
+            by_mesh.setdefault(id(getattr(g, "device_mesh", None)), []).append(g)
+        norms = []
+        for group in by_mesh.values():
+            n = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False)
+            norms.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float())
+        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
     else:
         total = torch.zeros((), dtype=torch.float32)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

@@ -202,22 +202,22 @@ def t5_model(ff: str = "relu", variant: str = "T5"):
 
 
 def _decoder_cfg(cls, **kw):
-    """Issue 10's tiny decoder config: 2 layers, hidden 64, 4 heads, 2 KV heads, no cache."""
-    return cls(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        **kw,
-    )
+    """Issue 10's tiny decoder config: 2 layers, hidden 64, 4 heads, 2 KV heads, no cache (``kw`` overrides)."""
+    base = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    return cls(**{**base, **kw})
 
 
 def qwen3_model():
@@ -567,6 +567,38 @@ FAMILY_CASES["fused"] = [
 ]
 
 
+def llama_kv2_model():
+    """Llama with 8 query heads and 2 key/value heads: at tp 4 (or 8) each key/value head is replicated on 2
+    (4) ranks (issue 16 item 3, "more TP ranks than KV heads")."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(_decoder_cfg(LlamaConfig, num_attention_heads=8, head_dim=8))
+
+
+def qwen3_moe_kv2_model():
+    """Qwen3-MoE shaped like 30B-A3B's attention in small: 8 query heads, 2 key/value heads (per-head q/k norms),
+    so tp 4 replicates each key/value head on 2 ranks."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(
+        _decoder_cfg(
+            Qwen3MoeConfig,
+            num_attention_heads=8,
+            head_dim=8,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
+
+
+# issue 16 item 3: more tensor-parallel ranks than key/value heads (run at 4 ranks: tp 4, 2 kv heads)
+FAMILY_CASES["kv_replicas"] = [
+    ("llama_kv_replicas_megatron_tp", llama_kv2_model, lambda s: presets.megatron_tp(s)),
+    ("qwen3_moe_kv_replicas_megatron_tp", qwen3_moe_kv2_model, lambda s: presets.megatron_tp(s)),
+]
+
+
 def batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
@@ -644,6 +676,7 @@ def run_case(name, make, schedule, tp) -> dict:
     sharded = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_axis", None) is not None)
     res["n_sharded"] = len(sharded)
     res["strided"] = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_stride", 1) > 1)
+    res["replicated"] = sorted(n for n, p in model.named_parameters() if getattr(p, "shard_replicas", 1) > 1)
     for step in range(STEPS):
         ids, labels = batch(step)
         opt.zero_grad(set_to_none=True)
