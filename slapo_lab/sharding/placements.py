@@ -282,6 +282,46 @@ class ShardLayout:
             local, mesh, self.placements(), run_check=False, shape=full.shape, stride=full.stride()
         )
 
+    def norm_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
+        """``local`` as a DTensor for reductions that do not depend on where each element lies (norms): the
+        :meth:`dtensor` view, or, for unequal blocks (Phi-3's grouped q/k/v), a plain ``Shard(tp_axis)`` view.
+        Every element of the full tensor is there exactly once (each rank holds its share of every block), in
+        another order, which a norm does not see; :meth:`full_tensor` puts them back in order.
+
+        Raises:
+            ValueError: if ``local`` does not have the local shape.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not (self.tp_sharded and self.uneven_blocks):
+            return self.dtensor(local, mesh)
+        self._check_local(local)
+        dp_place = Shard(self.fsdp_dim) if self.fsdp_dim is not None and self.dp > 1 else Replicate()
+        full = torch.empty(self.shape, device="meta")
+        return DTensor.from_local(
+            local,
+            mesh,
+            (dp_place, Shard(self.tp_axis)),
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+
+    def full_tensor(self, local: torch.Tensor, mesh) -> torch.Tensor:
+        """The whole tensor, gathered from every rank (a collective: every rank calls it), in the model's own
+        layout; unequal blocks are put back in order with :func:`slapo_lab.sharding.rules.merge_shards`.
+
+        Raises:
+            ValueError: if ``local`` does not have the local shape.
+        """
+        from .rules import merge_shards
+
+        plain = self.norm_view(local, mesh).full_tensor()
+        if not (self.tp_sharded and self.uneven_blocks):
+            return plain
+        parts = list(plain.chunk(self.tp, dim=self.tp_axis))
+        return merge_shards(parts, self.tp_axis, self.tp_stride)
+
     def checkpoint_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
         """``local`` as ``torch.distributed.checkpoint`` reads and writes it: :meth:`dtensor`, or for a
         strided layout a ``ShardedTensor`` with one local shard (a view of ``local``) per block.

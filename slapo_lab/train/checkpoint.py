@@ -272,10 +272,8 @@ def save_hf(
     sizes = {}
     for name, (local, lay) in tensors.items():
         local = _local(local).detach().to(dtype)
-        view = lay.dtensor(local, mesh)
-        if len(lay.blocks()) > 1:
-            view = view.full_tensor()
-        state[name] = view
+        # strided or unequal blocks have no view the writer can place: the whole tensor, in the model's order
+        state[name] = lay.full_tensor(local, mesh) if len(lay.blocks()) > 1 else lay.dtensor(local, mesh)
         n = 1
         for s in lay.shape:
             n *= s

@@ -647,7 +647,7 @@ class Run:
         for t in norm_targets:
             g = t.param.grad
             if g is not None:
-                views.append(t.layout.dtensor(getattr(g, "_local_tensor", g), self.layout.view_mesh))
+                views.append(t.layout.norm_view(getattr(g, "_local_tensor", g), self.layout.view_mesh))
         return global_grad_norm(views, self.layout.mesh.pp_group if self.layout.pp > 1 else None)
 
     def _clip(self, norm_targets: list) -> float:
