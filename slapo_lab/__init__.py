@@ -3,7 +3,7 @@
 The public API, and nothing else: the editor and exported scripts use only these names.
 """
 
-from . import framework_dialect, graph, op, pattern, pipeline, presets, sharding, utils
+from . import graph, pipeline, presets, sharding, utils
 from .build import build
 from .check import Finding, check_schedule, close_open_items
 from .errors import ScheduleError
@@ -99,9 +99,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The editor pulls in ipywidgets; import it only when asked for.
+    # The editor pulls in ipywidgets, and Slapo's ops and dialects are for Slapo's own code: import them only
+    # when asked for (a kernel opening the editor does not pay for them).
     if name == "ScheduleEditor":
         from .editor import ScheduleEditor
 
         return ScheduleEditor
+    if name in ("op", "framework_dialect", "pattern"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'slapo_lab' has no attribute {name!r}")
