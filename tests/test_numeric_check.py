@@ -22,7 +22,9 @@ from slapo_lab.numeric import numeric_check
 from slapo_lab.utils import meta_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tp_train
+from matrix_models import NanoGPT  # nanoGPT: its forward takes the head size from the width
 
 ALL_CASES = [c for c in tp_train.CASES.values() for c in ([c] if isinstance(c, tuple) else c)]
 ALL_CASES += [c for cases in tp_train.FAMILY_CASES.values() for c in cases]
@@ -79,48 +81,6 @@ def test_the_embedding_scale_dropped_by_a_vocab_parallel_lookup_is_caught(monkey
     monkeypatch.setattr(rules, "_vocab_parallel_embedding", lookup_only)
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.status == "failed" and report.module == "model.embed_tokens", report.message
-
-
-class _Attention(nn.Module):
-    """nanoGPT's attention: the head size comes from the input's width (``C // n_head``)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.c_attn, self.c_proj, self.n_head = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class _Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(width), _Attention(width, heads)
-        self.ln_2, self.mlp = nn.LayerNorm(width), nn.Sequential(nn.Linear(width, 4 * width), nn.GELU())
-        self.proj = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.proj(self.mlp(self.ln_2(x)))
-
-
-class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = 128, width: int = 64, heads: int = 4, layers: int = 3) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, width)
-        self.h = nn.ModuleList([_Block(width, heads) for _ in range(layers)])
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, input_ids):
-        x = self.wte(input_ids)
-        for b in self.h:
-            x = b(x)
-        return self.lm_head(x)
 
 
 def test_a_head_size_taken_from_the_width_fails_in_one_sentence_naming_the_attention():
