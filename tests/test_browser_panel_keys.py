@@ -115,7 +115,26 @@ def _wait_drawn(page, graph, timeout: float = 30.0) -> None:
     out = _kernel_eval(page, "print(f'RID={editor._graph.render_id}')")
     found = re.findall(r"RID=(\d+)", out)
     assert found, out
-    graph.locator(f"g.node[id^='d{found[-1]}n']").first.wait_for(state="attached", timeout=timeout * 1000)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        graph.locator(f"g.node[id^='d{found[-1]}n']").first.wait_for(state="attached", timeout=timeout * 1000)
+    except PlaywrightTimeout:
+        # one line that CI's summary keeps: what each graph view shows, and the page's last errors
+        shown = page.evaluate(_DRAWINGS_JS)
+        errors = [m for m in getattr(page, "console_messages", []) if m.startswith(("error", "pageerror"))]
+        raise AssertionError(
+            f"drawing {found[-1]} not shown after {timeout:.0f} s; views show {shown}; errors: {errors[-5:]}"
+        ) from None
+
+
+# JS: the drawing (render id) each graph view on the page shows, and its message line
+_DRAWINGS_JS = """() => Array.from(document.querySelectorAll('.slapo-graph')).map((g) => {
+  const n = g.querySelector('g.node[id]');
+  const where = g.closest('.slapo-panel-host') ? 'panel' : 'cell';
+  const msg = g.querySelector('.slapo-graph-message');
+  return `${where}:${n ? n.id.replace(/n\\d+$/, '') : 'none'}${msg && msg.textContent ? ' (' + msg.textContent + ')' : ''}`;
+}).join(', ')"""
 
 
 @pytest.mark.timeout(300)

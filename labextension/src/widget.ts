@@ -304,22 +304,27 @@ export class GraphView extends DOMWidgetView {
     this._box.addEventListener('focus', this._onFocusChange);
     this._box.addEventListener('blur', this._onFocusChange);
 
-    this.listenTo(this.model, 'change:svg', this._renderSvg);
-    this.listenTo(this.model, 'change:selected', this._applySelection);
-    this.listenTo(this.model, 'change:height', this._applyHeight);
-    this.listenTo(this.model, 'change:reset_view', this.resetView);
-    this.listenTo(this.model, 'change:highlighted', this._applyHighlight);
-    this.listenTo(this.model, 'change:centre_request', this._requestCentre);
+    // Every view of the model (the cell's and the panel's) listens to the same change events, and Backbone
+    // calls them one after another without a try: one view that throws would leave the others showing an old
+    // drawing. Each listener is therefore guarded, and a failure is logged and shown in this view only.
+    this.listenTo(this.model, 'change:svg', this._guard('draw the graph', this._renderSvg));
+    this.listenTo(this.model, 'change:selected', this._guard('show the selection', this._applySelection));
+    this.listenTo(this.model, 'change:height', this._guard('set the height', this._applyHeight));
+    this.listenTo(this.model, 'change:reset_view', this._guard('reset the view', this.resetView));
+    this.listenTo(this.model, 'change:highlighted', this._guard('highlight', this._applyHighlight));
+    this.listenTo(this.model, 'change:centre_request', this._guard('centre', this._requestCentre));
 
     if (typeof ResizeObserver !== 'undefined') {
-      this._resizeObserver = new ResizeObserver(() => {
-        this._fitViewBox();
-        this._measure();
-        this._updateMinimap();
-        if (this._pendingCentre) {
-          this._centreNow();
-        }
-      });
+      this._resizeObserver = new ResizeObserver(
+        this._guard('fit the resized view', () => {
+          this._fitViewBox();
+          this._measure();
+          this._updateMinimap();
+          if (this._pendingCentre) {
+            this._centreNow();
+          }
+        })
+      );
       this._resizeObserver.observe(this._canvas);
     }
 
@@ -660,6 +665,18 @@ export class GraphView extends DOMWidgetView {
     if (show) {
       this._hintTimer = window.setTimeout(() => this._showHint(false), 1500);
     }
+  }
+
+  /** `fn` bound to this view, its exceptions logged and shown in this view instead of thrown to the caller. */
+  private _guard(what: string, fn: (...args: any[]) => void): (...args: any[]) => void {
+    return (...args: any[]) => {
+      try {
+        fn.apply(this, args);
+      } catch (err) {
+        console.error(`slapo-lab: the graph view could not ${what}`, err);
+        this._showMessage(`The graph view could not ${what}: ${String(err)}.`);
+      }
+    };
   }
 
   private _applyHeight(): void {
