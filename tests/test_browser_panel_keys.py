@@ -98,7 +98,8 @@ def _kernel_eval(page, code: str) -> str:
 
 
 def _code(page) -> str:
-    return _kernel_eval(page, "print(editor.code)").strip()
+    # under the editor's lock: a click's action runs in the comm thread and redraws before it lets go
+    return _kernel_eval(page, "with editor._lock: print(editor.code)").strip()
 
 
 def _wait_code(page, predicate, timeout: float = 30.0) -> str:
@@ -112,13 +113,14 @@ def _wait_code(page, predicate, timeout: float = 30.0) -> str:
 
 def _wait_drawn(page, graph, timeout: float = 30.0) -> None:
     """Wait until ``graph`` shows the kernel's current drawing (its node tokens are ``d<render_id>n<i>``)."""
-    out = _kernel_eval(page, "print(f'RID={editor._graph.render_id}')")
+    out = _kernel_eval(page, "with editor._lock: print(f'RID={editor._graph.render_id}')")
     found = re.findall(r"RID=(\d+)", out)
     assert found, out
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    try:
-        graph.locator(f"g.node[id^='d{found[-1]}n']").first.wait_for(state="attached", timeout=timeout * 1000)
+    try:  # this drawing or a later one (background work may redraw meanwhile)
+        handle = graph.element_handle(timeout=timeout * 1000)
+        page.wait_for_function(_DRAWN_JS, arg=[handle, int(found[-1])], timeout=timeout * 1000)
     except PlaywrightTimeout:
         # one line that CI's summary keeps: what each graph view shows, and the page's last errors
         shown = page.evaluate(_DRAWINGS_JS)
@@ -127,6 +129,13 @@ def _wait_drawn(page, graph, timeout: float = 30.0) -> None:
             f"drawing {found[-1]} not shown after {timeout:.0f} s; views show {shown}; errors: {errors[-5:]}"
         ) from None
 
+
+# JS: whether graph element G shows drawing RID or a later one (node ids are d<render id>n<i>)
+_DRAWN_JS = """([g, rid]) => {
+  const n = g.querySelector('g.node[id]');
+  const m = n && /^d(\\d+)n/.exec(n.id);
+  return !!m && Number(m[1]) >= rid;
+}"""
 
 # JS: the drawing (render id) each graph view on the page shows, and its message line
 _DRAWINGS_JS = """() => Array.from(document.querySelectorAll('.slapo-graph')).map((g) => {

@@ -97,14 +97,14 @@ def test_editor_opens_with_a_dataflow_graph_and_applies_both_presets(family):
     attention = presets.block_layers(ed.schedule, block)[0][0].rsplit(".", 1)[0]  # the parent of q / query
     G = ed._flow.level_graph(attention, expanded=frozenset())
     assert G.number_of_nodes() >= 6 and G.number_of_edges() >= G.number_of_nodes() - 1, sorted(G.edges)
-    assert ed.apply_preset("megatron") is None, ed._last_message
+    assert ed.apply_preset("megatron") is None, ed.message
     n = len(ed.schedule.record.calls)
     sharded = [c for c in ed.schedule.record.calls if c.primitive == "shard"]
     assert sharded and n > 10
     # ViT has no vocabulary: the button took the vocab_parallel=False path
     vocab = any("embed" in c.path and c.primitive == "shard" for c in sharded)
     assert vocab is (family != "vit")
-    assert ed.apply_preset("checkpoint") is None, ed._last_message
+    assert ed.apply_preset("checkpoint") is None, ed.message
     assert sum(c.primitive == "checkpoint" for c in ed.schedule.record.calls) == len(
         presets.find_blocks(ed.schedule)
     )

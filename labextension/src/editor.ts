@@ -92,20 +92,30 @@ export function viewOf(editor: Element | null): GraphView | null {
   return null;
 }
 
-/** Resolves when the kernel sent reasons for a (new) module, or after `ms`. */
+/**
+ * Resolves when the kernel sent reasons for another module than the one they are for now (the one just
+ * selected), or after `ms`. Reasons re-sent for the old module meanwhile (background work refreshes them)
+ * do not count: a menu opened on them would show the previous module's reasons.
+ */
 function nextReasons(view: GraphView, ms: number): Promise<void> {
   return new Promise(resolve => {
     const model = view.model;
+    const before = model.get('action_target');
     let timer = 0;
-    const done = () => {
+    const finish = () => {
       window.clearTimeout(timer);
-      model.off('change:action_target', done);
-      model.off('change:action_reasons', done);
+      model.off('change:action_target', check);
+      model.off('change:action_reasons', check);
       resolve();
     };
-    model.on('change:action_target', done);
-    model.on('change:action_reasons', done);
-    timer = window.setTimeout(done, ms);
+    const check = () => {
+      if (model.get('action_target') !== before) {
+        finish();
+      }
+    };
+    model.on('change:action_target', check);
+    model.on('change:action_reasons', check);
+    timer = window.setTimeout(finish, ms);
   });
 }
 

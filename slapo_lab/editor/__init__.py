@@ -1,6 +1,19 @@
-"""Editor widgets of slapo-lab (JupyterLab)."""
+"""The editor of slapo-lab: :class:`EditorState` (the state and its actions, no widgets) and
+:class:`ScheduleEditor` (its JupyterLab widgets). The widgets are imported only when asked for, so that
+``from slapo_lab.editor import EditorState`` needs no ipywidgets."""
 
-from .app import ScheduleEditor
-from .graph_widget import GraphWidget
+from .state import EditorState
 
-__all__ = ["GraphWidget", "ScheduleEditor"]
+__all__ = ["EditorState", "GraphWidget", "ScheduleEditor"]
+
+
+def __getattr__(name: str):
+    if name == "ScheduleEditor":
+        from .app import ScheduleEditor
+
+        return ScheduleEditor
+    if name == "GraphWidget":
+        from .graph_widget import GraphWidget
+
+        return GraphWidget
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

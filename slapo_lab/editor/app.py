@@ -9,9 +9,7 @@ is the source for Verify and Export.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import functools
 import html
 import logging
@@ -23,14 +21,15 @@ import ipywidgets as W
 import networkx as nx
 from torch import nn
 
-from .. import check_primitive, create_schedule, module_state
+from .. import check_primitive, module_state
 from ..errors import ScheduleError
-from ..record import format_call, gc_paused
-from ..utils import meta_copy, to_meta
+from ..record import format_call
+from ..utils import to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
-from .persistence import SchedulePersistence, serialized
+from .persistence import serialized
+from .state import EditorState, _running_loop
 from .style import folded_style, legend_html, module_style
 
 _log = logging.getLogger("slapo_lab.editor")
@@ -53,12 +52,6 @@ def _io_text(v) -> str:
                 " ".join(x for x in (str(d.get("name", "")), shapes, "/".join(d.get("dtypes", []))) if x)
             )
     return ", ".join(parts)
-
-
-def _describe(action) -> str:
-    """``shard on a.b`` / ``preset megatron (1125 calls)``."""
-    n = len(action.calls)
-    return action.label + (f" ({n} calls)" if n > 1 else "")
 
 
 # ---------------------------------------------------------------------------------------- export options
@@ -171,13 +164,6 @@ def _stop_live_checks() -> None:
             timer.join(10.0)
 
 
-def _running_loop():
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 # What the memory view counts as activations: what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL).
 _ACTIVATIONS = "autograd"
 # The live numeric check's line: JupyterLab's theme colours (light and dark), with fallbacks outside it.
@@ -192,8 +178,9 @@ _PANEL_LINES = 1_000
 _PANEL_FOLD_CALLS = 5_000
 
 
-class ScheduleEditor(W.VBox, SchedulePersistence):
-    """A visual schedule editor for ``model``.
+class ScheduleEditor(EditorState, W.VBox):
+    """A visual schedule editor for ``model``: the widgets over an :class:`~slapo_lab.editor.state.EditorState`
+    (the state and its actions, which need no browser), which draw what its hooks say changed.
 
     Args:
         model: the model to schedule (any device; it is copied to the meta device, never modified).
@@ -234,31 +221,12 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
     ) -> None:
         import os
 
-        if not isinstance(model, nn.Module):
-            raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
-        self.model = model
-        self.example_inputs = dict(example_inputs or {})
-        self.factory = factory
-        self.world_size = world_size
-        self.rank = rank
-        self._meta_model = meta_copy(model)
-        self._lock = threading.RLock()  # see _serialized: clicks arrive on another thread than cells
-        self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
-        self._remember_inputs(self.schedule)
-        self.schedule.record.add_listener(self._on_record)
-        self.level = ""  # path whose children the graph shows
-        self.selected = ""  # selected module path
-        self.expanded: set[str] = set()
+        self._setup(model, example_inputs, world_size, rank, factory)
         self._flow = None
         self._flow_error = ""
-        self._busy = False
-        self._redo: list = []
         self._runner = None
         self._rendered_key = None
         self._last_graph = None
-        self._pending = False
-        self._flush_scheduled = False
-        self._batch_depth = 0
         self._log_lines: list[str] = []  # the visible log of the last Verify (no warnings)
         self._verify_all: list[str] = []  # every line of it (the runner's result keeps them once it ends)
         self._log_filter = None
@@ -271,7 +239,8 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         self._numeric_cancel = threading.Event()
         self._numeric_timer: threading.Timer | None = None
         self._build_widgets()
-        super().__init__(
+        W.VBox.__init__(
+            self,
             children=[
                 self._header,
                 self._body,
@@ -285,160 +254,9 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         )
         self.add_class("slapo-editor")
         self._record_flow()
-        self.schedule_file = schedule_file
-        self._disk = None  # _file_stamp of schedule_file as this editor last read or wrote it
-        self._file_problem: str | None = None  # a failed write or an outside change, shown with every message
-        self._conflict = False  # the file changed outside this editor: autosave waits for the user's choice
-        restored = None
-        if schedule_file is not None:
-            import os
-
-            if os.path.exists(schedule_file):
-                restored = self.load(schedule_file)
-        self._refresh_all(reset_view=True)
-        if restored is not None:  # never autosave over a file that could not be restored
-            self._keep_unrestorable(schedule_file, restored)
-        elif schedule_file is not None and self.schedule.record.calls:
-            self._info(f"Restored {len(self.schedule.record.calls)} recorded calls from {schedule_file}.")
+        self._open_file(schedule_file)
 
     # ------------------------------------------------------------------ public API
-    @property
-    def code(self) -> str:
-        """The recorded schedule as Python, one primitive call per line."""
-        return self.schedule.record.code()
-
-    @property
-    def num_ranks(self) -> int:
-        """Processes one replica needs: tensor-parallel width × pipeline stages."""
-        return self.world_size * (len(self.schedule.metadata.primitives.get("cut_pipeline_stage", [])) + 1)
-
-    @property
-    def message(self) -> str:
-        """The text of the last status or error message shown."""
-        return self._last_message
-
-    @serialized
-    def select(self, path: str) -> str | None:
-        """Select the module at ``path`` (and show its parent's level); returns an error sentence or None."""
-        if not isinstance(path, str) or path not in self.schedule:
-            return self._error(f"There is no module {path!r} in this model.")
-        self.selected = path
-        node = self.schedule[path]
-        shown = (
-            {d.get("path", n) for n, d in self._last_graph.nodes(data=True)}
-            if self._last_graph is not None
-            else set()
-        )
-        if path and path not in shown and self.level != path:  # stay on the level when it shows the module
-            self.level = node.parent.path
-        self._refresh_view()
-        self._clear_stale_error()
-        return None
-
-    @serialized
-    def open_level(self, path: str) -> str | None:
-        """Show the children of ``path`` in the graph (descend one level); error sentence or None."""
-        if not isinstance(path, str) or path not in self.schedule:
-            return self._error(f"There is no module {path!r} in this model.")
-        if not self.schedule[path].child:
-            return self._error(f"{path or 'The root module'} has no submodules to open.")
-        self.level = path
-        self.selected = path
-        self._refresh_view(reset_view=True)
-        self._clear_stale_error()
-        return None
-
-    @serialized
-    def collapse(self) -> None:
-        """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
-        self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
-        self._refresh_view(reset_view=True)
-
-    @serialized
-    def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
-        """Apply ``primitive`` to the selected module (or ``path``), as a click does.
-
-        Returns:
-            None on success (the call is recorded), else the one-sentence reason shown in the editor.
-        """
-        target = self.selected if path is None else path
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        if not isinstance(target, str) or target not in self.schedule:
-            return self._error(f"There is no module {target!r} in this model.")
-        if not isinstance(primitive, str):
-            return self._error(f"Unknown action {primitive!r}.")
-        targets = [target]
-        if path is None and self._similar.value:
-            self._similar.value = False  # one action only: never carried over to the next click
-            targets = self.similar(target)
-            for t in targets:  # all or nothing: check every target first
-                why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
-                if why:
-                    return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
-        label = f"{primitive} on {target}" + (
-            f" and {len(targets) - 1} similar modules" if len(targets) > 1 else ""
-        )
-        n0 = len(self.schedule.record.calls)
-
-        def run():
-            for t in targets:
-                getattr(self.schedule[t], primitive)(*args, **kwargs)
-
-        try:
-            self._run_action(label, run)
-        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            if isinstance(err, (ScheduleError, AttributeError)):
-                return self._error(str(err))
-            _log.exception("primitive failed")
-            return self._error(
-                f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged."
-            )
-        if len(targets) > 1:  # say what the one action did, not only its last call
-            n = len(self.schedule.record.calls) - n0
-            self._info(
-                f"Applied {primitive} to {len(targets)} similar modules, {targets[0]} to {targets[-1]} ({n} calls)."
-            )
-        return None
-
-    def _run_action(self, label: str | None, fn, working: str | None = None):
-        """Run ``fn()`` as one user action: the busy state ("Working: …", buttons off), one redraw at the end,
-        recorded as one action named ``label`` (one Undo removes it; None: ``fn`` records its own), all or
-        nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
-        caller says it in one sentence). Returns what ``fn`` returns."""
-        before = self.schedule.record.actions()
-        n0 = len(self.schedule.record.calls)
-        recording = self.schedule.record.action(label) if label is not None else contextlib.nullcontext()
-        try:
-            with self._working(working or label or "working"), self._batch(), recording:
-                return fn()
-        except BaseException:
-            if len(self.schedule.record.calls) != n0:  # part of it applied: undo that part
-                self._rebuild(before)
-            raise
-
-    def similar(self, path: str) -> list[str]:
-        """``path`` and the modules of the same type at the same relative path in every repeated block.
-
-        E.g. ``encoder.layer.0.attention.self.query`` → the ``query`` of every ``encoder.layer.i``.
-        The block index is the first numeric path component whose container holds more than one child.
-        """
-        parts = path.split(".")
-        typ = type(self.schedule[path].mod)
-        for i, part in enumerate(parts):
-            if not part.isdigit():
-                continue
-            container = ".".join(parts[:i])
-            siblings = self.schedule[container].child if container in self.schedule else {}
-            if len(siblings) < 2:
-                continue
-            out = []
-            for name in siblings:
-                cand = ".".join(parts[:i] + [name] + parts[i + 1 :])
-                if cand in self.schedule and type(self.schedule[cand].mod) is typ:
-                    out.append(cand)
-            return out
-        return [path]
 
     def search(self, text: str) -> int:
         """Filter the module tree to names or types containing ``text`` (case-insensitive); returns matches.
@@ -479,173 +297,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
 
         self._graph.highlight(shows_match if hits else None)
         return len(opts)
-
-    @serialized
-    def apply_preset(self, name: str, k: int = 1) -> str | None:
-        """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
-
-        Presets: ``"megatron"`` (column-parallel q/k/v and up projections, row-parallel output
-        projections with the right syncs, vocab-parallel embeddings), ``"hf_plan"`` (the config's
-        ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
-        pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
-        """
-
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        n0 = len(self.schedule.record.calls)
-        try:
-            notes = self._run_action(f"preset {name}", lambda: self._run_preset(name, k))
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            conflict = "already sharded" in msg or "already cuts" in msg  # an earlier action is in the way
-            return self._error(
-                f"The {name} preset was not applied: {msg}", self._undo_offer() if conflict else None
-            )
-        n = len(self.schedule.record.calls) - n0
-        done = (
-            f"Preset {name} recorded {n} calls."
-            if n
-            else f"Preset {name} added nothing: the schedule has it all."
-        )
-        self._info(" ".join([done, *notes]))
-        return None
-
-    def _run_preset(self, name: str, k: int) -> list[str]:
-        """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
-        from .. import presets
-
-        if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
-            return presets.megatron_tp(
-                self.schedule,
-                use_hf_plan=name == "hf_plan",
-                vocab_parallel=presets.has_vocab_embedding(self.schedule),
-            ).notes
-        if name == "checkpoint":
-            presets.checkpoint_blocks(self.schedule, every=int(k))
-        elif name == "stages":
-            from ..pipeline import suggest_cuts
-
-            cuts = self.schedule.metadata.primitives.get("cut_pipeline_stage") or []
-            if cuts:
-                raise ScheduleError(
-                    f"it places every cut itself, and the schedule already cuts after {', '.join(cuts)}; press "
-                    "Undo until those cuts are gone (or editor.clear() to start over), then apply it again"
-                )
-            suggest_cuts(self.schedule, int(k), by="params", apply=True)
-        else:
-            raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
-        return []
-
-    @serialized
-    def undo(self) -> str | None:
-        """Undo the last user action: a click, a preset, an "apply to all similar", a typed line.
-
-        Rebuilds from a fresh meta copy of the original model and replays the earlier actions (module
-        arguments such as ``replace``'s are replayed from copies taken before they entered the model).
-        Returns None, or one sentence if there is nothing to undo (the schedule is then unchanged).
-        """
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        actions = self.schedule.record.actions()
-        if not actions:
-            return self._error("Nothing to undo: the schedule is empty.")
-        last = actions[-1]
-        try:
-            with self._working(f"undoing {last.label}"):
-                self._rebuild(actions[:-1])
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            _log.exception("undo failed")
-            return self._error(
-                f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged."
-            )
-        self._redo.append(last)
-        self._refresh_history()
-        self._info(f"Undid {_describe(last)}.")
-        return None
-
-    @serialized
-    def redo(self) -> str | None:
-        """Re-apply the last undone action; returns None or one sentence (nothing to redo, or why it failed).
-
-        The action stays on the redo stack until it has been applied whole; a failure leaves the
-        schedule as it was.
-        """
-        from .. import replay
-
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        if not self._redo:
-            return self._error("Nothing to redo.")
-        act = self._redo[-1]
-        self._replaying = True  # the recorder's listener must not clear the redo stack
-        try:
-            self._run_action(
-                act.label, lambda: replay(self.schedule, act.calls), working=f"redoing {act.label}"
-            )
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            return self._error(
-                f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged."
-            )
-        finally:
-            self._replaying = False
-        self._redo.pop()
-        self._refresh_history()
-        self._info(f"Redid {_describe(act)}.")
-        return None
-
-    @serialized
-    def clear(self) -> None:
-        """Forget every recorded call (redo brings the actions back, one per redo)."""
-        actions = self.schedule.record.actions()
-        n = len(self.schedule.record.calls)
-        with self._working("clearing the schedule"):
-            self._rebuild([])
-        self._redo.extend(reversed(actions))
-        self._refresh_history()
-        self._info(f"Cleared {n} recorded calls.")
-
-    @gc_paused()  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap
-    def _rebuild(self, actions, autosave: bool = True) -> None:
-        """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
-        plain calls: one action each). Only once every call has replayed does the root object
-        ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
-        KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
-        earlier stays valid."""
-        from .. import replay
-        from ..record import Action
-
-        old = self.schedule
-        meta = meta_copy(self.model)
-        sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
-        self._remember_inputs(sch)
-        for act in actions:
-            if not isinstance(act, Action):
-                act = Action(format_call(act), (act,))
-            with sch.record.action(act.label):
-                replay(sch, act.calls)
-        old.record.remove_listener(self._on_record)
-        old.adopt_tree(sch)  # `sch = editor.schedule` taken before stays valid; older sub-nodes are refused
-        self._meta_model = meta
-        old.record.add_listener(self._on_record)
-        for path in (self.selected, self.level):
-            if path not in sch:
-                self.selected = self.level = ""
-        self._refresh_all()
-        if autosave:
-            self._autosave()
-
-    def _remember_inputs(self, sch) -> None:
-        """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
-        :func:`_serialized`) and the example inputs, so that a cut is checked at click time."""
-        sch.serialize_with(self._lock)
-        if not self.example_inputs:
-            return
-        try:
-            from ..pipeline.order import set_example_inputs
-
-            set_example_inputs(sch, self.example_inputs)
-        except Exception as err:  # noqa: BLE001 - the cut check then happens at build time
-            _log.warning("example inputs not usable for cut checks: %s", err)
 
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
         """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
@@ -1135,17 +786,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         return o, defaults
 
     # ------------------------------------------------------------------ the export form
-    @property
-    def export_options(self) -> dict:
-        """The last export's options: ``{"launcher": "torchrun", "script": "train.py", "options": {...}}``
-        (the options as :meth:`export` took them, normalised); None before the first export. Restored from the
-        ``schedule_file``'s meta."""
-        return self._export_options
-
-    @export_options.setter
-    def export_options(self, value: dict | None) -> None:
-        self._export_options = value
-
     def _form_defaults(self) -> dict:
         """The form's values before any export: the script's defaults, the model path of a model that
         ``from_pretrained`` read from a local directory."""
@@ -1355,10 +995,8 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
             options=list(GPU_SIZES.items()), value=80e9, description="GPU", layout=W.Layout(width="320px")
         )
         self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
-        from .cluster import ClusterShape, tp_choices
+        from .cluster import tp_choices
 
-        self._cluster = ClusterShape(1, max(1, self.world_size))  # one node of one replica: dp 1, as the form
-        self._cluster_set = False  # dp follows the cluster only once the user sets its shape
         self._nodes = W.BoundedIntText(
             value=1, min=1, max=100_000, description="nodes", layout=W.Layout(width="140px")
         )
@@ -1424,7 +1062,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         # the click that resolves a refusal, when there is one (e.g. "Undo: preset megatron")
         self._btn_resolve = W.Button(layout=W.Layout(display="none", width="auto"), icon="reply")
         self._btn_resolve.on_click(lambda _: self._resolve())
-        self._resolver = None
         self._message_row = W.HBox([self._message, self._btn_resolve], layout=W.Layout(width="100%"))
         self._btn_reload = W.Button(description="reload file", icon="refresh", tooltip="editor.reload_file()")
         self._btn_mine = W.Button(
@@ -1445,7 +1082,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         self._file_bar.add_class("slapo-file-bar")
         self._inspector.add_class("slapo-inspector")
         self._tree.add_class("slapo-tree")
-        self._last_message = ""
         self.last_plan = None
         self._code = W.HTML()
         self._build_export_form(name)
@@ -1500,7 +1136,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
     def _build_export_form(self, name: str) -> None:
         """The Export form: model, data, parallelism, batch and steps, checkpoints; the script path and the
         Export button last. dp / FSDP / ZeRO also drive the memory view."""
-        self._export_options = None
         self._form_updating = False
         wide, narrow = W.Layout(width="340px"), W.Layout(width="190px")
         style = {"description_width": "84px"}
@@ -1595,75 +1230,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         return opts
 
     # ------------------------------------------------------------------ events
-    def _on_record(self, _rec) -> None:
-        """A call was recorded (clicked or typed): redraw once the current cell / click / preset is done."""
-        if not getattr(self, "_replaying", False):
-            self._redo.clear()
-        self._pending = True
-        if self._batch_depth:
-            return
-        loop = _running_loop()
-        if loop is None:
-            self._flush()
-        elif not self._flush_scheduled:  # in a kernel: after the cell or the click handler returns
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-
-    @serialized
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if not self._pending:
-            return
-        self._pending = False
-        try:
-            self._autosave()
-            self._refresh_all()
-            last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
-            if last is not None:
-                self._info(f"Applied {format_call(last)}")
-        except Exception:  # noqa: BLE001 - the view must never break the engine
-            _log.exception("editor refresh failed")
-
-    @contextlib.contextmanager
-    def _working(self, what: str):
-        """A visible busy state while an action runs: 'Working: …' and the action buttons disabled."""
-        buttons = [
-            self._btn_shard,
-            self._btn_sync,
-            self._btn_ckpt,
-            self._btn_cut,
-            self._btn_preset,
-            self._btn_fix,
-            self._btn_undo,
-            self._btn_redo,
-        ]
-        was = [b.disabled for b in buttons]
-        before = (self._last_message, self._message.value)
-        self._busy = True
-        for b in buttons:
-            b.disabled = True
-        self._info(f"Working: {what}…", transient=True)
-        working = self._message.value
-        try:
-            yield
-        finally:
-            self._busy = False
-            for b, w in zip(buttons, was):
-                b.disabled = w
-            self._refresh_history()
-            if self._message.value == working:  # the action said nothing of its own: put the line back
-                self._last_message, self._message.value = before
-
-    @contextlib.contextmanager
-    def _batch(self):
-        """Record many calls with one redraw at the end."""
-        self._batch_depth += 1
-        try:
-            yield
-        finally:
-            self._batch_depth -= 1
-            if not self._batch_depth:
-                self._flush()
 
     def _on_tree(self, change) -> None:
         path = change["new"]
@@ -1728,54 +1294,59 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
                 return first
         return None
 
-    def _info(self, text: str, transient: bool = False) -> None:
-        """Show ``text`` as the status line; while the schedule file is not kept (a failed write or an
-        outside change) the status says so too, so "Applied …" never hides it."""
-        problem = None if transient else getattr(self, "_file_problem", None)
-        if problem:
-            self._error(f"{text.rstrip('.')}. {problem}")
-            return
-        self._last_message = text
-        self._offer(None)
-        self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
-        self._stale_error = False
-
-    def _error(self, text: str, resolve: tuple[str, Any] | None = None) -> str:
-        """Show ``text`` as a refusal; ``resolve`` = ``(label, action)`` offers the click that resolves it (a
-        button beside the message)."""
-        self._last_message = text
-        self._offer(resolve)
-        self._message.value = f"<div class='slapo-msg slapo-err'>&#9888; {html.escape(text)}</div>"
-        self._stale_error = True
-        return text
+    # ------------------------------------------------------------------ the state's hooks, drawn
+    def _show_message(self, text: str, error: bool) -> None:
+        if not text:
+            self._message.value = ""
+        elif error:
+            self._message.value = f"<div class='slapo-msg slapo-err'>&#9888; {html.escape(text)}</div>"
+        else:
+            self._message.value = f"<div class='slapo-msg slapo-ok'>{html.escape(text)}</div>"
 
     def _offer(self, resolve: tuple[str, Any] | None) -> None:
-        self._resolver = resolve[1] if resolve else None
-        self._btn_resolve.description = resolve[0] if resolve else ""
+        super()._offer(resolve)
+        self._btn_resolve.description = self.resolve_label
         self._btn_resolve.layout.display = "" if resolve else "none"
 
-    def _resolve(self) -> None:
-        action, self._resolver = self._resolver, None
-        self._offer(None)
-        if action is not None:
-            action()
+    def _action_buttons(self) -> list:
+        return [
+            self._btn_shard,
+            self._btn_sync,
+            self._btn_ckpt,
+            self._btn_cut,
+            self._btn_preset,
+            self._btn_fix,
+            self._btn_undo,
+            self._btn_redo,
+        ]
 
-    def _undo_offer(self) -> tuple[str, Any] | None:
-        """``("Undo: <the last action>", undo)``, or None with nothing to undo."""
-        actions = self.schedule.record.actions()
-        return (f"Undo: {_describe(actions[-1])}", self.undo) if actions else None
+    def _set_busy(self, busy: bool, restore: Any = None) -> Any:
+        """The action buttons are disabled while an action runs, then put back as they were."""
+        buttons = self._action_buttons()
+        if busy:
+            was = [b.disabled for b in buttons]
+            for b in buttons:
+                b.disabled = True
+            return was
+        for b, w in zip(buttons, restore or []):
+            b.disabled = w
+        return None
 
-    def _clear_stale_error(self) -> None:
-        """After the user moved on (selected or opened another module), an earlier error no longer
-        applies: clear it, or show the schedule file's problem, which stays until it is resolved."""
-        if not getattr(self, "_stale_error", False):
-            return
-        problem = getattr(self, "_file_problem", None)
-        if problem:
-            self._error(problem)
-        else:
-            self._last_message, self._message.value = "", ""
-        self._stale_error = False
+    def _shown_paths(self) -> set[str]:
+        G = self._last_graph
+        return {d.get("path", n) for n, d in G.nodes(data=True)} if G is not None else set()
+
+    def _show_file_bar(self, show: bool) -> None:
+        self._file_bar.layout.display = "flex" if show else "none"
+
+    @property
+    def apply_to_similar(self) -> bool:
+        """The "apply to all similar" tick (see :class:`~slapo_lab.editor.state.EditorState`)."""
+        return bool(self._similar.value)
+
+    @apply_to_similar.setter
+    def apply_to_similar(self, value: bool) -> None:
+        self._similar.value = bool(value)
 
     def _record_flow(self) -> None:
         if not self.example_inputs:
@@ -2082,44 +1653,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
             self._costs.value = ""
             self._costs_text.value = html.escape(memory_failure(err, "Memory plan unavailable"))
 
-    def check(self) -> list:
-        """The schedule check's open items (:func:`slapo_lab.check_schedule`): what the tensor parallelism
-        still lacks before the model equals the original, each a :class:`slapo_lab.Finding` with one
-        sentence naming the call that closes it. Empty when nothing is open."""
-        from ..check import check_schedule
-
-        return check_schedule(self.schedule)
-
-    @serialized
-    def close_open_items(self) -> str | None:
-        """Apply the calls the schedule check names until nothing is open (the "close open items" button):
-        one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
-        reason nothing changed."""
-        from ..check import close_open_items
-
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        try:  # close_open_items records its calls as one action itself
-            calls = self._run_action(
-                None, lambda: close_open_items(self.schedule), working="closing the open items"
-            )
-        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            return self._error(f"The open items were not closed: {msg}")
-        self._info(
-            f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
-            + (" (one Undo removes them)." if calls else "; nothing was open.")
-        )
-        return None
-
-    def _open_count(self) -> int:
-        """How many open items the schedule check lists (0 if the check itself fails: it is advice)."""
-        try:
-            return len(self.check())
-        except Exception:  # noqa: BLE001 - the check must never break an export or a Verify report
-            _log.warning("schedule check failed", exc_info=True)
-            return 0
-
     def _refresh_check(self) -> None:
         """The open items above the code panel (at most four sentences, then a count); hidden when none."""
         try:
@@ -2150,57 +1683,6 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
         )
 
     # ------------------------------------------------------------------ the cluster shape
-    @serialized
-    def set_cluster(self, nodes: int, gpus_per_node: int) -> str | None:
-        """Plan for ``nodes`` x ``gpus_per_node`` GPUs: data parallelism fills the cluster with replicas of
-        TP x PP GPUs (the export form's dp follows), and the header states the three degrees in words.
-
-        Returns:
-            None, or the one sentence saying why the shape does not fit (it is kept, dp the largest that fits).
-        """
-        from .cluster import ClusterShape
-
-        try:
-            shape = ClusterShape(nodes, gpus_per_node)
-        except ValueError as err:
-            return self._error(str(err))
-        self._cluster, self._cluster_set = shape, True
-        for w, v in ((self._nodes, nodes), (self._gpn, gpus_per_node)):
-            if w.value != v:
-                w.unobserve(self._on_cluster, names="value")
-                w.value = v
-                w.observe(self._on_cluster, names="value")
-        problem = self._refresh_cluster()
-        self._refresh_costs()
-        return self._error(problem) if problem else None
-
-    @serialized
-    def set_tp(self, degree: int) -> str | None:
-        """Change the tensor-parallel degree: every recorded action replays at ``degree`` ranks (presets'
-        choices included, as recorded), or, when one cannot, the schedule stays at its degree and the reason
-        is said in one sentence (returned).
-        """
-        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-            return self._error(f"The tensor-parallel degree must be a positive whole number, not {degree!r}.")
-        old = self.world_size
-        if degree == old:
-            return None
-        if self._busy:
-            return self._error("Still applying the previous action; try again in a moment.")
-        n = len(self.schedule.record.calls)
-        old_rank = self.rank
-        self.world_size = degree
-        self.rank = self.rank if self.rank < degree else 0
-        try:
-            with self._working(f"replaying {n} calls at TP {degree}"):
-                self._rebuild(self.schedule.record.actions())
-        except Exception as err:  # noqa: BLE001 - the schedule stays whole at its degree
-            self.world_size, self.rank = old, old_rank
-            self._refresh_cluster()
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            return self._error(f"The schedule stays at TP {old}: at TP {degree} {msg[:1].lower() + msg[1:]}")
-        self._info(f"Replayed {n} recorded call{'s' if n != 1 else ''} at TP {degree} (was TP {old}).")
-        return None
 
     def _on_cluster(self, _change=None) -> None:
         self.set_cluster(int(self._nodes.value), int(self._gpn.value))
@@ -2216,6 +1698,11 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
 
         pp = self.num_ranks // self.world_size
         dp, problem = data_parallel(self._cluster, self.world_size, pp)
+        for w, v in ((self._nodes, self._cluster.nodes), (self._gpn, self._cluster.gpus_per_node)):
+            if w.value != v:
+                w.unobserve(self._on_cluster, names="value")
+                w.value = v
+                w.observe(self._on_cluster, names="value")
         if self._cluster_set and str(self._f_dp.value).strip() != str(dp):
             self._f_dp.value = str(dp)
         dp_form, shard, _ = self._plan_layout()
@@ -2425,7 +1912,7 @@ class ScheduleEditor(W.VBox, SchedulePersistence):
             self._tree.unobserve(self._on_tree, names="value")
             self._tree.value = self.selected
             self._tree.observe(self._on_tree, names="value")
-        if self._flow_error and not self._last_message:
+        if self._flow_error and not self.message:
             self._info(self._flow_error)
 
     # ------------------------------------------------------------------ panel, keys and context menus (issue 17)

@@ -1,8 +1,8 @@
 """The editor's schedule file: save, load, autosave, and an outside change met without losing anyone's work.
 
-A mixin of :class:`slapo_lab.editor.ScheduleEditor` (its state: ``schedule_file``, the file's last known stamp,
-the problem shown with every message), kept apart from the widgets: every method here is driven by calls, and
-the editor's tests drive them without a browser. :func:`serialized` is the editor's lock for its methods.
+A mixin of :class:`slapo_lab.editor.state.EditorState` (its state: ``schedule_file``, the file's last known
+stamp, the problem shown with every message), kept apart from the widgets: every method here is driven by calls,
+and the editor's tests drive them without a browser. :func:`serialized` is the editor's lock for its methods.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class SchedulePersistence:
         """``schedule_file`` now holds this editor's schedule (its :func:`_file_stamp` is ``stamp``): autosave
         is on again and no file problem is said any more."""
         self._disk, self._conflict, self._file_problem = stamp, False, None
-        self._file_bar.layout.display = "none"
+        self._show_file_bar(False)
 
     def _is_schedule_file(self, path) -> bool:
         import os
@@ -213,7 +213,7 @@ class SchedulePersistence:
                 "a text editor or git), so autosave is off: reload the file, keep this schedule as a new "
                 "file, or overwrite the file (editor.reload_file(), editor.keep_mine(), editor.overwrite_file())."
             )
-            self._file_bar.layout.display = "flex"
+            self._show_file_bar(True)
             self._error(self._file_problem)
             return
         try:

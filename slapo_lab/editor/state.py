@@ -1,0 +1,696 @@
+"""The editor's state without widgets: the schedule, what is selected and shown, actions, history and messages.
+
+:class:`EditorState` is everything :class:`~slapo_lab.editor.ScheduleEditor` does that does not need a
+browser: select / open a level, apply a primitive or a preset as one action (all or nothing), undo / redo /
+clear, the cluster shape and the TP degree, the schedule check, and the schedule file
+(:class:`~slapo_lab.editor.persistence.SchedulePersistence`). It imports no ipywidgets: a script, a test or
+another front end drives it by calls and reads :attr:`EditorState.message`. The widget class subclasses it and
+overrides the *hooks* (the methods documented "hook"), which draw what changed; here they do nothing.
+
+Data flows one way: an action calls public primitives on :attr:`EditorState.schedule` (exactly what a person
+would type), the recorder notifies the state (:meth:`EditorState._on_record`), and the state asks its view to
+redraw (:meth:`EditorState._refresh_all`) once the action, the cell or the click handler is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from torch import nn
+
+from .. import check_primitive, create_schedule
+from ..errors import ScheduleError
+from ..record import format_call, gc_paused
+from ..utils import meta_copy
+from .persistence import SchedulePersistence, serialized
+
+__all__ = ["EditorState"]
+
+_log = logging.getLogger("slapo_lab.editor")
+
+
+def _running_loop():
+    """The asyncio loop running this thread (a Jupyter kernel's), or None (a script, a test)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _describe(action) -> str:
+    """``shard on a.b`` / ``preset megatron (1125 calls)``."""
+    n = len(action.calls)
+    return action.label + (f" ({n} calls)" if n > 1 else "")
+
+
+class EditorState(SchedulePersistence):
+    """The editor's state and actions, without widgets.
+
+    Args:
+        model: the model to schedule (any device; it is copied to the meta device, never modified).
+        example_inputs: keyword arguments of one forward call, e.g. ``{"input_ids": ids}`` with ``ids``
+            of shape ``(batch, seq)``; they let a cut be checked when it is made.
+        world_size: the tensor-parallel degree to plan for (simulated: no process group needed).
+        rank: the rank whose shard shapes are planned.
+        factory: ``"package.module:function"`` that rebuilds the model (kept for the schedule file).
+        schedule_file: a JSON schedule path kept in sync: restored (replayed) when the state is created, and
+            rewritten after every change.
+
+    Attributes:
+        schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
+        level: the module path whose children are shown ("" the model).
+        selected: the selected module path ("" the model).
+        expanded: the folded runs of repeated blocks that are shown unfolded.
+        apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets).
+        resolve_label: the label of the action that resolves the last refusal ("" when none), run by
+            :meth:`_resolve`.
+
+    Raises:
+        ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
+    """
+
+    apply_to_similar = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: dict | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        factory: str | None = None,
+        schedule_file: str | None = None,
+    ) -> None:
+        self._setup(model, example_inputs, world_size, rank, factory)
+        self._open_file(schedule_file)
+
+    def _setup(self, model, example_inputs, world_size: int, rank: int, factory) -> None:
+        """The state before anything is shown: the meta copy, its schedule, an empty history."""
+        from .cluster import ClusterShape
+
+        if not isinstance(model, nn.Module):
+            raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
+        self.model = model
+        self.example_inputs = dict(example_inputs or {})
+        self.factory = factory
+        self.world_size = world_size
+        self.rank = rank
+        self._meta_model = meta_copy(model)
+        self._lock = threading.RLock()  # see serialized: clicks arrive on another thread than cells
+        self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
+        self._remember_inputs(self.schedule)
+        self.schedule.record.add_listener(self._on_record)
+        self.level = ""  # path whose children the graph shows
+        self.selected = ""  # selected module path
+        self.expanded: set[str] = set()
+        self._busy = False
+        self._redo: list = []
+        self._pending = False
+        self._flush_scheduled = False
+        self._batch_depth = 0
+        self._shown: tuple[str, bool] = ("", False)  # the message line: (text, is an error)
+        self._stale_error = False
+        self._resolver = None
+        self.resolve_label = ""
+        self._export_options = None
+        self._cluster = ClusterShape(1, max(1, world_size))  # one node of one replica: dp 1, as the form
+        self._cluster_set = False  # dp follows the cluster only once the user sets its shape
+
+    def _open_file(self, schedule_file: str | None) -> None:
+        """Restore ``schedule_file`` when it exists (else start empty and create it at the first change), then
+        show everything for the first time."""
+        import os
+
+        self.schedule_file = schedule_file
+        self._disk = None  # _file_stamp of schedule_file as this editor last read or wrote it
+        self._file_problem: str | None = None  # a failed write or an outside change, shown with every message
+        self._conflict = False  # the file changed outside this editor: autosave waits for the user's choice
+        restored = None
+        if schedule_file is not None and os.path.exists(schedule_file):
+            restored = self.load(schedule_file)
+        self._refresh_all(reset_view=True)
+        if restored is not None:  # never autosave over a file that could not be restored
+            self._keep_unrestorable(schedule_file, restored)
+        elif schedule_file is not None and self.schedule.record.calls:
+            self._info(f"Restored {len(self.schedule.record.calls)} recorded calls from {schedule_file}.")
+
+    # ------------------------------------------------------------------ hooks: what a view draws (here: nothing)
+    def _refresh_all(self, reset_view: bool = False) -> None:
+        """Hook: the schedule changed (an action, a typed call, undo, a load): redraw everything."""
+
+    def _refresh_view(self, reset_view: bool = False) -> None:
+        """Hook: only the navigation changed (selection, level, folding): redraw what shows it."""
+
+    def _refresh_history(self) -> None:
+        """Hook: the undo / redo stacks changed."""
+
+    def _refresh_costs(self) -> None:
+        """Hook: the plan's inputs (cluster shape, GPU) changed: redraw the memory view."""
+
+    def _refresh_cluster(self) -> str | None:
+        """Hook: the degrees or the cluster shape changed. Returns the sentence saying why the shape does not
+        fit (data parallelism is then the largest that fits), or None."""
+        from .cluster import data_parallel
+
+        pp = self.num_ranks // self.world_size
+        return data_parallel(self._cluster, self.world_size, pp)[1]
+
+    def _show_message(self, text: str, error: bool) -> None:
+        """Hook: show ``text`` on the message line ("" clears it), as a refusal when ``error``."""
+
+    def _set_busy(self, busy: bool, restore: Any = None) -> Any:
+        """Hook: an action starts (``busy``; returns what :meth:`_set_busy` needs to undo it) or ends (with
+        that ``restore``): a view disables its action buttons meanwhile."""
+        return None
+
+    def _shown_paths(self) -> set[str]:
+        """Hook: the module paths the current drawing shows (a selection among them keeps the level). Without
+        a drawing: the children of :attr:`level`, and the blocks of a child that is a list of blocks (a graph
+        shows ``encoder.layer.0`` … at level ``encoder``)."""
+        node = self.schedule[self.level] if self.level in self.schedule else self.schedule[""]
+        out = set()
+        for child in node.child.values():
+            out.add(child.path)
+            if child.child and all(name.isdigit() for name in child.child):
+                out.update(block.path for block in child.child.values())
+        return out
+
+    def _show_file_bar(self, show: bool) -> None:
+        """Hook: show or hide the choice after an outside change of the schedule file (reload / keep mine /
+        overwrite)."""
+
+    def _set_form(self, remembered: dict | None, refresh: bool = True) -> None:
+        """Hook: put a schedule file's remembered export options into the export form."""
+
+    @property
+    def cluster(self):
+        """The :class:`~slapo_lab.editor.cluster.ClusterShape` planned for (:meth:`set_cluster`)."""
+        return self._cluster
+
+    @property
+    def export_options(self) -> dict | None:
+        """The last export's options: ``{"launcher": "torchrun", "script": "train.py", "options": {...}}``
+        (the options as :meth:`export` took them, normalised); None before the first export. Restored from the
+        ``schedule_file``'s meta."""
+        return self._export_options
+
+    @export_options.setter
+    def export_options(self, value: dict | None) -> None:
+        self._export_options = value
+
+    def _show(self, text: str, error: bool) -> None:
+        self._shown = (text, error)
+        self._show_message(text, error)
+
+    # ------------------------------------------------------------------ actions
+    @property
+    def code(self) -> str:
+        """The recorded schedule as Python, one primitive call per line."""
+        return self.schedule.record.code()
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes one replica needs: tensor-parallel width × pipeline stages."""
+        return self.world_size * (len(self.schedule.metadata.primitives.get("cut_pipeline_stage", [])) + 1)
+
+    @property
+    def message(self) -> str:
+        """The text of the last status or error message shown ("" when none)."""
+        return self._shown[0]
+
+    @serialized
+    def select(self, path: str) -> str | None:
+        """Select the module at ``path`` (and show its parent's level); returns an error sentence or None."""
+        if not isinstance(path, str) or path not in self.schedule:
+            return self._error(f"There is no module {path!r} in this model.")
+        self.selected = path
+        node = self.schedule[path]
+        shown = self._shown_paths()
+        if path and path not in shown and self.level != path:  # stay on the level when it shows the module
+            self.level = node.parent.path
+        self._refresh_view()
+        self._clear_stale_error()
+        return None
+
+    @serialized
+    def open_level(self, path: str) -> str | None:
+        """Show the children of ``path`` in the graph (descend one level); error sentence or None."""
+        if not isinstance(path, str) or path not in self.schedule:
+            return self._error(f"There is no module {path!r} in this model.")
+        if not self.schedule[path].child:
+            return self._error(f"{path or 'The root module'} has no submodules to open.")
+        self.level = path
+        self.selected = path
+        self._refresh_view(reset_view=True)
+        self._clear_stale_error()
+        return None
+
+    @serialized
+    def collapse(self) -> None:
+        """Fold expanded repeated blocks of the current level (and below) back into single nodes."""
+        self.expanded = {k for k in self.expanded if not k.startswith(self.level)}
+        self._refresh_view(reset_view=True)
+
+    @serialized
+    def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
+        """Apply ``primitive`` to the selected module (or ``path``), as a click does.
+
+        Returns:
+            None on success (the call is recorded), else the one-sentence reason shown in the editor.
+        """
+        target = self.selected if path is None else path
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        if not isinstance(target, str) or target not in self.schedule:
+            return self._error(f"There is no module {target!r} in this model.")
+        if not isinstance(primitive, str):
+            return self._error(f"Unknown action {primitive!r}.")
+        targets = [target]
+        if path is None and self.apply_to_similar:
+            self.apply_to_similar = False  # one action only: never carried over to the next click
+            targets = self.similar(target)
+            for t in targets:  # all or nothing: check every target first
+                why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
+                if why:
+                    return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
+        label = f"{primitive} on {target}" + (
+            f" and {len(targets) - 1} similar modules" if len(targets) > 1 else ""
+        )
+        n0 = len(self.schedule.record.calls)
+
+        def run():
+            for t in targets:
+                getattr(self.schedule[t], primitive)(*args, **kwargs)
+
+        try:
+            self._run_action(label, run)
+        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
+            if isinstance(err, (ScheduleError, AttributeError)):
+                return self._error(str(err))
+            _log.exception("primitive failed")
+            return self._error(
+                f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged."
+            )
+        if len(targets) > 1:  # say what the one action did, not only its last call
+            n = len(self.schedule.record.calls) - n0
+            self._info(
+                f"Applied {primitive} to {len(targets)} similar modules, {targets[0]} to {targets[-1]} ({n} calls)."
+            )
+        return None
+
+    def _run_action(self, label: str | None, fn, working: str | None = None):
+        """Run ``fn()`` as one user action: the busy state ("Working: …", buttons off), one redraw at the end,
+        recorded as one action named ``label`` (one Undo removes it; None: ``fn`` records its own), all or
+        nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
+        caller says it in one sentence). Returns what ``fn`` returns."""
+        before = self.schedule.record.actions()
+        n0 = len(self.schedule.record.calls)
+        recording = self.schedule.record.action(label) if label is not None else contextlib.nullcontext()
+        try:
+            with self._working(working or label or "working"), self._batch(), recording:
+                return fn()
+        except BaseException:
+            if len(self.schedule.record.calls) != n0:  # part of it applied: undo that part
+                self._rebuild(before)
+            raise
+
+    def similar(self, path: str) -> list[str]:
+        """``path`` and the modules of the same type at the same relative path in every repeated block.
+
+        E.g. ``encoder.layer.0.attention.self.query`` → the ``query`` of every ``encoder.layer.i``.
+        The block index is the first numeric path component whose container holds more than one child.
+        """
+        parts = path.split(".")
+        typ = type(self.schedule[path].mod)
+        for i, part in enumerate(parts):
+            if not part.isdigit():
+                continue
+            container = ".".join(parts[:i])
+            siblings = self.schedule[container].child if container in self.schedule else {}
+            if len(siblings) < 2:
+                continue
+            out = []
+            for name in siblings:
+                cand = ".".join(parts[:i] + [name] + parts[i + 1 :])
+                if cand in self.schedule and type(self.schedule[cand].mod) is typ:
+                    out.append(cand)
+            return out
+        return [path]
+
+    @serialized
+    def apply_preset(self, name: str, k: int = 1) -> str | None:
+        """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
+
+        Presets: ``"megatron"`` (column-parallel q/k/v and up projections, row-parallel output
+        projections with the right syncs, vocab-parallel embeddings), ``"hf_plan"`` (the config's
+        ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
+        pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
+        """
+
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        n0 = len(self.schedule.record.calls)
+        try:
+            notes = self._run_action(f"preset {name}", lambda: self._run_preset(name, k))
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            conflict = "already sharded" in msg or "already cuts" in msg  # an earlier action is in the way
+            return self._error(
+                f"The {name} preset was not applied: {msg}", self._undo_offer() if conflict else None
+            )
+        n = len(self.schedule.record.calls) - n0
+        done = (
+            f"Preset {name} recorded {n} calls."
+            if n
+            else f"Preset {name} added nothing: the schedule has it all."
+        )
+        self._info(" ".join([done, *notes]))
+        return None
+
+    def _run_preset(self, name: str, k: int) -> list[str]:
+        """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
+        from .. import presets
+
+        if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
+            return presets.megatron_tp(
+                self.schedule,
+                use_hf_plan=name == "hf_plan",
+                vocab_parallel=presets.has_vocab_embedding(self.schedule),
+            ).notes
+        if name == "checkpoint":
+            presets.checkpoint_blocks(self.schedule, every=int(k))
+        elif name == "stages":
+            from ..pipeline import suggest_cuts
+
+            cuts = self.schedule.metadata.primitives.get("cut_pipeline_stage") or []
+            if cuts:
+                raise ScheduleError(
+                    f"it places every cut itself, and the schedule already cuts after {', '.join(cuts)}; press "
+                    "Undo until those cuts are gone (or editor.clear() to start over), then apply it again"
+                )
+            suggest_cuts(self.schedule, int(k), by="params", apply=True)
+        else:
+            raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+        return []
+
+    @serialized
+    def undo(self) -> str | None:
+        """Undo the last user action: a click, a preset, an "apply to all similar", a typed line.
+
+        Rebuilds from a fresh meta copy of the original model and replays the earlier actions (module
+        arguments such as ``replace``'s are replayed from copies taken before they entered the model).
+        Returns None, or one sentence if there is nothing to undo (the schedule is then unchanged).
+        """
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        actions = self.schedule.record.actions()
+        if not actions:
+            return self._error("Nothing to undo: the schedule is empty.")
+        last = actions[-1]
+        try:
+            with self._working(f"undoing {last.label}"):
+                self._rebuild(actions[:-1])
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
+            _log.exception("undo failed")
+            return self._error(
+                f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged."
+            )
+        self._redo.append(last)
+        self._refresh_history()
+        self._info(f"Undid {_describe(last)}.")
+        return None
+
+    @serialized
+    def redo(self) -> str | None:
+        """Re-apply the last undone action; returns None or one sentence (nothing to redo, or why it failed).
+
+        The action stays on the redo stack until it has been applied whole; a failure leaves the
+        schedule as it was.
+        """
+        from .. import replay
+
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        if not self._redo:
+            return self._error("Nothing to redo.")
+        act = self._redo[-1]
+        self._replaying = True  # the recorder's listener must not clear the redo stack
+        try:
+            self._run_action(
+                act.label, lambda: replay(self.schedule, act.calls), working=f"redoing {act.label}"
+            )
+        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
+            return self._error(
+                f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged."
+            )
+        finally:
+            self._replaying = False
+        self._redo.pop()
+        self._refresh_history()
+        self._info(f"Redid {_describe(act)}.")
+        return None
+
+    @serialized
+    def clear(self) -> None:
+        """Forget every recorded call (redo brings the actions back, one per redo)."""
+        actions = self.schedule.record.actions()
+        n = len(self.schedule.record.calls)
+        with self._working("clearing the schedule"):
+            self._rebuild([])
+        self._redo.extend(reversed(actions))
+        self._refresh_history()
+        self._info(f"Cleared {n} recorded calls.")
+
+    @gc_paused()  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap
+    def _rebuild(self, actions, autosave: bool = True) -> None:
+        """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
+        plain calls: one action each). Only once every call has replayed does the root object
+        ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
+        KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
+        earlier stays valid."""
+        from .. import replay
+        from ..record import Action
+
+        old = self.schedule
+        meta = meta_copy(self.model)
+        sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
+        self._remember_inputs(sch)
+        for act in actions:
+            if not isinstance(act, Action):
+                act = Action(format_call(act), (act,))
+            with sch.record.action(act.label):
+                replay(sch, act.calls)
+        old.record.remove_listener(self._on_record)
+        old.adopt_tree(sch)  # `sch = editor.schedule` taken before stays valid; older sub-nodes are refused
+        self._meta_model = meta
+        old.record.add_listener(self._on_record)
+        for path in (self.selected, self.level):
+            if path not in sch:
+                self.selected = self.level = ""
+        self._refresh_all()
+        if autosave:
+            self._autosave()
+
+    def _remember_inputs(self, sch) -> None:
+        """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
+        :func:`_serialized`) and the example inputs, so that a cut is checked at click time."""
+        sch.serialize_with(self._lock)
+        if not self.example_inputs:
+            return
+        try:
+            from ..pipeline.order import set_example_inputs
+
+            set_example_inputs(sch, self.example_inputs)
+        except Exception as err:  # noqa: BLE001 - the cut check then happens at build time
+            _log.warning("example inputs not usable for cut checks: %s", err)
+
+    def _on_record(self, _rec) -> None:
+        """A call was recorded (clicked or typed): redraw once the current cell / click / preset is done."""
+        if not getattr(self, "_replaying", False):
+            self._redo.clear()
+        self._pending = True
+        if self._batch_depth:
+            return
+        loop = _running_loop()
+        if loop is None:
+            self._flush()
+        elif not self._flush_scheduled:  # in a kernel: after the cell or the click handler returns
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+
+    @serialized
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        self._pending = False
+        try:
+            self._autosave()
+            self._refresh_all()
+            last = self.schedule.record.calls[-1] if self.schedule.record.calls else None
+            if last is not None:
+                self._info(f"Applied {format_call(last)}")
+        except Exception:  # noqa: BLE001 - the view must never break the engine
+            _log.exception("editor refresh failed")
+
+    @contextlib.contextmanager
+    def _working(self, what: str):
+        """A visible busy state while an action runs: 'Working: …' and the action buttons disabled."""
+        before = self._shown
+        self._busy = True
+        restore = self._set_busy(True)
+        self._info(f"Working: {what}…", transient=True)
+        working = self._shown
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._set_busy(False, restore)
+            self._refresh_history()
+            if self._shown is working:  # the action said nothing of its own: put the line back
+                self._show(*before)
+
+    @contextlib.contextmanager
+    def _batch(self):
+        """Record many calls with one redraw at the end."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth:
+                self._flush()
+
+    def _info(self, text: str, transient: bool = False) -> None:
+        """Show ``text`` as the status line; while the schedule file is not kept (a failed write or an
+        outside change) the status says so too, so "Applied …" never hides it."""
+        problem = None if transient else getattr(self, "_file_problem", None)
+        if problem:
+            self._error(f"{text.rstrip('.')}. {problem}")
+            return
+        self._offer(None)
+        self._show(text, False)
+        self._stale_error = False
+
+    def _error(self, text: str, resolve: tuple[str, Any] | None = None) -> str:
+        """Show ``text`` as a refusal; ``resolve`` = ``(label, action)`` offers the click that resolves it (a
+        button beside the message)."""
+        self._offer(resolve)
+        self._show(text, True)
+        self._stale_error = True
+        return text
+
+    def _offer(self, resolve: tuple[str, Any] | None) -> None:
+        self._resolver = resolve[1] if resolve else None
+        self.resolve_label = resolve[0] if resolve else ""
+
+    def _resolve(self) -> None:
+        action, self._resolver = self._resolver, None
+        self._offer(None)
+        if action is not None:
+            action()
+
+    def _undo_offer(self) -> tuple[str, Any] | None:
+        """``("Undo: <the last action>", undo)``, or None with nothing to undo."""
+        actions = self.schedule.record.actions()
+        return (f"Undo: {_describe(actions[-1])}", self.undo) if actions else None
+
+    def _clear_stale_error(self) -> None:
+        """After the user moved on (selected or opened another module), an earlier error no longer
+        applies: clear it, or show the schedule file's problem, which stays until it is resolved."""
+        if not getattr(self, "_stale_error", False):
+            return
+        problem = getattr(self, "_file_problem", None)
+        if problem:
+            self._error(problem)
+        else:
+            self._show("", False)
+        self._stale_error = False
+
+    def check(self) -> list:
+        """The schedule check's open items (:func:`slapo_lab.check_schedule`): what the tensor parallelism
+        still lacks before the model equals the original, each a :class:`slapo_lab.Finding` with one
+        sentence naming the call that closes it. Empty when nothing is open."""
+        from ..check import check_schedule
+
+        return check_schedule(self.schedule)
+
+    @serialized
+    def close_open_items(self) -> str | None:
+        """Apply the calls the schedule check names until nothing is open (the "close open items" button):
+        one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
+        reason nothing changed."""
+        from ..check import close_open_items
+
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        try:  # close_open_items records its calls as one action itself
+            calls = self._run_action(
+                None, lambda: close_open_items(self.schedule), working="closing the open items"
+            )
+        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            return self._error(f"The open items were not closed: {msg}")
+        self._info(
+            f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
+            + (" (one Undo removes them)." if calls else "; nothing was open.")
+        )
+        return None
+
+    def _open_count(self) -> int:
+        """How many open items the schedule check lists (0 if the check itself fails: it is advice)."""
+        try:
+            return len(self.check())
+        except Exception:  # noqa: BLE001 - the check must never break an export or a Verify report
+            _log.warning("schedule check failed", exc_info=True)
+            return 0
+
+    @serialized
+    def set_cluster(self, nodes: int, gpus_per_node: int) -> str | None:
+        """Plan for ``nodes`` x ``gpus_per_node`` GPUs: data parallelism fills the cluster with replicas of
+        TP x PP GPUs (the export form's dp follows), and the header states the three degrees in words.
+
+        Returns:
+            None, or the one sentence saying why the shape does not fit (it is kept, dp the largest that fits).
+        """
+        from .cluster import ClusterShape
+
+        try:
+            shape = ClusterShape(nodes, gpus_per_node)
+        except ValueError as err:
+            return self._error(str(err))
+        self._cluster, self._cluster_set = shape, True
+        problem = self._refresh_cluster()
+        self._refresh_costs()
+        return self._error(problem) if problem else None
+
+    @serialized
+    def set_tp(self, degree: int) -> str | None:
+        """Change the tensor-parallel degree: every recorded action replays at ``degree`` ranks (presets'
+        choices included, as recorded), or, when one cannot, the schedule stays at its degree and the reason
+        is said in one sentence (returned).
+        """
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            return self._error(f"The tensor-parallel degree must be a positive whole number, not {degree!r}.")
+        old = self.world_size
+        if degree == old:
+            return None
+        if self._busy:
+            return self._error("Still applying the previous action; try again in a moment.")
+        n = len(self.schedule.record.calls)
+        old_rank = self.rank
+        self.world_size = degree
+        self.rank = self.rank if self.rank < degree else 0
+        try:
+            with self._working(f"replaying {n} calls at TP {degree}"):
+                self._rebuild(self.schedule.record.actions())
+        except Exception as err:  # noqa: BLE001 - the schedule stays whole at its degree
+            self.world_size, self.rank = old, old_rank
+            self._refresh_cluster()
+            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
+            return self._error(f"The schedule stays at TP {old}: at TP {degree} {msg[:1].lower() + msg[1:]}")
+        self._info(f"Replayed {n} recorded call{'s' if n != 1 else ''} at TP {degree} (was TP {old}).")
+        return None

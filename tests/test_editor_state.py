@@ -1,0 +1,188 @@
+"""The editor's state without widgets (slapo_lab.editor.state.EditorState): driven by calls, read by hooks."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from slapo_lab.editor import EditorState
+
+Q = "encoder.layer.0.attention.self.query"
+
+
+class Recorder(EditorState):
+    """An EditorState whose hooks write down what a view would draw."""
+
+    def __init__(self, *args, **kwargs):
+        self.events: list[tuple] = []
+        super().__init__(*args, **kwargs)
+
+    def _refresh_all(self, reset_view=False):
+        self.events.append(("all", len(self.schedule.record.calls)))
+
+    def _refresh_view(self, reset_view=False):
+        self.events.append(("view", self.level, self.selected))
+
+    def _refresh_history(self):
+        self.events.append(("history", len(self.schedule.record.actions()), len(self._redo)))
+
+    def _show_message(self, text, error):
+        self.events.append(("message", text, error))
+
+    def _set_busy(self, busy, restore=None):
+        self.events.append(("busy", busy))
+        return "token" if busy else None
+
+    def _show_file_bar(self, show):
+        self.events.append(("file bar", show))
+
+    def kinds(self):
+        return [e[0] for e in self.events]
+
+
+def test_the_state_imports_and_runs_without_widgets(tmp_path):
+    """A script drives a BERT schedule through the state alone: ipywidgets is never imported."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import torch
+        from transformers import BertConfig, BertModel
+        from slapo_lab.editor import EditorState
+
+        torch.manual_seed(0)
+        cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                         vocab_size=120, max_position_embeddings=64)
+        st = EditorState(BertModel(cfg), {"input_ids": torch.randint(0, 120, (2, 16))}, world_size=2)
+        out = {"select": st.select("encoder.layer.0.attention.self.query")}
+        out["shard"] = st.apply("shard", "weight", axis=0)
+        out["msg1"] = st.message
+        out["preset"] = st.apply_preset("megatron")
+        out["msg2"] = st.message
+        out["calls"] = len(st.schedule.record.calls)
+        out["undo"] = st.undo()
+        out["after_undo"] = len(st.schedule.record.calls)
+        out["redo"] = st.redo()
+        out["check"] = [f.message for f in st.check()]
+        out["widgets"] = sorted(m for m in sys.modules if m.split(".")[0] in ("ipywidgets", "traitlets", "comm"))
+        print("RESULT " + json.dumps(out))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT ") :])
+    assert out["widgets"] == [], out["widgets"]
+    assert out["select"] is None and out["shard"] is None and out["preset"] is None
+    assert out["msg1"] == f'Applied sch["{Q}"].shard("weight", axis=0)', out["msg1"]
+    assert out["msg2"].startswith("Preset megatron recorded"), out["msg2"]  # it skips the typed shard
+    assert out["after_undo"] == 1 and out["undo"] is None and out["redo"] is None
+    assert out["check"] == []  # the preset plus the shard is the whole model split, nothing open
+
+
+def test_an_action_is_one_busy_span_one_redraw_and_one_message(bert):
+    model, ids = bert
+    st = Recorder(model, {"input_ids": ids}, world_size=2)
+    assert st.kinds()[0] == "all"  # the first drawing
+    st.events.clear()
+    assert st.apply_preset("megatron") is None
+    kinds = st.kinds()
+    assert kinds.count("all") == 1, st.events  # dozens of calls, one redraw
+    assert kinds.index("busy") < kinds.index("all") < len(kinds) - 1 - kinds[::-1].index("busy")
+    assert ("busy", True) in st.events and ("busy", False) in st.events
+    working = [e for e in st.events if e[0] == "message" and e[1].startswith("Working: preset megatron")]
+    assert working and st.events[-1][0] == "message" and st.events[-1][1].startswith("Preset megatron")
+    assert st.message == st.events[-1][1] and not st.events[-1][2]
+
+
+def test_a_refusal_is_one_sentence_offers_its_resolving_click_and_changes_nothing(bert):
+    model, ids = bert
+    st = Recorder(model, {"input_ids": ids}, world_size=2)
+    st.apply("shard", "weight", axis=1, path=Q)  # conflicts with megatron's column split of the query
+    before = list(st.schedule.record.calls)
+    st.events.clear()
+    why = st.apply_preset("megatron")
+    assert why and why.startswith("The megatron preset was not applied") and why.count(". ") <= 1, why
+    assert st.schedule.record.calls == before  # all or nothing
+    assert st.events[-1] == ("message", why, True)
+    assert st.resolve_label.startswith("Undo: shard on " + Q), st.resolve_label
+    st._resolve()  # the offered click
+    assert not st.schedule.record.calls and st.resolve_label == ""
+    assert st.apply_preset("megatron") is None
+
+
+def test_bad_input_is_one_sentence_and_the_schedule_survives(bert):
+    model, ids = bert
+    st = EditorState(model, {"input_ids": ids}, world_size=2)
+    st.apply("checkpoint", path="encoder.layer.0")
+    calls = list(st.schedule.record.calls)
+    for act in (
+        lambda: st.select("no.such.module"),
+        lambda: st.apply("shard", "weight", axis=5, path=Q),
+        lambda: st.apply(42, path=Q),
+        lambda: st.open_level("pooler.dense"),
+        lambda: st.set_tp(0),
+        lambda: st.set_cluster(0, 8),
+    ):
+        why = act()
+        assert isinstance(why, str) and why.endswith(".") and "\n" not in why, why
+        assert st.message == why
+    assert st.schedule.record.calls == calls
+
+
+def test_navigation_redraws_the_view_only(bert):
+    model, ids = bert
+    st = Recorder(model, {"input_ids": ids}, world_size=2)
+    st.events.clear()
+    assert st.open_level("encoder") is None
+    assert st.select("encoder.layer.1") is None
+    assert set(st.kinds()) == {"view"}, st.events
+    assert (st.level, st.selected) == ("encoder", "encoder.layer.1")
+
+
+def test_apply_to_similar_is_one_action_and_resets(bert):
+    model, ids = bert
+    st = EditorState(model, {"input_ids": ids}, world_size=2)
+    st.select("encoder.layer.0")
+    st.apply_to_similar = True
+    assert st.apply("checkpoint") is None
+    assert st.apply_to_similar is False
+    assert st.code.splitlines() == [
+        'sch["encoder.layer.0"].checkpoint()',
+        'sch["encoder.layer.1"].checkpoint()',
+    ]
+    assert "2 similar modules" in st.message
+    st.undo()
+    assert st.code == ""
+
+
+def test_tp_degree_replays_and_the_cluster_shape_is_checked(bert):
+    model, ids = bert
+    st = EditorState(model, {"input_ids": ids}, world_size=2)
+    assert st.apply_preset("megatron") is None
+    n = len(st.schedule.record.calls)
+    assert st.set_tp(4) is None and st.world_size == 4
+    assert len(st.schedule.record.calls) == n
+    assert st.schedule[Q].mod.weight.shape == (16, 64)  # 64 rows over 4 ranks
+    why = st.set_tp(3)  # 4 heads do not divide by 3: stays at 4
+    assert why and why.startswith("The schedule stays at TP 4") and st.world_size == 4, why
+    assert st.set_cluster(1, 8) is None  # 2 replicas of TP 4
+    assert st.set_cluster(1, 2) is not None  # one replica needs 4 GPUs
+
+
+def test_the_schedule_file_is_kept_and_an_outside_change_is_never_overwritten(bert, tmp_path):
+    model, ids = bert
+    path = tmp_path / "sch.json"
+    st = Recorder(model, {"input_ids": ids}, world_size=2, schedule_file=str(path))
+    st.apply("checkpoint", path="encoder.layer.0")
+    st.apply("checkpoint", path="encoder.layer.1")
+    again = EditorState(model, {"input_ids": ids}, world_size=2, schedule_file=str(path))
+    assert again.code == st.code and "Restored 2 recorded calls" in again.message
+    assert again.undo() is None and again.code == 'sch["encoder.layer.0"].checkpoint()'  # undo per action
+    # `again` rewrote the file: `st`'s next change must not overwrite it
+    st.events.clear()
+    st.apply("checkpoint", path="pooler")
+    assert ("file bar", True) in st.events and "changed outside this editor" in st.message
+    assert json.loads(path.read_text())["calls"][-1]["path"] == "encoder.layer.0"
+    assert st.keep_mine() is None and ("file bar", False) in st.events
