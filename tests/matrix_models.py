@@ -1,11 +1,17 @@
 """Tiny random-weight models of issue 16's family matrix (tests/test_families_matrix.py).
 
-Every builder takes no arguments (so that an exported script can name it as its ``factory``) and returns a model
-with random weights, no dropout and no KV cache: Gemma-3, Falcon (``new_decoder_architecture`` with 2 KV heads,
-and the default multi-query config), BLOOM, Whisper, CLIP, Phi-3, DeBERTa-v2, ResNet, GPT-J and Qwen2 from
-transformers configs (no hub access), plus two hand-written modules: nanoGPT (its attention derives the head
-size from the input width, which no column-parallel preset can keep right) and :class:`CustomLM`, a plain
-decoder with separate q/k/v/o ``nn.Linear`` layers and an MLP, which the Megatron preset should shard right.
+Every matrix builder (named by family) takes no arguments (so that an exported script can name it as its
+``factory``), seeds 0 and returns a model with random weights, no dropout and no KV cache: Gemma-3, Falcon
+(``new_decoder_architecture`` with 2 KV heads, and the default multi-query config), BLOOM, Whisper, CLIP, Phi-3,
+DeBERTa-v2, ResNet, GPT-J and Qwen2 from transformers configs (no hub access), plus two hand-written modules:
+nanoGPT (its attention derives the head size from the input width, which no column-parallel preset can keep
+right) and :class:`CustomLM`, a plain decoder with separate q/k/v/o ``nn.Linear`` layers and an MLP, which the
+Megatron preset should shard right.
+
+It is also the one home of the tiny HF builders other test modules share: :data:`DECODER` (the tiny decoder
+config, also ``tests/multirank/pp_models.py``'s), :func:`decoder_cfg` and the unseeded, parameterised
+``*_model`` builders that ``tests/multirank/tp_train.py`` (and for Qwen3 / Mixtral ``pp_models.py``) import.
+This module imports nothing from the other test modules: exported scripts import it as ``tests.matrix_models``.
 """
 
 from __future__ import annotations
@@ -28,84 +34,35 @@ def _seeded(fn):
     return build
 
 
+# the tiny decoder config: 2 layers, hidden 64, 4 heads, vocab 128, no KV cache
+DECODER = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
+
+
 def _decoder(cls, **kw):
-    return cls(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        **kw,
-    )
+    """``cls`` (a config class) of :data:`DECODER`; ``kw`` adds or overrides."""
+    return cls(**{**DECODER, **kw})
 
 
-@_seeded
-def gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = _decoder(Gemma3TextConfig, num_key_value_heads=2, head_dim=16, sliding_window=8)
-    return Gemma3ForCausalLM(cfg)
+def decoder_cfg(cls, **kw):
+    """Issue 10's tiny decoder config (tp_train.py's ``_decoder_cfg``): :data:`DECODER` with 2 KV heads and
+    untied embeddings (``kw`` overrides)."""
+    return _decoder(cls, **{"num_key_value_heads": 2, "tie_word_embeddings": False, **kw})
 
 
-@_seeded
-def falcon_gqa():
-    """Falcon with ``new_decoder_architecture`` and 2 key/value heads (``[q x 2, k, v]`` groups)."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    cfg = FalconConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-        use_cache=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
-    return FalconForCausalLM(cfg)
-
-
-@_seeded
-def falcon_mqa():
-    """Falcon's default config: multi-query attention (one key/value head shared by all heads)."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    cfg = FalconConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        use_cache=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
-    return FalconForCausalLM(cfg)
-
-
-@_seeded
-def bloom():
-    from transformers import BloomConfig, BloomForCausalLM
-
-    cfg = BloomConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        n_layer=2,
-        n_head=4,
-        use_cache=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
-    return BloomForCausalLM(cfg)
-
-
-@_seeded
-def whisper():
+# ------------------------------------------------- unseeded builders shared with tests/multirank (callers seed)
+def whisper_model():
+    """Whisper: an encoder stack and a decoder stack (with cross attention) -- the preset covers both."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     cfg = WhisperConfig(
@@ -128,6 +85,130 @@ def whisper():
         use_cache=False,
     )
     return WhisperForConditionalGeneration(cfg)
+
+
+def deberta_v2_model(share_att_key: bool = False):
+    """DeBERTa-v2 masked LM with disentangled relative attention (p2c + c2p): q/k/v are named *_proj, and
+    the relative embeddings go through pos_key_proj / pos_query_proj (or key_proj / query_proj when shared)."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    cfg = DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=share_att_key,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return DebertaV2ForMaskedLM(cfg)
+
+
+def falcon_new_arch_model(heads: int = 4, kv_heads: int = 2):
+    """Falcon with ``new_decoder_architecture``: the fused query_key_value is one [q x heads/kv, k, v] group
+    per key/value head (sharded contiguously by groups)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        new_decoder_architecture=True,
+        num_kv_heads=kv_heads,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return FalconForCausalLM(cfg)
+
+
+def bloom_model():
+    """BLOOM: per head [q, k, v] query_key_value and an ALiBi bias built by BloomModel for all heads."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    cfg = BloomConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        n_layer=2,
+        n_head=4,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return BloomForCausalLM(cfg)
+
+
+def phi3_model(kv_heads: int = 4):
+    """Phi-3: qkv_proj is [q; k; v] back to back (3 equal blocks, or unequal ones with fewer key/value heads),
+    gate_up_proj is [gate; up]; Phi3Attention reads config.num_attention_heads at run time."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = _decoder(
+        Phi3Config, num_key_value_heads=kv_heads, original_max_position_embeddings=64, resid_pdrop=0.0
+    )
+    return Phi3ForCausalLM(cfg)
+
+
+def qwen3_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(decoder_cfg(Qwen3Config, head_dim=16))
+
+
+def mixtral_model():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        decoder_cfg(MixtralConfig, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    )
+
+
+# ------------------------------------------------------------------ the matrix's builders (seeded: 0)
+@_seeded
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = _decoder(Gemma3TextConfig, num_key_value_heads=2, head_dim=16, sliding_window=8)
+    return Gemma3ForCausalLM(cfg)
+
+
+@_seeded
+def falcon_gqa():
+    """Falcon with ``new_decoder_architecture`` and 2 key/value heads (``[q x 2, k, v]`` groups)."""
+    return falcon_new_arch_model(heads=4, kv_heads=2)
+
+
+@_seeded
+def falcon_mqa():
+    """Falcon's default config: multi-query attention (one key/value head shared by all heads)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return FalconForCausalLM(cfg)
+
+
+@_seeded
+def bloom():
+    return bloom_model()
+
+
+@_seeded
+def whisper():
+    return whisper_model()
 
 
 @_seeded
@@ -158,31 +239,12 @@ def clip():
 
 @_seeded
 def phi3():
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    cfg = _decoder(Phi3Config, num_key_value_heads=2, original_max_position_embeddings=64, resid_pdrop=0.0)
-    return Phi3ForCausalLM(cfg)
+    return phi3_model(kv_heads=2)
 
 
 @_seeded
 def deberta_v2():
-    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
-
-    cfg = DebertaV2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        relative_attention=True,
-        position_buckets=8,
-        pos_att_type=["p2c", "c2p"],
-        share_att_key=True,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return DebertaV2ForMaskedLM(cfg)
+    return deberta_v2_model(share_att_key=True)
 
 
 @_seeded

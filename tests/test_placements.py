@@ -116,36 +116,23 @@ def test_model_path_reads_only_this_ranks_slices(tmp_path):
 def test_unequal_blocks_norm_and_gather_on_two_simulated_ranks():
     """Phi-3's grouped q/k/v (unequal blocks) has no DTensor placement: its norm view (plain Shard) gives the
     norm of the whole tensor, and ``full_tensor`` gathers it back in the model's order (the HF save)."""
-    import threading
-
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from slapo_lab.numeric import _threaded_world
     from slapo_lab.sharding.rules import BlockStride
+    from tests.threaded_ranks import run_threaded_ranks
 
     full = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
     stride = BlockStride((64, 32, 32))
     out = {}
 
-    def rank(r, store):
-        dist.init_process_group("threaded", rank=r, world_size=2, store=store)
-        try:
-            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-            lay = ShardLayout(tuple(full.shape), tp_axis=0, tp_stride=stride, tp=2, tp_rank=r)
-            local = local_shard(full, 0, 2, r, stride).clone()
-            norm = torch.linalg.vector_norm(lay.norm_view(local, mesh).full_tensor())
-            out[r] = (float(norm), lay.full_tensor(local, mesh))
-        finally:
-            dist.destroy_process_group()
+    def rank(r):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        lay = ShardLayout(tuple(full.shape), tp_axis=0, tp_stride=stride, tp=2, tp_rank=r)
+        local = local_shard(full, 0, 2, r, stride).clone()
+        norm = torch.linalg.vector_norm(lay.norm_view(local, mesh).full_tensor())
+        out[r] = (float(norm), lay.full_tensor(local, mesh))
 
-    with _threaded_world():
-        store = dist.HashStore()
-        threads = [threading.Thread(target=rank, args=(r, store)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    run_threaded_ranks(rank, world_size=2, timeout=60)
     assert set(out) == {0, 1}
     for norm, gathered in out.values():
         assert abs(norm - float(torch.linalg.vector_norm(full))) < 1e-4

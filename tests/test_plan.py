@@ -521,11 +521,8 @@ def test_the_activation_pass_counts_attention_as_flash_attention_saves_it():
 def test_the_per_rank_activation_estimate_matches_two_simulated_ranks_within_10_percent():
     """The Megatron schedule at TP 2: the plan's per-rank estimate (meta, simulated) against the bytes autograd
     saves on rank 0 of a real two-rank run (threads in PyTorch's threaded process group)."""
-    import threading
+    from threaded_ranks import run_threaded_ranks
 
-    import torch.distributed as dist
-
-    from slapo_lab.numeric import _threaded_world
     from slapo_lab.utils import meta_copy
 
     model = _llama_gqa()
@@ -535,22 +532,12 @@ def test_the_per_rank_activation_estimate_matches_two_simulated_ranks_within_10_
     estimate = sl.plan(sch, example_inputs={"input_ids": ids}, activation="autograd").per_stage[0]
     measured = {}
 
-    def rank(r, store):
-        dist.init_process_group("threaded", rank=r, world_size=2, store=store)
-        try:
-            ranked = sl.create_schedule(copy.deepcopy(model))
-            sl.replay(ranked, sch.record.calls)
-            measured[r] = _measured_saved_bytes(ranked.mod, ids)
-        finally:
-            dist.destroy_process_group()
+    def rank(r):
+        ranked = sl.create_schedule(copy.deepcopy(model))
+        sl.replay(ranked, sch.record.calls)
+        measured[r] = _measured_saved_bytes(ranked.mod, ids)
 
-    with _threaded_world():
-        store = dist.HashStore()
-        threads = [threading.Thread(target=rank, args=(r, store)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    run_threaded_ranks(rank, world_size=2, timeout=120)
     assert set(measured) == {0, 1}
     ratio = estimate["activation_bytes"] / measured[0]
     assert 0.9 <= ratio <= 1.1, (estimate["activation_bytes"], measured)

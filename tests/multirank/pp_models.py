@@ -14,9 +14,16 @@ All with random weights (seeded), dropout 0, fp32.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the builders shared with tp_train.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from matrix_models import DECODER, mixtral_model, qwen3_model
 
 VOCAB, SEQ, HIDDEN, CLASSES = 128, 8, 64, 5
 
@@ -217,21 +224,10 @@ def take(inputs, lo: int, n: int):
 # ------------------------------------------------------------------ twelve HF families (issue 10)
 # Tiny random configs (2 blocks, hidden 64, 4 heads, vocab 128, no dropout, no KV cache); the cut is
 # after the first block, so each family runs as 2 stages. ``FAMILY_SEQ`` tokens per sample (ViT:
-# a 32 x 32 image in 8 x 8 patches, i.e. 16 patches + CLS).
+# a 32 x 32 image in 8 x 8 patches, i.e. 16 patches + CLS). The decoders' config, and the Qwen3 and
+# Mixtral builders, are tests/matrix_models.py's (tp_train.py builds the same models).
 FAMILY_SEQ = 16
 _DROP = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-_DEC = {
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "use_cache": False,
-    "pad_token_id": 0,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
 
 
 def _bert_mlm():
@@ -378,29 +374,13 @@ def _vit():
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **_DEC))
+    return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **DECODER))
 
 
 def _mistral():
     from transformers import MistralConfig, MistralForCausalLM
 
-    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **_DEC))
-
-
-def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=16, **_DEC))
-
-
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    return MixtralForCausalLM(
-        MixtralConfig(
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, **_DEC
-        )
-    )
+    return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **DECODER))
 
 
 # family: (builder, the cut, "kind": causal_lm | mlm | seq2seq | image)
@@ -416,8 +396,8 @@ FAMILIES = {
     "fam_vit": (_vit, "vit.layers.0", "image"),
     "fam_llama": (_llama, "model.layers.0", "causal_lm"),
     "fam_mistral": (_mistral, "model.layers.0", "causal_lm"),
-    "fam_qwen3": (_qwen3, "model.layers.0", "causal_lm"),
-    "fam_mixtral": (_mixtral, "model.layers.0", "causal_lm"),
+    "fam_qwen3": (qwen3_model, "model.layers.0", "causal_lm"),
+    "fam_mixtral": (mixtral_model, "model.layers.0", "causal_lm"),
 }
 _FAM_LOSS = {"causal_lm": lm_loss, "mlm": token_loss, "seq2seq": token_loss, "image": cls_loss}
 

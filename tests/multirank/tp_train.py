@@ -23,8 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness, models
 from harness import apply_bert_tp
+from matrix_models import (  # the tiny HF builders tests/matrix_models.py shares (unseeded: run_case seeds)
+    bloom_model,
+    deberta_v2_model,
+    falcon_new_arch_model,
+    mixtral_model,
+    phi3_model,
+    qwen3_model,
+    whisper_model,
+)
+from matrix_models import decoder_cfg as _decoder_cfg
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -201,31 +211,6 @@ def t5_model(ff: str = "relu", variant: str = "T5"):
     return model_cls(cfg)
 
 
-def _decoder_cfg(cls, **kw):
-    """Issue 10's tiny decoder config: 2 layers, hidden 64, 4 heads, 2 KV heads, no cache (``kw`` overrides)."""
-    base = {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-        "use_cache": False,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
-    }
-    return cls(**{**base, **kw})
-
-
-def qwen3_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(_decoder_cfg(Qwen3Config, head_dim=16))
-
-
 def mistral_model():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -238,12 +223,6 @@ def gemma3_model():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return Gemma3ForCausalLM(_decoder_cfg(Gemma3TextConfig, head_dim=16, sliding_window=8))
-
-
-def mixtral_model():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    return MixtralForCausalLM(_decoder_cfg(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
 
 
 def qwen3_moe_model():
@@ -303,54 +282,6 @@ def features(ids):
     """Whisper's input for a batch: log-mel features (16 bins, 64 frames) seeded by the token batch."""
     g = torch.Generator().manual_seed(int(ids.sum()))
     return torch.randn(BATCH, 16, 64, generator=g)
-
-
-def whisper_model():
-    """Whisper: an encoder stack and a decoder stack (with cross attention) -- the preset covers both."""
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
-    cfg = WhisperConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        num_mel_bins=16,
-        max_source_positions=32,
-        max_target_positions=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-        dropout=0.0,
-        use_cache=False,
-    )
-    return WhisperForConditionalGeneration(cfg)
-
-
-def deberta_v2_model(share_att_key: bool = False):
-    """DeBERTa-v2 masked LM with disentangled relative attention (p2c + c2p): q/k/v are named *_proj, and
-    the relative embeddings go through pos_key_proj / pos_query_proj (or key_proj / query_proj when shared)."""
-    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
-
-    cfg = DebertaV2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        relative_attention=True,
-        position_buckets=8,
-        pos_att_type=["p2c", "c2p"],
-        share_att_key=share_att_key,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return DebertaV2ForMaskedLM(cfg)
 
 
 def bert_manual(sch):
@@ -480,24 +411,6 @@ FAMILY_CASES["compose"] = [
 ]
 
 
-def falcon_new_arch_model(heads: int = 4, kv_heads: int = 2):
-    """Falcon with ``new_decoder_architecture``: the fused query_key_value is one [q x heads/kv, k, v] group
-    per key/value head (sharded contiguously by groups)."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    return FalconForCausalLM(
-        FalconConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            new_decoder_architecture=True,
-            num_kv_heads=kv_heads,
-            use_cache=False,
-        )
-    )
-
-
 def falcon_old_layout_model(alibi: bool = False):
     """Falcon without multi-query attention: query_key_value is per head [q, k, v] (sharded by heads); with
     ``alibi`` the model folds a per-head bias into the attention mask (each rank takes its heads' slice)."""
@@ -511,38 +424,6 @@ def falcon_old_layout_model(alibi: bool = False):
             num_attention_heads=4,
             multi_query=False,
             alibi=alibi,
-            use_cache=False,
-        )
-    )
-
-
-def bloom_model():
-    """BLOOM: per head [q, k, v] query_key_value and an ALiBi bias built by BloomModel for all heads."""
-    from transformers import BloomConfig, BloomForCausalLM
-
-    return BloomForCausalLM(
-        BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, use_cache=False)
-    )
-
-
-def phi3_model(kv_heads: int = 4):
-    """Phi-3: qkv_proj is [q; k; v] back to back (3 equal blocks, or unequal ones with fewer key/value heads),
-    gate_up_proj is [gate; up]; Phi3Attention reads config.num_attention_heads at run time."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    return Phi3ForCausalLM(
-        Phi3Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=64,
-            original_max_position_embeddings=64,
-            pad_token_id=0,
-            bos_token_id=0,
-            eos_token_id=0,
             use_cache=False,
         )
     )
