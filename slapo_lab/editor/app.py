@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import check_primitive, module_state
 from ..errors import ScheduleError
-from ..record import format_call
+from ..record import format_call, gc_paused
 from ..utils import to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
@@ -209,6 +209,7 @@ class ScheduleEditor(EditorState, W.VBox):
         ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
     """
 
+    @gc_paused()  # as EditorState.__init__: the meta copy, the dataflow and the widgets hold no garbage
     def __init__(
         self,
         model: nn.Module,

@@ -75,6 +75,7 @@ class EditorState(SchedulePersistence):
 
     apply_to_similar = False
 
+    @gc_paused()  # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all for nothing
     def __init__(
         self,
         model: nn.Module,
