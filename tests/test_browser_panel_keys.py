@@ -309,6 +309,14 @@ def test_panel_keys_and_context_menu(tmp_path):
             page.keyboard.press("Escape")
             expect(dialog).to_have_count(0)
             assert page.evaluate(_CELLS_JS) == before
+
+            # ---- 6. Export… in the toolbar opens the Export pane, whose Export button is the panel's only one
+            toolbar.locator("button").filter(has_text="Export…").click()
+            form = panel.locator(".slapo-export")
+            expect(form).to_be_visible(timeout=WAIT)
+            exports = panel.locator("button:visible").filter(has_text=re.compile(r"^\s*Export\s*$"))
+            expect(exports).to_have_count(1)
+            expect(form.locator("button").filter(has_text=re.compile(r"^\s*Export\s*$"))).to_be_visible()
             assert not [m for m in page.console_messages if "pageerror" in m]
         except Exception:
             _report_failure(page, tmp_path, "panel_keys_failure.png")

@@ -1971,6 +1971,14 @@ class ScheduleEditor(EditorState, W.VBox):
             "<span title='keyboard shortcuts (click the graph or the tree first)'><kbd>?</kbd> keys</span>"
         )
         hint.add_class("slapo-keys-hint")
+        # Export in the toolbar opens the Export pane (its form and its own Export button): one Export button,
+        # shown once, and the options it writes are in sight when it is pressed
+        to_export = W.Button(
+            description="Export…",
+            icon="download",
+            tooltip="open the Export pane: the script's options (model, data, parallelism, steps) and its Export",
+        )
+        to_export.add_class("slapo-to-export")
         toolbar = W.HBox(
             [
                 self._btn_undo,
@@ -1978,7 +1986,7 @@ class ScheduleEditor(EditorState, W.VBox):
                 self._preset,
                 self._preset_k,
                 self._btn_preset,
-                self._btn_export,
+                to_export,
                 self._btn_verify,
                 self._btn_cancel,
                 self._progress,
@@ -2008,6 +2016,7 @@ class ScheduleEditor(EditorState, W.VBox):
             selected_index=None,
         )
         panes.add_class("slapo-panes")
+        to_export.on_click(lambda _: setattr(panes, "selected_index", 2))
         panel = W.VBox([self._header, toolbar, status, body, panes], layout=W.Layout(width="100%"))
         panel.add_class("slapo-editor")
         panel.add_class("slapo-panel")
