@@ -295,6 +295,12 @@ def test_panel_keys_and_context_menu(tmp_path):
             expect(shard).to_contain_text("no parameters of its own")  # pooler's own reason, not embeddings'
             page.keyboard.press("Escape")
             expect(menu).to_have_count(0)
+            # the tree shows pooler's children now that it is selected; a row's tooltip is its full path
+            child = panel.locator(".slapo-tree option").filter(has_text="dense · Linear").first
+            expect(child).to_be_attached(timeout=WAIT)
+            child.evaluate("o => o.scrollIntoView({block: 'center'})")
+            child.hover()
+            expect(child).to_have_attribute("title", "pooler.dense · Linear")
 
             # ---- 5. the shortcut list on "?"
             _wait_drawn(page, pgraph)

@@ -126,7 +126,7 @@ def test_search_highlight_follows_the_level(editor):
 
 
 def test_search_without_match_says_so_and_clear_restores(editor):
-    total = len(editor._all_tree_options)
+    total = len(editor._tree_visible())  # the collapsed tree's rows
     assert editor.search("xyz") == 0
     assert editor._search_info.value == "No module matches 'xyz'."
     assert editor._tree.layout.display == "none"  # no empty box
@@ -135,7 +135,7 @@ def test_search_without_match_says_so_and_clear_restores(editor):
     assert editor._search_info.value == "No module matches '&lt;b&gt;'."  # escaped
     assert editor.search("") == total
     assert editor._search_info.value == "" and editor._tree.layout.display is None
-    assert editor._tree.options == tuple(editor._all_tree_options)  # the indented tree is back
+    assert editor._tree.options == tuple(editor._tree_visible())  # the indented (collapsed) tree is back
     assert editor._graph.highlighted == []
 
 
@@ -148,3 +148,50 @@ def test_search_by_type_keeps_the_selection(editor):
         "encoder.layer.1.attention.self",
     ]
     assert editor._tree.value == "encoder.layer.0.attention.self"
+
+
+def test_the_tree_shows_only_the_open_modules_and_follows_the_selection(editor):
+    def rows():
+        return [(label.strip("\u2003"), path) for label, path in editor._tree.options]
+
+    assert rows() == [
+        ("\u25be (model) · BertModel", ""),
+        ("\u25b8 embeddings · BertEmbeddings", "embeddings"),
+        ("\u25b8 encoder · BertEncoder", "encoder"),
+        ("\u25b8 pooler · BertPooler", "pooler"),
+    ]
+    editor.select("encoder.layer.1.attention")
+    paths = [p for _, p in rows()]
+    assert "encoder.layer.1.attention.self" in paths and "encoder.layer.1.intermediate" in paths
+    assert "encoder.layer.0" in paths and "encoder.layer.0.attention" not in paths  # a closed sibling
+    assert editor._tree.value == "encoder.layer.1.attention"
+    assert ("\u25be attention · BertAttention", "encoder.layer.1.attention") in rows()
+    editor.select("encoder")  # an ancestor: the rest folds away
+    assert [p for _, p in rows()] == ["", "embeddings", "encoder", "encoder.layer", "pooler"]
+    assert len(editor._all_tree_options) > 40  # what search still filters
+
+
+def test_a_70b_tree_is_short():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slapo_lab as sl
+
+    cfg = LlamaConfig(
+        num_hidden_layers=80,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ed = sl.ScheduleEditor(model, world_size=2, live_check=False)
+    assert len(ed._all_tree_options) > 900
+    assert len(ed._tree.options) < 100, len(ed._tree.options)
+    ed.select("model.layers.41.mlp.up_proj")
+    paths = [p for _, p in ed._tree.options]
+    assert (
+        len(paths) < 110 and "model.layers.41.mlp.down_proj" in paths and ed._tree.value.endswith("up_proj")
+    )

@@ -119,6 +119,43 @@ function nextReasons(view: GraphView, ms: number): Promise<void> {
   });
 }
 
+/** The tree row's indentation depth (one em space per level) and its text without the ▸ / ▾ mark. */
+function treeRow(option: HTMLOptionElement): { depth: number; text: string } {
+  const label = (option.textContent || '').replace(/\u00a0/g, ' '); // ipywidgets draws spaces as no-break
+  let depth = 0;
+  while (label.charAt(depth) === '\u2003') {
+    depth++;
+  }
+  return { depth, text: label.slice(depth).replace(/^[\u25b8\u25be] /, '') };
+}
+
+/**
+ * "encoder.layer.0.attention · BertAttention" for an indented tree row: its name and those of the rows above
+ * it one level less indented, up to the model row (depth 0). Search results (no indentation) already show the
+ * full path.
+ */
+export function treeRowTitle(option: HTMLOptionElement): string {
+  const { depth, text } = treeRow(option);
+  if (depth === 0) {
+    return text;
+  }
+  const sep = text.lastIndexOf(' · ');
+  const names = [sep >= 0 ? text.slice(0, sep) : text];
+  let want = depth - 1;
+  for (let o = option.previousElementSibling; o && want >= 1; o = o.previousElementSibling) {
+    if (!(o instanceof HTMLOptionElement)) {
+      continue;
+    }
+    const row = treeRow(o);
+    if (row.depth === want) {
+      const cut = row.text.lastIndexOf(' · ');
+      names.unshift(cut >= 0 ? row.text.slice(0, cut) : row.text);
+      want--;
+    }
+  }
+  return names.join('.') + (sep >= 0 ? text.slice(sep) : '');
+}
+
 export class EditorCommands {
   constructor(private _app: JupyterFrontEnd) {}
 
@@ -189,6 +226,7 @@ export class EditorCommands {
     document.addEventListener('focusin', this._onFocusIn, true);
     document.addEventListener('pointerdown', this._onFocusIn, true);
     document.addEventListener('contextmenu', this._onTreeMenu, true);
+    document.addEventListener('mouseover', this._onTreeHover, true);
     setMenuHandler((view, token, x, y) => void this._openMenu(view, token, x, y));
     setPanelHandler((graph, id) => this._openPanel(graph, id));
   }
@@ -306,6 +344,15 @@ export class EditorCommands {
   // ------------------------------------------------------------------ context menus
 
   /** Right-click on a row of the module tree: select the row, then the menu. */
+  /** A tree row's tooltip: the module's full path (the row shows only its name, indented under its parent). */
+  private _onTreeHover = (event: MouseEvent): void => {
+    const option = event.target as Element | null;
+    if (!(option instanceof HTMLOptionElement) || option.title || !option.closest('.slapo-tree')) {
+      return;
+    }
+    option.title = treeRowTitle(option);
+  };
+
   private _onTreeMenu = (event: MouseEvent): void => {
     const target = event.target as Element | null;
     if (!target || typeof target.closest !== 'function' || event.shiftKey) {

@@ -264,12 +264,14 @@ class ScheduleEditor(EditorState, W.VBox):
 
         Matches are listed by full module path (``encoder.layer.0.intermediate · BertIntermediate``);
         the graph highlights every node that is or contains a match and centres the first one; no
-        match shows one sentence instead of an empty tree. An empty ``text`` restores the tree.
+        match shows one sentence instead of an empty tree. An empty ``text`` restores the (collapsed) tree and
+        returns its number of rows.
         """
         raw = (text or "").strip()
         text = raw.lower()
+        self._searching = bool(text)
         opts = (
-            self._all_tree_options
+            self._tree_visible()
             if not text
             else [
                 (f"{path or '(model)'} · {label.rsplit(' · ', 1)[-1]}", path)
@@ -923,7 +925,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._header_base = f"<b>slapo-lab</b> · {html.escape(name)} · {_count(nparams)} parameters · "
         self._header = W.HTML(self._header_base)
         self._all_tree_options = self._tree_options()
-        self._tree = W.Select(options=self._all_tree_options, rows=30, layout=W.Layout(width="100%"))
+        self._tree = W.Select(options=self._tree_visible(), rows=30, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
         self._search = W.Text(placeholder="search name or type", layout=W.Layout(width="100%"))
         self._search.observe(lambda ch: self.search(ch["new"]), names="value")
@@ -1223,12 +1225,45 @@ class ScheduleEditor(EditorState, W.VBox):
         self._set_form(None, refresh=False)
 
     def _tree_options(self) -> list[tuple[str, str]]:
-        opts = []
+        """Every module as an indented row ``(label, path)`` (what search filters); also sets ``_tree_rows``,
+        the rows the collapsed tree is drawn from: ``(path, depth, label text, has children)``."""
+        opts, rows = [], []
         for path, node in self.schedule.named_schedules():
             depth = path.count(".") + 1 if path else 0
-            label = ("\u2003" * depth) + (node.name or "(model)") + f" · {type(node.mod).__name__}"
-            opts.append((label, path))
+            text = (node.name or "(model)") + f" · {type(node.mod).__name__}"
+            opts.append((("\u2003" * depth) + text, path))
+            rows.append((path, depth, text, bool(node.child)))
+        self._tree_rows = rows
         return opts
+
+    def _tree_visible(self) -> list[tuple[str, str]]:
+        """The tree as shown: a module's children are listed only while it is open, and the open modules are
+        the selected one, the level the graph shows, and their ancestors (selecting a row opens it, selecting
+        an ancestor folds the rest away). A 70B model shows ~90 rows instead of ~1,000. ▸ marks a closed module
+        with submodules, ▾ an open one."""
+        open_ = {""}
+        for path in (self.selected, self.level):
+            parts = path.split(".") if path else []
+            open_.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        out = []
+        for path, depth, text, has_children in self._tree_rows:
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            if path and parent not in open_:
+                continue
+            mark = ("\u25be " if path in open_ else "\u25b8 ") if has_children else ""
+            out.append((("\u2003" * depth) + mark + text, path))
+        return out
+
+    def _refresh_tree(self) -> None:
+        """Show the collapsed tree for the current selection (unless a search lists its matches)."""
+        if getattr(self, "_searching", False):
+            return
+        opts = self._tree_visible()
+        if list(self._tree.options) != opts:
+            self._tree.unobserve(self._on_tree, names="value")
+            self._tree.options = opts
+            self._tree.value = self.selected if any(p == self.selected for _, p in opts) else None
+            self._tree.observe(self._on_tree, names="value")
 
     # ------------------------------------------------------------------ events
 
@@ -1909,6 +1944,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._refresh_inspector()
         n_sim = len(self.similar(self.selected)) if self.selected else 1
         self._similar_info.value = f"<small>{n_sim} similar modules</small>" if n_sim > 1 else ""
+        self._refresh_tree()
         if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
             self._tree.unobserve(self._on_tree, names="value")
             self._tree.value = self.selected
