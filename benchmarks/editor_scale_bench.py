@@ -73,9 +73,11 @@ def cold(size: str) -> None:
     (inside an asyncio loop: the panels redraw right after the cell, the activation pass and the call order
     go to the background thread, which is not waited for). This process must be fresh: run as ``--cold SIZE``.
     Prints ``COLD <the editor's own imports s> <constructor + panels s> <both s>`` (torch and transformers,
-    which the notebook imports to build its model, are not counted; they take 1.7-1.9 s here)."""
+    which the notebook imports to build its model, are not counted; they take 1.7-1.9 s here; nor is IPython,
+    which the kernel itself runs on)."""
     import asyncio
 
+    import IPython  # noqa: F401 - the kernel's own: loaded before any cell runs (0.2 s here)
     import torch  # the user's own imports: a notebook builds its model with them before the editor
     import transformers  # noqa: F401
 
