@@ -186,3 +186,42 @@ def test_the_schedule_file_is_kept_and_an_outside_change_is_never_overwritten(be
     assert ("file bar", True) in st.events and "changed outside this editor" in st.message
     assert json.loads(path.read_text())["calls"][-1]["path"] == "encoder.layer.0"
     assert st.keep_mine() is None and ("file bar", False) in st.events
+
+
+def test_undo_in_a_kernel_replays_onto_the_spare_copy_made_in_the_background(bert):
+    """In a kernel the background work ends by making the meta copy the next undo starts from, so an undo only
+    replays (the copy was a third of an undo at 70B); outside one, the rebuild copies the model itself."""
+    import asyncio
+
+    import slapo_lab as sl
+
+    model, ids = bert
+    loop = asyncio.new_event_loop()
+
+    def in_kernel(fn, *args, **kwargs):
+        async def handler():
+            return fn(*args, **kwargs)
+
+        out = loop.run_until_complete(handler())
+        loop.run_until_complete(asyncio.sleep(0))
+        return out
+
+    try:
+        ed = in_kernel(lambda: sl.ScheduleEditor(model, {"input_ids": ids}, world_size=2, live_check=False))
+        ed.BACKGROUND_DEBOUNCE = 0.0
+        assert in_kernel(ed.apply_preset, "megatron") is None
+        assert in_kernel(ed.apply, "checkpoint", path="encoder.layer.0") is None
+        assert ed.wait_background(60)
+        spare = ed._spare
+        assert spare is not None and spare is not ed._meta_model
+        assert all(p.device.type == "meta" for p in spare.parameters())
+        assert in_kernel(ed.undo) is None
+        assert ed._meta_model is spare  # replayed onto the spare copy
+        assert ed.schedule[Q].mod.weight.shape == (32, 64)  # the sharded model, minus the undone call
+        assert "checkpoint" not in ed.code
+        assert ed.wait_background(60) and ed._spare is not None and ed._spare is not spare  # made again
+    finally:
+        loop.close()
+    st = EditorState(model, {"input_ids": ids}, world_size=2)  # no kernel: no background, no spare
+    st.apply("checkpoint", path="pooler")
+    assert st.undo() is None and st._spare is None

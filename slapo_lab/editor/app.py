@@ -1836,8 +1836,9 @@ class ScheduleEditor(EditorState, W.VBox):
         """After every change: cancel the background work under way, and :attr:`BACKGROUND_DEBOUNCE` seconds
         after the last change run, in one daemon thread, in order and each cancelled by the next change: in a
         kernel, the forward call order (the cut button's reason) and the activation pass (the memory view),
-        each a meta forward of every layer; then the live numeric check. One thread, one at a time: they never
-        compete with each other, and a burst of clicks runs them once."""
+        each a meta forward of every layer; then the live numeric check; then, in a kernel, the spare meta copy
+        the next undo starts from (:meth:`~slapo_lab.editor.state.EditorState._make_spare`). One thread, one at
+        a time: they never compete with each other, and a burst of clicks runs them once."""
         self._numeric_gen += 1
         self._numeric_cancel.set()
         if self._numeric_timer is not None:
@@ -1887,6 +1888,11 @@ class ScheduleEditor(EditorState, W.VBox):
             _log.warning("background work failed: %s: %s", type(err).__name__, err)
         if numeric and not cancel.is_set():
             self._run_numeric(gen, calls, cancel)
+        if kernel and not cancel.is_set():
+            try:  # last: the next undo replays onto it instead of copying the model first
+                self._make_spare()
+            except Exception as err:  # noqa: BLE001 - the rebuild then copies the model itself
+                _log.warning("no spare copy for undo: %s: %s", type(err).__name__, err)
 
     def _run_numeric(self, gen: int, calls: list, cancel: threading.Event):
         from ..numeric import numeric_check

@@ -100,6 +100,7 @@ class EditorState(SchedulePersistence):
         self.world_size = world_size
         self.rank = rank
         self._meta_model = meta_copy(model)
+        self._spare = None  # a meta copy made ahead for the next rebuild (see _take_spare)
         self._lock = threading.RLock()  # see serialized: clicks arrive on another thread than cells
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
         self._remember_inputs(self.schedule)
@@ -476,7 +477,7 @@ class EditorState(SchedulePersistence):
         from ..record import Action
 
         old = self.schedule
-        meta = meta_copy(self.model)
+        meta = self._take_spare()
         sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
         self._remember_inputs(sch)
         for act in actions:
@@ -494,6 +495,18 @@ class EditorState(SchedulePersistence):
         self._refresh_all()
         if autosave:
             self._autosave()
+
+    def _take_spare(self):
+        """A fresh meta copy of the model for a rebuild: the spare one made ahead (:meth:`_make_spare`, in a
+        kernel's background work) when there is one, else one made now (0.1-0.3 s at 70B: a third of an undo)."""
+        spare, self._spare = self._spare, None
+        return spare if spare is not None else meta_copy(self.model)
+
+    def _make_spare(self) -> None:
+        """Make the meta copy the next undo, clear or TP change starts from, unless one is ready (run it off the
+        click path: the copy reads only the user's model, which the editor never changes)."""
+        if self._spare is None:
+            self._spare = meta_copy(self.model)
 
     def _remember_inputs(self, sch) -> None:
         """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
