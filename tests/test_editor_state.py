@@ -225,3 +225,47 @@ def test_undo_in_a_kernel_replays_onto_the_spare_copy_made_in_the_background(ber
     st = EditorState(model, {"input_ids": ids}, world_size=2)  # no kernel: no background, no spare
     st.apply("checkpoint", path="pooler")
     assert st.undo() is None and st._spare is None
+
+
+def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
+    """gc_deferred: off inside the block; inside a running loop still off after it and back on (having
+    collected) ``delay`` seconds later; without a loop, or when the block raises, back on at once."""
+    import asyncio
+    import gc
+    import time
+
+    import pytest
+
+    from slapo_lab.record import gc_deferred
+
+    deadline = (
+        time.monotonic() + 5
+    )  # an editor built in a loop by the test before turns it back on within 1 s
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gc.isenabled()
+    with gc_deferred(None):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_deferred(asyncio.new_event_loop()):
+        raise ValueError("x")
+    assert gc.isenabled()
+
+    async def cell():
+        with gc_deferred(asyncio.get_running_loop(), delay=0.2):
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the cell's view is sent first
+        await asyncio.sleep(0.05)
+        assert not gc.isenabled()
+        await asyncio.sleep(0.3)
+        return gc.isenabled()
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(cell()) is True
+    finally:
+        loop.close()
+    with gc_deferred(loop, delay=0.1):  # the loop closed: the timer turns the collector back on all the same
+        pass
+    time.sleep(0.5)
+    assert gc.isenabled()

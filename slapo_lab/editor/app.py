@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import check_primitive, module_state
 from ..errors import ScheduleError
-from ..record import format_call, gc_paused
+from ..record import format_call, gc_deferred
 from ..utils import to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .graph_widget import GraphWidget
@@ -209,7 +209,6 @@ class ScheduleEditor(EditorState, W.VBox):
         ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
     """
 
-    @gc_paused()  # as EditorState.__init__: the meta copy, the dataflow and the widgets hold no garbage
     def __init__(
         self,
         model: nn.Module,
@@ -220,6 +219,12 @@ class ScheduleEditor(EditorState, W.VBox):
         schedule_file: str | None = None,
         live_check: bool | None = None,
     ) -> None:
+        # the meta copy, the dataflow and the widgets are ~10^5 objects and no garbage: no collection while they
+        # are made, and in a kernel the full collection they cause runs a second after the cell, not inside it
+        with gc_deferred(_running_loop()):
+            self._init(model, example_inputs, world_size, rank, factory, schedule_file, live_check)
+
+    def _init(self, model, example_inputs, world_size, rank, factory, schedule_file, live_check) -> None:
         import os
 
         self._setup(model, example_inputs, world_size, rank, factory)
