@@ -130,6 +130,17 @@ def _wait_drawn(page, graph, timeout: float = 30.0) -> None:
         ) from None
 
 
+# JS: rebind COMMAND to Alt+K as the Settings editor does (JupyterLab's shortcuts settings, user layer)
+# (through JupyterLab's setting registry: the shortcuts plugin listens to it and rebinds at once)
+_REBIND_JS = """async (command) => {
+  const app = window.jupyterapp;
+  const services = app.pluginRegistry._services; // token -> plugin id (JupyterLab 4.4)
+  const token = Array.from(services.keys()).find(t => t.name === '@jupyterlab/coreutils:ISettingRegistry');
+  const registry = await app.resolveRequiredService(token);
+  await registry.set('@jupyterlab/shortcuts-extension:shortcuts', 'shortcuts',
+                     [{command, keys: ['Alt K'], selector: '.slapo-editor'}]);
+}"""
+
 # JS: whether graph element G shows drawing RID or a later one (node ids are d<render id>n<i>)
 _DRAWN_JS = """([g, rid]) => {
   const n = g.querySelector('g.node[id]');
@@ -323,6 +334,21 @@ def test_panel_keys_and_context_menu(tmp_path):
             exports = panel.locator("button:visible").filter(has_text=re.compile(r"^\s*Export\s*$"))
             expect(exports).to_have_count(1)
             expect(form.locator("button").filter(has_text=re.compile(r"^\s*Export\s*$"))).to_be_visible()
+
+            # ---- 7. a key rebound in Settings (what the Settings editor saves): Alt+K checkpoints from now on
+            page.evaluate(_REBIND_JS, "slapo-lab:checkpoint")
+            page.wait_for_function(
+                "() => window.jupyterapp.commands.keyBindings.some("
+                "b => b.command === 'slapo-lab:checkpoint' && b.keys.join(' ') === 'Alt K')",
+                timeout=WAIT,
+            )
+            _wait_drawn(page, pgraph)
+            _node(pgraph, "pooler").click()
+            expect(pgraph.locator("g.node.slapo-selected")).to_contain_text("pooler", timeout=WAIT)
+            page.keyboard.press("Alt+k")
+            code = _wait_code(page, lambda c: 'sch["pooler"].checkpoint()' in c)
+            assert 'sch["pooler"].checkpoint()' in code, code
+            assert page.evaluate(_CELLS_JS) == before
             assert not [m for m in page.console_messages if "pageerror" in m]
         except Exception:
             _report_failure(page, tmp_path, "panel_keys_failure.png")
