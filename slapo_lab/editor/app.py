@@ -149,6 +149,17 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
+def _set_silently(widget, handler, **traits) -> None:
+    """Set ``traits`` on ``widget`` in the given order (``options`` before ``value``) without calling its value
+    observer ``handler``: the editor's own change, not the user's."""
+    widget.unobserve(handler, names="value")
+    try:
+        for name, value in traits.items():
+            setattr(widget, name, value)
+    finally:
+        widget.observe(handler, names="value")
+
+
 _LIVE_CHECKS: weakref.WeakSet = weakref.WeakSet()  # editors whose live check may be running
 
 
@@ -285,10 +296,7 @@ class ScheduleEditor(EditorState, W.VBox):
             ]
         )
         keep = self.selected if any(p == self.selected for _, p in opts) else None
-        self._tree.unobserve(self._on_tree, names="value")
-        self._tree.options = opts
-        self._tree.value = keep
-        self._tree.observe(self._on_tree, names="value")
+        _set_silently(self._tree, self._on_tree, options=opts, value=keep)
         none = bool(text) and not opts
         self._tree.layout.display = "none" if none else None
         self._search_info.value = f"No module matches '{html.escape(raw)}'." if none else ""
@@ -929,7 +937,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._numeric_box = W.HTML()
         self._header_base = f"<b>slapo-lab</b> · {html.escape(name)} · {_count(nparams)} parameters · "
         self._header = W.HTML(self._header_base)
-        self._all_tree_options = self._tree_options()
+        self._tree_rows = self._tree_rows_of_schedule()
         self._tree = W.Select(options=self._tree_visible(), rows=30, layout=W.Layout(width="100%"))
         self._tree.observe(self._on_tree, names="value")
         self._search = W.Text(placeholder="search name or type", layout=W.Layout(width="100%"))
@@ -1229,17 +1237,20 @@ class ScheduleEditor(EditorState, W.VBox):
         self._export_box.add_class("slapo-export")
         self._set_form(None, refresh=False)
 
-    def _tree_options(self) -> list[tuple[str, str]]:
-        """Every module as an indented row ``(label, path)`` (what search filters); also sets ``_tree_rows``,
-        the rows the collapsed tree is drawn from: ``(path, depth, label text, has children)``."""
-        opts, rows = [], []
+    def _tree_rows_of_schedule(self) -> list[tuple[str, int, str, bool]]:
+        """Every module as a tree row ``(path, depth, "name · Type", has children)``, in tree order."""
+        rows = []
         for path, node in self.schedule.named_schedules():
             depth = path.count(".") + 1 if path else 0
-            text = (node.name or "(model)") + f" · {type(node.mod).__name__}"
-            opts.append((("\u2003" * depth) + text, path))
-            rows.append((path, depth, text, bool(node.child)))
-        self._tree_rows = rows
-        return opts
+            rows.append(
+                (path, depth, (node.name or "(model)") + f" · {type(node.mod).__name__}", bool(node.child))
+            )
+        return rows
+
+    @property
+    def _all_tree_options(self) -> list[tuple[str, str]]:
+        """Every module as an indented ``(label, path)`` row, unfolded (what search filters)."""
+        return [(("\u2003" * depth) + text, path) for path, depth, text, _ in self._tree_rows]
 
     def _tree_visible(self) -> list[tuple[str, str]]:
         """The tree as shown: a module's children are listed only while it is open, and the open modules are
@@ -1265,10 +1276,8 @@ class ScheduleEditor(EditorState, W.VBox):
             return
         opts = self._tree_visible()
         if list(self._tree.options) != opts:
-            self._tree.unobserve(self._on_tree, names="value")
-            self._tree.options = opts
-            self._tree.value = self.selected if any(p == self.selected for _, p in opts) else None
-            self._tree.observe(self._on_tree, names="value")
+            keep = self.selected if any(p == self.selected for _, p in opts) else None
+            _set_silently(self._tree, self._on_tree, options=opts, value=keep)
 
     # ------------------------------------------------------------------ events
 
@@ -1741,9 +1750,7 @@ class ScheduleEditor(EditorState, W.VBox):
         dp, problem = data_parallel(self._cluster, self.world_size, pp)
         for w, v in ((self._nodes, self._cluster.nodes), (self._gpn, self._cluster.gpus_per_node)):
             if w.value != v:
-                w.unobserve(self._on_cluster, names="value")
-                w.value = v
-                w.observe(self._on_cluster, names="value")
+                _set_silently(w, self._on_cluster, value=v)
         if self._cluster_set and str(self._f_dp.value).strip() != str(dp):
             self._f_dp.value = str(dp)
         dp_form, shard, _ = self._plan_layout()
@@ -1751,10 +1758,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._header.value = self._header_base + html.escape(degrees) + f" (planning for rank {self.rank})"
         choices = tp_choices(self._cluster, self.world_size)
         if list(self._tp.options) != choices or self._tp.value != self.world_size:
-            self._tp.unobserve(self._on_tp, names="value")
-            self._tp.options = choices
-            self._tp.value = self.world_size
-            self._tp.observe(self._on_tp, names="value")
+            _set_silently(self._tp, self._on_tp, options=choices, value=self.world_size)
         self._cluster_info.value = (
             f"<small>{html.escape(str(self._cluster))}: {html.escape(degrees)}"
             + (f" — {html.escape(problem)}" if problem else "")
@@ -1957,9 +1961,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._similar_info.value = f"<small>{n_sim} similar modules</small>" if n_sim > 1 else ""
         self._refresh_tree()
         if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
-            self._tree.unobserve(self._on_tree, names="value")
-            self._tree.value = self.selected
-            self._tree.observe(self._on_tree, names="value")
+            _set_silently(self._tree, self._on_tree, value=self.selected)
         if self._flow_error and not self.message:
             self._info(self._flow_error)
 
