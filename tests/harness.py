@@ -1,7 +1,8 @@
 """Plain helpers shared by test modules (importable from module-scoped fixtures, unlike fixtures).
 
 * :func:`apply_bert_tp` — issue 2's Megatron-style BERT schedule, typed call by call;
-* :func:`free_port`, :func:`child_env`, :func:`launch_torchrun` — a bounded local CPU torchrun launch.
+* :func:`free_port`, :func:`child_env`, :func:`launch_torchrun` — a bounded local CPU torchrun launch;
+* :func:`report`, :func:`agree` — inside such a launched script: its ``RESULT`` lines, agreement of all ranks.
 """
 
 from __future__ import annotations
@@ -133,6 +134,24 @@ def launch_torchrun(script, nproc: int, args: list[str], timeout: float) -> tupl
             kill_tree(proc.pid)
             proc.wait()
     return proc.returncode, out
+
+
+def report(case: str, ok: bool, **extra) -> None:
+    """In a multi-rank script: print one ``RESULT {json}`` line for ``case`` on rank 0 (what
+    :func:`launch_results` reads back)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"case": case, "ok": bool(ok), **extra}), flush=True)
+
+
+def agree(ok: bool) -> bool:
+    """In a multi-rank script: whether ``ok`` holds on every rank (gathered from all of them)."""
+    import torch.distributed as dist
+
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(ok))
+    return all(flags)
 
 
 def launch_results(script, nproc: int, args: list[str], timeout: float) -> tuple[int, str, dict]:

@@ -7,7 +7,6 @@ at tp 1 x dp 2 with FSDP on dim 1, and as a full tensor; a DTensor view is refus
 """
 
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from slapo_lab.sharding.placements import ShardLayout
 from slapo_lab.sharding.rules import BlockStride, local_shard
+from tests.harness import agree, report
 
 SHAPE = (128, 64)
 STRIDE = BlockStride((64, 32, 32))
@@ -28,17 +28,6 @@ STRIDE = BlockStride((64, 32, 32))
 
 def full():
     return torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE)
-
-
-def report(case, ok, **extra):
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"case": case, "ok": bool(ok), **extra}), flush=True)
-
-
-def agree(ok):
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(ok))
-    return all(flags)
 
 
 def main():

@@ -11,7 +11,6 @@
 
 import copy
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from slapo_lab.sharding.placements import ShardLayout, layout_of
 from slapo_lab.train.optim import global_grad_norm
+from tests.harness import agree, report
 
 SPECS = {"k": ((8, 6), 1), "k_bias": ((8,), None)}  # name -> (global shape, FSDP dim)
 KV = 2
@@ -45,17 +45,6 @@ def layouts(tp, dp, mesh, fsdp=False):
             lay = lay.with_fsdp(fdim, dp, dp_rank)
         out[name] = lay
     return out
-
-
-def report(case, ok, **extra):
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"case": case, "ok": bool(ok), **extra}), flush=True)
-
-
-def agree(ok):
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(ok))
-    return all(flags)
 
 
 def save_at(ckpt, tp, dp, fsdp):

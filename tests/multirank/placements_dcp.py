@@ -8,7 +8,6 @@ Saved at tp 2 x dp 2 (FSDP), then loaded at tp 4, at tp 1 x dp 4 (FSDP), and as 
 """
 
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from slapo_lab.sharding.placements import ShardLayout
+from tests.harness import report
 
 SPECS = {"qkv": ((12, 6), 0, 3, 1), "dense": ((8, 12), 1, 1, 0), "bias": ((8,), 0, 1, None)}
 
@@ -39,11 +39,6 @@ def layouts(tp, dp, fsdp, mesh):
             lay = lay.with_fsdp(fdim, dp, dp_rank)
         out[name] = lay
     return out
-
-
-def report(case, ok, **extra):
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"case": case, "ok": bool(ok), **extra}), flush=True)
 
 
 def main():
