@@ -498,6 +498,20 @@ def _choose(editor, label: str, option: str) -> None:
     editor.locator(f".widget-dropdown:has(label:text-is('{label}')) select").select_option(label=option)
 
 
+def _kernel_has(page, expr: str, expected: str, timeout: float = 30.0) -> None:
+    """Wait until ``repr(expr)`` in the notebook's kernel is ``expected`` (a widget value synced from the page)."""
+    deadline = time.monotonic() + timeout
+    got = ""
+    while time.monotonic() < deadline:
+        got = _kernel_eval(page, f"print(repr({expr}))").strip()
+        if got == expected:
+            return
+        time.sleep(0.2)
+    raise AssertionError(
+        f"the kernel's {expr} is {got}, not {expected}, {timeout:.0f} s after the page set it"
+    )
+
+
 def _type_number(editor, label: str, value: int) -> None:
     box = editor.locator(f".widget-inline-hbox:has(label:text-is('{label}')) input")
     box.fill(str(value))
@@ -554,15 +568,21 @@ def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_c
         _wait_text(message, "at TP 2 (was TP 4)")
         _wait_text(header, "tensor parallel 2 · pipeline 1 stage · data parallel 2 = 4 GPUs")
 
+        # a button's click is sent at once, while ipywidgets may hold a dropdown's new value back until the
+        # kernel's last message is answered: under load the click could apply the previous preset; wait until
+        # the kernel has the choice, as a person's pause would
         _choose(editor, "preset", "Megatron tensor parallelism (every block)")
+        _kernel_has(page, "editor._preset.value", "'megatron'")
         _button(editor, "apply preset").click()
         msg = _wait_text(message, "Preset megatron recorded")
         assert "vocabulary of 50257 does not divide by the world size 2" in msg, msg
         _choose(editor, "preset", "checkpoint every k-th block")
+        _kernel_has(page, "editor._preset.value", "'checkpoint'")
         _button(editor, "apply preset").click()
         _wait_text(message, "Preset checkpoint recorded 4 calls.")
         _choose(editor, "preset", "cut into N balanced pipeline stages")
         _type_number(editor, "k / N", 2)
+        _kernel_has(page, "(editor._preset.value, editor._preset_k.value)", "('stages', 2)")
         _button(editor, "apply preset").click()
         _wait_text(message, "Preset stages recorded 1 calls.")
         _wait_text(header, "tensor parallel 2 · pipeline 2 stages · data parallel 1 = 4 GPUs")
