@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -47,7 +48,7 @@ from torch import nn
 from .errors import ScheduleError
 from .record import Call
 
-__all__ = ["NumericReport", "numeric_check"]
+__all__ = ["NumericReport", "RanksStopped", "check_stop", "numeric_check", "run_threaded_ranks"]
 
 #: Below this many parameters (after keeping one block per distinct schedule) the copy keeps its widths.
 SHRINK_ABOVE = 4_000_000
@@ -440,7 +441,8 @@ def remembered_inputs(sch, model: nn.Module) -> dict:
 # ------------------------------------------------------------------------------------------------ the run
 @contextlib.contextmanager
 def _threaded_world():
-    """Install PyTorch's threaded process-group backend for the duration (process-wide, one at a time)."""
+    """Install PyTorch's threaded process-group backend for the duration (process-wide, one at a time), with
+    no collective or termination left from an earlier world."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -452,7 +454,7 @@ def _threaded_world():
 
     with _run_lock:
         mtpg._install_threaded_pg()
-        mtpg.ProcessLocalGroup._terminate.clear()
+        mtpg.ProcessLocalGroup.reset()
         torch._C._distributed_c10d._set_thread_isolation_mode(
             True
         )  # group names per thread, as torch's tests
@@ -461,7 +463,95 @@ def _threaded_world():
         finally:
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
             mtpg._uninstall_threaded_pg()
-            mtpg.ProcessLocalGroup._terminate.clear()
+            mtpg.ProcessLocalGroup.reset()
+
+
+def _tell_ranks_to_leave(pg, err: BaseException) -> None:
+    """Set the threaded backend's termination event and wake every rank waiting in a collective (each then
+    raises ``SystemExit``). Setting the event alone wakes nobody: a waiting rank re-reads it only when its
+    collective's condition is notified (``ProcessLocalGroup.exception_handle``)."""
+    for _ in range(100):  # the ranks may add a collective while the handler walks them
+        try:
+            pg.exception_handle(err)
+            return
+        except RuntimeError:
+            continue
+
+
+class RanksStopped(SystemExit):
+    """Raised inside a rank thread (at a module boundary or between replayed calls) once the ranks are told
+    to leave: the check was cancelled, timed out, or another rank failed."""
+
+
+def run_threaded_ranks(
+    fn, world_size: int, timeout: float = 60.0, cancelled: threading.Event | None = None
+) -> tuple[dict[int, Any], dict[int, BaseException], str | None]:
+    """Call ``fn(rank)`` for every rank, each on its own thread inside its own
+    ``init_process_group("threaded")`` (destroyed after), over one in-process threaded world.
+
+    When a rank raises, the check is cancelled, or ``timeout`` seconds pass, the other ranks are told to leave
+    (those in a collective raise ``SystemExit`` there; :func:`check_stop` lets ``fn`` leave between
+    collectives), and this returns only after every rank thread has ended: no thread of this world ever runs
+    on into the next one (a rank left waiting in a collective would hang it, or join its first collective).
+
+    Args:
+        fn: called with the rank (0 … ``world_size`` - 1) on that rank's thread.
+        world_size: number of simulated ranks.
+        timeout: seconds before the ranks are told to leave.
+        cancelled: set it to tell the ranks to leave early.
+
+    Returns:
+        ``(results, errors, stopped)``: each rank's return value; each failing rank's exception (a
+        ``SystemExit`` when it was told to leave); and ``"cancelled"``, ``"timeout"`` or None.
+
+    Raises:
+        ScheduleError: when this process already holds a (real) process group.
+    """
+    import torch.distributed as dist
+
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    stopped: str | None = None
+    with _threaded_world() as mtpg:
+        pg = mtpg.ProcessLocalGroup
+        store = dist.HashStore()
+
+        def run(rank: int) -> None:
+            try:
+                dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+                try:
+                    results[rank] = fn(rank)
+                finally:
+                    dist.destroy_process_group()
+            except BaseException as err:  # noqa: BLE001 - reported to the caller; the other ranks must leave
+                errors[rank] = err
+                _tell_ranks_to_leave(pg, err)
+
+        threads = [
+            threading.Thread(target=run, args=(r,), name=f"slapo-rank{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + timeout
+        while any(th.is_alive() for th in threads):
+            if cancelled is not None and cancelled.is_set():
+                stopped = "cancelled"
+            elif time.monotonic() > deadline:
+                stopped = "timeout"
+            if stopped:
+                _tell_ranks_to_leave(pg, RanksStopped(stopped))
+            next(th for th in threads if th.is_alive()).join(0.05)
+    return results, errors, stopped
+
+
+def check_stop() -> None:
+    """Inside a rank of :func:`run_threaded_ranks`: raise :class:`RanksStopped` when the ranks were told to
+    leave (a computation between collectives ends at its next call of this)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    if mtpg.ProcessLocalGroup._terminate.is_set():
+        raise RanksStopped("the simulated ranks were told to stop")
 
 
 def _module_of(param_name: str) -> str:
@@ -488,8 +578,12 @@ class _Trace:
         self.failed: str | None = None
         self.handles = []
         for name, m in model.named_modules():
-            self.handles.append(m.register_forward_pre_hook(lambda *_a, n=name: self.stack.append(n)))
+            self.handles.append(m.register_forward_pre_hook(lambda *_a, n=name: self._enter(n)))
             self.handles.append(m.register_forward_hook(lambda _m, _i, o, n=name: self._done(n, o)))
+
+    def _enter(self, name: str) -> None:
+        check_stop()  # a cancelled check ends at the next module
+        self.stack.append(name)
 
     def _done(self, name: str, out) -> None:
         if self.stack and self.stack[-1] == name:
@@ -531,11 +625,10 @@ def first_differing_module(ref: _Trace, sch: _Trace, atol: float = 1e-5, rtol: f
     return None
 
 
-def _rank_run(
-    rank: int, ws: int, store, base: nn.Module, calls: list[Call], inputs: dict, out: dict, mtpg
-) -> None:
-    import torch.distributed as dist
-
+def _rank_run(base: nn.Module, calls: list[Call], inputs: dict, failures: dict, rank: int):
+    """One simulated rank (inside :func:`run_threaded_ranks`): replay ``calls`` on a copy of ``base`` and
+    compare it with another copy. Returns ``(VerifyReport, first differing module)``; on a failure records
+    ``(phase, innermost module running, exception)`` in ``failures[rank]`` and raises it again."""
     from .record import replay
     from .schedule import create_schedule
     from .verify import verify_models
@@ -543,23 +636,19 @@ def _rank_run(
     traces: list[_Trace] = []
     phase = "replaying the schedule"
     try:
-        dist.init_process_group("threaded", rank=rank, world_size=ws, store=store)
-        try:
-            reference = copy.deepcopy(base)
-            sch = create_schedule(copy.deepcopy(base))
-            for i, c in enumerate(calls):
-                phase = f"replaying call {i + 1} (sch[{c.path!r}].{c.primitive})"
-                replay(sch, [c])
-            phase = "running the forward and backward"
-            traces = [_Trace(reference), _Trace(sch.mod)]
-            report = verify_models(reference, sch.mod, inputs, sch.tp, device="cpu", eval_mode=True)
-            out[rank] = (report, first_differing_module(*traces))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as err:  # noqa: BLE001 - one rank's failure must reach the caller, never hang the others
-        module = traces[1].fail() if len(traces) == 2 else ""
-        out[rank] = (phase, module, err)
-        mtpg.ProcessLocalGroup._terminate.set()  # the other ranks leave their collectives
+        reference = copy.deepcopy(base)
+        sch = create_schedule(copy.deepcopy(base))
+        for i, c in enumerate(calls):
+            check_stop()
+            phase = f"replaying call {i + 1} (sch[{c.path!r}].{c.primitive})"
+            replay(sch, [c])
+        phase = "running the forward and backward"
+        traces = [_Trace(reference), _Trace(sch.mod)]
+        report = verify_models(reference, sch.mod, inputs, sch.tp, device="cpu", eval_mode=True)
+        return report, first_differing_module(*traces)
+    except BaseException as err:
+        failures[rank] = (phase, traces[1].fail() if len(traces) == 2 else "", err)
+        raise
     finally:
         for t in traces:
             t.remove()
@@ -660,12 +749,6 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
     return None
 
 
-def _first_error(out: dict):
-    errs = [v for v in out.values() if len(v) == 3]
-    real = [e for e in errs if not isinstance(e[2], SystemExit)]
-    return (real or errs or [None])[0]
-
-
 def numeric_check(
     reference: nn.Module,
     calls: list[Call],
@@ -722,42 +805,27 @@ def numeric_check(
         )
     if cancelled is not None and cancelled.is_set():
         return done("skipped", "The numeric check was cancelled.", blocks=kept, params=n_params)
-    import torch.distributed as dist
 
-    out: dict[int, Any] = {}
+    failures: dict[int, Any] = {}
     try:
-        with _threaded_world() as mtpg:
-            store = dist.HashStore()
-            threads = [
-                threading.Thread(
-                    target=_rank_run,
-                    args=(r, world_size, store, base, mapped, inputs, out, mtpg),
-                    name=f"slapo-numeric-rank{r}",
-                    daemon=True,
-                )
-                for r in range(world_size)
-            ]
-            for th in threads:
-                th.start()
-            deadline = time.monotonic() + timeout
-            for th in threads:
-                while th.is_alive() and time.monotonic() < deadline:
-                    th.join(0.05)
-                    if cancelled is not None and cancelled.is_set():
-                        mtpg.ProcessLocalGroup._terminate.set()
-                if th.is_alive():
-                    mtpg.ProcessLocalGroup._terminate.set()
-                    th.join(5.0)
+        results, errors, stopped = run_threaded_ranks(
+            functools.partial(_rank_run, base, mapped, inputs, failures), world_size, timeout, cancelled
+        )
     except ScheduleError as err:
         return done("skipped", str(err), blocks=kept, params=n_params)
     kw = {"blocks": kept, "params": n_params}
-    if cancelled is not None and cancelled.is_set():
+    if stopped == "cancelled" or (cancelled is not None and cancelled.is_set()):
         return done("skipped", "The numeric check was cancelled.", **kw)
-    err = _first_error(out)
-    if err is not None:
-        phase, module, exc = err
-        if isinstance(exc, SystemExit) or len(out) < world_size:
-            return done("error", f"The numeric check stopped after {timeout:.0f} s while {phase}.", **kw)
+    if stopped == "timeout":
+        phase = next((f[0] for f in failures.values()), "running")
+        return done("error", f"The numeric check stopped after {timeout:.0f} s while {phase}.", **kw)
+    real = [
+        failures.get(r, ("starting the rank", "", e))
+        for r, e in sorted(errors.items())
+        if not isinstance(e, SystemExit)
+    ]
+    if real:
+        phase, module, exc = real[0]
         at = f" in {module}" if module else ""
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not isinstance(exc, ScheduleError):
@@ -770,9 +838,9 @@ def numeric_check(
             worst=math.inf,
             **kw,
         )
-    if len(out) < world_size:
-        return done("error", f"The numeric check stopped after {timeout:.0f} s.", **kw)
-    report, first_module = out[0]
+    if len(results) < world_size:  # only told to leave, with no rank failing: nothing to judge by
+        return done("error", "The numeric check's simulated ranks stopped before they finished.", **kw)
+    report, first_module = results[0]
     worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
     if report.passed and any(c.primitive == "cut_pipeline_stage" for c in with_cuts):
         if cancelled is not None and cancelled.is_set():

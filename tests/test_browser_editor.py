@@ -49,6 +49,9 @@ KERNEL_STATE = textwrap.dedent(
         print("editor.message:", editor.message)
         print("editor.level:", repr(editor.level), "selected:", repr(editor.selected),
               "expanded:", sorted(editor.expanded))
+        import threading
+        print("numeric check:", editor.numeric_report, "|", editor._numeric_box.value[:300])
+        print("threads:", [t.name for t in threading.enumerate()])
         print("editor.code:\\n" + editor.code)
         print("verify log tail:\\n" + "\\n".join(editor._log_lines[-30:]))
     except Exception as err:

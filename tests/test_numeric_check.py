@@ -184,6 +184,91 @@ def test_a_burst_of_changes_runs_one_check_for_the_last_schedule():
     assert report.passed and report.blocks == (1, 4)  # four checkpointed blocks: one is checked
 
 
+def test_ranks_told_to_leave_inside_a_collective_end_and_the_next_world_runs():
+    """Cancel a world whose rank 0 waits in an all-reduce for a rank 1 that is still computing: every rank
+    thread ends before the runner returns (the waiting rank is woken; the computing one leaves at its next
+    check_stop), and a second world's collectives then run and agree. Setting the backend's termination event
+    alone woke nobody: the waiting rank hung, and every later check waited behind it."""
+    import threading
+
+    import torch.distributed as dist
+
+    from slapo_lab.numeric import check_stop, run_threaded_ranks
+
+    cancel, in_collective = threading.Event(), threading.Event()
+
+    def stuck(rank):
+        if rank == 0:
+            in_collective.set()
+            dist.all_reduce(torch.ones(2))
+        while True:  # a long computation between collectives
+            check_stop()
+            time.sleep(0.01)
+
+    threading.Timer(0.5, lambda: in_collective.wait(10) and cancel.set()).start()
+    t0 = time.monotonic()
+    results, errors, stopped = run_threaded_ranks(stuck, 2, timeout=30, cancelled=cancel)
+    assert stopped == "cancelled" and not results and time.monotonic() - t0 < 10
+    assert sorted(errors) == [0, 1] and all(isinstance(e, SystemExit) for e in errors.values()), errors
+    assert not [t for t in threading.enumerate() if t.name.startswith("slapo-rank")]
+
+    def add(rank):
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t)
+        return t.tolist()
+
+    results, errors, stopped = run_threaded_ranks(add, 3, timeout=30)
+    assert (errors, stopped) == ({}, None) and results == {r: [6.0, 6.0] for r in range(3)}
+
+
+def test_a_rank_that_fails_releases_the_ranks_waiting_for_it():
+    import torch.distributed as dist
+
+    from slapo_lab.numeric import run_threaded_ranks
+
+    def one_fails(rank):
+        if rank == 1:
+            raise ValueError("rank 1 broke")
+        dist.all_reduce(torch.ones(1))
+
+    t0 = time.monotonic()
+    results, errors, stopped = run_threaded_ranks(one_fails, 2, timeout=30)
+    assert stopped is None and not results and time.monotonic() - t0 < 10
+    assert isinstance(errors[1], ValueError) and isinstance(errors[0], SystemExit)
+
+
+def test_changes_that_land_while_a_check_runs_still_end_in_the_last_schedules_result():
+    """GPT-2 with its 50257-token vocabulary, scheduled as the browser walkthrough does (cluster, TP 2, Megatron,
+    checkpoint, 2 stages) with each change landing while the previous check is running: the last check
+    answers within seconds (a cancelled check used to leave a rank waiting in a collective forever, and every
+    later check behind it: "running on 2 simulated ranks…" for good)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=50257, n_positions=64))
+    ids = torch.randint(0, 50257, (2, 16))
+    ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=4, live_check=True)
+    steps = [
+        lambda: ed.set_cluster(2, 2),
+        lambda: ed.set_tp(2),
+        lambda: ed.apply_preset("megatron"),
+        lambda: ed.apply_preset("checkpoint"),
+        lambda: ed.apply_preset("stages", 2),
+    ]
+    for i, step in enumerate(steps):
+        step()
+        if i + 1 < len(steps):  # the next change lands while this one's check runs
+            end = time.monotonic() + 30
+            while "running on" not in ed._numeric_box.value and time.monotonic() < end:
+                time.sleep(0.01)
+            time.sleep(0.05 * i)
+    t0 = time.monotonic()
+    assert (ed.world_size, [c.primitive for c in ed.schedule.record.calls][-1]) == (2, "cut_pipeline_stage")
+    report = _wait_for(ed)
+    assert report is not None and report.passed, report
+    assert "as 2 pipeline stages" in report.message and time.monotonic() - t0 < 30
+
+
 class _OwnAttention(nn.Module):
     """A user's attention: separate q/k/v/o projections, head count in an attribute its forward reads."""
 
