@@ -571,21 +571,16 @@ def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_c
         _wait_text(message, "at TP 2 (was TP 4)")
         _wait_text(header, "tensor parallel 2 · pipeline 1 stage · data parallel 2 = 4 GPUs")
 
-        # a button's click is sent at once, while ipywidgets may hold a dropdown's new value back until the
-        # kernel's last message is answered: under load the click could apply the previous preset; wait until
-        # the kernel has the choice, as a person's pause would
+        # no pause between a choice and its click: the click carries the page's choice (FormButton)
         _choose(editor, "preset", "Megatron tensor parallelism (every block)")
-        _kernel_has(page, "editor._preset.value", "'megatron'")
         _button(editor, "apply preset").click()
         msg = _wait_text(message, "Preset megatron recorded")
         assert "vocabulary of 50257 does not divide by the world size 2" in msg, msg
         _choose(editor, "preset", "checkpoint every k-th block")
-        _kernel_has(page, "editor._preset.value", "'checkpoint'")
         _button(editor, "apply preset").click()
         _wait_text(message, "Preset checkpoint recorded 4 calls.")
         _choose(editor, "preset", "cut into N balanced pipeline stages")
         _type_number(editor, "k / N", 2)
-        _kernel_has(page, "(editor._preset.value, editor._preset_k.value)", "('stages', 2)")
         _button(editor, "apply preset").click()
         _wait_text(message, "Preset stages recorded 1 calls.")
         _wait_text(header, "tensor parallel 2 · pipeline 2 stages · data parallel 1 = 4 GPUs")
@@ -597,6 +592,89 @@ def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_c
         )
     except BaseException:
         _report_failure(page, tmp, "gpt2_clicks_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)
+
+
+FORM_CELL = textwrap.dedent(
+    """
+    import torch
+    import slapo_lab as sl
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64))
+    ids = torch.randint(0, 512, (2, 16))
+    editor = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, live_check=False)
+    editor
+    """
+)
+
+
+def _keep_kernel_busy(page, seconds: float) -> None:
+    """Start ``time.sleep(seconds)`` in the notebook's kernel and return at once (the kernel queues what
+    the page sends meanwhile)."""
+    from browser_util import _CURRENT_NB
+
+    page.evaluate(
+        f"""() => {{
+  const nb = ({_CURRENT_NB})();
+  nb.sessionContext.session.kernel.requestExecute({{code: 'import time; time.sleep({seconds})', silent: true}});
+}}"""
+    )
+
+
+@pytest.mark.timeout(600)
+def test_a_choice_changed_twice_while_the_kernel_is_busy_is_the_one_the_click_applies(lab):
+    """While the kernel is busy, the page's first new choice of preset is sent and waits in the kernel's queue,
+    the second is held back by ipywidgets (one unanswered update per widget), and the click is sent at once.
+    A plain Button then applies the first choice (shown first, with the form emptied); "apply preset" carries
+    the page's choice with its click and applies the second."""
+    from browser_util import write_notebook
+
+    page, base_url, token, nb_dir, tmp = lab
+    write_notebook(nb_dir / "form_click.ipynb", [FORM_CELL], hide_input=True)
+    try:
+        _open_and_run(page, base_url, token, "form_click.ipynb")
+        editor = page.locator(".slapo-editor").first
+        message = editor.locator(".slapo-msg")
+        _node(editor.locator(".slapo-graph").first, "transformer").wait_for(state="visible", timeout=WAIT_UI)
+        _type_number(editor, "k / N", 2)
+        _kernel_has(page, "editor._preset_k.value", "2")
+
+        def choose_twice_and_click() -> None:
+            _keep_kernel_busy(page, 4)
+            time.sleep(0.5)
+            _choose(editor, "preset", "checkpoint every k-th block")  # sent: waits behind the sleep
+            _choose(editor, "preset", "cut into N balanced pipeline stages")  # held back in the page
+            _button(editor, "apply preset").click()  # sent at once
+
+        # the race itself, with the click carrying nothing: the kernel applies the first choice
+        assert (
+            _kernel_eval(page, "editor._btn_preset.form = []; print(len(editor._btn_preset.form))").strip()
+            == "0"
+        )
+        choose_twice_and_click()
+        _wait_text(message, "Preset checkpoint recorded")
+        _kernel_has(page, "editor._preset.value", "'stages'")  # the held-back choice arrives after the click
+        _button(editor, "Undo").click()
+        _kernel_has(page, "len(editor.schedule.record.calls)", "0")
+        _choose(editor, "preset", "Megatron tensor parallelism (every block)")
+        _kernel_has(page, "editor._preset.value", "'megatron'")
+
+        # the editor's button: its click carries the page's choice and k
+        assert (
+            _kernel_eval(
+                page,
+                "editor._btn_preset.form = [editor._preset, editor._preset_k]; print(len(editor._btn_preset.form))",
+            ).strip()
+            == "2"
+        )
+        choose_twice_and_click()
+        _wait_text(message, "Preset stages recorded 1 calls.")
+        _kernel_has(page, "[c.primitive for c in editor.schedule.record.calls]", "['cut_pipeline_stage']")
+    except BaseException:
+        _report_failure(page, tmp, "form_click_failure.png")
         raise
     finally:
         _shutdown_kernel(page)

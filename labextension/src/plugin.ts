@@ -1,5 +1,6 @@
 /**
- * The JupyterLab plugin: registers the `slapo-lab` widget module (GraphModel, GraphView) with the
+ * The JupyterLab plugin: registers the `slapo-lab` widget module (GraphModel, GraphView, and
+ * FormButtonModel / FormButtonView: a button whose click carries its form's values) with the
  * Jupyter widget manager, and the schedule editor's commands (editor.ts): its own panel, keyboard
  * shortcuts (key bindings in labextension/schema/plugin.json) and context menus.
  */
@@ -8,6 +9,7 @@ import { ICommandPalette } from '@jupyterlab/apputils';
 import { IJupyterWidgetRegistry } from '@jupyter-widgets/base';
 
 import { EditorCommands } from './editor';
+import { FormButtonModel, FormButtonView } from './form_button';
 import { MODULE_NAME, MODULE_VERSION } from './version';
 import { GraphModel, GraphView } from './widget';
 
@@ -21,7 +23,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     registry.registerWidget({
       name: MODULE_NAME,
       version: MODULE_VERSION,
-      exports: { GraphModel, GraphView }
+      exports: { GraphModel, GraphView, FormButtonModel, FormButtonView }
     });
     new EditorCommands(app).activate(palette);
   }

@@ -26,6 +26,7 @@ from ..errors import ScheduleError
 from ..record import format_call, gc_deferred
 from ..utils import to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
+from .form_button import FormButton
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
 from .persistence import serialized
@@ -956,11 +957,24 @@ class ScheduleEditor(EditorState, W.VBox):
         self._param = W.Dropdown(description="tensor", layout=W.Layout(width="95%"))
         self._axis = W.Dropdown(description="axis", options=[0, 1], layout=W.Layout(width="95%"))
         self._param.observe(lambda ch: self._update_axes(), names="value")
-        self._btn_shard = W.Button(description="shard", icon="cut", tooltip="shard(tensor, axis)")
         self._sync = W.Dropdown(options=SYNC_CHOICES, description="sync", layout=W.Layout(width="95%"))
-        self._btn_sync = W.Button(description="sync", icon="exchange")
-        self._btn_ckpt = W.Button(description="checkpoint", icon="history")
-        self._btn_cut = W.Button(description="cut pipeline stage", icon="scissors")
+        self._similar = W.Checkbox(
+            value=False,
+            description="apply to all similar",
+            indent=False,
+            tooltip="also apply to the modules of the same type at the same relative "
+            "path in every repeated block",
+        )
+        # each click carries the page's values of the choices it reads (FormButton: never a stale choice)
+        self._btn_shard = FormButton(
+            [self._param, self._axis, self._similar],
+            description="shard",
+            icon="cut",
+            tooltip="shard(tensor, axis)",
+        )
+        self._btn_sync = FormButton([self._sync, self._similar], description="sync", icon="exchange")
+        self._btn_ckpt = FormButton([self._similar], description="checkpoint", icon="history")
+        self._btn_cut = FormButton([self._similar], description="cut pipeline stage", icon="scissors")
         for b in (self._btn_shard, self._btn_sync, self._btn_ckpt, self._btn_cut):
             b.layout = W.Layout(width="95%")
         self._btn_shard.on_click(lambda _: self._on_shard())
@@ -970,13 +984,6 @@ class ScheduleEditor(EditorState, W.VBox):
         self._btn_ckpt.on_click(lambda _: self.apply("checkpoint"))
         self._btn_cut.on_click(lambda _: self.apply("cut_pipeline_stage"))
         self._reasons = W.HTML()
-        self._similar = W.Checkbox(
-            value=False,
-            description="apply to all similar",
-            indent=False,
-            tooltip="also apply to the modules of the same type at the same relative "
-            "path in every repeated block",
-        )
         self._similar_info = W.HTML()
         actions = W.VBox(
             [
@@ -1005,7 +1012,12 @@ class ScheduleEditor(EditorState, W.VBox):
         self._preset_k = W.BoundedIntText(
             value=1, min=1, max=4096, description="k / N", layout=W.Layout(width="95%")
         )
-        self._btn_preset = W.Button(description="apply preset", icon="magic", layout=W.Layout(width="95%"))
+        self._btn_preset = FormButton(
+            [self._preset, self._preset_k],
+            description="apply preset",
+            icon="magic",
+            layout=W.Layout(width="95%"),
+        )
         self._btn_preset.on_click(lambda _: self.apply_preset(self._preset.value, self._preset_k.value))
         self._gpu = W.Dropdown(
             options=list(GPU_SIZES.items()), value=80e9, description="GPU", layout=W.Layout(width="320px")
@@ -1211,7 +1223,8 @@ class ScheduleEditor(EditorState, W.VBox):
         self._export_path = W.Text(
             value=f"train_{name.lower()}.py", description="script", layout=wide, style=style
         )
-        self._btn_export = W.Button(
+        self._btn_export = FormButton(
+            [self._f_launcher, *fields.values(), self._export_path],
             description="Export",
             icon="download",
             button_style="primary",
