@@ -587,18 +587,27 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
         )
     n = len(sch.record)
     for path, kind in layers:
-        if kind == "column":
-            column_parallel(sch, path, sequence_parallel)
-        elif kind == "row":
-            row_parallel(sch, path, sequence_parallel)
-        elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
-            _ensure_shard(sch[path], "weight", 1)
-        elif kind == "experts":
-            experts_parallel(sch, path)
-        elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
-            # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
-            _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+        apply_layer(sch, path, kind, sequence_parallel)
     return _since(sch, n)
+
+
+def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> None:
+    """Make one layer of a block tensor parallel by its :func:`block_layers` kind (the calls are recorded).
+
+    Raises:
+        ScheduleError: the first primitive call that refuses.
+    """
+    if kind == "column":
+        column_parallel(sch, path, sequence_parallel)
+    elif kind == "row":
+        row_parallel(sch, path, sequence_parallel)
+    elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
+        _ensure_shard(sch[path], "weight", 1)
+    elif kind == "experts":
+        experts_parallel(sch, path)
+    elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
+        # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
+        _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
 
 
 def _path_of(sch, mod: nn.Module) -> str | None:
@@ -954,6 +963,7 @@ __all__ = [
     "HEAD_NORM_NAMES",
     "ROW_NAMES",
     "apply_hf_tp_plan",
+    "apply_layer",
     "atomic",
     "block_layers",
     "checkpoint_blocks",
