@@ -155,15 +155,22 @@ def _reference(sch, earlier_calls: int):
 
 
 def _inputs(sch, model: nn.Module) -> dict | None:
+    """The example inputs the schedule remembers, else ones made from the model's config
+    (:func:`slapo_lab.inputs.inputs_from_config`), else ``input_ids`` for a forward that takes them."""
+    from .inputs import inputs_from_config
     from .numeric import remembered_inputs
-    from .pipeline.order import dummy_inputs
+    from .pipeline.order import _INPUTS_KEY
 
+    stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
+    if stored:
+        return dict(stored)
+    made = inputs_from_config(model)
+    if made:
+        return made
     try:
         return remembered_inputs(sch, model)
     except ScheduleError:
-        pass
-    d = dummy_inputs(model)
-    return d if isinstance(d, dict) and d else None
+        return None
 
 
 def _region_of(module: str | None, owned: dict[str, Region]) -> Region | None:
@@ -251,7 +258,8 @@ def gate(
     if skip and not applied.calls:
         before.restore()
         raise ScheduleError(
-            f"No part of the preset could be applied right: {_lower(next(iter(skip.values())))}"
+            "No part of the preset can be applied right, so nothing is applied: "
+            + "; ".join(f"in {labels[k].where} {labels[k].label} {_lower(v)}" for k, v in skip.items())
         )
     kept = sch.get_top_schedule()._top.extra.setdefault(KEPT_WHOLE_KEY, {})
     for path, region in applied.owned.items():
@@ -324,16 +332,19 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
                 return report.message
             left = [r for r in order if r.key not in dropped]
             if not left:
-                raise ScheduleError(f"No part of the preset could be applied right: {_lower(report.message)}")
+                raise ScheduleError(
+                    "No part of the preset can be applied right, so nothing is applied: even without it "
+                    f"{_lower(report.message)}"
+                )
             culprit = _region_of(report.module, applied.owned)
             if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first
                 for r in left:
                     trial = run(dropped | {r.key})
                     if trial.status == "passed":
-                        out.append((r, f"with it split the numeric check fails: {_lower(report.message)}"))
+                        out.append((r, f"it fails the numeric check when split: {_lower(report.message)}"))
                         return out
                 culprit = left[0]
-            out.append((culprit, f"with it split the numeric check fails: {_lower(report.message)}"))
+            out.append((culprit, f"it fails the numeric check when split: {_lower(report.message)}"))
             dropped.add(culprit.key)
             report = run(dropped)
         return out

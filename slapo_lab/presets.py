@@ -319,6 +319,11 @@ def _dense(sch, path: str, what: str):
     return node, rule
 
 
+class EarlierCallConflict(ScheduleError):
+    """A call made before the preset is in its way (a tensor sharded on another axis): the preset is
+    refused as a whole, never kept whole around it, since the user's own call is what must change."""
+
+
 def _ensure_shard(node, name: str, axis: int) -> None:
     """``node.shard(name, axis=axis)``, unless the tensor is already sharded on that axis (typed earlier, or
     tied to a sharded tensor): presets compose with what is there.
@@ -338,7 +343,7 @@ def _ensure_shard(node, name: str, axis: int) -> None:
         node.shard(name, axis=axis)
     elif have != axis:
         full = f"{node.path}.{name}" if node.path else name
-        raise ScheduleError(
+        raise EarlierCallConflict(
             f"{full} is already sharded on axis {have}, but this preset shards it on axis {axis}; undo "
             f"that shard (or shard it on axis {axis}) and apply the preset again."
         )
@@ -929,6 +934,8 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         k = len(sch.record)
         try:
             fn()
+        except EarlierCallConflict:
+            raise
         except ScheduleError as err:
             raise RegionRefused(region, str(err)) from None
         region_of_call.extend([region] * (len(sch.record) - k))
