@@ -415,7 +415,7 @@ def refuse_failing_schedule(model: nn.Module, calls, example_inputs: dict, world
         report = numeric_check(model, list(calls), world_size, example_inputs, from_config=scheduled)
     if report.status in ("failed", "error"):
         raise ExportError(
-            f"Not exported: {report.message.rstrip('.')}; fix the schedule (the live check and "
+            f"Not exported: {report.message[:1].lower()}{report.message[1:].rstrip('.')}; fix the schedule (the live check and "
             "check_schedule(numeric=True) show where), or pass force=True (--force-unverified) to write it anyway."
         )
     return report
