@@ -54,11 +54,15 @@ class Region:
             ``("", ("outside the blocks",))`` for the layers outside the repeated blocks.
         label: how a sentence names it, e.g. ``"self_attn (q_proj, k_proj, v_proj, o_proj)"``.
         where: ``"every LlamaDecoderLayer"`` or ``"outside the repeated blocks"``.
+        kept: how a note begins when the preset leaves the region out (``"Kept whole"``, ``"Not checkpointed"``).
+        done: what the preset does to it, for "it fails the numeric check when <done>".
     """
 
     key: tuple
     label: str
     where: str
+    kept: str = "Kept whole"
+    done: str = "split"
 
 
 OUTSIDE = Region(("", ("outside the blocks",)), "the embeddings and layers outside the blocks", "the model")
@@ -266,12 +270,12 @@ def gate(
         if region.key in skip:
             kept[path] = _lower(skip[region.key])
     notes = list(applied.notes)
-    by_reason: dict[str, list[Region]] = {}
+    by_reason: dict[tuple[str, str], list[Region]] = {}
     for key, reason in skip.items():
-        by_reason.setdefault(reason, []).append(labels[key])
-    for reason, regions in by_reason.items():
+        by_reason.setdefault((labels[key].kept, reason), []).append(labels[key])
+    for (kept_as, reason), regions in by_reason.items():
         what = "; ".join(f"in {r.where} {r.label}" if r.key[0] else r.label for r in regions)
-        notes.append(f"Kept whole: {what}, because {_lower(reason)}")
+        notes.append(f"{kept_as}: {what}, because {_lower(reason)}")
     return applied.calls, notes + not_checked
 
 
@@ -341,10 +345,10 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
                 for r in left:
                     trial = run(dropped | {r.key})
                     if trial.status == "passed":
-                        out.append((r, f"it fails the numeric check when split: {_lower(report.message)}"))
+                        out.append((r, f"it fails the numeric check when {r.done}: {_lower(report.message)}"))
                         return out
                 culprit = left[0]
-            out.append((culprit, f"it fails the numeric check when split: {_lower(report.message)}"))
+            out.append((culprit, f"it fails the numeric check when {culprit.done}: {_lower(report.message)}"))
             dropped.add(culprit.key)
             report = run(dropped)
         return out

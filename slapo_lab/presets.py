@@ -1031,14 +1031,20 @@ def _refuse_width_derived_heads(sch) -> None:
 
 
 @_all_or_nothing
-def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
+def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0, *, check: bool = True) -> list[Call]:
     """Activation-checkpoint the transformer blocks (:func:`find_blocks`).
 
     Checkpoints block ``i`` of the first ``int(len(blocks) * ratio)`` blocks (Slapo's ``ckpt_ratio``) when
-    ``i % every == 0``; blocks already checkpointed are skipped.
+    ``i % every == 0``; blocks already checkpointed are skipped. With ``check`` the calls are checked
+    numerically first (:func:`slapo_lab.preset_check.gate`): the blocks of a class whose recomputation
+    differs (randomness the checkpoint does not replay) stay as they are, said in the result's ``notes``.
+
+    Returns:
+        PresetCalls: the recorded calls and their ``notes``.
 
     Raises:
-        ScheduleError: for a bad ``every`` / ``ratio`` or when no blocks are found.
+        ScheduleError: for a bad ``every`` / ``ratio``, when no blocks are found, or when no checkpoint
+            checks right.
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ScheduleError(f"every must be a positive integer, not {every!r}.")
@@ -1049,14 +1055,30 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
         raise ScheduleError(
             "checkpoint_blocks found no repeated blocks (an nn.ModuleList of one block class)."
         )
+    from .preset_check import gate
+
+    calls, notes = gate(sch, functools.partial(_checkpoint_regions, sch, blocks, every, ratio), check=check)
+    return PresetCalls(calls, notes)
+
+
+def _checkpoint_regions(sch, blocks, every, ratio, skip):
+    """One application of :func:`checkpoint_blocks`; a region is the checkpoints of one block class."""
     from .module_state import peek_meta
+    from .preset_check import Applied, Region
 
     n = len(sch.record)
+    region_of_call, owned = [], {}
     for i, b in enumerate(blocks[: int(len(blocks) * ratio)]):
+        cls = type(sch[b].mod).__name__
+        region = Region(
+            (cls, ("checkpoint",)), "block", f"every {cls}", kept="Not checkpointed", done="checkpointed"
+        )
+        owned[b] = region
         meta = peek_meta(sch[b].mod)
-        if i % every == 0 and not (meta and meta["checkpoint"]):
+        if i % every == 0 and not (meta and meta["checkpoint"]) and region.key not in skip:
             sch[b].checkpoint()
-    return _since(sch, n)
+            region_of_call.append(region)
+    return Applied(_since(sch, n), region_of_call, owned, [])
 
 
 __all__ = [

@@ -384,7 +384,7 @@ class EditorState(SchedulePersistence):
                 vocab_parallel=presets.has_vocab_embedding(self.schedule),
             ).notes
         if name == "checkpoint":
-            presets.checkpoint_blocks(self.schedule, every=int(k))
+            return presets.checkpoint_blocks(self.schedule, every=int(k)).notes
         elif name == "stages":
             from ..pipeline import suggest_cuts
 
