@@ -199,6 +199,9 @@ class DeepSpeedStepper:
     def save(self, step: int, state: dict):
         from pathlib import Path
 
+        from .lifeline import check
+
+        check()  # a rank whose launcher died never writes (slapo_lab/train/lifeline.py)
         tag = f"step-{step:08d}"
         self.engine.save_checkpoint(
             self.run.args.checkpoint_dir, tag=tag, client_state=dict(state, layout=self.run.layout_key)

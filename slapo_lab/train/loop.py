@@ -1010,7 +1010,10 @@ def main(
         stderr).
     """
     from ..export.spec import ExportError, example_sizes, validate_input_spec, validate_model_spec
+    from .lifeline import arm
     from .parallel import LayoutError
+
+    arm()  # armed on import of slapo_lab already; again here for a runtime imported another way
 
     spec = validate_model_spec(model)
     input_spec = validate_input_spec(inputs)
