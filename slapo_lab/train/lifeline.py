@@ -14,9 +14,10 @@ launcher leaves them running in the same way.
   that died in between is caught too (the ``prctl`` manual's own advice);
 * everywhere, a daemon thread that compares ``os.getppid()`` with that pid every ``poll`` seconds (a dead
   parent's children are re-parented to init or a subreaper) -- the fallback where ``prctl`` is missing;
-* SIGTERM gets the default action back (the process ends at once, in the kernel, whatever Python is doing: no
-  ``finally`` block, no checkpoint write), and a parent found gone by the thread ends the process with
-  ``os._exit(143)`` (128 + SIGTERM) for the same reason.
+* SIGTERM and SIGINT get the default action back (the process ends at once, in the kernel, whatever Python is
+  doing: no ``KeyboardInterrupt``, no ``finally`` block, no checkpoint write; torchrun passes a Ctrl-C on to
+  its workers as SIGINT, and SIGKILLs them 30 s later), and a parent found gone by the thread ends the
+  process with ``os._exit(143)`` (128 + SIGTERM) for the same reason.
 
 Checkpoint writers call :func:`check` before they save and before they publish a save, so that even the
 thread's polling window cannot let a checkpoint be written after the launcher died.
@@ -103,11 +104,12 @@ def arm(poll: float = 0.5, *, force: bool = False) -> str | None:
         return None
     parent = os.getppid()
     _state["parent"] = parent
-    if (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-        and threading.current_thread() is threading.main_thread()
-    ):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM ends the process at once, in the kernel
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM and SIGINT end the process at once, in the kernel: a launched rank sits in a session of its own,
+        # so they come from its launcher only (torchrun passes a Ctrl-C on as SIGINT), and a KeyboardInterrupt
+        # would leave the other ranks to fail in a collective and print a traceback each
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
     how = "pdeathsig+watchdog" if _set_pdeathsig(signal.SIGTERM) else "watchdog"
     if os.getppid() != parent:  # the parent died before the death signal was armed
         _orphaned()
