@@ -335,10 +335,10 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
             if report.status == "skipped":
                 return report.message
             left = [r for r in order if r.key not in dropped]
-            if not left:
+            if not left:  # the calls made before the preset fail on their own
                 raise ScheduleError(
-                    "No part of the preset can be applied right, so nothing is applied: even without it "
-                    f"{_lower(report.message)}"
+                    f"The schedule fails the numeric check before the preset ({_lower(report.message).rstrip('.')}); "
+                    "undo or fix that first, then apply the preset."
                 )
             culprit = _region_of(report.module, applied.owned)
             if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first

@@ -907,9 +907,13 @@ def megatron_tp(
         _refuse_width_derived_heads(sch)
     whole = replicated_dense(sch, exclude_noted=True)
     if not calls and not _any_sharded(sch):
+        if any(n.startswith("Kept whole:") for n in notes):
+            raise ScheduleError(f"megatron_tp found no dense projection it can split: {' '.join(notes)}")
+        first = blocks[0] if blocks else ""
+        names = ", ".join(p for p, _ in block_layers(sch, first)) if blocks else ""
         raise ScheduleError(
-            "megatron_tp found no dense projection it can split: "
-            + (" ".join(notes) or whole or "the blocks have no column- and row-parallel projection pair.")
+            f"{first or 'the root module'} has no recognisable column- and row-parallel projection pair "
+            f"(found: {names or 'none'}); shard its layers with column_parallel() / row_parallel() instead."
         )
     return PresetCalls(calls, [*notes, *([whole] if whole else [])])
 
@@ -928,6 +932,8 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
     owned: dict = {}
     notes: list[str] = []
 
+    done: set = set()
+
     def run(region, fn) -> None:
         if region.key in skip:
             return
@@ -937,7 +943,10 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         except EarlierCallConflict:
             raise
         except ScheduleError as err:
+            if region.key in done:  # the same layers applied in an earlier block of this class: what differs
+                raise  # here is a call made before the preset, so the preset is refused as a whole
             raise RegionRefused(region, str(err)) from None
+        done.add(region.key)
         region_of_call.extend([region] * (len(sch.record) - k))
         for c in sch.record.calls[k:]:
             owned.setdefault(c.path, region)
