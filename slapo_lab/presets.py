@@ -442,6 +442,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     table such as T5's relative attention bias).
     """
     block = sch[block_path]
+    split = _split_of(sch, block_path)
+    heads = {hp.module: hp for hp in split.head_params} if split is not None else {}
     out = []
     for rel, node in block.named_schedules():
         if not rel:
@@ -450,9 +452,22 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         mod = node.mod
         if isinstance(mod, nn.Linear) or _is_conv1d(mod):
             fused, refusal = _fused_kind(node)
-            kind = None if refusal else fused or _classify(rel)
+            if refusal:
+                kind = None
+            elif split is not None and (split.roles or split.whole):
+                # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
+                # the dataflow says nothing about this layer
+                role = split.roles.get(rel)
+                kind = _ROLE_KIND.get(role) if role else None
+                if kind is None and role is None and rel not in split.whole:
+                    kind = fused or (_classify(rel) if not _recorded(split, rel) else None)
+            else:
+                kind = fused or _classify(rel)
             if kind:
                 out.append((path, kind))
+        elif rel in heads:
+            hp = heads[rel]
+            out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             out.append((path, _norm_kind(node)))
         elif _is_experts(mod):
@@ -460,6 +475,35 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
     return out
+
+
+_ROLE_KIND = {
+    "q": "column",
+    "k": "column",
+    "v": "column",
+    "qkv": "column",
+    "kv": "column",
+    "mlp_in": "column",
+    "o": "row",
+    "mlp_out": "row",
+}
+
+
+def _recorded(split, rel: str) -> bool:
+    """Whether the dataflow saw ``rel``'s attention module (its other projections have roles): a projection
+    there without a role does not take part in the split, whatever its name."""
+    parent = rel.rpartition(".")[0]
+    return any(r.rpartition(".")[0] == parent for r in split.roles)
+
+
+def _split_of(sch, block_path: str):
+    """The block's split read from its dataflow (:func:`slapo_lab.sharding.infer.block_split`), or None."""
+    from .sharding import infer
+
+    try:
+        return infer.block_split(sch, block_path)
+    except Exception:  # noqa: BLE001 - no dataflow: the names are the hints
+        return None
 
 
 def replicated_dense(sch) -> str | None:
@@ -603,6 +647,10 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
         _ensure_shard(sch[path], "weight", 1)
+    elif kind.startswith("head_param:"):  # a parameter with one entry per head on an axis (Swin's relative
+        # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
+        _, name, axis = kind.split(":")
+        _ensure_shard(sch[path], name, int(axis))
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
