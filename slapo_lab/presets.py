@@ -287,7 +287,10 @@ def find_blocks(sch) -> list[str]:
             continue
         stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
     taken: list[tuple[int, str, list[str]]] = []
-    for stack in sorted(stacks, key=lambda s: -len(s[2])):  # stable: the first of equal lengths wins
+    dense = {p: _has_dense(sch[p].mod[0]) for _, p, _ in stacks}
+    # blocks hold dense layers: a list of per-head norms (StableLM's q_layernorm.norms) is no stack of blocks,
+    # however long; then the longest first (stable: the first of equal lengths wins)
+    for stack in sorted(stacks, key=lambda s: (not dense[s[1]], -len(s[2]))):
         if taken and len(stack[2]) < 2:
             continue
         p = stack[1]
@@ -295,6 +298,10 @@ def find_blocks(sch) -> list[str]:
             continue
         taken.append(stack)
     return [b for _, _, blocks in sorted(taken) for b in blocks]
+
+
+def _has_dense(mod: nn.Module) -> bool:
+    return any(isinstance(m, (nn.Linear, nn.Conv2d)) or _is_conv1d(m) for m in mod.modules())
 
 
 def _nested(inner: str, outer: str) -> bool:
@@ -474,6 +481,42 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
+    if split is not None and split.shared:
+        out = _shared_attention(block, block_path, split, out)
+    return out
+
+
+def _shared_attention(block, block_path: str, split, layers: list) -> list:
+    """An attention module with a projection whose features reach every head (MLA's ``kv_a_proj_with_mqa``: its
+    rope part is one key head broadcast to all; DeepSeek-V2/V3): the gradient reaching that whole projection
+    is a partial sum on each rank, and so is what its column-parallel partners pass back, so Megatron's *f*
+    moves to the attention module's input (``bwd_post all_reduce`` there, kind ``"attention_f"``), its
+    column-parallel layers shard without their own (``"column_shard"``), and every replicated parameter inside
+    it (the low-rank "a" projections and their norms) sums its gradients over the ranks (``"grad_sum"``)."""
+    pre = f"{block_path}." if block_path else ""
+    attns = {a for a in split.attention if any(s.startswith(a + ".") or not a for s in split.shared)}
+    out = []
+    inside = lambda rel, a: not a or rel.startswith(a + ".")
+    for path, kind in layers:
+        rel = path[len(pre) :]
+        a = next((a for a in attns if inside(rel, a)), None)
+        if a is not None and kind == "column":
+            kind = "column_shard"
+        if a is not None and kind in ("norm", "head_norm"):
+            continue  # summed below with the other replicated parameters
+        out.append((path, kind))
+    roles = set(split.roles)
+    for a in sorted(attns):
+        for rel, node in block[a].named_schedules() if a else block.named_schedules():
+            full = f"{a}.{rel}" if a and rel else (a or rel)
+            if full in roles or not any(
+                p is not None and p.requires_grad for p in node.mod._parameters.values()
+            ):
+                continue
+            if not rel and not a:
+                continue
+            out.append((f"{pre}{full}", "grad_sum"))
+        out.append((f"{pre}{a}" if a else block_path, "attention_f"))
     return out
 
 
@@ -521,6 +564,7 @@ def replicated_dense(sch) -> str | None:
     blocks = find_blocks(sch)
     inside: dict[str, str] = {}
     outside: list[str] = []
+    splits: dict = {}
     for path, node in sch.named_schedules():
         mod = node.mod
         if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)) or getattr(mod, "weight", None) is None:
@@ -534,7 +578,11 @@ def replicated_dense(sch) -> str | None:
         else:
             rel = path[len(block) + 1 :]
             if rel not in inside:
-                why = _fused_kind(node)[1] or "not a recognised q/k/v, output or MLP projection"
+                why = (
+                    _fused_kind(node)[1]
+                    or _dataflow_reason(sch, block, rel, splits)
+                    or "not a recognised q/k/v, output or MLP projection"
+                )
                 inside[rel] = why
     if not inside and not outside:
         return None
@@ -549,6 +597,28 @@ def replicated_dense(sch) -> str | None:
         names = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
         parts.append(f"{names} (outside the repeated blocks)")
     return "Kept whole on every rank: " + "; ".join(parts) + "."
+
+
+def _dataflow_reason(sch, block: str, rel: str, cache: dict) -> str | None:
+    """Why the block's dataflow (:func:`slapo_lab.sharding.infer.block_split`) keeps the dense layer ``rel``
+    whole, or None when the dataflow was not recorded."""
+    if block not in cache:
+        cache[block] = _split_of(sch, block)
+    split = cache[block]
+    if split is None or not (split.roles or split.whole):
+        return None
+    if rel in split.whole:
+        return split.whole[rel]
+    parent = rel.rpartition(".")[0]
+    if split.shared and any(not a or parent == a or parent.startswith(a + ".") for a in split.attention):
+        return (
+            "a low-rank or shared projection of an attention whose heads are split: it stays whole and its "
+            "gradients are summed over the ranks"
+        )
+    return (
+        "its output reaches no attention head and no row-parallel partner through ops that keep features "
+        "apart, so no split of it is right"
+    )
 
 
 def _is_experts(mod: nn.Module) -> bool:
@@ -594,6 +664,9 @@ def experts_parallel(sch, path: str) -> list[Call]:
     _ensure_sync(node, "bwd_post", "all_reduce")
     _ensure_shard(node, "down_proj", intermediate_axis(mod, "down_proj"))
     _ensure_sync(node, "fwd_post", "all_reduce")
+    if mod._parameters.get("down_proj_bias") is not None and sch.world_size > 1:
+        # added on one rank only (see slapo_lab/sharding/experts.py): its gradient is summed over the ranks
+        _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     return _since(sch, n)
 
 
@@ -615,6 +688,8 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
     """
     layers = block_layers(sch, block_path)
     kinds = {k for _, k in layers}
+    if "column_shard" in kinds:
+        kinds.add("column")
     if "experts" in kinds:
         kinds |= {"column", "row"}
     full = next((p for p, k in layers if k == "qk_norm_full"), None)
@@ -625,6 +700,19 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
         )
     if "column" not in kinds or "row" not in kinds:
         names = ", ".join(p for p, _ in layers) or "none"
+        if _split_of(sch, block_path) is not None:
+            dense = [
+                p
+                for p, n in sch[block_path].named_schedules()
+                if isinstance(n.mod, nn.Linear) or _is_conv1d(n.mod)
+            ]
+            raise ScheduleError(
+                f"{block_path or 'the root module'} has no dense layer its recorded dataflow can split: "
+                f"{', '.join(dense[:4]) or 'none'} reach no attention head and no row-parallel partner through "
+                "ops that keep features apart (a convolution or a recurrent scan lies between them), so it "
+                "stays whole; shard its layers with column_parallel() / row_parallel() by hand if you know a "
+                "right split."
+            )
         raise ScheduleError(
             f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
             f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
@@ -643,6 +731,15 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
     """
     if kind == "column":
         column_parallel(sch, path, sequence_parallel)
+    elif kind == "column_shard":  # column parallel whose input gradient the attention module's f sums
+        node, rule = _dense(sch, path, "column_parallel")
+        _ensure_shard(node, "weight", rule.out_axis)
+        if getattr(node.mod, "bias", None) is not None:
+            _ensure_shard(node, "bias", 0)
+    elif kind == "attention_f":
+        _ensure_sync(sch[path], "bwd_post", "all_reduce")
+    elif kind == "grad_sum":
+        _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns

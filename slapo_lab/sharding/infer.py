@@ -88,7 +88,21 @@ _SHAPE_OPS = frozenset(
 _PASS_OPS = frozenset(
     {"to", "float", "half", "bfloat16", "type_as", "type", "double", "detach", "requires_grad_"}
 )
-_ROUTE_OPS = frozenset({"topk", "argmax", "sort", "argsort", "max"})
+_ROUTE_OPS = frozenset({"topk", "argmax", "sort", "argsort"})
+_FACTORY_OPS = frozenset(
+    {
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "new_tensor",
+    }
+)
+_WRITE_OPS = frozenset({"copy_", "__setitem__"})
 _MAX_MAPS = 3
 
 
@@ -149,6 +163,7 @@ class BlockSplit:
     attention: dict = field(default_factory=dict)
     refusals: dict = field(default_factory=dict)
     refused_roles: dict = field(default_factory=dict)
+    shared: set = field(default_factory=set)
 
 
 class _Done(Exception):
@@ -179,6 +194,7 @@ class _Recorder(TorchFunctionMode):
         self.routers: set[str] = set()
         self.n_attn = 0
         self.score_extras: list = []
+        self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -210,13 +226,21 @@ class _Recorder(TorchFunctionMode):
 
     def note(self, func, args, kwargs, out) -> None:
         name = getattr(func, "__name__", "")
+        if name in _WRITE_OPS:
+            self.write(name, args)
+            return
+        if name in _FACTORY_OPS:
+            return
+        if name == "__getitem__" and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self.view_of[id(out)] = (args[0], args[1])
+            self.keep.append(out)
         ins = [(t, self.get(t)) for t in _tensors((args, kwargs))]
         ins = [(t, i) for t, i in ins if i is not None]
         if not ins:
             return
         src = frozenset().union(*(i.src for _, i in ins))
-        if name in _ROUTE_OPS:
-            self.routers |= {s for s in src if not s.startswith(("param:", "@"))}
+        if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
+            self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -269,6 +293,30 @@ class _Recorder(TorchFunctionMode):
             self.set(o, _Info(maps, src, scores))
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def write(self, name: str, args) -> None:
+        """An in-place write (``base[idx] = value``, ``base[idx].copy_(value)``): the base's maps get the
+        value's maps at ``idx`` (DeepSeek-V3's keys are assembled this way)."""
+        if name == "__setitem__":
+            base, idx, value = args[0], args[1], args[2]
+        else:
+            dst, value = args[0], args[1]
+            if id(dst) not in self.view_of:
+                return
+            base, idx = self.view_of[id(dst)]
+        vi = self.get(value) if isinstance(value, torch.Tensor) else None
+        if vi is None or not isinstance(base, torch.Tensor):
+            return
+        bi = self.info.get(id(base)) or _Info()
+        maps = {p: list(ms) for p, ms in bi.maps.items()}
+        for p, ms in vi.maps.items():
+            cur = maps.get(p, [torch.full(tuple(base.shape), -1, dtype=torch.long)])[0].clone()
+            try:
+                cur[idx] = ms[0]
+            except Exception:  # noqa: BLE001, S112 - an index the map cannot follow: dropped
+                continue
+            maps[p] = [cur]
+        self.set(base, _Info(maps, bi.src | vi.src, bi.scores))
 
     def shape_op(self, func, args, kwargs, out, ins, src, scores) -> None:
         producers = {}
@@ -403,6 +451,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         n = q.shape[-3]
         roles: dict[str, dict] = {}  # producer -> role -> [set per head]
         kv = None
+        head_lists: list = []
         for role, t, inf in (("q", q, qi), ("k", k, ki), ("v", v, vi)):
             if role == "k":
                 t = t.transpose(-1, -2) if inf.scores is None and t.shape[-2] != k.shape[-2] else t
@@ -410,6 +459,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 if p.startswith("@"):
                     continue
                 if p.startswith("param:"):
+                    owned = _head_owned(p, ms)
+                    if owned is not None:
+                        head_lists.append(owned)
                     _note_head_param(split, p, ms)
                     continue
                 sets = _head_sets(t if role != "k" or inf.scores is not None else k, ms)
@@ -430,8 +482,14 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         split.attention[attn_mod] = (n, kv)
         ws = _test_ws(n, kv) or _test_ws(n)
         refusal = None
+        if head_lists:
+            where = head_lists[0]
+            refusal = (
+                f"its per-head {where[0]} is a list of {where[1]} modules, one per head (e.g. StableLM's "
+                "qk_layernorm), which no shard splits, so its heads stay whole"
+            )
         for p, per_role in roles.items():
-            if p not in dense:
+            if p not in dense or refusal:
                 continue
             feats = out_feats[p]
             if ws is None:
@@ -471,6 +529,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 shared = True
             covered = set().union(*needed)
             if shared or "?" in part or len(covered) != feats:
+                split.shared.add(p)
                 split.whole[p] = (
                     "its features reach every attention head or feed other layers too (a shared or low-rank "
                     "projection), so it stays whole"
@@ -573,6 +632,20 @@ def _common_parent(paths: list[str]) -> str:
             break
         out.append(xs[0])
     return ".".join(out)
+
+
+def _head_owned(p: str, ms: list) -> tuple[str, int] | None:
+    """``(container path, heads)`` when parameter ``p`` reaches exactly one head and belongs to the i-th
+    module of a module list (one module per head), else None."""
+    m = ms[0]
+    if m.dim() < 3:
+        return None
+    used = [h for h in range(m.shape[-3]) if bool((m.select(-3, h) >= 0).any())]
+    mod = p[len("param:") :].rsplit(":", 1)[0]
+    container, _, idx = mod.rpartition(".")
+    if len(used) != 1 or not idx.isdigit():
+        return None
+    return container, m.shape[-3]
 
 
 def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
@@ -737,7 +810,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.active += 1
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
-            r.info, r.keep, r.score_extras = {}, [], []
+            r.info, r.keep, r.score_extras, r.view_of = {}, [], [], {}
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -924,6 +997,7 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         cut(split.attention),
         cut(split.refusals),
         cut(split.refused_roles),
+        {k[len(pre) :] for k in split.shared if k.startswith(pre)},
     )
 
 

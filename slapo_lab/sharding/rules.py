@@ -434,6 +434,8 @@ def _inferred_layout(site: ShardSite) -> FusedLayout | None:
     if found is None:
         return None
     role, lay, refusal = found
+    if role == "o":
+        return None
     if refusal:
         return FusedLayout("qkv", 1, None, "", _INFERRED_SOURCE, f"{type(site.parent).__name__}: {refusal}")
     if lay is None:
