@@ -465,7 +465,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
                 # the dataflow says nothing about this layer
                 role = split.roles.get(rel)
-                kind = _ROLE_KIND.get(role) if role else None
+                kind = _role_kind(role)
                 if kind is None and role is None and rel not in split.whole:
                     kind = fused or (_classify(rel) if not _recorded(split, rel) else None)
             else:
@@ -477,6 +477,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             out.append((path, _norm_kind(node)))
+        elif split is not None and rel in split.grad_sum and not _is_experts(mod):
+            out.append((path, "grad_sum"))
         elif _is_experts(mod):
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
@@ -520,16 +522,14 @@ def _shared_attention(block, block_path: str, split, layers: list) -> list:
     return out
 
 
-_ROLE_KIND = {
-    "q": "column",
-    "k": "column",
-    "v": "column",
-    "qkv": "column",
-    "kv": "column",
-    "mlp_in": "column",
-    "o": "row",
-    "mlp_out": "row",
-}
+def _role_kind(role: str | None) -> str | None:
+    """``"column"`` for a projection into heads (any of q / k / v / an output gate g, fused or not) or an MLP
+    input, ``"row"`` for the attention output or an MLP output, None otherwise."""
+    if role in ("o", "mlp_out"):
+        return "row"
+    if role == "mlp_in" or (role and set(role) <= set("qkvg")):
+        return "column"
+    return None
 
 
 def _recorded(split, rel: str) -> bool:

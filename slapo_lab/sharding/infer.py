@@ -164,6 +164,7 @@ class BlockSplit:
     refusals: dict = field(default_factory=dict)
     refused_roles: dict = field(default_factory=dict)
     shared: set = field(default_factory=set)
+    grad_sum: set = field(default_factory=set)
 
 
 class _Done(Exception):
@@ -195,6 +196,7 @@ class _Recorder(TorchFunctionMode):
         self.n_attn = 0
         self.score_extras: list = []
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
+        self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -239,6 +241,17 @@ class _Recorder(TorchFunctionMode):
         if not ins:
             return
         src = frozenset().union(*(i.src for _, i in ins))
+        if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
+            for t, i in ins:
+                for u in (p for p in i.maps if p.startswith("param:")):
+                    prods = {
+                        p
+                        for t2, i2 in ins
+                        if t2 is not t
+                        for p in i2.maps
+                        if not p.startswith(("param:", "@"))
+                    }
+                    self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
             self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
         if name == "scaled_dot_product_attention":
@@ -479,6 +492,23 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             (p for p, inf in rec.linear_in.items() if f"@attn{i}" in inf.maps),
             None,
         )
+        if (
+            o_path is not None
+        ):  # an output gate (sigmoid(g(x)) * attention, Qwen3-Next / AFMoE): per-head features
+            o_in = rec.linear_in[o_path]
+            fin = o_in.maps[f"@attn{i}"][0].shape[-1]
+            heads_out = ev.get("out_heads", n)
+            for p, ms in o_in.maps.items():
+                if p not in dense or p == o_path or fin % heads_out:
+                    continue
+                width = fin // heads_out
+                sets = [set() for _ in range(heads_out)]
+                for m in ms:
+                    row = m.reshape(-1, m.shape[-1])[0]
+                    for h in range(heads_out):
+                        seg = row[h * width : (h + 1) * width]
+                        sets[h] |= set(seg[seg >= 0].tolist())
+                roles.setdefault(p, {})["g"] = sets
         split.attention[attn_mod] = (n, kv)
         ws = _test_ws(n, kv) or _test_ws(n)
         refusal = None
@@ -616,6 +646,14 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             split.layouts[p] = Layout("gate_up" if lay == 2 else "in", lay, None)
             taken.add(p)
         taken.add(r_path)
+    # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
+    # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
+    columns = {p for p, r in split.roles.items() if r not in ("o", "mlp_out")}
+    split_params = {hp[0] for hp in split.head_params}
+    for key, prods in rec.param_uses.items():
+        mod = key.rsplit(":", 1)[0]
+        if prods & columns and mod not in split_params:
+            split.grad_sum.add(mod)
     for p in rec.routers:
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
@@ -810,7 +848,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.active += 1
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
-            r.info, r.keep, r.score_extras, r.view_of = {}, [], [], {}
+            r.info, r.keep, r.score_extras, r.view_of, r.param_uses = {}, [], [], {}, {}
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -900,6 +938,7 @@ class _Snapshot:
     def __init__(self, r: _Recorder) -> None:
         self.events, self.linear_in, self.linear_in_shape = r.events, r.linear_in, r.linear_in_shape
         self.routers = set(r.routers)
+        self.param_uses = dict(r.param_uses)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -931,7 +970,7 @@ def _register(model: nn.Module, result: dict) -> None:
     for bpath, split in result.items():
         block = model.get_submodule(bpath)
         for rel, role in split.roles.items():
-            if role not in ("q", "k", "v", "qkv", "kv", "qk", "o", "mlp_in"):
+            if not (role in ("o", "mlp_in") or set(role) <= set("qkvg")):
                 continue
             parent_rel, _, child = rel.rpartition(".")
             parent = block.get_submodule(parent_rel) if parent_rel else block
@@ -998,6 +1037,7 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         cut(split.refusals),
         cut(split.refused_roles),
         {k[len(pre) :] for k in split.shared if k.startswith(pre)},
+        {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
     )
 
 

@@ -442,7 +442,7 @@ def _inferred_layout(site: ShardSite) -> FusedLayout | None:
         return None
     if role == "mlp_in":
         return FusedLayout("gate_up", lay.stride, None, "", _INFERRED_SOURCE) if lay.stride != 1 else None
-    if role not in ("qkv", "kv", "qk"):
+    if len(role) < 2 or not set(role) <= set("qkvg"):
         return None
     if lay.stride == 1:
         return FusedLayout(role, 1, lay.units, "attention heads", _INFERRED_SOURCE)
@@ -455,7 +455,7 @@ def fused_qkv_of(attn: nn.Module | None) -> tuple[str, FusedLayout] | None:
         return None
     for cname, child in attn.named_children():
         found = _infer.lookup(attn, cname)
-        if found is not None and (found[0] in ("qkv", "kv", "qk") or found[2]):
+        if found is not None and ((len(found[0]) > 1 and set(found[0]) <= set("qkvg")) or found[2]):
             lay = fused_layout(ShardSite(child, "weight", attn, cname))
             if lay is not None:
                 return cname, lay
@@ -510,7 +510,7 @@ def attention_role(site: ShardSite) -> str | None:
     if name == "dense" and fused_qkv_of(parent) is not None:
         return "o"
     found = _infer.lookup(parent, name)
-    if found is not None and found[0] in ("q", "k", "v", "o", "qkv", "kv"):
+    if found is not None and found[0] != "g" and (found[0] == "o" or set(found[0]) <= set("qkvg")):
         return found[0]
     return None
 
