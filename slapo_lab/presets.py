@@ -466,8 +466,12 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 # the dataflow says nothing about this layer
                 role = split.roles.get(rel)
                 kind = _role_kind(role)
-                if kind is None and role is None and rel not in split.whole:
-                    kind = fused or (_classify(rel) if not _recorded(split, rel) else None)
+                if kind and role != "mlp_in" and role != "mlp_out" and _undivided(split, rel, sch.world_size):
+                    kind = (
+                        None  # an attention whose heads do not divide stays whole (replicated_dense says why)
+                    )
+                if kind is None and role is None and rel not in split.whole and rel not in split.ran:
+                    kind = fused or _classify(rel)  # a layer the recorded forward did not run
             else:
                 kind = fused or _classify(rel)
             if kind:
@@ -522,6 +526,20 @@ def _shared_attention(block, block_path: str, split, layers: list) -> list:
     return out
 
 
+def _undivided(split, rel: str, ws: int) -> str | None:
+    """Why the attention around ``rel`` (a projection of the block's split) cannot split its heads over ``ws``
+    ranks (its heads, or its key/value heads, neither divisible by nor dividing ``ws``), or None."""
+    attn = max((a for a in split.attention if not a or rel.startswith(a + ".")), key=len, default=None)
+    if attn is None or ws <= 1:
+        return None
+    n, kv = split.attention[attn]
+    if n % ws:
+        return f"its {n} attention heads do not divide by the world size {ws}"
+    if kv % ws and ws % kv:
+        return f"its {kv} key/value heads neither divide by nor divide the world size {ws}"
+    return None
+
+
 def _role_kind(role: str | None) -> str | None:
     """``"column"`` for a projection into heads (any of q / k / v / an output gate g, fused or not) or an MLP
     input, ``"row"`` for the attention output or an MLP output, None otherwise."""
@@ -530,13 +548,6 @@ def _role_kind(role: str | None) -> str | None:
     if role == "mlp_in" or (role and set(role) <= set("qkvg")):
         return "column"
     return None
-
-
-def _recorded(split, rel: str) -> bool:
-    """Whether the dataflow saw ``rel``'s attention module (its other projections have roles): a projection
-    there without a role does not take part in the split, whatever its name."""
-    parent = rel.rpartition(".")[0]
-    return any(r.rpartition(".")[0] == parent for r in split.roles)
 
 
 def _split_of(sch, block_path: str):
@@ -609,6 +620,10 @@ def _dataflow_reason(sch, block: str, rel: str, cache: dict) -> str | None:
         return None
     if rel in split.whole:
         return split.whole[rel]
+    if split.roles.get(rel) not in (None, "mlp_in", "mlp_out"):
+        why = _undivided(split, rel, sch.world_size)
+        if why:
+            return why
     parent = rel.rpartition(".")[0]
     if split.shared and any(not a or parent == a or parent.startswith(a + ".") for a in split.attention):
         return (
@@ -708,10 +723,10 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
             ]
             raise ScheduleError(
                 f"{block_path or 'the root module'} has no dense layer its recorded dataflow can split: "
-                f"{', '.join(dense[:4]) or 'none'} reach no attention head and no row-parallel partner through "
-                "ops that keep features apart (a convolution or a recurrent scan lies between them), so it "
-                "stays whole; shard its layers with column_parallel() / row_parallel() by hand if you know a "
-                "right split."
+                f"{', '.join(dense[:4]) or 'none'} reach no attention head whose heads divide by the world size and "
+                "no row-parallel partner through ops that keep features apart (a norm over the whole width, a "
+                "convolution or a recurrent scan lies between them), so it stays whole; shard its layers with "
+                "column_parallel() / row_parallel() by hand if you know a right split."
             )
         raise ScheduleError(
             f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "

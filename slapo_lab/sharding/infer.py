@@ -118,7 +118,7 @@ def _dense_out(mod: nn.Module) -> int:
 class _Info:
     maps: dict = field(default_factory=dict)  # producer -> [index map (int64, the tensor's shape)]
     src: frozenset = frozenset()  # every linear the value derives from (lineage, any op)
-    scores: tuple | None = None  # (q arg, k arg) of attention scores not yet applied to v
+    scores: tuple | None = None  # ((q arg, k arg), ...): the score terms not yet applied to v
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,9 @@ class BlockSplit:
     refused_roles: dict = field(default_factory=dict)
     shared: set = field(default_factory=set)
     grad_sum: set = field(default_factory=set)
+    ran: set = field(
+        default_factory=set
+    )  # the linears the recorded forward ran (the others: names are hints)
 
 
 class _Done(Exception):
@@ -197,6 +200,7 @@ class _Recorder(TorchFunctionMode):
         self.score_extras: list = []
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
+        self.ran: set = set()  # the linears the block ran
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -270,17 +274,17 @@ class _Recorder(TorchFunctionMode):
                 and isinstance(out, torch.Tensor)
                 and out.dim() >= 3
             ):
-                self.set(out, _Info({}, src, (args[0], args[1])))
+                self.set(out, _Info({}, src, ((args[0], args[1]),)))
                 return
             if a is not None and a.scores is not None and b is not None and _linear_maps(b):
-                q, k = a.scores
+                q, k = a.scores[0]
                 extras = [args[0]]
-                self.attention(q, k, args[1], extras, out, src)
+                self.attention(q, k, args[1], extras, out, src, a.scores[1:])
                 return
         outs = list(_tensors(out))
         if not outs:
             return
-        scores = next((i.scores for _, i in ins if i.scores is not None), None)
+        scores = _merge_scores(i.scores for _, i in ins)
         if name in _PASS_OPS and len(outs) == 1 and ins[0][0] is args[0]:
             first = ins[0][1]
             self.set(outs[0], _Info(dict(first.maps), src, first.scores))
@@ -369,10 +373,19 @@ class _Recorder(TorchFunctionMode):
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
-    def attention(self, q, k, v, extras, out, src) -> None:
+    def attention(self, q, k, v, extras, out, src, pairs=()) -> None:
         i = self.n_attn
         self.n_attn += 1
-        ev = {"q": (q, self.get(q)), "k": (k, self.get(k)), "v": (v, self.get(v)), "extras": []}
+        ev = {
+            "q": (q, self.get(q)),
+            "k": (k, self.get(k)),
+            "v": (v, self.get(v)),
+            "extras": [],
+            "pairs": pairs,
+        }
+        for a, b in pairs:
+            ev.setdefault("infos", {})[id(a)] = self.get(a)
+            ev["infos"][id(b)] = self.get(b)
         for e in extras:
             inf = self.get(e)
             if inf is not None:
@@ -388,6 +401,16 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _merge_scores(tags) -> tuple | None:
+    """The score terms of every input, in order, each once."""
+    out: list = []
+    for tag in tags:
+        for pair in tag or ():
+            if not any(pair[0] is x[0] and pair[1] is x[1] for x in out):
+                out.append(pair)
+    return tuple(out) or None
 
 
 def _broadcasts(a: tuple, b: tuple) -> bool:
@@ -465,9 +488,19 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         roles: dict[str, dict] = {}  # producer -> role -> [set per head]
         kv = None
         head_lists: list = []
-        for role, t, inf in (("q", q, qi), ("k", k, ki), ("v", v, vi)):
-            if role == "k":
-                t = t.transpose(-1, -2) if inf.scores is None and t.shape[-2] != k.shape[-2] else t
+        infos = ev.get("infos", {})
+
+        def rec_get(t, infos=infos):
+            return infos.get(id(t))
+
+        args = [("q", q, qi, True), ("k", k, ki, True), ("v", v, vi, True)]
+        for a, b in ev.get(
+            "pairs", ()
+        ):  # more scores added to the first (DeBERTa's c2p / p2c position terms)
+            args += [("q", a, rec_get(a), False), ("k", b, rec_get(b), False)]
+        for role, t, inf, main in args:
+            if inf is None:
+                continue
             for p, ms in inf.maps.items():
                 if p.startswith("@"):
                     continue
@@ -477,9 +510,19 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                         head_lists.append(owned)
                     _note_head_param(split, p, ms)
                     continue
-                sets = _head_sets(t if role != "k" or inf.scores is not None else k, ms)
-                roles.setdefault(p, {})[role] = sets
-                if role == "k":
+                sets = _head_sets(t, ms)
+                if len(sets) != n and role == "q":
+                    continue
+                have = roles.setdefault(p, {})
+                if (
+                    not main
+                ):  # a score term's side takes the projection's role in the main term, if it has one
+                    role = next((r for r in ("q", "k") if r in have), "k")
+                if role in have:  # the same projection in two score terms (DeBERTa's q in c2p): one role
+                    have[role] = [x | y for x, y in zip(have[role], sets, strict=False)]
+                else:
+                    have[role] = sets
+                if role == "k" and main:
                     distinct = {frozenset(s) for s in sets if s}
                     kv = len(distinct) if kv is None else max(kv, len(distinct))
         for _e, inf in ev["extras"]:
@@ -499,6 +542,19 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             fin = o_in.maps[f"@attn{i}"][0].shape[-1]
             heads_out = ev.get("out_heads", n)
             for p, ms in o_in.maps.items():
+                if p.startswith("param:") and fin % heads_out == 0:  # a per-head gate bias (Beam's gate_bias)
+                    width = fin // heads_out
+                    row = ms[0].reshape(-1, fin)[0]
+                    sets = [
+                        frozenset(x for x in row[h * width : (h + 1) * width].tolist() if x >= 0)
+                        for h in range(heads_out)
+                    ]
+                    key = p[len("param:") :].rsplit(":", 1)
+                    pairs = ((a, b) for a in range(heads_out) for b in range(a + 1, heads_out))
+                    known = any(hp[0] == key[0] and hp[1] == key[1] for hp in split.head_params)
+                    if all(sets) and not known and not any(sets[a] & sets[b] for a, b in pairs):
+                        split.head_params.append((key[0], key[1], sets, heads_out))
+                    continue
                 if p not in dense or p == o_path or fin % heads_out:
                     continue
                 width = fin // heads_out
@@ -646,6 +702,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             split.layouts[p] = Layout("gate_up" if lay == 2 else "in", lay, None)
             taken.add(p)
         taken.add(r_path)
+    split.ran = set(rec.ran)
     # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
     # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
     columns = {p for p, r in split.roles.items() if r not in ("o", "mlp_out")}
@@ -711,9 +768,25 @@ def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
 
 
 # --------------------------------------------------------------------------------------------- running it
+_DIGESTS: dict[int, tuple] = {}  # id(config) -> (weak reference, digest): configs are read, not changed
+
+
 def _config_digest(cfg) -> str | None:
+    """A digest of a config's values (the registry's key), cached per config object."""
     if cfg is None:
         return None
+    hit = _DIGESTS.get(id(cfg))
+    if hit is not None and hit[0]() is cfg:
+        return hit[1]
+    digest = _compute_digest(cfg)
+    try:
+        _DIGESTS[id(cfg)] = (weakref.ref(cfg), digest)
+    except TypeError:  # not weakly referenceable: not cached
+        pass
+    return digest
+
+
+def _compute_digest(cfg) -> str:
     try:
         text = cfg.to_json_string(use_diff=False)
     except Exception:  # noqa: BLE001
@@ -848,7 +921,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.active += 1
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
-            r.info, r.keep, r.score_extras, r.view_of, r.param_uses = {}, [], [], {}, {}
+            r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -862,6 +935,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         for rel, m in dense.items():
 
             def lin_pre(_m, args, rel=rel):
+                r.ran.add(rel)
                 if args and isinstance(args[0], torch.Tensor):
                     inf = r.get(args[0])
                     if inf is not None:
@@ -939,6 +1013,7 @@ class _Snapshot:
         self.events, self.linear_in, self.linear_in_shape = r.events, r.linear_in, r.linear_in_shape
         self.routers = set(r.routers)
         self.param_uses = dict(r.param_uses)
+        self.ran = set(r.ran)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1038,6 +1113,7 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         cut(split.refused_roles),
         {k[len(pre) :] for k in split.shared if k.startswith(pre)},
         {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
+        {k[len(pre) :] for k in split.ran if k.startswith(pre)},
     )
 
 
