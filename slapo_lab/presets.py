@@ -1115,6 +1115,10 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
         kinds = dict(rel_layers)
         for region, rels in layer_regions(cls, rel_layers):
+            if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
+                kinds[r] == "row" for r in rels
+            ):  # a row-parallel layer with no column-parallel partner can never be right: leave it
+                continue
             paths = [f"{b}.{r}" if b else r for r in rels]
             for p in paths:
                 owned[p] = region
