@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from .errors import ScheduleError
 from .module_state import META_ATTR, peek_meta
@@ -61,6 +62,7 @@ __all__ = ["ModulePattern", "Pattern", "TracingMixin", "call_module", "is_traced
 _EXAMPLES_KEY = (
     "module_example_inputs"  # per-module (args, kwargs); the model's own inputs live under "example_inputs"
 )
+_DUMMY_KEY = "example_inputs_are_dummies"  # recorded from a HF model's dummy_inputs: export shape-generic
 _TRACERS = ("auto", "fx", "export")
 
 #: Export tensor dimensions as ``Dim.AUTO`` (dynamic where the code allows). Off by default: it makes
@@ -246,6 +248,7 @@ class _Opts:
     leaf_names: set = field(default_factory=set)
     leaf_types: tuple = ()
     dummy_inputs: bool = False  # tracer="pytorch": may record a HF model's dummy_inputs for torch.export
+    dynamic: bool = False  # export with dynamic shapes (the examples are a HF model's dummy inputs)
 
     def user_leaf(self, mod: nn.Module, rel: str) -> bool:
         if rel in self.leaf_paths:
@@ -371,10 +374,6 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         raise ScheduleError(f"Unknown tracer {tracer!r}; use one of {', '.join(_TRACERS)}.")
     if flatten and not recursive:
         raise ScheduleError("flatten=True inlines every submodule, so it needs recursive=True.")
-    if flatten and tracer == "export":
-        raise ScheduleError(
-            "flatten=True is only supported by the fx tracer; torch.export keeps the hierarchy."
-        )
     if concrete_args is not None:
         if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
             raise ScheduleError("concrete_args must be a dict from forward() argument names to values.")
@@ -412,6 +411,7 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         examples=sch._top.extra.get(_EXAMPLES_KEY, {}),
         explicit=explicit,
         dummy_inputs=slapo_pytorch,
+        dynamic=bool(sch._top.extra.get(_DUMMY_KEY)),
     )
     _leaf_spec(opts, sch.mod, leaf_modules, where)
     state = needs_call(sch.mod)
@@ -474,7 +474,8 @@ def _fx_trace(mod: nn.Module, rel: str, opts: _Opts) -> fx.GraphModule:
     graph = tracer.trace(mod, concrete_args=opts.concrete_args if rel == "" else None)
     name = orig_class(mod).__name__
     if opts.flatten:
-        gm = fx.GraphModule(mod, graph, class_name=name)
+        gm = TracedGraphModule(mod, graph, class_name=name)
+        _flat_containers(gm, {id(m) for m in mod.modules()})
     else:
         root: dict[str, Any] = {}
         for node in graph.nodes:
@@ -488,7 +489,7 @@ def _fx_trace(mod: nn.Module, rel: str, opts: _Opts) -> fx.GraphModule:
             ):
                 obj = _trace_child(obj, _join(rel, node.target), opts)
             root[node.target] = obj
-        gm = fx.GraphModule(root, graph, class_name=name)
+        gm = TracedGraphModule(root, graph, class_name=name)
     _mark_orig(gm, mod)
     return gm
 
@@ -543,14 +544,18 @@ def _dynamic_shapes(mod: nn.Module, args: tuple, kwargs: dict):
             x,
         )
 
-    return {name: spec(v) for name, v in bound.arguments.items()}
+    def has_tensor(x) -> bool:
+        return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(x))
+
+    # an argument without tensors gets None as a whole (a ``**kwargs`` dict of Nones would not match)
+    return {name: spec(v) if has_tensor(v) else None for name, v in bound.arguments.items()}
 
 
-def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str]):
+def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str], dynamic: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dyn = None
-        if EXPORT_DYNAMIC_SHAPES:
+        if dynamic or EXPORT_DYNAMIC_SHAPES:
             try:
                 dyn = _dynamic_shapes(mod, args, kwargs)
             except Exception:  # noqa: BLE001 - no signature to bind: export static shapes
@@ -608,22 +613,6 @@ def _restore_tensors(um: nn.Module, mod: nn.Module, leaves: list[str]) -> None:
                 owner._buffers[fname] = t
                 if fname in orig_owner._non_persistent_buffers_set:
                     owner._non_persistent_buffers_set.add(fname)
-
-
-_RENAMED: dict[tuple[type, type], type] = {}
-
-
-def _renamed(base: type, orig: type) -> type:
-    key = (base, orig)
-    cls = _RENAMED.get(key)
-    if cls is None:
-        ns = {"_slapo_orig_class": orig, "__module__": base.__module__}
-        if base.__name__ == "UnflattenedModule":
-            ns["__deepcopy__"] = _deepcopy_unflattened
-        cls = type(orig.__name__, (base,), ns)
-        cls.__qualname__ = orig.__qualname__
-        _RENAMED[key] = cls
-    return cls
 
 
 def _simplify_pytree_calls(owner: nn.Module) -> None:
@@ -730,10 +719,9 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
             graph.erase_node(node)
 
 
-def _meta_vals(graph: fx.Graph, keep_placeholders: bool = False) -> None:
+def _meta_vals(graph: fx.Graph) -> None:
     """Turn torch.export's FakeTensor ``node.meta["val"]`` into ``meta`` tensors (same shape, dtype and
-    strides), so that the traced module can be deep-copied (``Verify`` copies the model). The root's
-    placeholders keep theirs: the unflattened module checks its input shapes against them."""
+    strides), so that the traced module can be deep-copied (``Verify`` copies the model)."""
 
     def conv(t):
         if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
@@ -746,25 +734,371 @@ def _meta_vals(graph: fx.Graph, keep_placeholders: bool = False) -> None:
         return t
 
     for node in graph.nodes:
-        if "val" in node.meta and not (keep_placeholders and node.op == "placeholder"):
+        if "val" in node.meta:
             node.meta["val"] = pytree.tree_map(conv, node.meta["val"])
 
 
-def _deepcopy_unflattened(self, memo):
-    """``__deepcopy__`` of a renamed ``UnflattenedModule``: FakeTensors cannot be copied, so the
-    input placeholders' ``val`` (shape checks) are shared with the copy instead."""
-    placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-    saved = [n.meta.pop("val", None) for n in placeholders]
-    try:
-        copied = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
-    finally:
-        for n, v in zip(placeholders, saved):
-            if v is not None:
-                n.meta["val"] = v
-    for n, v in zip([n for n in copied.graph.nodes if n.op == "placeholder"], saved):
-        if v is not None:
-            n.meta["val"] = v
-    return copied
+# ------------------------------------------------------------------------------------------------
+# fx.GraphModules out of torch.export
+# ------------------------------------------------------------------------------------------------
+_STATE_KEYS = frozenset(
+    {
+        "training",
+        "_parameters",
+        "_buffers",
+        "_non_persistent_buffers_set",
+        "_modules",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_is_full_backward_hook",
+    }
+)
+
+
+class TracedGraphModule(fx.GraphModule):
+    """The ``fx.GraphModule`` that :meth:`TracingMixin.trace` puts at a traced path (named after the class it
+    stands for).
+
+    ``fx.GraphModule.__deepcopy__`` rebuilds a copy from what the graph references only: children no node
+    calls, the module's own hooks (the schedule's syncs on a traced module) and instance attributes such as
+    ``_slapo_meta`` would be lost, and containers on dotted targets would become plain modules. This copy
+    keeps them all (``Verify`` and the numeric check deep-copy scheduled models).
+    """
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)
+        for key, val in self.__dict__.items():
+            if key in _STATE_KEYS or key not in res.__dict__:
+                res.__dict__[key] = copy.deepcopy(val, memo)
+        return res
+
+
+class _CallCodeGen(_PyTreeCodeGen):
+    """Code generation for the root of a torch.export trace: ``forward(self, *args, **kwargs)`` takes the
+    call the original module took and flattens it as export did (:meth:`_CallInfo.flatten`)."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        names = [v.split(":")[0].split("=")[0].split("#")[0].strip() for v in free_vars]
+        names = [n for n in names if n and n != "self"]
+        code = f"def {self._func_name}(self, *args, **kwargs){maybe_return_annotation}:"
+        if names:
+            return code + f"\n    {', '.join(names)}, = self._slapo_flat_inputs(args, kwargs)"
+        return code + "\n    self._slapo_flat_inputs(args, kwargs)"
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _CallInfo:
+    """How the root of a torch.export trace was called: the input tree (``in_spec``), each flat input's
+    shape (None for a dynamic dimension) or non-tensor value, and the original ``forward`` signature, so
+    that a call written differently (positional for keyword, defaults left out) is accepted and anything
+    the graph was not specialised for is refused in one sentence. Immutable; copies share it."""
+
+    def __init__(self, name: str, mod: nn.Module, in_spec, flat_with_path, placeholders) -> None:
+        self.name = name
+        self.in_spec = in_spec
+        self.n_args = self.kw_names = None
+        if (
+            in_spec.type is tuple
+            and in_spec.num_children == 2
+            and in_spec.child(0).type is tuple
+            and in_spec.child(1).type is dict
+        ):
+            self.n_args = in_spec.child(0).num_children
+            self.kw_names = list(in_spec.child(1).context)
+        self.checks: list[tuple[str, str, Any]] = []
+        for (path, value), node in zip(flat_with_path, placeholders):
+            where = pytree.keystr(path)
+            val = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                shape = getattr(val, "shape", value.shape)
+                dims = tuple(d if isinstance(d, int) else None for d in shape)
+                self.checks.append((where, "tensor", dims))
+            else:
+                self.checks.append((where, "value", value))
+        self.sig = None
+        try:
+            sig = inspect.signature(mod.forward)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and self.n_args is not None:
+            pos = [p.name for p in sig.parameters.values() if p.kind in _POSITIONAL]
+            if self.n_args <= len(pos):
+                self.sig, self.pos = sig, pos
+                self.var_kw = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _structure(self, args: tuple, kwargs: dict):
+        if self.n_args is None:
+            return (tuple(args), dict(kwargs)) if kwargs else tuple(args)
+        if (
+            len(args) == self.n_args
+            and len(kwargs) == len(self.kw_names)
+            and all(k in kwargs for k in self.kw_names)
+        ):
+            return tuple(args), {k: kwargs[k] for k in self.kw_names}
+        if self.sig is None:
+            raise TypeError(
+                f"{self.name} was traced for a call with {self.n_args} positional argument(s) and keywords "
+                f"{', '.join(self.kw_names) or 'none'}, not {len(args)} and {', '.join(kwargs) or 'none'}."
+            )
+        try:
+            bound = self.sig.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{self.name}.forward cannot take this call: {err}.") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        extra = dict(values.pop(self.var_kw, None) or {}) if self.var_kw else {}
+        extra = {k: v for k, v in extra.items() if v is not None or k in self.kw_names}  # None = absent
+        new_args = tuple(values.pop(n) for n in self.pos[: self.n_args])
+        new_kwargs = {}
+        for k in self.kw_names:
+            if k in values:
+                new_kwargs[k] = values.pop(k)
+            elif k in extra:
+                new_kwargs[k] = extra.pop(k)
+            else:
+                raise TypeError(
+                    f"{self.name} was traced with the keyword {k}, which this call does not pass."
+                )
+        for k, v in values.items():
+            default = self.sig.parameters[k].default
+            if v is not default and (isinstance(v, torch.Tensor) or v != default):
+                raise TypeError(
+                    f"{self.name} was traced with {k} left at its default, so it cannot take {k}={_short(repr(v), 60)}."
+                )
+        if extra:
+            raise TypeError(
+                f"{self.name} was traced without the keyword(s) {', '.join(extra)}, which this call passes."
+            )
+        return new_args, new_kwargs
+
+    def flatten(self, args: tuple, kwargs: dict) -> list:
+        """The flat graph inputs of a call ``(args, kwargs)``.
+
+        Raises:
+            TypeError: a call the traced graph cannot take (arguments it was not traced with).
+            RuntimeError: an input of another shape, or another non-tensor value, than at tracing.
+        """
+        tree = self._structure(args, kwargs)
+        flat, spec = pytree.tree_flatten_with_path(tree)
+        if spec != self.in_spec:
+            raise TypeError(
+                f"{self.name} was traced for inputs structured as {self.in_spec}, not {spec}; trace it again "
+                "with these inputs."
+            )
+        for (_, value), (where, kind, want) in zip(flat, self.checks):
+            if kind == "tensor":
+                if not isinstance(value, torch.Tensor) or value.dim() != len(want):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise RuntimeError(
+                        f"Expected input at {where} to be a {len(want)}-d tensor, but got {got}."
+                    )
+                for j, d in enumerate(want):
+                    if d is not None and value.shape[j] != d:
+                        raise RuntimeError(
+                            f"Expected input at {where}.shape[{j}] to be equal to {d}, but got {value.shape[j]} "
+                            f"({self.name} was traced by torch.export for fixed shapes; trace it again for others)."
+                        )
+            elif isinstance(value, torch.Tensor) or type(value) is not type(want) or value != want:
+                raise RuntimeError(
+                    f"Expected input at {where} to be {_short(repr(want), 60)}, but got {_short(repr(value), 60)} "
+                    f"({self.name} is specialised to the non-tensor inputs it was traced with)."
+                )
+        return [v for _, v in flat]
+
+
+class _CallGraphModule(TracedGraphModule):
+    """The root of a torch.export trace: takes the original module's call (see :class:`_CallInfo`)."""
+
+    def _slapo_flat_inputs(self, args, kwargs):
+        return self.meta["slapo_call"].flatten(args, kwargs)
+
+
+def _merge_state(gm: nn.Module, m: nn.Module) -> None:
+    """Give ``gm`` the children, parameters and buffers of ``m`` (same objects, ``m``'s order) that
+    ``fx.GraphModule`` did not copy, and ``m``'s containers in place of the plain ones it made."""
+    for key in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(gm, key), getattr(m, key)
+        merged = dict(theirs)
+        for k, v in mine.items():
+            merged.setdefault(k, v)
+        mine.clear()
+        mine.update(merged)
+    gm._non_persistent_buffers_set |= m._non_persistent_buffers_set
+    gm.training = m.training
+
+
+def _no_self_names(graph: fx.Graph) -> None:
+    """Rename nodes called ``self`` (a call of a child named ``self``, e.g. BERT's ``attention.self``): in
+    generated code the variable would shadow the module."""
+    for n in graph.nodes:
+        if n.name == "self":
+            n._rename("self_out")
+
+
+def _graph_module(m: nn.Module, name: str, cls: type = TracedGraphModule) -> fx.GraphModule:
+    _no_self_names(m.graph)
+    gm = cls(m, m.graph, class_name=name)
+    _merge_state(gm, m)
+    return gm
+
+
+def _to_graph_modules(um: nn.Module, mod: nn.Module, leaves: list[str], call: _CallInfo, out_spec):
+    """Turn an unflattened export (``InterpreterModule`` s under an ``UnflattenedModule``) into
+    :class:`TracedGraphModule` s, bottom up; the root becomes a :class:`_CallGraphModule`. Non-root graphs
+    take flat tensors (``meta["slapo_flat_call"]``): they cannot be swapped for a module of the original
+    call signature."""
+    leaf_set = set(leaves)
+    interp = _interp_types()
+    done: dict[int, nn.Module] = {}
+
+    def orig_name(qn: str, m: nn.Module) -> str:
+        try:
+            return orig_class(mod.get_submodule(qn)).__name__
+        except AttributeError:
+            return type(m).__name__
+
+    def convert(m: nn.Module, qn: str) -> nn.Module:
+        if id(m) in done:
+            return done[id(m)]
+        for name, child in list(m._modules.items()):
+            cq = _join(qn, name)
+            if child is None or cq in leaf_set:
+                continue
+            new = convert(child, cq)
+            if new is not child:
+                m._modules[name] = new
+        new = m
+        if m is not um and isinstance(m, interp) and isinstance(getattr(m, "graph", None), fx.Graph):
+            new = _graph_module(m, orig_name(qn, m))
+            new.meta["slapo_flat_call"] = True
+            try:
+                new.meta["slapo_orig_class"] = orig_class(mod.get_submodule(qn))
+            except AttributeError:
+                pass
+        done[id(m)] = new
+        return new
+
+    convert(um, "")
+    um.graph._codegen = _CallCodeGen(_PyTreeInfo([], call.in_spec, out_spec))
+    gm = _graph_module(um, orig_class(mod).__name__, _CallGraphModule)
+    gm.meta["slapo_call"] = call
+    return gm
+
+
+def _replace_uses(node: fx.Node, value: Any) -> None:
+    if isinstance(value, fx.Node):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        user.args = fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
+        user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
+
+
+def _inline_call(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
+    """Put the nodes of ``sub``'s graph in place of ``call`` (a ``call_module`` of ``sub``); their
+    ``get_attr`` / ``call_module`` targets get the call's target as prefix."""
+    prefix = call.target
+    env: dict[fx.Node, Any] = {}
+    args = list(call.args)
+    out: Any = None
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(args):
+            env[ph] = args[i]
+        elif ph.target in call.kwargs:
+            env[ph] = call.kwargs[ph.target]
+        elif ph.args:
+            env[ph] = ph.args[0]
+        else:
+            raise ScheduleError(
+                f"{prefix} cannot be inlined: its call gives no value for its input {ph.target}."
+            )
+    with graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                out = fx.node.map_arg(n.args[0], lambda a: env[a])
+                continue
+            new = graph.node_copy(n, lambda a: env[a])
+            if n.op in ("get_attr", "call_module"):
+                new.target = f"{prefix}.{n.target}"
+            env[n] = new
+    if isinstance(out, (tuple, list)):
+        for user in list(call.users):
+            if (
+                user.op == "call_function"
+                and user.target is operator.getitem
+                and user.args[0] is call
+                and isinstance(user.args[1], int)
+            ):
+                _replace_uses(user, out[user.args[1]])
+                graph.erase_node(user)
+        if call.users:
+            with graph.inserting_before(call):
+                agg = graph.call_function(type(out), (list(out),))
+            call.replace_all_uses_with(agg)
+    else:
+        _replace_uses(call, out)
+    graph.erase_node(call)
+
+
+def _flat_containers(gm: nn.Module, originals: set[int]) -> None:
+    """Mark the plain modules ``fx.GraphModule`` made to hold a flat graph's dotted targets: they are never
+    called, and the schedule does not mirror what they hold (Slapo: after ``flatten=True`` the inlined
+    submodules are no longer schedule nodes; ``get_module`` still reaches them)."""
+    for m in gm.modules():
+        if type(m) is nn.Module and id(m) not in originals:
+            m.__dict__[_FLAT_CONTAINER] = True
+
+
+_FLAT_CONTAINER = "_slapo_flat_container"
+
+
+def hides_children(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a container of a flattened graph, whose children are not schedule nodes."""
+    return bool(mod.__dict__.get(_FLAT_CONTAINER))
+
+
+def lost_call_signature(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a graph that torch.export traced as part of its parent, which takes flat tensors
+    instead of the original module's call."""
+    if isinstance(mod, fx.GraphModule):
+        return bool(mod.meta.get("slapo_flat_call"))
+    return isinstance(mod, _interp_types()[:1])
+
+
+def _flatten_export(gm: fx.GraphModule, mod: nn.Module, leaves: list[str]) -> fx.GraphModule:
+    """Inline every non-leaf graph of a hierarchical export into the root graph (``flatten=True``)."""
+    leaf_set = set(leaves)
+    graph = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_module" or node.target in leaf_set:
+                continue
+            sub = gm.get_submodule(node.target)
+            if isinstance(sub, fx.GraphModule) and sub is not gm:
+                _inline_call(graph, node, sub)
+                changed = True
+    graph.lint()
+    _no_self_names(graph)
+    flat = _CallGraphModule(gm, graph, class_name=type(gm).__name__)
+    flat.meta["slapo_call"] = gm.meta["slapo_call"]
+    flat.training = gm.training
+    _flat_containers(flat, {id(m) for m in mod.modules()} | {id(m) for m in gm.modules()})
+    return flat
 
 
 def edit_graph(owner: nn.Module) -> fx.Graph:
@@ -784,19 +1118,59 @@ def refresh(owner: nn.Module) -> None:
         owner.finalize()
 
 
-def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> nn.Module:
-    """Export ``mod`` with torch.export, unflatten it and put leaves and tensors back."""
+def _with_concrete(mod: nn.Module, args: tuple, kwargs: dict, concrete: dict) -> tuple[tuple, dict]:
+    """The example call with ``concrete`` values in place: an argument the call gives by position keeps its
+    position (Slapo's ``concrete_args`` name every other forward parameter)."""
+    try:
+        pos = [p.name for p in inspect.signature(mod.forward).parameters.values() if p.kind in _POSITIONAL]
+    except (TypeError, ValueError):
+        pos = []
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in concrete.items():
+        i = pos.index(name) if name in pos else len(args)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _without_none_extras(mod: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` without the ``None`` entries that only a ``**kwargs`` parameter takes (HF 5.x passes
+    ``position_ids=None`` that way): a callee reads them with ``kwargs.get``, so absent is the same, and
+    torch.export cannot match dynamic shapes to a ``**kwargs`` dict (``_get_range_constraints`` moves its
+    entries to the top level)."""
+    try:
+        params = inspect.signature(mod.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params or v is not None}
+
+
+def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.GraphModule:
+    """Export ``mod`` with torch.export, unflatten it, put leaves and tensors back and turn every graph into a
+    :class:`TracedGraphModule` (the root a :class:`_CallGraphModule`); ``flatten=True`` then inlines them all
+    into the root's graph."""
     args, kwargs = example
     if rel == "" and opts.concrete_args:
-        kwargs = {**kwargs, **opts.concrete_args}
+        args, kwargs = _with_concrete(mod, args, kwargs, opts.concrete_args)
     if _on_meta(mod):
         args, kwargs = _to_meta((args, kwargs))
+    if opts.dynamic:
+        kwargs = _without_none_extras(mod, kwargs)
     leaves = _export_leaves(mod, rel, opts)
-    ep = _export(mod, args, kwargs, leaves)
+    ep = _export(mod, args, kwargs, leaves, dynamic=opts.dynamic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         um = torch.export.unflatten(ep)
     del ep
+    signature = um.module_call_graph[0].signature
+    reordered = {k: kwargs[k] for k in signature.in_spec.child(1).context} if kwargs else kwargs
+    flat_with_path, _ = pytree.tree_flatten_with_path((tuple(args), reordered))
+    placeholders = [n for n in um.graph.nodes if n.op == "placeholder"]
+    call = _CallInfo(orig_class(mod).__name__, mod, signature.in_spec, flat_with_path, placeholders)
     for qn in leaves:
         _set_path(um, qn, mod.get_submodule(qn))
     _restore_tensors(um, mod, leaves)
@@ -806,17 +1180,14 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> nn.M
         if not isinstance(sub, interp) or qn in leaf_set:
             continue
         if isinstance(getattr(sub, "graph", None), fx.Graph):
-            _meta_vals(sub.graph, keep_placeholders=sub is um)
+            _meta_vals(sub.graph)
             _simplify_pytree_calls(sub)
             sub.finalize()  # regenerate its code, dropping references to the cloned tensors
-        try:
-            orig = mod.get_submodule(qn) if qn else mod
-        except AttributeError:
-            continue
-        if type(sub) in interp:
-            sub.__class__ = _renamed(type(sub), orig_class(orig))
-    _mark_orig(um, mod)
-    return um
+    gm = _to_graph_modules(um, mod, leaves, call, signature.out_spec)
+    if opts.flatten:
+        gm = _flatten_export(gm, mod, leaves)
+    _mark_orig(gm, mod)
+    return gm
 
 
 # ------------------------------------------------------------------------------------------------
@@ -869,6 +1240,7 @@ def record_example_inputs(sch, inputs) -> dict[str, tuple[tuple, dict]]:
     finally:
         for h in handles:
             h.remove()
+    sch._top.extra.pop(_DUMMY_KEY, None)  # the user's inputs: exports specialise to their shapes
     store = sch._top.extra.setdefault(_EXAMPLES_KEY, {})
     store.update(captured)
     return store
@@ -1108,6 +1480,7 @@ def _dummy_examples(sch) -> bool:
         return False
     try:
         record_example_inputs(top, inputs)
+        sch._top.extra[_DUMMY_KEY] = True
     except ScheduleError as err:
         log.debug("dummy inputs did not run: %s", err)
         return False
@@ -1320,23 +1693,21 @@ def _trace_module(sch, opts: _Opts) -> nn.Module:
         except Exception as err:  # noqa: BLE001
             fx_err = _short(err)
     if opts.tracer in ("export", "auto"):
-        if opts.flatten:
-            ex_err = "flatten=True needs the fx tracer"
-        else:
+        example = opts.example_for("")
+        if example is None and opts.dummy_inputs and _dummy_examples(sch):
+            opts.examples = sch._top.extra.get(_EXAMPLES_KEY, {})
+            opts.dynamic = True
             example = opts.example_for("")
-            if example is None and opts.dummy_inputs and _dummy_examples(sch):
-                opts.examples = sch._top.extra.get(_EXAMPLES_KEY, {})
-                example = opts.example_for("")
-            if example is None:
-                ex_err = (
-                    "it needs example inputs: pass example_inputs= or call "
-                    "record_example_inputs(sch, inputs) first"
-                )
-            else:
-                try:
-                    return _export_trace(sch.mod, "", opts, example)
-                except Exception as err:  # noqa: BLE001
-                    ex_err = _short(err)
+        if example is None:
+            ex_err = (
+                "it needs example inputs: pass example_inputs= or call "
+                "record_example_inputs(sch, inputs) first"
+            )
+        else:
+            try:
+                return _export_trace(sch.mod, "", opts, example)
+            except Exception as err:  # noqa: BLE001
+                ex_err = _short(err)
     if fx_err is not None and ex_err is not None:
         raise ScheduleError(f"{where} cannot be traced: fx says {fx_err}; torch.export says {ex_err}.")
     if fx_err is not None:

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent / "slapo_compat"
 sys.path.insert(0, str(HERE))
 import slapo_alias  # installs the ``slapo`` -> ``slapo_lab`` alias
 
-SLAPO_CPU_PASSING = 17  # of 23 CPU tests: 5 known failures (xfail), 1 needs torchvision
+SLAPO_CPU_PASSING = 21  # of 23 CPU tests: 1 known failure (xfail), 1 needs torchvision
 
 
 @pytest.fixture(autouse=True)

@@ -353,7 +353,7 @@ def _one_sentence(err: Exception) -> str:
         (lambda s: s.trace(tracer="magic"), r"Unknown tracer 'magic'"),
         (lambda s: s.trace(tracer="huggingface"), r"transformers\.utils\.fx"),
         (lambda s: s.trace(flatten=True, recursive=False), r"needs recursive=True"),
-        (lambda s: s.trace(flatten=True, tracer="export"), r"only supported by the fx tracer"),
+        (lambda s: s.trace(flatten=True, tracer="export"), r"torch\.export: it needs example inputs"),
         (lambda s: s.trace(leaf_modules=["nope"]), r"leaf_modules entry 'nope' names no submodule"),
         (lambda s: s.trace(leaf_modules=[3]), r"leaf_modules entries must be"),
         (lambda s: s["pooler"].trace(concrete_args={"nope": 1}), r"concrete_args names nope"),
