@@ -35,9 +35,12 @@ query was called on (``""`` for the node itself).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import itertools
+import keyword
 import logging
 import operator
 import re
@@ -551,25 +554,69 @@ def _dynamic_shapes(mod: nn.Module, args: tuple, kwargs: dict):
     return {name: spec(v) if has_tensor(v) else None for name, v in bound.arguments.items()}
 
 
+@contextlib.contextmanager
+def _named_extras(mod: nn.Module, kwargs: dict):
+    """While exporting with dynamic shapes, give ``mod`` a ``forward`` that names the ``**kwargs`` entries of
+    this call as keyword-only parameters (the same object, its class swapped for the duration): torch.export
+    cannot match dynamic shapes to a ``**kwargs`` dict (its ``_get_range_constraints`` moves the entries to
+    the top level, where ``_check_dynamic_shapes`` does not allow them)."""
+    try:
+        sig = inspect.signature(type(mod).forward)
+    except (TypeError, ValueError):
+        sig = None
+    params = list(sig.parameters.values()) if sig is not None else []
+    extras = [k for k in kwargs if k not in sig.parameters] if sig is not None else []
+    if (
+        not extras
+        or any(p.kind == p.VAR_POSITIONAL for p in params)
+        or not all(k.isidentifier() and not keyword.iskeyword(k) for k in extras)
+    ):
+        yield
+        return
+    cls = type(mod)
+    named = [p for p in params[1:] if p.kind != p.VAR_KEYWORD]
+    env = {"_orig_forward": cls.forward, "_defaults": {p.name: p.default for p in named}}
+    head, call = ["self"], ["self"]
+    kw_only = False
+    for p in named:
+        if p.kind == p.KEYWORD_ONLY and not kw_only:
+            head.append("*")
+            kw_only = True
+        head.append(p.name if p.default is p.empty else f"{p.name}=_defaults[{p.name!r}]")
+        call.append(f"{p.name}={p.name}" if p.kind != p.POSITIONAL_ONLY else p.name)
+    if not kw_only:
+        head.append("*")
+    head += [f"{k}=None" for k in extras]
+    call += [f"{k}={k}" for k in extras]
+    exec(f"def forward({', '.join(head)}):\n    return _orig_forward({', '.join(call)})", env)  # noqa: S102
+    mod.__class__ = type(cls.__name__, (cls,), {"forward": env["forward"], "__module__": cls.__module__})
+    try:
+        yield
+    finally:
+        mod.__class__ = cls
+
+
 def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str], dynamic: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dyn = None
         if dynamic or EXPORT_DYNAMIC_SHAPES:
             try:
-                dyn = _dynamic_shapes(mod, args, kwargs)
+                with _named_extras(mod, kwargs):
+                    dyn = _dynamic_shapes(mod, args, kwargs)
             except Exception:  # noqa: BLE001 - no signature to bind: export static shapes
                 dyn = None
         if dyn is not None:
             try:
-                return torch.export.export(
-                    mod,
-                    args,
-                    kwargs,
-                    dynamic_shapes=dyn,
-                    strict=False,
-                    preserve_module_call_signature=tuple(leaves),
-                )
+                with _named_extras(mod, kwargs):
+                    return torch.export.export(
+                        mod,
+                        args,
+                        kwargs,
+                        dynamic_shapes=dyn,
+                        strict=False,
+                        preserve_module_call_signature=tuple(leaves),
+                    )
             except Exception as err:  # noqa: BLE001 - retry with static shapes, which reports the real error
                 log.debug("dynamic-shape export failed (%s); retrying with static shapes", _short(err))
         return torch.export.export(
@@ -771,6 +818,11 @@ class TracedGraphModule(fx.GraphModule):
     """
 
     def __deepcopy__(self, memo):
+        for (
+            val
+        ) in self.__dict__.values():  # immutable pytree specs (_in_spec, _spec_0 ...): shared, not copied
+            if isinstance(val, pytree.TreeSpec):
+                memo[id(val)] = val
         res = super().__deepcopy__(memo)
         for key, val in self.__dict__.items():
             if key in _STATE_KEYS or key not in res.__dict__:
@@ -789,6 +841,9 @@ class _CallCodeGen(_PyTreeCodeGen):
         if names:
             return code + f"\n    {', '.join(names)}, = self._slapo_flat_inputs(args, kwargs)"
         return code + "\n    self._slapo_flat_inputs(args, kwargs)"
+
+    def __deepcopy__(self, memo):  # immutable (its pytree specs included): copies share it
+        return self
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -1118,6 +1173,64 @@ def refresh(owner: nn.Module) -> None:
         owner.finalize()
 
 
+def _export_unflatten(
+    mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str], dynamic: bool
+) -> nn.Module:
+    """``torch.export.unflatten`` of ``mod`` exported on ``(args, kwargs)`` with ``leaves`` preserved."""
+    ep = _export(mod, args, kwargs, leaves, dynamic=dynamic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.redirect_stdout(io.StringIO()):  # unflatten prints "Checking mutability ..."
+            return torch.export.unflatten(ep)
+
+
+def _broken_call(um: nn.Module, leaf_mods: dict[str, nn.Module]) -> str | None:
+    """The first submodule an unflattened graph calls with inputs it cannot take, or None; ``leaf_mods`` are
+    the preserved leaves (path -> the original module that will take the call).
+
+    ``torch.export.unflatten`` (PyTorch 2.13) mis-wires calls of preserved-signature leaves: with a leaf that
+    reads a value cast in its parent (LlamaRMSNorm's ``hidden_states.to(float32)``) the child's graph gets
+    placeholders (``to_6`` ...) its caller never passes; with dynamic shapes a leaf can be passed an extra
+    input (GPT-2's ``Conv1D``).
+    """
+    for qn, owner in um.named_modules():
+        graph = getattr(owner, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            path = _join(qn, node.target)
+            try:
+                sub = leaf_mods[path] if path in leaf_mods else owner.get_submodule(node.target)
+            except AttributeError:
+                continue
+            sub_graph = getattr(sub, "graph", None)
+            if path not in leaf_mods and isinstance(sub_graph, fx.Graph):
+                placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
+                wanted = [n for n in placeholders if not n.args]
+                ok = len(wanted) <= len(node.args) + len(node.kwargs) <= len(placeholders)
+            else:
+                try:
+                    inspect.signature(sub.forward).bind(*node.args, **node.kwargs)
+                    ok = True
+                except TypeError:
+                    ok = False
+                except ValueError:  # no signature to check
+                    ok = True
+            if not ok:
+                return _join(qn, node.target)
+    return None
+
+
+def _must_stay_leaf(m: nn.Module, rel: str, opts: _Opts) -> bool:
+    """A leaf that must stay a module (not one kept whole only for its shard rule): a ``torch.nn`` layer, a
+    user leaf, or a module with call state or a graph already."""
+    if opts.user_leaf(m, rel) or needs_call(m) or is_traced(m) or _is_builtin(m):
+        return True
+    return _is_separate_bias(m) and not opts.flatten
+
+
 def _with_concrete(mod: nn.Module, args: tuple, kwargs: dict, concrete: dict) -> tuple[tuple, dict]:
     """The example call with ``concrete`` values in place: an argument the call gives by position keeps its
     position (Slapo's ``concrete_args`` name every other forward parameter)."""
@@ -1161,11 +1274,26 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.G
     if opts.dynamic:
         kwargs = _without_none_extras(mod, kwargs)
     leaves = _export_leaves(mod, rel, opts)
-    ep = _export(mod, args, kwargs, leaves, dynamic=opts.dynamic)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        um = torch.export.unflatten(ep)
-    del ep
+    # torch.export.unflatten can mis-wire calls (see _broken_call): fall back to static shapes, then to fewer
+    # preserved leaves (only those that must stay modules)
+    needed = [q for q in leaves if _must_stay_leaf(mod.get_submodule(q), _join(rel, q), opts)]
+    attempts = [(leaves, opts.dynamic), (leaves, False), (needed, opts.dynamic), (needed, False)]
+    tried, broken = [], None
+    for attempt in attempts:
+        if attempt in tried:
+            continue
+        tried.append(attempt)
+        um = _export_unflatten(mod, args, kwargs, *attempt)
+        broken = _broken_call(um, {q: mod.get_submodule(q) for q in attempt[0]})
+        if broken is None:
+            leaves = attempt[0]
+            break
+        log.debug("unflatten mis-wired the call of %s; exporting again", broken)
+    if broken is not None:
+        raise ScheduleError(
+            f"torch.export.unflatten calls {broken} with inputs its forward does not take (a PyTorch bug "
+            "with preserved module signatures); pass it in leaf_modules or trace a module below it."
+        )
     signature = um.module_call_graph[0].signature
     reordered = {k: kwargs[k] for k in signature.in_spec.child(1).context} if kwargs else kwargs
     flat_with_path, _ = pytree.tree_flatten_with_path((tuple(args), reordered))
@@ -1465,9 +1593,10 @@ def _move_plain_hooks(old: nn.Module, new: nn.Module) -> None:
 
 
 def _dummy_examples(sch) -> bool:
-    """Record example inputs from a HuggingFace model's ``dummy_inputs`` (token ids), so that torch.export can
-    trace a submodule fx cannot (transformers 5.x code unpacks shapes and ``**kwargs``) without the user
-    passing inputs; False where the root is not such a model or the forward fails."""
+    """Record example inputs from a HuggingFace model's ``dummy_inputs`` (token ids, with ``use_cache=False``
+    where the model takes it), so that torch.export can trace a submodule fx cannot (transformers 5.x code
+    unpacks shapes and ``**kwargs``) without the user passing inputs; False where the root is not such a model
+    or the forward fails. The exports that use them are shape-generic (``Dim.AUTO``)."""
     top = sch.get_top_schedule()
     dummy = getattr(type(top.mod), "dummy_inputs", None)
     if dummy is None or not isinstance(dummy, property) or _EXAMPLES_KEY in sch._top.extra:
@@ -1478,6 +1607,12 @@ def _dummy_examples(sch) -> bool:
         return False
     if not inputs or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
         return False
+    try:
+        takes_cache_flag = "use_cache" in inspect.signature(top.mod.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache_flag = False
+    if takes_cache_flag:  # a graph cannot grow a key/value cache object: trace the call without one
+        inputs["use_cache"] = False
     try:
         record_example_inputs(top, inputs)
         sch._top.extra[_DUMMY_KEY] = True
