@@ -4,16 +4,24 @@ Slapo (``slapo.schedule.Schedule.trace`` / ``trace_until`` / ``find_node`` / ``f
 ``find``; seed ``000_dd5d83f90250128c.txt``, and ``slapo/tracer.py``, ``slapo/pattern.py``) traces
 modules with ``torch.fx``. On PyTorch 2.13 + transformers 5.x, ``torch.fx.symbolic_trace`` still
 traces small submodules (``BertIntermediate``, ``GPT2MLP``, ``LlamaMLP``) but fails on every full
-HF model and on their attention and decoder layers. So :meth:`TracingMixin.trace` tries ``torch.fx``
-first and falls back to ``torch.export.export`` + ``torch.export.unflatten``, which needs example
-inputs: pass ``example_inputs=``, or call :func:`record_example_inputs` once, which runs one forward
-pass and remembers every submodule's arguments, so any submodule can be exported on demand.
+HF model and on their attention and decoder layers (``**kwargs``, unpacked shapes). So
+:meth:`TracingMixin.trace` tries ``torch.fx`` first and falls back to ``torch.export.export``
+(``strict=False``) + ``torch.export.unflatten``, which needs example inputs: pass ``example_inputs=``,
+or call :func:`record_example_inputs` once, which runs one forward pass and remembers every submodule's
+arguments, so any submodule can be exported on demand. Slapo's ``tracer="pytorch"`` without either
+records a HuggingFace model's ``dummy_inputs`` (``use_cache=False``) and exports shape-generic
+(``Dim.AUTO``).
 
 What tracing does to the schedule (paths never change):
 
-* ``sch.mod`` becomes the traced module (a ``torch.fx.GraphModule``, or for ``torch.export`` an
-  ``UnflattenedModule`` whose submodules are ``InterpreterModule`` s, renamed after the classes they
-  replace), registered on the parent with ``setattr``; the schedule's children are re-mirrored.
+* ``sch.mod`` becomes a ``torch.fx.GraphModule`` (:class:`TracedGraphModule`, named after the class it
+  replaces), registered on the parent with ``setattr``; the schedule's children are re-mirrored. Under
+  torch.export every unflattened level becomes one: the root takes the original module's call (its
+  arguments by position or keyword, defaults left out; :class:`_CallInfo`), the levels below take flat
+  tensors from the root's graph (they cannot be swapped for a module of the original signature).
+* ``flatten=True`` inlines every non-leaf submodule into one graph (fx, or the torch.export hierarchy
+  inlined); as in Slapo, the inlined submodules are then no schedule nodes (``sch.get_module`` still
+  reaches them, the leaves are ``call_module`` nodes with dotted targets).
 * Parameters and buffers stay the same tensor objects (``torch.export.unflatten`` clones them; the
   originals are put back).
 * *Leaf* modules are kept as they are (the same objects, with their ``_slapo_meta`` state and hooks)
@@ -21,11 +29,12 @@ What tracing does to the schedule (paths never change):
   norms, ``nn.Linear`` subclasses), modules that already carry a hook-based primitive (sync,
   checkpoint, fork_rng, a sharded forward), modules that are already traced, and ``leaf_modules``.
   Under ``torch.export`` leaves are exported with ``preserve_module_call_signature`` and swapped back,
-  so they keep their call convention (and can be replaced later); non-leaf submodules become
-  ``InterpreterModule`` s that take flat tensors.
-* A ``torch.export`` graph is specialised to the module's train/eval mode, to the non-tensor
-  arguments and (unless :data:`EXPORT_DYNAMIC_SHAPES` is set) to the example input shapes; the
-  unflattened module checks its input shapes and raises on a mismatch.
+  so they keep their call convention (and can be replaced later). Where ``torch.export.unflatten``
+  (PyTorch 2.13) mis-wires a preserved call (LlamaRMSNorm, GPT-2's ``Conv1D`` under dynamic shapes),
+  the export is retried with static shapes, then with only the leaves that must stay modules.
+* A ``torch.export`` graph is specialised to the module's train/eval mode and to the non-tensor
+  arguments; with the user's inputs (unless :data:`EXPORT_DYNAMIC_SHAPES` is set) to their shapes too.
+  The traced root checks its inputs and raises one sentence on another shape or non-tensor value.
 
 Graph queries return Slapo's types: :meth:`~TracingMixin.find_node` a list of
 ``(parent path, fx.Node)``, :meth:`~TracingMixin.find_subgraph` a list of subgraphs, each a list of
@@ -1658,19 +1667,21 @@ class TracingMixin:
             recursive: fx: also trace each non-leaf child into its own graph (a child that cannot be
                 traced stays as it is); export: unflatten the whole hierarchy. With False every child
                 stays a leaf.
-            flatten: fx only: inline every non-leaf submodule into one graph.
+            flatten: inline every non-leaf submodule into one graph (fx, or torch.export's hierarchy
+                inlined); the inlined submodules are then no schedule nodes (Slapo).
             leaf_modules: submodule paths (relative to this node), class names or classes that must
                 not be traced into.
             tracer: ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``; Slapo's ``"pytorch"`` is
                 ``"auto"`` that, on a HuggingFace model without recorded inputs, first records the model's
                 ``dummy_inputs`` (one forward pass) so torch.export can stand in where fx fails.
-            concrete_args: fx: values that specialise forward arguments; export: extra keyword inputs.
+            concrete_args: fx: values that specialise forward arguments; export: values put into the
+                example call (by position where the call passes that argument by position).
             example_inputs: inputs of this module for torch.export: a tensor, a tuple of positional
                 arguments, a dict of keyword arguments or an ``(args, kwargs)`` pair. Defaults to the
                 arguments recorded by :func:`record_example_inputs` for this path.
 
         Returns:
-            The traced module, now at this path: an ``fx.GraphModule`` or an ``UnflattenedModule``.
+            The traced module, now at this path: an ``fx.GraphModule`` (:class:`TracedGraphModule`).
 
         Raises:
             ScheduleError: for bad arguments, a module carrying hook-based primitives, or when no
