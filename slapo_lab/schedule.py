@@ -22,7 +22,7 @@ from .errors import ScheduleError
 from .primitives import get_primitive, list_primitives
 from .record import Call, Recorder
 from .sharding.sync_ops import TPGroup
-from .tracing import TracingMixin
+from .tracing import TracingMixin, hides_children
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Schedule(TracingMixin):
         self.path = path
         self.parent = parent
         self.child: OrderedDict[str, Schedule] = OrderedDict()
-        for cname, cmod in mod.named_children():
+        for cname, cmod in () if hides_children(mod) else mod.named_children():
             cpath = f"{path}.{cname}" if path else cname
             self.child[cname] = Schedule(cmod, cname, cpath, self, _top=_top)
 
@@ -238,14 +238,26 @@ class Schedule(TracingMixin):
             )
 
     def get_module(self, name: str) -> nn.Module:
-        """The module at ``name`` relative to this node."""
-        return self[name].mod
+        """The module at ``name`` relative to this node: its schedule node's module, or (Slapo's
+        ``get_module``) a submodule without a node of its own, such as one inlined by ``trace(flatten=True)``.
+
+        Raises:
+            KeyError (a ScheduleError): with one sentence naming the missing part and what exists.
+        """
+        try:
+            return self[name].mod
+        except ScheduleKeyError:
+            try:
+                return self.mod.get_submodule(name)
+            except AttributeError:
+                pass
+            raise
 
     def _rebuild_children(self) -> None:
         """Re-mirror the children after a primitive replaced modules below this node."""
         self._top.extra.pop("owners", None)  # the tied-tensor owner index may be stale now
         self.child = OrderedDict()
-        for cname, cmod in self.mod.named_children():
+        for cname, cmod in () if hides_children(self.mod) else self.mod.named_children():
             cpath = f"{self.path}.{cname}" if self.path else cname
             self.child[cname] = Schedule(cmod, cname, cpath, self, _top=self._top)
 
