@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ScheduleError
-from .args import build_parser, parse_args
 from .phases import say_phase
 
 
@@ -198,6 +197,7 @@ class Run:
         self.device = device
         self.pipeline = stages > 1
         self.pm = None
+        self.record: dict = {}  # the launch's part of run.json (preflight's Checked.record)
         self.ddp = None
         self.unused_params = True  # DDP's find_unused_parameters, until Verify has seen every gradient
 
@@ -868,8 +868,12 @@ class Run:
         logger.log_eval(step, loss, samples=rows)
 
     def run_info(self) -> dict:
-        """What a checkpoint records beside the tensors, for ``slapo-lab convert``: the model spec (with the
-        config the run used), the tokenizer and model directories, the weights' source dtype."""
+        """What a checkpoint records beside the tensors: for ``slapo-lab convert``, the model spec (with the
+        config the run used), the tokenizer directory and the weights' source dtype; for a relaunch's
+        comparison (:func:`slapo_lab.train.preflight.compare_run`), the launch's record (the config as
+        config.json or the script gives it, the model directory and weights the run started from, the data,
+        the sequence length, when it started) and the schedule (its recorded calls)."""
+        from ..record import format_call
         from .weights import source_dtype
 
         spec = dict(self.spec)
@@ -877,10 +881,12 @@ class Run:
             spec["config"] = self.config.to_dict()
         absolute = lambda p: str(Path(p).resolve()) if p else None
         return {
-            "model": spec,
             "model_path": absolute(self.args.model_path),
+            **self.record,
+            "model": spec,
             "tokenizer": absolute(self.args.tokenizer),
             "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch."),
+            "schedule": [format_call(c) for c in self.sch.record.calls],
         }
 
     def _train_state(self, step: int) -> dict:
@@ -990,6 +996,7 @@ def main(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
+    checked=None,
 ) -> int:
     """Train the model of an exported script; the one call an exported script makes.
 
@@ -1004,26 +1011,33 @@ def main(
         defaults: option defaults baked in by the export.
         argv: the command line (default: ``sys.argv[1:]``).
         title: the first line of ``--help``.
+        checked: what :func:`slapo_lab.train.preflight.preflight` returned for these arguments (None: run it
+            here; :func:`slapo_lab.train.main` runs it before importing torch).
 
     Returns:
         The exit status: 0 done, 1 Verify failed, 2 a problem of the launch or the input (one sentence on
         stderr).
     """
-    from ..export.spec import ExportError, example_sizes, validate_input_spec, validate_model_spec
+    from ..export.spec import ExportError, validate_input_spec, validate_model_spec
     from .parallel import LayoutError
+    from .preflight import preflight
 
     spec = validate_model_spec(model)
     input_spec = validate_input_spec(inputs)
-    batch, seq = example_sizes(input_spec)
-    parser = build_parser(
-        title or "Train a model with a slapo-lab schedule.",
-        launcher=launcher,
-        pipeline=stages > 1,
-        example_batch=int(batch or 1),
-        example_seq=seq,
-        defaults=defaults,
-    )
-    args = parse_args(parser, argv)
+    if checked is None:
+        checked = preflight(
+            model=spec,
+            inputs=input_spec,
+            tp=tp,
+            stages=stages,
+            launcher=launcher,
+            defaults=defaults,
+            argv=argv,
+            title=title,
+        )
+        if isinstance(checked, int):
+            return checked
+    args = checked.args
     if getattr(args, "print_ds_config", False):
         import json
 
@@ -1059,6 +1073,7 @@ def main(
             launcher=launcher,
             device=device,
         )
+        run.record = checked.record
         run.setup()
         if args.verify:
             passed = run.verify()
