@@ -183,3 +183,15 @@ def test_a_relaunch_resumes_only_its_own_run(pf, tmp_path):
     # --no-resume: a fresh run from the other model, no note
     rc, out = _train(pf["tp"], ["--model-path", pf["other"], "--steps", "1", "--no-resume", *base])
     assert rc == 0 and "note: resuming" not in out and "resumed from" not in out, out[-4000:]
+
+
+def test_a_tokenizer_that_does_not_load_suggests_the_tokenizer_option(tmp_path):
+    """Issue 24: a directory whose tokenizer files do not make a tokenizer names --tokenizer in its sentence."""
+    from slapo_lab.train.data import DataError, load_tokenizer
+
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    with pytest.raises(DataError) as err:
+        load_tokenizer(tmp_path)
+    assert "could not be loaded" in str(err.value) and "pass --tokenizer" in str(err.value), str(err.value)
