@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, child_env, launch_torchrun
+from tests.harness import REPO_ROOT, child_env, launch_torchrun, torchrun_argv
 from tests.train_fixtures import meta_model, write_corpus, write_pretrained, write_tokenizer
 
 
@@ -129,19 +129,38 @@ def test_bad_input_fails_before_torch_in_one_sentence(pf):
 
 
 @pytest.mark.multirank
-def test_torchrun_ranks_say_it_once_before_torch(pf):
-    """2 ranks under torchrun: a wrong --data path and a dp that does not fit are one sentence, once; the ranks
-    fail before importing torch (their exit codes are 2)."""
-    for args, word in (
-        (["--data", pf["dir"] / "nope.jsonl", "--tokenizer", pf["a"], "--seq-len", "16"], "nope.jsonl"),
-        (["--dp", "2"], "--dp 2 x 2 = 4"),
+def test_torchrun_ranks_say_it_once_before_torch(pf, tmp_path):
+    """2 ranks under torchrun (each rank's output in its own file, ``--redirects 3``, imports timed with
+    ``PYTHONPROFILEIMPORTTIME``): a wrong --data path and a dp that does not fit are one sentence, the last line rank
+    0 writes and nothing on rank 1; both ranks exit with status 2 without having imported torch."""
+    for i, (args, word) in enumerate(
+        (
+            (["--data", pf["dir"] / "nope.jsonl", "--tokenizer", pf["a"], "--seq-len", "16"], "nope.jsonl"),
+            (["--dp", "2"], "--dp 2 x 2 = 4"),
+        )
     ):
-        rc, out = launch_torchrun(pf["tp"], 2, ["--device", "cpu", *map(str, args)], timeout=240)
-        assert rc != 0
-        errors = [ln for ln in out.splitlines() if "error:" in ln and word in ln]
-        assert len(errors) == 1, out[-4000:]
-        assert "exitcode  : 2" in out, out[-4000:]
-        assert "CheckpointException" not in out and "Verify" not in out, out[-4000:]
+        logs = tmp_path / f"logs{i}"
+        argv = torchrun_argv(pf["tp"], 2, ["--device", "cpu", *map(str, args)])
+        argv[3:3] = ["--log-dir", str(logs), "--redirects", "3"]
+        p = subprocess.run(
+            argv,
+            cwd=REPO_ROOT,
+            env=child_env(PYTHONPROFILEIMPORTTIME="1"),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=240,
+        )
+        assert p.returncode != 0 and "exitcode  : 2" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+        ranks = {}
+        for rank in (0, 1):
+            (err_log,) = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+            lines = err_log.read_text().splitlines()
+            imported = {ln.rsplit("|", 1)[-1].strip() for ln in lines if ln.startswith("import time:")}
+            assert "torch" not in imported, f"rank {rank} imported torch before the error"
+            ranks[rank] = [ln for ln in lines if not ln.startswith("import time:") and ln.strip()]
+        assert ranks[0] and ranks[0][-1].startswith("error:") and word in ranks[0][-1], ranks[0][-5:]
+        assert sum("error:" in ln for ln in ranks[0]) == 1 and not ranks[1], ranks
 
 
 def _train(script, args, timeout=600):
