@@ -189,7 +189,7 @@ def export_command(
     )
     write_text_atomic(out, text)
     path = str(out.resolve())
-    return path, launch_command(calls, meta["world_size"], path, launcher)
+    return path, launch_command(calls, meta["world_size"], path, launcher, device=None)
 
 
 def _guarded(command: str, schedule: str, run):

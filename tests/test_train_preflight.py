@@ -191,11 +191,13 @@ def test_a_relaunch_resumes_only_its_own_run(pf, tmp_path):
     assert "was saved for intermediate_size 128, the model has 96" in errors[0], errors
     assert "--no-resume" in errors[0] and "exitcode  : 2" in out and "CheckpointException" not in out
 
-    # the same shapes, other weights: a note, then the run resumes at step 2 and keeps its origin
-    rc, out = _train(pf["tp"], ["--model-path", pf["same"], "--steps", "3", *base])
+    # the same shapes, other weights, and another schedule (the TP-1 script at dp 2): notes, then the run
+    # resumes at step 2 and keeps its origin
+    rc, out = _train(pf["plain"], ["--model-path", pf["same"], "--steps", "3", *base])
     assert rc == 0, out[-4000:]
     note = f"note: resuming step 2 of the run started from {pf['a'].resolve()}; --model-path {pf['same']} is ignored"
     assert note in out and "resumed from" in out, out[-4000:]
+    assert "was saved by another schedule" in out and "this one has 0" in out, out[-4000:]
     again = json.loads((ckpt / "step-00000003" / "run.json").read_text())
     assert again["model_path"] == str(pf["a"].resolve()) and again["started"] == saved["started"]
 

@@ -835,27 +835,11 @@ class EditorState(SchedulePersistence):
         )
 
     def _launch_command(self, script, launcher: str, dp: int, gpus: int | None = None) -> str:
-        """The one-node launch of ``script``: ``tp x pp x dp`` processes, one GPU each when this machine has
-        them (``gpus``: its CUDA devices, default torch's count); otherwise the GPU launch and the CPU launch
-        that runs here (gloo on 127.0.0.1)."""
-        n = self.num_ranks * dp
-        name = _shown_path(script)
-        gpu = (
-            f"deepspeed --num_gpus {n} {name} --device cuda"
-            if launcher == "deepspeed"
-            else f"torchrun --nproc_per_node={n} {name} --device cuda"
-        )
-        if gpus is None:
-            import torch
+        """The one-node launch of ``script`` for ``tp x pp x dp`` processes on this machine
+        (:func:`slapo_lab.export.script.launch_here`)."""
+        from ..export.script import launch_here
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus >= n:
-            return gpu
-        here = "no CUDA" if gpus == 0 else f"{gpus} GPU(s)"
-        return (
-            f"{gpu} on {n} GPUs; on this machine ({here}): torchrun --nproc_per_node={n} "
-            f"--master_addr=127.0.0.1 {name} --device cpu"
-        )
+        return launch_here(self.num_ranks * dp, _shown_path(script), launcher, gpus)
 
     def _example_sizes(self) -> tuple[int | None, int | None]:
         """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""

@@ -845,8 +845,11 @@ class Run:
         return fresh
 
     def resumed(self, path, state: dict, start: int) -> None:
-        """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so."""
+        """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so; say when the
+        checkpoint was saved by another schedule (its recorded calls in ``run.json``)."""
         from ..random import set_random_seed
+        from ..record import format_call
+        from .preflight import read_run_info
 
         lay = self.layout
         same = state.get("layout") == self.layout_key
@@ -862,6 +865,13 @@ class Run:
                 else f" (saved as {state.get('layout')}, now {self.layout_key}: weights and optimizer resharded)"
             )
         )
+        saved = read_run_info(path).get("schedule")
+        calls = [format_call(c) for c in self.sch.record.calls]
+        if isinstance(saved, list) and saved != calls:
+            _say(
+                f"note: {path} was saved by another schedule ({len(saved)} recorded calls, this one has "
+                f"{len(calls)}); its tensors were resharded to this schedule's layouts."
+            )
 
     def _log_eval(self, logger, step: int) -> None:
         loss, rows = self.evaluate()
@@ -1057,7 +1067,10 @@ def main(
             "process, or --device cpu."
         )
     if error:
-        print(error, file=sys.stderr)
+        from .preflight import speaks_errors
+
+        if speaks_errors():  # once per node, not once per rank
+            print(error, file=sys.stderr)
         return 2
     _init_process_group(args, device)
     say_phase("setup")
