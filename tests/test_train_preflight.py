@@ -216,3 +216,26 @@ def test_a_tokenizer_that_does_not_load_suggests_the_tokenizer_option(tmp_path):
     with pytest.raises(DataError) as err:
         load_tokenizer(tmp_path)
     assert "could not be loaded" in str(err.value) and "pass --tokenizer" in str(err.value), str(err.value)
+
+
+def test_position_limits_and_shape_differences_are_read_from_the_config():
+    """The limit and the differences come from the config's own keys, across families, no table of models."""
+    from transformers import CLIPConfig, GPT2Config, LlamaConfig, T5Config
+
+    from slapo_lab.train.preflight import config_differences, position_limit
+
+    assert position_limit(GPT2Config().to_dict()) == ("n_positions", 1024)
+    assert position_limit(LlamaConfig(max_position_embeddings=256).to_dict()) == (
+        "max_position_embeddings",
+        256,
+    )
+    scaled = LlamaConfig(
+        max_position_embeddings=256,
+        rope_scaling={"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 256},
+    ).to_dict()
+    assert position_limit(scaled)[1] == 1024
+    assert position_limit(CLIPConfig().to_dict()) == ("max_position_embeddings", 77)  # its text tower
+    assert position_limit(T5Config().to_dict()) is None  # relative positions: no limit
+    a = LlamaConfig(intermediate_size=688, eos_token_id=2).to_dict()
+    b = LlamaConfig(intermediate_size=512, eos_token_id=7, rms_norm_eps=1e-5).to_dict()
+    assert config_differences(a, b) == [("intermediate_size", 688, 512)]
