@@ -27,9 +27,11 @@ Classes (:class:`Result`.status):
 * ``"full"``: the check passed and every projection of every block stack is sharded. **A projection** is,
   structurally, every ``nn.Linear`` / HF ``Conv1D`` inside a block of a stack :func:`slapo_lab.presets.find_blocks`
   finds, plus every expert bank (a module holding 3-D weights that is not a convolution), **except routers**:
-  a linear whose ``out_features`` equals the number of experts of an expert bank (a 3-D bank's first axis, or a
-  ``ModuleList`` of at least 2 same-class modules each holding a linear) beside it in the same module
-  (:func:`projections`). Layers outside the blocks (embeddings, pooler, heads) are not counted.
+  a linear, anywhere under a module that has an expert bank as a direct child, whose ``out_features`` is at most
+  that bank's number of experts (a 3-D bank's first axis, or a ``ModuleList`` / ``ModuleDict`` of at least 2
+  same-class modules each holding a linear): one logit per expert, or a shared expert's single gate
+  (:func:`projections`; the tiny models have 4 experts and projections at least 16 wide, so nothing else
+  matches). Layers outside the blocks (embeddings, pooler, heads) are not counted.
 * ``"partial"``: the check passed; what is kept whole (per block, relative path) and the preset's notes.
 * ``"refused"``: ``megatron_tp`` raised ``ScheduleError`` (its sentence).
 * ``"failed"`` (✗): the check failed or errored (its message), or it could not judge (skipped).
@@ -243,6 +245,9 @@ def _shrink(d: dict, vocab_ids: set) -> dict:
                 out[k] = _mrope(v, SMALL["head_dim"] // 2)
             elif layers and len(v) == layers and k.endswith(("layers", "layer_types")):
                 out[k] = [x for x in v if x < SMALL["layers"]] if k.endswith("layers") else _diverse(v, 2)
+            elif layers and len(v) == layers and len(v) > SMALL["layers"]:  # one value per layer
+                one = _shrink({**d, k: v[0]}, vocab_ids)[k]
+                out[k] = [one if x == v[0] else _shrink({**d, k: x}, vocab_ids)[k] for x in _diverse(v, 2)]
         elif isinstance(v, list) and layers and len(v) == layers and len(v) > SMALL["layers"]:
             out[k] = _diverse(v, SMALL["layers"])
     return out
@@ -273,6 +278,25 @@ def _fix_token_ids(d: dict, vocab: int) -> None:
             d[k] = [seen.setdefault(x, top - len(seen)) if x >= vocab else x for x in v]
 
 
+def _changed(old: dict, new: dict) -> dict:
+    """The entries of ``new`` that differ from ``old``; a nested sub-config dict is passed whole (its class
+    is rebuilt from it) when any of its entries changed."""
+    out = {}
+    for k, v in new.items():
+        o = old.get(k)
+        if o == v:
+            continue
+        out[k] = _changed(o, v) if isinstance(o, dict) and isinstance(v, dict) and "model_type" in v else v
+    return out
+
+
+def _cause(err: BaseException) -> str:
+    """The first line of ``err``, with its cause's first line when it wraps one (a config validator's)."""
+    text = _first_line(err)
+    cause = err.__cause__
+    return f"{text} {_first_line(cause)}" if cause is not None else text
+
+
 def tiny_config(model_type: str):
     """The config class of ``model_type`` with small sizes (see the module docstring).
 
@@ -288,12 +312,11 @@ def tiny_config(model_type: str):
     d = base.to_dict()
     small = _shrink(d, set())
     _fix_token_ids(small, small.get("vocab_size") or SMALL["vocab"])
-    for k in ("transformers_version", "architectures", "_name_or_path", "model_type"):
-        small.pop(k, None)
-    try:
-        cfg = type(base).from_dict(small)
+    changed = _changed(d, small)
+    try:  # only the changed values, as keyword arguments: the class derives the rest (head_dim, layer_types ...)
+        cfg = AutoConfig.for_model(model_type, **changed)
     except Exception as err:  # noqa: BLE001
-        raise DoesNotBuild(f"config with small sizes: {type(err).__name__}: {_first_line(err)}") from None
+        raise DoesNotBuild(f"config with small sizes: {type(err).__name__}: {_cause(err)}") from None
     for attn in ("_attn_implementation", "attn_implementation"):
         with contextlib.suppress(Exception):  # older config classes without the setter
             setattr(cfg, attn, "eager")
@@ -389,6 +412,10 @@ def build(model_type: str, model_cls: str, seed: int = 0):
         cls = getattr(transformers, model_cls)
     except Exception as err:  # noqa: BLE001 - a missing optional package shows here
         raise DoesNotBuild(f"class {model_cls}: {type(err).__name__}: {_first_line(err)}") from None
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(cfg, want):  # a text-only class of a composite family
+        sub = next((v for v in vars(cfg).values() if isinstance(v, want)), None)
+        cfg = sub if sub is not None else cfg
     try:
         with torch.device("meta"):
             meta = cls(cfg)
@@ -423,8 +450,9 @@ def _expert_count(mod) -> int | None:
     of one class each holding a linear."""
     from torch import nn
 
-    if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
-        if len({type(m) for m in mod}) == 1 and any(_is_linear(x) for x in mod[0].modules()):
+    if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) >= 2:
+        subs = list(mod.children())
+        if len({type(m) for m in subs}) == 1 and any(_is_linear(x) for x in subs[0].modules()):
             return len(mod)
         return None
     if isinstance(mod, nn.modules.conv._ConvNd):
@@ -445,19 +473,17 @@ def projections(sch) -> dict[str, list[str]]:
         bmod = sch[block].mod
         routers: set[int] = set()
         for mod in bmod.modules():
-            counts = {c for c in map(_expert_count, mod.children()) if c}
-            if isinstance(mod, nn.ModuleList):
+            counts = [c for c in map(_expert_count, mod.children()) if c]
+            if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or not counts:
                 continue
             for child in mod.modules():
-                if child is mod:
-                    continue
-                if _is_linear(child) and child.weight.shape[0] in counts and child.weight.shape[0] < 16:
+                if child is not mod and _is_linear(child) and child.weight.shape[0] <= max(counts):
                     routers.add(id(child))
         paths = []
         for rel, mod in bmod.named_modules():
             if not rel or id(mod) in routers:
                 continue
-            three = not isinstance(mod, nn.ModuleList) and _expert_count(mod) is not None
+            three = not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and _expert_count(mod) is not None
             if _is_linear(mod) or three:
                 paths.append(f"{block}.{rel}")
         out[block] = paths
