@@ -1,10 +1,10 @@
 """The family sweep (issue 23): the Megatron preset at TP 2 and the numeric check on every transformers family.
 
 For every family (``model_type``) of transformers' ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES``,
-``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ``MODEL_FOR_MASKED_LM_MAPPING_NAMES`` and
+``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and
 ``MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES`` (``transformers.models.auto.modeling_auto``; a family in several
 mappings is swept once, with the class of the first mapping in that order, so an encoder-decoder keeps both
-stacks):
+stacks and an encoder is its masked LM):
 
 1. **Build tiny** from its config class (``AutoConfig.for_model(model_type)`` defaults, then
    :func:`tiny_config`: 2 layers per stack, 4 heads of 16 features (2 key/value heads where the family groups
@@ -61,14 +61,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAPPINGS = (
     ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    ("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     ("masked", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     ("image", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
 )
 STATUSES = ("full", "partial", "refused", "failed", "crash", "no_build")
+#: Seconds a new worker may take to import torch, transformers and slapo_lab (a loaded machine is slow).
+STARTUP_TIMEOUT = 300.0
 #: Parameters a tiny model may keep after shrinking (more means the shrinker missed a width).
 MAX_TINY_PARAMS = 12_000_000
 WORLD_SIZE = 2
+#: Seconds the numeric check's ranks may run (its own default, 60 s, is short on a loaded 2-core machine).
+CHECK_TIMEOUT = 100.0
 BATCH, SEQ, DEC_SEQ, IMAGE = 2, 16, 8, 32
 SMALL = {"layers": 2, "heads": 4, "head_dim": 16, "hidden": 64, "inter": 128, "experts": 4, "vocab": 256}
 TABLE_PATHS = (Path("/work/sweep/latest.txt"), ROOT / "artifacts" / "family_sweep.md")
@@ -198,9 +202,23 @@ def _shrink(d: dict, vocab_ids: set) -> dict:
         ):
             out[k] = _shrink(v, vocab_ids)
             continue
-        if isinstance(v, bool) or v is None:
+        if (
+            v is None
+        ):  # a size the class needs but the defaults leave open (ESM's vocabulary, Dots1's experts)
+            if k == "vocab_size":
+                out[k] = SMALL["vocab"]
+            elif _EXPERTS.fullmatch(k):
+                out[k] = SMALL["experts"]
+            elif _TOPK.fullmatch(k):
+                out[k] = 2
+            elif _ONE.fullmatch(k):
+                out[k] = 1
             continue
-        if isinstance(v, int):
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, dict) and v and all(str(x).isdigit() for x in v):  # per-layer settings by index
+            out[k] = {x: y for x, y in v.items() if int(x) < SMALL["layers"]}
+        elif isinstance(v, int):
             if "vocab_size" in k and v > SMALL["vocab"] and "type" not in k:
                 out[k] = SMALL["vocab"]
             elif _LAYERS.fullmatch(k) and v > SMALL["layers"]:
@@ -545,7 +563,7 @@ def sweep_one(model_type: str) -> Result:
                 res.status, res.detail = "refused", str(err)
                 return res
             notes = list(getattr(calls, "notes", []))
-            report = numeric_check(model, sch.record.calls, WORLD_SIZE, inputs)
+            report = numeric_check(model, sch.record.calls, WORLD_SIZE, inputs, timeout=CHECK_TIMEOUT)
             if report.status != "passed":
                 res.status = "failed"
                 res.detail = ("(check skipped) " if report.status == "skipped" else "") + report.message
@@ -579,6 +597,10 @@ def _worker(conn) -> None:
         import transformers
 
         transformers.logging.set_verbosity_error()
+    import slapo_lab.numeric
+    import slapo_lab.presets  # noqa: F401
+
+    conn.send("ready")
     while True:
         try:
             mt = conn.recv()
@@ -596,8 +618,12 @@ class _Slot:
         self.proc.start()
         child.close()
         self.family: str | None = None
-        self.started = 0.0
+        self.started = time.monotonic()
+        self.ready = False  # the worker has imported torch, transformers and slapo_lab
         self.done = 0
+
+    def deadline(self, timeout: float) -> float:
+        return self.started + (timeout if self.ready else STARTUP_TIMEOUT)
 
     def stop(self, kill: bool = False) -> None:
         if kill:
@@ -617,7 +643,7 @@ class _Slot:
 def run_sweep(
     names: list[str] | None = None,
     workers: int = 2,
-    timeout: float = 90.0,
+    timeout: float = 150.0,
     recycle: int = 40,
     progress=None,
 ) -> list[Result]:
@@ -637,7 +663,9 @@ def run_sweep(
             s.stop()
             slots[i] = s = _Slot(ctx)
         if todo:
-            s.family, s.started = todo.pop(0), time.monotonic()
+            s.family = todo.pop(0)
+            if s.ready:
+                s.started = time.monotonic()
             s.parent.send(s.family)
         else:
             s.family = None
@@ -651,7 +679,7 @@ def run_sweep(
         feed(i)
     while any(s.family for s in slots):
         busy = [s for s in slots if s.family]
-        left = min(s.started + timeout for s in busy) - time.monotonic()
+        left = min(s.deadline(timeout) for s in busy) - time.monotonic()
         ready = wait([s.parent for s in busy] + [s.proc.sentinel for s in busy], max(0.0, left))
         for i, s in enumerate(slots):
             if not s.family:
@@ -660,7 +688,11 @@ def run_sweep(
             task, cls = all_fams.get(fam, ("", ""))
             if s.parent in ready:
                 try:
-                    finish(fam, Result(**s.parent.recv()))
+                    msg = s.parent.recv()
+                    if msg == "ready":  # the family's clock starts now
+                        s.ready, s.started = True, time.monotonic()
+                        continue
+                    finish(fam, Result(**msg))
                     s.done += 1
                     feed(i)
                     continue
@@ -682,11 +714,9 @@ def run_sweep(
                 s.stop(kill=True)
                 slots[i] = _Slot(ctx)
                 feed(i)
-            elif time.monotonic() - s.started > timeout:
-                finish(
-                    fam,
-                    Result(fam, task, cls, "crash", f"no result within {timeout:.0f} s (killed)", timeout),
-                )
+            elif time.monotonic() > s.deadline(timeout):
+                what = f"no result within {timeout:.0f} s" if s.ready else "the worker did not start"
+                finish(fam, Result(fam, task, cls, "crash", f"{what} (killed)", timeout))
                 s.stop(kill=True)
                 slots[i] = _Slot(ctx)
                 feed(i)
@@ -767,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=90.0)
+    ap.add_argument("--timeout", type=float, default=150.0)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or None
