@@ -66,6 +66,8 @@ MAPPINGS = (
     ("image", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
 )
 STATUSES = ("full", "partial", "refused", "failed", "crash", "no_build")
+#: Test-only family names: a family whose worker hangs, and one whose worker dies (exit code 3).
+HANG, DIE = "__hang__", "__die__"
 #: Seconds a new worker may take to import torch, transformers and slapo_lab (a loaded machine is slow).
 STARTUP_TIMEOUT = 300.0
 #: Parameters a tiny model may keep after shrinking (more means the shrinker missed a width).
@@ -608,6 +610,10 @@ def _worker(conn) -> None:
             return
         if mt is None:
             return
+        if mt == HANG:
+            time.sleep(3600)
+        if mt == DIE:
+            os._exit(3)
         conn.send(sweep_one(mt).as_dict())
 
 
@@ -778,6 +784,46 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cause_of(r: Result) -> str:
+    """A family's failure, refusal or crash with module paths and numbers taken out, to group families by."""
+    text = r.detail
+    m = re.search(r"fails in (\S+) while (.*?) on \d+ simulated ranks?: (.*)", text)
+    if m:
+        text = f"fails in *.{m.group(1).rsplit('.', 1)[-1]} while {m.group(2)}: {m.group(3)}"
+    m = re.search(
+        r"(outputs first differ|only gradients differ, first|the weights differ first) at (\S+)", text
+    )
+    if m:
+        text = f"{m.group(1)} at *.{m.group(2).rsplit('.', 1)[-1]}"
+    text = re.sub(r"\(found: [^)]*\)", "", text)
+    text = re.sub(r"\b[\w-]+(\.[\w-]+)+\b", "<module>", text)
+    text = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)
+    text = re.sub(r"\s+", " ", text.split(";")[0]).replace(" while running the forward and backward", "")
+    return text[:90]
+
+
+def causes(results: list[Result]) -> str:
+    """Markdown: the ✗, crashed, refused and unbuilt families grouped by cause (:func:`cause_of`), largest
+    group first."""
+    lines = []
+    for status, title in (
+        ("failed", "✗"),
+        ("crash", "crash"),
+        ("refused", "refused"),
+        ("no_build", "does not build"),
+    ):
+        groups: dict[str, list[str]] = {}
+        for r in results:
+            if r.status == status:
+                groups.setdefault(cause_of(r), []).append(r.family)
+        if not groups:
+            continue
+        lines += ["", f"## {title} by cause", ""]
+        for cause, fams in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            lines.append(f"- ({len(fams)}) {_cell(cause)}: {', '.join(fams)}")
+    return "\n".join(lines) + "\n"
+
+
 def write_table(text: str) -> list[Path]:
     """Write ``text`` to each of :data:`TABLE_PATHS` that can be written; returns those written."""
     done = []
@@ -808,7 +854,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run_sweep(names, workers=args.workers, timeout=args.timeout, progress=progress)
     text = (
-        table(results) + f"\nSweep wall time: {time.perf_counter() - t0:.0f} s on {args.workers} workers.\n"
+        table(results)
+        + causes(results)
+        + f"\nSweep wall time: {time.perf_counter() - t0:.0f} s on {args.workers} workers.\n"
     )
     print(text)
     if not args.no_write and names is None:
