@@ -3,6 +3,12 @@
 The public API, and nothing else: the editor and exported scripts use only these names.
 """
 
+# First, before torch is imported: a process started by torchrun or the DeepSpeed launcher (an exported
+# script's ``import slapo_lab.train``) ends when its launcher ends (slapo_lab/train/lifeline.py).
+from .train import lifeline as _lifeline
+
+_lifeline.arm()
+
 from . import graph, pipeline, presets, sharding, utils
 from .build import build
 from .check import Finding, check_schedule, close_open_items

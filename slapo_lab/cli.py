@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["torchrun", "deepspeed"],
         help="launcher the script is written for (default: torchrun)",
     )
+    e.add_argument(
+        "--force-unverified",
+        action="store_true",
+        help="write the script even when the numeric check marks the schedule as failing",
+    )
     _trust_arguments(e)
     c = sub.add_parser(
         "check",
@@ -152,8 +157,13 @@ def export_command(
     launcher: str = "torchrun",
     trust_factory: bool = False,
     project: str | None = None,
+    force: bool = False,
 ) -> tuple[str, str]:
     """Render ``schedule`` (a schedule file) to ``output``; returns (path written, one-node launch command).
+
+    The schedule is first checked numerically (:func:`slapo_lab.export.script.refuse_failing_schedule`, on
+    the model rebuilt from its spec and inputs drawn like the spec's), and refused when it fails, unless
+    ``force`` (``--force-unverified``).
 
     Nothing the file names is imported here, but a script that builds its model with a factory would
     import and call it, so such a file needs ``trust_factory`` and a factory in ``project``.
@@ -165,10 +175,12 @@ def export_command(
         trust_factory: consent to write a script that calls the factory ``meta.model`` names
             (``--trust-factory``).
         project: the folder a trusted factory's package must live in (default: the current directory).
+        force: write the script even when the numeric check fails.
 
     Raises:
         ExportError: an invalid file, one without a model/input spec or world size, a factory without
-            ``trust_factory`` or outside ``project``, or an unwritable output.
+            ``trust_factory`` or outside ``project``, a schedule the numeric check marks failing (without
+            ``force``), or an unwritable output.
     """
     from pathlib import Path
 
@@ -183,6 +195,8 @@ def export_command(
             "save_schedule(path, calls, model=..., example_inputs=..., world_size=...)."
         )
     _check_factory_consent(schedule, meta["model"], trust_factory, project)
+    if not force:
+        _refuse_failing(schedule, calls, meta, trust_factory, project)
     out = Path(output).expanduser()
     text = render_script(
         meta["model"], calls, meta["inputs"], meta["world_size"], launcher, script_name=out.name
@@ -190,6 +204,27 @@ def export_command(
     write_text_atomic(out, text)
     path = str(out.resolve())
     return path, launch_command(calls, meta["world_size"], path, launcher)
+
+
+def _refuse_failing(schedule: str, calls, meta, trust_factory: bool, project: str | None) -> None:
+    """Raise ExportError when the numeric check marks the schedule file's calls as failing."""
+    import torch
+
+    from .export import ExportError
+    from .export.script import refuse_failing_schedule
+    from .export.spec import build_from_spec
+
+    try:
+        model = build_from_spec(meta["model"], trust_factory=trust_factory, project=project)
+    except ExportError as err:
+        raise ExportError(f"{schedule}: {err}") from None
+    inputs = {}
+    for name, d in meta["inputs"].items():
+        if "shape" in d:
+            inputs[name] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]), device="meta")
+        elif "value" in d:
+            inputs[name] = d["value"]
+    refuse_failing_schedule(model, calls, inputs, meta["world_size"])
 
 
 def _guarded(command: str, schedule: str, run):
@@ -227,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             "export",
             args.schedule,
             lambda: export_command(
-                args.schedule, args.output, args.launcher, args.trust_factory, args.project
+                args.schedule,
+                args.output,
+                args.launcher,
+                args.trust_factory,
+                args.project,
+                args.force_unverified,
             ),
         )
         if status is not None:

@@ -270,7 +270,8 @@ def find_blocks(sch) -> list[str]:
 
     The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
     the children of every stack of blocks: the largest ``nn.ModuleList`` whose children all share one class
-    and have parameters, then each other such list of at least two that is neither inside nor around one
+    and have parameters (lists of modules with children of their own before lists of leaf layers, so
+    StableLM's per-head q/k norms are not taken for its blocks), then each other such list of at least two that is neither inside nor around one
     already taken (Whisper's decoder beside its encoder, CLIP's vision tower beside its text tower), in
     module order.
     """
@@ -278,16 +279,19 @@ def find_blocks(sch) -> list[str]:
     if fam is not None:
         classes = _BLOCK_CLASSES[fam]
         return [p for p, node in sch.named_schedules() if p and type(node.mod).__name__ in classes]
-    stacks: list[tuple[int, str, list[str]]] = []  # (order, path, block paths)
+    stacks: list[tuple[int, str, list[str], bool]] = []  # (order, path, block paths, blocks have children)
     for i, (p, node) in enumerate(sch.named_schedules()):
         if not isinstance(node.mod, nn.ModuleList) or len(node.mod) < 1:
             continue
         kids = list(node.mod)
         if len({type(k) for k in kids}) != 1 or not any(True for _ in kids[0].parameters()):
             continue
-        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
+        composite = any(True for _ in kids[0].children())
+        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child], composite))
     taken: list[tuple[int, str, list[str]]] = []
-    for stack in sorted(stacks, key=lambda s: -len(s[2])):  # stable: the first of equal lengths wins
+    # blocks made of modules first (a list of per-head norms inside an attention is no stack of blocks),
+    # then the longest; stable: the first of equal lengths wins
+    for *stack, _ in sorted(stacks, key=lambda s: (not s[3], -len(s[2]))):
         if taken and len(stack[2]) < 2:
             continue
         p = stack[1]
@@ -315,6 +319,11 @@ def _dense(sch, path: str, what: str):
     return node, rule
 
 
+class EarlierCallConflict(ScheduleError):
+    """A call made before the preset is in its way (a tensor sharded on another axis): the preset is
+    refused as a whole, never kept whole around it, since the user's own call is what must change."""
+
+
 def _ensure_shard(node, name: str, axis: int) -> None:
     """``node.shard(name, axis=axis)``, unless the tensor is already sharded on that axis (typed earlier, or
     tied to a sharded tensor): presets compose with what is there.
@@ -334,7 +343,7 @@ def _ensure_shard(node, name: str, axis: int) -> None:
         node.shard(name, axis=axis)
     elif have != axis:
         full = f"{node.path}.{name}" if node.path else name
-        raise ScheduleError(
+        raise EarlierCallConflict(
             f"{full} is already sharded on axis {have}, but this preset shards it on axis {axis}; undo "
             f"that shard (or shard it on axis {axis}) and apply the preset again."
         )
@@ -462,7 +471,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     return out
 
 
-def replicated_dense(sch) -> str | None:
+def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
     """One sentence naming the dense layers (``nn.Linear`` / HF ``Conv1D``) a tensor-parallel schedule keeps
     whole (replicated on every rank) and why, or None when it shards them all.
 
@@ -470,9 +479,14 @@ def replicated_dense(sch) -> str | None:
     ("in every block self_attention.query_key_value"); the reason there is that its name is not one of the
     recognised projections (:func:`block_layers`), or why its attention cannot be split by heads (Falcon's
     multi-query attention). Outside the blocks it is named by its path (BERT's ``pooler.dense``, a tied
-    ``lm_head`` whose vocabulary stayed whole).
+    ``lm_head`` whose vocabulary stayed whole). A layer a preset kept whole because splitting it failed
+    (:mod:`slapo_lab.preset_check`) gives that reason; ``exclude_noted`` leaves those out (the preset's own
+    notes name them).
     """
     from .module_state import peek_meta
+    from .preset_check import KEPT_WHOLE_KEY
+
+    kept = sch.get_top_schedule()._top.extra.get(KEPT_WHOLE_KEY) or {}
 
     blocks = find_blocks(sch)
     inside: dict[str, str] = {}
@@ -484,13 +498,19 @@ def replicated_dense(sch) -> str | None:
         meta = peek_meta(mod)
         if (meta and meta["sharded"]) or getattr(mod.weight, "shard_axis", None) is not None:
             continue
+        if exclude_noted and path in kept:
+            continue
         block = next((b for b in blocks if path.startswith(b + ".")), None)
         if block is None:
             outside.append(path)
         else:
             rel = path[len(block) + 1 :]
             if rel not in inside:
-                why = _fused_kind(node)[1] or "not a recognised q/k/v, output or MLP projection"
+                why = (
+                    kept.get(path, "").rstrip(".")
+                    or _fused_kind(node)[1]
+                    or "not a recognised q/k/v, output or MLP projection"
+                )
                 inside[rel] = why
     if not inside and not outside:
         return None
@@ -809,6 +829,7 @@ def megatron_tp(
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
     use_hf_plan: bool = False,
+    check: bool = True,
 ) -> list[Call]:
     """Slapo's canonical Megatron tensor-parallel schedule for BERT, GPT-2, Llama (or any block stack).
 
@@ -827,6 +848,10 @@ def megatron_tp(
             module docstring).
         use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
             instead of by names.
+        check: check the calls numerically before they are committed (:func:`slapo_lab.preset_check.gate`):
+            a region (an attention's q/k/v...o, an MLP's up...down, an expert bank, the embeddings) that a
+            primitive refuses or that makes the check fail is kept whole in every block of its class, with
+            one sentence in ``notes``. Inside a real process group nothing is checked (Verify is the proof).
 
     The result's ``notes`` say what stayed whole and why: a vocabulary that does not divide, and the dense
     layers left replicated (:func:`replicated_dense`).
@@ -869,13 +894,78 @@ def megatron_tp(
         raise ScheduleError(
             "megatron_tp found no repeated transformer blocks (an nn.ModuleList of one block class)."
         )
+    from .preset_check import gate
+
+    calls, notes = gate(
+        sch,
+        functools.partial(
+            _megatron_regions, sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base
+        ),
+        check=check,
+    )
+    if not check and getattr(sch.get_top_schedule().mod, "config", None) is None and sch.world_size > 1:
+        _refuse_width_derived_heads(sch)
+    whole = replicated_dense(sch, exclude_noted=True)
+    if not calls and not _any_sharded(sch):
+        raise ScheduleError(
+            "megatron_tp found no dense projection it can split: "
+            + (" ".join(notes) or whole or "the blocks have no column- and row-parallel projection pair.")
+        )
+    return PresetCalls(calls, [*notes, *([whole] if whole else [])])
+
+
+def _any_sharded(sch) -> bool:
+    return any(getattr(p, "shard_axis", None) is not None for p in sch.mod.parameters())
+
+
+def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, skip):
+    """One application of :func:`megatron_tp` region by region (:mod:`slapo_lab.preset_check`), leaving out
+    the regions whose keys ``skip`` holds; a region a primitive refuses raises ``RegionRefused``."""
+    from .preset_check import OUTSIDE, Applied, Region, RegionRefused, layer_regions
+
     n = len(sch.record)
+    region_of_call: list = []
+    owned: dict = {}
+    notes: list[str] = []
+
+    def run(region, fn) -> None:
+        if region.key in skip:
+            return
+        k = len(sch.record)
+        try:
+            fn()
+        except EarlierCallConflict:
+            raise
+        except ScheduleError as err:
+            raise RegionRefused(region, str(err)) from None
+        region_of_call.extend([region] * (len(sch.record) - k))
+        for c in sch.record.calls[k:]:
+            owned.setdefault(c.path, region)
+
     if use_hf_plan:
-        apply_hf_tp_plan(sch)
-    else:
-        for b in blocks:
-            tp_block(sch, b, sequence_parallel)
-    notes = []
+        plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
+        run(plan, lambda: apply_hf_tp_plan(sch))
+    for b in blocks if not use_hf_plan else ():
+        layers = block_layers(sch, b)
+        cls = type(sch[b].mod).__name__
+        rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
+        kinds = dict(rel_layers)
+        for region, rels in layer_regions(cls, rel_layers):
+            paths = [f"{b}.{r}" if b else r for r in rels]
+            for p in paths:
+                owned[p] = region
+            full = next((p for p, r in zip(paths, rels, strict=True) if kinds[r] == "qk_norm_full"), None)
+            if full is not None:
+                reason = (
+                    f"{full} normalises q or k over all attention heads' features, so splitting the heads across "
+                    "ranks would change its result."
+                )
+                run(region, functools.partial(_raise, reason))
+                continue
+            run(
+                region,
+                functools.partial(_apply_layers, sch, paths, [kinds[r] for r in rels], sequence_parallel),
+            )
     if vocab_parallel:
         vocab = vocab_size(sch)
         if vocab is None:
@@ -889,15 +979,27 @@ def megatron_tp(
                 f"world size {sch.world_size} (pad the vocabulary to a multiple of {sch.world_size} to shard it)."
             )
         else:
-            vocab_parallel_embeddings(sch)
+            run(OUTSIDE, lambda: vocab_parallel_embeddings(sch))
     if sequence_parallel:
         pre = f"{base}." if base else ""
-        _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
-        _ensure_sync(sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False)
-    if getattr(sch.get_top_schedule().mod, "config", None) is None and sch.world_size > 1:
-        _refuse_width_derived_heads(sch)
-    whole = replicated_dense(sch)
-    return PresetCalls(_since(sch, n), [*notes, *([whole] if whole else [])])
+
+        def scatter_gather() -> None:
+            _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
+            _ensure_sync(
+                sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False
+            )
+
+        run(OUTSIDE, scatter_gather)
+    return Applied(_since(sch, n), region_of_call, owned, notes)
+
+
+def _raise(reason: str) -> None:
+    raise ScheduleError(reason)
+
+
+def _apply_layers(sch, paths: list[str], kinds: list[str], sequence_parallel: bool) -> None:
+    for path, kind in zip(paths, kinds, strict=True):
+        apply_layer(sch, path, kind, sequence_parallel)
 
 
 def _refuse_width_derived_heads(sch) -> None:
@@ -929,14 +1031,20 @@ def _refuse_width_derived_heads(sch) -> None:
 
 
 @_all_or_nothing
-def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
+def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0, *, check: bool = True) -> list[Call]:
     """Activation-checkpoint the transformer blocks (:func:`find_blocks`).
 
     Checkpoints block ``i`` of the first ``int(len(blocks) * ratio)`` blocks (Slapo's ``ckpt_ratio``) when
-    ``i % every == 0``; blocks already checkpointed are skipped.
+    ``i % every == 0``; blocks already checkpointed are skipped. With ``check`` the calls are checked
+    numerically first (:func:`slapo_lab.preset_check.gate`): the blocks of a class whose recomputation
+    differs (randomness the checkpoint does not replay) stay as they are, said in the result's ``notes``.
+
+    Returns:
+        PresetCalls: the recorded calls and their ``notes``.
 
     Raises:
-        ScheduleError: for a bad ``every`` / ``ratio`` or when no blocks are found.
+        ScheduleError: for a bad ``every`` / ``ratio``, when no blocks are found, or when no checkpoint
+            checks right.
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ScheduleError(f"every must be a positive integer, not {every!r}.")
@@ -947,14 +1055,30 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0) -> list[Call]:
         raise ScheduleError(
             "checkpoint_blocks found no repeated blocks (an nn.ModuleList of one block class)."
         )
+    from .preset_check import gate
+
+    calls, notes = gate(sch, functools.partial(_checkpoint_regions, sch, blocks, every, ratio), check=check)
+    return PresetCalls(calls, notes)
+
+
+def _checkpoint_regions(sch, blocks, every, ratio, skip):
+    """One application of :func:`checkpoint_blocks`; a region is the checkpoints of one block class."""
     from .module_state import peek_meta
+    from .preset_check import Applied, Region
 
     n = len(sch.record)
+    region_of_call, owned = [], {}
     for i, b in enumerate(blocks[: int(len(blocks) * ratio)]):
+        cls = type(sch[b].mod).__name__
+        region = Region(
+            (cls, ("checkpoint",)), "block", f"every {cls}", kept="Not checkpointed", done="checkpointed"
+        )
+        owned[b] = region
         meta = peek_meta(sch[b].mod)
-        if i % every == 0 and not (meta and meta["checkpoint"]):
+        if i % every == 0 and not (meta and meta["checkpoint"]) and region.key not in skip:
             sch[b].checkpoint()
-    return _since(sch, n)
+            region_of_call.append(region)
+    return Applied(_since(sch, n), region_of_call, owned, [])
 
 
 __all__ = [

@@ -206,7 +206,10 @@ def test_editor_lists_open_items_and_export_says_so(tmp_path):
     ed.apply("shard", "weight", axis=0, path="model.layers.0.self_attn.q_proj")
     assert [f.kind for f in ed.check()] == ["unreduced_input_grad", "partial_heads"]
     assert "2 open items" in ed._check.value and "k_proj" in ed._check.value
-    ed.export(str(tmp_path / "train.py"))
+    with pytest.raises(sl.ExportError, match=r"^Not exported: .*model\.layers\.0\.self_attn.*force=True"):
+        ed.export(str(tmp_path / "train.py"))  # the numeric check marks it failing: nothing is written
+    assert not (tmp_path / "train.py").exists()
+    ed.export(str(tmp_path / "train.py"), force=True)
     assert "2 open items" in ed.message and "--verify will fail" in ed.message
     assert ed._btn_fix.layout.display == ""
     assert ed.close_open_items() is None
@@ -250,7 +253,12 @@ def test_the_exported_script_of_a_half_built_schedule_fails_its_verify(tmp_path)
     a["o_proj"].shard("weight", axis=1)
     a["o_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     assert [f.kind for f in sl.check_schedule(sch)] == ["partial_heads"]
-    script = sl.export_script(tmp_path / "train_half.py", model, sch.record.calls, fam.example_inputs(), 2)
+    with pytest.raises(sl.ExportError, match=r"^Not exported: .*model\.layers\.0"):  # the numeric check's ✗
+        sl.export_script(tmp_path / "train_half.py", model, sch.record.calls, fam.example_inputs(), 2)
+    assert not (tmp_path / "train_half.py").exists()
+    script = sl.export_script(
+        tmp_path / "train_half.py", model, sch.record.calls, fam.example_inputs(), 2, force=True
+    )
     rc, out = harness.launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 240)
     if "EADDRINUSE" in out or "address already in use" in out:  # the free port was taken in between
         rc, out = harness.launch_torchrun(script, 2, ["--device", "cpu", "--steps", "1"], 240)
@@ -285,7 +293,13 @@ def test_cli_check_and_export_warning(tmp_path, capsys):
     assert (
         'sch["model.layers.0.self_attn.k_proj"].shard("weight", axis=0)' in out.split("to close them, add")[1]
     )
-    assert main(["export", str(path), "-o", str(tmp_path / "train.py")]) == 0
+    assert main(["export", str(path), "-o", str(tmp_path / "train.py")]) == 2  # the numeric check's ✗
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("slapo-lab export: error:") and "Not exported:" in err and "--force-unverified" in err
+    )
+    assert err.count("\n") == 1 and not (tmp_path / "train.py").exists()
+    assert main(["export", str(path), "-o", str(tmp_path / "train.py"), "--force-unverified"]) == 0
     cap = capsys.readouterr()
     assert "wrote" in cap.out and "warning: the schedule check has 2 open items" in cap.err
     assert "\n" not in cap.err.strip()
@@ -320,5 +334,5 @@ def test_a_failing_check_never_breaks_the_editor(tmp_path, monkeypatch):
     monkeypatch.setattr(slapo_lab.check, "check_schedule", boom)
     assert ed.apply("shard", "weight", axis=0, path="bert.encoder.layer.0.attention.self.query") is None
     assert ed._check.value == "" and "Applied" in ed.message
-    assert ed.export(str(tmp_path / "train.py")).endswith("train.py")
+    assert ed.export(str(tmp_path / "train.py"), force=True).endswith("train.py")
     assert "Exported" in ed.message

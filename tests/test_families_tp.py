@@ -194,7 +194,7 @@ def test_world_size_one_changes_nothing():
 
 
 # --- refusals: one sentence, nothing changed -------------------------------------------------------------------
-def test_heads_not_divisible_refused():
+def test_heads_not_divisible_keep_the_attention_whole_and_the_rest_is_split():
     from transformers import OPTConfig, OPTForCausalLM
 
     cfg = OPTConfig(
@@ -208,13 +208,15 @@ def test_heads_not_divisible_refused():
     )
     model, sch = _sched(lambda: OPTForCausalLM(cfg), ws=4)
     attn = model.model.decoder.layers[0].self_attn
-    msg = _assert_refused(
-        sch,
-        lambda: presets.megatron_tp(sch),
-        "6 attention heads do not divide by 4",
-        [(attn, "num_heads"), (attn, "embed_dim")],
-    )
-    assert "q_proj" in msg or "k_proj" in msg
+    # the attention's split is refused, so that region stays whole; the MLP (64 / 4) is still split
+    notes = presets.megatron_tp(sch).notes
+    kept = next(n for n in notes if n.startswith("Kept whole: in every OPTDecoderLayer self_attn"))
+    assert "6 attention heads do not divide by 4" in kept and "q_proj" in kept, notes
+    _one_sentence(kept)
+    assert (attn.num_heads, attn.embed_dim) == (6, 48)
+    assert attn.q_proj.weight.shape == (48, 48) and attn.out_proj.weight.shape == (48, 48)
+    layer = model.model.decoder.layers[0]
+    assert layer.fc1.weight.shape == (16, 48) and layer.fc2.weight.shape == (48, 16)
 
 
 def test_t5_relative_bias_heads_not_divisible_refused():

@@ -358,8 +358,14 @@ def test_gpt2_fused_qkv_errors():
     assert_unchanged(
         sch, lambda: sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0), "attention heads"
     )
-    # a preset fails on its first call, before changing anything
-    assert_unchanged(sch, lambda: presets.megatron_tp(sch), "attention heads")
+    # the preset keeps the attention whole (its heads do not divide) and splits the MLP (192 / 3)
+    notes = presets.megatron_tp(sch).notes
+    assert any(
+        n.startswith("Kept whole: in every GPT2Block attn (c_attn, c_proj)") and "4 attention heads" in n
+        for n in notes
+    )
+    assert sch["transformer.h.0.attn.c_attn"].mod.weight.shape == (48, 144)
+    assert sch["transformer.h.0.mlp.c_fc"].mod.weight.shape == (48, 64)
 
 
 def test_fused_qkv_block_size_error_without_head_info():

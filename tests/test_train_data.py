@@ -265,26 +265,37 @@ def test_epochs_visit_each_sample_once_and_skip_the_leftover(data):
 
 
 def test_eval_batches_are_in_order_and_split_round_robin(data):
+    def real(batch):  # the rows a loss counts (padding rows have every label -100)
+        return batch["input_ids"][(batch["labels"] != -100).any(dim=1)]
+
     m, dp = 2, 2
     per_rank = [list(eval_micro_batches(data, m, dp, r, max_samples=11)) for r in range(dp)]
-    assert [len(p) for p in per_rank] == [3, 2]  # 11 -> 10 samples = 5 micro-batches, whatever dp is
-    order = [per_rank[k % dp][k // dp]["input_ids"] for k in range(5)]
-    assert torch.equal(torch.cat(order), data.tokens(range(10)))
-    # the sequences evaluated do not depend on the number of replicas
-    for dp in (1, 3, 4):
-        rows = sum(b["input_ids"].shape[0] for r in range(dp) for b in eval_micro_batches(data, m, dp, r, 11))
-        assert rows == 10
-    # a pipeline's groups of micro-batches go to one replica each
+    assert [len(p) for p in per_rank] == [3, 3]  # 11 samples = 6 micro-batches, the last one padded
+    assert all(b["input_ids"].shape == (m, data.seq_len) for p in per_rank for b in p)
+    order = [per_rank[k % dp][k // dp] for k in range(6)]
+    assert torch.equal(torch.cat([real(b) for b in order]), data.tokens(range(11)))
+    assert (order[-1]["labels"][1] == -100).all() and (order[-1]["labels"][0] != -100).all()
+    # every sequence is evaluated, once, whatever the number of replicas and the micro-batch size
+    for dp, m in ((1, 2), (3, 2), (4, 3), (2, 4)):
+        got = [real(b) for r in range(dp) for b in eval_micro_batches(data, m, dp, r, 11)]
+        assert sorted(map(tuple, torch.cat(got).tolist())) == sorted(
+            map(tuple, data.tokens(range(11)).tolist())
+        )
+    # a pipeline's groups of micro-batches go to one replica each, the last group padded whole
     per_rank = [list(eval_micro_batches(data, 2, 2, r, max_samples=11, group=2)) for r in range(2)]
-    assert [len(p) for p in per_rank] == [2, 2]  # 11 -> 8 samples = 2 groups of 2 micro-batches
-    assert torch.equal(torch.cat([b["input_ids"] for b in per_rank[0]]), data.tokens(range(4)))
+    assert [len(p) for p in per_rank] == [4, 2]  # 11 -> 6 micro-batches (the last padded) = 3 groups of 2
+    assert torch.equal(torch.cat([b["input_ids"] for b in per_rank[0][:2]]), data.tokens(range(4)))
+    assert (per_rank[0][3]["labels"][1] == -100).all() and (per_rank[0][3]["labels"][0] != -100).all()
+    last = list(eval_micro_batches(data, 2, 1, 0, max_samples=9, group=2))[-1]  # a micro-batch of padding
+    assert len(list(eval_micro_batches(data, 2, 1, 0, max_samples=9, group=2))) == 6
+    assert (last["labels"] == -100).all() and last["input_ids"].shape == (2, data.seq_len)
     it = eval_micro_batches(data, 3, 1, 0)
-    assert len(it) == data.num_samples // 3
+    assert len(it) == -(-data.num_samples // 3)
     next(it)
-    assert len(it) == data.num_samples // 3 - 1
+    assert len(it) == -(-data.num_samples // 3) - 1
     with pytest.raises(DataError) as err:
-        eval_micro_batches(data, 4, 1, 0, max_samples=10, group=3)
-    _one_sentence(err, data.source)
+        eval_micro_batches(data, 4, 1, 0, max_samples=0)
+    _one_sentence(err, "--eval-samples")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -532,7 +532,7 @@ class ScheduleEditor(EditorState, W.VBox):
             self._error(text)
 
     @serialized
-    def export(self, path: str, launcher: str = "torchrun", **options) -> str:
+    def export(self, path: str, launcher: str = "torchrun", force: bool = False, **options) -> str:
         """Write the schedule as a launchable training script to ``path`` (the Export button); returns the
         absolute path written.
 
@@ -545,6 +545,8 @@ class ScheduleEditor(EditorState, W.VBox):
         Args:
             path: the script file, e.g. ``"train_llama.py"`` (its folder must exist).
             launcher: ``"torchrun"`` or ``"deepspeed"``.
+            force: write the script even when the numeric check marks the schedule ✗ (the live check's
+                result is reused when it is of this schedule; else the check runs first).
             **options: any of :data:`slapo_lab.export.script.EXPORT_OPTIONS`:
                 ``model_path`` (a Hugging Face directory with config.json and *.safetensors; None / "" =
                 seeded random weights), ``tokenizer`` (a directory; default the model path), ``data``
@@ -562,7 +564,7 @@ class ScheduleEditor(EditorState, W.VBox):
                 without deepspeed, a read-only folder, a model that cannot be rebuilt ...
         """
         options, defaults = self._check_export_options(launcher, options)
-        out = self._write_script(path, launcher, defaults)
+        out = self._write_script(path, launcher, defaults, force)
         cmd = self._launch_command(out, launcher, options.get("dp") or 1)
         self.export_options = {"launcher": launcher, "script": str(path), "options": options}
         self._set_form(self.export_options)
@@ -581,9 +583,10 @@ class ScheduleEditor(EditorState, W.VBox):
         )
         return str(out)
 
-    def _write_script(self, path, launcher: str, defaults: dict):
+    def _write_script(self, path, launcher: str, defaults: dict, force: bool = False):
         from ..export import export_script
 
+        report = self.numeric_report  # None whenever the schedule changed after the live check
         return export_script(
             path,
             self.model,
@@ -593,6 +596,8 @@ class ScheduleEditor(EditorState, W.VBox):
             launcher=launcher,
             factory=self.factory,
             defaults=defaults,
+            force=force,
+            report=report if report is not None and report.status != "skipped" else None,
         )
 
     def _launch_command(self, script, launcher: str, dp: int) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import check_primitive, create_schedule
 from ..errors import ScheduleError
+from ..preset_check import set_reference
 from ..record import format_call, gc_paused
 from ..utils import meta_copy
 from .persistence import SchedulePersistence, serialized
@@ -383,7 +384,7 @@ class EditorState(SchedulePersistence):
                 vocab_parallel=presets.has_vocab_embedding(self.schedule),
             ).notes
         if name == "checkpoint":
-            presets.checkpoint_blocks(self.schedule, every=int(k))
+            return presets.checkpoint_blocks(self.schedule, every=int(k)).notes
         elif name == "stages":
             from ..pipeline import suggest_cuts
 
@@ -512,6 +513,7 @@ class EditorState(SchedulePersistence):
         """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
         :func:`_serialized`) and the example inputs, so that a cut is checked at click time."""
         sch.serialize_with(self._lock)
+        set_reference(sch, self.model)  # presets check their calls against the user's unscheduled model
         if not self.example_inputs:
             return
         try:

@@ -344,8 +344,15 @@ def export_script(
     launcher: str = "torchrun",
     factory: str | None = None,
     defaults: dict | None = None,
+    *,
+    force: bool = False,
+    report=None,
 ) -> Path:
     """Write the training script for ``model`` scheduled by ``calls`` to ``path``.
+
+    Before anything is written the schedule is checked numerically (:func:`slapo_lab.numeric.numeric_check`:
+    the calls replayed on a shrunk copy over simulated ranks, compared with the unsharded copy): a schedule
+    the check marks ✗ is refused, so a failing schedule never reaches torchrun unless ``force`` says so.
 
     Args:
         path: the script file to write (e.g. ``"train_bert.py"``); its folder must exist.
@@ -358,15 +365,21 @@ def export_script(
         factory: ``"package.module:function"`` rebuilding the model, for a model its config cannot.
         defaults: option defaults baked into the script (see :func:`render_script`), e.g.
             ``{"model_path": "llama-7b", "data": "corpus.jsonl", "dp": 4, "fsdp": True, "checkpoint_dir": "ckpt"}``.
+        force: write the script even when the numeric check fails (the script's ``--verify`` still runs).
+        report: a :class:`~slapo_lab.numeric.NumericReport` of exactly these calls (the editor's live check),
+            used instead of checking again.
 
     Returns:
         The absolute path written (the file is replaced atomically: no partial script on failure).
 
     Raises:
         ExportError: everything :func:`render_script` and :func:`model_spec` raise, plus a missing,
-            read-only or otherwise unwritable folder, or a path that is a folder.
+            read-only or otherwise unwritable folder, or a path that is a folder, or (without ``force``) a
+            schedule the numeric check marks ✗: one sentence naming the module.
     """
     path = Path(os.fspath(path)).expanduser()
+    if not force:
+        refuse_failing_schedule(model, calls, example_inputs, world_size, report)
     spec = model_spec(model, factory)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     inputs = input_spec(example_inputs, vocab if isinstance(vocab, int) else None)
@@ -375,6 +388,37 @@ def export_script(
     )
     write_text_atomic(path, text)
     return path.resolve()
+
+
+def refuse_failing_schedule(model: nn.Module, calls, example_inputs: dict, world_size: int, report=None):
+    """Run the numeric check on ``calls`` (or take ``report``) and raise when it marks them ✗.
+
+    ``model`` is the unscheduled model the calls were recorded on; a model the calls already changed in place
+    is rebuilt from its Hugging Face config for the check (without a config the check is left to Verify).
+
+    Returns:
+        The :class:`~slapo_lab.numeric.NumericReport` (``"skipped"`` when it cannot run).
+
+    Raises:
+        ExportError: the check fails: "Not exported: <where and how it differs>; pass force=True ...".
+    """
+    from ..module_state import peek_meta
+    from ..numeric import NumericReport, numeric_check
+
+    if report is None:
+        scheduled = any(peek_meta(m) for m in model.modules())
+        has_config = hasattr(getattr(model, "config", None), "to_dict")
+        if scheduled and not has_config:
+            return NumericReport(
+                "skipped", "The model is already scheduled and has no config to rebuild from."
+            )
+        report = numeric_check(model, list(calls), world_size, example_inputs, from_config=scheduled)
+    if report.status in ("failed", "error"):
+        raise ExportError(
+            f"Not exported: {report.message[:1].lower()}{report.message[1:].rstrip('.')}; fix the schedule (the live check and "
+            "check_schedule(numeric=True) show where), or pass force=True (--force-unverified) to write it anyway."
+        )
+    return report
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -152,6 +152,9 @@ class Checkpointer:
         """Save everything at ``step``; returns the complete directory. Every rank calls it."""
         import torch.distributed.checkpoint as dcp
 
+        from .lifeline import check
+
+        check()  # a rank whose launcher died never writes: a relaunch may own this directory now
         final = step_dir(self.folder, step)
         partial = final.with_name(final.name + ".partial")
         rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
@@ -169,6 +172,7 @@ class Checkpointer:
         }
         dcp.save(state, checkpoint_id=str(partial))
         _barrier()
+        check()
         if rank0:
             (partial / RUN_INFO).write_text(
                 json.dumps(dict(self.run_info, step=step, layout=self.layout_key), indent=1), encoding="utf-8"

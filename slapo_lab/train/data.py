@@ -33,7 +33,8 @@ Synthetic data (``--data synthetic``, :class:`SyntheticData`) follows an input s
 :func:`slapo_lab.export.spec.input_spec`; it is endless (``num_samples is None``, every step in epoch 0).
 
 Evaluation (``--eval-data PATH``, :func:`eval_micro_batches`): the same files / tokenizer / packing,
-in order, without shuffling.
+in order, without shuffling; the same sequences at every layout (the last micro-batch is padded with rows
+whose labels are ignored).
 
 Errors a user can cause (a missing path or tokenizer directory, an unsupported file, a jsonl without
 ``text``, an empty corpus, a corpus shorter than one global batch, a bad batch layout) raise
@@ -60,6 +61,7 @@ OBJECTIVES = ("causal_lm", "masked_lm")
 # The file kinds read, by extension: the ``datasets`` packaged builder that reads each.
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 SYNTHETIC = "synthetic"
+IGNORE_INDEX = -100  # the label of a token no loss counts (torch's cross_entropy default, HF's convention)
 # Masked-LM rule of ``DataCollatorForLanguageModeling``'s defaults.
 MLM_PROBABILITY = 0.15
 _DATA_HINT = "pass --data a .txt, .jsonl or .parquet file, a directory of them, or 'synthetic'"
@@ -767,7 +769,7 @@ class BatchPlan:
 class _EvalBatches:
     """Iterator over one replica's evaluation micro-batches; ``len()`` is the number still to come."""
 
-    def __init__(self, data: TokenData, groups: list[list[int]]):
+    def __init__(self, data: TokenData, groups: list[list[int | None]]):
         self._data = data
         self._groups = groups
         self._next = 0
@@ -783,7 +785,10 @@ class _EvalBatches:
             raise StopIteration
         g = self._groups[self._next]
         self._next += 1
-        return self._data.batch(g, 0)
+        real = [i for i in g if i is not None]
+        batch = self._data.batch(real + [real[-1] if real else 0] * (len(g) - len(real)), 0)
+        batch["labels"][len(real) :] = IGNORE_INDEX  # padding rows: a forward of the same shape, no loss
+        return batch
 
 
 def eval_micro_batches(
@@ -796,39 +801,44 @@ def eval_micro_batches(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This replica's evaluation micro-batches, in order, without shuffling.
 
-    The first ``min(max_samples, N)`` sequences (all by default), rounded down to a multiple of
-    ``micro_batch_size * group``, cut into micro-batches of ``micro_batch_size`` rows and those into groups
-    of ``group`` consecutive micro-batches (a pipeline's batch; 1 otherwise); group ``k`` goes to replica
-    ``k % dp``, so the sequences evaluated do not depend on the number of replicas (a replica may get one
-    group fewer, or none). Masked-LM choices use epoch 0. The returned iterator supports ``len()``
-    (micro-batches still to come).
+    The first ``min(max_samples, N)`` sequences (all by default), every one of them at every layout: cut
+    into micro-batches of ``micro_batch_size`` rows, the last one padded to that size, and those into groups
+    of ``group`` consecutive micro-batches (a pipeline's batch; 1 otherwise), the last group padded with
+    micro-batches of padding rows; group ``k`` goes to replica ``k % dp`` (a replica may get one group
+    fewer, or none). A padding row repeats a real sequence (the shapes stay fixed for pipelines and
+    compiled blocks) with every label ``-100`` (:data:`IGNORE_INDEX`), so a loss summed over labelled
+    tokens and divided by their count is the same whatever the layout. Masked-LM choices use epoch 0.
+    The returned iterator supports ``len()`` (micro-batches still to come).
+
+    Returns:
+        An iterator of ``{"input_ids", "labels"}`` dicts of LongTensors ``(micro_batch_size, seq_len)``.
 
     Raises:
-        DataError: when a size is not positive, ``dp_rank`` is outside ``[0, dp)``, or fewer than
-            ``micro_batch_size * group`` sequences are available (one sentence naming the data path).
+        DataError: when a size is not positive or ``dp_rank`` is outside ``[0, dp)`` (one sentence).
     """
     m = _positive_int(micro_batch_size, "micro-batch size", "--micro-batch-size")
     dp = _positive_int(dp_size, "data-parallel size", "--dp")
     g = _positive_int(group, "pipeline micro-batch count", "--global-batch-size")
     if not 0 <= dp_rank < dp:
         raise DataError(f"The data-parallel rank {dp_rank} is outside [0, {dp}); the mesh gave a wrong rank.")
-    n = (
-        data.num_samples
-        if max_samples is None
-        else min(
-            _positive_int(max_samples, "number of evaluation samples", "--eval-samples"), data.num_samples
-        )
-    )
-    n -= n % (m * g)
-    if n == 0:
-        raise DataError(
-            f"The evaluation data at {data.source} has {data.num_samples:,} sequences, fewer than "
-            f"one evaluation batch of {m * g}; add text or pass a smaller --micro-batch-size or --seq-len."
-        )
-    batches = [list(range(k * m, (k + 1) * m)) for k in range(n // m)]
+    n = eval_sample_count(data, max_samples)
+    rows: list[int | None] = list(range(n))
+    rows += [None] * (-n % (m * g))
+    batches = [rows[k * m : (k + 1) * m] for k in range(len(rows) // m)]
     groups = [batches[k * g : (k + 1) * g] for k in range(len(batches) // g)]
     mine = [b for k, grp in enumerate(groups) if k % dp == dp_rank for b in grp]
     return _EvalBatches(data, mine)
+
+
+def eval_sample_count(data: TokenData, max_samples: int | None = None) -> int:
+    """The number of sequences an evaluation reads: ``min(max_samples, N)`` (all ``N`` by default).
+
+    Raises:
+        DataError: when ``max_samples`` is not positive.
+    """
+    if max_samples is None:
+        return data.num_samples
+    return min(_positive_int(max_samples, "number of evaluation samples", "--eval-samples"), data.num_samples)
 
 
 def load_data(

@@ -108,7 +108,6 @@ class DeepSpeedStepper:
         self.zero = int(getattr(args, "zero", 0))
         if run.pm is not None:  # the same stages on DeepSpeed's pipeline engine
             from ..pipeline.runtime import deepspeed_from
-            from .loop import pipeline_loss_fn
             from .optim import make_optimizer
 
             # DeepSpeed counts a parameter in its clipping norm on model-parallel rank 0 only unless it is marked
@@ -119,7 +118,7 @@ class DeepSpeedStepper:
                 t.param.model_parallel = t.param.tensor_model_parallel = id(t.param) in owners
             run.pm = deepspeed_from(
                 run.pm,
-                loss_fn=pipeline_loss_fn(run.objective, args.seed),
+                loss_fn=run.pipeline_loss,  # the same object: evaluation switches it to token sums
                 optimizer=lambda params: make_optimizer(args, params),
                 lr_scheduler=lambda opt: make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps),
                 ds_config=ds_config(args, run.micro, run.plan.accumulation, lay.dp),
@@ -199,6 +198,9 @@ class DeepSpeedStepper:
     def save(self, step: int, state: dict):
         from pathlib import Path
 
+        from .lifeline import check
+
+        check()  # a rank whose launcher died never writes (slapo_lab/train/lifeline.py)
         tag = f"step-{step:08d}"
         self.engine.save_checkpoint(
             self.run.args.checkpoint_dir, tag=tag, client_state=dict(state, layout=self.run.layout_key)

@@ -126,21 +126,65 @@ def model_loss(outputs, seed: int) -> torch.Tensor:
     return loss if loss is not None else probe_loss(first_tensor(outputs), seed)
 
 
-def pipeline_loss_fn(objective: str | None, seed: int) -> Callable:
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, objective: str | None) -> torch.Tensor:
+    """The cross entropy of every labelled token, float32 ``(tokens,)``; ``-100`` labels count nothing.
+
+    ``logits`` ``(batch, seq, vocab)``, ``labels`` ``(batch, seq)``; causal LM: token ``t``'s logits predict
+    label ``t + 1`` (transformers' ``ForCausalLMLoss`` shift), masked LM: label ``t`` itself.
+    """
+    if objective == "causal_lm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100, reduction="none"
+    )
+
+
+def labelled_tokens(labels: torch.Tensor, objective: str | None) -> int:
+    """The number of tokens :func:`token_losses` counts in ``labels`` ``(batch, seq)`` (-100: none)."""
+    if objective == "causal_lm":
+        labels = labels[:, 1:]
+    return int((labels != -100).sum())
+
+
+class PipelineLoss:
     """``loss_fn(output, target)`` of the last pipeline stage: next-token cross entropy (causal LM, as
-    transformers' ``ForCausalLMLoss``), token cross entropy ignoring -100 (masked LM), or the probe."""
+    transformers' ``ForCausalLMLoss``), token cross entropy ignoring -100 (masked LM), or the probe.
 
-    def loss_fn(output, target):
-        if objective == "causal_lm":
-            logits = output[:, :-1].reshape(-1, output.shape[-1]).float()
-            return torch.nn.functional.cross_entropy(logits, target[:, 1:].reshape(-1), ignore_index=-100)
-        if objective == "masked_lm":
-            return torch.nn.functional.cross_entropy(
-                output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), ignore_index=-100
-            )
-        return probe_loss(output, seed)
+    It averages over the micro-batch's labelled tokens; inside :meth:`summed` (evaluation) it returns their
+    float64 sum instead (a micro-batch of padding rows adds 0), so that a loss over several micro-batches
+    is the sum over all their tokens divided by the count, however they were cut.
+    """
 
-    return loss_fn
+    def __init__(self, objective: str | None, seed: int) -> None:
+        self.objective = objective
+        self.seed = seed
+        self.sum = False
+
+    def __call__(self, output, target):
+        if self.objective not in ("causal_lm", "masked_lm"):
+            return probe_loss(output, self.seed)
+        if self.sum:
+            return token_losses(output, target, self.objective).double().sum()
+        if self.objective == "causal_lm":
+            output, target = output[:, :-1], target[:, 1:]
+        return torch.nn.functional.cross_entropy(
+            output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), ignore_index=-100
+        )
+
+    @contextlib.contextmanager
+    def summed(self):
+        """Within the block, the loss is the float64 sum over labelled tokens."""
+        self.sum = True
+        try:
+            yield self
+        finally:
+            self.sum = False
+
+
+def pipeline_loss_fn(objective: str | None, seed: int) -> PipelineLoss:
+    """The last pipeline stage's :class:`PipelineLoss` for ``objective`` (``"causal_lm"``, ``"masked_lm"``,
+    or None: the probe loss of ``seed``)."""
+    return PipelineLoss(objective, seed)
 
 
 def _to(batch: dict, device: str) -> dict:
@@ -394,12 +438,13 @@ class Run:
                 self.targets.extend(targets)
 
         # DeepSpeed's engine comes after Verify (its train_batch steps the optimizer): the torch runtime first
+        self.pipeline_loss = pipeline_loss_fn(self.objective, args.seed)
         try:
             self.pm = build_pipeline(
                 sch,
                 "torch",
                 example_inputs=example,
-                loss_fn=pipeline_loss_fn(self.objective, args.seed),
+                loss_fn=self.pipeline_loss,
                 schedule=getattr(args, "pp_schedule", "1F1B"),
                 n_microbatches=self.plan.accumulation,
                 pp_group=lay.mesh.pp_group,
@@ -663,16 +708,21 @@ class Run:
         return float(norm)
 
     def evaluate(self) -> tuple[float, int]:
-        """The validation loss: the mean over the first ``--eval-samples`` sequences of ``--eval-data`` of each
-        micro-batch's loss weighted by its rows (each replica evaluates its part), the same on every rank;
-        and the number of sequences evaluated.
+        """The validation loss over the first ``--eval-samples`` sequences of ``--eval-data`` (all by default):
+        the sum of every labelled token's cross entropy divided by the number of those tokens, summed over the
+        data-parallel replicas (each evaluates its part) and taken from the last pipeline stage, the same on
+        every rank; and the number of sequences evaluated.
 
-        Replicas may get one group of micro-batches fewer; under FSDP2 every forward all-gathers over the
-        replicas, so each runs as many forwards as replica 0 (which has the most), the extra ones uncounted.
+        The sequences are the same at every layout: :func:`~slapo_lab.train.data.eval_micro_batches` pads the
+        last micro-batch (and a pipeline's last group) with rows whose labels count nothing, so the loss at
+        equal weights does not depend on the micro-batch size, ``dp``, ``tp`` or ``pp``. Replicas may get one
+        group of micro-batches fewer; under FSDP2 every forward all-gathers over the replicas, so each runs as
+        many forwards as replica 0 (which has the most), the extra ones uncounted.
         """
-        from .data import eval_micro_batches
+        from .data import eval_micro_batches, eval_sample_count
 
         lay = self.layout
+        objective = self.objective or "causal_lm"
         group = self.plan.accumulation if self.pm is not None else 1
         micro = list(
             eval_micro_batches(
@@ -686,25 +736,26 @@ class Run:
         if lay.fsdp:
             batches += [(batches[0][0] if batches else self._eval_filler(group), False)] * (most - len(micro))
         total = torch.zeros((), dtype=torch.float64)
-        rows = torch.zeros((), dtype=torch.float64)
+        tokens = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             if self.pm is not None:
                 for k in range(0, len(batches), group):
                     batch = _to(_cat([b for b, _ in batches[k : k + group]]), self.device)
                     inputs, target = _split_target(batch, 1, self.device)
-                    loss = self.pm.eval_step(**inputs, target=target)
+                    with self.pipeline_loss.summed():  # the mean over micro-batches of their token sums
+                        loss = self.pm.eval_step(**inputs, target=target)
                     if batches[k][1]:
-                        total += loss * target.shape[0]
-                        rows += target.shape[0]
+                        total += loss * group
+                        tokens += labelled_tokens(target, objective)
             else:
                 self.module.eval()
                 for mb, counted in batches:
+                    inputs, labels = _split_target(_to(mb, self.device), 1, self.device)
                     with self._autocast():
-                        loss = float(model_loss(self.model(**_to(mb, self.device)), self.args.seed))
+                        logits = first_tensor(self.model(**inputs))
                     if counted:
-                        n = next(v.shape[0] for v in mb.values() if isinstance(v, torch.Tensor) and v.dim())
-                        total += loss * n
-                        rows += n
+                        total += token_losses(logits, labels, objective).double().sum().cpu()
+                        tokens += labelled_tokens(labels, objective)
                 self.module.train()
         if (
             lay.fsdp
@@ -717,10 +768,11 @@ class Run:
                 if isinstance(m, FSDPModule):
                     m.reshard()
         if lay.dp > 1:
-            both = torch.stack([total, rows]).to(self._reduce_device)
+            both = torch.stack([total, tokens]).to(self._reduce_device)
             dist.all_reduce(both, group=lay.mesh.dp_group)
-            total, rows = both[0].cpu(), both[1].cpu()
-        return (float(total / rows) if float(rows) else float("nan")), int(rows)
+            total, tokens = both[0].cpu(), both[1].cpu()
+        rows = eval_sample_count(self.eval_data, self.args.eval_samples)
+        return (float(total / tokens) if float(tokens) else float("nan")), rows
 
     def _eval_filler(self, group: int) -> dict:
         """A batch of the evaluation shapes for a replica that has none left (its forwards are not counted)."""
@@ -1010,7 +1062,10 @@ def main(
         stderr).
     """
     from ..export.spec import ExportError, example_sizes, validate_input_spec, validate_model_spec
+    from .lifeline import arm
     from .parallel import LayoutError
+
+    arm()  # armed on import of slapo_lab already; again here for a runtime imported another way
 
     spec = validate_model_spec(model)
     input_spec = validate_input_spec(inputs)

@@ -1,0 +1,93 @@
+"""Example inputs made from a Hugging Face model's config and forward signature, when the user gave none.
+
+The numeric check behind presets (:mod:`slapo_lab.preset_check`) and export needs one forward's keyword
+inputs. Users pass ``example_inputs=`` to the editor; a typed ``presets.megatron_tp(sch)`` has none. For a
+Hugging Face model they follow from the model: ``main_input_name`` (``input_ids``, ``pixel_values``,
+``input_features``, ``input_values``) shaped by its config, plus ``decoder_input_ids`` for an encoder-decoder
+and ``input_ids`` beside ``pixel_values`` for a two-tower model (CLIP). Tensors are on the meta device: the
+numeric check draws them (token ids inside the vocabulary).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+__all__ = ["inputs_from_config"]
+
+BATCH, SEQ = 2, 16
+
+
+def _cfg_get(cfg, *names, sub=("vision_config", "text_config", "audio_config", "encoder")):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    for s in sub:
+        c = getattr(cfg, s, None)
+        if c is not None and not isinstance(c, dict):
+            for n in names:
+                v = getattr(c, n, None)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+    return None
+
+
+def _image(cfg) -> torch.Tensor | None:
+    size = getattr(cfg, "image_size", None)
+    if size is None:
+        size = getattr(getattr(cfg, "vision_config", None), "image_size", None)
+    if isinstance(size, (list, tuple)):
+        h, w = int(size[0]), int(size[-1])
+    elif isinstance(size, int):
+        h = w = size
+    else:
+        return None
+    ch = _cfg_get(cfg, "num_channels") or 3
+    return torch.empty(BATCH, ch, h, w, device="meta")
+
+
+def inputs_from_config(model: nn.Module) -> dict | None:
+    """Meta-device keyword inputs for one forward of Hugging Face ``model``, or None when unknown.
+
+    Returns:
+        e.g. ``{"input_ids": (2, 16) int64}``, ``{"pixel_values": (2, C, H, W)}``, ``{"input_features":
+        (2, num_mel_bins, 2 * max_source_positions)}``, ``{"input_values": (2, 4000)}``, plus
+        ``decoder_input_ids`` (2, 8) for an encoder-decoder; None for a model without a config or with a
+        main input of another kind.
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return None
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    main = getattr(model, "main_input_name", "input_ids")
+    out: dict[str, torch.Tensor] = {}
+    if "input_ids" in params and (
+        main == "input_ids" or (main == "pixel_values" and "pixel_values" in params)
+    ):
+        out["input_ids"] = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    if main == "pixel_values" or (
+        "pixel_values" in params and "input_ids" in out and _image(cfg) is not None
+    ):
+        img = _image(cfg)
+        if img is None:
+            return None
+        out["pixel_values"] = img
+    if main == "input_features":
+        mels = _cfg_get(cfg, "num_mel_bins", "feature_size")
+        frames = _cfg_get(cfg, "max_source_positions")
+        if mels is None or frames is None:
+            return None
+        out["input_features"] = torch.empty(BATCH, mels, 2 * frames, device="meta")
+    if main == "input_values":
+        out["input_values"] = torch.empty(BATCH, 4000, device="meta")
+    if not out:
+        return None
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        out["decoder_input_ids"] = torch.empty(BATCH, SEQ // 2, dtype=torch.long, device="meta")
+    return out

@@ -1,0 +1,357 @@
+"""A preset's result is right, or the part that is not is kept whole: presets checked before they commit.
+
+:func:`slapo_lab.presets.megatron_tp` splits every block into *regions*: a Megatron region is the column-parallel
+layers up to the row-parallel layer that closes them (attention: q, k, v ... o; MLP: up / gate ... down),
+an expert bank is a region of its own, and the layers outside the blocks (the vocab-parallel embeddings, the
+sequence-parallel scatter and gather) form one more. A region is the unit a preset may keep whole: its calls
+are all there or none of them, in every block of the same class, so the model stays a sum of right
+Megatron regions and replicated layers, whatever else is split.
+
+:func:`gate` then runs the numeric check (:func:`slapo_lab.numeric.numeric_check`: the calls replayed on a
+shrunk copy over simulated ranks and compared with the unsharded copy) on the calls the preset made:
+
+1. a region whose calls a primitive refuses (heads that do not divide ...) is kept whole, with that sentence;
+2. while the check fails, the region holding the module it names is dropped from the calls (when it names a
+   block or the model root, each region in turn is tried alone first), and the check runs again;
+3. the preset commits only calls that checked ✓ (or, where the check cannot run, says so in a note), and
+   one sentence per region kept whole names it, in every block of which class, and why.
+
+Nothing is committed if not even that can be made right: when every region is dropped, the preset raises.
+
+The unscheduled model the check compares with is, in order: the model the schedule's editor remembers
+(:func:`set_reference`), the Hugging Face model rebuilt from its config (the check's ``from_config``), or,
+for the first calls on a model of the user's own classes, the model itself with the preset's calls taken
+back for the check (:class:`slapo_lab.presets._Snapshot`). Inside a real process group (an exported script,
+a torchrun test) nothing is checked here: the script's Verify is the proof there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import nn
+
+from .errors import ScheduleError
+from .record import Call
+
+__all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]
+
+_REFERENCE_KEY = "numeric_reference"
+#: ``extra`` key of the schedule: ``{layer path: why a preset kept it whole}`` (read by
+#: :func:`slapo_lab.presets.replicated_dense` for the coverage note).
+KEPT_WHOLE_KEY = "kept_whole"
+#: Seconds a gate's numeric check may run before it is reported as an error.
+GATE_TIMEOUT = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One part a preset keeps whole or splits as a unit.
+
+    Attributes:
+        key: identifies the same part in every block of a class: ``(block class name, relative paths)``;
+            ``("", ("outside the blocks",))`` for the layers outside the repeated blocks.
+        label: how a sentence names it, e.g. ``"self_attn (q_proj, k_proj, v_proj, o_proj)"``.
+        where: ``"every LlamaDecoderLayer"`` or ``"outside the repeated blocks"``.
+        kept: how a note begins when the preset leaves the region out (``"Kept whole"``, ``"Not checkpointed"``).
+        done: what the preset does to it, for "it fails the numeric check when <done>".
+    """
+
+    key: tuple
+    label: str
+    where: str
+    kept: str = "Kept whole"
+    done: str = "split"
+
+
+OUTSIDE = Region(("", ("outside the blocks",)), "the embeddings and layers outside the blocks", "the model")
+
+
+def _parent(rel: str) -> str:
+    return rel.rsplit(".", 1)[0] if "." in rel else ""
+
+
+def _common(paths: list[str]) -> str:
+    parts = [_parent(p).split(".") if _parent(p) else [] for p in paths]
+    out: list[str] = []
+    for group in zip(*parts, strict=False):
+        if len(set(group)) != 1:
+            break
+        out.append(group[0])
+    return ".".join(out)
+
+
+def _under(rel: str, owner: str) -> bool:
+    return not owner or rel == owner or rel.startswith(owner + ".")
+
+
+def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[Region, list[str]]]:
+    """Group one block's layers (``(path relative to the block, kind)`` from
+    :func:`slapo_lab.presets.block_layers`, in module order) into regions.
+
+    Column layers accumulate until a row layer closes them into one region; ``"experts"`` is a region of
+    its own; any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region
+    with the deepest owning module around it (the common parent of the region's projections), or stands
+    alone. Columns with no row after them still form a region (the check then decides).
+
+    Returns:
+        ``[(Region, [relative layer paths])]`` in module order.
+    """
+    groups: list[list[str]] = []
+    extras: list[str] = []
+    cur: list[str] = []
+    for rel, kind in layers:
+        if kind == "column":
+            cur.append(rel)
+        elif kind == "row":
+            cur.append(rel)
+            groups.append(cur)
+            cur = []
+        elif kind == "experts":
+            groups.append([rel])
+        else:
+            extras.append(rel)
+    if cur:
+        groups.append(cur)
+    owners = [_common(g) if len(g) > 1 else _parent(g[0]) for g in groups]
+    for rel in extras:
+        best = max(
+            (i for i, o in enumerate(owners) if _under(rel, o)),
+            key=lambda i: len(owners[i]) if owners[i] else -1,
+            default=None,
+        )
+        if best is None:
+            groups.append([rel])
+            owners.append(_parent(rel))
+        else:
+            groups[best].append(rel)
+    out = []
+    for g, owner in zip(groups, owners, strict=True):
+        rels = [p[len(owner) + 1 :] if owner else p for p in g]
+        names = ", ".join(rels[:5]) + (f" and {len(rels) - 5} more" if len(rels) > 5 else "")
+        label = f"{owner} ({names})" if owner else names
+        out.append((Region((block_cls, tuple(g)), label, f"every {block_cls}"), g))
+    return out
+
+
+def set_reference(sch, model: nn.Module) -> None:
+    """Remember ``model``, the unscheduled model ``sch`` was made from (the editor's), for :func:`gate`."""
+    sch.get_top_schedule()._top.extra[_REFERENCE_KEY] = model
+
+
+def _reference(sch, earlier_calls: int):
+    """``(reference, from_config, needs_undo)`` for the gate's check, or ``(None, reason, False)``."""
+    top = sch.get_top_schedule()
+    ref = top._top.extra.get(_REFERENCE_KEY)
+    if ref is not None:
+        return ref, False, False
+    cfg = getattr(top.mod, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        return top.mod, True, False
+    if earlier_calls == 0:
+        return top.mod, False, True
+    why = (
+        "the model has no Hugging Face config and already carries earlier calls, so no unscheduled copy is at "
+        "hand (the editor's live check and the script's Verify still check it)"
+    )
+    return None, why, False
+
+
+def _inputs(sch, model: nn.Module) -> dict | None:
+    """The example inputs the schedule remembers, else ones made from the model's config
+    (:func:`slapo_lab.inputs.inputs_from_config`), else ``input_ids`` for a forward that takes them."""
+    from .inputs import inputs_from_config
+    from .numeric import remembered_inputs
+    from .pipeline.order import _INPUTS_KEY
+
+    stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
+    if stored:
+        return dict(stored)
+    made = inputs_from_config(model)
+    if made:
+        return made
+    try:
+        return remembered_inputs(sch, model)
+    except ScheduleError:
+        return None
+
+
+def _region_of(module: str | None, owned: dict[str, Region]) -> Region | None:
+    """The region whose layers hold ``module``, the one region inside it (the attention module around q, k,
+    v and o), or None: no module, or one around several regions (a block, the root).
+
+    The shrunk copy keeps a prefix of every stack of blocks under the same paths, so a module it names is a
+    path of the model too."""
+    if not module:
+        return None
+    best, depth = None, -1
+    for path, region in owned.items():
+        if (module == path or module.startswith(path + ".")) and len(path) > depth:
+            best, depth = region, len(path)
+    if best is not None:
+        return best
+    inner = {region for path, region in owned.items() if path.startswith(module + ".")}
+    return inner.pop() if len(inner) == 1 else None
+
+
+@dataclasses.dataclass
+class Applied:
+    """What one application of a region-wise preset recorded."""
+
+    calls: list[Call]
+    region_of_call: list[Region]
+    owned: dict[str, Region]  # layer path -> its region
+    notes: list[str]
+
+
+def gate(
+    sch,
+    apply: Callable[[dict[tuple, str]], Applied],
+    check: bool = True,
+) -> tuple[list[Call], list[str]]:
+    """Apply a region-wise preset, check it numerically, and keep whole the regions that make it fail.
+
+    Args:
+        sch: the root schedule (the preset runs inside :func:`slapo_lab.presets.atomic`).
+        apply: ``apply(skip)`` records the preset's calls leaving out the regions whose keys ``skip`` maps
+            to a reason, and returns :class:`Applied`; it raises :class:`RegionRefused` for a region a
+            primitive refuses (the gate restores the schedule, keeps that region whole and applies again).
+        check: run the numeric check (off: only refusals keep regions whole).
+
+    Returns:
+        ``(calls, notes)``: the committed calls and one sentence per reason regions were kept whole (and
+        one when the check could not run).
+
+    Raises:
+        ScheduleError: when no region can be applied right.
+    """
+    from .presets import _Snapshot
+
+    skip: dict[tuple, str] = {}
+    labels: dict[tuple, Region] = {}
+    earlier = list(sch.record.calls)
+    before = _Snapshot(sch)
+    not_checked: list[str] = []
+    verdict_known = False
+    for _ in range(256):
+        try:
+            applied = apply(skip)
+        except RegionRefused as refused:
+            before.restore()
+            if refused.region.key in skip:  # refused again: nothing to learn, stop here
+                raise ScheduleError(refused.reason) from None
+            skip[refused.region.key] = refused.reason
+            labels[refused.region.key] = refused.region
+            continue
+        if verdict_known or not check or not applied.calls or sch.group is not None:
+            break
+        why = _check_regions(sch, earlier, applied, before)
+        if why is None:
+            break
+        if isinstance(why, str):  # the check could not run: commit what the preset made, and say so
+            not_checked.append(f"The preset's calls were not checked numerically: {_lower(why)}")
+            break
+        before.restore()
+        for region, reason in why:
+            skip[region.key] = reason
+            labels[region.key] = region
+        verdict_known = True  # the calls without those regions checked ✓: apply them once more and stop
+    else:  # pragma: no cover - bounded by the number of regions
+        raise ScheduleError("The preset could not settle on a right schedule.")
+    if skip and not applied.calls:
+        before.restore()
+        raise ScheduleError(
+            "No part of the preset can be applied right, so nothing is applied: "
+            + "; ".join(f"in {labels[k].where} {labels[k].label} {_lower(v)}" for k, v in skip.items())
+        )
+    kept = sch.get_top_schedule()._top.extra.setdefault(KEPT_WHOLE_KEY, {})
+    for path, region in applied.owned.items():
+        if region.key in skip:
+            kept[path] = _lower(skip[region.key])
+    notes = list(applied.notes)
+    by_reason: dict[tuple[str, str], list[Region]] = {}
+    for key, reason in skip.items():
+        by_reason.setdefault((labels[key].kept, reason), []).append(labels[key])
+    for (kept_as, reason), regions in by_reason.items():
+        what = "; ".join(f"in {r.where} {r.label}" if r.key[0] else r.label for r in regions)
+        notes.append(f"{kept_as}: {what}, because {_lower(reason)}")
+    return applied.calls, notes + not_checked
+
+
+def _lower(sentence: str) -> str:
+    s = sentence.strip()
+    if len(s) > 1 and s[0].isupper() and not s[1].isupper():
+        s = s[0].lower() + s[1:]
+    return s if s.endswith(".") else s + "."
+
+
+class RegionRefused(Exception):
+    """A primitive refused a call of ``region``: keep it whole (``reason`` is the refusal's sentence)."""
+
+    def __init__(self, region: Region, reason: str) -> None:
+        super().__init__(reason)
+        self.region = region
+        self.reason = reason
+
+
+def _check_regions(sch, earlier: list[Call], applied: Applied, before):
+    """None when the preset's calls check ✓ (after ``earlier``); a list of ``(region, reason)`` whose removal
+    makes them check ✓; or a sentence when the check cannot run.
+
+    Raises:
+        ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails).
+    """
+    from .numeric import numeric_check
+    from .presets import _Snapshot
+
+    ref, from_config, undo = _reference(sch, len(earlier))
+    if ref is None:
+        return from_config
+    inputs = _inputs(sch, ref)
+    if inputs is None:
+        return "no example inputs (pass example_inputs= to the editor, or set_example_inputs on the schedule)"
+    after = _Snapshot(sch) if undo else None
+    if undo:  # the model of the user's own classes, unscheduled again for the check
+        before.restore()
+    pairs = list(zip(applied.calls, applied.region_of_call, strict=True))
+
+    def run(dropped: set):
+        calls = earlier + [c for c, r in pairs if r.key not in dropped]
+        return numeric_check(
+            ref, calls, sch.world_size, inputs, timeout=GATE_TIMEOUT, from_config=from_config
+        )
+
+    try:
+        report = run(set())
+        if report.status == "passed":
+            return None
+        if report.status == "skipped":
+            return report.message
+        order = list(dict.fromkeys(r for _, r in pairs))
+        dropped: set = set()
+        out: list[tuple[Region, str]] = []
+        while report.status != "passed":
+            if report.status == "skipped":
+                return report.message
+            left = [r for r in order if r.key not in dropped]
+            if not left:
+                raise ScheduleError(
+                    "No part of the preset can be applied right, so nothing is applied: even without it "
+                    f"{_lower(report.message)}"
+                )
+            culprit = _region_of(report.module, applied.owned)
+            if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first
+                for r in left:
+                    trial = run(dropped | {r.key})
+                    if trial.status == "passed":
+                        out.append((r, f"it fails the numeric check when {r.done}: {_lower(report.message)}"))
+                        return out
+                culprit = left[0]
+            out.append((culprit, f"it fails the numeric check when {culprit.done}: {_lower(report.message)}"))
+            dropped.add(culprit.key)
+            report = run(dropped)
+        return out
+    finally:
+        if undo:
+            after.restore()
