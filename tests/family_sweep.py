@@ -17,7 +17,8 @@ stacks and an encoder is its masked LM):
    (2 x 16), ``decoder_input_ids`` (2 x 8) for an encoder-decoder, ``pixel_values`` (2 x C x 32 x 32) for an
    image model, ``input_features`` for a speech encoder, ``use_cache=False``.
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
-   copy at world size 2 with the example inputs remembered, then
+   copy at world size 2 with the example inputs and the unscheduled model remembered
+   (``set_example_inputs``, ``preset_check.set_reference``), then
    ``presets.megatron_tp(sch, vocab_parallel=presets.has_vocab_embedding(sch))``.
 4. **The numeric check** (``slapo_lab.numeric.numeric_check``) of the recorded calls against the unscheduled
    model on 2 simulated ranks.
@@ -542,6 +543,7 @@ def sweep_one(model_type: str) -> Result:
     from slapo_lab.errors import ScheduleError
     from slapo_lab.numeric import numeric_check
     from slapo_lab.pipeline.order import set_example_inputs
+    from slapo_lab.preset_check import set_reference
     from slapo_lab.utils import meta_copy
 
     t0 = time.perf_counter()
@@ -559,6 +561,7 @@ def sweep_one(model_type: str) -> Result:
             res.n_params = sum(p.numel() for p in model.parameters())
             sch = sl.create_schedule(meta_copy(model), world_size=WORLD_SIZE)
             set_example_inputs(sch, inputs)
+            set_reference(sch, model)  # the preset checks against the user model, as in the editor
             try:
                 calls = presets.megatron_tp(sch, vocab_parallel=presets.has_vocab_embedding(sch))
             except ScheduleError as err:
