@@ -168,6 +168,7 @@ _POSITIONS = re.compile(
     r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_sequence_length|max_(source|target)_positions|"
     r"seq_length|max_length"
 )
+_SSM = re.compile(r"(mamba_|ssm_)?(d_state|state_size|chunk_size)|mamba_chunk_size|ssm_state_size")
 _WIDTH_LISTS = re.compile(
     r"hidden_sizes|embed_dims|dims|embed_dim|widths|channels|hidden_sizes_list|embedding_sizes"
 )
@@ -252,6 +253,10 @@ def _shrink(d: dict, vocab_ids: set) -> dict:
                 out[k] = IMAGE
             elif k == "sliding_window" and v > 8:
                 out[k] = 8
+            elif k in ("n_groups", "mamba_n_groups") and v > 2:  # groups of the state-space heads
+                out[k] = 2
+            elif _SSM.fullmatch(k) and v > 16:  # state-space layers: state size and scan chunk (padded to it)
+                out[k] = 16
         elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             if k == "image_size":
                 out[k] = [IMAGE for _ in v]
@@ -333,6 +338,11 @@ def tiny_config(model_type: str):
     d = base.to_dict()
     small = _shrink(d, set())
     _fix_token_ids(small, small.get("vocab_size") or SMALL["vocab"])
+    h, e, n = small.get("hidden_size"), small.get("expand"), small.get("num_heads")
+    if all(
+        isinstance(x, int) for x in (h, e, n, small.get("head_dim"))
+    ):  # Mamba-2: heads x head_dim = expand x hidden
+        small["head_dim"] = h * e // n
     changed = _changed(d, small)
     try:  # only the changed values, as keyword arguments: the class derives the rest (head_dim, layer_types ...)
         cfg = AutoConfig.for_model(model_type, **changed)
