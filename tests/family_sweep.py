@@ -119,7 +119,8 @@ _LAYERS = re.compile(
     r"(encoder|decoder)_layers|num_(encoder|decoder)_layers|num_hidden_groups_layers"
 )
 _HEADS = re.compile(
-    r"(num_|n_)?(attention_|encoder_attention_|decoder_attention_|)?heads?|\w*attention_heads"
+    r"(num_|n_)?(attention_|encoder_attention_|decoder_attention_|)?heads?|\w*attention_heads|"
+    r"linear_num_(key_|value_)?heads"
 )
 _KV_HEADS = re.compile(r"\w*(key_value_heads|kv_heads)|multi_query_group_num|num_query_groups")
 _HIDDEN = {
@@ -150,6 +151,9 @@ _HEAD_DIM = {
     "head_size",
     "qk_head_dim",
     "global_head_dim",
+    "linear_head_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
 }
 _HALF_HEAD_DIM = {"qk_rope_head_dim", "rotary_dim", "rotary_emb_dim"}
 _INTER = re.compile(
