@@ -90,7 +90,7 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
     """Group one block's layers (``(path relative to the block, kind)`` from
     :func:`slapo_lab.presets.block_layers`, in module order) into regions.
 
-    Column layers accumulate until a row layer closes them into one region; ``"experts"`` is a region of
+    Column layers (``"column"``, ``"column_shard"``) accumulate until a row layer closes them into one region; ``"experts"`` is a region of
     its own; any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region
     with the deepest owning module around it (the common parent of the region's projections), or stands
     alone. Columns with no row after them still form a region (the check then decides).
@@ -102,7 +102,7 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
     extras: list[str] = []
     cur: list[str] = []
     for rel, kind in layers:
-        if kind == "column":
+        if kind in ("column", "column_shard"):
             cur.append(rel)
         elif kind == "row":
             cur.append(rel)
@@ -335,10 +335,10 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
             if report.status == "skipped":
                 return report.message
             left = [r for r in order if r.key not in dropped]
-            if not left:
+            if not left:  # the calls made before the preset fail on their own
                 raise ScheduleError(
-                    "No part of the preset can be applied right, so nothing is applied: even without it "
-                    f"{_lower(report.message)}"
+                    f"The schedule fails the numeric check before the preset ({_lower(report.message).rstrip('.')}); "
+                    "undo or fix that first, then apply the preset."
                 )
             culprit = _region_of(report.module, applied.owned)
             if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first

@@ -270,8 +270,8 @@ def find_blocks(sch) -> list[str]:
 
     The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
     the children of every stack of blocks: the largest ``nn.ModuleList`` whose children all share one class
-    and have parameters (lists of modules with children of their own before lists of leaf layers, so
-    StableLM's per-head q/k norms are not taken for its blocks), then each other such list of at least two that is neither inside nor around one
+    and have parameters (lists whose blocks hold dense layers first, so StableLM's per-head q/k norms are not
+    taken for its blocks), then each other such list of at least two that is neither inside nor around one
     already taken (Whisper's decoder beside its encoder, CLIP's vision tower beside its text tower), in
     module order.
     """
@@ -279,19 +279,19 @@ def find_blocks(sch) -> list[str]:
     if fam is not None:
         classes = _BLOCK_CLASSES[fam]
         return [p for p, node in sch.named_schedules() if p and type(node.mod).__name__ in classes]
-    stacks: list[tuple[int, str, list[str], bool]] = []  # (order, path, block paths, blocks have children)
+    stacks: list[tuple[int, str, list[str]]] = []  # (order, path, block paths)
     for i, (p, node) in enumerate(sch.named_schedules()):
         if not isinstance(node.mod, nn.ModuleList) or len(node.mod) < 1:
             continue
         kids = list(node.mod)
         if len({type(k) for k in kids}) != 1 or not any(True for _ in kids[0].parameters()):
             continue
-        composite = any(True for _ in kids[0].children())
-        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child], composite))
+        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
     taken: list[tuple[int, str, list[str]]] = []
-    # blocks made of modules first (a list of per-head norms inside an attention is no stack of blocks),
-    # then the longest; stable: the first of equal lengths wins
-    for *stack, _ in sorted(stacks, key=lambda s: (not s[3], -len(s[2]))):
+    dense = {p: _has_dense(sch[p].mod[0]) for _, p, _ in stacks}
+    # blocks hold dense layers: a list of per-head norms (StableLM's q_layernorm.norms) is no stack of blocks,
+    # however long; then the longest first (stable: the first of equal lengths wins)
+    for stack in sorted(stacks, key=lambda s: (not dense[s[1]], -len(s[2]))):
         if taken and len(stack[2]) < 2:
             continue
         p = stack[1]
@@ -299,6 +299,10 @@ def find_blocks(sch) -> list[str]:
             continue
         taken.append(stack)
     return [b for _, _, blocks in sorted(taken) for b in blocks]
+
+
+def _has_dense(mod: nn.Module) -> bool:
+    return any(isinstance(m, (nn.Linear, nn.Conv2d)) or _is_conv1d(m) for m in mod.modules())
 
 
 def _nested(inner: str, outer: str) -> bool:
@@ -451,6 +455,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     table such as T5's relative attention bias).
     """
     block = sch[block_path]
+    split = _split_of(sch, block_path)
+    heads = {hp.module: hp for hp in split.head_params} if split is not None else {}
     out = []
     for rel, node in block.named_schedules():
         if not rel:
@@ -459,16 +465,105 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         mod = node.mod
         if isinstance(mod, nn.Linear) or _is_conv1d(mod):
             fused, refusal = _fused_kind(node)
-            kind = None if refusal else fused or _classify(rel)
+            if refusal:
+                kind = None
+            elif split is not None and (split.roles or split.whole):
+                # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
+                # the dataflow says nothing about this layer
+                role = split.roles.get(rel)
+                kind = _role_kind(role)
+                if kind and role != "mlp_in" and role != "mlp_out" and _undivided(split, rel, sch.world_size):
+                    kind = (
+                        None  # an attention whose heads do not divide stays whole (replicated_dense says why)
+                    )
+                if kind is None and role is None and rel not in split.whole and rel not in split.ran:
+                    kind = fused or _classify(rel)  # a layer the recorded forward did not run
+            else:
+                kind = fused or _classify(rel)
             if kind:
                 out.append((path, kind))
+        elif rel in heads:
+            hp = heads[rel]
+            out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             out.append((path, _norm_kind(node)))
+        elif split is not None and rel in split.grad_sum and not _is_experts(mod):
+            out.append((path, "grad_sum"))
         elif _is_experts(mod):
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
+    if split is not None and split.shared:
+        out = _shared_attention(block, block_path, split, out)
     return out
+
+
+def _shared_attention(block, block_path: str, split, layers: list) -> list:
+    """An attention module with a projection whose features reach every head (MLA's ``kv_a_proj_with_mqa``: its
+    rope part is one key head broadcast to all; DeepSeek-V2/V3): the gradient reaching that whole projection
+    is a partial sum on each rank, and so is what its column-parallel partners pass back, so Megatron's *f*
+    moves to the attention module's input (``bwd_post all_reduce`` there, kind ``"attention_f"``), its
+    column-parallel layers shard without their own (``"column_shard"``), and every replicated parameter inside
+    it (the low-rank "a" projections and their norms) sums its gradients over the ranks (``"grad_sum"``)."""
+    pre = f"{block_path}." if block_path else ""
+    attns = {a for a in split.attention if any(s.startswith(a + ".") or not a for s in split.shared)}
+    out = []
+    inside = lambda rel, a: not a or rel.startswith(a + ".")
+    for path, kind in layers:
+        rel = path[len(pre) :]
+        a = next((a for a in attns if inside(rel, a)), None)
+        if a is not None and kind == "column":
+            kind = "column_shard"
+        if a is not None and kind in ("norm", "head_norm"):
+            continue  # summed below with the other replicated parameters
+        out.append((path, kind))
+    roles = set(split.roles)
+    for a in sorted(attns):
+        for rel, node in block[a].named_schedules() if a else block.named_schedules():
+            full = f"{a}.{rel}" if a and rel else (a or rel)
+            if full in roles or not any(
+                p is not None and p.requires_grad for p in node.mod._parameters.values()
+            ):
+                continue
+            if not rel and not a:
+                continue
+            out.append((f"{pre}{full}", "grad_sum"))
+        out.append((f"{pre}{a}" if a else block_path, "attention_f"))
+    return out
+
+
+def _undivided(split, rel: str, ws: int) -> str | None:
+    """Why the attention around ``rel`` (a projection of the block's split) cannot split its heads over ``ws``
+    ranks (its heads, or its key/value heads, neither divisible by nor dividing ``ws``), or None."""
+    attn = max((a for a in split.attention if not a or rel.startswith(a + ".")), key=len, default=None)
+    if attn is None or ws <= 1:
+        return None
+    n, kv = split.attention[attn]
+    if n % ws:
+        return f"its {n} attention heads do not divide by the world size {ws}"
+    if kv % ws and ws % kv:
+        return f"its {kv} key/value heads neither divide by nor divide the world size {ws}"
+    return None
+
+
+def _role_kind(role: str | None) -> str | None:
+    """``"column"`` for a projection into heads (any of q / k / v / an output gate g, fused or not) or an MLP
+    input, ``"row"`` for the attention output or an MLP output, None otherwise."""
+    if role in ("o", "mlp_out"):
+        return "row"
+    if role == "mlp_in" or (role and set(role) <= set("qkvg")):
+        return "column"
+    return None
+
+
+def _split_of(sch, block_path: str):
+    """The block's split read from its dataflow (:func:`slapo_lab.sharding.infer.block_split`), or None."""
+    from .sharding import infer
+
+    try:
+        return infer.block_split(sch, block_path)
+    except Exception:  # noqa: BLE001 - no dataflow: the names are the hints
+        return None
 
 
 def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
@@ -491,6 +586,7 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
     blocks = find_blocks(sch)
     inside: dict[str, str] = {}
     outside: list[str] = []
+    splits: dict = {}
     for path, node in sch.named_schedules():
         mod = node.mod
         if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)) or getattr(mod, "weight", None) is None:
@@ -509,6 +605,7 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
                 why = (
                     kept.get(path, "").rstrip(".")
                     or _fused_kind(node)[1]
+                    or _dataflow_reason(sch, block, rel, splits)
                     or "not a recognised q/k/v, output or MLP projection"
                 )
                 inside[rel] = why
@@ -525,6 +622,32 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
         names = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
         parts.append(f"{names} (outside the repeated blocks)")
     return "Kept whole on every rank: " + "; ".join(parts) + "."
+
+
+def _dataflow_reason(sch, block: str, rel: str, cache: dict) -> str | None:
+    """Why the block's dataflow (:func:`slapo_lab.sharding.infer.block_split`) keeps the dense layer ``rel``
+    whole, or None when the dataflow was not recorded."""
+    if block not in cache:
+        cache[block] = _split_of(sch, block)
+    split = cache[block]
+    if split is None or not (split.roles or split.whole):
+        return None
+    if rel in split.whole:
+        return split.whole[rel]
+    if split.roles.get(rel) not in (None, "mlp_in", "mlp_out"):
+        why = _undivided(split, rel, sch.world_size)
+        if why:
+            return why
+    parent = rel.rpartition(".")[0]
+    if split.shared and any(not a or parent == a or parent.startswith(a + ".") for a in split.attention):
+        return (
+            "a low-rank or shared projection of an attention whose heads are split: it stays whole and its "
+            "gradients are summed over the ranks"
+        )
+    return (
+        "its output reaches no attention head and no row-parallel partner through ops that keep features "
+        "apart, so no split of it is right"
+    )
 
 
 def _is_experts(mod: nn.Module) -> bool:
@@ -570,6 +693,9 @@ def experts_parallel(sch, path: str) -> list[Call]:
     _ensure_sync(node, "bwd_post", "all_reduce")
     _ensure_shard(node, "down_proj", intermediate_axis(mod, "down_proj"))
     _ensure_sync(node, "fwd_post", "all_reduce")
+    if mod._parameters.get("down_proj_bias") is not None and sch.world_size > 1:
+        # added on one rank only (see slapo_lab/sharding/experts.py): its gradient is summed over the ranks
+        _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     return _since(sch, n)
 
 
@@ -577,6 +703,28 @@ def _is_head_table(node) -> bool:
     from .sharding.rules import ShardSite, is_head_table
 
     return is_head_table(ShardSite(node.mod, "weight", node.parent.mod, node.name, node.path), 1)
+
+
+def _no_pair_reason(sch, block_path: str, layers: list[tuple[str, str]]) -> str:
+    """The sentence for a block with no column- and row-parallel pair to split."""
+    names = ", ".join(p for p, _ in layers) or "none"
+    if _split_of(sch, block_path) is not None:
+        dense = [
+            p
+            for p, n in sch[block_path].named_schedules()
+            if isinstance(n.mod, nn.Linear) or _is_conv1d(n.mod)
+        ]
+        return (
+            f"{block_path or 'the root module'} has no dense layer its recorded dataflow can split: "
+            f"{', '.join(dense[:4]) or 'none'} reach no attention head whose heads divide by the world size and "
+            "no row-parallel partner through ops that keep features apart (a norm over the whole width, a "
+            "convolution or a recurrent scan lies between them), so it stays whole; shard its layers with "
+            "column_parallel() / row_parallel() by hand if you know a right split."
+        )
+    return (
+        f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
+        f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
+    )
 
 
 @_all_or_nothing
@@ -591,6 +739,8 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
     """
     layers = block_layers(sch, block_path)
     kinds = {k for _, k in layers}
+    if "column_shard" in kinds:
+        kinds.add("column")
     if "experts" in kinds:
         kinds |= {"column", "row"}
     full = next((p for p, k in layers if k == "qk_norm_full"), None)
@@ -600,11 +750,7 @@ def tp_block(sch, block_path: str, sequence_parallel: bool = False) -> list[Call
             "ranks would change its result; this model's attention cannot be tensor parallel by heads."
         )
     if "column" not in kinds or "row" not in kinds:
-        names = ", ".join(p for p, _ in layers) or "none"
-        raise ScheduleError(
-            f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
-            f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
-        )
+        raise ScheduleError(_no_pair_reason(sch, block_path, layers))
     n = len(sch.record)
     for path, kind in layers:
         apply_layer(sch, path, kind, sequence_parallel)
@@ -619,10 +765,23 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
     """
     if kind == "column":
         column_parallel(sch, path, sequence_parallel)
+    elif kind == "column_shard":  # column parallel whose input gradient the attention module's f sums
+        node, rule = _dense(sch, path, "column_parallel")
+        _ensure_shard(node, "weight", rule.out_axis)
+        if getattr(node.mod, "bias", None) is not None:
+            _ensure_shard(node, "bias", 0)
+    elif kind == "attention_f":
+        _ensure_sync(sch[path], "bwd_post", "all_reduce")
+    elif kind == "grad_sum":
+        _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
         _ensure_shard(sch[path], "weight", 1)
+    elif kind.startswith("head_param:"):  # a parameter with one entry per head on an axis (Swin's relative
+        # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
+        _, name, axis = kind.split(":")
+        _ensure_shard(sch[path], name, int(axis))
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
@@ -907,10 +1066,10 @@ def megatron_tp(
         _refuse_width_derived_heads(sch)
     whole = replicated_dense(sch, exclude_noted=True)
     if not calls and not _any_sharded(sch):
-        raise ScheduleError(
-            "megatron_tp found no dense projection it can split: "
-            + (" ".join(notes) or whole or "the blocks have no column- and row-parallel projection pair.")
-        )
+        if any(n.startswith("Kept whole:") for n in notes):
+            raise ScheduleError(f"megatron_tp found no dense projection it can split: {' '.join(notes)}")
+        first = blocks[0] if blocks else ""
+        raise ScheduleError(_no_pair_reason(sch, first, block_layers(sch, first) if blocks else []))
     return PresetCalls(calls, [*notes, *([whole] if whole else [])])
 
 
@@ -928,6 +1087,8 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
     owned: dict = {}
     notes: list[str] = []
 
+    done: set = set()
+
     def run(region, fn) -> None:
         if region.key in skip:
             return
@@ -937,7 +1098,10 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         except EarlierCallConflict:
             raise
         except ScheduleError as err:
+            if region.key in done:  # the same layers applied in an earlier block of this class: what differs
+                raise  # here is a call made before the preset, so the preset is refused as a whole
             raise RegionRefused(region, str(err)) from None
+        done.add(region.key)
         region_of_call.extend([region] * (len(sch.record) - k))
         for c in sch.record.calls[k:]:
             owned.setdefault(c.path, region)

@@ -431,19 +431,24 @@ def test_export_form_refuses_bad_input_in_one_sentence_and_keeps_it(editor, tmp_
     editor._btn_export.click()
     assert editor.message.startswith("Exported") and _defaults_of(script) == {"dp": 2, "global_batch_size": 4}
     # a pipeline: the runtime's micro-batches (global batch / (dp x stages), rounded down) must divide evenly
+    # (a cut after the last of the 2 layers too would leave an empty third stage: the numeric check refuses it)
     assert editor.apply("cut_pipeline_stage", path="encoder.layer.0") is None
-    assert editor.apply("cut_pipeline_stage", path="encoder.layer.1") is None
     editor._f_batch.value = "14"
     editor._btn_export.click()
     assert _one_sentence(editor.message) == (
         "The global batch size 14 does not split into equal micro-batches over "
-        "dp 2 and 3 pipeline stages; choose a multiple of 6."
+        "dp 2 and 2 pipeline stages; choose a multiple of 4."
     )
     editor._f_batch.value = "12"
     editor._btn_export.click()
-    assert (
-        "torchrun --nproc_per_node=12 train_bertmodel.py --device cuda" in editor.message
-    )  # tp 2 x pp 3 x dp 2
+    assert "torchrun --nproc_per_node=8 train_bertmodel.py --device cuda" in editor.message, (
+        editor.message
+    )  # tp 2 x pp 2 x dp 2
+    assert editor.apply("cut_pipeline_stage", path="encoder.layer.1") is None
+    editor._btn_export.click()
+    assert editor.message.startswith(
+        "Not exported: the pipeline cannot be built from this schedule: The 2 cuts"
+    )
 
 
 def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_path, monkeypatch):

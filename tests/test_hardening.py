@@ -192,7 +192,9 @@ def test_moduledict_with_hostile_keys(tmp_path):
     for key in ("a-b", 'q"uote', "__import__('os')", "new\nline"):
         assert e.apply("shard", "weight", axis=0, path=f"blocks.{key}") is None
     assert "<svg" in e._graph.svg and "<script" not in e._graph.svg
-    script = Path(e.export(str(tmp_path / "train.py"))).read_text()
+    # each Linear column-sharded without its gather: the numeric check marks it failing, so only a forced
+    # export writes it (the point here is how the hostile keys are written)
+    script = Path(e.export(str(tmp_path / "train.py"), force=True)).read_text()
     tree = compile(script, "train.py", "exec", flags=0x400)  # ast.PyCF_ONLY_AST
     import ast
 

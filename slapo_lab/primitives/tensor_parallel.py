@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
+from ..sharding import infer as _infer
 from ..sharding import sync_ops
 from ..sharding.rules import (
     ShardSite,
@@ -137,6 +138,7 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
             "sequence parallelism), so it must stay replicated."
         )
     ws = sch.world_size
+    _infer.ensure(sch)  # layouts of fused projections, read from the model's dataflow before its first shard
     sites = _sites(sch, t, tensor_name)
     for site in sites:  # attention heads first: the more telling reason
         check_site = _rule_hook(site, "check_site")

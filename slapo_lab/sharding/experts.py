@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..module_state import module_meta
+from ..module_state import install_forward, module_meta
 from .rules import ShardRule, ShardSite
 
 UP_NAMES = ("gate_up_proj", "up_proj")
@@ -61,6 +61,22 @@ def intermediate_axis(mod: nn.Module, name: str) -> int | None:
     return None
 
 
+def _experts_bias_once(self, *args, **kwargs):
+    """The experts' forward with ``down_proj_bias`` added on rank 0 only, then the partial sum reduced (the
+    ``fwd_post all_reduce`` sync registers its reducer here, as for a row-parallel linear)."""
+    meta = module_meta(self)
+    b = self._parameters["down_proj_bias"]
+    if meta.get("bias_rank", 0) != 0:
+        self._parameters["down_proj_bias"] = b * 0.0
+    try:
+        y = type(self).forward(self, *args, **kwargs)
+    finally:
+        self._parameters["down_proj_bias"] = b
+    for fn in meta["partial_reducers"]:
+        y = fn(y)
+    return y
+
+
 class ExpertsRule(ShardRule):
     """Tensor-parallel experts: ``gate_up_proj`` / ``up_proj`` column-like, ``down_proj`` row-like (see module doc).
 
@@ -86,18 +102,13 @@ class ExpertsRule(ShardRule):
             )
         if axis != want:
             return f"{name} holds the intermediate features on axis {want}; other axes would split the hidden size"
-        if name == DOWN_NAME and mod._parameters.get("down_proj_bias") is not None:
-            return (
-                "its down_proj_bias would be added on every rank before the all_reduce; experts with an "
-                "output bias cannot be tensor parallel"
-            )
         return None
 
     def stride(self, site: ShardSite, axis: int) -> int:
         mod = site.mod
         if site.name in ("gate_up_proj", "gate_up_proj_bias") and getattr(mod, "is_concatenated", True):
             return 2  # [gate; up] back to back: each rank keeps its slice of both
-        return 1
+        return 1  # interleaved (GPT-OSS: is_concatenated=False): a contiguous slice holds pairs of both
 
     def apply(self, mod, name, axis, world_size, rank):
         meta = module_meta(mod)
@@ -107,6 +118,13 @@ class ExpertsRule(ShardRule):
             meta["output_axis"] = None
             if isinstance(getattr(mod, "intermediate_dim", None), int):
                 mod.intermediate_dim = mod.down_proj.shape[axis]
+            if mod._parameters.get("down_proj_bias") is not None and world_size > 1:
+                # the output bias is added once over the ranks (Megatron's RowParallelLinear adds it after the
+                # reduce): rank 0 adds it, the others add it times 0 (so its gradient, summed over the ranks by
+                # sync(param_grads=True), reaches every rank and each rank runs the same collectives)
+                meta["bias_rank"] = rank
+                meta["impl"] = _experts_bias_once
+                install_forward(mod)
 
 
 __all__ = ["ExpertsRule", "intermediate_axis", "is_experts_module"]

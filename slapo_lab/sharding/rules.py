@@ -33,6 +33,7 @@ from torch import nn
 
 from ..module_state import install_forward, module_meta
 from . import heads as _heads
+from . import infer as _infer
 
 
 @dataclass
@@ -206,12 +207,18 @@ def attention_heads(parent: nn.Module | None) -> tuple[int, int] | None:
     if recorded is not None:
         return recorded
     cfg = getattr(parent, "config", None)
+    inferred = _infer.inferred_heads(parent)  # read from the block's dataflow (slapo_lab/sharding/infer.py)
     n = _pos_int(parent, "num_heads", "num_attention_heads", "n_head", "n_heads") or _pos_int(
         cfg, "num_attention_heads", "n_head"
     )
     if n is None:
-        return None
-    kv = _pos_int(parent, "num_key_value_heads", "num_kv_heads") or _pos_int(cfg, "num_key_value_heads") or n
+        return inferred
+    kv = (
+        _pos_int(parent, "num_key_value_heads", "num_kv_heads")
+        or _pos_int(cfg, "num_key_value_heads")
+        or (inferred[1] if inferred is not None and inferred[0] == n else None)
+        or n
+    )
     return n, kv
 
 
@@ -402,7 +409,7 @@ def fused_layout(site: ShardSite) -> FusedLayout | None:
     names = _class_names(parent)
     spec = next((v for k, v in _FUSED_QKV.items() if k in names), None)
     if spec is None or spec[0] != name:
-        return None
+        return _inferred_layout(site)
     counts, hd = attention_heads(parent), head_dim(parent)
     if counts is None or hd is None:
         return None
@@ -416,11 +423,42 @@ def fused_layout(site: ShardSite) -> FusedLayout | None:
     return FusedLayout("qkv", make_stride((n * hd, kv * hd, kv * hd)), None, "", spec[2])
 
 
+_INFERRED_SOURCE = "the block's recorded dataflow (slapo_lab/sharding/infer.py)"
+
+
+def _inferred_layout(site: ShardSite) -> FusedLayout | None:
+    """The layout :mod:`slapo_lab.sharding.infer` read from the block's dataflow: a fused q/k/v (contiguous by
+    heads, or blocks), a fused MLP input (``gate|up`` chunked), or the refusal of an attention whose fused
+    projection cannot be split by heads (multi-query attention); None otherwise."""
+    found = _infer.lookup(site.parent, site.child_name)
+    if found is None:
+        return None
+    role, lay, refusal = found
+    if role == "o":
+        return None
+    if refusal:
+        return FusedLayout("qkv", 1, None, "", _INFERRED_SOURCE, f"{type(site.parent).__name__}: {refusal}")
+    if lay is None:
+        return None
+    if role == "mlp_in":
+        return FusedLayout("gate_up", lay.stride, None, "", _INFERRED_SOURCE) if lay.stride != 1 else None
+    if len(role) < 2 or not set(role) <= set("qkvg"):
+        return None
+    if lay.stride == 1:
+        return FusedLayout(role, 1, lay.units, "attention heads", _INFERRED_SOURCE)
+    return FusedLayout(role, lay.stride, None, "", _INFERRED_SOURCE)
+
+
 def fused_qkv_of(attn: nn.Module | None) -> tuple[str, FusedLayout] | None:
     """``(child name, layout)`` of the fused q/k/v projection directly inside ``attn``, or None."""
     if attn is None:
         return None
     for cname, child in attn.named_children():
+        found = _infer.lookup(attn, cname)
+        if found is not None and ((len(found[0]) > 1 and set(found[0]) <= set("qkvg")) or found[2]):
+            lay = fused_layout(ShardSite(child, "weight", attn, cname))
+            if lay is not None:
+                return cname, lay
         if cname in ("query_key_value", "qkv_proj", "c_attn"):
             lay = fused_layout(ShardSite(child, "weight", attn, cname))
             if lay is not None and lay.parts in ("qkv", "kv"):
@@ -471,6 +509,9 @@ def attention_role(site: ShardSite) -> str | None:
         return lay.parts
     if name == "dense" and fused_qkv_of(parent) is not None:
         return "o"
+    found = _infer.lookup(parent, name)
+    if found is not None and found[0] != "g" and (found[0] == "o" or set(found[0]) <= set("qkvg")):
+        return found[0]
     return None
 
 
@@ -876,6 +917,18 @@ class NormRule(ShardRule):
         return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or (name.endswith(("LayerNorm", "RMSNorm")))
 
     def check(self, mod, name, axis):
+        t = getattr(mod, name, None)
+        shape = getattr(mod, "normalized_shape", None)
+        per_head = (
+            isinstance(t, torch.Tensor)
+            and t.dim() >= 2
+            and axis < t.dim() - 1
+            and not (isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and shape is not None and len(shape) > 1)
+        )
+        if per_head:
+            # one row of weights per head (Cohere's q_norm / k_norm over (heads, head_dim), normalising each
+            # head over head_dim): a rank holding some heads holds their rows
+            return None
         return (
             f"{type(mod).__name__} normalises over its whole feature dimension, so a sharded {name} would "
             "change the result; keep it replicated (sequence parallelism splits the sequence axis instead)"

@@ -1,0 +1,1158 @@
+"""Read a block's tensor-parallel split from its recorded dataflow, not from its layers' names.
+
+One forward of the model (real, shrunk or on the meta device, with one sample of example inputs) runs under a
+:class:`torch.overrides.TorchFunctionMode` until the first block of every stack of blocks has run. Inside those
+blocks every ``nn.Linear`` / HF ``Conv1D`` output, every parameter of another module and every attention output
+gets an *index map*: an integer tensor of the same shape whose entries are the feature (or parameter entry) each
+element came from. Shape ops (``view``, ``transpose``, ``chunk``, ``split``, ``unbind``, indexing, ``cat``,
+``expand`` ...) are replayed on the maps, elementwise ops carry them (rotary embeddings, per-head norms,
+activations, gating), anything else drops them. Where maps meet attention -- ``scaled_dot_product_attention``,
+or a matmul of two mapped tensors whose scores a second matmul applies to a mapped value -- each q / k / v
+argument's heads axis (``-3``) tells which features of which projection belong to which head:
+
+* q / k / v projections, fused ones included, with the head and key/value head counts (``q.shape[-3]``, the
+  distinct key heads) and the layout a column-parallel shard needs: the first of stride 1 (contiguous, e.g.
+  GPT-NeoX's per-head interleaved ``query_key_value``: ``view(B, T, H, 3 * hd)`` then ``chunk(3)``), equal
+  blocks (ModernBERT's ``Wqkv``: ``view(B, T, 3, H, hd)``) or blocks of unequal sizes (GPT-BigCode's
+  ``split((H*hd, kv*hd, kv*hd))``) whose per-rank features are exactly the features of that rank's heads;
+* a projection whose features reach every head (MLA's ``kv_a_proj_with_mqa`` rope part, broadcast over the
+  heads) or also feed something else stays whole (a low-rank "a" of an a -> norm -> b chain);
+* the output projection: the linear whose input is the attention output, its in-features of rank r exactly
+  rank r's heads;
+* per-head tensors: a parameter whose entries reach the heads (a relative-position table added to the scores,
+  attention sinks concatenated to them, a q/k norm weight of shape ``(heads, head_dim)``) is split on the axis
+  whose index is the head;
+* MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
+  one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
+  parallel and those are column parallel;
+* routers: a linear whose output reaches ``topk`` stays whole.
+
+Results are cached per model instance, and registered per attention class, child name and config (so the shard
+rules of :mod:`slapo_lab.sharding.rules`, which see one module, find the layout of a fused projection); the
+shard primitive calls :func:`ensure` on the top model before its first shard, so a replay in a fresh process (an
+exported script, the numeric check's shrunk copy) infers the same split. Sources: Megatron-LM
+``ColumnParallelLinear`` / ``RowParallelLinear`` (``partition_stride``), transformers' ``base_model_tp_plan``
+(cross-checked in tests/test_split_inference.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+_SHAPE_OPS = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unflatten",
+        "flatten",
+        "contiguous",
+        "chunk",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "__getitem__",
+        "narrow",
+        "expand",
+        "expand_as",
+        "repeat",
+        "repeat_interleave",
+        "unsqueeze",
+        "squeeze",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "movedim",
+        "moveaxis",
+        "t",
+        "clone",
+        "view_as",
+        "reshape_as",
+        "select",
+        "swapaxes",
+        "swapdims",
+        "index_select",
+        "tensor_split",
+    }
+)
+_PASS_OPS = frozenset(
+    {"to", "float", "half", "bfloat16", "type_as", "type", "double", "detach", "requires_grad_"}
+)
+_ROUTE_OPS = frozenset({"topk", "argmax", "sort", "argsort"})
+_FACTORY_OPS = frozenset(
+    {
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "new_tensor",
+    }
+)
+_WRITE_OPS = frozenset({"copy_", "__setitem__"})
+_MAX_MAPS = 3
+
+
+def _is_dense(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.Linear) or (type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"))
+
+
+def _dense_out(mod: nn.Module) -> int:
+    return mod.weight.shape[1] if type(mod).__name__ == "Conv1D" else mod.weight.shape[0]
+
+
+@dataclass
+class _Info:
+    maps: dict = field(default_factory=dict)  # producer -> [index map (int64, the tensor's shape)]
+    src: frozenset = frozenset()  # every linear the value derives from (lineage, any op)
+    scores: tuple | None = None  # ((q arg, k arg), ...): the score terms not yet applied to v
+
+
+@dataclass(frozen=True)
+class HeadParam:
+    """A parameter whose entries follow the heads: ``axis`` holds one entry per head."""
+
+    module: str  # path relative to the block
+    name: str
+    axis: int
+    heads: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a column-parallel shard of a projection reaching attention must split its output features.
+
+    ``stride``: 1 (contiguous: whole heads of every part), n (n equal blocks) or a
+    :class:`~slapo_lab.sharding.rules.BlockStride`; ``parts``: its attention roles in feature order
+    (``"qkv"``, ``"kv"``, ``"q"`` ...); ``units``: the heads a contiguous shard keeps whole (None for blocks).
+    """
+
+    parts: str
+    stride: int
+    units: int | None
+
+
+@dataclass
+class BlockSplit:
+    """The split of one block read from its dataflow (paths relative to the block).
+
+    ``roles``: linear path -> ``"q"``, ``"k"``, ``"v"``, ``"qkv"``, ``"kv"`` (fused), ``"o"``, ``"mlp_in"``,
+    ``"mlp_out"``; ``layouts``: path -> :class:`Layout` of every q/k/v projection; ``whole``: linear path ->
+    why it stays whole (router, shared by all heads, low-rank, a refused attention); ``head_params``: the
+    per-head parameters; ``attention``: attention module path -> (heads, key/value heads); ``refusals``:
+    attention module path -> why its heads cannot be split.
+    """
+
+    roles: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    whole: dict = field(default_factory=dict)
+    head_params: list = field(default_factory=list)
+    attention: dict = field(default_factory=dict)
+    refusals: dict = field(default_factory=dict)
+    refused_roles: dict = field(default_factory=dict)
+    shared: set = field(default_factory=set)
+    grad_sum: set = field(default_factory=set)
+    ran: set = field(
+        default_factory=set
+    )  # the linears the recorded forward ran (the others: names are hints)
+
+
+class _Done(Exception):
+    pass
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.info: dict[int, _Info] = {}
+        self.keep: list = []
+        self.active = 0
+        self.params: dict[int, str] = {}  # id(param) -> "module.rel:name" inside the analysed block
+        self.events: list[dict] = []
+        self.linear_in: dict[str, _Info] = {}
+        self.linear_in_shape: dict[str, tuple] = {}
+        self.routers: set[str] = set()
+        self.n_attn = 0
+        self.score_extras: list = []
+        self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
+        self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
+        self.ran: set = set()  # the linears the block ran
+
+    # -- bookkeeping
+    def get(self, t) -> _Info | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        inf = self.info.get(id(t))
+        if inf is None and id(t) in self.params:
+            shape = tuple(t.shape)
+            m = torch.arange(max(t.numel(), 1)).view(shape) if t.numel() else None
+            if m is None:
+                return None
+            inf = _Info({"param:" + self.params[id(t)]: [m]})
+            self.set(t, inf)
+        return inf
+
+    def set(self, t, inf: _Info) -> None:
+        self.info[id(t)] = inf
+        self.keep.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active:
+            try:
+                self.note(func, args, kwargs, out)
+            except Exception:  # noqa: BLE001, S110 - a map that cannot follow an op is dropped, the forward goes on
+                pass
+        return out
+
+    def note(self, func, args, kwargs, out) -> None:
+        name = getattr(func, "__name__", "")
+        if name in _WRITE_OPS:
+            self.write(name, args)
+            return
+        if name in _FACTORY_OPS:
+            return
+        if name == "__getitem__" and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self.view_of[id(out)] = (args[0], args[1])
+            self.keep.append(out)
+        ins = [(t, self.get(t)) for t in _tensors((args, kwargs))]
+        ins = [(t, i) for t, i in ins if i is not None]
+        if not ins:
+            return
+        src = frozenset().union(*(i.src for _, i in ins))
+        if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
+            for t, i in ins:
+                for u in (p for p in i.maps if p.startswith("param:")):
+                    prods = {
+                        p
+                        for t2, i2 in ins
+                        if t2 is not t
+                        for p in i2.maps
+                        if not p.startswith(("param:", "@"))
+                    }
+                    self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
+        if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
+            self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
+        if name == "scaled_dot_product_attention":
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.attention(q, k, v, [mask] if isinstance(mask, torch.Tensor) else [], out, src)
+            return
+        if name in ("matmul", "bmm", "__matmul__") and len(args) >= 2:
+            a, b = self.get(args[0]), self.get(args[1])
+            if (
+                a is not None
+                and b is not None
+                and a.scores is None
+                and _linear_maps(a)
+                and _linear_maps(b)
+                and isinstance(out, torch.Tensor)
+                and out.dim() >= 3
+            ):
+                self.set(out, _Info({}, src, ((args[0], args[1]),)))
+                return
+            if a is not None and a.scores is not None and b is not None and _linear_maps(b):
+                q, k = a.scores[0]
+                extras = [args[0]]
+                self.attention(q, k, args[1], extras, out, src, a.scores[1:])
+                return
+        outs = list(_tensors(out))
+        if not outs:
+            return
+        scores = _merge_scores(i.scores for _, i in ins)
+        if name in _PASS_OPS and len(outs) == 1 and ins[0][0] is args[0]:
+            first = ins[0][1]
+            self.set(outs[0], _Info(dict(first.maps), src, first.scores))
+            return
+        if name in _SHAPE_OPS:
+            self.shape_op(func, args, kwargs, out, ins, src, scores)
+            return
+        for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
+            maps: dict = {}
+            for t, i in ins:
+                for p, ms in i.maps.items():
+                    for m in ms:
+                        if m.dim() > o.dim():
+                            continue
+                        try:
+                            mb = torch.broadcast_to(m, o.shape) if tuple(m.shape) != tuple(o.shape) else m
+                        except RuntimeError:
+                            continue
+                        if t.dim() <= o.dim() and _broadcasts(tuple(t.shape), tuple(o.shape)):
+                            lst = maps.setdefault(p, [])
+                            if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
+                                lst.append(mb)
+            self.set(o, _Info(maps, src, scores))
+            if scores is not None and any(p.startswith("param:") for p in maps):
+                self.score_extras.append((o, self.info[id(o)]))
+
+    def write(self, name: str, args) -> None:
+        """An in-place write (``base[idx] = value``, ``base[idx].copy_(value)``): the base's maps get the
+        value's maps at ``idx`` (DeepSeek-V3's keys are assembled this way)."""
+        if name == "__setitem__":
+            base, idx, value = args[0], args[1], args[2]
+        else:
+            dst, value = args[0], args[1]
+            if id(dst) not in self.view_of:
+                return
+            base, idx = self.view_of[id(dst)]
+        vi = self.get(value) if isinstance(value, torch.Tensor) else None
+        if vi is None or not isinstance(base, torch.Tensor):
+            return
+        bi = self.info.get(id(base)) or _Info()
+        maps = {p: list(ms) for p, ms in bi.maps.items()}
+        for p, ms in vi.maps.items():
+            cur = maps.get(p, [torch.full(tuple(base.shape), -1, dtype=torch.long)])[0].clone()
+            try:
+                cur[idx] = ms[0]
+            except Exception:  # noqa: BLE001, S112 - an index the map cannot follow: dropped
+                continue
+            maps[p] = [cur]
+        self.set(base, _Info(maps, bi.src | vi.src, bi.scores))
+
+    def shape_op(self, func, args, kwargs, out, ins, src, scores) -> None:
+        producers = {}
+        for _, i in ins:
+            for p, ms in i.maps.items():
+                producers[p] = max(producers.get(p, 0), len(ms))
+        outs_struct = out
+        results: dict = {}
+        for p, n in producers.items():
+            for j in range(n):
+
+                def sub(x, p=p, j=j):
+                    if isinstance(x, torch.Tensor):
+                        inf = self.info.get(id(x)) or (self.get(x) if id(x) in self.params else None)
+                        if inf is not None and p in inf.maps:
+                            ms = inf.maps[p]
+                            return ms[min(j, len(ms) - 1)]
+                        if inf is not None or x.is_floating_point():
+                            return torch.full(tuple(x.shape), -1, dtype=torch.long)
+                        return x.to("cpu") if x.device.type != "meta" else x
+                    if isinstance(x, (list, tuple)):
+                        return type(x)(sub(y) for y in x)
+                    return x
+
+                try:
+                    mapped = func(*sub(list(args)), **{k: sub(v) for k, v in kwargs.items()})
+                except Exception:  # noqa: BLE001, S112 - this map cannot follow the op: dropped
+                    continue
+                for idx, m in enumerate(_tensors(mapped)):
+                    results.setdefault(idx, {}).setdefault(p, []).append(m)
+        for idx, o in enumerate(_tensors(outs_struct)):
+            maps = {
+                p: [m for m in ms if tuple(m.shape) == tuple(o.shape) and bool((m >= 0).any())]
+                for p, ms in results.get(idx, {}).items()
+            }
+            self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
+            if scores is not None and any(p.startswith("param:") for p in maps):
+                self.score_extras.append((o, self.info[id(o)]))
+
+    def attention(self, q, k, v, extras, out, src, pairs=()) -> None:
+        i = self.n_attn
+        self.n_attn += 1
+        ev = {
+            "q": (q, self.get(q)),
+            "k": (k, self.get(k)),
+            "v": (v, self.get(v)),
+            "extras": [],
+            "pairs": pairs,
+        }
+        for a, b in pairs:
+            ev.setdefault("infos", {})[id(a)] = self.get(a)
+            ev["infos"][id(b)] = self.get(b)
+        for e in extras:
+            inf = self.get(e)
+            if inf is not None:
+                ev["extras"].append((e, inf))
+        ev["extras"] += self.score_extras
+        self.score_extras = []
+        self.events.append(ev)
+        if isinstance(out, tuple):
+            out = out[0]
+        if isinstance(out, torch.Tensor) and out.dim() >= 3:
+            h, dv = out.shape[-3], out.shape[-1]
+            m = (torch.arange(h).view(h, 1, 1) * dv + torch.arange(dv).view(1, 1, dv)).expand(*out.shape[-3:])
+            m = torch.broadcast_to(m, out.shape)
+            self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
+            ev["out_heads"] = h
+
+
+def _merge_scores(tags) -> tuple | None:
+    """The score terms of every input, in order, each once."""
+    out: list = []
+    for tag in tags:
+        for pair in tag or ():
+            if not any(pair[0] is x[0] and pair[1] is x[1] for x in out):
+                out.append(pair)
+    return tuple(out) or None
+
+
+def _broadcasts(a: tuple, b: tuple) -> bool:
+    if len(a) > len(b):
+        return False
+    return all(x == y or x == 1 for x, y in zip(a[::-1], b[::-1], strict=False))
+
+
+def _linear_maps(inf: _Info) -> bool:
+    return any(not p.startswith(("param:", "@")) for p in inf.maps)
+
+
+def _head_sets(t: torch.Tensor, maps: list, n: int | None = None) -> list[set]:
+    """For each head (axis -3 of ``t``), the set of producer features its elements come from."""
+    heads = t.shape[-3] if n is None else n
+    sets = [set() for _ in range(heads)]
+    for m in maps:
+        if m.dim() < 3 or m.shape[-3] != heads:
+            continue
+        for h in range(heads):
+            vals = m.select(-3, h).reshape(-1)
+            sets[h] |= set(vals[vals >= 0].unique().tolist())
+    return sets
+
+
+def _candidate_strides(n: int, feature_part: list[str]) -> list:
+    from .rules import make_stride
+
+    out: list = [1, 2, 3]
+    runs = []
+    for p in feature_part:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    if 1 < len(runs) <= 4:
+        out.append(make_stride([r[1] for r in runs]))
+    return [s for s in out if sum(_sizes(n, s)) == n]
+
+
+def _sizes(n: int, stride) -> list[int]:
+    from .rules import block_sizes
+
+    try:
+        return block_sizes(n, stride)
+    except ValueError:
+        return [0]
+
+
+def _fits(n: int, stride, ws: int, needed: list[set]) -> bool:
+    from .rules import local_shard
+
+    if any(s % ws for s in _sizes(n, stride)):
+        return False
+    idx = torch.arange(n)
+    return all(set(local_shard(idx, 0, ws, r, stride).tolist()) == needed[r] for r in range(ws))
+
+
+def _test_ws(*counts: int) -> int | None:
+    for ws in (2, 3, 5, 7):
+        if all(c % ws == 0 for c in counts):
+            return ws
+    return None
+
+
+def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> BlockSplit:
+    split = BlockSplit()
+    out_feats = {p: _dense_out(m) for p, m in dense.items()}
+    parent_of = {p: p.rsplit(".", 1)[0] if "." in p else "" for p in dense}
+    for i, ev in enumerate(rec.events):
+        (q, qi), (k, ki), (v, vi) = ev["q"], ev["k"], ev["v"]
+        if qi is None or ki is None or vi is None or q.dim() < 3:
+            continue
+        n = q.shape[-3]
+        roles: dict[str, dict] = {}  # producer -> role -> [set per head]
+        kv = None
+        head_lists: list = []
+        infos = ev.get("infos", {})
+
+        def rec_get(t, infos=infos):
+            return infos.get(id(t))
+
+        args = [("q", q, qi, True), ("k", k, ki, True), ("v", v, vi, True)]
+        for a, b in ev.get(
+            "pairs", ()
+        ):  # more scores added to the first (DeBERTa's c2p / p2c position terms)
+            args += [("q", a, rec_get(a), False), ("k", b, rec_get(b), False)]
+        for role, t, inf, main in args:
+            if inf is None:
+                continue
+            for p, ms in inf.maps.items():
+                if p.startswith("@"):
+                    continue
+                if p.startswith("param:"):
+                    owned = _head_owned(p, ms)
+                    if owned is not None:
+                        head_lists.append(owned)
+                    _note_head_param(split, p, ms)
+                    continue
+                sets = _head_sets(t, ms)
+                if len(sets) != n and role == "q":
+                    continue
+                have = roles.setdefault(p, {})
+                if (
+                    not main
+                ):  # a score term's side takes the projection's role in the main term, if it has one
+                    role = next((r for r in ("q", "k") if r in have), "k")
+                if role in have:  # the same projection in two score terms (DeBERTa's q in c2p): one role
+                    have[role] = [x | y for x, y in zip(have[role], sets, strict=False)]
+                else:
+                    have[role] = sets
+                if role == "k" and main:
+                    distinct = {frozenset(s) for s in sets if s}
+                    kv = len(distinct) if kv is None else max(kv, len(distinct))
+        for _e, inf in ev["extras"]:
+            for p, ms in inf.maps.items():
+                if p.startswith("param:"):
+                    _note_head_param(split, p, ms)
+        kv = kv or n
+        attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
+        o_path = next(
+            (p for p, inf in rec.linear_in.items() if f"@attn{i}" in inf.maps),
+            None,
+        )
+        if (
+            o_path is not None
+        ):  # an output gate (sigmoid(g(x)) * attention, Qwen3-Next / AFMoE): per-head features
+            o_in = rec.linear_in[o_path]
+            fin = o_in.maps[f"@attn{i}"][0].shape[-1]
+            heads_out = ev.get("out_heads", n)
+            for p, ms in o_in.maps.items():
+                if p.startswith("param:") and fin % heads_out == 0:  # a per-head gate bias (Beam's gate_bias)
+                    width = fin // heads_out
+                    row = ms[0].reshape(-1, fin)[0]
+                    sets = [
+                        frozenset(x for x in row[h * width : (h + 1) * width].tolist() if x >= 0)
+                        for h in range(heads_out)
+                    ]
+                    key = p[len("param:") :].rsplit(":", 1)
+                    pairs = ((a, b) for a in range(heads_out) for b in range(a + 1, heads_out))
+                    known = any(hp[0] == key[0] and hp[1] == key[1] for hp in split.head_params)
+                    if all(sets) and not known and not any(sets[a] & sets[b] for a, b in pairs):
+                        split.head_params.append((key[0], key[1], sets, heads_out))
+                    continue
+                if p not in dense or p == o_path or fin % heads_out:
+                    continue
+                width = fin // heads_out
+                sets = [set() for _ in range(heads_out)]
+                for m in ms:
+                    row = m.reshape(-1, m.shape[-1])[0]
+                    for h in range(heads_out):
+                        seg = row[h * width : (h + 1) * width]
+                        sets[h] |= set(seg[seg >= 0].tolist())
+                roles.setdefault(p, {})["g"] = sets
+        split.attention[attn_mod] = (n, kv)
+        ws = _test_ws(n, kv) or _test_ws(n)
+        refusal = None
+        if head_lists:
+            where = head_lists[0]
+            refusal = (
+                f"its per-head {where[0]} is a list of {where[1]} modules, one per head (e.g. StableLM's "
+                "qk_layernorm), which no shard splits, so its heads stay whole"
+            )
+        for p, per_role in roles.items():
+            if p not in dense or refusal:
+                continue
+            feats = out_feats[p]
+            if ws is None:
+                refusal = f"its {n} attention heads cannot be split by heads"
+                break
+            # which part each feature belongs to, and the features each rank needs
+            part = ["?"] * feats
+            needed = [set() for _ in range(ws)]
+            shared = False
+            for role, sets in per_role.items():
+                hn = len(sets)
+                for h, s in enumerate(sets):
+                    for f in s:
+                        if 0 <= f < feats:
+                            if part[f] not in ("?", role):
+                                shared = True
+                            part[f] = role
+                if hn % ws:
+                    if role in ("k", "v") and len(per_role) == 1 and ws % max(kv, 1) == 0:
+                        continue  # a separate key/value projection, replicated (kv_replicas)
+                    refusal = (
+                        f"its {kv} key/value head{'s' if kv != 1 else ''} for {n} query heads (multi-query "
+                        f"attention) sit in the fused {p.rsplit('.', 1)[-1]} beside the query heads, so it "
+                        "cannot be split by heads"
+                        if role in ("k", "v")
+                        else f"its {hn} heads do not split by heads"
+                    )
+                    continue
+                per = hn // ws
+                for r in range(ws):
+                    for h in range(r * per, (r + 1) * per):
+                        needed[r] |= sets[h]
+            if refusal and len(per_role) > 1:
+                break
+            refusal_here = None
+            if any(needed[r] & needed[s] for r in range(ws) for s in range(r + 1, ws)):
+                shared = True
+            covered = set().union(*needed)
+            if shared or "?" in part or len(covered) != feats:
+                split.shared.add(p)
+                split.whole[p] = (
+                    "its features reach every attention head or feed other layers too (a shared or low-rank "
+                    "projection), so it stays whole"
+                )
+                continue
+            parts = "".join(dict.fromkeys(part))
+            lay = next(
+                (s for s in _candidate_strides(feats, part) if _fits(feats, s, ws, needed)),
+                None,
+            )
+            if lay is None:
+                refusal_here = f"no shard of {p} keeps whole heads on every rank"
+                split.whole[p] = refusal_here
+                continue
+            split.roles[p] = parts
+            units = len(per_role.get("q", per_role.get("k", []))) if lay == 1 and len(parts) > 1 else None
+            if len(parts) > 1 and lay == 1 and "k" in per_role:
+                units = kv if kv != n else n
+            split.layouts[p] = Layout(parts, lay, units)
+        if refusal:
+            split.refusals[attn_mod] = refusal
+            for p in roles:
+                if p in dense:
+                    split.roles.pop(p, None)
+                    split.layouts.pop(p, None)
+                    split.whole[p] = refusal
+                    split.refused_roles[p] = "qkv"
+            if o_path is not None:
+                split.whole[o_path] = refusal
+                split.refused_roles[o_path] = "o"
+            continue
+        if o_path is not None and o_path not in split.roles:
+            inf = rec.linear_in[o_path]
+            m = inf.maps[f"@attn{i}"][0]
+            heads_out = ev.get("out_heads", n)
+            fin = m.shape[-1]
+            if ws and fin % ws == 0:
+                col = m.reshape(-1, fin)[0]
+                dv = max(int(col.max().item()) + 1, 1) // heads_out
+                ok = dv > 0 and all(
+                    set((col[r * fin // ws : (r + 1) * fin // ws] // dv).tolist())
+                    == set(range(r * heads_out // ws, (r + 1) * heads_out // ws))
+                    for r in range(ws)
+                )
+                if ok:
+                    split.roles[o_path] = "o"
+    # MLP pairs: a row linear whose input features are, rank by rank, exactly some column linears' features
+    taken = set(split.roles) | set(split.whole)
+    for r_path, inf in rec.linear_in.items():
+        if r_path in taken or r_path not in dense or r_path in rec.routers:
+            continue
+        cols = {p: ms for p, ms in inf.maps.items() if p in dense and p not in taken and p != r_path}
+        if not cols or any(not p.startswith("param:") and p not in cols for p in inf.maps if p in dense):
+            continue
+        fin = rec.linear_in_shape[r_path][-1]
+        ws = _test_ws(fin)
+        if ws is None:
+            continue
+        flat = {p: [m.reshape(-1, m.shape[-1])[0] for m in ms] for p, ms in cols.items()}
+        explained = torch.zeros(fin, dtype=torch.bool)
+        plan = {}
+        for p, rows in flat.items():
+            feats = out_feats[p]
+            needed = [set() for _ in range(ws)]
+            for row in rows:
+                explained |= row >= 0
+                for rk in range(ws):
+                    seg = row[rk * fin // ws : (rk + 1) * fin // ws]
+                    needed[rk] |= set(seg[seg >= 0].tolist())
+            if len(set().union(*needed)) != feats:
+                plan = None
+                break
+            part = ["x"] * feats
+            lay = next((s for s in _candidate_strides(feats, part) if _fits(feats, s, ws, needed)), None)
+            if lay is None:
+                plan = None
+                break
+            plan[p] = lay
+        if not plan or not bool(explained.all()):
+            continue
+        split.roles[r_path] = "mlp_out"
+        for p, lay in plan.items():
+            split.roles[p] = "mlp_in"
+            split.layouts[p] = Layout("gate_up" if lay == 2 else "in", lay, None)
+            taken.add(p)
+        taken.add(r_path)
+    split.ran = set(rec.ran)
+    # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
+    # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
+    columns = {p for p, r in split.roles.items() if r not in ("o", "mlp_out")}
+    split_params = {hp[0] for hp in split.head_params}
+    for key, prods in rec.param_uses.items():
+        mod = key.rsplit(":", 1)[0]
+        if prods & columns and mod not in split_params:
+            split.grad_sum.add(mod)
+    for p in rec.routers:
+        if p in dense and p not in split.roles:
+            split.whole[p] = "a router: every rank must route every token the same way"
+    return split
+
+
+def _common_parent(paths: list[str]) -> str:
+    if not paths:
+        return ""
+    parts = [p.split(".") if p else [] for p in paths]
+    out = []
+    for xs in zip(*parts, strict=False):
+        if len(set(xs)) != 1:
+            break
+        out.append(xs[0])
+    return ".".join(out)
+
+
+def _head_owned(p: str, ms: list) -> tuple[str, int] | None:
+    """``(container path, heads)`` when parameter ``p`` reaches exactly one head and belongs to the i-th
+    module of a module list (one module per head), else None."""
+    m = ms[0]
+    if m.dim() < 3:
+        return None
+    used = [h for h in range(m.shape[-3]) if bool((m.select(-3, h) >= 0).any())]
+    mod = p[len("param:") :].rsplit(":", 1)[0]
+    container, _, idx = mod.rpartition(".")
+    if len(used) != 1 or not idx.isdigit():
+        return None
+    return container, m.shape[-3]
+
+
+def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
+    """A parameter whose entries reach attention heads (axis -3 of its map): note, per head, its entries
+    (heads repeated for grouped-query attention count once)."""
+    key = p[len("param:") :]
+    mod, name = key.rsplit(":", 1)
+    if any(hp[0] == mod and hp[1] == name for hp in split.head_params):
+        return
+    m = ms[0]
+    if m.dim() < 3:
+        return
+    raw = [
+        frozenset(x for x in m.select(-3, h).reshape(-1).unique().tolist() if x >= 0)
+        for h in range(m.shape[-3])
+    ]
+    sets = []
+    for st in raw:
+        if not sets or sets[-1] != st:
+            sets.append(st)
+    n = len(sets)
+    if n < 2 or any(sets[a] & sets[b] for a in range(n) for b in range(a + 1, n)):
+        return  # shared by several heads (a scale over head_dim)
+    split.head_params.append((mod, name, sets, n))  # resolved against the parameter's shape later
+
+
+# --------------------------------------------------------------------------------------------- running it
+_DIGESTS: dict[int, tuple] = {}  # id(config) -> (weak reference, digest): configs are read, not changed
+
+
+def _config_digest(cfg) -> str | None:
+    """A digest of a config's values (the registry's key), cached per config object."""
+    if cfg is None:
+        return None
+    hit = _DIGESTS.get(id(cfg))
+    if hit is not None and hit[0]() is cfg:
+        return hit[1]
+    digest = _compute_digest(cfg)
+    try:
+        _DIGESTS[id(cfg)] = (weakref.ref(cfg), digest)
+    except TypeError:  # not weakly referenceable: not cached
+        pass
+    return digest
+
+
+def _compute_digest(cfg) -> str:
+    try:
+        text = cfg.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001
+        text = repr(sorted((k, repr(v)) for k, v in vars(cfg).items()))
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The first block of each class among the model's stacks of blocks (``nn.ModuleList`` of one class)."""
+    seen: set = set()
+    out = []
+    for p, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < 1:
+            continue
+        kids = list(m)
+        if len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
+            continue
+        for j, kid in enumerate(kids):
+            sig = (type(kid), tuple((r, type(x).__name__) for r, x in kid.named_modules()))
+            if sig in seen:
+                continue
+            if any(kid is not b and _inside(kid, b) for _, b in out):
+                continue
+            seen.add(sig)
+            out.append((f"{p}.{j}" if p else str(j), kid))
+    return out
+
+
+def _inside(mod: nn.Module, outer: nn.Module) -> bool:
+    return any(mod is m for m in outer.modules())
+
+
+def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None) or 2
+    if stored:
+        out = {}
+        for k, t in stored.items():
+            if not isinstance(t, torch.Tensor):
+                out[k] = t
+                continue
+            shape = (1, *t.shape[1:]) if t.dim() >= 1 else tuple(t.shape)
+            if dev.type == "meta":
+                out[k] = torch.empty(shape, dtype=t.dtype, device="meta")
+            elif t.is_floating_point():
+                out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
+            elif t.dtype == torch.bool or "mask" in k:
+                out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
+            else:
+                out[k] = torch.randint(0, int(vocab), shape, dtype=t.dtype, device=dev)
+        return out
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    ids = lambda: torch.randint(1, int(vocab), (1, 8), device=dev)
+    if "input_ids" in params:
+        out = {"input_ids": ids()}
+        if "decoder_input_ids" in params and getattr(cfg, "is_encoder_decoder", False):
+            out["decoder_input_ids"] = ids()
+        return out
+    if "pixel_values" in params and cfg is not None:
+        vis = getattr(cfg, "vision_config", None) or cfg
+        size = getattr(vis, "image_size", None)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        ch = getattr(vis, "num_channels", 3)
+        if isinstance(size, int):
+            return {"pixel_values": torch.randn(1, ch, size, size, device=dev)}
+    return None
+
+
+_LOCK = threading.RLock()
+_DONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # top model -> {block path: BlockSplit}
+_BY_DIGEST: dict = {}  # (top class, config digest, input shapes) -> {block path: BlockSplit}
+# (attention class name, child name, config digest) -> (role, Layout or None, refusal or None)
+_REGISTRY: dict = {}
+_HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
+
+
+def analyse(model: nn.Module, stored_inputs: dict | None = None) -> dict[str, BlockSplit]:
+    """``{block path: BlockSplit}`` for the first block of each class among ``model``'s stacks of blocks.
+
+    Runs the model forward once (``torch.no_grad``, one sample) until every such block has run; ``{}`` when it
+    cannot (no example inputs to build, or a forward that fails: callers then fall back to names). Cached per
+    model instance and per model class + config + input shapes.
+    """
+    with _LOCK:
+        if model in _DONE:
+            return _DONE[model]
+        result = _analyse_model(model, stored_inputs)
+        _DONE[model] = result
+        return result
+
+
+def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, BlockSplit]:
+    blocks = _stacks(model)
+    if not blocks:
+        return {}
+    inputs = _example_inputs(model, stored_inputs)
+    if inputs is None:
+        return {}
+    key = (
+        type(model).__qualname__,
+        _config_digest(getattr(model, "config", None)),
+        tuple((k, tuple(v.shape)) for k, v in inputs.items() if isinstance(v, torch.Tensor)),
+        tuple(p for p, _ in blocks),
+    )
+    if key[1] is not None and key in _BY_DIGEST:
+        result = _BY_DIGEST[key]
+        _register(model, result)
+        return result
+    rec = _Recorder()
+    handles = []
+    pending = {p for p, _ in blocks}
+    dense_by_block: dict[str, dict] = {}
+    recs: dict[str, _Snapshot] = {}
+
+    def make_hooks(bpath: str, block: nn.Module):
+        r = rec
+        dense = {rel: m for rel, m in block.named_modules() if rel and _is_dense(m)}
+        dense_by_block[bpath] = dense
+        names = {}
+        for rel, m in block.named_modules():
+            if _is_dense(m) or m is block:
+                continue
+            for pn, prm in m.named_parameters(recurse=False):
+                if prm is not None:
+                    names[id(prm)] = f"{rel}:{pn}"
+
+        def pre(_m, args, kwargs):
+            r.active += 1
+            r.params = names
+            r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
+            r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
+
+        def post(_m, _args, _kwargs, _out):
+            r.active -= 1
+            recs[bpath] = _Snapshot(r)
+            pending.discard(bpath)
+            if not pending:
+                raise _Done
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+        for rel, m in dense.items():
+
+            def lin_pre(_m, args, rel=rel):
+                r.ran.add(rel)
+                if args and isinstance(args[0], torch.Tensor):
+                    inf = r.get(args[0])
+                    if inf is not None:
+                        r.linear_in[rel] = inf
+                        r.linear_in_shape[rel] = tuple(args[0].shape)
+
+            feats = _dense_out(m)
+
+            def lin_post(_m, _args, out, rel=rel, feats=feats):
+                if isinstance(out, torch.Tensor) and out.shape[-1] == feats:
+                    prev = r.info.get(id(out))
+                    src = (prev.src if prev else frozenset()) | {rel}
+                    mp = torch.arange(feats).expand(*out.shape)
+                    r.set(out, _Info({rel: [mp]}, frozenset({rel}) | (src - src)))
+
+            handles.append(m.register_forward_pre_hook(lin_pre))
+            handles.append(m.register_forward_hook(lin_post))
+        for rel, m in block.named_modules():
+            if rel and not _is_dense(m) and _is_norm(m):
+
+                def norm_post(_m, _args, out, rel=rel):
+                    # a norm over a projection's whole output needs all its features: no split through it
+                    if not isinstance(out, torch.Tensor):
+                        return
+                    inf = r.info.get(id(out))
+                    if inf is None:
+                        return
+                    width = out.shape[-1]
+                    keep = {p: ms for p, ms in inf.maps.items() if p not in dense or dense_feats(p) != width}
+                    r.set(out, _Info(keep, inf.src, inf.scores))
+
+                handles.append(m.register_forward_hook(norm_post))
+
+        def dense_feats(p):
+            return _dense_out(dense[p])
+
+    for bpath, block in blocks:
+        make_hooks(bpath, block)
+    was_training = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), rec:
+            try:
+                model(**inputs)
+            except _Done:
+                pass
+    except Exception:  # noqa: BLE001, S110 - a model the inference cannot run: callers fall back to names
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in was_training.items():
+            m.training = t
+    result = {}
+    for bpath, block in blocks:
+        snap = recs.get(bpath)
+        if snap is None:
+            continue
+        try:
+            split = _analyse(snap, block, dense_by_block[bpath])
+            _resolve_head_params(split, block)
+            result[bpath] = split
+        except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
+            continue
+    if key[1] is not None:
+        _BY_DIGEST[key] = result
+    _register(model, result)
+    return result
+
+
+class _Snapshot:
+    """What one block's forward recorded (the recorder is reset for the next block)."""
+
+    def __init__(self, r: _Recorder) -> None:
+        self.events, self.linear_in, self.linear_in_shape = r.events, r.linear_in, r.linear_in_shape
+        self.routers = set(r.routers)
+        self.param_uses = dict(r.param_uses)
+        self.ran = set(r.ran)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith(
+        ("LayerNorm", "RMSNorm")
+    )
+
+
+def _resolve_head_params(split: BlockSplit, block: nn.Module) -> None:
+    resolved = []
+    for mod, name, sets, n in split.head_params:
+        owner = block.get_submodule(mod) if mod else block
+        prm = getattr(owner, name, None)
+        if not isinstance(prm, torch.Tensor):
+            continue
+        shape = tuple(prm.shape)
+        idx = torch.arange(prm.numel()).view(shape)
+        for axis, size in enumerate(shape):
+            if size != n:
+                continue
+            if all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):
+                resolved.append(HeadParam(mod, name, axis, n))
+                break
+    split.head_params = resolved
+
+
+def _register(model: nn.Module, result: dict) -> None:
+    """Make the inferred layouts and head counts visible to the shard rules (which see one module)."""
+    for bpath, split in result.items():
+        block = model.get_submodule(bpath)
+        for rel, role in split.roles.items():
+            if not (role in ("o", "mlp_in") or set(role) <= set("qkvg")):
+                continue
+            parent_rel, _, child = rel.rpartition(".")
+            parent = block.get_submodule(parent_rel) if parent_rel else block
+            key = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
+            _REGISTRY[key] = (role, split.layouts.get(rel), None)
+        for rel in split.whole:
+            parent_rel, _, child = rel.rpartition(".")
+            parent = block.get_submodule(parent_rel) if parent_rel else block
+            attn = split.refusals.get(parent_rel)
+            if attn and rel in split.refused_roles:
+                key = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
+                _REGISTRY[key] = (split.refused_roles[rel], None, attn)
+        for apath, counts in split.attention.items():
+            attn = block.get_submodule(apath) if apath else block
+            _HEADS[(type(attn).__name__, _config_digest(getattr(attn, "config", None)))] = counts
+
+
+def lookup(parent: nn.Module | None, child: str) -> tuple | None:
+    """``(role, Layout or None, refusal or None)`` inferred for ``parent``'s child ``child``, or None."""
+    if parent is None:
+        return None
+    return _REGISTRY.get((type(parent).__name__, child, _config_digest(getattr(parent, "config", None))))
+
+
+def inferred_heads(attn: nn.Module | None) -> tuple[int, int] | None:
+    """``(heads, key/value heads)`` read from the dataflow of ``attn``'s class (and config), or None."""
+    if attn is None:
+        return None
+    return _HEADS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))))
+
+
+def ensure(sch) -> None:
+    """Infer the split of the schedule's top model once (before its first shard), so the shard rules find the
+    layouts of fused projections in any process."""
+    top = sch.get_top_schedule()
+    if top.mod in _DONE:
+        return
+    from ..pipeline.order import _INPUTS_KEY
+
+    analyse(top.mod, top._top.extra.get(_INPUTS_KEY))
+
+
+def _signature(mod: nn.Module) -> tuple:
+    return (type(mod), tuple((r, type(x).__name__) for r, x in mod.named_modules()))
+
+
+def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
+    """The part of ``split`` under ``prefix`` (a path inside its block), with paths relative to it."""
+    pre = prefix + "."
+
+    def cut(d):
+        return {k[len(pre) :]: v for k, v in d.items() if k.startswith(pre)}
+
+    return BlockSplit(
+        cut(split.roles),
+        cut(split.layouts),
+        cut(split.whole),
+        [
+            HeadParam(hp.module[len(pre) :], hp.name, hp.axis, hp.heads)
+            for hp in split.head_params
+            if hp.module.startswith(pre)
+        ],
+        cut(split.attention),
+        cut(split.refusals),
+        cut(split.refused_roles),
+        {k[len(pre) :] for k in split.shared if k.startswith(pre)},
+        {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
+        {k[len(pre) :] for k in split.ran if k.startswith(pre)},
+    )
+
+
+def block_split(sch, block_path: str) -> BlockSplit | None:
+    """The :class:`BlockSplit` of the block at ``block_path`` (relative to ``sch``), read from the analysed
+    block of the same structure (or the analysed block around it), or None when the dataflow could not be
+    recorded."""
+    top = sch.get_top_schedule()
+    from ..pipeline.order import _INPUTS_KEY
+
+    result = analyse(top.mod, top._top.extra.get(_INPUTS_KEY))
+    if not result:
+        return None
+    full = ".".join(p for p in (sch.path, block_path) if p)
+    if full in result:
+        return result[full]
+    for p, split in result.items():
+        if full.startswith(p + "."):
+            return _sub_split(split, full[len(p) + 1 :])
+    mod = top.mod.get_submodule(full) if full else top.mod
+    sig = _signature(mod)
+    for p, split in result.items():
+        if _signature(top.mod.get_submodule(p)) == sig:
+            return split
+    for p, split in result.items():  # a block of the same structure nested in an analysed one (Swin's stages)
+        outer = top.mod.get_submodule(p)
+        for rel, sub in outer.named_modules():
+            if rel and _signature(sub) == sig:
+                return _sub_split(split, rel)
+    return None
+
+
+__all__ = [
+    "BlockSplit",
+    "HeadParam",
+    "Layout",
+    "analyse",
+    "block_split",
+    "ensure",
+    "inferred_heads",
+    "lookup",
+]
