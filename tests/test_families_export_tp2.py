@@ -58,24 +58,24 @@ FAMILIES = [
         "codegen",
         "CodeGenForCausalLM",
         "dense decoder, fused qkv_proj in mp_num groups",
-        whole="CodeGen's attention stays whole: qkv_proj is not a recognised projection, and out_proj alone fails "
-        "the numeric check when split (mat1 and mat2 shapes cannot be multiplied in transformer.h.0.attn.out_proj).",
+        whole="CodeGen's blocks stay whole: splitting attn.out_proj makes the outputs differ there, and the "
+        "region of qkv_proj, fc_in, fc_out and ln_1 (attention and MLP in parallel) fails the numeric check (mat1 "
+        "and mat2 shapes cannot be multiplied in transformer.h.0.attn.out_proj).",
     ),
     Fam("qwen2_moe", "Qwen2MoeForCausalLM", "MoE with a shared expert and its gate"),
     Fam(
         "olmoe",
         "OlmoeForCausalLM",
         "MoE whose q/k norms span all heads",
-        whole="OLMoE's attention stays whole: model.layers.0.self_attn.q_norm normalises q or k over all attention "
-        "heads' features, so splitting the heads across ranks would change its result.",
+        whole="OLMoE's attention stays whole: self_attn.q_norm normalises q or k over all attention heads' "
+        "features, and q_proj / k_proj reach no attention head through ops that keep features apart.",
     ),
     Fam(
         "deepseek_v2",
         "DeepseekV2ForCausalLM",
         "multi-head latent attention",
-        whole="DeepSeek-V2's attention stays whole: q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj are not "
-        "recognised projections, and o_proj alone fails the numeric check when split (mat1 and mat2 shapes "
-        "cannot be multiplied in model.layers.0.self_attn.o_proj).",
+        whole="DeepSeek-V2's multi-head latent attention stays whole: its split fails the numeric check (the size "
+        "of tensor a (4) must match the size of tensor b (2) in model.layers.0.self_attn).",
     ),
     Fam("electra", "ElectraForMaskedLM", "encoder"),
     Fam("bart", "BartForConditionalGeneration", "encoder-decoder"),
