@@ -18,7 +18,28 @@ shared projection. :func:`numeric_check` runs the model instead:
    (PyTorch's threaded backend, ``torch.testing._internal.distributed.multi_threaded_pg``: real
    ``torch.distributed`` collectives between threads), each replaying the calls on its own copy.
 3. **The comparison** is :func:`slapo_lab.verify_models`, the same one the exported script's ``--verify``
-   runs: weights, forward outputs and every gradient against the unsharded copy.
+   runs: weights, forward outputs and every gradient against the unsharded copy. Hooks on every module of
+   both copies name the culprit (:class:`_Trace`):
+
+   * a call of the schedule that is refused: the module it was called on;
+   * a forward that fails: the module whose call raised (the deepest frame of the traceback that runs a
+     method of a module), or the module inside it whose ``fwd_post`` sync returned another shape than the
+     unsharded model's (a reduce-scatter where an all-reduce belongs, which only the block's residual add
+     notices);
+   * an output of another shape (an LM head without its gather): both shapes, at the first module whose
+     output has another shape while every module around it has too;
+   * outputs that differ: the first module, in forward order, whose output differs while every enclosing
+     module's does too (partial sums a parent reduces are no fault); an output projection that completes
+     its output from a rank's slice of heads names its parent (heads split in q but not k start there);
+   * gradients alone: the first module, in the order autograd produces them, whose gradient for its own
+     input differs (a column-parallel layer without its ``bwd_post`` all-reduce sends back a partial sum).
+     That gradient is compared per module, where a partial sum is off by a large part of it even when, with
+     freshly initialised weights (nearly uniform attention), the parameters' gradients move by less than
+     Verify's tolerance: such a schedule is reported as failed too.
+
+   Every dropout is off in the copy (:func:`dropout_off`), and a checkpointed module whose forward draws from
+   Python's ``random`` (a LayerDrop-style layer skip, which checkpointing does not replay) is reported before
+   anything runs (:func:`python_random_draw`).
 
 4. **The pipeline**, when the schedule cuts: the calls replayed on one rank, the copy split into its stages
    (:func:`slapo_lab.pipeline.partition_pipeline`, as the exported script splits it), the stages run one
@@ -89,8 +110,9 @@ class NumericReport:
             the forward fails: :attr:`message` says where) or ``"skipped"`` (nothing to run: why in
             :attr:`message`).
         message: one sentence for the user.
-        module: the first module (in parameter order) whose weight, output or gradient differs, or where the
-            forward failed; "" when none.
+        module: the culprit (module docstring, 3.): the module whose call of the schedule was refused, whose
+            forward raised, whose output first differs (in value or shape), or whose input gradient first
+            differs in backward order; "" when none.
         worst: the largest absolute difference over outputs and gradients (0.0 when passed exactly, ``inf``
             on a shape mismatch, ``nan`` when not run).
         ranks: the simulated tensor-parallel ranks.

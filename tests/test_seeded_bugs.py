@@ -121,9 +121,10 @@ def _replaced(calls, i, new: Call):
 def _reduced_elsewhere(path: str, calls: list[Call], mods: dict) -> bool:
     """Whether another path of the same module (T5's ``shared`` is also ``encoder.embed_tokens``) reduces its
     output: dropping the reduce on ``path`` alone is then no bug."""
+    weight = getattr(mods.get(path), "weight", None)
     return any(
         c.path != path
-        and mods.get(c.path) is mods.get(path)
+        and (mods.get(c.path) is mods.get(path) or getattr(mods.get(c.path), "weight", None) is weight)
         and _is(c, "sync", mode="fwd_post", sync_op_or_fn="all_reduce")
         for c in calls
     )
@@ -131,7 +132,7 @@ def _reduced_elsewhere(path: str, calls: list[Call], mods: dict) -> bool:
 
 def bugs(fam: Family, calls: list[Call], model) -> list[Case]:
     """The single-bug schedules of ``calls`` (the Megatron preset of ``fam``), each with its culprit."""
-    mods = dict(model.named_modules())
+    mods = dict(model.named_modules(remove_duplicate=False))
     out: list[Case] = []
     by = _by_path(calls)
 
@@ -365,7 +366,7 @@ def _select(cases: list[Case], per_kind: int) -> list[Case]:
     return out
 
 
-def run_all(per_kind: int = 2, pipelines=("t5", "bart", "gpt2"), verbose: bool = False):
+def run_all(per_kind: int = 1, pipelines=("t5", "bart"), verbose: bool = False):
     """Every selected case: ``[(case, NumericReport)]``."""
     results = []
     todo = []
@@ -403,6 +404,7 @@ def figures(results) -> dict:
         "detected": sum(not r.passed for _, r in buggy),
         "located": sum(not r.passed and _located(r.module, c.culprit) for c, r in buggy),
         "right": len(right),
+        "check_seconds": sum(r.seconds for _, r in results),
         "false_alarms": sum(not r.passed for _, r in right),
         "missed": [f"{c.family}: {c.label} at {c.culprit}" for c, r in buggy if r.passed],
         "mislocated": [
@@ -421,7 +423,7 @@ def test_seeded_bugs_are_found_at_their_culprit_and_right_schedules_pass(capsys)
     lines = [
         (
             f"seeded bugs: {f['bugs']} single-bug schedules of {f['kinds']} kinds over {f['families']} "
-            f"families, {f['right']} right schedules ({seconds:.0f} s)"
+            f"families, {f['right']} right schedules ({seconds:.0f} s, of which the checks {f['check_seconds']:.0f} s)"
         ),
         f"  detected {f['detected']}/{f['bugs']}",
         (
