@@ -103,11 +103,13 @@ def check_primitive(sch, primitive: str, *args, **kwargs) -> str | None:
     prim = get_primitive(primitive)
     if prim is None:
         return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
+    from .primitives.base import named_refusal
+
     try:
         bound = prim.bind(*args, **kwargs)
         prim.check(sch, *bound.args, **bound.kwargs)
     except ScheduleError as err:
-        return str(err)
+        return str(named_refusal(err, sch, primitive))
     return None
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from .errors import ScheduleError
 from .primitives import get_primitive, list_primitives
+from .primitives.base import named_refusal
 from .record import Call, Recorder
 from .sharding.sync_ops import TPGroup
 from .tracing import TracingMixin, hides_children
@@ -328,12 +329,18 @@ class Schedule(TracingMixin):
             if self._top.retired:
                 where = f"sch[{self.path!r}]" if self.path else "this schedule"
                 raise ScheduleError(f"{prim.name}() on {where} was refused: {self._top.retired}.")
-            bound = prim.bind(*args, **kwargs)
-            if prim.name not in self._STRUCTURE_SAFE:
-                self._top.extra.pop("owners", None)
-            # module arguments are copied before they enter the model (later primitives mutate them)
-            call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
-            result = prim.apply(self, *bound.args, **bound.kwargs)
+            try:
+                bound = prim.bind(*args, **kwargs)
+                if prim.name not in self._STRUCTURE_SAFE:
+                    self._top.extra.pop("owners", None)
+                # module arguments are copied before they enter the model (later primitives mutate them)
+                call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
+                result = prim.apply(self, *bound.args, **bound.kwargs)
+            except ScheduleError as err:  # every refusal names its module
+                named = named_refusal(err, self, prim.name)
+                if named is err:
+                    raise
+                raise named from None
             if call is not None:
                 self.record.append(call)
             return result
