@@ -90,7 +90,8 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
     """Group one block's layers (``(path relative to the block, kind)`` from
     :func:`slapo_lab.presets.block_layers`, in module order) into regions.
 
-    Column layers (``"column"``, ``"column_shard"``) accumulate until a row layer closes them into one region; ``"experts"`` is a region of
+    Column layers (``"column"``, ``"column_shard"``) accumulate until a row layer closes them into one region
+    (columns under one module that another part of the block follows before any row stand alone); ``"experts"`` is a region of
     its own; any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region
     with the deepest owning module around it (the common parent of the region's projections), or stands
     alone. Columns with no row after them still form a region (the check then decides).
@@ -103,6 +104,9 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
     cur: list[str] = []
     for rel, kind in layers:
         if kind in ("column", "column_shard"):
+            if cur and _common(cur) and not _common([*cur, rel]):  # another part of the block starts before
+                groups.append(cur)  # the columns so far met a row (DeepSeek-V3.2's indexer.wk, then the MLP)
+                cur = []
             cur.append(rel)
         elif kind == "row":
             cur.append(rel)
@@ -233,7 +237,6 @@ def gate(
     earlier = list(sch.record.calls)
     before = _Snapshot(sch)
     not_checked: list[str] = []
-    verdict_known = False
     for _ in range(256):
         try:
             applied = apply(skip)
@@ -244,7 +247,7 @@ def gate(
             skip[refused.region.key] = refused.reason
             labels[refused.region.key] = refused.region
             continue
-        if verdict_known or not check or not applied.calls or sch.group is not None:
+        if not check or not applied.calls or sch.group is not None:
             break
         why = _check_regions(sch, earlier, applied, before)
         if why is None:
@@ -252,11 +255,17 @@ def gate(
         if isinstance(why, str):  # the check could not run: commit what the preset made, and say so
             not_checked.append(f"The preset's calls were not checked numerically: {_lower(why)}")
             break
+        if all(region.key in skip for region, _ in why):  # nothing new to leave out: stop, as refused
+            before.restore()
+            raise ScheduleError(
+                f"No part of the preset can be applied right, so nothing is applied: {why[0][1]}"
+            )
         before.restore()
         for region, reason in why:
-            skip[region.key] = reason
+            skip.setdefault(region.key, reason)
             labels[region.key] = region
-        verdict_known = True  # the calls without those regions checked ✓: apply them once more and stop
+        # applied again without those regions, and checked again: the application may differ from the calls
+        # the check left out (the layers of a block are read from its dataflow, which the schedule can change)
     else:  # pragma: no cover - bounded by the number of regions
         raise ScheduleError("The preset could not settle on a right schedule.")
     if skip and not applied.calls:
