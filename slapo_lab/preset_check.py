@@ -86,52 +86,65 @@ def _under(rel: str, owner: str) -> bool:
     return not owner or rel == owner or rel.startswith(owner + ".")
 
 
+def _depth(a: str, b: str) -> int:
+    """How many leading module names the parents of layer paths ``a`` and ``b`` share."""
+    pa, pb = _parent(a).split(".") if _parent(a) else [], _parent(b).split(".") if _parent(b) else []
+    n = 0
+    for x, y in zip(pa, pb, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[Region, list[str]]]:
     """Group one block's layers (``(path relative to the block, kind)`` from
     :func:`slapo_lab.presets.block_layers`, in module order) into regions.
 
-    Column layers (``"column"``, ``"column_shard"``) accumulate until a row layer closes them into one region
-    (columns under one module that another part of the block follows before any row stand alone); ``"experts"`` is a region of
-    its own; any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region
-    with the deepest owning module around it (the common parent of the region's projections), or stands
-    alone. Columns with no row after them still form a region (the check then decides).
+    Each row-parallel layer closes one region: every column-parallel layer (``"column"``, ``"column_shard"``)
+    joins the row layer it shares the deepest module with (an attention's q/k/v its output projection, in
+    whatever order the module registers them; Phi-3 registers ``o_proj`` first), on a tie the first row
+    after it, else the last before it; columns with no row stand alone. ``"experts"`` is a region of its own;
+    any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region with the
+    deepest owning module around it (the common parent of the region's projections), or stands alone.
 
     Returns:
-        ``[(Region, [relative layer paths])]`` in module order.
+        ``[(Region, [relative layer paths])]`` in module order of each region's first layer.
     """
-    groups: list[list[str]] = []
+    order = {rel: i for i, (rel, _k) in enumerate(layers)}
+    rows = [rel for rel, k in layers if k == "row"]
+    groups: dict[str, list[str]] = {r: [] for r in rows}
+    alone: list[list[str]] = []
     extras: list[str] = []
-    cur: list[str] = []
     for rel, kind in layers:
         if kind in ("column", "column_shard"):
-            if cur and _common(cur) and not _common([*cur, rel]):  # another part of the block starts before
-                groups.append(cur)  # the columns so far met a row (DeepSeek-V3.2's indexer.wk, then the MLP)
-                cur = []
-            cur.append(rel)
-        elif kind == "row":
-            cur.append(rel)
-            groups.append(cur)
-            cur = []
+            if not rows:
+                alone.append([rel])
+                continue
+            best = max(_depth(rel, r) for r in rows)
+            ties = [r for r in rows if _depth(rel, r) == best]
+            after = [r for r in ties if order[r] > order[rel]]
+            groups[after[0] if after else ties[-1]].append(rel)
         elif kind == "experts":
-            groups.append([rel])
-        else:
+            alone.append([rel])
+        elif kind != "row":
             extras.append(rel)
-    if cur:
-        groups.append(cur)
-    owners = [_common(g) if len(g) > 1 else _parent(g[0]) for g in groups]
+    found = [[*cols, r] for r, cols in groups.items()] + alone
+    found.sort(key=lambda g: min(order[x] for x in g))
+    owners = [_common(g) if len(g) > 1 else _parent(g[0]) for g in found]
     for rel in extras:
-        best = max(
+        best_i = max(
             (i for i, o in enumerate(owners) if _under(rel, o)),
             key=lambda i: len(owners[i]) if owners[i] else -1,
             default=None,
         )
-        if best is None:
-            groups.append([rel])
+        if best_i is None:
+            found.append([rel])
             owners.append(_parent(rel))
         else:
-            groups[best].append(rel)
+            found[best_i].append(rel)
     out = []
-    for g, owner in zip(groups, owners, strict=True):
+    for g, owner in zip(found, owners, strict=True):
         rels = [p[len(owner) + 1 :] if owner else p for p in g]
         names = ", ".join(rels[:5]) + (f" and {len(rels) - 5} more" if len(rels) > 5 else "")
         label = f"{owner} ({names})" if owner else names
