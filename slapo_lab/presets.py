@@ -1055,10 +1055,13 @@ def megatron_tp(
         )
     from .preset_check import gate
 
+    # every block's layers are read once, before anything is split or checked: each application of the
+    # gate then splits the same regions (the dataflow a block's split is read from is the unscheduled model's)
+    layers_of = {b: block_layers(sch, b) for b in (blocks if not use_hf_plan else ())}
     calls, notes = gate(
         sch,
         functools.partial(
-            _megatron_regions, sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base
+            _megatron_regions, sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, layers_of
         ),
         check=check,
     )
@@ -1077,7 +1080,7 @@ def _any_sharded(sch) -> bool:
     return any(getattr(p, "shard_axis", None) is not None for p in sch.mod.parameters())
 
 
-def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, skip):
+def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, layers_of, skip):
     """One application of :func:`megatron_tp` region by region (:mod:`slapo_lab.preset_check`), leaving out
     the regions whose keys ``skip`` holds; a region a primitive refuses raises ``RegionRefused``."""
     from .preset_check import OUTSIDE, Applied, Region, RegionRefused, layer_regions
@@ -1109,9 +1112,6 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
     if use_hf_plan:
         plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
         run(plan, lambda: apply_hf_tp_plan(sch))
-    # every block's layers read before any is split: the dataflow a block's split is read from must be the
-    # model's, not one a split block before it already changed
-    layers_of = {b: block_layers(sch, b) for b in (blocks if not use_hf_plan else ())}
     for b in blocks if not use_hf_plan else ():
         layers = layers_of[b]
         cls = type(sch[b].mod).__name__
