@@ -3,49 +3,113 @@
 The public API, and nothing else: the editor and exported scripts use only these names.
 """
 
+import importlib
+import sys
+import types
+
 # First, before torch is imported: a process started by torchrun or the DeepSpeed launcher (an exported
-# script's ``import slapo_lab.train``) ends when its launcher ends (slapo_lab/train/lifeline.py).
+# script's ``import slapo_lab.train``) ends when its launcher ends (slapo_lab/train/lifeline.py, stdlib only).
 from .train import lifeline as _lifeline
 
 _lifeline.arm()
 
-from . import graph, pipeline, presets, sharding, utils
-from .build import build
-from .check import Finding, check_schedule, close_open_items
-from .errors import ScheduleError
-from .export import ExportError, export_script, load_schedule, save_schedule
-from .init import consolidate_model, init_empty_weights
-from .module_state import peek_meta as module_state
-from .pipeline import analyze_tie_weights
-from .plan import Plan, plan
-from .primitives import Primitive, list_primitives, register_primitive
-from .primitives.replace import LinearWithSeparateBias
-from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
-from .record import Call, Recorder, format_call, replay
-from .schedule import Schedule, ScheduleMetadata, create_schedule
-from .sharding.sync_ops import TPGroup
-from .tracing import ModulePattern, Pattern, call_module, record_example_inputs
-from .tune import Database, Space, Symbol
-from .verify import Verify, VerifyReport, verify_models
-
 __version__ = "0.1.0"
 
+# The public names and the module each comes from. They are imported on first use (PEP 562), all at once, in
+# this order: ``import slapo_lab.train.preflight`` (an exported script's launch checks) must not pay for torch,
+# and any other use of the package sees everything loaded, as an eager import would give it.
+_SUBMODULES = ("graph", "pipeline", "presets", "sharding", "utils")
+_NAMES = {
+    "build": ".build",
+    "Finding": ".check",
+    "check_schedule": ".check",
+    "close_open_items": ".check",
+    "ScheduleError": ".errors",
+    "ExportError": ".export",
+    "export_script": ".export",
+    "load_schedule": ".export",
+    "save_schedule": ".export",
+    "consolidate_model": ".init",
+    "init_empty_weights": ".init",
+    "module_state": (".module_state", "peek_meta"),
+    "analyze_tie_weights": ".pipeline",
+    "Plan": ".plan",
+    "plan": ".plan",
+    "Primitive": ".primitives",
+    "list_primitives": ".primitives",
+    "register_primitive": ".primitives",
+    "LinearWithSeparateBias": ".primitives.replace",
+    "checkpoint": ".random",
+    "get_cuda_rng_tracker": ".random",
+    "is_random_seed_set": ".random",
+    "set_random_seed": ".random",
+    "Call": ".record",
+    "Recorder": ".record",
+    "format_call": ".record",
+    "replay": ".record",
+    "Schedule": ".schedule",
+    "ScheduleMetadata": ".schedule",
+    "create_schedule": ".schedule",
+    "TPGroup": ".sharding.sync_ops",
+    "ModulePattern": ".tracing",
+    "Pattern": ".tracing",
+    "call_module": ".tracing",
+    "record_example_inputs": ".tracing",
+    "Database": ".tune",
+    "Space": ".tune",
+    "Symbol": ".tune",
+    "Verify": ".verify",
+    "VerifyReport": ".verify",
+    "verify_models": ".verify",
+}
+_loaded = False
 
-def check_primitive(sch: Schedule, primitive: str, *args, **kwargs) -> str | None:
+
+class _Package(types.ModuleType):
+    """The package object: a submodule bound under a public function's name (``plan``, ``build``,
+    ``module_state``) when it is imported does not hide the function, as with an eager import."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _NAMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _load() -> None:
+    """Import every public name into the package (the first public attribute asked for does this)."""
+    global _loaded
+    if _loaded:
+        return
+    module = sys.modules[__name__]
+    for name in _SUBMODULES:
+        setattr(module, name, importlib.import_module(f".{name}", __name__))
+    for name, where in _NAMES.items():
+        src, attr = where if isinstance(where, tuple) else (where, name)
+        setattr(module, name, getattr(importlib.import_module(src, __name__), attr))
+    _loaded = True
+
+
+def check_primitive(sch, primitive: str, *args, **kwargs) -> str | None:
     """Whether ``sch.<primitive>(*args, **kwargs)`` would apply: None if yes, else the error sentence.
 
     Nothing is changed or recorded.
     """
-    from .primitives import get_primitive
+    from .errors import ScheduleError
+    from .primitives import get_primitive, list_primitives
 
     prim = get_primitive(primitive)
     if prim is None:
         return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
+    from .primitives.base import named_refusal
+
     try:
         bound = prim.bind(*args, **kwargs)
         prim.check(sch, *bound.args, **bound.kwargs)
     except ScheduleError as err:
-        return str(err)
+        return str(named_refusal(err, sch, primitive))
     return None
 
 
@@ -112,7 +176,12 @@ def __getattr__(name: str):
 
         return ScheduleEditor
     if name in ("op", "framework_dialect", "pattern"):
-        import importlib
-
         return importlib.import_module(f".{name}", __name__)
+    if name in _NAMES or name in _SUBMODULES:
+        _load()
+        return globals()[name]
     raise AttributeError(f"module 'slapo_lab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

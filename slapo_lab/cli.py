@@ -203,7 +203,7 @@ def export_command(
     )
     write_text_atomic(out, text)
     path = str(out.resolve())
-    return path, launch_command(calls, meta["world_size"], path, launcher)
+    return path, launch_command(calls, meta["world_size"], path, launcher, device=None)
 
 
 def _refuse_failing(schedule: str, calls, meta, trust_factory: bool, project: str | None) -> None:

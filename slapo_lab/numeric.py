@@ -18,7 +18,28 @@ shared projection. :func:`numeric_check` runs the model instead:
    (PyTorch's threaded backend, ``torch.testing._internal.distributed.multi_threaded_pg``: real
    ``torch.distributed`` collectives between threads), each replaying the calls on its own copy.
 3. **The comparison** is :func:`slapo_lab.verify_models`, the same one the exported script's ``--verify``
-   runs: weights, forward outputs and every gradient against the unsharded copy.
+   runs: weights, forward outputs and every gradient against the unsharded copy. Hooks on every module of
+   both copies name the culprit (:class:`_Trace`):
+
+   * a call of the schedule that is refused: the module it was called on;
+   * a forward that fails: the module whose call raised (the deepest frame of the traceback that runs a
+     method of a module), or the module inside it whose ``fwd_post`` sync returned another shape than the
+     unsharded model's (a reduce-scatter where an all-reduce belongs, which only the block's residual add
+     notices);
+   * an output of another shape (an LM head without its gather): both shapes, at the first module whose
+     output has another shape while every module around it has too;
+   * outputs that differ: the first module, in forward order, whose output differs while every enclosing
+     module's does too (partial sums a parent reduces are no fault); an output projection that completes
+     its output from a rank's slice of heads names its parent (heads split in q but not k start there);
+   * gradients alone: the first module, in the order autograd produces them, whose gradient for its own
+     input differs (a column-parallel layer without its ``bwd_post`` all-reduce sends back a partial sum).
+     That gradient is compared per module, where a partial sum is off by a large part of it even when, with
+     freshly initialised weights (nearly uniform attention), the parameters' gradients move by less than
+     Verify's tolerance: such a schedule is reported as failed too.
+
+   Every dropout is off in the copy (:func:`dropout_off`), and a checkpointed module whose forward draws from
+   Python's ``random`` (a LayerDrop-style layer skip, which checkpointing does not replay) is reported before
+   anything runs (:func:`python_random_draw`).
 
 4. **The pipeline**, when the schedule cuts: the calls replayed on one rank, the copy split into its stages
    (:func:`slapo_lab.pipeline.partition_pipeline`, as the exported script splits it), the stages run one
@@ -38,6 +59,7 @@ import copy
 import dataclasses
 import functools
 import math
+import re
 import threading
 import time
 from typing import Any
@@ -88,8 +110,9 @@ class NumericReport:
             the forward fails: :attr:`message` says where) or ``"skipped"`` (nothing to run: why in
             :attr:`message`).
         message: one sentence for the user.
-        module: the first module (in parameter order) whose weight, output or gradient differs, or where the
-            forward failed; "" when none.
+        module: the culprit (module docstring, 3.): the module whose call of the schedule was refused, whose
+            forward raised, whose output first differs (in value or shape), or whose input gradient first
+            differs in backward order; "" when none.
         worst: the largest absolute difference over outputs and gradients (0.0 when passed exactly, ``inf``
             on a shape mismatch, ``nan`` when not run).
         ranks: the simulated tensor-parallel ranks.
@@ -238,27 +261,69 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
     return changed
 
 
+#: Words that tie a config's layer count to one stack: in the field's name, its config class's name, and the
+#: stack's path (T5's ``num_decoder_layers`` is the decoder's, CLIP's text config's ``num_hidden_layers`` the
+#: text tower's).
+_STACK_ROLES = ("encoder", "decoder", "vision", "text", "audio", "image")
+
+
+def _roles(*names: str) -> set[str]:
+    return {r for r in _STACK_ROLES for n in names if r in n.lower()}
+
+
 def _set_layer_counts(cfg, keep: dict[str, int], lengths: dict[str, int]) -> set[str]:
-    """Set each config layer count that equals a stack's length to the kept prefix; returns the stacks done."""
-    done = set()
-    for parent, n in keep.items():
-        total = lengths[parent]
-        if n == total:
-            done.add(parent)
+    """Set each config layer count that belongs to a stack to that stack's kept prefix; returns the stacks
+    done.
+
+    A field belongs to the stacks of its length whose path names every role word the field (or its config
+    class) names; a field without a role word belongs only to those of them that have no field of their own
+    (T5's ``num_layers`` is the encoder's once ``num_decoder_layers`` is the decoder's; BART's
+    ``num_hidden_layers``, a copy of ``encoder_layers``, is then nobody's). A field is set only when every stack
+    it belongs to keeps the same number of blocks (an encoder and a decoder of equal depth may keep different
+    prefixes); the other stacks are cut after the model is built."""
+    fields = []  # (config, name, value, roles)
+    for c in _configs(cfg):
+        for k, v in vars(c).items():
+            if k.startswith("_"):
+                continue
+            if (isinstance(v, int) and not isinstance(v, bool) and ("layer" in k or "block" in k)) or (
+                isinstance(v, list) and k.endswith("layer_types")
+            ):
+                fields.append((c, k, v, _roles(k, type(c).__name__)))
+
+    def size(v) -> int:
+        return len(v) if isinstance(v, list) else v
+
+    def fits(roles: set[str], parent: str) -> bool:
+        return roles <= _roles(parent)
+
+    own = {
+        p for p in keep for _c, _k, v, roles in fields if roles and size(v) == lengths[p] and fits(roles, p)
+    }
+    done = {p for p, n in keep.items() if n == lengths[p]}
+    for c, k, v, roles in fields:
+        owners = [p for p in keep if size(v) == lengths[p] and fits(roles, p) and (roles or p not in own)]
+        wanted = {keep[p] for p in owners}
+        if len(wanted) != 1:
             continue
-        for c in _configs(cfg):
-            for k, v in list(vars(c).items()):
-                if (
-                    isinstance(v, int)
-                    and not isinstance(v, bool)
-                    and v == total
-                    and ("layer" in k or "block" in k)
-                ):
-                    setattr(c, k, n)
-                    done.add(parent)
-                elif isinstance(v, list) and len(v) == total and k.endswith("layer_types"):
-                    setattr(c, k, v[:n])
+        n = wanted.pop()
+        if n == size(v):
+            continue
+        setattr(c, k, v[:n] if isinstance(v, list) else n)
+        done.update(owners)
     return done
+
+
+def _stack_lengths(model: nn.Module, parents) -> dict[str, int]:
+    out = {}
+    for p in parents:
+        try:
+            stack = model.get_submodule(p) if p else model
+        except AttributeError:
+            out[p] = 0
+            continue
+        out[p] = len(stack) if isinstance(stack, (nn.ModuleList, nn.Sequential)) else -1
+    return out
 
 
 def _truncate(model: nn.Module, keep: dict[str, int]) -> None:
@@ -290,6 +355,74 @@ def _materialize(meta: nn.Module, reference: nn.Module) -> nn.Module:
             real = nn.Parameter(real, requires_grad=t.requires_grad)
         memo[id(t)] = real
     return copy.deepcopy(meta, memo)
+
+
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_prob|layerdrop|drop_path|drop_rate")
+
+
+def dropout_off(model: nn.Module) -> nn.Module:
+    """Turn off, in place, every dropout ``model`` has, so that a right schedule never differs by a random
+    mask in any part of the check (the tensor-parallel ranks run in eval mode, but the pipeline part runs its
+    stages in training mode): ``p = 0`` on every ``nn.Dropout``-like module (``torch.nn.modules.dropout``), 0.0
+    in every float attribute whose name says dropout (T5's ``self.dropout``, Llama's ``attention_dropout``,
+    GPT-2's ``resid_pdrop``, a stochastic depth's ``drop_prob``, LayerDrop's ``layerdrop``) and in the same
+    fields of the model's configs, which are first copied (a forward that reads ``self.config.attention_dropout``
+    at run time reads 0.0; the user's config is left as it is). Returns ``model``."""
+    from transformers import PretrainedConfig
+
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for k, v in list(vars(m).items()):
+            if isinstance(v, float) and not isinstance(v, bool) and _DROPOUT_NAME.search(k):
+                setattr(m, k, 0.0)
+            elif isinstance(v, PretrainedConfig):
+                if id(v) not in memo:
+                    cfg = copy.deepcopy(v)
+                    for c in _configs(cfg):
+                        for ck, cv in list(vars(c).items()):
+                            if isinstance(cv, float) and _DROPOUT_NAME.search(ck):
+                                setattr(c, ck, 0.0)
+                    memo[id(v)] = cfg
+                setattr(m, k, memo[id(v)])
+    return model
+
+
+def _codes(code):
+    yield code
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            yield from _codes(c)
+
+
+def python_random_draw(module: nn.Module) -> str | None:
+    """The first ``forward`` in ``module`` (itself or a submodule) that draws from Python's ``random`` module or
+    NumPy's global generator (a LayerDrop-style layer skip: ``if self.training and random.random() < p``), as
+    ``"ClassName.forward"``; None when there is none. Read from the code objects (the names the forward looks
+    up in its module's globals), without running it."""
+    import random
+
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        numpy = None
+    seen: set = set()
+    for m in module.modules():
+        fn = getattr(type(m).forward, "__func__", type(m).forward)
+        code = getattr(fn, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        glb = getattr(fn, "__globals__", {})
+        names = {n for c in _codes(code) for n in c.co_names}
+        for n in names:
+            v = glb.get(n)
+            if v is random or getattr(v, "__self__", None) is getattr(random, "_inst", object()):
+                return f"{type(m).__name__}.forward"
+            if numpy is not None and v is numpy and "random" in names:
+                return f"{type(m).__name__}.forward"
+    return None
 
 
 def _refuse_too_big(n: int, kept_blocks: tuple[int, int]) -> None:
@@ -339,16 +472,23 @@ def shrunk_copy(
         and hasattr(config, "to_dict")
         and (from_config or is_meta or _n_params(meta) > SHRINK_ABOVE)
     ):
-        cfg = copy.deepcopy(config)
-        done = _set_layer_counts(cfg, keep, lengths)
+        wide = copy.deepcopy(config)
         if _n_params(meta) > SHRINK_ABOVE:
-            changed = _shrink_config(cfg, world_size)
+            changed = _shrink_config(wide, world_size)
             if changed:
                 notes.append("widths " + ", ".join(f"{k} {a}→{b}" for k, (a, b) in sorted(changed.items())))
+        cfg = copy.deepcopy(wide)
+        done = _set_layer_counts(cfg, keep, lengths)
         try:
             with torch.device("meta"):
                 sized = type(reference)(cfg)
             _truncate(sized, {p: n for p, n in keep.items() if p not in done})
+            got = _stack_lengths(sized, keep)
+            if any(got[p] not in (n, -1) for p, n in keep.items()):  # a layer count served another stack
+                cfg, done = wide, set()
+                with torch.device("meta"):
+                    sized = type(reference)(cfg)
+                _truncate(sized, keep)
             _refuse_too_big(_n_params(sized), kept_blocks)
             torch.manual_seed(seed)
             model = type(reference)(cfg)
@@ -368,6 +508,7 @@ def shrunk_copy(
     else:  # the kept blocks' real weights, copied from the model (never a copy of the whole model)
         _refuse_too_big(_n_params(meta), kept_blocks)
         model = _materialize(meta, reference)
+    dropout_off(model)
     model.train(False)
     return model, mapped, kept_blocks, notes, mapped_cuts
 
@@ -568,22 +709,51 @@ def _first_tensor(x):
     return None
 
 
+#: A module's input gradient differs when max |a - b| exceeds this fraction of max |reference| (plus
+#: :data:`GRAD_ATOL`): float32 sums in another order stay near 1e-6 of the scale, a partial sum that no
+#: all-reduce completed is off by a large part of it.
+GRAD_RTOL = 1e-3
+GRAD_ATOL = 1e-12
+#: An enclosing module's input gradient within this fraction of the reference's agrees (float noise).
+GRAD_NOISE = 1e-5
+
+
 class _Trace:
-    """Forward hooks on every module: each module's first tensor output (in completion order), and the
-    innermost module running when the forward raised."""
+    """Hooks on every module of one copy (the reference or a rank's scheduled copy).
+
+    * forward: each module's first tensor output (in completion order) and the modules still running;
+    * backward: the gradient each module receives for each of its floating-point inputs, in the order
+      autograd produces them (a pre-hook that runs before every other one, the schedule's ``bwd_post`` sync
+      included, feeds the module a clone of the input whose gradient hook records it: the gradient this
+      module alone sends back, after its own all-reduce).
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.stack: list[str] = []
         self.outputs: dict[str, torch.Tensor] = {}
+        self.in_shapes: dict[str, tuple | None] = {}
+        self.grads: dict[tuple, torch.Tensor] = {}
+        self.grad_order: list[tuple] = []
+        self.calls: dict[str, int] = {}
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.modules = dict(model.named_modules())
         self.failed: str | None = None
         self.handles = []
         for name, m in model.named_modules():
-            self.handles.append(m.register_forward_pre_hook(lambda *_a, n=name: self._enter(n)))
+            self.handles.append(
+                m.register_forward_pre_hook(
+                    lambda _m, a, kw, n=name: self._tap(n, a, kw), with_kwargs=True, prepend=True
+                )
+            )
+            self.handles.append(m.register_forward_pre_hook(lambda _m, a, n=name: self._enter(n, a)))
             self.handles.append(m.register_forward_hook(lambda _m, _i, o, n=name: self._done(n, o)))
 
-    def _enter(self, name: str) -> None:
+    def _enter(self, name: str, args: tuple) -> None:
         check_stop()  # a cancelled check ends at the next module
         self.stack.append(name)
+        if name not in self.in_shapes:
+            t = _first_tensor(args)
+            self.in_shapes[name] = tuple(t.shape) if t is not None else None
 
     def _done(self, name: str, out) -> None:
         if self.stack and self.stack[-1] == name:
@@ -592,20 +762,69 @@ class _Trace:
         if t is not None and name not in self.outputs:
             self.outputs[name] = t.detach().clone()
 
-    def fail(self) -> str:
-        self.failed = self.stack[-1] if self.stack else ""
-        return self.failed
+    def _tap(self, name: str, args: tuple, kwargs: dict):
+        if not torch.is_grad_enabled():
+            return None
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        changed = False
+
+        def wrap(where, x):
+            nonlocal changed
+            if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad):
+                return x
+            changed = True
+            y = x.clone()
+            y.register_hook(lambda g, k=(name, call, where): self._grad(k, g))
+            return y
+
+        new_args = tuple(wrap(i, a) for i, a in enumerate(args))
+        new_kw = {k: wrap(k, v) for k, v in kwargs.items()}
+        return (new_args, new_kw) if changed else None
+
+    def _grad(self, key: tuple, g: torch.Tensor) -> None:
+        if key not in self.grads:
+            self.grads[key] = g.detach().clone()
+            self.grad_order.append(key)
+
+    def fail(self, err: BaseException | None = None) -> str:
+        """The module whose call raised ``err``: the deepest frame of its traceback that runs a method of a
+        module of this copy (its ``forward``, or a hook of its call); else the innermost module running."""
+        deepest = None
+        tb = err.__traceback__ if err is not None else None
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if owner is not None and id(owner) in self.names:
+                deepest = self.names[id(owner)]
+            tb = tb.tb_next
+        if deepest is None:
+            deepest = self.stack[-1] if self.stack else ""
+        self.failed = deepest
+        return deepest
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
 
 
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
 def first_differing_module(ref: _Trace, sch: _Trace, atol: float = 1e-5, rtol: float = 1e-5) -> str | None:
     """The first module (in forward completion order) whose output differs from the reference's while every
     enclosing module with a comparable output differs too (a row-parallel layer whose partial sums a sync
     on its parent reduces is not a difference). Outputs of another shape (a column-parallel layer's slice)
-    are not compared."""
+    are not compared. A module whose own sync completes its output (``fwd_post`` all-reduce or all-gather)
+    from a rank's slice of its input did not start the difference: the code that made the slice did, so its
+    parent is named (heads split in q but not in k show first at the output projection)."""
+    from .module_state import peek_meta
+
     differs: dict[str, bool] = {}
     for name, a in sch.outputs.items():
         b = ref.outputs.get(name)
@@ -618,36 +837,127 @@ def first_differing_module(ref: _Trace, sch: _Trace, atol: float = 1e-5, rtol: f
     for name, bad in differs.items():
         if not bad:
             continue
-        parts = name.split(".") if name else []
-        ancestors = [".".join(parts[:i]) for i in range(len(parts))]
-        if all(differs.get(a, True) for a in ancestors):
+        if all(differs.get(a, True) for a in _ancestors(name)):
+            mod = sch.modules.get(name)
+            meta = peek_meta(mod) if mod is not None else None
+            sliced = sch.in_shapes.get(name) != ref.in_shapes.get(name)
+            if (
+                name
+                and sliced
+                and meta
+                and meta.get("output_synced")
+                and meta.get("output_type") == "partial"
+            ):
+                return _parent(name)
             return name
     return None
 
 
+def first_reshaped_module(ref: _Trace, sch: _Trace) -> tuple[str, tuple, tuple] | None:
+    """The first module (in forward completion order) whose output has another shape than the reference's
+    while every enclosing module's output has another shape too (a column-parallel slice inside a module
+    whose output is whole is no fault): ``(module, its shape, the reference's shape)``."""
+    reshaped: dict[str, bool] = {}
+    for name, a in sch.outputs.items():
+        b = ref.outputs.get(name)
+        if b is not None:
+            reshaped[name] = a.shape != b.shape
+    for name, bad in reshaped.items():
+        if bad and all(reshaped.get(a, True) for a in _ancestors(name)):
+            return name, tuple(sch.outputs[name].shape), tuple(ref.outputs[name].shape)
+    return None
+
+
+def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | None:
+    """The first module, in the order autograd produced the scheduled copy's gradients, whose gradient for one
+    of its inputs differs from the reference's by more than :data:`GRAD_RTOL` of its scale: ``(module,
+    relative difference)``, else None. A wrong gradient spreads to every module before it, so the first one
+    autograd produces is where it starts. Not a fault: a child's partial input gradient inside a module whose
+    own ``bwd_post`` all-reduce sums its children's parts (its input gradient then agrees to
+    :data:`GRAD_NOISE`). Gradients of another shape (a row-parallel layer's slice of its input) are not
+    compared."""
+    from .module_state import peek_meta
+
+    rel: dict[tuple, float] = {}
+    for key in sch.grad_order:
+        a, b = sch.grads[key], ref.grads.get(key)
+        if b is None or a.shape != b.shape:
+            continue
+        d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        scale = float(b.double().abs().max()) if b.numel() else 0.0
+        rel[key] = d / (scale + GRAD_ATOL)
+    worst: dict[str, float] = {}
+    for (name, _call, _where), r in rel.items():
+        worst[name] = max(worst.get(name, 0.0), r)
+
+    def sums_children(name: str) -> bool:  # a bwd_post all-reduce on it sums its children's input gradients
+        mod = sch.modules.get(name)
+        meta = peek_meta(mod) if mod is not None else None
+        return bool(meta) and ("bwd_post", "all_reduce") in meta.get("syncs", ())
+
+    for key, r in rel.items():
+        name = key[0]
+        # a child's partial input gradient is no fault where an enclosing module with a bwd_post all-reduce
+        # receives the right one (its sync sums its children's parts)
+        if r > GRAD_RTOL and not any(
+            sums_children(a) and worst.get(a, 1.0) <= GRAD_NOISE for a in _ancestors(name)
+        ):
+            return name, r
+    return None
+
+
+def _failed_at(err: BaseException, ref: _Trace, sch: _Trace) -> str:
+    """Where the scheduled copy's forward failed: the module whose call raised (:meth:`_Trace.fail`), or, when
+    a module inside it that ran before returned an output of another shape than the reference's through its
+    own ``fwd_post`` sync (a reduce-scatter where an all-reduce belongs), that module."""
+    from .module_state import peek_meta
+
+    raised = sch.fail(err)
+    inside = [
+        n
+        for n, out in sch.outputs.items()
+        if (not raised or n.startswith(raised + "."))
+        and n in ref.outputs
+        and out.shape != ref.outputs[n].shape
+    ]
+    for n in reversed(inside):
+        meta = peek_meta(sch.modules[n]) if n in sch.modules else None
+        if meta and any(mode == "fwd_post" for mode, _op in meta.get("syncs", ())):
+            return n
+    return raised
+
+
 def _rank_run(base: nn.Module, calls: list[Call], inputs: dict, failures: dict, rank: int):
     """One simulated rank (inside :func:`run_threaded_ranks`): replay ``calls`` on a copy of ``base`` and
-    compare it with another copy. Returns ``(VerifyReport, first differing module)``; on a failure records
-    ``(phase, innermost module running, exception)`` in ``failures[rank]`` and raises it again."""
+    compare it with another copy. Returns ``(VerifyReport, first module whose output differs, first module
+    whose output has another shape (module, shape, reference shape), first module whose input gradient differs
+    (module, relative difference))``; on a failure records ``(phase, module, exception)`` in
+    ``failures[rank]`` (the module of the replayed call that was refused, or the module whose forward raised)
+    and raises it again."""
     from .record import replay
     from .schedule import create_schedule
     from .verify import verify_models
 
     traces: list[_Trace] = []
-    phase = "replaying the schedule"
+    phase, at = "replaying the schedule", ""
     try:
         reference = copy.deepcopy(base)
         sch = create_schedule(copy.deepcopy(base))
         for i, c in enumerate(calls):
             check_stop()
-            phase = f"replaying call {i + 1} (sch[{c.path!r}].{c.primitive})"
+            phase, at = f"replaying call {i + 1} (sch[{c.path!r}].{c.primitive})", c.path
             replay(sch, [c])
-        phase = "running the forward and backward"
+        phase, at = "running the forward and backward", ""
         traces = [_Trace(reference), _Trace(sch.mod)]
         report = verify_models(reference, sch.mod, inputs, sch.tp, device="cpu", eval_mode=True)
-        return report, first_differing_module(*traces)
+        return (
+            report,
+            first_differing_module(*traces),
+            first_reshaped_module(*traces),
+            first_differing_input_grad(*traces),
+        )
     except BaseException as err:
-        failures[rank] = (phase, traces[1].fail() if len(traces) == 2 else "", err)
+        failures[rank] = (phase, _failed_at(err, *traces) if len(traces) == 2 else at, err)
         raise
     finally:
         for t in traces:
@@ -709,15 +1019,15 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
     (out * proj).sum().backward()
     (ref_out * proj).sum().backward()
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    summed: dict[str, torch.Tensor] = {}
+    summed: dict[tuple, torch.Tensor] = {}
     for group in part.tied:  # what the runtimes all-reduce: the copies of one parameter across stages
         g = sum(
             part.stages[i].params[name].grad
             for i, name in group.items()
             if part.stages[i].params[name].grad is not None
         )
-        for i, name in group.items():
-            summed[(i, name)] = g
+        for i, name in group.items():  # by tensor: a stage's aliases of it (T5's tied lm_head) share the sum
+            summed[(i, id(part.stages[i].params[name]))] = g
     worst = 0.0
     for st in part.stages:
         for name, p in st.params.items():
@@ -729,7 +1039,7 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
                     math.inf,
                     f"Pipeline stage {st.index} holds a parameter the model does not have: {name}.",
                 )
-            g = summed.get((st.index, name), p.grad)
+            g = summed.get((st.index, id(p)), p.grad)
             rg = r.grad
             if g is None or rg is None:
                 continue
@@ -792,14 +1102,41 @@ def numeric_check(
         inputs = shrunk_inputs(example_inputs, base)
     except ScheduleError as err:
         return done("skipped", str(err))
+    except Exception as err:  # noqa: BLE001 - the copy cannot be made: said, never raised
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return done(
+            "skipped",
+            f"The numeric check skipped: it could not make a small copy of {type(reference).__name__} to run "
+            f"({type(err).__name__}: {text}).",
+        )
     n_params = _n_params(base)
+    for c in mapped:
+        if c.primitive != "checkpoint":
+            continue
+        try:
+            drawn = python_random_draw(base.get_submodule(c.path) if c.path else base)
+        except AttributeError:
+            continue
+        if drawn is not None:
+            return done(
+                "failed",
+                f"{c.path or 'The model root'} is checkpointed, but {drawn} draws from Python's (or NumPy's) "
+                "random generator, whose state activation checkpointing does not restore, so the recompute in "
+                "the backward can take another branch (a skipped layer) than the forward did; draw with torch "
+                f"(torch.rand, restored by checkpointing) or leave {c.path or 'it'} unchecked.",
+                module=c.path,
+                worst=math.nan,
+                blocks=kept,
+                params=n_params,
+            )
     try:
         base(**inputs)
     except Exception as err:  # noqa: BLE001 - the unscheduled copy itself: the check cannot judge the schedule
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return done(
             "skipped",
             f"The numeric check skipped: the unscheduled copy's forward fails on the example inputs "
-            f"({type(err).__name__}: {err}).",
+            f"({type(err).__name__}: {text}).",
             blocks=kept,
             params=n_params,
         )
@@ -840,8 +1177,19 @@ def numeric_check(
         )
     if len(results) < world_size:  # only told to leave, with no rank failing: nothing to judge by
         return done("error", "The numeric check's simulated ranks stopped before they finished.", **kw)
-    report, first_module = results[0]
+    report, first_module, reshaped, grad_at = results[0]
     worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
+    if report.passed and grad_at is not None:  # below verify's tolerance, but a partial sum nobody reduced
+        return done(
+            "failed",
+            f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
+            f"{grad_at[0]} sends back to its input (off by {grad_at[1]:.0%} of its largest value; the "
+            f"parameters' gradients differ by only {worst:.3g} with these weights, more with trained ones) on "
+            f"{world_size} simulated rank{'s' if world_size > 1 else ''}.",
+            module=grad_at[0],
+            worst=worst,
+            **kw,
+        )
     if report.passed and any(c.primitive == "cut_pipeline_stage" for c in with_cuts):
         if cancelled is not None and cancelled.is_set():
             return done("skipped", "The numeric check was cancelled.", **kw)
@@ -860,12 +1208,36 @@ def numeric_check(
             worst=worst,
             **kw,
         )
+    ranks = f"on {world_size} simulated rank{'s' if world_size > 1 else ''}"
     bad_w = [c for c in report.weights if not c.ok]
     bad_g = [c for c in report.grads if not c.ok]
+    bad_shape = next((c for c in report.outputs if c.max_abs >= 1e300), None)  # inf, as verify reduces it
     if bad_w:
         what, first = "the weights differ first", _module_of(bad_w[0].name)
+    elif bad_shape is not None and reshaped is not None:
+        first, got, want = reshaped
+        return done(
+            "failed",
+            f"The scheduled model's output {bad_shape.name} has another shape than the unsharded one's: "
+            f"{first or 'the model root'} returns {_shape(got)} where the unsharded model returns "
+            f"{_shape(want)} ({ranks}).",
+            module=first,
+            worst=math.inf,
+            **kw,
+        )
     elif first_module is not None:
         what, first = "outputs first differ", first_module
+    elif grad_at is not None:
+        first = grad_at[0]
+        return done(
+            "failed",
+            f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
+            f"{first} sends back to its input (off by {grad_at[1]:.0%} of its largest value; worst difference "
+            f"{worst:.3g} {ranks}).",
+            module=first,
+            worst=worst,
+            **kw,
+        )
     elif bad_g:
         what, first = "only gradients differ, first", _module_of(bad_g[0].name)
     else:
@@ -873,8 +1245,12 @@ def numeric_check(
     return done(
         "failed",
         f"The scheduled model differs from the unsharded one: {what} at {first or 'the model root'} "
-        f"(worst difference {worst:.3g} on {world_size} simulated rank{'s' if world_size > 1 else ''}).",
+        f"(worst difference {worst:.3g} {ranks}).",
         module=first,
         worst=worst,
         **kw,
     )
+
+
+def _shape(shape: tuple) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"

@@ -86,48 +86,65 @@ def _under(rel: str, owner: str) -> bool:
     return not owner or rel == owner or rel.startswith(owner + ".")
 
 
+def _depth(a: str, b: str) -> int:
+    """How many leading module names the parents of layer paths ``a`` and ``b`` share."""
+    pa, pb = _parent(a).split(".") if _parent(a) else [], _parent(b).split(".") if _parent(b) else []
+    n = 0
+    for x, y in zip(pa, pb, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[Region, list[str]]]:
     """Group one block's layers (``(path relative to the block, kind)`` from
     :func:`slapo_lab.presets.block_layers`, in module order) into regions.
 
-    Column layers (``"column"``, ``"column_shard"``) accumulate until a row layer closes them into one region; ``"experts"`` is a region of
-    its own; any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region
-    with the deepest owning module around it (the common parent of the region's projections), or stands
-    alone. Columns with no row after them still form a region (the check then decides).
+    Each row-parallel layer closes one region: every column-parallel layer (``"column"``, ``"column_shard"``)
+    joins the row layer it shares the deepest module with (an attention's q/k/v its output projection, in
+    whatever order the module registers them; Phi-3 registers ``o_proj`` first), on a tie the first row
+    after it, else the last before it; columns with no row stand alone. ``"experts"`` is a region of its own;
+    any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region with the
+    deepest owning module around it (the common parent of the region's projections), or stands alone.
 
     Returns:
-        ``[(Region, [relative layer paths])]`` in module order.
+        ``[(Region, [relative layer paths])]`` in module order of each region's first layer.
     """
-    groups: list[list[str]] = []
+    order = {rel: i for i, (rel, _k) in enumerate(layers)}
+    rows = [rel for rel, k in layers if k == "row"]
+    groups: dict[str, list[str]] = {r: [] for r in rows}
+    alone: list[list[str]] = []
     extras: list[str] = []
-    cur: list[str] = []
     for rel, kind in layers:
         if kind in ("column", "column_shard"):
-            cur.append(rel)
-        elif kind == "row":
-            cur.append(rel)
-            groups.append(cur)
-            cur = []
+            if not rows:
+                alone.append([rel])
+                continue
+            best = max(_depth(rel, r) for r in rows)
+            ties = [r for r in rows if _depth(rel, r) == best]
+            after = [r for r in ties if order[r] > order[rel]]
+            groups[after[0] if after else ties[-1]].append(rel)
         elif kind == "experts":
-            groups.append([rel])
-        else:
+            alone.append([rel])
+        elif kind != "row":
             extras.append(rel)
-    if cur:
-        groups.append(cur)
-    owners = [_common(g) if len(g) > 1 else _parent(g[0]) for g in groups]
+    found = [[*cols, r] for r, cols in groups.items()] + alone
+    found.sort(key=lambda g: min(order[x] for x in g))
+    owners = [_common(g) if len(g) > 1 else _parent(g[0]) for g in found]
     for rel in extras:
-        best = max(
+        best_i = max(
             (i for i, o in enumerate(owners) if _under(rel, o)),
             key=lambda i: len(owners[i]) if owners[i] else -1,
             default=None,
         )
-        if best is None:
-            groups.append([rel])
+        if best_i is None:
+            found.append([rel])
             owners.append(_parent(rel))
         else:
-            groups[best].append(rel)
+            found[best_i].append(rel)
     out = []
-    for g, owner in zip(groups, owners, strict=True):
+    for g, owner in zip(found, owners, strict=True):
         rels = [p[len(owner) + 1 :] if owner else p for p in g]
         names = ", ".join(rels[:5]) + (f" and {len(rels) - 5} more" if len(rels) > 5 else "")
         label = f"{owner} ({names})" if owner else names
@@ -233,7 +250,6 @@ def gate(
     earlier = list(sch.record.calls)
     before = _Snapshot(sch)
     not_checked: list[str] = []
-    verdict_known = False
     for _ in range(256):
         try:
             applied = apply(skip)
@@ -244,7 +260,7 @@ def gate(
             skip[refused.region.key] = refused.reason
             labels[refused.region.key] = refused.region
             continue
-        if verdict_known or not check or not applied.calls or sch.group is not None:
+        if not check or not applied.calls or sch.group is not None:
             break
         why = _check_regions(sch, earlier, applied, before)
         if why is None:
@@ -252,11 +268,17 @@ def gate(
         if isinstance(why, str):  # the check could not run: commit what the preset made, and say so
             not_checked.append(f"The preset's calls were not checked numerically: {_lower(why)}")
             break
+        if all(region.key in skip for region, _ in why):  # nothing new to leave out: stop, as refused
+            before.restore()
+            raise ScheduleError(
+                f"No part of the preset can be applied right, so nothing is applied: {why[0][1]}"
+            )
         before.restore()
         for region, reason in why:
-            skip[region.key] = reason
+            skip.setdefault(region.key, reason)
             labels[region.key] = region
-        verdict_known = True  # the calls without those regions checked ✓: apply them once more and stop
+        # applied again without those regions, and checked again: the application may differ from the calls
+        # the check left out (the layers of a block are read from its dataflow, which the schedule can change)
     else:  # pragma: no cover - bounded by the number of regions
         raise ScheduleError("The preset could not settle on a right schedule.")
     if skip and not applied.calls:

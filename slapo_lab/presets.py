@@ -1109,12 +1109,19 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
     if use_hf_plan:
         plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
         run(plan, lambda: apply_hf_tp_plan(sch))
+    # every block's layers read before any is split: the dataflow a block's split is read from must be the
+    # model's, not one a split block before it already changed
+    layers_of = {b: block_layers(sch, b) for b in (blocks if not use_hf_plan else ())}
     for b in blocks if not use_hf_plan else ():
-        layers = block_layers(sch, b)
+        layers = layers_of[b]
         cls = type(sch[b].mod).__name__
         rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
         kinds = dict(rel_layers)
         for region, rels in layer_regions(cls, rel_layers):
+            if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
+                kinds[r] == "row" for r in rels
+            ):  # a row-parallel layer with no column-parallel partner can never be right: leave it
+                continue
             paths = [f"{b}.{r}" if b else r for r in rels]
             for p in paths:
                 owned[p] = region

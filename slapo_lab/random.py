@@ -50,11 +50,11 @@ class RNGStatesTracker:
 
     def get_states(self) -> dict[str, Any]:
         """A copy of the named states."""
-        return {k: v.clone() for k, v in self.states.items()}
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.states.items()}
 
     def set_states(self, states: dict[str, Any]) -> None:
-        """Replace the named states (as returned by :meth:`get_states`)."""
-        self.states = {k: v.clone() for k, v in states.items()}
+        """Replace the named states (as returned by :meth:`get_states`; tensors are copied)."""
+        self.states = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         """Create state ``name`` seeded with ``seed``.
@@ -97,6 +97,30 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+
+# Slapo's (and Megatron's) names for the tracker class and the process-wide tracker
+CudaRNGStatesTracker = RNGStatesTracker
+_CUDA_RNG_STATE_TRACKER = _TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed: int, tp_rank: int, always_enable_tp_seed: bool) -> int:
+    """Seed the default generator and the tracker's tensor-parallel state (Slapo's / Megatron-LM's
+    ``model_parallel_cuda_manual_seed``, ``slapo/random.py``): the TP state gets ``seed + 2718 + tp_rank``;
+    the default generator gets ``seed``, or the TP seed with ``always_enable_tp_seed`` (sequence
+    parallelism). The CUDA generator where CUDA is initialised, else the CPU one.
+
+    Returns:
+        int: the tensor-parallel seed of this rank.
+    """
+    tp_seed = seed + 2718 + tp_rank
+    _TRACKER.reset()
+    default = tp_seed if always_enable_tp_seed else seed
+    if _TRACKER.device == "cuda":
+        torch.cuda.manual_seed(default)
+    else:
+        torch.manual_seed(default)
+    _TRACKER.add(_MODEL_PARALLEL_RNG, tp_seed)
+    return tp_seed
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:

@@ -20,9 +20,10 @@ from torch import nn
 
 from .errors import ScheduleError
 from .primitives import get_primitive, list_primitives
+from .primitives.base import named_refusal
 from .record import Call, Recorder
 from .sharding.sync_ops import TPGroup
-from .tracing import TracingMixin
+from .tracing import TracingMixin, hides_children
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Schedule(TracingMixin):
         self.path = path
         self.parent = parent
         self.child: OrderedDict[str, Schedule] = OrderedDict()
-        for cname, cmod in mod.named_children():
+        for cname, cmod in () if hides_children(mod) else mod.named_children():
             cpath = f"{path}.{cname}" if path else cname
             self.child[cname] = Schedule(cmod, cname, cpath, self, _top=_top)
 
@@ -238,14 +239,26 @@ class Schedule(TracingMixin):
             )
 
     def get_module(self, name: str) -> nn.Module:
-        """The module at ``name`` relative to this node."""
-        return self[name].mod
+        """The module at ``name`` relative to this node: its schedule node's module, or (Slapo's
+        ``get_module``) a submodule without a node of its own, such as one inlined by ``trace(flatten=True)``.
+
+        Raises:
+            KeyError (a ScheduleError): with one sentence naming the missing part and what exists.
+        """
+        try:
+            return self[name].mod
+        except ScheduleKeyError:
+            try:
+                return self.mod.get_submodule(name)
+            except AttributeError:
+                pass
+            raise
 
     def _rebuild_children(self) -> None:
         """Re-mirror the children after a primitive replaced modules below this node."""
         self._top.extra.pop("owners", None)  # the tied-tensor owner index may be stale now
         self.child = OrderedDict()
-        for cname, cmod in self.mod.named_children():
+        for cname, cmod in () if hides_children(self.mod) else self.mod.named_children():
             cpath = f"{self.path}.{cname}" if self.path else cname
             self.child[cname] = Schedule(cmod, cname, cpath, self, _top=self._top)
 
@@ -316,12 +329,18 @@ class Schedule(TracingMixin):
             if self._top.retired:
                 where = f"sch[{self.path!r}]" if self.path else "this schedule"
                 raise ScheduleError(f"{prim.name}() on {where} was refused: {self._top.retired}.")
-            bound = prim.bind(*args, **kwargs)
-            if prim.name not in self._STRUCTURE_SAFE:
-                self._top.extra.pop("owners", None)
-            # module arguments are copied before they enter the model (later primitives mutate them)
-            call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
-            result = prim.apply(self, *bound.args, **bound.kwargs)
+            try:
+                bound = prim.bind(*args, **kwargs)
+                if prim.name not in self._STRUCTURE_SAFE:
+                    self._top.extra.pop("owners", None)
+                # module arguments are copied before they enter the model (later primitives mutate them)
+                call = _canonical_call(self.path, prim, bound).keep_pristine() if prim.recordable else None
+                result = prim.apply(self, *bound.args, **bound.kwargs)
+            except ScheduleError as err:  # every refusal names its module
+                named = named_refusal(err, self, prim.name)
+                if named is err:
+                    raise
+                raise named from None
             if call is not None:
                 self.record.append(call)
             return result

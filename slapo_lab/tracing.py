@@ -4,16 +4,24 @@ Slapo (``slapo.schedule.Schedule.trace`` / ``trace_until`` / ``find_node`` / ``f
 ``find``; seed ``000_dd5d83f90250128c.txt``, and ``slapo/tracer.py``, ``slapo/pattern.py``) traces
 modules with ``torch.fx``. On PyTorch 2.13 + transformers 5.x, ``torch.fx.symbolic_trace`` still
 traces small submodules (``BertIntermediate``, ``GPT2MLP``, ``LlamaMLP``) but fails on every full
-HF model and on their attention and decoder layers. So :meth:`TracingMixin.trace` tries ``torch.fx``
-first and falls back to ``torch.export.export`` + ``torch.export.unflatten``, which needs example
-inputs: pass ``example_inputs=``, or call :func:`record_example_inputs` once, which runs one forward
-pass and remembers every submodule's arguments, so any submodule can be exported on demand.
+HF model and on their attention and decoder layers (``**kwargs``, unpacked shapes). So
+:meth:`TracingMixin.trace` tries ``torch.fx`` first and falls back to ``torch.export.export``
+(``strict=False``) + ``torch.export.unflatten``, which needs example inputs: pass ``example_inputs=``,
+or call :func:`record_example_inputs` once, which runs one forward pass and remembers every submodule's
+arguments, so any submodule can be exported on demand. Slapo's ``tracer="pytorch"`` without either
+records a HuggingFace model's ``dummy_inputs`` (``use_cache=False``) and exports shape-generic
+(``Dim.AUTO``).
 
 What tracing does to the schedule (paths never change):
 
-* ``sch.mod`` becomes the traced module (a ``torch.fx.GraphModule``, or for ``torch.export`` an
-  ``UnflattenedModule`` whose submodules are ``InterpreterModule`` s, renamed after the classes they
-  replace), registered on the parent with ``setattr``; the schedule's children are re-mirrored.
+* ``sch.mod`` becomes a ``torch.fx.GraphModule`` (:class:`TracedGraphModule`, named after the class it
+  replaces), registered on the parent with ``setattr``; the schedule's children are re-mirrored. Under
+  torch.export every unflattened level becomes one: the root takes the original module's call (its
+  arguments by position or keyword, defaults left out; :class:`_CallInfo`), the levels below take flat
+  tensors from the root's graph (they cannot be swapped for a module of the original signature).
+* ``flatten=True`` inlines every non-leaf submodule into one graph (fx, or the torch.export hierarchy
+  inlined); as in Slapo, the inlined submodules are then no schedule nodes (``sch.get_module`` still
+  reaches them, the leaves are ``call_module`` nodes with dotted targets).
 * Parameters and buffers stay the same tensor objects (``torch.export.unflatten`` clones them; the
   originals are put back).
 * *Leaf* modules are kept as they are (the same objects, with their ``_slapo_meta`` state and hooks)
@@ -21,11 +29,12 @@ What tracing does to the schedule (paths never change):
   norms, ``nn.Linear`` subclasses), modules that already carry a hook-based primitive (sync,
   checkpoint, fork_rng, a sharded forward), modules that are already traced, and ``leaf_modules``.
   Under ``torch.export`` leaves are exported with ``preserve_module_call_signature`` and swapped back,
-  so they keep their call convention (and can be replaced later); non-leaf submodules become
-  ``InterpreterModule`` s that take flat tensors.
-* A ``torch.export`` graph is specialised to the module's train/eval mode, to the non-tensor
-  arguments and (unless :data:`EXPORT_DYNAMIC_SHAPES` is set) to the example input shapes; the
-  unflattened module checks its input shapes and raises on a mismatch.
+  so they keep their call convention (and can be replaced later). Where ``torch.export.unflatten``
+  (PyTorch 2.13) mis-wires a preserved call (LlamaRMSNorm, GPT-2's ``Conv1D`` under dynamic shapes),
+  the export is retried with static shapes, then with only the leaves that must stay modules.
+* A ``torch.export`` graph is specialised to the module's train/eval mode and to the non-tensor
+  arguments; with the user's inputs (unless :data:`EXPORT_DYNAMIC_SHAPES` is set) to their shapes too.
+  The traced root checks its inputs and raises one sentence on another shape or non-tensor value.
 
 Graph queries return Slapo's types: :meth:`~TracingMixin.find_node` a list of
 ``(parent path, fx.Node)``, :meth:`~TracingMixin.find_subgraph` a list of subgraphs, each a list of
@@ -35,9 +44,12 @@ query was called on (``""`` for the node itself).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import itertools
+import keyword
 import logging
 import operator
 import re
@@ -50,6 +62,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from .errors import ScheduleError
 from .module_state import META_ATTR, peek_meta
@@ -61,6 +74,7 @@ __all__ = ["ModulePattern", "Pattern", "TracingMixin", "call_module", "is_traced
 _EXAMPLES_KEY = (
     "module_example_inputs"  # per-module (args, kwargs); the model's own inputs live under "example_inputs"
 )
+_DUMMY_KEY = "example_inputs_are_dummies"  # recorded from a HF model's dummy_inputs: export shape-generic
 _TRACERS = ("auto", "fx", "export")
 
 #: Export tensor dimensions as ``Dim.AUTO`` (dynamic where the code allows). Off by default: it makes
@@ -246,6 +260,7 @@ class _Opts:
     leaf_names: set = field(default_factory=set)
     leaf_types: tuple = ()
     dummy_inputs: bool = False  # tracer="pytorch": may record a HF model's dummy_inputs for torch.export
+    dynamic: bool = False  # export with dynamic shapes (the examples are a HF model's dummy inputs)
 
     def user_leaf(self, mod: nn.Module, rel: str) -> bool:
         if rel in self.leaf_paths:
@@ -371,10 +386,6 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         raise ScheduleError(f"Unknown tracer {tracer!r}; use one of {', '.join(_TRACERS)}.")
     if flatten and not recursive:
         raise ScheduleError("flatten=True inlines every submodule, so it needs recursive=True.")
-    if flatten and tracer == "export":
-        raise ScheduleError(
-            "flatten=True is only supported by the fx tracer; torch.export keeps the hierarchy."
-        )
     if concrete_args is not None:
         if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
             raise ScheduleError("concrete_args must be a dict from forward() argument names to values.")
@@ -412,6 +423,7 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         examples=sch._top.extra.get(_EXAMPLES_KEY, {}),
         explicit=explicit,
         dummy_inputs=slapo_pytorch,
+        dynamic=bool(sch._top.extra.get(_DUMMY_KEY)),
     )
     _leaf_spec(opts, sch.mod, leaf_modules, where)
     state = needs_call(sch.mod)
@@ -474,7 +486,8 @@ def _fx_trace(mod: nn.Module, rel: str, opts: _Opts) -> fx.GraphModule:
     graph = tracer.trace(mod, concrete_args=opts.concrete_args if rel == "" else None)
     name = orig_class(mod).__name__
     if opts.flatten:
-        gm = fx.GraphModule(mod, graph, class_name=name)
+        gm = TracedGraphModule(mod, graph, class_name=name)
+        _flat_containers(gm, {id(m) for m in mod.modules()})
     else:
         root: dict[str, Any] = {}
         for node in graph.nodes:
@@ -488,7 +501,7 @@ def _fx_trace(mod: nn.Module, rel: str, opts: _Opts) -> fx.GraphModule:
             ):
                 obj = _trace_child(obj, _join(rel, node.target), opts)
             root[node.target] = obj
-        gm = fx.GraphModule(root, graph, class_name=name)
+        gm = TracedGraphModule(root, graph, class_name=name)
     _mark_orig(gm, mod)
     return gm
 
@@ -543,28 +556,76 @@ def _dynamic_shapes(mod: nn.Module, args: tuple, kwargs: dict):
             x,
         )
 
-    return {name: spec(v) for name, v in bound.arguments.items()}
+    def has_tensor(x) -> bool:
+        return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(x))
+
+    # an argument without tensors gets None as a whole (a ``**kwargs`` dict of Nones would not match)
+    return {name: spec(v) if has_tensor(v) else None for name, v in bound.arguments.items()}
 
 
-def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str]):
+@contextlib.contextmanager
+def _named_extras(mod: nn.Module, kwargs: dict):
+    """While exporting with dynamic shapes, give ``mod`` a ``forward`` that names the ``**kwargs`` entries of
+    this call as keyword-only parameters (the same object, its class swapped for the duration): torch.export
+    cannot match dynamic shapes to a ``**kwargs`` dict (its ``_get_range_constraints`` moves the entries to
+    the top level, where ``_check_dynamic_shapes`` does not allow them)."""
+    try:
+        sig = inspect.signature(type(mod).forward)
+    except (TypeError, ValueError):
+        sig = None
+    params = list(sig.parameters.values()) if sig is not None else []
+    extras = [k for k in kwargs if k not in sig.parameters] if sig is not None else []
+    if (
+        not extras
+        or any(p.kind == p.VAR_POSITIONAL for p in params)
+        or not all(k.isidentifier() and not keyword.iskeyword(k) for k in extras)
+    ):
+        yield
+        return
+    cls = type(mod)
+    named = [p for p in params[1:] if p.kind != p.VAR_KEYWORD]
+    env = {"_orig_forward": cls.forward, "_defaults": {p.name: p.default for p in named}}
+    head, call = ["self"], ["self"]
+    kw_only = False
+    for p in named:
+        if p.kind == p.KEYWORD_ONLY and not kw_only:
+            head.append("*")
+            kw_only = True
+        head.append(p.name if p.default is p.empty else f"{p.name}=_defaults[{p.name!r}]")
+        call.append(f"{p.name}={p.name}" if p.kind != p.POSITIONAL_ONLY else p.name)
+    if not kw_only:
+        head.append("*")
+    head += [f"{k}=None" for k in extras]
+    call += [f"{k}={k}" for k in extras]
+    exec(f"def forward({', '.join(head)}):\n    return _orig_forward({', '.join(call)})", env)  # noqa: S102
+    mod.__class__ = type(cls.__name__, (cls,), {"forward": env["forward"], "__module__": cls.__module__})
+    try:
+        yield
+    finally:
+        mod.__class__ = cls
+
+
+def _export(mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str], dynamic: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dyn = None
-        if EXPORT_DYNAMIC_SHAPES:
+        if dynamic or EXPORT_DYNAMIC_SHAPES:
             try:
-                dyn = _dynamic_shapes(mod, args, kwargs)
+                with _named_extras(mod, kwargs):
+                    dyn = _dynamic_shapes(mod, args, kwargs)
             except Exception:  # noqa: BLE001 - no signature to bind: export static shapes
                 dyn = None
         if dyn is not None:
             try:
-                return torch.export.export(
-                    mod,
-                    args,
-                    kwargs,
-                    dynamic_shapes=dyn,
-                    strict=False,
-                    preserve_module_call_signature=tuple(leaves),
-                )
+                with _named_extras(mod, kwargs):
+                    return torch.export.export(
+                        mod,
+                        args,
+                        kwargs,
+                        dynamic_shapes=dyn,
+                        strict=False,
+                        preserve_module_call_signature=tuple(leaves),
+                    )
             except Exception as err:  # noqa: BLE001 - retry with static shapes, which reports the real error
                 log.debug("dynamic-shape export failed (%s); retrying with static shapes", _short(err))
         return torch.export.export(
@@ -608,22 +669,6 @@ def _restore_tensors(um: nn.Module, mod: nn.Module, leaves: list[str]) -> None:
                 owner._buffers[fname] = t
                 if fname in orig_owner._non_persistent_buffers_set:
                     owner._non_persistent_buffers_set.add(fname)
-
-
-_RENAMED: dict[tuple[type, type], type] = {}
-
-
-def _renamed(base: type, orig: type) -> type:
-    key = (base, orig)
-    cls = _RENAMED.get(key)
-    if cls is None:
-        ns = {"_slapo_orig_class": orig, "__module__": base.__module__}
-        if base.__name__ == "UnflattenedModule":
-            ns["__deepcopy__"] = _deepcopy_unflattened
-        cls = type(orig.__name__, (base,), ns)
-        cls.__qualname__ = orig.__qualname__
-        _RENAMED[key] = cls
-    return cls
 
 
 def _simplify_pytree_calls(owner: nn.Module) -> None:
@@ -730,10 +775,9 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
             graph.erase_node(node)
 
 
-def _meta_vals(graph: fx.Graph, keep_placeholders: bool = False) -> None:
+def _meta_vals(graph: fx.Graph) -> None:
     """Turn torch.export's FakeTensor ``node.meta["val"]`` into ``meta`` tensors (same shape, dtype and
-    strides), so that the traced module can be deep-copied (``Verify`` copies the model). The root's
-    placeholders keep theirs: the unflattened module checks its input shapes against them."""
+    strides), so that the traced module can be deep-copied (``Verify`` copies the model)."""
 
     def conv(t):
         if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
@@ -746,25 +790,379 @@ def _meta_vals(graph: fx.Graph, keep_placeholders: bool = False) -> None:
         return t
 
     for node in graph.nodes:
-        if "val" in node.meta and not (keep_placeholders and node.op == "placeholder"):
+        if "val" in node.meta:
             node.meta["val"] = pytree.tree_map(conv, node.meta["val"])
 
 
-def _deepcopy_unflattened(self, memo):
-    """``__deepcopy__`` of a renamed ``UnflattenedModule``: FakeTensors cannot be copied, so the
-    input placeholders' ``val`` (shape checks) are shared with the copy instead."""
-    placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-    saved = [n.meta.pop("val", None) for n in placeholders]
-    try:
-        copied = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
-    finally:
-        for n, v in zip(placeholders, saved):
-            if v is not None:
-                n.meta["val"] = v
-    for n, v in zip([n for n in copied.graph.nodes if n.op == "placeholder"], saved):
-        if v is not None:
-            n.meta["val"] = v
-    return copied
+# ------------------------------------------------------------------------------------------------
+# fx.GraphModules out of torch.export
+# ------------------------------------------------------------------------------------------------
+_STATE_KEYS = frozenset(
+    {
+        "training",
+        "_parameters",
+        "_buffers",
+        "_non_persistent_buffers_set",
+        "_modules",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_is_full_backward_hook",
+    }
+)
+
+
+class TracedGraphModule(fx.GraphModule):
+    """The ``fx.GraphModule`` that :meth:`TracingMixin.trace` puts at a traced path (named after the class it
+    stands for).
+
+    ``fx.GraphModule.__deepcopy__`` rebuilds a copy from what the graph references only: children no node
+    calls, the module's own hooks (the schedule's syncs on a traced module) and instance attributes such as
+    ``_slapo_meta`` would be lost, and containers on dotted targets would become plain modules. This copy
+    keeps them all (``Verify`` and the numeric check deep-copy scheduled models).
+    """
+
+    def __deepcopy__(self, memo):
+        for (
+            val
+        ) in self.__dict__.values():  # immutable pytree specs (_in_spec, _spec_0 ...): shared, not copied
+            if isinstance(val, pytree.TreeSpec):
+                memo[id(val)] = val
+        res = super().__deepcopy__(memo)
+        for key, val in self.__dict__.items():
+            if key in _STATE_KEYS or key not in res.__dict__:
+                res.__dict__[key] = copy.deepcopy(val, memo)
+        return res
+
+
+class _CallCodeGen(_PyTreeCodeGen):
+    """Code generation for the root of a torch.export trace: ``forward(self, *args, **kwargs)`` takes the
+    call the original module took and flattens it as export did (:meth:`_CallInfo.flatten`)."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        names = [v.split(":")[0].split("=")[0].split("#")[0].strip() for v in free_vars]
+        names = [n for n in names if n and n != "self"]
+        code = f"def {self._func_name}(self, *args, **kwargs){maybe_return_annotation}:"
+        if names:
+            return code + f"\n    {', '.join(names)}, = self._slapo_flat_inputs(args, kwargs)"
+        return code + "\n    self._slapo_flat_inputs(args, kwargs)"
+
+    def __deepcopy__(self, memo):  # immutable (its pytree specs included): copies share it
+        return self
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _CallInfo:
+    """How the root of a torch.export trace was called: the input tree (``in_spec``), each flat input's
+    shape (None for a dynamic dimension) or non-tensor value, and the original ``forward`` signature, so
+    that a call written differently (positional for keyword, defaults left out) is accepted and anything
+    the graph was not specialised for is refused in one sentence. Immutable; copies share it."""
+
+    def __init__(self, name: str, mod: nn.Module, in_spec, flat_with_path, placeholders) -> None:
+        self.name = name
+        self.in_spec = in_spec
+        self.n_args = self.kw_names = None
+        if (
+            in_spec.type is tuple
+            and in_spec.num_children == 2
+            and in_spec.child(0).type is tuple
+            and in_spec.child(1).type is dict
+        ):
+            self.n_args = in_spec.child(0).num_children
+            self.kw_names = list(in_spec.child(1).context)
+        self.checks: list[tuple[str, str, Any]] = []
+        for (path, value), node in zip(flat_with_path, placeholders):
+            where = pytree.keystr(path)
+            val = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                shape = getattr(val, "shape", value.shape)
+                dims = tuple(d if isinstance(d, int) else None for d in shape)
+                self.checks.append((where, "tensor", dims))
+            else:
+                self.checks.append((where, "value", value))
+        self.sig = None
+        try:
+            sig = inspect.signature(mod.forward)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and self.n_args is not None:
+            pos = [p.name for p in sig.parameters.values() if p.kind in _POSITIONAL]
+            if self.n_args <= len(pos):
+                self.sig, self.pos = sig, pos
+                self.var_kw = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _structure(self, args: tuple, kwargs: dict):
+        if self.n_args is None:
+            return (tuple(args), dict(kwargs)) if kwargs else tuple(args)
+        if (
+            len(args) == self.n_args
+            and len(kwargs) == len(self.kw_names)
+            and all(k in kwargs for k in self.kw_names)
+        ):
+            return tuple(args), {k: kwargs[k] for k in self.kw_names}
+        if self.sig is None:
+            raise TypeError(
+                f"{self.name} was traced for a call with {self.n_args} positional argument(s) and keywords "
+                f"{', '.join(self.kw_names) or 'none'}, not {len(args)} and {', '.join(kwargs) or 'none'}."
+            )
+        try:
+            bound = self.sig.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{self.name}.forward cannot take this call: {err}.") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        extra = dict(values.pop(self.var_kw, None) or {}) if self.var_kw else {}
+        extra = {k: v for k, v in extra.items() if v is not None or k in self.kw_names}  # None = absent
+        new_args = tuple(values.pop(n) for n in self.pos[: self.n_args])
+        new_kwargs = {}
+        for k in self.kw_names:
+            if k in values:
+                new_kwargs[k] = values.pop(k)
+            elif k in extra:
+                new_kwargs[k] = extra.pop(k)
+            else:
+                raise TypeError(
+                    f"{self.name} was traced with the keyword {k}, which this call does not pass."
+                )
+        for k, v in values.items():
+            default = self.sig.parameters[k].default
+            if v is not default and (isinstance(v, torch.Tensor) or v != default):
+                raise TypeError(
+                    f"{self.name} was traced with {k} left at its default, so it cannot take {k}={_short(repr(v), 60)}."
+                )
+        if extra:
+            raise TypeError(
+                f"{self.name} was traced without the keyword(s) {', '.join(extra)}, which this call passes."
+            )
+        return new_args, new_kwargs
+
+    def flatten(self, args: tuple, kwargs: dict) -> list:
+        """The flat graph inputs of a call ``(args, kwargs)``.
+
+        Raises:
+            TypeError: a call the traced graph cannot take (arguments it was not traced with).
+            RuntimeError: an input of another shape, or another non-tensor value, than at tracing.
+        """
+        tree = self._structure(args, kwargs)
+        flat, spec = pytree.tree_flatten_with_path(tree)
+        if spec != self.in_spec:
+            raise TypeError(
+                f"{self.name} was traced for inputs structured as {self.in_spec}, not {spec}; trace it again "
+                "with these inputs."
+            )
+        for (_, value), (where, kind, want) in zip(flat, self.checks):
+            if kind == "tensor":
+                if not isinstance(value, torch.Tensor) or value.dim() != len(want):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise RuntimeError(
+                        f"Expected input at {where} to be a {len(want)}-d tensor, but got {got}."
+                    )
+                for j, d in enumerate(want):
+                    if d is not None and value.shape[j] != d:
+                        raise RuntimeError(
+                            f"Expected input at {where}.shape[{j}] to be equal to {d}, but got {value.shape[j]} "
+                            f"({self.name} was traced by torch.export for fixed shapes; trace it again for others)."
+                        )
+            elif isinstance(value, torch.Tensor) or type(value) is not type(want) or value != want:
+                raise RuntimeError(
+                    f"Expected input at {where} to be {_short(repr(want), 60)}, but got {_short(repr(value), 60)} "
+                    f"({self.name} is specialised to the non-tensor inputs it was traced with)."
+                )
+        return [v for _, v in flat]
+
+
+class _CallGraphModule(TracedGraphModule):
+    """The root of a torch.export trace: takes the original module's call (see :class:`_CallInfo`)."""
+
+    def _slapo_flat_inputs(self, args, kwargs):
+        return self.meta["slapo_call"].flatten(args, kwargs)
+
+
+def _merge_state(gm: nn.Module, m: nn.Module) -> None:
+    """Give ``gm`` the children, parameters and buffers of ``m`` (same objects, ``m``'s order) that
+    ``fx.GraphModule`` did not copy, and ``m``'s containers in place of the plain ones it made."""
+    for key in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(gm, key), getattr(m, key)
+        merged = dict(theirs)
+        for k, v in mine.items():
+            merged.setdefault(k, v)
+        mine.clear()
+        mine.update(merged)
+    gm._non_persistent_buffers_set |= m._non_persistent_buffers_set
+    gm.training = m.training
+
+
+def _no_self_names(graph: fx.Graph) -> None:
+    """Rename nodes called ``self`` (a call of a child named ``self``, e.g. BERT's ``attention.self``): in
+    generated code the variable would shadow the module."""
+    for n in graph.nodes:
+        if n.name == "self":
+            n._rename("self_out")
+
+
+def _graph_module(m: nn.Module, name: str, cls: type = TracedGraphModule) -> fx.GraphModule:
+    _no_self_names(m.graph)
+    gm = cls(m, m.graph, class_name=name)
+    _merge_state(gm, m)
+    return gm
+
+
+def _to_graph_modules(um: nn.Module, mod: nn.Module, leaves: list[str], call: _CallInfo, out_spec):
+    """Turn an unflattened export (``InterpreterModule`` s under an ``UnflattenedModule``) into
+    :class:`TracedGraphModule` s, bottom up; the root becomes a :class:`_CallGraphModule`. Non-root graphs
+    take flat tensors (``meta["slapo_flat_call"]``): they cannot be swapped for a module of the original
+    call signature."""
+    leaf_set = set(leaves)
+    interp = _interp_types()
+    done: dict[int, nn.Module] = {}
+
+    def orig_name(qn: str, m: nn.Module) -> str:
+        try:
+            return orig_class(mod.get_submodule(qn)).__name__
+        except AttributeError:
+            return type(m).__name__
+
+    def convert(m: nn.Module, qn: str) -> nn.Module:
+        if id(m) in done:
+            return done[id(m)]
+        for name, child in list(m._modules.items()):
+            cq = _join(qn, name)
+            if child is None or cq in leaf_set:
+                continue
+            new = convert(child, cq)
+            if new is not child:
+                m._modules[name] = new
+        new = m
+        if m is not um and isinstance(m, interp) and isinstance(getattr(m, "graph", None), fx.Graph):
+            new = _graph_module(m, orig_name(qn, m))
+            new.meta["slapo_flat_call"] = True
+            try:
+                new.meta["slapo_orig_class"] = orig_class(mod.get_submodule(qn))
+            except AttributeError:
+                pass
+        done[id(m)] = new
+        return new
+
+    convert(um, "")
+    um.graph._codegen = _CallCodeGen(_PyTreeInfo([], call.in_spec, out_spec))
+    gm = _graph_module(um, orig_class(mod).__name__, _CallGraphModule)
+    gm.meta["slapo_call"] = call
+    return gm
+
+
+def _replace_uses(node: fx.Node, value: Any) -> None:
+    if isinstance(value, fx.Node):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        user.args = fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
+        user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
+
+
+def _inline_call(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
+    """Put the nodes of ``sub``'s graph in place of ``call`` (a ``call_module`` of ``sub``); their
+    ``get_attr`` / ``call_module`` targets get the call's target as prefix."""
+    prefix = call.target
+    env: dict[fx.Node, Any] = {}
+    args = list(call.args)
+    out: Any = None
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(args):
+            env[ph] = args[i]
+        elif ph.target in call.kwargs:
+            env[ph] = call.kwargs[ph.target]
+        elif ph.args:
+            env[ph] = ph.args[0]
+        else:
+            raise ScheduleError(
+                f"{prefix} cannot be inlined: its call gives no value for its input {ph.target}."
+            )
+    with graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                out = fx.node.map_arg(n.args[0], lambda a: env[a])
+                continue
+            new = graph.node_copy(n, lambda a: env[a])
+            if n.op in ("get_attr", "call_module"):
+                new.target = f"{prefix}.{n.target}"
+            env[n] = new
+    if isinstance(out, (tuple, list)):
+        for user in list(call.users):
+            if (
+                user.op == "call_function"
+                and user.target is operator.getitem
+                and user.args[0] is call
+                and isinstance(user.args[1], int)
+            ):
+                _replace_uses(user, out[user.args[1]])
+                graph.erase_node(user)
+        if call.users:
+            with graph.inserting_before(call):
+                agg = graph.call_function(type(out), (list(out),))
+            call.replace_all_uses_with(agg)
+    else:
+        _replace_uses(call, out)
+    graph.erase_node(call)
+
+
+def _flat_containers(gm: nn.Module, originals: set[int]) -> None:
+    """Mark the plain modules ``fx.GraphModule`` made to hold a flat graph's dotted targets: they are never
+    called, and the schedule does not mirror what they hold (Slapo: after ``flatten=True`` the inlined
+    submodules are no longer schedule nodes; ``get_module`` still reaches them)."""
+    for m in gm.modules():
+        if type(m) is nn.Module and id(m) not in originals:
+            m.__dict__[_FLAT_CONTAINER] = True
+
+
+_FLAT_CONTAINER = "_slapo_flat_container"
+
+
+def hides_children(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a container of a flattened graph, whose children are not schedule nodes."""
+    return bool(mod.__dict__.get(_FLAT_CONTAINER))
+
+
+def lost_call_signature(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a graph that torch.export traced as part of its parent, which takes flat tensors
+    instead of the original module's call."""
+    if isinstance(mod, fx.GraphModule):
+        return bool(mod.meta.get("slapo_flat_call"))
+    return isinstance(mod, _interp_types()[:1])
+
+
+def _flatten_export(gm: fx.GraphModule, mod: nn.Module, leaves: list[str]) -> fx.GraphModule:
+    """Inline every non-leaf graph of a hierarchical export into the root graph (``flatten=True``)."""
+    leaf_set = set(leaves)
+    graph = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_module" or node.target in leaf_set:
+                continue
+            sub = gm.get_submodule(node.target)
+            if isinstance(sub, fx.GraphModule) and sub is not gm:
+                _inline_call(graph, node, sub)
+                changed = True
+    graph.lint()
+    _no_self_names(graph)
+    flat = _CallGraphModule(gm, graph, class_name=type(gm).__name__)
+    flat.meta["slapo_call"] = gm.meta["slapo_call"]
+    flat.training = gm.training
+    _flat_containers(flat, {id(m) for m in mod.modules()} | {id(m) for m in gm.modules()})
+    return flat
 
 
 def edit_graph(owner: nn.Module) -> fx.Graph:
@@ -784,19 +1182,132 @@ def refresh(owner: nn.Module) -> None:
         owner.finalize()
 
 
-def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> nn.Module:
-    """Export ``mod`` with torch.export, unflatten it and put leaves and tensors back."""
-    args, kwargs = example
-    if rel == "" and opts.concrete_args:
-        kwargs = {**kwargs, **opts.concrete_args}
-    if _on_meta(mod):
-        args, kwargs = _to_meta((args, kwargs))
-    leaves = _export_leaves(mod, rel, opts)
-    ep = _export(mod, args, kwargs, leaves)
+def _export_unflatten(
+    mod: nn.Module, args: tuple, kwargs: dict, leaves: list[str], dynamic: bool
+) -> nn.Module:
+    """``torch.export.unflatten`` of ``mod`` exported on ``(args, kwargs)`` with ``leaves`` preserved."""
+    ep = _export(mod, args, kwargs, leaves, dynamic=dynamic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        um = torch.export.unflatten(ep)
-    del ep
+        with contextlib.redirect_stdout(io.StringIO()):  # unflatten prints "Checking mutability ..."
+            return torch.export.unflatten(ep)
+
+
+def _broken_call(um: nn.Module, leaf_mods: dict[str, nn.Module]) -> str | None:
+    """The first submodule an unflattened graph calls with inputs it cannot take, or None; ``leaf_mods`` are
+    the preserved leaves (path -> the original module that will take the call).
+
+    ``torch.export.unflatten`` (PyTorch 2.13) mis-wires calls of preserved-signature leaves: with a leaf that
+    reads a value cast in its parent (LlamaRMSNorm's ``hidden_states.to(float32)``) the child's graph gets
+    placeholders (``to_6`` ...) its caller never passes; with dynamic shapes a leaf can be passed an extra
+    input (GPT-2's ``Conv1D``).
+    """
+    for qn, owner in um.named_modules():
+        graph = getattr(owner, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            path = _join(qn, node.target)
+            try:
+                sub = leaf_mods[path] if path in leaf_mods else owner.get_submodule(node.target)
+            except AttributeError:
+                continue
+            sub_graph = getattr(sub, "graph", None)
+            if path not in leaf_mods and isinstance(sub_graph, fx.Graph):
+                placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
+                wanted = [n for n in placeholders if not n.args]
+                ok = len(wanted) <= len(node.args) + len(node.kwargs) <= len(placeholders)
+            else:
+                try:
+                    inspect.signature(sub.forward).bind(*node.args, **node.kwargs)
+                    ok = True
+                except TypeError:
+                    ok = False
+                except ValueError:  # no signature to check
+                    ok = True
+            if not ok:
+                return _join(qn, node.target)
+    return None
+
+
+def _must_stay_leaf(m: nn.Module, rel: str, opts: _Opts) -> bool:
+    """A leaf that must stay a module (not one kept whole only for its shard rule): a ``torch.nn`` layer, a
+    user leaf, or a module with call state or a graph already."""
+    if opts.user_leaf(m, rel) or needs_call(m) or is_traced(m) or _is_builtin(m):
+        return True
+    return _is_separate_bias(m) and not opts.flatten
+
+
+def _with_concrete(mod: nn.Module, args: tuple, kwargs: dict, concrete: dict) -> tuple[tuple, dict]:
+    """The example call with ``concrete`` values in place: an argument the call gives by position keeps its
+    position (Slapo's ``concrete_args`` name every other forward parameter)."""
+    try:
+        pos = [p.name for p in inspect.signature(mod.forward).parameters.values() if p.kind in _POSITIONAL]
+    except (TypeError, ValueError):
+        pos = []
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in concrete.items():
+        i = pos.index(name) if name in pos else len(args)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _without_none_extras(mod: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` without the ``None`` entries that only a ``**kwargs`` parameter takes (HF 5.x passes
+    ``position_ids=None`` that way): a callee reads them with ``kwargs.get``, so absent is the same, and
+    torch.export cannot match dynamic shapes to a ``**kwargs`` dict (``_get_range_constraints`` moves its
+    entries to the top level)."""
+    try:
+        params = inspect.signature(mod.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params or v is not None}
+
+
+def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.GraphModule:
+    """Export ``mod`` with torch.export, unflatten it, put leaves and tensors back and turn every graph into a
+    :class:`TracedGraphModule` (the root a :class:`_CallGraphModule`); ``flatten=True`` then inlines them all
+    into the root's graph."""
+    args, kwargs = example
+    if rel == "" and opts.concrete_args:
+        args, kwargs = _with_concrete(mod, args, kwargs, opts.concrete_args)
+    if _on_meta(mod):
+        args, kwargs = _to_meta((args, kwargs))
+    if opts.dynamic:
+        kwargs = _without_none_extras(mod, kwargs)
+    leaves = _export_leaves(mod, rel, opts)
+    # torch.export.unflatten can mis-wire calls (see _broken_call): fall back to static shapes, then to fewer
+    # preserved leaves (only those that must stay modules)
+    needed = [q for q in leaves if _must_stay_leaf(mod.get_submodule(q), _join(rel, q), opts)]
+    attempts = [(leaves, opts.dynamic), (leaves, False), (needed, opts.dynamic), (needed, False)]
+    tried, broken = [], None
+    for attempt in attempts:
+        if attempt in tried:
+            continue
+        tried.append(attempt)
+        um = _export_unflatten(mod, args, kwargs, *attempt)
+        broken = _broken_call(um, {q: mod.get_submodule(q) for q in attempt[0]})
+        if broken is None:
+            leaves = attempt[0]
+            break
+        log.debug("unflatten mis-wired the call of %s; exporting again", broken)
+    if broken is not None:
+        raise ScheduleError(
+            f"torch.export.unflatten calls {broken} with inputs its forward does not take (a PyTorch bug "
+            "with preserved module signatures); pass it in leaf_modules or trace a module below it."
+        )
+    signature = um.module_call_graph[0].signature
+    reordered = {k: kwargs[k] for k in signature.in_spec.child(1).context} if kwargs else kwargs
+    flat_with_path, _ = pytree.tree_flatten_with_path((tuple(args), reordered))
+    placeholders = [n for n in um.graph.nodes if n.op == "placeholder"]
+    call = _CallInfo(orig_class(mod).__name__, mod, signature.in_spec, flat_with_path, placeholders)
     for qn in leaves:
         _set_path(um, qn, mod.get_submodule(qn))
     _restore_tensors(um, mod, leaves)
@@ -806,17 +1317,14 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> nn.M
         if not isinstance(sub, interp) or qn in leaf_set:
             continue
         if isinstance(getattr(sub, "graph", None), fx.Graph):
-            _meta_vals(sub.graph, keep_placeholders=sub is um)
+            _meta_vals(sub.graph)
             _simplify_pytree_calls(sub)
             sub.finalize()  # regenerate its code, dropping references to the cloned tensors
-        try:
-            orig = mod.get_submodule(qn) if qn else mod
-        except AttributeError:
-            continue
-        if type(sub) in interp:
-            sub.__class__ = _renamed(type(sub), orig_class(orig))
-    _mark_orig(um, mod)
-    return um
+    gm = _to_graph_modules(um, mod, leaves, call, signature.out_spec)
+    if opts.flatten:
+        gm = _flatten_export(gm, mod, leaves)
+    _mark_orig(gm, mod)
+    return gm
 
 
 # ------------------------------------------------------------------------------------------------
@@ -869,6 +1377,7 @@ def record_example_inputs(sch, inputs) -> dict[str, tuple[tuple, dict]]:
     finally:
         for h in handles:
             h.remove()
+    sch._top.extra.pop(_DUMMY_KEY, None)  # the user's inputs: exports specialise to their shapes
     store = sch._top.extra.setdefault(_EXAMPLES_KEY, {})
     store.update(captured)
     return store
@@ -1093,9 +1602,10 @@ def _move_plain_hooks(old: nn.Module, new: nn.Module) -> None:
 
 
 def _dummy_examples(sch) -> bool:
-    """Record example inputs from a HuggingFace model's ``dummy_inputs`` (token ids), so that torch.export can
-    trace a submodule fx cannot (transformers 5.x code unpacks shapes and ``**kwargs``) without the user
-    passing inputs; False where the root is not such a model or the forward fails."""
+    """Record example inputs from a HuggingFace model's ``dummy_inputs`` (token ids, with ``use_cache=False``
+    where the model takes it), so that torch.export can trace a submodule fx cannot (transformers 5.x code
+    unpacks shapes and ``**kwargs``) without the user passing inputs; False where the root is not such a model
+    or the forward fails. The exports that use them are shape-generic (``Dim.AUTO``)."""
     top = sch.get_top_schedule()
     dummy = getattr(type(top.mod), "dummy_inputs", None)
     if dummy is None or not isinstance(dummy, property) or _EXAMPLES_KEY in sch._top.extra:
@@ -1107,7 +1617,14 @@ def _dummy_examples(sch) -> bool:
     if not inputs or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
         return False
     try:
+        takes_cache_flag = "use_cache" in inspect.signature(top.mod.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache_flag = False
+    if takes_cache_flag:  # a graph cannot grow a key/value cache object: trace the call without one
+        inputs["use_cache"] = False
+    try:
         record_example_inputs(top, inputs)
+        sch._top.extra[_DUMMY_KEY] = True
     except ScheduleError as err:
         log.debug("dummy inputs did not run: %s", err)
         return False
@@ -1150,19 +1667,21 @@ class TracingMixin:
             recursive: fx: also trace each non-leaf child into its own graph (a child that cannot be
                 traced stays as it is); export: unflatten the whole hierarchy. With False every child
                 stays a leaf.
-            flatten: fx only: inline every non-leaf submodule into one graph.
+            flatten: inline every non-leaf submodule into one graph (fx, or torch.export's hierarchy
+                inlined); the inlined submodules are then no schedule nodes (Slapo).
             leaf_modules: submodule paths (relative to this node), class names or classes that must
                 not be traced into.
             tracer: ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``; Slapo's ``"pytorch"`` is
                 ``"auto"`` that, on a HuggingFace model without recorded inputs, first records the model's
                 ``dummy_inputs`` (one forward pass) so torch.export can stand in where fx fails.
-            concrete_args: fx: values that specialise forward arguments; export: extra keyword inputs.
+            concrete_args: fx: values that specialise forward arguments; export: values put into the
+                example call (by position where the call passes that argument by position).
             example_inputs: inputs of this module for torch.export: a tensor, a tuple of positional
                 arguments, a dict of keyword arguments or an ``(args, kwargs)`` pair. Defaults to the
                 arguments recorded by :func:`record_example_inputs` for this path.
 
         Returns:
-            The traced module, now at this path: an ``fx.GraphModule`` or an ``UnflattenedModule``.
+            The traced module, now at this path: an ``fx.GraphModule`` (:class:`TracedGraphModule`).
 
         Raises:
             ScheduleError: for bad arguments, a module carrying hook-based primitives, or when no
@@ -1320,23 +1839,21 @@ def _trace_module(sch, opts: _Opts) -> nn.Module:
         except Exception as err:  # noqa: BLE001
             fx_err = _short(err)
     if opts.tracer in ("export", "auto"):
-        if opts.flatten:
-            ex_err = "flatten=True needs the fx tracer"
-        else:
+        example = opts.example_for("")
+        if example is None and opts.dummy_inputs and _dummy_examples(sch):
+            opts.examples = sch._top.extra.get(_EXAMPLES_KEY, {})
+            opts.dynamic = True
             example = opts.example_for("")
-            if example is None and opts.dummy_inputs and _dummy_examples(sch):
-                opts.examples = sch._top.extra.get(_EXAMPLES_KEY, {})
-                example = opts.example_for("")
-            if example is None:
-                ex_err = (
-                    "it needs example inputs: pass example_inputs= or call "
-                    "record_example_inputs(sch, inputs) first"
-                )
-            else:
-                try:
-                    return _export_trace(sch.mod, "", opts, example)
-                except Exception as err:  # noqa: BLE001
-                    ex_err = _short(err)
+        if example is None:
+            ex_err = (
+                "it needs example inputs: pass example_inputs= or call "
+                "record_example_inputs(sch, inputs) first"
+            )
+        else:
+            try:
+                return _export_trace(sch.mod, "", opts, example)
+            except Exception as err:  # noqa: BLE001
+                ex_err = _short(err)
     if fx_err is not None and ex_err is not None:
         raise ScheduleError(f"{where} cannot be traced: fx says {fx_err}; torch.export says {ex_err}.")
     if fx_err is not None:

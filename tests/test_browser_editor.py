@@ -597,6 +597,55 @@ def test_gpt2_with_its_real_vocabulary_on_4_gpus_tp_checkpoint_and_2_stages_by_c
         _shutdown_kernel(page)
 
 
+NEOX_CELL = textwrap.dedent(
+    """
+    import torch
+    import slapo_lab as sl
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=201, max_position_embeddings=64)
+    model = GPTNeoXForCausalLM(cfg)
+    ids = torch.randint(0, 201, (2, 16))
+    editor = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, live_check=True)
+    editor
+    """
+)
+
+
+@pytest.mark.timeout(600)
+def test_a_fused_interleaved_qkv_family_gets_a_right_preset_with_the_check_and_the_coverage_line(lab):
+    """GPT-NeoX (Pythia): one fused ``query_key_value`` whose q, k and v interleave per head. The Megatron
+    preset reads that split from the block's dataflow and shards it with ``attention.dense``; the live numeric
+    check shows ✓; the coverage line names what stays whole (its 201-token vocabulary does not divide by 2)."""
+    from browser_util import save_screenshot, write_notebook
+
+    page, base_url, token, nb_dir, tmp = lab
+    write_notebook(nb_dir / "neox_preset.ipynb", [NEOX_CELL], hide_input=True)
+    try:
+        _open_and_run(page, base_url, token, "neox_preset.ipynb")
+        editor = page.locator(".slapo-editor").first
+        message = editor.locator(".slapo-msg")
+        _node(editor.locator(".slapo-graph").first, "gpt_neox").wait_for(state="visible", timeout=WAIT_UI)
+        _choose(editor, "preset", "Megatron tensor parallelism (every block)")
+        _button(editor, "apply preset").click()
+        msg = _wait_text(message, "Preset megatron recorded")
+        assert "vocabulary of 201 does not divide by the world size 2" in msg, msg
+        code = _wait_text(editor.locator(".slapo-code"), "query_key_value")
+        assert "attention.dense" in code, code
+        editor.locator(".slapo-numeric-passed").wait_for(timeout=120_000)
+        line = _wait_text(editor.locator(".slapo-coverage-line"), "Kept whole on every rank")
+        assert "lm_head" in line and "query_key_value" not in line, line
+        page.mouse.move(2, 2)
+        save_screenshot(page.locator(".jp-OutputArea-output:has(.slapo-editor)").first, "neox_preset.png")
+    except BaseException:
+        _report_failure(page, tmp, "neox_preset_failure.png")
+        raise
+    finally:
+        _shutdown_kernel(page)
+
+
 FORM_CELL = textwrap.dedent(
     """
     import torch

@@ -269,3 +269,51 @@ def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
         pass
     time.sleep(0.5)
     assert gc.isenabled()
+
+
+def test_export_is_the_widgets_export_and_its_launch_line_fits_this_machine(bert, tmp_path, monkeypatch):
+    """Issue 24: the state has export (one implementation with the widget's), and the message's launch line
+    says --device cpu where this machine lacks the GPUs (and the GPU launch beside it)."""
+    import ast
+
+    from slapo_lab.editor import ScheduleEditor
+
+    assert ScheduleEditor.export is EditorState.export  # the widget's export is the state's (not a copy)
+    model, ids = bert
+    st = Recorder(model, {"input_ids": ids}, world_size=2)
+    st.apply_preset("megatron")
+    monkeypatch.chdir(tmp_path)
+    out = st.export("train_bert.py", dp=2, steps=3)
+    assert out == str(tmp_path / "train_bert.py")
+    tree = ast.parse((tmp_path / "train_bert.py").read_text())
+    defaults = next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and n.targets[0].id == "DEFAULTS"
+    )
+    assert defaults == {"dp": 2, "steps": 3} and st.export_options["options"] == {"dp": 2, "steps": 3}
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 4:
+        assert st.message.startswith(
+            f"Exported {out} — launch: torchrun --nproc_per_node=4 train_bert.py --device cuda"
+        )
+        assert "torchrun --nproc_per_node=4 --master_addr=127.0.0.1 train_bert.py --device cpu" in st.message
+    # the launch line for each machine
+    assert (
+        st._launch_command("train_bert.py", "torchrun", 2, gpus=8)
+        == "torchrun --nproc_per_node=4 train_bert.py --device cuda"
+    )
+    cpu = st._launch_command("train_bert.py", "torchrun", 2, gpus=0)
+    assert cpu.endswith(
+        "(no CUDA): torchrun --nproc_per_node=4 --master_addr=127.0.0.1 train_bert.py --device cpu"
+    )
+    # a refused export is one sentence and writes nothing
+    import pytest
+
+    from slapo_lab.export import ExportError
+
+    with pytest.raises(ExportError, match="not divisible by dp 3"):
+        st.export("bad.py", dp=3, global_batch_size=4)
+    assert not (tmp_path / "bad.py").exists()

@@ -34,6 +34,7 @@ from slapo_lab.export import (
     schedule_lines,
 )
 from slapo_lab.record import SCHEMA_VERSION, Call
+from slapo_lab.train import preflight
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = ['a"b', "x\ny", "__import__('os')", "{i}", "c'd\\", "e}{", 'f"]); import os; ("']
@@ -201,17 +202,17 @@ def _run_script(path, argv, monkeypatch) -> int:
 
 def _parsed(path, argv, monkeypatch):
     """The options ``python path *argv`` parses (through the script and ``slapo_lab.train.main``); the run is
-    stopped right after parsing."""
-    from slapo_lab.train import loop
+    stopped right after parsing, before the launch checks (:mod:`slapo_lab.train.preflight`)."""
+    from slapo_lab.train import preflight
 
     seen = []
 
-    def stop(args):
+    def stop(args, **_):
         seen.append(args)
-        return "", "error: stopped by the test after parsing."
+        raise preflight.PreflightError("stopped by the test after parsing.")
 
     with monkeypatch.context() as m:
-        m.setattr(loop, "_device_of", stop)
+        m.setattr(preflight, "check", stop)
         assert _run_script(path, argv, m) == 2
     return seen[0]
 
@@ -1404,6 +1405,7 @@ def test_no_gpu_is_one_sentence(bert_tp, ids, tmp_path, monkeypatch, capsys):
     model, calls = bert_tp
     path = export_script(tmp_path / "tp.py", model, calls, {"input_ids": ids}, world_size=2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(preflight, "launched_world", lambda: 2)  # the layout fits: the device is the problem
     assert _run_script(path, ["--device", "cuda", "--backend", "gloo"], monkeypatch) == 2  # no GPU: exit 2
     assert capsys.readouterr().err.strip() == "error: CUDA is not available here; run with --device cpu."
 
@@ -1417,6 +1419,7 @@ def test_pipeline_refuses_gloo_on_cuda(gpt2_pipeline, tmp_path, monkeypatch, cap
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(preflight, "launched_world", lambda: 4)  # the layout fits: the backend is the problem
     assert _run_script(path, ["--device", "cuda", "--backend", "gloo"], monkeypatch) == 2
     err = capsys.readouterr().err.strip()
     assert "gloo" in err and "pipeline" in err and "CUDA" in err and "\n" not in err, err

@@ -158,10 +158,16 @@ def test_the_editor_checks_in_the_background_after_every_change_and_lists_a_fail
     report = _wait_for(ed)
     assert report.passed and "✓" in ed._numeric_box.value.replace("&#10003;", "✓")
     # the preset checks its calls first: this attention takes its head size from the width, so split it
-    # fails; with no other part to apply (this MLP has no recognised projections), nothing is applied ...
-    assert ed.apply_preset("megatron") == ed.message and not ed.schedule.record.calls[1:]
-    assert "nothing is applied: in every _NanoBlock attn" in ed.message, ed.message
-    assert "it fails the numeric check when split: the scheduled model fails in h.0.attn" in ed.message
+    # fails and stays whole (one sentence says so); the MLP is split, and the live check agrees ...
+    assert ed.apply_preset("megatron") is None
+    assert (
+        "Kept whole: in every _NanoBlock attn (c_attn, c_proj), because it fails the numeric check when "
+        in (ed.message)
+    ), ed.message
+    assert "the scheduled model fails in h.0.attn" in ed.message
+    assert not any(".attn." in c.path for c in ed.schedule.record.calls)
+    assert _wait_for(ed).passed
+    ed.undo()
     assert _wait_for(ed).passed
     # ... and the same layers sharded by typing are caught by the live check
     sl.presets.tp_block(ed.schedule, "h.0")
@@ -364,3 +370,151 @@ def test_a_shared_parameter_whose_stage_gradients_are_not_summed_is_caught(monke
     assert report.message.startswith(
         "As pipeline stages the model trains deberta.encoder.rel_embeddings.weight"
     )
+
+
+# ------------------------------------------------------------------ issue 23: the check names the culprit
+def _without(calls, path, primitive, **kw):
+    """``calls`` less the first call of ``primitive`` on ``path`` whose keyword arguments include ``kw``."""
+    i = next(
+        i
+        for i, c in enumerate(calls)
+        if c.path == path and c.primitive == primitive and all(c.kwargs.get(k) == v for k, v in kw.items())
+    )
+    return calls[:i] + calls[i + 1 :]
+
+
+def test_a_gradient_only_difference_is_named_at_the_layer_whose_input_gradient_is_partial():
+    """BERT's query without its bwd_post all-reduce: the forward is right, and its partial input gradient is
+    small beside key's and value's (attention is nearly uniform at init), so the parameters' gradients differ by
+    2e-6 only, under Verify's tolerance; the gradient the query sends back to its input is off by most of it."""
+    model, sch = _scheduled(tp_train.bert_model, lambda s: presets.megatron_tp(s))
+    path = "encoder.layer.0.attention.self.query"
+    calls = _without(list(sch.record.calls), path, "sync", mode="bwd_post")
+    report = numeric_check(model, calls, 2, tp_train.case_inputs("bert"))
+    assert report.status == "failed" and report.module == path, report.message
+    assert report.message.startswith(
+        "The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
+        f"{path} sends back to its input (off by "
+    )
+
+
+def test_a_forward_failure_is_named_at_the_module_whose_call_raised():
+    model, sch = _scheduled(tp_train.opt_model, lambda s: presets.megatron_tp(s))
+    path = "model.decoder.layers.0.fc1"
+    calls = _without(
+        list(sch.record.calls), path, "shard"
+    )  # the weight whole, its bias ... (first shard: weight)
+    calls = [
+        c for c in sch.record.calls if not (c.path == path and c.primitive == "shard" and c.args == ("bias",))
+    ]
+    report = numeric_check(model, calls, 2, tp_train.case_inputs("opt"))
+    assert report.status == "error" and report.module == path, report.message
+    assert report.message.startswith(f"The scheduled model fails in {path} while running the forward")
+
+
+def test_a_reduce_scatter_where_an_all_reduce_belongs_is_named_at_the_layer_not_the_block_that_fails():
+    from slapo_lab.record import Call
+
+    model, sch = _scheduled(tp_train.gpt2_model, lambda s: presets.megatron_tp(s))
+    path = "transformer.h.0.mlp.c_proj"
+    calls = [
+        Call(path, "sync", (), {"mode": "fwd_post", "sync_op_or_fn": "reduce_scatter", "axis": 1})
+        if (c.path == path and c.primitive == "sync")
+        else c
+        for c in sch.record.calls
+    ]
+    report = numeric_check(model, calls, 2, tp_train.case_inputs("gpt2"))
+    assert report.status == "error" and report.module == path, report.message  # the block's add raised
+
+
+def test_a_missing_gather_is_reported_with_both_shapes():
+    model, sch = _scheduled(tp_train.llama_model, lambda s: presets.megatron_tp(s))
+    calls = _without(list(sch.record.calls), "lm_head", "sync", sync_op_or_fn="all_gather")
+    report = numeric_check(model, calls, 2, tp_train.case_inputs("llama"))
+    assert report.status == "failed" and report.module == "lm_head", report.message
+    assert report.message == (
+        "The scheduled model's output logits has another shape than the unsharded one's: lm_head returns "
+        "(2, 8, 64) where the unsharded model returns (2, 8, 128) (on 2 simulated ranks)."
+    )
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_decoder_of_equal_depths_checkpointing_a_decoder_block_checks_equal(family):
+    """The shrunk copy keeps 1 encoder block and 2 decoder blocks; it used to cut both stacks to 1 through the
+    config (a layer count equal to both depths) and then fail on its own replay ("No module 'decoder.block.1'")."""
+    from test_seeded_bugs import FAMS
+
+    fam = FAMS[family]
+    model = fam.build()
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    last = presets.find_blocks(sch)[-1]
+    sch[last].checkpoint()
+    report = numeric_check(model, sch.record.calls, 2, fam.example_inputs(2, 16), from_config=True)
+    assert report.passed and report.blocks == (3, 4), report.message
+    assert sl.check_schedule(sch, numeric=True, example_inputs=fam.example_inputs(2, 16)) == []
+
+
+def test_every_dropout_is_off_in_the_copy_and_the_users_config_keeps_its_own():
+    from test_seeded_bugs import FAMS
+
+    from slapo_lab.numeric import dropout_off
+
+    model = FAMS["t5"].build()
+    copy_ = dropout_off(__import__("copy").deepcopy(model))
+    attn = copy_.encoder.block[0].layer[0].SelfAttention
+    assert attn.dropout == 0.0 and copy_.config.dropout_rate == 0.0 and attn.config.dropout_rate == 0.0
+    assert all(m.p == 0.0 for m in copy_.modules() if isinstance(m, nn.Dropout))
+    assert model.config.dropout_rate == 0.1 and model.encoder.block[0].layer[0].SelfAttention.dropout == 0.1
+
+
+def test_an_unscheduled_copy_that_cannot_run_is_a_finding_not_an_exception():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=8))
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    found = sl.check_schedule(
+        sch, numeric=True, example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    )
+    assert [f.kind for f in found] == ["numeric_skipped"], found
+    assert found[0].message.startswith("The numeric check skipped: the unscheduled copy's forward fails")
+    assert "\n" not in found[0].message
+
+
+def test_every_refusal_names_its_module():
+    _model, sch = _scheduled(tp_train.llama_model, lambda s: None)
+    q = sch["model.layers.0.self_attn.q_proj"]
+    q.shard("weight", axis=0)
+    with pytest.raises(sl.ScheduleError) as err:
+        q.sync(mode="bwd_post", sync_op_or_fn="all_gather")
+    assert str(err.value) == (
+        "sync() on model.layers.0.self_attn.q_proj: bwd_post supports only all_reduce (got all_gather)."
+    )
+    assert sl.check_primitive(q, "sync", mode="nope", sync_op_or_fn="all_reduce").startswith(
+        "sync() on model.layers.0.self_attn.q_proj: Unknown sync mode 'nope'"
+    )
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sharding_a_moe_router_is_refused_in_one_sentence_naming_it(family):
+    from test_seeded_bugs import FAMS
+
+    sch = sl.create_schedule(meta_copy(FAMS[family].build()), world_size=2)
+    for axis in (0, 1):
+        with pytest.raises(sl.ScheduleError) as err:
+            sch["model.layers.0.mlp.gate"].shard("weight", axis=axis)
+        assert str(err.value).startswith(
+            "Cannot shard model.layers.0.mlp.gate.weight: model.layers.0.mlp.gate is the mixture-of-experts "
+            "router of model.layers.0.mlp.experts"
+        )
+    assert not sch.record.calls and presets.megatron_tp(sch)  # the preset keeps it whole
+
+
+def test_a_checkpoint_on_a_block_that_skips_itself_by_pythons_random_is_caught():
+    from test_seeded_bugs import _layerdrop_cases
+
+    model, inputs, cases = _layerdrop_cases()
+    right, bug = cases[0], cases[1]
+    assert numeric_check(model, right.calls, 2, inputs).passed
+    report = numeric_check(model, bug.calls, 2, inputs)
+    assert report.status == "failed" and report.module == "blocks.0", report.message
+    assert "_SkipBlock.forward draws from Python's (or NumPy's) random generator" in report.message

@@ -462,3 +462,17 @@ def test_balanced_cuts_span_every_stack_of_blocks():
     )
     three = suggest_cuts(sch, 3, example_inputs=tp_train.case_inputs("whisper"))
     assert three.paths == ["model.encoder.layers.1", "model.decoder.layers.0"]
+
+
+def test_partitioning_raises_no_torch_deprecation_warning():
+    """Issue 24: torch.distributed.pipelining's own LeafSpec FutureWarning (``isinstance(treespec, LeafSpec)`` is
+    deprecated) is not shown on every rank of a pipeline run: our call site silences torch's internal one."""
+    import warnings
+
+    _, sch = _sched("skip", ["blocks.0"])
+    ids, _ = M.batch("skip", 0, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        part = partition_pipeline(sch, (ids,))
+    assert part.num_stages == 2
+    assert not [w for w in caught if "LeafSpec" in str(w.message)], [str(w.message) for w in caught]

@@ -6,6 +6,7 @@ Real HF models with tiny random configs (2 layers, hidden 64); nothing is downlo
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -353,7 +354,7 @@ def _one_sentence(err: Exception) -> str:
         (lambda s: s.trace(tracer="magic"), r"Unknown tracer 'magic'"),
         (lambda s: s.trace(tracer="huggingface"), r"transformers\.utils\.fx"),
         (lambda s: s.trace(flatten=True, recursive=False), r"needs recursive=True"),
-        (lambda s: s.trace(flatten=True, tracer="export"), r"only supported by the fx tracer"),
+        (lambda s: s.trace(flatten=True, tracer="export"), r"torch\.export: it needs example inputs"),
         (lambda s: s.trace(leaf_modules=["nope"]), r"leaf_modules entry 'nope' names no submodule"),
         (lambda s: s.trace(leaf_modules=[3]), r"leaf_modules entries must be"),
         (lambda s: s["pooler"].trace(concrete_args={"nope": 1}), r"concrete_args names nope"),
@@ -407,3 +408,112 @@ def test_trace_refuses_a_module_with_hook_primitives():
     _one_sentence(info.value)
     gm = sch["encoder.layer.0.output"].trace()  # siblings still trace
     assert is_traced(gm)
+
+
+# --------------------------------------------------------------------------------------------------
+# Slapo's trace(tracer="pytorch") on transformers 5.x: fx.GraphModules, find / replace / fuse on them
+# --------------------------------------------------------------------------------------------------
+def _graph_children(gm: nn.Module) -> list[str]:
+    return [qn for qn, m in gm.named_modules() if qn and isinstance(m, fx.GraphModule)]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["hierarchy", "flatten"])
+@pytest.mark.parametrize(
+    "make,path,kw,leaf",
+    [
+        (llama, "model.layers.0", {"use_cache": False}, "self_attn.q_proj"),
+        (bert, "encoder.layer.0", {}, "attention.self.query"),
+    ],
+    ids=["LlamaDecoderLayer", "BertLayer"],
+)
+def test_pytorch_tracer_gives_graph_modules_without_inputs(make, path, kw, leaf, flatten, ids):
+    """Slapo's ``trace(tracer="pytorch")`` with no inputs: torch.export on the model's dummy inputs,
+    shape-generic, as fx.GraphModules; the model then runs on other shapes and gives the same result."""
+    model = make()
+    ref = model(input_ids=ids, **kw)[0]
+    query = model.get_submodule(f"{path}.{leaf}")
+    sch = sl.create_schedule(model)
+
+    gm = sch[path].trace(tracer="pytorch", flatten=flatten)
+
+    assert isinstance(gm, fx.GraphModule) and model.get_submodule(path) is gm
+    assert type(gm).__name__ == sl.tracing.orig_class(gm).__name__ == type(model.get_submodule(path)).__name__
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    if flatten:  # one graph: the leaves are called by their dotted paths, and are no schedule nodes
+        assert _graph_children(gm) == [] and leaf in calls
+        assert f"{path}.{leaf}" not in sch and sch[path].get_module(leaf) is query
+    else:  # every non-leaf submodule is a graph module of its own; leaves are the original objects
+        assert leaf.rsplit(".", 1)[0] in _graph_children(gm)
+        assert sch[f"{path}.{leaf}"].mod is query
+    torch.testing.assert_close(model(input_ids=ids, **kw)[0], ref)  # (2, 8), traced on dummies (3, 5)
+    torch.testing.assert_close(copy.deepcopy(model)(input_ids=ids, **kw)[0], ref)
+
+
+def test_gpt2_block_with_recorded_inputs_keeps_conv1d_leaves(ids):
+    model = gpt2()
+    ref = model(input_ids=ids, use_cache=False).logits
+    sch = sl.create_schedule(model)
+    rec = sl.record_example_inputs(sch, {"input_ids": ids, "use_cache": False})
+    args, kwargs = rec["transformer.h.0"]
+    gm = sch["transformer.h.0"].trace(tracer="pytorch")
+    assert isinstance(gm, fx.GraphModule) and type(gm).__name__ == "GPT2Block"
+    assert [p for p, _ in sch["transformer.h.0"].find(r"c_attn|c_proj")] == ["attn", "attn", "mlp"]
+    assert type(sch["transformer.h.0.attn.c_attn"].mod).__name__ == "Conv1D"  # shardable leaf kept
+    torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, ref)
+    names = list(inspect.signature(type(model.transformer.h[1]).forward).parameters)[1:]
+    as_keywords = {**dict(zip(names, args)), **kwargs}  # the traced call written another way binds too
+    torch.testing.assert_close(gm(**as_keywords)[0], gm(*args, **kwargs)[0])
+    with pytest.raises(
+        RuntimeError, match=r"GPT2Block is specialised to the non-tensor inputs it was traced"
+    ):
+        gm(*args, **{**kwargs, "use_cache": True})
+
+
+class _GateUp(nn.Module):
+    """SwiGLU's ``silu(gate(x)) * up(x)`` as one matmul of the concatenated weights."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(torch.cat([gate.weight, up.weight]).detach().clone())
+
+    def forward(self, x):
+        g, u = F.linear(x, self.weight).chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
+def test_whole_llama_find_qkv_and_replace_the_swiglu_subgraph(ids):
+    model = llama()
+    ref = model(input_ids=ids, use_cache=False).logits
+    sch = sl.create_schedule(model)
+    gm = sch.trace(tracer="pytorch", example_inputs={"input_ids": ids, "use_cache": False})
+    assert isinstance(gm, fx.GraphModule) and type(gm).__name__ == "LlamaForCausalLM"
+    assert all(isinstance(sch[p].mod, fx.GraphModule) for p in ("model", "model.layers.1.self_attn"))
+
+    qkv = sch.find(r"[qkv]_proj$")
+    assert [(p, n.target) for p, n in qkv] == [
+        (f"model.layers.{i}.self_attn", f"{c}_proj") for i in range(2) for c in "qkv"
+    ]
+    mlp = sch["model.layers.1.mlp"]
+    (swiglu,) = mlp.find(lambda x: F.silu(sl.call_module("gate_proj", x)) * sl.call_module("up_proj", x))
+    assert [n.target for _, n in swiglu if n.op == "call_module"] == ["gate_proj", "act_fn", "up_proj"]
+    mlp.replace(_GateUp(mlp.mod.gate_proj, mlp.mod.up_proj), swiglu, name="gate_up")
+    assert "gate_up_0" in mlp.child and "gate_proj" not in mlp.child  # only the subgraph called it
+    torch.testing.assert_close(gm(input_ids=ids, use_cache=False).logits, ref)
+
+
+def test_bert_bias_gelu_found_and_fused_after_a_flat_trace(ids):
+    """Slapo's bias + GeLU fusion on a transformers 5.x BertLayer: decompose the dense layer, trace the
+    layer into one flat graph (torch.export), find ``gelu(x + bias)`` and fuse it."""
+    model = bert()
+    ref = model(input_ids=ids).last_hidden_state
+    sch = sl.create_schedule(model)
+    sch["encoder.layer.0.intermediate.dense"].decompose()
+    sl.record_example_inputs(sch, {"input_ids": ids})
+    layer = sch["encoder.layer.0"]
+    gm = layer.trace(tracer="pytorch", flatten=True)
+    assert _graph_children(gm) == []
+    (bias_gelu,) = layer.find(lambda x, bias: F.gelu(x + bias))
+    assert [sl.tracing.op_key(n, gm) for _, n in bias_gelu] == ["add", "gelu"]
+    fused = layer.fuse(bias_gelu, compiler=None, name="BiasGeLU")
+    assert type(fused).__name__ == "BiasGeLU" and "BiasGeLU_0" in layer.child
+    torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref)

@@ -30,7 +30,17 @@ from .form_button import FormButton
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
 from .persistence import serialized
-from .state import EditorState, _running_loop
+from .state import (
+    _INT_OPTIONS,
+    _LABELS,
+    _PATH_OPTIONS,
+    _SCRIPT_STEPS,
+    EditorState,
+    _export_error,
+    _has_tokenizer,
+    _path_kind,
+    _running_loop,
+)
 from .style import folded_style, legend_html, module_style
 
 _log = logging.getLogger("slapo_lab.editor")
@@ -55,36 +65,7 @@ def _io_text(v) -> str:
     return ", ".join(parts)
 
 
-# ---------------------------------------------------------------------------------------- export options
-_SCRIPT_STEPS = 10  # the exported script's own --steps default (slapo_lab.train.args)
-_PATH_OPTIONS = ("model_path", "tokenizer", "data", "eval_data", "checkpoint_dir", "save_hf", "log_dir")
-# integer options and their smallest value
-_INT_OPTIONS = {
-    "seq_len": 1,
-    "dp": 1,
-    "global_batch_size": 1,
-    "micro_batch_size": 1,
-    "steps": 0,
-    "checkpoint_every": 0,
-    "zero": 0,
-}
-_LABELS = {
-    "model_path": "model path",
-    "tokenizer": "tokenizer directory",
-    "data": "data path",
-    "eval_data": "validation data path",
-    "checkpoint_dir": "checkpoint directory",
-    "save_hf": "save-HF directory",
-    "log_dir": "log directory",
-    "seq_len": "sequence length",
-    "dp": "number of data-parallel replicas (dp)",
-    "global_batch_size": "global batch size",
-    "micro_batch_size": "micro batch size",
-    "steps": "number of steps",
-    "checkpoint_every": "checkpoint interval (every)",
-    "zero": "ZeRO stage",
-    "lr": "learning rate",
-}
+# ---------------------------------------------------------------------------------------- export form
 # the form's fields: option -> (description, tooltip)
 _FIELDS = {
     "model_path": (
@@ -110,36 +91,6 @@ _FIELDS = {
         "at the end, write a Hugging Face directory that from_pretrained loads; empty: none",
     ),
 }
-
-
-def _export_error(text: str):
-    from ..export import ExportError
-
-    return ExportError(text)
-
-
-def _path_kind(path: str) -> str:
-    """``"dir"``, ``"file"`` or ``"missing"`` (relative paths: from the kernel's working directory)."""
-    import os
-
-    return "dir" if os.path.isdir(path) else "file" if os.path.exists(path) else "missing"
-
-
-def _has_tokenizer(folder: str) -> bool:
-    """Whether ``folder`` holds the files ``AutoTokenizer.from_pretrained`` reads."""
-    import os
-
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
-    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
-
-
-def _shown_path(path) -> str:
-    """``path`` as a command line shows it: relative to the working directory when inside it, quoted."""
-    import os
-    import shlex
-
-    rel = os.path.relpath(path)
-    return shlex.quote(str(path) if rel.startswith("..") else rel)
 
 
 def _count(n: int) -> str:
@@ -531,281 +482,11 @@ class ScheduleEditor(EditorState, W.VBox):
                 )
             self._error(text)
 
-    @serialized
-    def export(self, path: str, launcher: str = "torchrun", force: bool = False, **options) -> str:
-        """Write the schedule as a launchable training script to ``path`` (the Export button); returns the
-        absolute path written.
-
-        The options become the script's defaults (``DEFAULTS``; its command line still overrides them);
-        values equal to the script's own defaults are left out, so ``editor.export("train.py")`` writes a
-        synthetic-data script with seeded random weights. The message line shows the path and the launch
-        command for ``tp x pp x dp`` processes; the options are remembered (:attr:`export_options`, the
-        form, and the ``schedule_file``'s meta).
-
-        Args:
-            path: the script file, e.g. ``"train_llama.py"`` (its folder must exist).
-            launcher: ``"torchrun"`` or ``"deepspeed"``.
-            force: write the script even when the numeric check marks the schedule ✗ (the live check's
-                result is reused when it is of this schedule; else the check runs first).
-            **options: any of :data:`slapo_lab.export.script.EXPORT_OPTIONS`:
-                ``model_path`` (a Hugging Face directory with config.json and *.safetensors; None / "" =
-                seeded random weights), ``tokenizer`` (a directory; default the model path), ``data``
-                (``"synthetic"`` or an existing .txt / .jsonl / .parquet file or folder), ``eval_data``,
-                ``seq_len`` (tokens, default the example inputs' sequence length), ``dp`` (replicas,
-                default 1), ``fsdp`` (bool, shard over dp with FSDP2), ``zero`` (0 / 1 / 2, deepspeed only),
-                ``checkpoint_dir``, ``checkpoint_every`` (steps), ``save_hf`` (a directory),
-                ``global_batch_size`` (sequences per step, default the example batch, divisible by dp),
-                ``micro_batch_size``, ``steps`` (default 10), ``lr``, ``bf16``, ``log_dir``. Relative paths
-                are checked from the kernel's working directory and written as given.
-
-        Raises:
-            ExportError: (a ValueError) with one sentence and nothing written: an unknown option, a path
-                that does not exist, a non-positive number, a global batch not divisible by dp, a ZeRO stage
-                without deepspeed, a read-only folder, a model that cannot be rebuilt ...
-        """
-        options, defaults = self._check_export_options(launcher, options)
-        out = self._write_script(path, launcher, defaults, force)
-        cmd = self._launch_command(out, launcher, options.get("dp") or 1)
-        self.export_options = {"launcher": launcher, "script": str(path), "options": options}
-        self._set_form(self.export_options)
-        self._autosave()
-        open_items = self._open_count()
-        warn = (
-            f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
-            "code): --verify will fail until they are closed"
-            if open_items
-            else ""
-        )
-        self._info(f"Exported {out} — launch: {cmd}{warn}")
+    def _show_export(self, out, cmd: str) -> None:
         self._export_info.value = (
             f"<div class='slapo-export-info'>Wrote <code>{html.escape(str(out))}</code>. "
             f"Launch: <code>{html.escape(cmd)}</code></div>"
         )
-        return str(out)
-
-    def _write_script(self, path, launcher: str, defaults: dict, force: bool = False):
-        from ..export import export_script
-
-        report = self.numeric_report  # None whenever the schedule changed after the live check
-        return export_script(
-            path,
-            self.model,
-            self.schedule.record.calls,
-            self.example_inputs,
-            world_size=self.world_size,
-            launcher=launcher,
-            factory=self.factory,
-            defaults=defaults,
-            force=force,
-            report=report if report is not None and report.status != "skipped" else None,
-        )
-
-    def _launch_command(self, script, launcher: str, dp: int) -> str:
-        """The one-node launch of ``script``: ``tp x pp x dp`` processes, one GPU each."""
-        n = self.num_ranks * dp
-        if launcher == "deepspeed":
-            return f"deepspeed --num_gpus {n} {_shown_path(script)} --device cuda"
-        return f"torchrun --nproc_per_node={n} {_shown_path(script)} --device cuda"
-
-    def _example_sizes(self) -> tuple[int | None, int | None]:
-        """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
-        if not hasattr(self, "_sizes"):
-            try:
-                from ..export.spec import example_sizes, input_spec
-
-                vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-                self._sizes = example_sizes(
-                    input_spec(self.example_inputs, vocab if isinstance(vocab, int) else None)
-                )
-            except (ValueError, TypeError):  # inputs export refuses: it says so itself at export time
-                self._sizes = (None, None)
-        return self._sizes
-
-    def _model_dir_problem(self, path: str) -> str | None:
-        """None if ``path`` is a Hugging Face directory this model can load its weights from, else why not."""
-        import json
-        import os
-
-        kind = _path_kind(path)
-        if kind == "missing":
-            return (
-                f"The model path {path} does not exist; give a Hugging Face directory (written by save_pretrained) "
-                "or leave it empty for seeded random weights."
-            )
-        if kind == "file":
-            return (
-                f"The model path {path} is a file; give the directory that holds config.json and the weights."
-            )
-        cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
-            return f"The model path {path} has no config.json; give a directory written by save_pretrained."
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            return (
-                f"The model path {path} has no *.safetensors weights; save the model with save_pretrained "
-                "(safetensors is its default)."
-            )
-        want = getattr(getattr(self.model, "config", None), "model_type", None)
-        try:
-            with open(cfg, encoding="utf-8") as f:
-                got = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            return f"The config.json in {path} could not be read as a JSON object."
-        if want and got and got != want:
-            return f"The model path {path} holds a {got!r} model, but this editor schedules a {want!r} model."
-        return None
-
-    def _check_export_options(self, launcher: str, options: dict, local: bool = True) -> tuple[dict, dict]:
-        """Check export options; returns ``(options, defaults)``: the options normalised (paths stripped and
-        ``~`` expanded, empty ones dropped) and the ones to bake into the script (those that differ from its
-        own defaults). ``local=False`` skips the checks that the model / tokenizer / data paths exist.
-
-        Raises:
-            ExportError: the first problem, in one sentence.
-        """
-        import math
-        import os
-
-        from ..export import LAUNCHERS
-        from ..export.script import EXPORT_OPTIONS
-
-        if launcher not in LAUNCHERS:
-            raise _export_error(f"The launcher {launcher!r} is not supported; use torchrun or deepspeed.")
-        for key in options:
-            if key not in EXPORT_OPTIONS:
-                raise _export_error(
-                    f"{key!r} is not an export option; use one of {', '.join(EXPORT_OPTIONS)}."
-                )
-        o: dict[str, Any] = {}
-        for key, v in options.items():
-            if v is None:
-                continue
-            if key in _PATH_OPTIONS:
-                if not isinstance(v, (str, os.PathLike)):
-                    raise _export_error(f"The {_LABELS[key]} must be a path, not {v!r}.")
-                v = os.path.expanduser(os.fspath(v).strip())
-                if not v:
-                    continue
-            elif key in _INT_OPTIONS:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise _export_error(f"The {_LABELS[key]} must be a whole number, not {v!r}.")
-                low = _INT_OPTIONS[key]
-                if v < low:
-                    raise _export_error(
-                        f"The {_LABELS[key]} must be {'positive' if low else 'zero or more'}, not {v}."
-                    )
-            elif key in ("fsdp", "bf16"):
-                if not isinstance(v, bool):
-                    raise _export_error(f"{key} must be True or False, not {v!r}.")
-            elif key == "lr":
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise _export_error(f"The learning rate must be a number of zero or more, not {v!r}.")
-                v = float(v)
-            o[key] = v
-        if o.get("data") == "synthetic":
-            del o["data"]
-        zero, dp = o.get("zero", 0), o.get("dp", 1)
-        if zero not in (0, 1, 2):
-            raise _export_error(f"The ZeRO stage must be 0, 1 or 2, not {zero}.")
-        if zero and launcher != "deepspeed":
-            raise _export_error(
-                "A ZeRO stage needs the deepspeed launcher; with torchrun, shard over dp with FSDP."
-            )
-        if zero and o.get("fsdp"):
-            raise _export_error("FSDP and ZeRO both shard over the data-parallel replicas; choose one.")
-        batch_default, seq_default = self._example_sizes()
-        batch = o.get("global_batch_size", batch_default or 1)
-        stages = self.num_ranks // self.world_size
-        # the runtime's micro-batch (slapo_lab.train.loop): given, or the global batch / (dp x pipeline stages)
-        micro = o.get("micro_batch_size") or max(1, batch // (dp * stages))
-        if batch % dp or batch % (micro * dp):
-            if "micro_batch_size" in o:
-                raise _export_error(
-                    f"The global batch size {batch} is not divisible by micro batch {micro} x dp {dp}: "
-                    "every replica takes the same number of micro-batches per step."
-                )
-            if batch % dp == 0:
-                raise _export_error(
-                    f"The global batch size {batch} does not split into equal micro-batches over dp "
-                    f"{dp} and {stages} pipeline stages; choose a multiple of {dp * stages}."
-                )
-            raise _export_error(
-                f"The global batch size {batch} is not divisible by dp {dp}: every replica takes the "
-                "same number of sequences per step."
-            )
-        if o.get("checkpoint_every") and "checkpoint_dir" not in o:
-            raise _export_error(
-                f"A checkpoint every {o['checkpoint_every']} steps needs a checkpoint directory."
-            )
-        for key in ("checkpoint_dir", "save_hf", "log_dir"):
-            if key in o and _path_kind(o[key]) == "file":
-                raise _export_error(
-                    f"The {_LABELS[key]} {o[key]} is a file; give a folder (it is created if missing)."
-                )
-        if local:
-            if "model_path" in o:
-                why = self._model_dir_problem(o["model_path"])
-                if why:
-                    raise _export_error(why)
-            if "tokenizer" in o and _path_kind(o["tokenizer"]) != "dir":
-                raise _export_error(
-                    f"The tokenizer directory {o['tokenizer']} does not exist; give a directory "
-                    "written by tokenizer.save_pretrained, or leave it empty to use the model path."
-                )
-            if (
-                ("data" in o or "eval_data" in o)
-                and "tokenizer" not in o
-                and "model_path" in o
-                and not _has_tokenizer(o["model_path"])
-            ):
-                raise _export_error(
-                    f"The model path {o['model_path']} holds no tokenizer files; fill in the "
-                    "tokenizer directory."
-                )
-            for key in ("data", "eval_data"):
-                if key in o and _path_kind(o[key]) == "missing":
-                    raise _export_error(
-                        f"The {_LABELS[key]} {o[key]} does not exist; give a .txt, .jsonl or .parquet "
-                        "file or a folder of them, or 'synthetic' (a path that exists only where "
-                        "the run is launched can be passed there with --data)."
-                    )
-        text = "data" in o or "eval_data" in o
-        if text:
-            from ..train.data import objective_of
-
-            name = type(self.model).__name__
-            if objective_of(name) is None:
-                raise _export_error(
-                    f"{name} has no language-model head, so it cannot train on text; schedule a "
-                    "*ForCausalLM or *ForMaskedLM model, or use synthetic data."
-                )
-            if "tokenizer" not in o and "model_path" not in o:
-                raise _export_error(
-                    "Training on text needs a tokenizer; fill in the tokenizer directory (or a "
-                    "model path that holds the tokenizer files)."
-                )
-            if "seq_len" not in o and seq_default is None:
-                raise _export_error("Training on text needs a sequence length (tokens per sequence).")
-        script = {
-            "data": None,
-            "dp": 1,
-            "fsdp": False,
-            "zero": 0,
-            "checkpoint_every": 0,
-            "bf16": False,
-            "steps": _SCRIPT_STEPS,
-            "global_batch_size": batch_default or 1,
-            "seq_len": seq_default,
-        }
-        defaults = {}
-        for key in EXPORT_OPTIONS:
-            if key not in o:
-                continue
-            # training on text: say the sequence length explicitly
-            if (key == "seq_len" and text) or key not in script or o[key] != script[key]:
-                defaults[key] = o[key]
-        if text and "seq_len" not in defaults:
-            defaults["seq_len"] = seq_default
-        return o, defaults
 
     # ------------------------------------------------------------------ the export form
     def _form_defaults(self) -> dict:

@@ -326,13 +326,33 @@ def processes(calls, world_size: int) -> int:
 
 
 def launch_command(
-    calls, world_size: int, script: str = "train.py", launcher: str = "torchrun", device: str = "cuda"
+    calls, world_size: int, script: str = "train.py", launcher: str = "torchrun", device: str | None = "cuda"
 ) -> str:
-    """The one-node command that launches an exported script (``tp x pp`` processes, no data parallelism)."""
+    """The one-node command that launches an exported script (``tp x pp`` processes, no data parallelism);
+    ``device=None``: the launch for this machine (:func:`launch_here`)."""
     n = processes(calls, world_size)
+    if device is None:
+        return launch_here(n, script, launcher)
     if launcher == "deepspeed":
         return f"deepspeed --num_gpus {n} {script} --device {device}"
     return f"torchrun --nproc_per_node={n} {script} --device {device}"
+
+
+def launch_here(n: int, script: str, launcher: str = "torchrun", gpus: int | None = None) -> str:
+    """The one-node launch of ``n`` processes of ``script``: on GPUs (``--device cuda``, one each) when this
+    machine has ``n`` of them (``gpus``: its CUDA devices, default torch's count), else that launch and the CPU
+    launch that runs here (gloo on 127.0.0.1)."""
+    gpu = (
+        f"deepspeed --num_gpus {n} {script} --device cuda"
+        if launcher == "deepspeed"
+        else f"torchrun --nproc_per_node={n} {script} --device cuda"
+    )
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= n:
+        return gpu
+    here = "no CUDA" if gpus == 0 else f"{gpus} GPU(s)"
+    return f"{gpu} on {n} GPUs; on this machine ({here}): torchrun --nproc_per_node={n} --master_addr=127.0.0.1 {script} --device cpu"
 
 
 def export_script(

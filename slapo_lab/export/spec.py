@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..record import Call
+from ..train.preflight import example_sizes  # noqa: F401 (re-exported)
 
 
 class ExportError(ValueError):
@@ -552,18 +553,6 @@ def validate_input_spec(spec: Any) -> dict:
         ):
             raise ExportError(f"{where} needs integer bounds low < high (or a fill value).")
     return spec
-
-
-def example_sizes(spec: dict) -> tuple[int | None, int | None]:
-    """``(batch_size, seq_len)`` of the example, read off the input spec (None when no axis has it)."""
-    batch = seq = None
-    for e in spec.values():
-        for d, n in zip(e.get("dims", ()), e.get("shape", ())):
-            if d == "batch" and batch is None:
-                batch = n
-            if d == "seq" and seq is None:
-                seq = n
-    return batch, seq
 
 
 # ------------------------------------------------------------------------------------------- calls

@@ -42,6 +42,22 @@ from ._collectives import exportable_sync_ops
 from .coupling import batchnorm_single_value, coupling_refusal, single_value_refusal
 from .order import _split_inputs, check_cuts, record_call_order, stage_ops
 
+
+@contextlib.contextmanager
+def _torch_internal_deprecations():
+    """Silence the FutureWarning torch's own ``torch.distributed.pipelining`` raises on itself while it splits a
+    module: its ``_IR.pipe_split`` deep-copies an fx codegen holding a ``LeafSpec``, whose construction torch 2.13
+    deprecates ("``isinstance(treespec, LeafSpec)`` is deprecated"); nothing a user can change, printed once
+    per rank otherwise."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning
+        )
+        yield
+
+
 ROOT_PREFIX = "model."
 
 
@@ -804,7 +820,7 @@ def partition_pipeline(
         m.eval()
     try:
         _check_batch_coupling(model, n_microbatches, mb_args, mb_kwargs)
-        with _split_hooks(root, cuts), exportable_sync_ops():
+        with _split_hooks(root, cuts), exportable_sync_ops(), _torch_internal_deprecations():
             pipe = pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
     except ScheduleError:
         raise

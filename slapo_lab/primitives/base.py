@@ -9,6 +9,7 @@ applies and records them.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,22 @@ class Primitive:
         except TypeError as err:
             raise ScheduleError(f"{cls.name}() was called with the wrong arguments: {err}.") from None
         return bound
+
+
+def named_refusal(err: ScheduleError, sch, primitive: str) -> ScheduleError:
+    """``err`` as a sentence that names the module it refuses: a refusal whose text does not name the node's
+    path (``"bwd_post supports only all_reduce (got all_gather)."``) becomes ``"sync() on
+    model.layers.0.self_attn.q_proj: bwd_post supports only all_reduce (got all_gather)."``; one that names it
+    already, or a subclass of :class:`ScheduleError` (which may carry more), is returned as it is."""
+    text = str(err)
+    path = getattr(sch, "path", "")
+    where = path or f"the root module ({type(sch.mod).__name__})"
+    names_it = re.search(rf"(?<![\w.]){re.escape(path)}(?!\w)", text) if path else "root" in text
+    if type(err) is not ScheduleError or names_it:
+        return err
+    named = ScheduleError(f"{primitive}() on {where}: {text}")
+    named.__cause__ = err.__cause__
+    return named
 
 
 def register_primitive() -> Callable[[type[Primitive]], type[Primitive]]:

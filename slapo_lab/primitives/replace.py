@@ -37,7 +37,7 @@ from torch import fx, nn
 
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
-from ..tracing import edit_graph, is_traced, needs_call, orig_class, refresh, set_child
+from ..tracing import edit_graph, is_traced, lost_call_signature, needs_call, orig_class, refresh, set_child
 from .base import Primitive, own_copy, register_primitive
 
 
@@ -147,8 +147,6 @@ def _graph_calls(sch):
 # ------------------------------------------------------------------------------------------------
 def check_module_swap(sch, new: Any) -> None:
     """Validate replacing ``sch.mod`` by module ``new`` (raises ScheduleError)."""
-    from torch.export.unflatten import InterpreterModule
-
     where = _where(sch)
     if isinstance(new, type):
         raise ScheduleError(
@@ -164,7 +162,7 @@ def check_module_swap(sch, new: Any) -> None:
             raise ScheduleError(
                 f"The new module is already in the model at {qn or 'the root'}; pass a fresh module."
             )
-    if isinstance(sch.mod, InterpreterModule):
+    if lost_call_signature(sch.mod):
         raise ScheduleError(
             f"{where} was traced by torch.export as part of its parent, which does not keep its call signature; "
             "trace the parent with this path in leaf_modules (or replace before tracing) to replace it."

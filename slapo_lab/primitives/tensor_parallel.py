@@ -16,6 +16,7 @@ from ..module_state import install_forward, module_meta, peek_meta
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
 from ..sharding import infer as _infer
 from ..sharding import sync_ops
+from ..sharding.router import router_experts
 from ..sharding.rules import (
     ShardSite,
     block_sizes,
@@ -115,6 +116,14 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
     full = f"{sch.path + '.' if sch.path else ''}{tensor_name}"
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise ScheduleError(f"The shard axis of {full} must be an integer, not {axis!r}.")
+    experts = router_experts(sch.mod, sch.parent.mod if sch.parent is not None else None)
+    if experts is not None:
+        bank = f" of {sch.parent.path + '.' if sch.parent.path else ''}{experts}" if experts else ""
+        raise ScheduleError(
+            f"Cannot shard {full}: {_where(sch)} is the mixture-of-experts router{bank} (it scores every expert "
+            "for every token, and the softmax and top-k choice need all the scores on every rank), so it stays "
+            "whole."
+        )
     if not -t.dim() <= axis < t.dim():
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: it has shape {tuple(t.shape)}, so the axis must be in "

@@ -3,6 +3,8 @@
 An exported script holds the model spec, ``schedule(sch)``, the example inputs and one call into
 :func:`slapo_lab.train.main`; everything else lives here, as importable code:
 
+* ``preflight``  -- the launch checks that need no torch (arguments, layout, paths, tokenizer, sequence length,
+  the checkpoint a relaunch resumes), run before the heavy imports;
 * ``args``       -- the command line (``--model-path``, ``--data``, ``--dp``, ``--fsdp``, ``--checkpoint-dir`` ...);
 * ``data``       -- local text / jsonl / parquet files through HF ``datasets`` and ``tokenizers``, packed into
   fixed-length sequences in a seeded order, one part per data-parallel replica; synthetic inputs;
@@ -20,10 +22,16 @@ The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placemen
 
 
 def main(**kwargs) -> int:
-    """The entry point of exported scripts: :func:`slapo_lab.train.loop.main` (imported on first use)."""
+    """The entry point of exported scripts: the launch checks of :mod:`slapo_lab.train.preflight` (no torch
+    imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then)."""
+    from .preflight import preflight
+
+    checked = preflight(**kwargs)
+    if isinstance(checked, int):
+        return checked
     from .loop import main as _main
 
-    return _main(**kwargs)
+    return _main(**kwargs, checked=checked)
 
 
 __all__ = ["main"]

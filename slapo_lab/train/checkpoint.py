@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -30,30 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_STEP_DIR = re.compile(r"step-(\d{8})\Z")
-RUN_INFO = "run.json"
+from .preflight import RUN_INFO, STEP_DIR, latest_checkpoint, step_dir
 
-
-def step_dir(folder: str | os.PathLike, step: int) -> Path:
-    """``<folder>/step-<step, 8 digits>``."""
-    return Path(folder) / f"step-{step:08d}"
-
-
-def latest_checkpoint(folder: str | os.PathLike | None) -> tuple[int, Path] | None:
-    """The newest complete checkpoint in ``folder`` as ``(step, path)``, or None.
-
-    Complete means: named ``step-NNNNNNNN`` (not ``.partial``) and holding DCP's ``.metadata``.
-    """
-    if folder is None or not Path(folder).is_dir():
-        return None
-    best = None
-    for p in Path(folder).iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / ".metadata").is_file():
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, p)
-    return best
+_STEP_DIR = STEP_DIR
 
 
 def _barrier() -> None:

@@ -57,20 +57,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from .preflight import DATA_HINT as _DATA_HINT  # noqa: F401 (re-exported)
+from .preflight import FILE_BUILDERS, DataError, data_files
+
 OBJECTIVES = ("causal_lm", "masked_lm")
 # The file kinds read, by extension: the ``datasets`` packaged builder that reads each.
-FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 SYNTHETIC = "synthetic"
 IGNORE_INDEX = -100  # the label of a token no loss counts (torch's cross_entropy default, HF's convention)
 # Masked-LM rule of ``DataCollatorForLanguageModeling``'s defaults.
 MLM_PROBABILITY = 0.15
-_DATA_HINT = "pass --data a .txt, .jsonl or .parquet file, a directory of them, or 'synthetic'"
 _FORMAT_VERSION = "slapo-lab-data-1"  # bump when tokenisation or packing changes: a new cache key
-
-
-class DataError(ValueError):
-    """Training data that cannot be used as given; ``str(err)`` is one sentence naming the file or setting
-    and what to do."""
 
 
 def _mix_seed(*parts: Any) -> int:
@@ -100,37 +96,6 @@ def objective_of(model_class_name: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------------------------
 # files
-
-
-def data_files(path) -> list[Path]:
-    """The files ``--data path`` names: the file itself, or a directory's top-level ``.txt`` / ``.jsonl`` /
-    ``.parquet`` files in sorted order (hidden files and other extensions skipped).
-
-    Raises:
-        DataError: when the path does not exist, a file has another extension, or a directory holds
-            no such file.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"The data path {p} does not exist; {_DATA_HINT}.")
-    if p.is_dir():
-        files = sorted(
-            f
-            for f in p.iterdir()
-            if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in FILE_BUILDERS
-        )
-        if not files:
-            raise DataError(
-                f"The data directory {p} holds no .txt, .jsonl or .parquet file; put the training "
-                "text there or pass --data one such file."
-            )
-        return files
-    if p.suffix.lower() not in FILE_BUILDERS:
-        raise DataError(
-            f"The data file {p} is not a .txt, .jsonl or .parquet file; convert it to one of "
-            "these (jsonl and parquet need a text field)."
-        )
-    return [p]
 
 
 def _first_reason(err: BaseException) -> str:
@@ -270,7 +235,7 @@ def load_tokenizer(tokenizer_dir):
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to load is one sentence
         raise DataError(
-            f"The tokenizer directory {d} could not be loaded ({_first_reason(err)}); pass a "
+            f"The tokenizer directory {d} could not be loaded ({_first_reason(err)}); pass --tokenizer a "
             "directory written by tokenizer.save_pretrained(DIR)."
         ) from None
 

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ScheduleError
-from .args import build_parser, parse_args
 from .phases import say_phase
 
 
@@ -242,6 +241,7 @@ class Run:
         self.device = device
         self.pipeline = stages > 1
         self.pm = None
+        self.record: dict = {}  # the launch's part of run.json (preflight's Checked.record)
         self.ddp = None
         self.unused_params = True  # DDP's find_unused_parameters, until Verify has seen every gradient
 
@@ -897,8 +897,11 @@ class Run:
         return fresh
 
     def resumed(self, path, state: dict, start: int) -> None:
-        """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so."""
+        """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so; say when the
+        checkpoint was saved by another schedule (its recorded calls in ``run.json``)."""
         from ..random import set_random_seed
+        from ..record import format_call
+        from .preflight import read_run_info
 
         lay = self.layout
         same = state.get("layout") == self.layout_key
@@ -914,14 +917,25 @@ class Run:
                 else f" (saved as {state.get('layout')}, now {self.layout_key}: weights and optimizer resharded)"
             )
         )
+        saved = read_run_info(path).get("schedule")
+        calls = [format_call(c) for c in self.sch.record.calls]
+        if isinstance(saved, list) and saved != calls:
+            _say(
+                f"note: {path} was saved by another schedule ({len(saved)} recorded calls, this one has "
+                f"{len(calls)}); its tensors were resharded to this schedule's layouts."
+            )
 
     def _log_eval(self, logger, step: int) -> None:
         loss, rows = self.evaluate()
         logger.log_eval(step, loss, samples=rows)
 
     def run_info(self) -> dict:
-        """What a checkpoint records beside the tensors, for ``slapo-lab convert``: the model spec (with the
-        config the run used), the tokenizer and model directories, the weights' source dtype."""
+        """What a checkpoint records beside the tensors: for ``slapo-lab convert``, the model spec (with the
+        config the run used), the tokenizer directory and the weights' source dtype; for a relaunch's
+        comparison (:func:`slapo_lab.train.preflight.compare_run`), the launch's record (the config as
+        config.json or the script gives it, the model directory and weights the run started from, the data,
+        the sequence length, when it started) and the schedule (its recorded calls)."""
+        from ..record import format_call
         from .weights import source_dtype
 
         spec = dict(self.spec)
@@ -929,10 +943,12 @@ class Run:
             spec["config"] = self.config.to_dict()
         absolute = lambda p: str(Path(p).resolve()) if p else None
         return {
-            "model": spec,
             "model_path": absolute(self.args.model_path),
+            **self.record,
+            "model": spec,
             "tokenizer": absolute(self.args.tokenizer),
             "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch."),
+            "schedule": [format_call(c) for c in self.sch.record.calls],
         }
 
     def _train_state(self, step: int) -> dict:
@@ -1042,6 +1058,7 @@ def main(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
+    checked=None,
 ) -> int:
     """Train the model of an exported script; the one call an exported script makes.
 
@@ -1056,29 +1073,36 @@ def main(
         defaults: option defaults baked in by the export.
         argv: the command line (default: ``sys.argv[1:]``).
         title: the first line of ``--help``.
+        checked: what :func:`slapo_lab.train.preflight.preflight` returned for these arguments (None: run it
+            here; :func:`slapo_lab.train.main` runs it before importing torch).
 
     Returns:
         The exit status: 0 done, 1 Verify failed, 2 a problem of the launch or the input (one sentence on
         stderr).
     """
-    from ..export.spec import ExportError, example_sizes, validate_input_spec, validate_model_spec
+    from ..export.spec import ExportError, validate_input_spec, validate_model_spec
     from .lifeline import arm
     from .parallel import LayoutError
+    from .preflight import preflight
 
     arm()  # armed on import of slapo_lab already; again here for a runtime imported another way
 
     spec = validate_model_spec(model)
     input_spec = validate_input_spec(inputs)
-    batch, seq = example_sizes(input_spec)
-    parser = build_parser(
-        title or "Train a model with a slapo-lab schedule.",
-        launcher=launcher,
-        pipeline=stages > 1,
-        example_batch=int(batch or 1),
-        example_seq=seq,
-        defaults=defaults,
-    )
-    args = parse_args(parser, argv)
+    if checked is None:
+        checked = preflight(
+            model=spec,
+            inputs=input_spec,
+            tp=tp,
+            stages=stages,
+            launcher=launcher,
+            defaults=defaults,
+            argv=argv,
+            title=title,
+        )
+        if isinstance(checked, int):
+            return checked
+    args = checked.args
     if getattr(args, "print_ds_config", False):
         import json
 
@@ -1098,7 +1122,10 @@ def main(
             "process, or --device cpu."
         )
     if error:
-        print(error, file=sys.stderr)
+        from .preflight import speaks_errors
+
+        if speaks_errors():  # once per node, not once per rank
+            print(error, file=sys.stderr)
         return 2
     _init_process_group(args, device)
     say_phase("setup")
@@ -1114,6 +1141,7 @@ def main(
             launcher=launcher,
             device=device,
         )
+        run.record = checked.record
         run.setup()
         if args.verify:
             passed = run.verify()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..sharding.placements import fsdp_dim_for
+from .preflight import layout_problem
 
 
 class LayoutError(ValueError):
@@ -107,21 +108,11 @@ def make_layout(
     """
     from ..pipeline import make_mesh
 
-    if stages % stages_per_rank:
-        raise LayoutError(
-            f"--stages-per-rank {stages_per_rank} does not divide the {stages} pipeline stages."
-        )
+    problem = layout_problem(tp, stages, world, dp, stages_per_rank, launch_hint)
+    if problem:
+        raise LayoutError(problem)
     pp = stages // stages_per_rank
-    unit = tp * pp
-    got = world // unit
-    if world % unit or (dp is not None and dp != got) or got < 1:
-        want = unit * (dp or max(got, 1))
-        need = f"--dp {dp} x {unit} = {want}" if dp else f"a multiple of {unit}"
-        raise LayoutError(
-            f"This schedule runs tp={tp} (tensor parallel) x pp={pp} (pipeline) x dp processes, so the "
-            f"world size must be {need}, but {world} process(es) were launched; use "
-            f"{launch_hint}{want}."
-        )
+    got = world // (tp * pp)
     mesh = make_mesh(tp=tp, pp=pp, dp=got, device=device)
     return Layout(tp, pp, got, stages_per_rank, mesh, mesh.mesh["dp", "tp"], fsdp=fsdp and got > 1)
 

@@ -16,7 +16,6 @@ shape (:class:`~slapo_lab.sharding.placements.ShardLayout`) -- and values:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,21 +67,12 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
     from ..init import init_empty_weights
 
     if model_path is not None and spec.get("kind") == "hf":
-        cfg_file = Path(model_path) / "config.json"
-        try:
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise WeightsError(
-                f"{model_path} has no config.json; --model-path takes a directory written by save_pretrained."
-            ) from None
-        except (OSError, ValueError) as err:
-            raise WeightsError(f"Cannot read {cfg_file}: {err}.") from None
-        want = spec["config"].get("model_type")
-        if want and config.get("model_type") not in (None, want):
-            raise WeightsError(
-                f"{model_path} holds a {config.get('model_type')!r} model, but this script trains a "
-                f"{want!r} ({spec['class']})."
-            )
+        from .preflight import PreflightError, read_model_config
+
+        try:  # the same check as the launch's preflight
+            config = read_model_config(spec, model_path)
+        except PreflightError as err:
+            raise WeightsError(str(err)) from None
         spec = dict(spec, config=config)
     with init_empty_weights():
         # The spec is the MODEL literal of the exported script the user launched: code they run (and can

@@ -24,30 +24,14 @@ def init_dist():
     pytest.skip("needs torchrun with 2 GPUs (Slapo's init_dist fixture)")
 
 
-# Slapo's CPU tests that fail on slapo_lab, and why (xfail, strict: a fix shows up as XPASS -> failure)
+# Slapo's CPU tests that fail on slapo_lab, and why (xfail, strict: a fix shows up as XPASS -> failure). The
+# other differences are tests Slapo itself runs only with CUDA / torchrun on GPUs, or with torchvision.
 KNOWN_FAILURES = {
     "test_replace.py::test_mismatched_arguments": (
         "expects NewMod_1: Slapo's refused first replace() left NewMod_0 in the model; slapo_lab refuses "
         "without side effects, so the module is NewMod_0"
     ),
-    "test_trace.py::test_hf_bert": (
-        "fx cannot trace transformers 5.x BertAttention; tracer='pytorch' falls back to torch.export, whose "
-        "modules are not fx.GraphModule"
-    ),
-    "test_trace.py::test_hf_gpt_neo": (
-        "fx cannot trace transformers 5.x GPTNeoBlock; tracer='pytorch' falls back to torch.export, whose "
-        "modules are not fx.GraphModule"
-    ),
-    "test_trace.py::test_flattened_hf_bert": (
-        "flatten=True needs fx, which cannot trace transformers 5.x BertAttention (refused in one sentence)"
-    ),
-    "test_trace.py::test_two_level_flattened_hf_bert": (
-        "flatten=True needs fx, which cannot trace transformers 5.x BertLayer (refused in one sentence)"
-    ),
 }
-# test_random.py imports Slapo's private _CUDA_RNG_STATE_TRACKER / model_parallel_cuda_manual_seed, which
-# slapo_lab.random does not have; its two tests need CUDA anyway.
-collect_ignore = [] if torch.cuda.is_available() else ["test_random.py"]
 
 
 def pytest_collection_modifyitems(config, items):
