@@ -342,6 +342,15 @@ def tiny_config(model_type: str):
     d = base.to_dict()
     small = _shrink(d, set())
     _fix_token_ids(small, small.get("vocab_size") or SMALL["vocab"])
+    depths, patch = small.get("depths"), small.get("patch_size")
+    if isinstance(small.get("window_size"), int) and isinstance(depths, list) and isinstance(patch, int):
+        # windowed attention (Swin): a window of 2 patches, and the last stage still holds a whole window
+        small["window_size"] = 2
+        small["image_size"] = patch * 2 ** (len(depths) - 1) * 2
+    if isinstance(depths, list) and len(depths) > 2:  # stages that double the width: start narrower
+        for k in ("embed_dim", "hidden_size"):
+            if isinstance(small.get(k), int) and small[k] > 32 and k in d and not isinstance(d[k], list):
+                small[k] = 32
     h, e, n = small.get("hidden_size"), small.get("expand"), small.get("num_heads")
     if all(
         isinstance(x, int) for x in (h, e, n, small.get("head_dim"))
