@@ -156,9 +156,12 @@ def _signature(calls: list[Call], block: str) -> tuple:
     return tuple(out)
 
 
-def _plan_blocks(calls: list[Call], blocks: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+def _plan_blocks(
+    calls: list[Call], blocks: list[str], shapes: dict[str, tuple] | None = None
+) -> tuple[dict[str, int], dict[str, str]]:
     """For each stack (a block's parent path): how many leading blocks to keep; and for each block path,
-    the kept block whose schedule it shares."""
+    the kept block whose schedule it shares. Blocks of other parameter shapes (``shapes``: ConvNeXt's or
+    Swin's stages, each wider than the last) never stand in for each other."""
     stacks: dict[str, list[str]] = {}
     for b in blocks:
         stacks.setdefault(b.rsplit(".", 1)[0] if "." in b else "", []).append(b)
@@ -168,7 +171,7 @@ def _plan_blocks(calls: list[Call], blocks: list[str]) -> tuple[dict[str, int], 
         first_of: dict[tuple, str] = {}
         last = 0
         for i, b in enumerate(members):
-            sig = _signature(calls, b)
+            sig = (_signature(calls, b), (shapes or {}).get(b))
             if sig not in first_of:
                 first_of[sig] = b
                 last = i
@@ -458,7 +461,10 @@ def shrunk_copy(
 
     meta = meta_copy(reference)
     blocks = find_blocks(create_schedule(meta, world_size=world_size))
-    keep, alias = _plan_blocks(calls, blocks)
+    shapes = {
+        b: tuple((n, tuple(p.shape)) for n, p in meta.get_submodule(b).named_parameters()) for b in blocks
+    }
+    keep, alias = _plan_blocks(calls, blocks, shapes)
     lengths = {p: sum(1 for b in blocks if (b.rsplit(".", 1)[0] if "." in b else "") == p) for p in keep}
     mapped = _map_calls(calls, blocks, alias)
     mapped_cuts = _map_calls(calls, blocks, alias, keep_cuts=True)
