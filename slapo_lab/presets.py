@@ -461,6 +461,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             fused, refusal = _fused_kind(node)
             if refusal:
                 kind = None
+            elif fused:  # a fused layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
+                kind = fused
             elif split is not None and (split.roles or split.whole):
                 # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
                 # the dataflow says nothing about this layer
@@ -471,9 +473,9 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                         None  # an attention whose heads do not divide stays whole (replicated_dense says why)
                     )
                 if kind is None and role is None and rel not in split.whole and rel not in split.ran:
-                    kind = fused or _classify(rel)  # a layer the recorded forward did not run
+                    kind = _classify(rel)  # a layer the recorded forward did not run
             else:
-                kind = fused or _classify(rel)
+                kind = _classify(rel)
             if kind:
                 out.append((path, kind))
         elif rel in heads:

@@ -263,8 +263,16 @@ class _Recorder(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             self.attention(q, k, v, [mask] if isinstance(mask, torch.Tensor) else [], out, src)
             return
+        mm = None
         if name in ("matmul", "bmm", "__matmul__") and len(args) >= 2:
-            a, b = self.get(args[0]), self.get(args[1])
+            mm = (args[0], args[1])
+        elif name == "baddbmm":  # BLOOM: alibi.baddbmm(batch1=q, batch2=k^T)
+            mm = (
+                kwargs.get("batch1", args[1] if len(args) > 1 else None),
+                kwargs.get("batch2", args[2] if len(args) > 2 else None),
+            )
+        if mm is not None and all(isinstance(x, torch.Tensor) for x in mm):
+            a, b = self.get(mm[0]), self.get(mm[1])
             if (
                 a is not None
                 and b is not None
@@ -274,12 +282,12 @@ class _Recorder(TorchFunctionMode):
                 and isinstance(out, torch.Tensor)
                 and out.dim() >= 3
             ):
-                self.set(out, _Info({}, src, ((args[0], args[1]),)))
+                self.set(out, _Info({}, src, ((mm[0], mm[1]),)))
                 return
             if a is not None and a.scores is not None and b is not None and _linear_maps(b):
                 q, k = a.scores[0]
-                extras = [args[0]]
-                self.attention(q, k, args[1], extras, out, src, a.scores[1:])
+                extras = [mm[0]]
+                self.attention(q, k, mm[1], extras, out, src, a.scores[1:])
                 return
         outs = list(_tensors(out))
         if not outs:
