@@ -459,30 +459,35 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         mod = node.mod
         if isinstance(mod, nn.Linear) or _is_conv1d(mod):
             fused, refusal = _fused_kind(node)
+            role = split.roles.get(rel) if split is not None else None
             if refusal:
                 kind = None
-            elif fused:  # a fused layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
-                kind = fused
-            elif split is not None and (split.roles or split.whole):
-                # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
-                # the dataflow says nothing about this layer
-                role = split.roles.get(rel)
+            elif role is not None:  # read from the block's dataflow (slapo_lab/sharding/infer.py)
                 kind = _role_kind(role)
-                if kind and role != "mlp_in" and role != "mlp_out" and _undivided(split, rel, sch.world_size):
+                if kind and role not in ("mlp_in", "mlp_out") and _undivided(split, rel, sch.world_size):
                     kind = (
                         None  # an attention whose heads do not divide stays whole (replicated_dense says why)
                     )
-                if kind is None and role is None and rel not in split.whole and rel not in split.ran:
-                    kind = _classify(rel)  # a layer the recorded forward did not run
+            elif fused and (split is None or not split.attention):
+                kind = fused  # a layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
+            elif (
+                split is not None
+                and (split.roles or split.whole)
+                and (rel in split.whole or rel in split.ran)
+            ):
+                kind = None  # the dataflow ran it and paired it with nothing: it stays whole
             else:
-                kind = _classify(rel)
+                kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
                 out.append((path, kind))
         elif rel in heads:
             hp = heads[rel]
             out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
-            out.append((path, _norm_kind(node)))
+            kind = _norm_kind(node)
+            if kind == "norm" and split is not None and rel in split.grad_sum:
+                kind = "head_norm"  # applied to a column-parallel output: its gradients are partial sums
+            out.append((path, kind))
         elif split is not None and rel in split.grad_sum and not _is_experts(mod):
             out.append((path, "grad_sum"))
         elif _is_experts(mod):
