@@ -606,7 +606,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                         continue  # a separate key/value projection, replicated (kv_replicas)
                     refusal = (
                         f"its {kv} key/value head{'s' if kv != 1 else ''} for {n} query heads (multi-query "
-                        f"attention) sit in the fused {p.rsplit('.', 1)[-1]} beside the query heads, so it "
+                        f"attention) {'sit' if kv != 1 else 'sits'} in the fused {p.rsplit('.', 1)[-1]} beside the query heads, so it "
                         "cannot be split by heads"
                         if role in ("k", "v")
                         else f"its {hn} heads do not split by heads"
