@@ -464,7 +464,11 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 kind = None
             elif role is not None:  # read from the block's dataflow (slapo_lab/sharding/infer.py)
                 kind = _role_kind(role)
-                if kind and role not in ("mlp_in", "mlp_out") and _undivided(split, rel, sch.world_size):
+                if (
+                    kind
+                    and role not in ("mlp_in", "mlp_out")
+                    and _undivided(split, rel, sch.world_size, block)
+                ):
                     kind = (
                         None  # an attention whose heads do not divide stays whole (replicated_dense says why)
                     )
@@ -482,13 +486,25 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 out.append((path, kind))
         elif rel in heads:
             hp = heads[rel]
-            out.append((path, f"head_param:{hp.name}:{hp.axis}"))
+            if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block):
+                out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             kind = _norm_kind(node)
             if kind == "norm" and split is not None and rel in split.grad_sum:
                 kind = "head_norm"  # applied to a column-parallel output: its gradients are partial sums
+            if (
+                kind == "head_norm"
+                and split is not None
+                and _undivided(split, f"{rel}.w", sch.world_size, block)
+            ):
+                kind = "norm"  # its attention stays whole: its gradients are whole too
             out.append((path, kind))
-        elif split is not None and rel in split.grad_sum and not _is_experts(mod):
+        elif (
+            split is not None
+            and rel in split.grad_sum
+            and not _is_experts(mod)
+            and not _undivided(split, f"{rel}.w", sch.world_size, block)
+        ):
             out.append((path, "grad_sum"))
         elif _is_experts(mod):
             out.append((path, "experts"))
@@ -533,7 +549,7 @@ def _shared_attention(block, block_path: str, split, layers: list) -> list:
     return out
 
 
-def _undivided(split, rel: str, ws: int) -> str | None:
+def _undivided(split, rel: str, ws: int, block=None) -> str | None:
     """Why the attention around ``rel`` (a projection of the block's split) cannot split its heads over ``ws``
     ranks (its heads, or its key/value heads, neither divisible by nor dividing ``ws``), or None."""
     attn = max((a for a in split.attention if not a or rel.startswith(a + ".")), key=len, default=None)
@@ -544,6 +560,13 @@ def _undivided(split, rel: str, ws: int) -> str | None:
         return f"its {n} attention heads do not divide by the world size {ws}"
     if kv % ws and ws % kv:
         return f"its {kv} key/value heads neither divide by nor divide the world size {ws}"
+    if (
+        block is not None
+    ):  # a class that keeps its head count where no rank can hold its own (Funnel's config)
+        from .sharding.heads import plan_local_heads, recorded_heads
+
+        mod = block[attn].mod if attn else block.mod
+        return None if recorded_heads(mod) is not None else plan_local_heads(mod, n, kv, ws)[1]
     return None
 
 
@@ -628,7 +651,7 @@ def _dataflow_reason(sch, block: str, rel: str, cache: dict) -> str | None:
     if rel in split.whole:
         return split.whole[rel]
     if split.roles.get(rel) not in (None, "mlp_in", "mlp_out"):
-        why = _undivided(split, rel, sch.world_size)
+        why = _undivided(split, rel, sch.world_size, sch[block])
         if why:
             return why
     parent = rel.rpartition(".")[0]

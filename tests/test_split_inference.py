@@ -344,3 +344,19 @@ def test_inferred_roles_agree_with_transformers_tp_plan(family):
             )
             compared += 1
     assert compared >= 2
+
+
+def test_einsum_attention_is_read_and_a_class_reading_heads_from_its_config_stays_whole():
+    cfg = transformers.FunnelConfig(
+        vocab_size=V, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64
+    )
+    torch.manual_seed(0)
+    sch = sl.create_schedule(transformers.FunnelForMaskedLM(cfg).eval(), world_size=2)
+    s = infer.block_split(sch, "funnel.encoder.blocks.0")  # a list around one layer: paths keep the "0."
+    assert s.roles["0.attention.q_head"] == "q" and s.roles["0.attention.post_proj"] == "o"  # bind,bjnd->bnij
+    calls = presets.megatron_tp(sch)
+    assert "FunnelRelMultiheadAttention reads config.n_head at run time" in calls.notes[0]
+    assert sch["funnel.encoder.blocks.0.0.ffn.linear_2"].mod.weight.shape == (32, 32)  # the MLP is split
+    torch.manual_seed(0)
+    report = numeric_check(transformers.FunnelForMaskedLM(cfg).eval(), sch.record.calls, 2, _inputs("funnel"))
+    assert report.passed, report.message
