@@ -465,29 +465,52 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
         mod = node.mod
         if isinstance(mod, nn.Linear) or _is_conv1d(mod):
             fused, refusal = _fused_kind(node)
+            role = split.roles.get(rel) if split is not None else None
             if refusal:
                 kind = None
-            elif split is not None and (split.roles or split.whole):
-                # read from the block's dataflow (slapo_lab/sharding/infer.py); names are only hints where
-                # the dataflow says nothing about this layer
-                role = split.roles.get(rel)
+            elif role is not None:  # read from the block's dataflow (slapo_lab/sharding/infer.py)
                 kind = _role_kind(role)
-                if kind and role != "mlp_in" and role != "mlp_out" and _undivided(split, rel, sch.world_size):
+                if (
+                    kind
+                    and role not in ("mlp_in", "mlp_out")
+                    and _undivided(split, rel, sch.world_size, block)
+                ):
                     kind = (
                         None  # an attention whose heads do not divide stays whole (replicated_dense says why)
                     )
-                if kind is None and role is None and rel not in split.whole and rel not in split.ran:
-                    kind = fused or _classify(rel)  # a layer the recorded forward did not run
+            elif fused and (split is None or not split.attention):
+                kind = fused  # a layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
+            elif (
+                split is not None
+                and (split.roles or split.whole)
+                and (rel in split.whole or rel in split.ran)
+            ):
+                kind = None  # the dataflow ran it and paired it with nothing: it stays whole
             else:
-                kind = fused or _classify(rel)
+                kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
                 out.append((path, kind))
         elif rel in heads:
             hp = heads[rel]
-            out.append((path, f"head_param:{hp.name}:{hp.axis}"))
+            if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block):
+                out.append((path, f"head_param:{hp.name}:{hp.axis}"))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
-            out.append((path, _norm_kind(node)))
-        elif split is not None and rel in split.grad_sum and not _is_experts(mod):
+            kind = _norm_kind(node)
+            if kind == "norm" and split is not None and rel in split.grad_sum:
+                kind = "head_norm"  # applied to a column-parallel output: its gradients are partial sums
+            if (
+                kind == "head_norm"
+                and split is not None
+                and _undivided(split, f"{rel}.w", sch.world_size, block)
+            ):
+                kind = "norm"  # its attention stays whole: its gradients are whole too
+            out.append((path, kind))
+        elif (
+            split is not None
+            and rel in split.grad_sum
+            and not _is_experts(mod)
+            and not _undivided(split, f"{rel}.w", sch.world_size, block)
+        ):
             out.append((path, "grad_sum"))
         elif _is_experts(mod):
             out.append((path, "experts"))
@@ -532,7 +555,7 @@ def _shared_attention(block, block_path: str, split, layers: list) -> list:
     return out
 
 
-def _undivided(split, rel: str, ws: int) -> str | None:
+def _undivided(split, rel: str, ws: int, block=None) -> str | None:
     """Why the attention around ``rel`` (a projection of the block's split) cannot split its heads over ``ws``
     ranks (its heads, or its key/value heads, neither divisible by nor dividing ``ws``), or None."""
     attn = max((a for a in split.attention if not a or rel.startswith(a + ".")), key=len, default=None)
@@ -543,6 +566,13 @@ def _undivided(split, rel: str, ws: int) -> str | None:
         return f"its {n} attention heads do not divide by the world size {ws}"
     if kv % ws and ws % kv:
         return f"its {kv} key/value heads neither divide by nor divide the world size {ws}"
+    if (
+        block is not None
+    ):  # a class that keeps its head count where no rank can hold its own (Funnel's config)
+        from .sharding.heads import plan_local_heads, recorded_heads
+
+        mod = block[attn].mod if attn else block.mod
+        return None if recorded_heads(mod) is not None else plan_local_heads(mod, n, kv, ws)[1]
     return None
 
 
@@ -635,7 +665,7 @@ def _dataflow_reason(sch, block: str, rel: str, cache: dict) -> str | None:
     if rel in split.whole:
         return split.whole[rel]
     if split.roles.get(rel) not in (None, "mlp_in", "mlp_out"):
-        why = _undivided(split, rel, sch.world_size)
+        why = _undivided(split, rel, sch.world_size, sch[block])
         if why:
             return why
     parent = rel.rpartition(".")[0]

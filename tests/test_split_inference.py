@@ -108,6 +108,22 @@ FAMILIES = {
             "head_dim": 16,
         },
     ),
+    "apertus": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        {**_DENSE, "num_key_value_heads": 2, "intermediate_size": 128},
+    ),
+    "llama_kv3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            **_DENSE,
+            "num_attention_heads": 6,
+            "hidden_size": 48,
+            "num_key_value_heads": 3,
+            "intermediate_size": 96,
+        },
+    ),
     "mamba": (
         "MambaConfig",
         "MambaForCausalLM",
@@ -199,10 +215,16 @@ def test_stablelm_per_head_norm_list_keeps_its_attention_whole_in_one_sentence()
     )
 
 
-FULL = ("gpt_neox", "modernbert", "deepseek_v3", "cohere", "swin", "gpt_oss")
+FULL = ("gpt_neox", "modernbert", "deepseek_v3", "cohere", "swin", "gpt_oss", "apertus")
 
 
-@pytest.mark.parametrize("family", [*FULL, "gpt_bigcode", "stablelm"])
+def test_replicated_parameters_applied_to_a_split_output_sum_their_gradients():
+    s = _split("apertus", "model.layers.0")
+    # XIELU's alpha_p / alpha_n see this rank's intermediate features only, the q/k norms this rank's heads
+    assert s.grad_sum == {"mlp.act_fn", "self_attn.q_norm", "self_attn.k_norm"}
+
+
+@pytest.mark.parametrize("family", [*FULL, "gpt_bigcode", "stablelm", "llama_kv3"])
 def test_the_megatron_preset_is_right_on_the_family(family):
     model = _build(family)
     sch = sl.create_schedule(model, world_size=2)
@@ -215,11 +237,17 @@ def test_the_megatron_preset_is_right_on_the_family(family):
         assert (
             "attn.c_attn, attn.c_proj (GPTBigCodeAttention: its 1 key/value head for 4 query heads" in whole
         )
-    else:
+    elif family == "stablelm":
         assert (
             "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj (StableLmAttention"
             in whole
         )
+    else:  # 3 key/value heads on 2 ranks: the attention stays whole, the MLP is split
+        assert whole == (
+            "Kept whole on every rank: in every block self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
+            "self_attn.o_proj (its 3 key/value heads neither divide by nor divide the world size 2)."
+        )
+        assert sch["model.layers.0.mlp.down_proj"].mod.weight.shape == (48, 48)
     assert [f for f in sl.check_schedule(sch) if f.kind != "replicated"] == []
     report = numeric_check(_build(family), sch.record.calls, 2, _inputs(family))
     assert report.passed, report.message
@@ -319,3 +347,19 @@ def test_inferred_roles_agree_with_transformers_tp_plan(family):
             )
             compared += 1
     assert compared >= 2
+
+
+def test_einsum_attention_is_read_and_a_class_reading_heads_from_its_config_stays_whole():
+    cfg = transformers.FunnelConfig(
+        vocab_size=V, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64
+    )
+    torch.manual_seed(0)
+    sch = sl.create_schedule(transformers.FunnelForMaskedLM(cfg).eval(), world_size=2)
+    s = infer.block_split(sch, "funnel.encoder.blocks.0")  # a list around one layer: paths keep the "0."
+    assert s.roles["0.attention.q_head"] == "q" and s.roles["0.attention.post_proj"] == "o"  # bind,bjnd->bnij
+    calls = presets.megatron_tp(sch)
+    assert "FunnelRelMultiheadAttention reads config.n_head at run time" in calls.notes[0]
+    assert sch["funnel.encoder.blocks.0.0.ffn.linear_2"].mod.weight.shape == (32, 32)  # the MLP is split
+    torch.manual_seed(0)
+    report = numeric_check(transformers.FunnelForMaskedLM(cfg).eval(), sch.record.calls, 2, _inputs("funnel"))
+    assert report.passed, report.message

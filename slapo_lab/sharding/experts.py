@@ -18,6 +18,10 @@ Tensor-parallel experts (Megatron's MLP split applied to every expert; HF's ``mo
   computation, so their gradients are partial too: ``sync(mode="bwd_post", sync_op_or_fn="all_reduce")``
   on the experts module (the ``f`` of Megatron; the integer ``top_k_index`` is left alone).
 
+* an output bias (GPT-OSS's ``down_proj_bias``) is added once over the ranks, as Megatron's row-parallel
+  layer adds its bias after the reduce: rank 0 adds it, the others add it times 0 (so every rank runs the same
+  collectives), and ``sync(bwd_post, all_reduce, param_grads=True)`` sums its gradient over the ranks.
+
 The router (``gate``) stays replicated: every rank routes every token identically. The expert axis (0) is
 refused: expert parallelism needs an all-to-all token exchange that this rule does not provide.
 """

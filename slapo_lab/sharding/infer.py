@@ -263,8 +263,18 @@ class _Recorder(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             self.attention(q, k, v, [mask] if isinstance(mask, torch.Tensor) else [], out, src)
             return
+        if name == "einsum" and self.einsum(args, out, src):
+            return
+        mm = None
         if name in ("matmul", "bmm", "__matmul__") and len(args) >= 2:
-            a, b = self.get(args[0]), self.get(args[1])
+            mm = (args[0], args[1])
+        elif name == "baddbmm":  # BLOOM: alibi.baddbmm(batch1=q, batch2=k^T)
+            mm = (
+                kwargs.get("batch1", args[1] if len(args) > 1 else None),
+                kwargs.get("batch2", args[2] if len(args) > 2 else None),
+            )
+        if mm is not None and all(isinstance(x, torch.Tensor) for x in mm):
+            a, b = self.get(mm[0]), self.get(mm[1])
             if (
                 a is not None
                 and b is not None
@@ -274,12 +284,12 @@ class _Recorder(TorchFunctionMode):
                 and isinstance(out, torch.Tensor)
                 and out.dim() >= 3
             ):
-                self.set(out, _Info({}, src, ((args[0], args[1]),)))
+                self.set(out, _Info({}, src, ((mm[0], mm[1]),)))
                 return
             if a is not None and a.scores is not None and b is not None and _linear_maps(b):
                 q, k = a.scores[0]
-                extras = [args[0]]
-                self.attention(q, k, args[1], extras, out, src, a.scores[1:])
+                extras = [mm[0]]
+                self.attention(q, k, mm[1], extras, out, src, a.scores[1:])
                 return
         outs = list(_tensors(out))
         if not outs:
@@ -310,6 +320,53 @@ class _Recorder(TorchFunctionMode):
             self.set(o, _Info(maps, src, scores))
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def canonical(self, t, axes: list[int]):
+        """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
+        inf = self.get(t)
+        moved = t.movedim(axes, [-3, -2, -1])
+        maps = {p: [m.movedim(axes, [-3, -2, -1]) for m in ms] for p, ms in inf.maps.items()}
+        self.set(moved, _Info(maps, inf.src, inf.scores))
+        return moved
+
+    def einsum(self, args, out, src) -> bool:
+        """Attention written as two einsums (Funnel's ``bind,bjnd->bnij`` then ``bnij,bjnd->bind``): the
+        operands are moved to the matmul layout (heads, rows, features last) and handled as two matmuls."""
+        if not args or not isinstance(args[0], str) or not isinstance(out, torch.Tensor):
+            return False
+        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        eq = args[0].replace(" ", "")
+        if len(ops) != 2 or "..." in eq or "->" not in eq:
+            return False
+        (s1, s2), so = eq.split("->")[0].split(","), eq.split("->")[1]
+        a, b = self.get(ops[0]), self.get(ops[1])
+        if a is None or b is None or len(set(s1)) != len(s1) or len(set(s2)) != len(s2):
+            return False
+        size = {c: ops[0].shape[s1.index(c)] for c in s1} | {c: ops[1].shape[s2.index(c)] for c in s2}
+        heads = [c for c in s1 if c in s2 and c in so and size[c] > 1]
+        if len(heads) != 1:
+            return False
+        h = heads[0]
+        if a.scores is None and _linear_maps(a) and _linear_maps(b):
+            d = [c for c in s1 if c in s2 and c not in so]
+            i = [c for c in s1 if c not in s2 and c in so]
+            j = [c for c in s2 if c not in s1 and c in so]
+            if len(d) != 1 or len(i) != 1 or len(j) != 1:
+                return False
+            q = self.canonical(ops[0], [s1.index(h), s1.index(i[0]), s1.index(d[0])])
+            k = self.canonical(ops[1], [s2.index(h), s2.index(j[0]), s2.index(d[0])])
+            self.set(out, _Info({}, src, ((q, k),)))
+            return True
+        if a.scores is not None and _linear_maps(b):
+            j = [c for c in s1 if c in s2 and c not in so]
+            d = [c for c in s2 if c not in s1 and c in so]
+            if len(j) != 1 or len(d) != 1:
+                return False
+            v = self.canonical(ops[1], [s2.index(h), s2.index(j[0]), s2.index(d[0])])
+            q, k = a.scores[0]
+            self.attention(q, k, v, [ops[0]], out, src, a.scores[1:], (so.index(h), so.index(d[0])))
+            return True
+        return False
 
     def write(self, name: str, args) -> None:
         """An in-place write (``base[idx] = value``, ``base[idx].copy_(value)``): the base's maps get the
@@ -373,7 +430,7 @@ class _Recorder(TorchFunctionMode):
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
-    def attention(self, q, k, v, extras, out, src, pairs=()) -> None:
+    def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
         i = self.n_attn
         self.n_attn += 1
         ev = {
@@ -396,8 +453,11 @@ class _Recorder(TorchFunctionMode):
         if isinstance(out, tuple):
             out = out[0]
         if isinstance(out, torch.Tensor) and out.dim() >= 3:
-            h, dv = out.shape[-3], out.shape[-1]
-            m = (torch.arange(h).view(h, 1, 1) * dv + torch.arange(dv).view(1, 1, dv)).expand(*out.shape[-3:])
+            ha, da = out_axes or (out.dim() - 3, out.dim() - 1)
+            h, dv = out.shape[ha], out.shape[da]
+            shape_h, shape_d = [1] * out.dim(), [1] * out.dim()
+            shape_h[ha], shape_d[da] = h, dv
+            m = torch.arange(h).view(shape_h) * dv + torch.arange(dv).view(shape_d)
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
@@ -598,7 +658,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                         continue  # a separate key/value projection, replicated (kv_replicas)
                     refusal = (
                         f"its {kv} key/value head{'s' if kv != 1 else ''} for {n} query heads (multi-query "
-                        f"attention) sit in the fused {p.rsplit('.', 1)[-1]} beside the query heads, so it "
+                        f"attention) {'sit' if kv != 1 else 'sits'} in the fused {p.rsplit('.', 1)[-1]} beside the query heads, so it "
                         "cannot be split by heads"
                         if role in ("k", "v")
                         else f"its {hn} heads do not split by heads"
@@ -804,6 +864,8 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         kids = list(m)
         if len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
             continue
+        if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
+            continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
         for j, kid in enumerate(kids):
             sig = (type(kid), tuple((r, type(x).__name__) for r, x in kid.named_modules()))
             if sig in seen:
@@ -1117,6 +1179,27 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
     )
 
 
+def _prefixed(split: BlockSplit, prefix: str) -> BlockSplit:
+    """``split`` with ``prefix`` put before every path (the block seen from a container around it)."""
+    pre = prefix + "."
+
+    def add(d):
+        return {pre + k: v for k, v in d.items()}
+
+    return BlockSplit(
+        add(split.roles),
+        add(split.layouts),
+        add(split.whole),
+        [HeadParam(pre + hp.module, hp.name, hp.axis, hp.heads) for hp in split.head_params],
+        {pre + k if k else prefix: v for k, v in split.attention.items()},
+        {pre + k if k else prefix: v for k, v in split.refusals.items()},
+        add(split.refused_roles),
+        {pre + k for k in split.shared},
+        {pre + k for k in split.grad_sum},
+        {pre + k for k in split.ran},
+    )
+
+
 def block_split(sch, block_path: str) -> BlockSplit | None:
     """The :class:`BlockSplit` of the block at ``block_path`` (relative to ``sch``), read from the analysed
     block of the same structure (or the analysed block around it), or None when the dataflow could not be
@@ -1133,6 +1216,9 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     for p, split in result.items():
         if full.startswith(p + "."):
             return _sub_split(split, full[len(p) + 1 :])
+    inner = [p for p in result if p.startswith(full + ".") or not full]
+    if len(inner) == 1:  # the requested block is a container around one analysed block
+        return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     mod = top.mod.get_submodule(full) if full else top.mod
     sig = _signature(mod)
     for p, split in result.items():
@@ -1143,6 +1229,11 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
         for rel, sub in outer.named_modules():
             if rel and _signature(sub) == sig:
                 return _sub_split(split, rel)
+    for p, split in result.items():  # a container around a block of an analysed structure (Funnel's lists)
+        want = _signature(top.mod.get_submodule(p))
+        found = [rel for rel, sub in mod.named_modules() if rel and _signature(sub) == want]
+        if len(found) == 1:
+            return _prefixed(split, found[0])
     return None
 
 
