@@ -78,7 +78,7 @@ WORLD_SIZE = 2
 CHECK_TIMEOUT = 100.0
 BATCH, SEQ, DEC_SEQ, IMAGE = 2, 16, 8, 32
 SMALL = {"layers": 2, "heads": 4, "head_dim": 16, "hidden": 64, "inter": 128, "experts": 4, "vocab": 256}
-TABLE_PATHS = (Path("/work/sweep/latest.txt"), ROOT / "artifacts" / "family_sweep.md")
+TABLE_PATHS = (ROOT / "artifacts" / "family_sweep.md",)  # artifacts/ is git-ignored
 
 
 @dataclasses.dataclass
