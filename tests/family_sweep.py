@@ -41,8 +41,8 @@ Classes (:class:`Result`.status):
 
 Each family runs in one of at most 2 worker processes (``spawn``), each with a per-family timeout: a hang or
 a hard crash of a family kills only its worker, which is started again. Run ``python -m tests.family_sweep``
-(``--only a,b``, ``--workers``, ``--timeout``) for the table; it is also written to ``/work/sweep/latest.txt``
-(when writable) and ``artifacts/family_sweep.md``.
+(``--only a,b``, ``--workers``, ``--timeout``) for the table; it is also written to
+``artifacts/family_sweep.md``.
 """
 
 from __future__ import annotations

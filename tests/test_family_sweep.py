@@ -3,7 +3,7 @@
 Every family of transformers' seq2seq, masked-LM, causal-LM and image-classification auto mappings is built
 tiny from its config class, gets the Megatron preset at TP 2 as the editor applies it, and the numeric check;
 the test prints the table (family | ✓ full | ✓ partial: what and why | refused: why | ✗ | crash) with the
-counts, writes it to ``artifacts/family_sweep.md`` (and ``/work/sweep/latest.txt`` where that is writable).
+counts, writes it to ``artifacts/family_sweep.md``.
 
 What must hold today: every family is classified within its timeout, the harness itself never fails, and the
 families the suite already proves end to end (the README's list) are ✓ full. The issue's goal (✓ full on at
