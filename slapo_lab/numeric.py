@@ -176,6 +176,12 @@ def _plan_blocks(
                 first_of[sig] = b
                 last = i
             alias[b] = first_of[sig]
+        cut_last = any(
+            c.primitive == "cut_pipeline_stage" and _block_of(c.path, [members[last]]) for c in calls
+        )
+        if cut_last and last + 1 < len(members):  # a stage ends at the last kept block: keep the next one as
+            last += 1  # itself too, or the copy's stage after the cut would be empty where the model's is not
+            alias[members[last]] = members[last]
         keep[parent] = last + 1
     return keep, alias
 
@@ -461,9 +467,12 @@ def shrunk_copy(
 
     meta = meta_copy(reference)
     blocks = find_blocks(create_schedule(meta, world_size=world_size))
-    shapes = {
-        b: tuple((n, tuple(p.shape)) for n, p in meta.get_submodule(b).named_parameters()) for b in blocks
-    }
+    params = {b: dict(meta.get_submodule(b).named_parameters()) for b in blocks}
+    stack_of = {b: b.rsplit(".", 1)[0] if "." in b else "" for b in blocks}
+    common: dict[str, set[str]] = {}
+    for b in blocks:  # the parameters every block of the stack has (T5's block 0 alone holds its bias table)
+        common[stack_of[b]] = common.get(stack_of[b], set(params[b])) & set(params[b])
+    shapes = {b: tuple((n, tuple(params[b][n].shape)) for n in sorted(common[stack_of[b]])) for b in blocks}
     keep, alias = _plan_blocks(calls, blocks, shapes)
     lengths = {p: sum(1 for b in blocks if (b.rsplit(".", 1)[0] if "." in b else "") == p) for p in keep}
     mapped = _map_calls(calls, blocks, alias)
@@ -884,14 +893,18 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     compared."""
     from .module_state import peek_meta
 
-    rel: dict[tuple, float] = {}
+    diffs: dict[tuple, tuple[float, float]] = {}
     for key in sch.grad_order:
         a, b = sch.grads[key], ref.grads.get(key)
         if b is None or a.shape != b.shape:
             continue
         d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-        scale = float(b.double().abs().max()) if b.numel() else 0.0
-        rel[key] = d / (scale + GRAD_ATOL)
+        diffs[key] = d, float(b.double().abs().max()) if b.numel() else 0.0
+    # the float noise of the whole backward: a gradient that is zero in exact arithmetic (keys whose values
+    # are all equal, as with identical tokens) holds only that noise, which is no fault however large a part
+    # of its own tiny scale it is
+    floor = GRAD_NOISE * max((scale for _d, scale in diffs.values()), default=0.0)
+    rel = {key: d / (scale + max(GRAD_ATOL, floor)) for key, (d, scale) in diffs.items()}
     worst: dict[str, float] = {}
     for (name, _call, _where), r in rel.items():
         worst[name] = max(worst.get(name, 0.0), r)

@@ -1,5 +1,6 @@
 """Kernel-side tests of the ScheduleEditor: simulated front-end messages and button clicks."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -446,8 +447,8 @@ def test_export_form_refuses_bad_input_in_one_sentence_and_keeps_it(editor, tmp_
     )  # tp 2 x pp 2 x dp 2
     assert editor.apply("cut_pipeline_stage", path="encoder.layer.1") is None
     editor._btn_export.click()
-    assert editor.message.startswith(
-        "Not exported: the pipeline cannot be built from this schedule: The 2 cuts"
+    assert re.match(
+        r"Not exported: the pipeline cannot be built from this schedule: The \d cuts", editor.message
     )
 
 
