@@ -1148,8 +1148,8 @@ def numeric_check(
                 blocks=kept,
                 params=n_params,
             )
-    try:
-        base(**inputs)
+    try:  # on a copy: a forward may leave non-leaf tensors on the modules (RecurrentGemma's state), which
+        copy.deepcopy(base)(**inputs)  # the ranks' copies of ``base`` could then not deep-copy
     except Exception as err:  # noqa: BLE001 - the unscheduled copy itself: the check cannot judge the schedule
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return done(
