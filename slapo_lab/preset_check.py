@@ -176,18 +176,9 @@ def _reference(sch, earlier_calls: int):
 
 
 def _inputs(sch, model: nn.Module) -> dict | None:
-    """The example inputs the schedule remembers, else ones made from the model's config
-    (:func:`slapo_lab.inputs.inputs_from_config`), else ``input_ids`` for a forward that takes them."""
-    from .inputs import inputs_from_config
+    """The example inputs for the gate's check (:func:`slapo_lab.numeric.remembered_inputs`), or None."""
     from .numeric import remembered_inputs
-    from .pipeline.order import _INPUTS_KEY
 
-    stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
-    if stored:
-        return dict(stored)
-    made = inputs_from_config(model)
-    if made:
-        return made
     try:
         return remembered_inputs(sch, model)
     except ScheduleError:
@@ -277,8 +268,7 @@ def gate(
         for region, reason in why:
             skip.setdefault(region.key, reason)
             labels[region.key] = region
-        # applied again without those regions, and checked again: the application may differ from the calls
-        # the check left out (the layers of a block are read from its dataflow, which the schedule can change)
+        # applied again without those regions and checked again: what is committed is what was checked
     else:  # pragma: no cover - bounded by the number of regions
         raise ScheduleError("The preset could not settle on a right schedule.")
     if skip and not applied.calls:

@@ -797,6 +797,17 @@ def _meta_vals(graph: fx.Graph) -> None:
 # ------------------------------------------------------------------------------------------------
 # fx.GraphModules out of torch.export
 # ------------------------------------------------------------------------------------------------
+_PLAIN_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
 _STATE_KEYS = frozenset(
     {
         "training",
@@ -804,14 +815,8 @@ _STATE_KEYS = frozenset(
         "_buffers",
         "_non_persistent_buffers_set",
         "_modules",
-        "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs",
-        "_forward_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_backward_pre_hooks",
-        "_backward_hooks",
         "_is_full_backward_hook",
+        *_PLAIN_HOOKS,
     }
 )
 
@@ -1575,17 +1580,6 @@ def set_child(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, new)
     if isinstance(parent, _interp_types()) and is_traced(parent):
         parent.finalize()
-
-
-_PLAIN_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
 
 
 def _move_plain_hooks(old: nn.Module, new: nn.Module) -> None:
