@@ -169,3 +169,39 @@ def test_the_watchdog_alone_ends_a_rank_whose_parent_died(tmp_path):
             parent.wait()
         if child is not None and _alive(child):
             child.kill()
+
+
+_FINISHED = """
+import atexit, sys
+from slapo_lab.train import lifeline
+atexit.register(lambda: print("interpreter teardown ran"))
+print("run done")
+sys.exit(lifeline.finish(int(sys.argv[1])) + 100)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_finished_launched_rank_skips_the_interpreter_teardown(launched):
+    """A launched rank ends in :func:`lifeline.finish` with the run's status and its output flushed, without the
+    teardown whose unordered frees of gloo groups aborted ranks after a good run; elsewhere it only returns."""
+    import sys
+
+    env = child_env()
+    for key in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "CROSS_RANK"):
+        env.pop(key, None)
+    if launched:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    r = subprocess.run(
+        [sys.executable, "-c", _FINISHED, "3"],
+        check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.stdout.startswith("run done"), r.stdout + r.stderr
+    if launched:
+        assert r.returncode == 3 and "teardown" not in r.stdout
+    else:
+        assert r.returncode == 103 and "interpreter teardown ran" in r.stdout

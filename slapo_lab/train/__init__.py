@@ -23,15 +23,16 @@ The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placemen
 
 def main(**kwargs) -> int:
     """The entry point of exported scripts: the launch checks of :mod:`slapo_lab.train.preflight` (no torch
-    imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then)."""
+    imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then); a rank that a launcher started ends there (:func:`slapo_lab.train.lifeline.finish`)."""
     from .preflight import preflight
 
     checked = preflight(**kwargs)
     if isinstance(checked, int):
         return checked
+    from .lifeline import finish
     from .loop import main as _main
 
-    return _main(**kwargs, checked=checked)
+    return finish(_main(**kwargs, checked=checked))
 
 
 __all__ = ["main"]

@@ -119,6 +119,31 @@ def arm(poll: float = 0.5, *, force: bool = False) -> str | None:
     return how
 
 
+def finish(code: int) -> int:
+    """End a launched rank that has finished its run (process group destroyed, writers closed) with ``code``.
+
+    A process that a launcher started (:func:`launcher_of`) leaves through ``os._exit`` after flushing
+    ``sys.stdout``, ``sys.stderr`` and :mod:`logging`: the interpreter's teardown would free, in no set order,
+    the gloo process groups and the DeepSpeed engine that module-level state still references, and a gloo
+    worker thread destroyed while joinable aborts the process (``terminate called without an active
+    exception``, SIGABRT) after a run that succeeded -- torchrun then reports the job failed and SIGTERMs the
+    other ranks. Anything else (a notebook, a test, a plain ``python script.py``) gets ``code`` back.
+
+    Raises:
+        Nothing; a launched rank does not return.
+    """
+    if launcher_of() is None:
+        return code
+    import logging
+
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    finally:
+        os._exit(code)
+
+
 def check() -> None:
     """End the process now if it was armed and its launcher is gone (call before writing anything that a
     relaunch could also write: a checkpoint)."""
