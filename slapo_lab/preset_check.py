@@ -33,11 +33,11 @@ from collections.abc import Callable
 from torch import nn
 
 from .errors import ScheduleError
+from .pipeline.order import REFERENCE_KEY
 from .record import Call
 
 __all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]
 
-_REFERENCE_KEY = "numeric_reference"
 #: ``extra`` key of the schedule: ``{layer path: why a preset kept it whole}`` (read by
 #: :func:`slapo_lab.presets.replicated_dense` for the coverage note).
 KEPT_WHOLE_KEY = "kept_whole"
@@ -154,13 +154,13 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
 
 def set_reference(sch, model: nn.Module) -> None:
     """Remember ``model``, the unscheduled model ``sch`` was made from (the editor's), for :func:`gate`."""
-    sch.get_top_schedule()._top.extra[_REFERENCE_KEY] = model
+    sch.get_top_schedule()._top.extra[REFERENCE_KEY] = model
 
 
 def _reference(sch, earlier_calls: int):
     """``(reference, from_config, needs_undo)`` for the gate's check, or ``(None, reason, False)``."""
     top = sch.get_top_schedule()
-    ref = top._top.extra.get(_REFERENCE_KEY)
+    ref = top._top.extra.get(REFERENCE_KEY)
     if ref is not None:
         return ref, False, False
     cfg = getattr(top.mod, "config", None)

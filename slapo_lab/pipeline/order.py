@@ -32,6 +32,9 @@ from ..module_state import META_ATTR
 
 _CACHE_KEY = "pipeline_call_order"
 _INPUTS_KEY = "example_inputs"
+#: ``extra`` key of the top schedule: the unscheduled model it was made from, with real weights, where the caller
+#: gave one (:func:`slapo_lab.preset_check.set_reference`; the editor's user model).
+REFERENCE_KEY = "numeric_reference"
 
 
 @dataclass

@@ -104,6 +104,7 @@ _FACTORY_OPS = frozenset(
 )
 _WRITE_OPS = frozenset({"copy_", "__setitem__"})
 _MAX_MAPS = 3
+_BOOL = torch.Tensor.__bool__
 
 
 def _is_dense(mod: nn.Module) -> bool:
@@ -222,6 +223,10 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _BOOL and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            # meta tensors have no values: a data-dependent ``if mask.all():`` (transformers' packed-sequence and
+            # padding checks) takes the branch of full, unpadded inputs -- the example inputs' case
+            return True
         out = func(*args, **kwargs)
         if self.active:
             try:
@@ -1145,9 +1150,25 @@ def ensure(sch) -> None:
     top = sch.get_top_schedule()
     if top.mod in _DONE:
         return
-    from ..pipeline.order import _INPUTS_KEY
+    _analyse_top(top)
 
-    analyse(top.mod, top._top.extra.get(_INPUTS_KEY))
+
+def _analyse_top(top) -> dict[str, BlockSplit]:
+    """:func:`analyse` of the top schedule's model; where its forward cannot run (a meta copy whose forward
+    reads tensor values, such as DeBERTa's relative positions), of the unscheduled model with real weights the
+    schedule remembers (:data:`slapo_lab.pipeline.order.REFERENCE_KEY`), whose modules have the same paths."""
+    from ..pipeline.order import _INPUTS_KEY, REFERENCE_KEY
+
+    inputs = top._top.extra.get(_INPUTS_KEY)
+    result = analyse(top.mod, inputs)
+    ref = top._top.extra.get(REFERENCE_KEY)
+    if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
+        return result
+    result = analyse(ref, inputs)
+    if result:
+        with _LOCK:
+            _DONE[top.mod] = result
+    return result
 
 
 def _signature(mod: nn.Module) -> tuple:
@@ -1205,9 +1226,7 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     block of the same structure (or the analysed block around it), or None when the dataflow could not be
     recorded."""
     top = sch.get_top_schedule()
-    from ..pipeline.order import _INPUTS_KEY
-
-    result = analyse(top.mod, top._top.extra.get(_INPUTS_KEY))
+    result = _analyse_top(top)
     if not result:
         return None
     full = ".".join(p for p in (sch.path, block_path) if p)
