@@ -310,7 +310,7 @@ class ScheduleEditor(EditorState, W.VBox):
             self._hide_progress()
             self._error(f"Verify could not start: {err}")
             return None
-        nproc = self.num_ranks * options.get("dp", 1)
+        nproc = self.dims(options.get("dp", 1)).world_size
         dev, note = plan_device(nproc, device)
         if dev == "cpu":
             too_big = cpu_verify_too_big(sum(p.numel() for p in self.model.parameters()), nproc)
@@ -1445,7 +1445,7 @@ class ScheduleEditor(EditorState, W.VBox):
         dp; returns the sentence saying why the shape does not fit, or None."""
         from .cluster import data_parallel, degrees_text, tp_choices
 
-        pp = self.num_ranks // self.world_size
+        pp = self.dims().pp
         dp, problem = data_parallel(self._cluster, self.world_size, pp)
         for w, v in ((self._nodes, self._cluster.nodes), (self._gpn, self._cluster.gpus_per_node)):
             if w.value != v:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..parallel_dims import ParallelDims
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusterShape:
@@ -54,17 +56,17 @@ def data_parallel(shape: ClusterShape, tp: int, pp: int) -> tuple[int, str | Non
         ``(dp, None)``, or ``(dp, sentence)`` when the replicas do not fill the cluster exactly or TP spans
         nodes (``dp`` is then the largest that fits, at least 1).
     """
-    per_replica = tp * pp
-    dp = max(1, shape.gpus // per_replica)
-    if per_replica > shape.gpus:
+    dims, idle = ParallelDims.filling(shape.gpus, tp, pp)
+    per_replica, dp = dims.replica, dims.dp
+    if idle < 0:
         return 1, (
             f"One replica needs TP {tp} × PP {pp} = {per_replica} GPUs, more than the {shape.gpus} of {shape}."
         )
-    if shape.gpus % per_replica:
+    if idle:
         return dp, (
             f"TP {tp} × PP {pp} = {per_replica} GPUs per replica does not divide the {shape.gpus} GPUs of {shape}: "
-            f"{dp} replica{'s use' if dp != 1 else ' uses'} {dp * per_replica} and leave"
-            f"{'' if dp != 1 else 's'} {shape.gpus - dp * per_replica} idle."
+            f"{dp} replica{'s use' if dp != 1 else ' uses'} {dims.world_size} and leave"
+            f"{'' if dp != 1 else 's'} {idle} idle."
         )
     if tp > shape.gpus_per_node:
         return dp, (
@@ -80,5 +82,5 @@ def degrees_text(tp: int, pp: int, dp: int, shard: str | None = None) -> str:
     return (
         f"tensor parallel {tp} · pipeline {pp} stage{'s' if pp != 1 else ''} · data parallel {dp}"
         + (f" ({shard_name})" if shard_name and dp > 1 else "")
-        + f" = {tp * pp * dp} GPUs"
+        + f" = {ParallelDims(tp, pp, dp).world_size} GPUs"
     )

@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import check_primitive, create_schedule
 from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims
 from ..preset_check import set_reference
 from ..record import format_call, gc_paused
 from ..utils import meta_copy
@@ -221,8 +222,7 @@ class EditorState(SchedulePersistence):
         fit (data parallelism is then the largest that fits), or None."""
         from .cluster import data_parallel
 
-        pp = self.num_ranks // self.world_size
-        return data_parallel(self._cluster, self.world_size, pp)[1]
+        return data_parallel(self._cluster, self.world_size, self.dims().pp)[1]
 
     def _show_message(self, text: str, error: bool) -> None:
         """Hook: show ``text`` on the message line ("" clears it), as a refusal when ``error``."""
@@ -280,7 +280,13 @@ class EditorState(SchedulePersistence):
     @property
     def num_ranks(self) -> int:
         """Processes one replica needs: tensor-parallel width × pipeline stages."""
-        return self.world_size * (len(self.schedule.metadata.primitives.get("cut_pipeline_stage", [])) + 1)
+        return self.dims().replica
+
+    def dims(self, dp: int = 1) -> ParallelDims:
+        """The schedule's degrees with ``dp`` replicas: tp is the schedule's width, pp its stages (one per
+        pipeline rank; cuts + 1)."""
+        stages = len(self.schedule.metadata.primitives.get("cut_pipeline_stage", [])) + 1
+        return ParallelDims(self.world_size, stages, dp)
 
     @property
     def message(self) -> str:
@@ -848,7 +854,7 @@ class EditorState(SchedulePersistence):
         (:func:`slapo_lab.export.script.launch_here`)."""
         from ..export.script import launch_here
 
-        return launch_here(self.num_ranks * dp, _shown_path(script), launcher, gpus)
+        return launch_here(self.dims(dp).world_size, _shown_path(script), launcher, gpus)
 
     def _example_sizes(self) -> tuple[int | None, int | None]:
         """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
@@ -957,9 +963,9 @@ class EditorState(SchedulePersistence):
             raise _export_error("FSDP and ZeRO both shard over the data-parallel replicas; choose one.")
         batch_default, seq_default = self._example_sizes()
         batch = o.get("global_batch_size", batch_default or 1)
-        stages = self.num_ranks // self.world_size
+        stages = self.dims().pp
         # the runtime's micro-batch (slapo_lab.train.loop): given, or the global batch / (dp x pipeline stages)
-        micro = o.get("micro_batch_size") or max(1, batch // (dp * stages))
+        micro = ParallelDims(dp=dp).micro_batches(batch, o.get("micro_batch_size"), stages)[0]
         if batch % dp or batch % (micro * dp):
             if "micro_batch_size" in o:
                 raise _export_error(

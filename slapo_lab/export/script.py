@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..parallel_dims import ParallelDims
 from .fold import schedule_lines
 from .spec import (
     ExportError,
@@ -81,9 +82,8 @@ def _check_defaults(defaults: dict | None, launcher: str) -> dict:
 
 
 def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict) -> list[str]:
-    unit = tp * stages
-    dp = int(defaults.get("dp") or 1)
-    n = unit * dp
+    dims = ParallelDims(tp, stages, int(defaults.get("dp") or 1))
+    unit, dp, n = dims.replica, dims.dp, dims.world_size
     data = " --data corpus.jsonl --tokenizer TOKENIZER_DIR --seq-len 1024" if "data" not in defaults else ""
     model = " --model-path HF_DIR" if "model_path" not in defaults else ""
     if launcher == "deepspeed":
@@ -126,9 +126,9 @@ def _micro_batch_rows(inputs: dict, stages: int, defaults: dict) -> tuple[int, i
     """``(micro-batches per step, rows per micro-batch)`` of the script's defaults (as the run computes them)."""
     batch, _ = example_sizes(inputs)
     g = int(defaults.get("global_batch_size") or batch or 1)
-    dp = int(defaults.get("dp") or 1)
-    micro = int(defaults.get("micro_batch_size") or max(1, g // (dp * max(1, stages))))
-    return max(1, g // (micro * dp)), micro
+    dims = ParallelDims(dp=int(defaults.get("dp") or 1))
+    micro, accumulation = dims.micro_batches(g, int(defaults.get("micro_batch_size") or 0) or None, stages)
+    return accumulation, micro
 
 
 def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict, model) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims
 from .order import _split_inputs
 
 _INT_OF = {
@@ -199,8 +200,9 @@ def build_deepspeed(
             )
     pp = partition.num_stages
     ws = dist.get_world_size()
-    dp = ws // pp
-    if dp * pp != ws or (pm.dp_group is not None and dist.get_world_size(pm.dp_group) != dp):
+    dims = ParallelDims.for_world(ws, pp=pp)
+    dp = dims.dp if dims is not None else 0
+    if dims is None or (pm.dp_group is not None and dist.get_world_size(pm.dp_group) != dp):
         raise ScheduleError(
             f"target='deepspeed' supports pipeline x data parallelism only: the world size {ws} must "
             f"be {pp} stages x the data-parallel size (tensor parallelism is not supported there)."

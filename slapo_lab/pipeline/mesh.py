@@ -1,8 +1,8 @@
 """One device mesh for tensor x pipeline x data parallelism.
 
-Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (dp, pp, tp),
-mesh_dim_names=("dp", "pp", "tp"))``: global rank ``= (d * pp + p) * tp + t``; tensor-parallel
-groups are the innermost (neighbouring ranks), as in Megatron-LM.
+Ranks are laid out as :meth:`slapo_lab.parallel_dims.ParallelDims.build_mesh` does
+(``init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))``): global rank
+``= (d * pp + p) * tp + t``; tensor-parallel groups are the innermost (neighbouring ranks), as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims, ParallelDimsError
 
 
 @dataclass
@@ -47,24 +48,23 @@ def make_mesh(tp: int = 1, pp: int = 1, dp: int = 1, device: str = "cpu") -> Pip
         ScheduleError: if ``torch.distributed`` is not initialised, a size is not a positive
             integer, or the world size is not ``tp * pp * dp``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ScheduleError(f"make_mesh: {name} must be a positive integer, not {v!r}.")
+    try:
+        dims = ParallelDims(tp, pp, dp)
+    except ParallelDimsError as err:
+        raise ScheduleError(f"make_mesh: {err}") from None
     if not (dist.is_available() and dist.is_initialized()):
         raise ScheduleError(
             "make_mesh needs an initialised torch.distributed process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)."
         )
     ws = dist.get_world_size()
-    if ws != tp * pp * dp:
+    if ws != dims.world_size:
         raise ScheduleError(
-            f"The world size is {ws}, but tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp}; "
+            f"The world size is {ws}, but tp={tp} x pp={pp} x dp={dp} = {dims.world_size}; "
             "the mesh must cover every rank exactly once."
         )
-    mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    r = dist.get_rank()
+    mesh = dims.build_mesh(device)
+    dp_rank, pp_rank, tp_rank = dims.coords(dist.get_rank())
     return PipelineMesh(
         mesh,
         mesh.get_group("tp"),
@@ -73,7 +73,7 @@ def make_mesh(tp: int = 1, pp: int = 1, dp: int = 1, device: str = "cpu") -> Pip
         tp,
         pp,
         dp,
-        r % tp,
-        (r // tp) % pp,
-        r // (tp * pp),
+        tp_rank,
+        pp_rank,
+        dp_rank,
     )

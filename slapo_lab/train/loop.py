@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims
 from .phases import say_phase
 
 
@@ -324,9 +325,9 @@ class Run:
                     lm_labels=True,
                 )
             g = args.global_batch_size
-            self.micro = args.micro_batch_size or max(
-                1, g // (lay.dp * (self.stages if self.pipeline else 1))
-            )
+            self.micro = lay.dims.micro_batches(
+                g, args.micro_batch_size, self.stages if self.pipeline else 1
+            )[0]
             self.plan = BatchPlan(
                 self.data.num_samples,
                 g,
@@ -1108,12 +1109,10 @@ def main(
 
         from .deepspeed import ds_config
 
-        world = int(os.environ.get("WORLD_SIZE", tp * stages))
-        dp = args.dp or max(1, world // (tp * stages))
-        micro = args.micro_batch_size or max(1, args.global_batch_size // (dp * (max(1, stages))))
-        print(
-            json.dumps(ds_config(args, micro, max(1, args.global_batch_size // (micro * dp)), dp), indent=2)
-        )
+        world = int(os.environ.get("WORLD_SIZE", ParallelDims(tp, stages).world_size))
+        dims = ParallelDims(tp, stages, args.dp or ParallelDims.filling(world, tp, stages)[0].dp)
+        micro, accumulation = dims.micro_batches(args.global_batch_size, args.micro_batch_size, stages)
+        print(json.dumps(ds_config(args, micro, accumulation, dims.dp), indent=2))
         return 0
     device, error = _device_of(args)
     if not error and stages > 1 and device.startswith("cuda") and _backend(args) == "gloo":

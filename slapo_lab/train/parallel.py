@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel_dims import ParallelDims
 from ..sharding.placements import fsdp_dim_for
 from .preflight import layout_problem
 
@@ -65,8 +66,13 @@ class Layout:
         return self.mesh.dp_rank
 
     @property
+    def dims(self) -> ParallelDims:
+        """The degrees (:class:`~slapo_lab.parallel_dims.ParallelDims`): every derived size comes from it."""
+        return ParallelDims(self.tp, self.pp, self.dp)
+
+    @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.dims.world_size
 
     def describe(self) -> str:
         """``tp 2 x pp 1 x dp 2 (FSDP2)``."""
@@ -111,10 +117,11 @@ def make_layout(
     problem = layout_problem(tp, stages, world, dp, stages_per_rank, launch_hint)
     if problem:
         raise LayoutError(problem)
-    pp = stages // stages_per_rank
-    got = world // (tp * pp)
-    mesh = make_mesh(tp=tp, pp=pp, dp=got, device=device)
-    return Layout(tp, pp, got, stages_per_rank, mesh, mesh.mesh["dp", "tp"], fsdp=fsdp and got > 1)
+    dims = ParallelDims.for_world(world, tp, stages // stages_per_rank)
+    mesh = make_mesh(tp=dims.tp, pp=dims.pp, dp=dims.dp, device=device)
+    return Layout(
+        dims.tp, dims.pp, dims.dp, stages_per_rank, mesh, mesh.mesh["dp", "tp"], fsdp=fsdp and dims.dp > 1
+    )
 
 
 def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout: Layout) -> list:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..parallel_dims import ParallelDims
 from .args import build_parser, parse_args
 
 # The file kinds --data reads, by extension: the ``datasets`` packaged builder that reads each.
@@ -266,10 +267,10 @@ def layout_problem(
     if stages % stages_per_rank:
         return f"--stages-per-rank {stages_per_rank} does not divide the {stages} pipeline stages."
     pp = stages // stages_per_rank
-    unit = tp * pp
-    got = world // unit
-    if world % unit or (dp is not None and dp != got) or got < 1:
-        want = unit * (dp or max(got, 1))
+    unit = ParallelDims(tp, pp).replica
+    dims = ParallelDims.for_world(world, tp, pp) if world >= 1 else None
+    if dims is None or (dp is not None and dp != dims.dp):
+        want = ParallelDims(tp, pp, dp or (dims.dp if dims else max(world // unit, 1))).world_size
         need = f"--dp {dp} x {unit} = {want}" if dp else f"a multiple of {unit}"
         return (
             f"This schedule runs tp={tp} (tensor parallel) x pp={pp} (pipeline) x dp processes, so the "
