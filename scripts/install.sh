@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything slapo-lab needs on a fresh Debian machine, idempotently:
-# Debian packages (graphviz, chromium), a venv in .venv with torch==2.13.0 (CPU wheel) first,
+# Debian packages (graphviz, chromium), a venv in .venv with torch (CPU wheel, pinned in pyproject.toml) first,
 # then the package itself (`pip install -e .[test]`, whose build produces the labextension).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -19,8 +19,9 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
 "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-# torch first, pinned, so that nothing later pulls the CUDA build.
-"$PY" -m pip install -q torch==2.13.0
+# torch first, pinned, so that nothing later pulls the CUDA build; the pin's one home is pyproject.toml.
+TORCH_PIN=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
+"$PY" -m pip install -q "$TORCH_PIN"
 "$PY" -m pip install -q -e ".[test]"
 # DeepSpeed without its CUDA ops (pipeline runtime "deepspeed").
 DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.19" || echo "[install] deepspeed not installed; its runtime tests will be skipped"

@@ -4,6 +4,7 @@ The public API, and nothing else: the editor and exported scripts use only these
 """
 
 import importlib
+import importlib.metadata
 import sys
 import types
 
@@ -13,7 +14,10 @@ from .train import lifeline as _lifeline
 
 _lifeline.arm()
 
-__version__ = "0.1.0"
+try:  # the one home of the version is pyproject.toml; the installed distribution's metadata carries it
+    __version__ = importlib.metadata.version("slapo-lab")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 # The public names and the module each comes from. They are imported on first use (PEP 562), all at once, in
 # this order: ``import slapo_lab.train.preflight`` (an exported script's launch checks) must not pay for torch,

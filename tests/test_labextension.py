@@ -63,6 +63,11 @@ def test_module_version_matches_package_json():
     pkg = json.loads((REPO / "package.json").read_text())
     assert pkg["name"] == MODULE_NAME
     assert MODULE_VERSION == f"^{pkg['version']}"
+    # package.json is the version's one home: pyproject.toml reads it (hatch's nodejs source), Python from metadata
+    import slapo_lab
+
+    assert slapo_lab.__version__ == pkg["version"]
+    assert 'source = "nodejs"' in (REPO / "pyproject.toml").read_text()
     version_ts = (REPO / "labextension" / "src" / "version.ts").read_text()
     assert f"MODULE_VERSION = '{pkg['version']}'" in version_ts
     assert f"MODULE_NAME = '{MODULE_NAME}'" in version_ts

@@ -67,12 +67,15 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Dict, Int, List, Unicode
 
+from .. import __version__ as _version
+
 __all__ = ["ACTIONS", "MINIMAP_NODES", "MODULE_NAME", "MODULE_VERSION", "GraphWidget"]
 
 #: npm package / widget module name of the browser half.
 MODULE_NAME = "slapo-lab"
-#: Semver range of the browser module this Python class talks to (package.json ``version``).
-MODULE_VERSION = "^0.1.0"
+#: Semver range of the browser module this Python class talks to: the distribution's version, which is the
+#: labextension's (pyproject.toml reads it from package.json: ``[tool.hatch.version] source = "nodejs"``).
+MODULE_VERSION = "^" + _version.split("+")[0]
 #: Drawings with more nodes than this get a minimap in the browser (``widget.ts`` ``MINIMAP_NODES``).
 MINIMAP_NODES = 40
 

@@ -3,7 +3,7 @@
 ::
 
     {"schema": "slapo-lab/schedule", "version": 1,
-     "meta": {"model": <model spec>, "inputs": <input spec>, "world_size": 2, "slapo_lab": "0.1.0"},
+     "meta": {"model": <model spec>, "inputs": <input spec>, "world_size": 2, "slapo_lab": <slapo_lab.__version__>},
      "calls": [{"path": "encoder.layer.0.attention.self.query", "primitive": "shard",
                 "args": ["weight"], "kwargs": {"axis": 0}}, ...]}
 
