@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
 from slapo_lab.editor import EditorState
 
 Q = "encoder.layer.0.attention.self.query"
@@ -155,6 +157,49 @@ def test_apply_to_similar_is_one_action_and_resets(bert):
     assert "2 similar modules" in st.message
     st.undo()
     assert st.code == ""
+
+
+class _Counted(torch.nn.Module):
+    """A block whose forward reads a call counter when ``stateful``: recomputing it in backward (checkpoint)
+    sees another count, so its gradients change; the plain blocks of the same class are safe to checkpoint."""
+
+    def __init__(self, stateful: bool, inner: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, inner), torch.nn.Linear(inner, 16)
+        self.stateful, self.calls = stateful, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.relu(self.fc1(x))
+        if self.stateful:
+            h = h * (1 + self.calls % 2)
+        return x + self.fc2(h)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            [_Counted(False, 32), _Counted(True, 48)]
+        )  # widths apart: the check keeps both
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_apply_to_similar_is_refused_when_spreading_it_breaks_the_model():
+    """On the plain block alone the checkpoint passes the numeric check; on both similar blocks it fails (the
+    stateful one recomputes with another count): one sentence, nothing recorded; a plain click still works."""
+    torch.manual_seed(0)
+    st = EditorState(_Stack(), {"x": torch.randn(2, 4, 16)}, world_size=1)
+    st.select("blocks.0")
+    st.apply_to_similar = True
+    why = st.apply("checkpoint")
+    assert why is not None and why.startswith("Not applied to the 2 similar modules: on blocks.0 alone"), why
+    assert "fails" in why and st.code == ""
+    assert st.apply("checkpoint") is None and st.code == 'sch["blocks.0"].checkpoint()'
 
 
 def test_tp_degree_replays_and_the_cluster_shape_is_checked(bert):

@@ -129,7 +129,8 @@ class EditorState(SchedulePersistence):
         level: the module path whose children are shown ("" the model).
         selected: the selected module path ("" the model).
         expanded: the folded runs of repeated blocks that are shown unfolded.
-        apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets).
+        apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets),
+            all or nothing, and gated like a preset (:func:`similar_gate`).
         resolve_label: the label of the action that resolves the last refusal ("" when none), run by
             :meth:`_resolve`.
 
@@ -354,8 +355,17 @@ class EditorState(SchedulePersistence):
         n0 = len(self.schedule.record.calls)
 
         def run():
+            ends = []
             for t in targets:
                 getattr(self.schedule[t], primitive)(*args, **kwargs)
+                ends.append(len(self.schedule.record.calls))
+            if len(targets) > 1:  # raising here takes the whole action back (_run_action)
+                calls = self.schedule.record.calls
+                i = targets.index(target) if target in targets else 0
+                one = calls[(ends[i - 1] if i else n0) : ends[i]]
+                why = similar_gate(self, target, len(targets), calls[:n0], calls[n0:], one)
+                if why:
+                    raise ScheduleError(why)
 
         try:
             self._run_action(label, run)
@@ -1058,3 +1068,34 @@ class EditorState(SchedulePersistence):
 
     def _show_export(self, out, cmd: str) -> None:
         """Hook: show the written script and its launch command (the widget's export panel)."""
+
+
+def similar_gate(state, target: str, n: int, earlier: list, calls: list, one: list) -> str | None:
+    """The gate of "apply to all similar" (as :mod:`slapo_lab.preset_check` gates presets): None, or the one
+    sentence refusing it when the calls on all ``n`` similar modules fail the numeric check
+    (:func:`slapo_lab.numeric.numeric_check` on ``state.model`` with ``state.example_inputs``) while the same
+    click on ``target`` alone passes -- spreading it is then what breaks the model.
+
+    A schedule that already fails with the click on ``target`` alone is the user's work in progress (a
+    column-parallel layer waits for its row-parallel partner): the action goes through and the live check shows
+    ✗. Without example inputs nothing is checked.
+
+    Args:
+        earlier: the recorded calls before the action; calls: the action's calls on every similar module;
+            one: the action's calls on ``target`` alone.
+    """
+    from ..numeric import numeric_check
+
+    if not state.example_inputs:
+        return None
+    report = numeric_check(state.model, [*earlier, *calls], state.world_size, state.example_inputs)
+    if report.status not in ("failed", "error"):
+        return None
+    alone = numeric_check(state.model, [*earlier, *one], state.world_size, state.example_inputs)
+    if alone.status != "passed":
+        return None
+    why = report.message.rstrip(".")
+    return (
+        f"Not applied to the {n} similar modules: on {target} alone the schedule passes the numeric check, but "
+        f"on all of them it fails ({why[:1].lower() + why[1:]})."
+    )
