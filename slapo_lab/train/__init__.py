@@ -23,16 +23,27 @@ The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placemen
 
 def main(**kwargs) -> int:
     """The entry point of exported scripts: the launch checks of :mod:`slapo_lab.train.preflight` (no torch
-    imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then); a rank that a launcher started ends there (:func:`slapo_lab.train.lifeline.finish`)."""
+    imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then).
+
+    A rank that a launcher started ends there once the run has destroyed its process group
+    (:func:`slapo_lab.train.lifeline.finish`); a caller whose own group outlives the run (a harness running
+    several scripts in one launch) gets the exit status back."""
     from .preflight import preflight
 
     checked = preflight(**kwargs)
     if isinstance(checked, int):
         return checked
+    import torch.distributed as dist
+
     from .lifeline import finish
     from .loop import main as _main
 
-    return finish(_main(**kwargs, checked=checked))
+    code = _main(**kwargs, checked=checked)
+    if dist.is_available() and dist.is_initialized():
+        return (
+            code  # the caller kept its own process group (several scripts in one launch): it ends the process
+        )
+    return finish(code)
 
 
 __all__ = ["main"]
