@@ -358,12 +358,13 @@ def test_gpt2_fused_qkv_errors():
     assert_unchanged(
         sch, lambda: sch["transformer.h.0.attn.c_proj"].shard("weight", axis=0), "attention heads"
     )
-    # the preset keeps the attention whole (its heads do not divide) and splits the MLP (192 / 3)
+    # the preset keeps the attention whole (its heads do not divide: read from the dataflow, so it is never
+    # applied) and splits the MLP (192 / 3); one sentence names both layers and the reason
     notes = presets.megatron_tp(sch).notes
     assert any(
-        n.startswith("Kept whole: in every GPT2Block attn (c_attn, c_proj)") and "4 attention heads" in n
+        n.startswith("Kept whole") and "attn.c_attn, attn.c_proj" in n and "4 attention heads" in n
         for n in notes
-    )
+    ), notes
     assert sch["transformer.h.0.attn.c_attn"].mod.weight.shape == (48, 144)
     assert sch["transformer.h.0.mlp.c_fc"].mod.weight.shape == (48, 64)
 
