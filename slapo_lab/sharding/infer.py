@@ -202,6 +202,8 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
+        # id(meta buffer or a value made from one) -> (it, the same made from the remembered model's real buffer)
+        self.values: dict[int, tuple] = {}
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -235,8 +237,36 @@ class _Recorder(TorchFunctionMode):
                 pass
         return out
 
+    def follow_values(self, func, args, kwargs, out) -> None:
+        """An op on a meta buffer with remembered real values (``index.view(-1)``): its meta output gets
+        the op's result on the real values."""
+        if not isinstance(out, torch.Tensor) or not out.is_meta:
+            return
+        flat = list(_tensors((args, kwargs)))
+        if not any(self.real(t) is not t for t in flat) or any(t.is_meta and self.real(t) is t for t in flat):
+            return
+
+        def sub(x):
+            if isinstance(x, torch.Tensor):
+                return self.real(x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(sub(y) for y in x)
+            return x
+
+        real = func(*sub(list(args)), **{k: sub(v) for k, v in kwargs.items()})
+        if isinstance(real, torch.Tensor) and tuple(real.shape) == tuple(out.shape):
+            self.values[id(out)] = (out, real)  # holds ``out``: its id is not reused while the entry lives
+
+    def real(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s real values where it is a meta buffer (or made from one) the remembered model holds, else
+        ``t``."""
+        hit = self.values.get(id(t))
+        return hit[1] if hit is not None and hit[0] is t else t
+
     def note(self, func, args, kwargs, out) -> None:
         name = getattr(func, "__name__", "")
+        if self.values:
+            self.follow_values(func, args, kwargs, out)
         if name in _WRITE_OPS:
             self.write(name, args)
             return
@@ -415,7 +445,9 @@ class _Recorder(TorchFunctionMode):
                             return ms[min(j, len(ms) - 1)]
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
-                        return x.to("cpu") if x.device.type != "meta" else x
+                        if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
+                            return self.real(x)
+                        return x.to("cpu")
                     if isinstance(x, (list, tuple)):
                         return type(x)(sub(y) for y in x)
                     return x
@@ -934,22 +966,47 @@ _REGISTRY: dict = {}
 _HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
 
 
-def analyse(model: nn.Module, stored_inputs: dict | None = None) -> dict[str, BlockSplit]:
+def analyse(
+    model: nn.Module, stored_inputs: dict | None = None, real: nn.Module | None = None
+) -> dict[str, BlockSplit]:
     """``{block path: BlockSplit}`` for the first block of each class among ``model``'s stacks of blocks.
 
     Runs the model forward once (``torch.no_grad``, one sample) until every such block has run; ``{}`` when it
     cannot (no example inputs to build, or a forward that fails: callers then fall back to names). Cached per
-    model instance and per model class + config + input shapes.
+    model instance and per model class + config + input shapes. ``real``: the same model with real tensors
+    (the unscheduled model a meta copy was made from): where ``model``'s buffers are on the meta device, the
+    maps follow an indexing by them with ``real``'s values (Swin's ``relative_position_index``, which gathers
+    its per-head relative-position table, is a non-persistent buffer that a meta copy holds without values).
     """
     with _LOCK:
         if model in _DONE:
             return _DONE[model]
-        result = _analyse_model(model, stored_inputs)
+        result = _analyse_model(model, stored_inputs, real)
         _DONE[model] = result
         return result
 
 
-def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, BlockSplit]:
+def _real_buffers(model: nn.Module, real: nn.Module | None) -> dict[int, tuple]:
+    """``{id(meta buffer of model): (it, real's buffer at the same path)}`` (same shape and dtype, on the
+    CPU)."""
+    if real is None or real is model:
+        return {}
+    theirs = dict(real.named_buffers())
+    out = {}
+    for name, buf in model.named_buffers():
+        other = theirs.get(name)
+        if (
+            buf.is_meta
+            and isinstance(other, torch.Tensor)
+            and not other.is_meta
+            and tuple(other.shape) == tuple(buf.shape)
+            and other.dtype == buf.dtype
+        ):
+            out[id(buf)] = (buf, other.detach().to("cpu"))
+    return out
+
+
+def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
     blocks = _stacks(model)
     if not blocks:
         return {}
@@ -967,6 +1024,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         _register(model, result)
         return result
     rec = _Recorder()
+    rec.values = _real_buffers(model, real)
     handles = []
     pending = {p for p, _ in blocks}
     dense_by_block: dict[str, dict] = {}
@@ -1160,8 +1218,8 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     from ..pipeline.order import _INPUTS_KEY, REFERENCE_KEY
 
     inputs = top._top.extra.get(_INPUTS_KEY)
-    result = analyse(top.mod, inputs)
     ref = top._top.extra.get(REFERENCE_KEY)
+    result = analyse(top.mod, inputs, ref if ref is not None and type(ref) is type(top.mod) else None)
     if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
         return result
     result = analyse(ref, inputs)
@@ -1235,14 +1293,14 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     for p, split in result.items():
         if full.startswith(p + "."):
             return _sub_split(split, full[len(p) + 1 :])
+    mod = top.mod.get_submodule(full) if full else top.mod
+    sig = _signature(mod)
+    for p, split in result.items():  # a block of an analysed structure (before a block analysed inside it:
+        if _signature(top.mod.get_submodule(p)) == sig:  # Swin's third stage, whose first layer was analysed)
+            return split
     inner = [p for p in result if p.startswith(full + ".") or not full]
     if len(inner) == 1:  # the requested block is a container around one analysed block
         return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
-    mod = top.mod.get_submodule(full) if full else top.mod
-    sig = _signature(mod)
-    for p, split in result.items():
-        if _signature(top.mod.get_submodule(p)) == sig:
-            return split
     for p, split in result.items():  # a block of the same structure nested in an analysed one (Swin's stages)
         outer = top.mod.get_submodule(p)
         for rel, sub in outer.named_modules():
