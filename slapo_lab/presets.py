@@ -505,6 +505,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             ):
                 kind = "norm"  # its attention stays whole: its gradients are whole too
             out.append((path, kind))
+        elif _depthwise_on_columns(mod, split, rel):
+            out.append((path, "channels"))
         elif (
             split is not None
             and rel in split.grad_sum
@@ -519,6 +521,15 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
+
+
+def _depthwise_on_columns(mod: nn.Module, split, rel: str) -> bool:
+    """A depthwise convolution applied to a column-parallel layer's output (read from the dataflow:
+    SegFormer's / PVTv2's ``mlp.dwconv.dwconv`` between ``fc1`` and ``fc2``): each channel is filtered alone,
+    so this rank filters its own channels (kind ``"channels"``: weight and bias sharded on axis 0)."""
+    from .sharding.rules import is_depthwise
+
+    return split is not None and rel in split.grad_sum and is_depthwise(mod)
 
 
 def _shared_attention(block, block_path: str, split, layers: list) -> list:
@@ -812,6 +823,10 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
         _, name, axis = kind.split(":")
         _ensure_shard(sch[path], name, int(axis))
+    elif kind == "channels":  # a depthwise convolution on a column-parallel output: this rank's channels
+        _ensure_shard(sch[path], "weight", 0)
+        if getattr(sch[path].mod, "bias", None) is not None:
+            _ensure_shard(sch[path], "bias", 0)
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
