@@ -1300,7 +1300,8 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
             return split
     inner = [p for p in result if p.startswith(full + ".") or not full]
     if len(inner) == 1:  # the requested block is a container around one analysed block
-        return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
+        around = _around(top, mod, full, result)
+        return around or _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     for p, split in result.items():  # a block of the same structure nested in an analysed one (Swin's stages)
         outer = top.mod.get_submodule(p)
         for rel, sub in outer.named_modules():
@@ -1311,7 +1312,36 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
         found = [rel for rel, sub in mod.named_modules() if rel and _signature(sub) == want]
         if len(found) == 1:
             return _prefixed(split, found[0])
-    return None
+    return _around(top, mod, full, result)
+
+
+def _around(top, mod: nn.Module, full: str, result: dict) -> BlockSplit | None:
+    """The split of a container of several blocks (PVT's ``encoder.block.i``, a list of layers whose first
+    alone was analysed): every outermost child that is an analysed block, or has an analysed block's
+    structure, with its split; None when fewer than two children have one (the callers' cases)."""
+    sigs = [(_signature(top.mod.get_submodule(p)), split) for p, split in result.items()]
+    parts: list[BlockSplit] = []
+    taken: list[str] = []
+    for rel, sub in mod.named_modules():
+        if not rel or any(rel.startswith(t + ".") for t in taken):
+            continue
+        hit = result.get(f"{full}.{rel}" if full else rel)
+        if hit is None:
+            sig = _signature(sub)
+            hit = next((split for want, split in sigs if want == sig), None)
+        if hit is not None:
+            parts.append(_prefixed(hit, rel))
+            taken.append(rel)
+    if len(parts) < 2:
+        return None
+    out = BlockSplit()
+    for part in parts:
+        for f in ("roles", "layouts", "whole", "attention", "refusals", "refused_roles"):
+            getattr(out, f).update(getattr(part, f))
+        for f in ("shared", "grad_sum", "ran"):
+            getattr(out, f).update(getattr(part, f))
+        out.head_params.extend(part.head_params)
+    return out
 
 
 __all__ = [
