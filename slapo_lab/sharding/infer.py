@@ -337,6 +337,12 @@ class _Recorder(TorchFunctionMode):
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
+        if name == "pad" and kwargs.get("mode", args[2] if len(args) > 2 else "constant") == "constant":
+            # padding moves features along an axis (LongT5's blocks of tokens): the padded entries come from
+            # no feature
+            kw = {k: v for k, v in kwargs.items() if k not in ("mode", "value")}
+            self.shape_op(func, args[:2], {**kw, "value": -1}, out, ins, src, scores)
+            return
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
             maps: dict = {}
             for t, i in ins:
@@ -371,7 +377,10 @@ class _Recorder(TorchFunctionMode):
             return False
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
         eq = args[0].replace(" ", "")
-        if len(ops) != 2 or "..." in eq or "->" not in eq:
+        if len(ops) != 2 or "->" not in eq or not all(isinstance(o, torch.Tensor) for o in ops):
+            return False
+        eq = _expand_ellipsis(eq, ops)
+        if eq is None:
             return False
         (s1, s2), so = eq.split("->")[0].split(","), eq.split("->")[1]
         a, b = self.get(ops[0]), self.get(ops[1])
@@ -379,6 +388,10 @@ class _Recorder(TorchFunctionMode):
             return False
         size = {c: ops[0].shape[s1.index(c)] for c in s1} | {c: ops[1].shape[s2.index(c)] for c in s2}
         heads = [c for c in s1 if c in s2 and c in so and size[c] > 1]
+        if len(heads) > 1:  # batch-like axes beside the heads (LongT5's blocks, "...qhd,...khd->...hqk"): the
+            # heads axis is the one along which the projections' features differ
+            t, sub, inf = (ops[0], s1, a) if a.scores is None else (ops[1], s2, b)
+            heads = [c for c in heads if _varies(inf, sub.index(c))]
         if len(heads) != 1:
             return False
         h = heads[0]
@@ -498,6 +511,38 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _expand_ellipsis(eq: str, ops: list) -> str | None:
+    """``eq`` with each ``...`` written out as letters it does not use (as many as the operand's extra axes;
+    the output's as many as the most), or None when they cannot be."""
+    if "..." not in eq:
+        return eq
+    ins, out = eq.split("->")
+    subs = ins.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    counts = []
+    for sub, t in zip(subs, ops, strict=True):
+        n = t.dim() - (len(sub) - 3) if "..." in sub else 0
+        if n < 0 or n > len(free):
+            return None
+        counts.append(n)
+    most = max(counts)
+    letters = free[:most]
+    subs = [sub.replace("...", "".join(letters[most - n :])) for sub, n in zip(subs, counts, strict=True)]
+    return ",".join(subs) + "->" + out.replace("...", "".join(letters))
+
+
+def _varies(inf: _Info, axis: int) -> bool:
+    """Whether some producer's map of a value differs along ``axis`` (a heads or features axis, not a
+    batch-like one)."""
+    for p, ms in inf.maps.items():
+        if p.startswith(("param:", "@")):
+            continue
+        for m in ms:
+            if m.dim() > axis and m.shape[axis] > 1 and not bool((m.narrow(axis, 0, 1) == m).all()):
+                return True
+    return False
 
 
 def _merge_scores(tags) -> tuple | None:
