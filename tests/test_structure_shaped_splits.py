@@ -11,7 +11,11 @@ the numeric check on 2 simulated ranks (:func:`slapo_lab.numeric.numeric_check`)
   attention reshapes its output with ``embed_dim`` from ``hidden_states.size()``; FSMT's compares
   ``self.embed_dim`` with its input's, so that attribute stays global;
 * **depthwise convolutions on a column-parallel output** (kind ``"channels"``): SegFormer's Mix-FFN filters
-  each of ``fc1``'s channels alone (``dwconv``), so each rank filters its own.
+  each of ``fc1``'s channels alone (``dwconv``), so each rank filters its own;
+* **blocks of tokens** (LongT5's local attention: padded, cut into blocks, concatenated in threes, scored with
+  ``einsum("...qhd,...khd->...hqk")``): the heads axis is told from the batch and block axes by the features;
+* **a container of blocks** (PVT's ``encoder.block.i``, a list of layers of which only the first was
+  analysed): every layer takes the analysed split.
 """
 
 from __future__ import annotations
@@ -45,6 +49,36 @@ MODELS = {
             "decoder_ffn_dim": 128,
         },
     ),
+    "longt5": (
+        "LongT5Config",
+        "LongT5ForConditionalGeneration",
+        {
+            "vocab_size": 128,
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "local_radius": 2,
+            "encoder_attention_type": "local",
+            "decoder_start_token_id": 0,
+        },
+    ),
+    "pvt": (
+        "PvtConfig",
+        "PvtForImageClassification",
+        {
+            "num_encoder_blocks": 2,
+            "image_size": 32,
+            "depths": [2, 2],
+            "sequence_reduction_ratios": [2, 1],
+            "hidden_sizes": [16, 32],
+            "patch_sizes": [4, 2],
+            "strides": [4, 2],
+            "num_attention_heads": [2, 2],
+            "mlp_ratios": [2, 2],
+        },
+    ),
     "segformer": (
         "SegformerConfig",
         "SegformerForImageClassification",
@@ -75,6 +109,11 @@ def _inputs(family: str) -> dict:
     g = torch.Generator().manual_seed(3)
     if family == "trocr":
         return {"input_ids": torch.randint(1, 128, (2, 8), generator=g)}
+    if family == "longt5":
+        return {
+            "input_ids": torch.randint(1, 128, (2, 12), generator=g),
+            "decoder_input_ids": torch.randint(1, 128, (2, 6), generator=g),
+        }
     return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
 
 
@@ -145,5 +184,32 @@ def test_segformer_depthwise_convolution_filters_this_ranks_channels():
     assert not any("mlp" in n for n in notes), notes
     conv = sch[pre + "dwconv.dwconv"].mod
     assert tuple(conv.weight.shape) == (16, 1, 3, 3) and conv.groups == conv.in_channels == 16
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+
+
+def test_longt5_local_attention_over_blocks_of_tokens_is_split_by_heads():
+    model, inputs = _build("longt5"), _inputs("longt5")
+    sch = _editor_schedule(model, inputs)
+    split = infer.block_split(sch, "encoder.block.0")
+    attn = "layer.0.LocalSelfAttention"
+    assert split.attention[attn] == (4, 4)
+    assert [split.roles[f"{attn}.{p}"] for p in "qkvo"] == ["q", "k", "v", "o"]
+    notes = presets.megatron_tp(sch, vocab_parallel=False).notes
+    assert notes == ["Kept whole on every rank: lm_head (outside the repeated blocks)."], notes
+    assert _sharded_on(sch, f"encoder.block.0.{attn}.relative_attention_bias", "weight") == 1
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+
+
+def test_every_layer_of_a_container_of_blocks_takes_the_analysed_split():
+    model, inputs = _build("pvt"), _inputs("pvt")
+    sch = _editor_schedule(model, inputs)
+    split = infer.block_split(sch, "pvt.encoder.block.0")
+    assert {split.roles[f"{i}.mlp.dense{j}"] for i in (0, 1) for j in (1, 2)} == {"mlp_in", "mlp_out"}
+    assert split.roles["1.mlp.dense1"] == "mlp_in" and split.roles["1.attention.output.dense"] == "o"
+    presets.megatron_tp(sch, vocab_parallel=False)
+    for i in (0, 1):
+        assert _sharded_on(sch, f"pvt.encoder.block.0.{i}.mlp.dense2", "weight") == 1
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.passed, report.message

@@ -390,7 +390,7 @@ class _Recorder(TorchFunctionMode):
         heads = [c for c in s1 if c in s2 and c in so and size[c] > 1]
         if len(heads) > 1:  # batch-like axes beside the heads (LongT5's blocks, "...qhd,...khd->...hqk"): the
             # heads axis is the one along which the projections' features differ
-            t, sub, inf = (ops[0], s1, a) if a.scores is None else (ops[1], s2, b)
+            sub, inf = (s1, a) if a.scores is None else (s2, b)
             heads = [c for c in heads if _varies(inf, sub.index(c))]
         if len(heads) != 1:
             return False
@@ -534,13 +534,18 @@ def _expand_ellipsis(eq: str, ops: list) -> str | None:
 
 
 def _varies(inf: _Info, axis: int) -> bool:
-    """Whether some producer's map of a value differs along ``axis`` (a heads or features axis, not a
-    batch-like one)."""
+    """Whether ``axis`` of a value splits its producers' features apart, as a heads axis does: for some
+    producer, the features at index 0 and at index 1 of that axis are disjoint (along a batch-like axis, such
+    as LongT5's blocks of tokens, every index holds the same features, or none where padded)."""
     for p, ms in inf.maps.items():
         if p.startswith(("param:", "@")):
             continue
         for m in ms:
-            if m.dim() > axis and m.shape[axis] > 1 and not bool((m.narrow(axis, 0, 1) == m).all()):
+            if m.dim() <= axis or m.shape[axis] < 2:
+                continue
+            a, b = m.select(axis, 0), m.select(axis, 1)
+            sa, sb = set(a[a >= 0].unique().tolist()), set(b[b >= 0].unique().tolist())
+            if sa and sb and not sa & sb:
                 return True
     return False
 
