@@ -20,6 +20,7 @@ the numeric check on 2 simulated ranks (:func:`slapo_lab.numeric.numeric_check`)
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -213,3 +214,28 @@ def test_every_layer_of_a_container_of_blocks_takes_the_analysed_split():
         assert _sharded_on(sch, f"pvt.encoder.block.0.{i}.mlp.dense2", "weight") == 1
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.passed, report.message
+
+
+def test_a_hybrid_stack_of_two_block_classes_is_found_and_split():
+    from tests.family_sweep import build, families
+
+    model, inputs = build("inkling2_text", families()["inkling2_text"][1])
+    sch = _editor_schedule(model, inputs)
+    assert presets.find_blocks(sch) == ["model.layers.0", "model.layers.1"]  # full and sliding layers
+    presets.megatron_tp(sch, vocab_parallel=False)
+    for i in (0, 1):  # the expert banks of both layer classes
+        experts = sch[f"model.layers.{i}.mlp.experts"].mod
+        assert any(getattr(p, "shard_axis", None) is not None for p in experts.parameters()), i
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+
+
+def test_a_model_of_convolutions_only_is_refused_naming_what_its_blocks_hold():
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    sch = sl.create_schedule(transformers.ResNetForImageClassification(cfg).eval(), world_size=2)
+    with pytest.raises(sl.ScheduleError) as ei:
+        presets.megatron_tp(sch, vocab_parallel=False)
+    assert str(ei.value) == (
+        "ResNetForImageClassification has no dense projection (nn.Linear or HF Conv1D) in its 2 repeated blocks "
+        "for the Megatron preset to split (they hold Conv2d x5, BatchNorm2d x5), so nothing is split."
+    )

@@ -213,6 +213,45 @@ def runtime_compared(cls: type) -> frozenset[str] | None:
     return frozenset(out)
 
 
+@cache
+def reshapes_to_a_local_width(cls: type) -> bool:
+    """Whether ``cls``'s methods other than ``__init__`` ``view`` / ``reshape`` to an explicit shape whose last
+    axis is a local value rather than the module's attribute (TrOCR's ``attn_output.reshape(bsz, tgt_len,
+    embed_dim)`` with ``embed_dim`` read from ``hidden_states.size()``, Pegasus-X's ``dim.hidden_dim``): such
+    a forward gets :class:`_LocalWidth`. True when a class has no source to read."""
+    for klass in cls.__mro__:
+        if (
+            klass in (nn.Module, object)
+            or not issubclass(klass, nn.Module)
+            or klass.__module__.startswith("torch.")
+        ):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return True
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for fn in body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+                continue
+            for node in ast.walk(fn):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("view", "reshape")
+                    and len(node.args) >= 2
+                    and not any(isinstance(a, ast.Starred) for a in node.args)
+                ):
+                    continue
+                last = node.args[-1]
+                if isinstance(last, ast.Name) or (
+                    isinstance(last, ast.Attribute)
+                    and not (isinstance(last.value, ast.Name) and last.value.id == "self")
+                ):
+                    return True
+    return False
+
+
 def _registered(cls: type, table: dict | None = None) -> tuple[str, ...]:
     table = _REGISTRY if table is None else table
     for klass in cls.__mro__:
@@ -497,7 +536,7 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, 
         ),
         None,
     )
-    if head_dim and world_size > 1 and heads % world_size == 0:
+    if head_dim and world_size > 1 and heads % world_size == 0 and reshapes_to_a_local_width(type(attn)):
         width = heads * head_dim
         meta["hooks"].extend(_install_width_scope(attn, width, width // world_size))
         rec["width"] = [width, width // world_size]

@@ -941,15 +941,22 @@ def _compute_digest(cfg) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The first block of each class among the model's stacks of blocks (``nn.ModuleList`` of one class)."""
+def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]]:
+    """The first block of each class among the model's stacks of blocks (``nn.ModuleList`` of one class); where
+    there is none, of each structure among its hybrid stacks (``mixed``: lists of blocks of several classes,
+    each holding a dense layer, as :func:`slapo_lab.presets.find_blocks` takes them then)."""
     seen: set = set()
     out = []
     for p, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) < 1:
             continue
         kids = list(m)
-        if len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
+        if mixed:
+            if len(kids) < 2 or len({type(k) for k in kids}) < 2:
+                continue
+            if not all(any(_is_dense(x) for x in k.modules()) for k in kids):
+                continue
+        elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
             continue
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
@@ -961,7 +968,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 continue
             seen.add(sig)
             out.append((f"{p}.{j}" if p else str(j), kid))
-    return out
+    return out or (_stacks(model, True) if not mixed else [])
 
 
 def _inside(mod: nn.Module, outer: nn.Module) -> bool:
