@@ -298,6 +298,28 @@ def find_blocks(sch) -> list[str]:
         if any(_nested(p, q) or _nested(q, p) for _, q, _ in taken):
             continue
         taken.append(stack)
+    return [b for _, _, blocks in sorted(taken) for b in blocks] or _mixed_blocks(sch)
+
+
+def _mixed_blocks(sch) -> list[str]:
+    """Where no list of one block class exists: the children of the longest ``nn.ModuleList`` (then of each
+    other one neither inside nor around it) whose children are blocks of several classes, each holding a dense
+    layer -- a hybrid stack (OLMo-Hybrid's attention and linear-attention layers, Inkling2's full and sliding
+    layers, SwiftFormer's convolutional and attention encoders)."""
+    lists = []
+    for i, (p, node) in enumerate(sch.named_schedules()):
+        kids = list(node.mod) if isinstance(node.mod, nn.ModuleList) else []
+        if len(kids) < 2 or len({type(k) for k in kids}) < 2:
+            continue
+        if any(isinstance(k, (nn.ModuleList, nn.ModuleDict)) or not _has_dense(k) for k in kids):
+            continue
+        lists.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
+    # the innermost lists: a list around another (SwiftFormer's stages around their blocks) holds no blocks
+    lists = [s for s in lists if not any(q != s[1] and _nested(q, s[1]) for _, q, _ in lists)]
+    taken: list = []
+    for stack in sorted(lists, key=lambda s: -len(s[2])):
+        if not any(_nested(stack[1], q) or _nested(q, stack[1]) for _, q, _ in taken):
+            taken.append(stack)
     return [b for _, _, blocks in sorted(taken) for b in blocks]
 
 
@@ -505,6 +527,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             ):
                 kind = "norm"  # its attention stays whole: its gradients are whole too
             out.append((path, kind))
+        elif _depthwise_on_columns(mod, split, rel):
+            out.append((path, "channels"))
         elif (
             split is not None
             and rel in split.grad_sum
@@ -519,6 +543,15 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
+
+
+def _depthwise_on_columns(mod: nn.Module, split, rel: str) -> bool:
+    """A depthwise convolution applied to a column-parallel layer's output (read from the dataflow:
+    SegFormer's / PVTv2's ``mlp.dwconv.dwconv`` between ``fc1`` and ``fc2``): each channel is filtered alone,
+    so this rank filters its own channels (kind ``"channels"``: weight and bias sharded on axis 0)."""
+    from .sharding.rules import is_depthwise
+
+    return split is not None and rel in split.grad_sum and is_depthwise(mod)
 
 
 def _shared_attention(block, block_path: str, split, layers: list) -> list:
@@ -738,6 +771,9 @@ def _is_head_table(node) -> bool:
 def _no_pair_reason(sch, block_path: str, layers: list[tuple[str, str]]) -> str:
     """The sentence for a block with no column- and row-parallel pair to split."""
     names = ", ".join(p for p, _ in layers) or "none"
+    conv = _convolutions_only(sch)
+    if conv:
+        return conv
     if _split_of(sch, block_path) is not None:
         dense = [
             p
@@ -754,6 +790,31 @@ def _no_pair_reason(sch, block_path: str, layers: list[tuple[str, str]]) -> str:
     return (
         f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
         f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
+    )
+
+
+def _convolutions_only(sch) -> str | None:
+    """The refusal for a model whose repeated blocks hold no dense projection at all (``nn.Linear`` / HF
+    ``Conv1D``) but convolutions (ResNet, RegNet, MobileNet, PP-LCNet, PoolFormer), naming the layers with
+    parameters they hold; None when some block holds a dense projection or none holds a convolution."""
+    blocks = find_blocks(sch)
+    if not blocks:
+        return None
+    kinds: dict[str, int] = {}
+    for b in blocks:
+        for _rel, node in sch[b].named_schedules():
+            mod = node.mod
+            if isinstance(mod, nn.Linear) or _is_conv1d(mod):
+                return None
+            if any(p is not None for p in mod._parameters.values()):
+                kinds[type(mod).__name__] = kinds.get(type(mod).__name__, 0) + 1
+    if not any(isinstance(n, str) and "Conv" in n for n in kinds):
+        return None
+    held = ", ".join(f"{n} x{c}" for n, c in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return (
+        f"{type(sch.mod).__name__} has no dense projection (nn.Linear or HF Conv1D) in its "
+        f"{len(blocks)} repeated blocks for the Megatron preset to split (they hold {held}), so nothing is "
+        "split."
     )
 
 
@@ -812,6 +873,10 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
         _, name, axis = kind.split(":")
         _ensure_shard(sch[path], name, int(axis))
+    elif kind == "channels":  # a depthwise convolution on a column-parallel output: this rank's channels
+        _ensure_shard(sch[path], "weight", 0)
+        if getattr(sch[path].mod, "bias", None) is not None:
+            _ensure_shard(sch[path], "bias", 0)
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under

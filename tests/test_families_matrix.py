@@ -74,8 +74,8 @@ CASES = {
     "deberta_v2": Case(whole=(f"cls.predictions.transform.dense {OUTSIDE}",)),
     "resnet": Case(
         inputs="pixels",
-        preset_refused="The megatron preset was not applied: encoder.stages.0 has no recognisable column- and "
-        "row-parallel projection pair",
+        preset_refused="The megatron preset was not applied: ResNetModel has no dense projection (nn.Linear or HF "
+        "Conv1D) in its",
         pp_refused="Cannot export ResNetModel as a pipeline: embedder.embedder.normalization (BatchNorm2d)",
     ),
     "gptj": Case(),

@@ -51,10 +51,14 @@ import ast
 import copy
 import functools
 import inspect
+import math
+import re
 import textwrap
 from functools import cache
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta, peek_meta
 
@@ -170,6 +174,84 @@ def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
     return frozenset(self_attrs), frozenset(cfg_attrs)
 
 
+_HEAD_COUNT_NAME = re.compile(r"(num|n)_\w*heads?")
+"""A head-count attribute by the form of its name (``num_attn_heads``), rewritten only when it holds the
+module's heads and the class reads it at run time."""
+
+
+@cache
+def runtime_compared(cls: type) -> frozenset[str] | None:
+    """The ``self`` attributes ``cls``'s methods other than ``__init__`` compare (``==`` / ``!=`` / ``assert``):
+    a width compared with the input's (FSMT's ``assert embed_dim == self.embed_dim``) is the model width, not
+    the heads' width, and stays global. None when a class has no source to read."""
+    out: set[str] = set()
+    for klass in cls.__mro__:
+        if (
+            klass in (nn.Module, object)
+            or not issubclass(klass, nn.Module)
+            or klass.__module__.startswith("torch.")
+        ):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for fn in body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Compare):
+                    continue
+                for side in (node.left, *node.comparators):
+                    if (
+                        isinstance(side, ast.Attribute)
+                        and isinstance(side.value, ast.Name)
+                        and side.value.id == "self"
+                    ):
+                        out.add(side.attr)
+    return frozenset(out)
+
+
+@cache
+def reshapes_to_a_local_width(cls: type) -> bool:
+    """Whether ``cls``'s methods other than ``__init__`` ``view`` / ``reshape`` to an explicit shape whose last
+    axis is a local value rather than the module's attribute (TrOCR's ``attn_output.reshape(bsz, tgt_len,
+    embed_dim)`` with ``embed_dim`` read from ``hidden_states.size()``, Pegasus-X's ``dim.hidden_dim``): such
+    a forward gets :class:`_LocalWidth`. True when a class has no source to read."""
+    for klass in cls.__mro__:
+        if (
+            klass in (nn.Module, object)
+            or not issubclass(klass, nn.Module)
+            or klass.__module__.startswith("torch.")
+        ):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return True
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for fn in body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+                continue
+            for node in ast.walk(fn):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("view", "reshape")
+                    and len(node.args) >= 2
+                    and not any(isinstance(a, ast.Starred) for a in node.args)
+                ):
+                    continue
+                last = node.args[-1]
+                if isinstance(last, ast.Name) or (
+                    isinstance(last, ast.Attribute)
+                    and not (isinstance(last.value, ast.Name) and last.value.id == "self")
+                ):
+                    return True
+    return False
+
+
 def _registered(cls: type, table: dict | None = None) -> tuple[str, ...]:
     table = _REGISTRY if table is None else table
     for klass in cls.__mro__:
@@ -226,6 +308,14 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         return {}, reason
     registered = _registered(cls)
     wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
+    # another head count the class reads at run time (ProphetNet's ``num_attn_heads``): named as one, and
+    # holding the module's heads
+    wanted += sorted(
+        a
+        for a in read_attrs
+        if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
+    )
+    compared = runtime_compared(cls) or frozenset()
     head_dim = next(
         (
             getattr(attn, a)
@@ -240,17 +330,17 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         v = getattr(attn, a, None)
         if a in registered and v is None:
             continue  # registered for the class, absent on this instance
-        if a in HEAD_ATTRS or a in KV_HEAD_ATTRS:
-            want = heads if a in HEAD_ATTRS else kv_heads
+        if a in HEAD_ATTRS or a in KV_HEAD_ATTRS or _HEAD_COUNT_NAME.fullmatch(a):
+            want = kv_heads if a in KV_HEAD_ATTRS else heads
             if not _int(v) or v != want:
                 return {}, (
                     f"{name}.{a} is {v!r}, not the module's {want} heads, so slapo cannot rewrite it to "
                     "this rank's share"
                 )
-            out[a] = (v, local_q if a in HEAD_ATTRS else local_kv)
+            out[a] = (v, local_kv if a in KV_HEAD_ATTRS else local_q)
         else:
-            if not _int(v):
-                continue
+            if not _int(v) or (a in compared and a not in registered):
+                continue  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
             hd = head_dim or (v // heads if v % heads == 0 else None)
             if hd is None or v != heads * hd:
                 if a in registered:
@@ -329,6 +419,74 @@ def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size:
     return attn.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _local_shape(numel: int, shape, width: int, local: int) -> list[int] | None:
+    """``shape`` with one entry equal to the heads' global ``width`` (the last such) made ``local``, where
+    ``shape`` (no ``-1``) does not fit ``numel`` elements and that one does; else None."""
+    try:
+        dims = [int(d) for d in shape]
+    except (TypeError, ValueError):
+        return None
+    if -1 in dims or math.prod(dims) == numel:
+        return None
+    for i in reversed(range(len(dims))):
+        if dims[i] == width:
+            fixed = [*dims[:i], local, *dims[i + 1 :]]
+            if math.prod(fixed) == numel:
+                return fixed
+    return None
+
+
+class _LocalWidth(TorchFunctionMode):
+    """Inside a head-split attention's forward, a ``view`` / ``reshape`` to the heads' global width that this
+    rank's tensor cannot fill takes this rank's width: TrOCR's, LED's decoder's, FSMT's, ProphetNet's and
+    Pegasus-X's attention reshape their output with the width read from the *input* (``bsz, tgt_len,
+    embed_dim = hidden_states.size()`` then ``attn_output.reshape(bsz, tgt_len, embed_dim)``), equal to the
+    heads' width only when unsplit (Megatron-LM's ``hidden_size_per_partition``). Only a call that would
+    fail is changed."""
+
+    def __init__(self, width: int, local: int) -> None:
+        super().__init__()
+        self.width, self.local = width, local
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            getattr(func, "__name__", "") in ("view", "reshape")
+            and args
+            and isinstance(args[0], torch.Tensor)
+        ):
+            shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+            shape = kwargs.get("shape", kwargs.get("size", shape))
+            fixed = _local_shape(args[0].numel(), shape, self.width, self.local) if shape else None
+            if fixed is not None:
+                return func(args[0], fixed)
+        return func(*args, **kwargs)
+
+
+class _WidthScope:
+    """The forward hooks that run a module's forward under :class:`_LocalWidth` (a new mode per call)."""
+
+    def __init__(self, width: int, local: int) -> None:
+        self.width, self.local, self.stack = width, local, []
+
+    def enter(self, _module, _args) -> None:
+        mode = _LocalWidth(self.width, self.local)
+        mode.__enter__()
+        self.stack.append(mode)
+
+    def exit(self, _module, _args, _out) -> None:
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+
+def _install_width_scope(attn: nn.Module, width: int, local: int) -> list:
+    scope = _WidthScope(width, local)
+    return [
+        attn.register_forward_pre_hook(scope.enter),
+        attn.register_forward_hook(scope.exit, always_call=True),
+    ]
+
+
 def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     """The global ``(heads, kv heads)`` recorded when ``attn``'s head attributes were rewritten, or None."""
     meta = peek_meta(attn) if attn is not None else None
@@ -370,6 +528,18 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, 
             setattr(cfg, k, local)
         attn.config = cfg
         rec["config"] = {k: [g, loc] for k, (g, loc) in cfg_plan.items()}
+    head_dim = next(
+        (
+            getattr(attn, a)
+            for a in ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
+        ),
+        None,
+    )
+    if head_dim and world_size > 1 and heads % world_size == 0 and reshapes_to_a_local_width(type(attn)):
+        width = heads * head_dim
+        meta["hooks"].extend(_install_width_scope(attn, width, width // world_size))
+        rec["width"] = [width, width // world_size]
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
     if inputs and world_size > 1:
         meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank))

@@ -202,6 +202,8 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
+        # id(meta buffer or a value made from one) -> (it, the same made from the remembered model's real buffer)
+        self.values: dict[int, tuple] = {}
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -235,8 +237,36 @@ class _Recorder(TorchFunctionMode):
                 pass
         return out
 
+    def follow_values(self, func, args, kwargs, out) -> None:
+        """An op on a meta buffer with remembered real values (``index.view(-1)``): its meta output gets
+        the op's result on the real values."""
+        if not isinstance(out, torch.Tensor) or not out.is_meta:
+            return
+        flat = list(_tensors((args, kwargs)))
+        if not any(self.real(t) is not t for t in flat) or any(t.is_meta and self.real(t) is t for t in flat):
+            return
+
+        def sub(x):
+            if isinstance(x, torch.Tensor):
+                return self.real(x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(sub(y) for y in x)
+            return x
+
+        real = func(*sub(list(args)), **{k: sub(v) for k, v in kwargs.items()})
+        if isinstance(real, torch.Tensor) and tuple(real.shape) == tuple(out.shape):
+            self.values[id(out)] = (out, real)  # holds ``out``: its id is not reused while the entry lives
+
+    def real(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s real values where it is a meta buffer (or made from one) the remembered model holds, else
+        ``t``."""
+        hit = self.values.get(id(t))
+        return hit[1] if hit is not None and hit[0] is t else t
+
     def note(self, func, args, kwargs, out) -> None:
         name = getattr(func, "__name__", "")
+        if self.values:
+            self.follow_values(func, args, kwargs, out)
         if name in _WRITE_OPS:
             self.write(name, args)
             return
@@ -307,6 +337,12 @@ class _Recorder(TorchFunctionMode):
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
+        if name == "pad" and kwargs.get("mode", args[2] if len(args) > 2 else "constant") == "constant":
+            # padding moves features along an axis (LongT5's blocks of tokens): the padded entries come from
+            # no feature
+            kw = {k: v for k, v in kwargs.items() if k not in ("mode", "value")}
+            self.shape_op(func, args[:2], {**kw, "value": -1}, out, ins, src, scores)
+            return
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
             maps: dict = {}
             for t, i in ins:
@@ -341,7 +377,10 @@ class _Recorder(TorchFunctionMode):
             return False
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
         eq = args[0].replace(" ", "")
-        if len(ops) != 2 or "..." in eq or "->" not in eq:
+        if len(ops) != 2 or "->" not in eq or not all(isinstance(o, torch.Tensor) for o in ops):
+            return False
+        eq = _expand_ellipsis(eq, ops)
+        if eq is None:
             return False
         (s1, s2), so = eq.split("->")[0].split(","), eq.split("->")[1]
         a, b = self.get(ops[0]), self.get(ops[1])
@@ -349,6 +388,10 @@ class _Recorder(TorchFunctionMode):
             return False
         size = {c: ops[0].shape[s1.index(c)] for c in s1} | {c: ops[1].shape[s2.index(c)] for c in s2}
         heads = [c for c in s1 if c in s2 and c in so and size[c] > 1]
+        if len(heads) > 1:  # batch-like axes beside the heads (LongT5's blocks, "...qhd,...khd->...hqk"): the
+            # heads axis is the one along which the projections' features differ
+            sub, inf = (s1, a) if a.scores is None else (s2, b)
+            heads = [c for c in heads if _varies(inf, sub.index(c))]
         if len(heads) != 1:
             return False
         h = heads[0]
@@ -415,7 +458,9 @@ class _Recorder(TorchFunctionMode):
                             return ms[min(j, len(ms) - 1)]
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
-                        return x.to("cpu") if x.device.type != "meta" else x
+                        if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
+                            return self.real(x)
+                        return x.to("cpu")
                     if isinstance(x, (list, tuple)):
                         return type(x)(sub(y) for y in x)
                     return x
@@ -466,6 +511,43 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _expand_ellipsis(eq: str, ops: list) -> str | None:
+    """``eq`` with each ``...`` written out as letters it does not use (as many as the operand's extra axes;
+    the output's as many as the most), or None when they cannot be."""
+    if "..." not in eq:
+        return eq
+    ins, out = eq.split("->")
+    subs = ins.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    counts = []
+    for sub, t in zip(subs, ops, strict=True):
+        n = t.dim() - (len(sub) - 3) if "..." in sub else 0
+        if n < 0 or n > len(free):
+            return None
+        counts.append(n)
+    most = max(counts)
+    letters = free[:most]
+    subs = [sub.replace("...", "".join(letters[most - n :])) for sub, n in zip(subs, counts, strict=True)]
+    return ",".join(subs) + "->" + out.replace("...", "".join(letters))
+
+
+def _varies(inf: _Info, axis: int) -> bool:
+    """Whether ``axis`` of a value splits its producers' features apart, as a heads axis does: for some
+    producer, the features at index 0 and at index 1 of that axis are disjoint (along a batch-like axis, such
+    as LongT5's blocks of tokens, every index holds the same features, or none where padded)."""
+    for p, ms in inf.maps.items():
+        if p.startswith(("param:", "@")):
+            continue
+        for m in ms:
+            if m.dim() <= axis or m.shape[axis] < 2:
+                continue
+            a, b = m.select(axis, 0), m.select(axis, 1)
+            sa, sb = set(a[a >= 0].unique().tolist()), set(b[b >= 0].unique().tolist())
+            if sa and sb and not sa & sb:
+                return True
+    return False
 
 
 def _merge_scores(tags) -> tuple | None:
@@ -859,15 +941,22 @@ def _compute_digest(cfg) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The first block of each class among the model's stacks of blocks (``nn.ModuleList`` of one class)."""
+def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]]:
+    """The first block of each class among the model's stacks of blocks (``nn.ModuleList`` of one class); where
+    there is none, of each structure among its hybrid stacks (``mixed``: lists of blocks of several classes,
+    each holding a dense layer, as :func:`slapo_lab.presets.find_blocks` takes them then)."""
     seen: set = set()
     out = []
     for p, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) < 1:
             continue
         kids = list(m)
-        if len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
+        if mixed:
+            if len(kids) < 2 or len({type(k) for k in kids}) < 2:
+                continue
+            if not all(any(_is_dense(x) for x in k.modules()) for k in kids):
+                continue
+        elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
             continue
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
@@ -879,7 +968,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 continue
             seen.add(sig)
             out.append((f"{p}.{j}" if p else str(j), kid))
-    return out
+    return out or (_stacks(model, True) if not mixed else [])
 
 
 def _inside(mod: nn.Module, outer: nn.Module) -> bool:
@@ -934,22 +1023,47 @@ _REGISTRY: dict = {}
 _HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
 
 
-def analyse(model: nn.Module, stored_inputs: dict | None = None) -> dict[str, BlockSplit]:
+def analyse(
+    model: nn.Module, stored_inputs: dict | None = None, real: nn.Module | None = None
+) -> dict[str, BlockSplit]:
     """``{block path: BlockSplit}`` for the first block of each class among ``model``'s stacks of blocks.
 
     Runs the model forward once (``torch.no_grad``, one sample) until every such block has run; ``{}`` when it
     cannot (no example inputs to build, or a forward that fails: callers then fall back to names). Cached per
-    model instance and per model class + config + input shapes.
+    model instance and per model class + config + input shapes. ``real``: the same model with real tensors
+    (the unscheduled model a meta copy was made from): where ``model``'s buffers are on the meta device, the
+    maps follow an indexing by them with ``real``'s values (Swin's ``relative_position_index``, which gathers
+    its per-head relative-position table, is a non-persistent buffer that a meta copy holds without values).
     """
     with _LOCK:
         if model in _DONE:
             return _DONE[model]
-        result = _analyse_model(model, stored_inputs)
+        result = _analyse_model(model, stored_inputs, real)
         _DONE[model] = result
         return result
 
 
-def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, BlockSplit]:
+def _real_buffers(model: nn.Module, real: nn.Module | None) -> dict[int, tuple]:
+    """``{id(meta buffer of model): (it, real's buffer at the same path)}`` (same shape and dtype, on the
+    CPU)."""
+    if real is None or real is model:
+        return {}
+    theirs = dict(real.named_buffers())
+    out = {}
+    for name, buf in model.named_buffers():
+        other = theirs.get(name)
+        if (
+            buf.is_meta
+            and isinstance(other, torch.Tensor)
+            and not other.is_meta
+            and tuple(other.shape) == tuple(buf.shape)
+            and other.dtype == buf.dtype
+        ):
+            out[id(buf)] = (buf, other.detach().to("cpu"))
+    return out
+
+
+def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
     blocks = _stacks(model)
     if not blocks:
         return {}
@@ -967,6 +1081,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         _register(model, result)
         return result
     rec = _Recorder()
+    rec.values = _real_buffers(model, real)
     handles = []
     pending = {p for p, _ in blocks}
     dense_by_block: dict[str, dict] = {}
@@ -1160,8 +1275,8 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     from ..pipeline.order import _INPUTS_KEY, REFERENCE_KEY
 
     inputs = top._top.extra.get(_INPUTS_KEY)
-    result = analyse(top.mod, inputs)
     ref = top._top.extra.get(REFERENCE_KEY)
+    result = analyse(top.mod, inputs, ref if ref is not None and type(ref) is type(top.mod) else None)
     if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
         return result
     result = analyse(ref, inputs)
@@ -1235,14 +1350,15 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     for p, split in result.items():
         if full.startswith(p + "."):
             return _sub_split(split, full[len(p) + 1 :])
-    inner = [p for p in result if p.startswith(full + ".") or not full]
-    if len(inner) == 1:  # the requested block is a container around one analysed block
-        return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     mod = top.mod.get_submodule(full) if full else top.mod
     sig = _signature(mod)
-    for p, split in result.items():
-        if _signature(top.mod.get_submodule(p)) == sig:
+    for p, split in result.items():  # a block of an analysed structure (before a block analysed inside it:
+        if _signature(top.mod.get_submodule(p)) == sig:  # Swin's third stage, whose first layer was analysed)
             return split
+    inner = [p for p in result if p.startswith(full + ".") or not full]
+    if len(inner) == 1:  # the requested block is a container around one analysed block
+        around = _around(top, mod, full, result)
+        return around or _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     for p, split in result.items():  # a block of the same structure nested in an analysed one (Swin's stages)
         outer = top.mod.get_submodule(p)
         for rel, sub in outer.named_modules():
@@ -1253,7 +1369,36 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
         found = [rel for rel, sub in mod.named_modules() if rel and _signature(sub) == want]
         if len(found) == 1:
             return _prefixed(split, found[0])
-    return None
+    return _around(top, mod, full, result)
+
+
+def _around(top, mod: nn.Module, full: str, result: dict) -> BlockSplit | None:
+    """The split of a container of several blocks (PVT's ``encoder.block.i``, a list of layers whose first
+    alone was analysed): every outermost child that is an analysed block, or has an analysed block's
+    structure, with its split; None when fewer than two children have one (the callers' cases)."""
+    sigs = [(_signature(top.mod.get_submodule(p)), split) for p, split in result.items()]
+    parts: list[BlockSplit] = []
+    taken: list[str] = []
+    for rel, sub in mod.named_modules():
+        if not rel or any(rel.startswith(t + ".") for t in taken):
+            continue
+        hit = result.get(f"{full}.{rel}" if full else rel)
+        if hit is None:
+            sig = _signature(sub)
+            hit = next((split for want, split in sigs if want == sig), None)
+        if hit is not None:
+            parts.append(_prefixed(hit, rel))
+            taken.append(rel)
+    if len(parts) < 2:
+        return None
+    out = BlockSplit()
+    for part in parts:
+        for f in ("roles", "layouts", "whole", "attention", "refusals", "refused_roles"):
+            getattr(out, f).update(getattr(part, f))
+        for f in ("shared", "grad_sum", "ran"):
+            getattr(out, f).update(getattr(part, f))
+        out.head_params.extend(part.head_params)
+    return out
 
 
 __all__ = [
