@@ -1067,7 +1067,9 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None:
+    if key[1] is not None and len(result) == len(blocks):
+        # only a complete reading stands for every model of this class and config: a forward that failed
+        # part-way (a meta copy whose expert kernel needs real values) leaves the unscheduled model to try
         _BY_DIGEST[key] = result
     _register(model, result)
     return result
