@@ -25,12 +25,12 @@ Which attributes a class treats as per-rank comes from two sources, unioned:
   parsing the class source with :mod:`ast`; a class without source counts as reading all of them).
 
 A class whose run-time code reads a head count from its ``config`` (shared by every layer and rank, so it
-cannot hold a per-rank number), or keeps a head-count attribute that disagrees with the module's heads,
-is refused with one sentence before anything changes -- unless the class is registered for a per-module
-config (:data:`CONFIG_HEADS`, :func:`register_config_heads`: Phi-3's ``Phi3Attention.forward`` slices its
-fused ``qkv_proj`` output at ``self.config.num_attention_heads * self.head_dim``): the module then gets its
-own shallow copy of the config holding this rank's counts (the model's and the other layers' config stay
-global).
+cannot hold a per-rank number) -- found by the same parsing (:func:`config_head_keys`), or registered
+(:data:`CONFIG_HEADS`, :func:`register_config_heads`: Phi-3's ``Phi3Attention.forward`` slices its fused
+``qkv_proj`` output at ``self.config.num_attention_heads * self.head_dim``) -- gets its own shallow copy of
+the config holding this rank's counts (the model's and the other layers' config stay global). A config count
+or a head-count attribute that disagrees with the module's heads is refused with one sentence before anything
+changes.
 
 Some attention classes take a per-head tensor that the *model* builds for all heads: BLOOM's ALiBi bias
 (``BloomModel.build_alibi_tensor``: ``(batch x heads, 1, keys)``, consumed by ``BloomAttention.forward`` as
@@ -210,17 +210,7 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     name = cls.__name__
     reads = runtime_reads(cls)
     known = (*HEAD_ATTRS, *KV_HEAD_ATTRS, *WIDTH_ATTRS)
-    if reads is None:
-        read_attrs, cfg_reads = set(known), set()
-    else:
-        read_attrs, cfg_reads = reads
-    cfg_keys = _registered(cls, CONFIG_HEADS)
-    bad_cfg = sorted((cfg_reads & CONFIG_HEAD_KEYS) - set(cfg_keys))
-    if bad_cfg:
-        return {}, (
-            f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
-            f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated"
-        )
+    read_attrs = set(known) if reads is None else set(reads[0])
     cfg_plan, reason = plan_config_heads(attn, heads, kv_heads, world_size)
     if reason:
         return {}, reason
@@ -268,12 +258,25 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     return out, None
 
 
+def config_head_keys(attn: nn.Module) -> tuple[str, ...]:
+    """The head-count keys of ``attn.config`` that its class reads at run time: those registered
+    (:data:`CONFIG_HEADS`) and those its methods other than ``__init__`` read as ``self.config.<key>``
+    (:func:`runtime_reads`; Phi-4-multimodal's copy of Phi-3's attention slices its fused ``qkv_proj`` at
+    ``self.config.num_attention_heads * self.head_dim``). Once the heads are split the module gets its own
+    config copy holding this rank's counts."""
+    keys = list(_registered(type(attn), CONFIG_HEADS))
+    reads = runtime_reads(type(attn))
+    if reads is not None and getattr(attn, "config", None) is not None:
+        keys += sorted((reads[1] & CONFIG_HEAD_KEYS) - set(keys))
+    return tuple(keys)
+
+
 def plan_config_heads(
     attn: nn.Module, heads: int, kv_heads: int, world_size: int
 ) -> tuple[dict[str, tuple[int, int]], str | None]:
     """The per-rank counts of the config keys :data:`CONFIG_HEADS` registers for ``attn``'s class:
     ``({key: (global, local)}, None)``, or ``({}, reason)`` when the config's value is not the module's count."""
-    keys = _registered(type(attn), CONFIG_HEADS)
+    keys = config_head_keys(attn)
     cfg = getattr(attn, "config", None)
     out: dict[str, tuple[int, int]] = {}
     for k in keys:

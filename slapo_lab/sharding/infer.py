@@ -103,6 +103,7 @@ _FACTORY_OPS = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"copy_", "__setitem__"})
+_COMPLEX_OPS = frozenset({"view_as_complex", "view_as_real"})
 _MAX_MAPS = 3
 _BOOL = torch.Tensor.__bool__
 
@@ -304,6 +305,9 @@ class _Recorder(TorchFunctionMode):
             first = ins[0][1]
             self.set(outs[0], _Info(dict(first.maps), src, first.scores))
             return
+        if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
+            self.complex_view(name, ins[0][1], outs[0], src, scores)
+            return
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
@@ -325,6 +329,21 @@ class _Recorder(TorchFunctionMode):
             self.set(o, _Info(maps, src, scores))
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def complex_view(self, name: str, inf: _Info, out, src, scores) -> None:
+        """``view_as_complex`` / ``view_as_real`` (Llama 4's complex rotary embedding): a complex element stands
+        for its (real, imaginary) pair of features, mapped to the real one's; back to real, the pair is that
+        feature and the next (the pairs ``view_as_complex`` takes are adjacent features of one head)."""
+        maps = {}
+        for p, ms in inf.maps.items():
+            if name == "view_as_complex":
+                got = [m[..., 0] for m in ms if m.dim() >= 1 and m.shape[-1] == 2]
+            else:
+                got = [torch.stack((m, torch.where(m >= 0, m + 1, m)), -1) for m in ms]
+            got = [m for m in got if tuple(m.shape) == tuple(out.shape)]
+            if got:
+                maps[p] = got
+        self.set(out, _Info(maps, src, scores))
 
     def canonical(self, t, axes: list[int]):
         """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
@@ -872,7 +891,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
         for j, kid in enumerate(kids):
-            sig = (type(kid), tuple((r, type(x).__name__) for r, x in kid.named_modules()))
+            sig = _signature(kid)
             if sig in seen:
                 continue
             if any(kid is not b and _inside(kid, b) for _, b in out):
@@ -1164,17 +1183,27 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     inputs = top._top.extra.get(_INPUTS_KEY)
     result = analyse(top.mod, inputs)
     ref = top._top.extra.get(REFERENCE_KEY)
-    if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
+    if ref is None or ref is top.mod or type(ref) is not type(top.mod):
         return result
-    result = analyse(ref, inputs)
-    if result:
+    if result and len(result) >= len(_stacks(top.mod)):
+        return result
+    # the forward stopped before every kind of block ran (a meta copy whose later layer reads values)
+    full = analyse(ref, inputs)
+    if len(full) > len(result):
+        result = full
         with _LOCK:
             _DONE[top.mod] = result
     return result
 
 
 def _signature(mod: nn.Module) -> tuple:
-    return (type(mod), tuple((r, type(x).__name__) for r, x in mod.named_modules()))
+    """A block's structure: its modules' classes and its parameters' names and global shapes (blocks of one
+    class may differ in their parameters: MiMo-V2-Flash's layers with and without attention sinks)."""
+    return (
+        type(mod),
+        tuple((r, type(x).__name__) for r, x in mod.named_modules()),
+        tuple((n, tuple(getattr(p, "orig_shape", p.shape))) for n, p in mod.named_parameters()),
+    )
 
 
 def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
