@@ -130,14 +130,10 @@ def test_the_preset_says_which_dense_layers_stay_whole_and_why():
         FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     )
     sch = sl.create_schedule(falcon, world_size=2)
-    # FalconConfig's default is multi-query attention: one key/value head, so the fused query_key_value (and
-    # the dense after it) cannot be split by heads; the MLP is sharded
-    whole = (
-        "Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense "
-        "(FalconAttention uses multi-query attention, one key/value head for all 4 query heads, so its fused "
-        "query_key_value and its dense cannot be split by heads)."
-    )
-    assert presets.megatron_tp(sch).notes == [whole]
+    # FalconConfig's default is multi-query attention: one key/value head, which every rank keeps beside its
+    # query heads (read from the dataflow), so nothing in the blocks stays whole
+    assert presets.megatron_tp(sch).notes == []
+    assert sch["transformer.h.0.self_attention.query_key_value"].mod.weight.shape == (32 + 16 + 16, 64)
     assert sch["transformer.h.0.mlp.dense_h_to_4h"].mod.weight.shape == (128, 64)
 
 

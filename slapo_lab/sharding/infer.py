@@ -535,6 +535,22 @@ def _candidate_strides(n: int, feature_part: list[str]) -> list:
     return [s for s in out if sum(_sizes(n, s)) == n]
 
 
+def _replicated_strides(feature_part: list[str], replicated: dict[str, int]) -> list:
+    """The stride of a fused projection whose parts are stored as blocks back to back, the replicated ones
+    (key / value heads of multi-query attention) held whole by their replica groups; none when a part recurs."""
+    from .rules import BlockStride
+
+    runs: list = []
+    for p in feature_part:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    if len(runs) < 2 or len({r[0] for r in runs}) != len(runs):
+        return []
+    return [BlockStride([r[1] for r in runs], [replicated.get(r[0], 0) for r in runs])]
+
+
 def _sizes(n: int, stride) -> list[int]:
     from .rules import block_sizes
 
@@ -545,9 +561,10 @@ def _sizes(n: int, stride) -> list[int]:
 
 
 def _fits(n: int, stride, ws: int, needed: list[set]) -> bool:
-    from .rules import local_shard
+    from .rules import block_replicas, local_shard
 
-    if any(s % ws for s in _sizes(n, stride)):
+    sizes = _sizes(n, stride)
+    if any(s % (ws // r) for s, r in zip(sizes, block_replicas(stride, len(sizes), ws), strict=False)):
         return False
     idx = torch.arange(n)
     return all(set(local_shard(idx, 0, ws, r, stride).tolist()) == needed[r] for r in range(ws))
@@ -669,6 +686,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             part = ["?"] * feats
             needed = [set() for _ in range(ws)]
             shared = False
+            replicated: dict[str, int] = {}  # k / v of a fused multi-query projection -> its key/value heads
             for role, sets in per_role.items():
                 hn = len(sets)
                 for h, s in enumerate(sets):
@@ -677,6 +695,20 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                             if part[f] not in ("?", role):
                                 shared = True
                             part[f] = role
+                uniq = [x for j, x in enumerate(sets) if j == 0 or x != sets[j - 1]]  # key/value heads
+                if (
+                    role in ("k", "v")
+                    and "q" in per_role
+                    and len(uniq) % ws
+                    and ws % len(uniq) == 0
+                    and n % ws == 0
+                ):
+                    # a fused multi-query projection: each rank keeps the key/value head its query heads use,
+                    # shared by ws / kv ranks (GPT-BigCode's c_attn, Falcon's query_key_value)
+                    replicated[role] = len(uniq)  # key/value head groups
+                    for r in range(ws):
+                        needed[r] |= uniq[r // (ws // len(uniq))]
+                    continue
                 if hn % ws:
                     if role in ("k", "v") and len(per_role) == 1 and ws % max(kv, 1) == 0:
                         continue  # a separate key/value projection, replicated (kv_replicas)
@@ -695,7 +727,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             if refusal and len(per_role) > 1:
                 break
             refusal_here = None
-            if any(needed[r] & needed[s] for r in range(ws) for s in range(r + 1, ws)):
+            copies = {f for f in range(feats) if part[f] in replicated}
+            if any((needed[r] & needed[s]) - copies for r in range(ws) for s in range(r + 1, ws)):
                 shared = True
             covered = set().union(*needed)
             if shared or "?" in part or len(covered) != feats:
@@ -706,10 +739,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 )
                 continue
             parts = "".join(dict.fromkeys(part))
-            lay = next(
-                (s for s in _candidate_strides(feats, part) if _fits(feats, s, ws, needed)),
-                None,
-            )
+            cands = _replicated_strides(part, replicated) if replicated else _candidate_strides(feats, part)
+            lay = next((s for s in cands if _fits(feats, s, ws, needed)), None)
             if lay is None:
                 refusal_here = f"no shard of {p} keeps whole heads on every rank"
                 split.whole[p] = refusal_here
