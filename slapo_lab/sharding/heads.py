@@ -373,7 +373,10 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, 
             setattr(cfg, k, local)
         attn.config = cfg
         rec["config"] = {k: [g, loc] for k, (g, loc) in cfg_plan.items()}
+    from . import infer as _infer
+
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
+    inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
         meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank))
         rec["inputs"] = [n for n, _ in inputs]

@@ -170,6 +170,9 @@ class BlockSplit:
     ran: set = field(
         default_factory=set
     )  # the linears the recorded forward ran (the others: names are hints)
+    # per-head tensor arguments of an attention module, built for all heads outside the block (MPT's ALiBi
+    # position_bias): HeadParam(module, argument name, heads axis, heads); cut to each rank's heads
+    head_inputs: list = field(default_factory=list)
 
 
 class _Done(Exception):
@@ -203,6 +206,9 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
+        self.input_shapes: dict[
+            str, tuple
+        ] = {}  # "module:argument" -> shape of a tensor from outside the block
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -259,11 +265,13 @@ class _Recorder(TorchFunctionMode):
                         for t2, i2 in ins
                         if t2 is not t
                         for p in i2.maps
-                        if not p.startswith(("param:", "@"))
+                        if not p.startswith(("param:", "@", "input:"))
                     }
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
-            self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
+            self.routers |= {
+                p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
+            }
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -327,7 +335,7 @@ class _Recorder(TorchFunctionMode):
                             if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
-            if scores is not None and any(p.startswith("param:") for p in maps):
+            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def complex_view(self, name: str, inf: _Info, out, src, scores) -> None:
@@ -451,7 +459,7 @@ class _Recorder(TorchFunctionMode):
                 for p, ms in results.get(idx, {}).items()
             }
             self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
-            if scores is not None and any(p.startswith("param:") for p in maps):
+            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
@@ -504,7 +512,7 @@ def _broadcasts(a: tuple, b: tuple) -> bool:
 
 
 def _linear_maps(inf: _Info) -> bool:
-    return any(not p.startswith(("param:", "@")) for p in inf.maps)
+    return any(not p.startswith(("param:", "@", "input:")) for p in inf.maps)
 
 
 def _head_sets(t: torch.Tensor, maps: list, n: int | None = None) -> list[set]:
@@ -605,6 +613,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             for p, ms in inf.maps.items():
                 if p.startswith("@"):
                     continue
+                if p.startswith("input:"):
+                    _note_head_param(split, p, ms, split.head_inputs)
+                    continue
                 if p.startswith("param:"):
                     owned = _head_owned(p, ms)
                     if owned is not None:
@@ -630,6 +641,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             for p, ms in inf.maps.items():
                 if p.startswith("param:"):
                     _note_head_param(split, p, ms)
+                elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
+                    _note_head_param(split, p, ms, split.head_inputs)
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(
@@ -858,12 +871,14 @@ def _head_owned(p: str, ms: list) -> tuple[str, int] | None:
     return container, m.shape[-3]
 
 
-def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
-    """A parameter whose entries reach attention heads (axis -3 of its map): note, per head, its entries
-    (heads repeated for grouped-query attention count once)."""
-    key = p[len("param:") :]
+def _note_head_param(split: BlockSplit, p: str, ms: list, into: list | None = None) -> None:
+    """A parameter (or, ``into`` ``split.head_inputs``, a tensor argument from outside the block) whose entries
+    reach attention heads (axis -3 of its map): note, per head, its entries (heads repeated for grouped-query
+    attention count once)."""
+    into = split.head_params if into is None else into
+    key = p.split(":", 1)[1]
     mod, name = key.rsplit(":", 1)
-    if any(hp[0] == mod and hp[1] == name for hp in split.head_params):
+    if any(hp[0] == mod and hp[1] == name for hp in into):
         return
     m = ms[0]
     if m.dim() < 3:
@@ -879,7 +894,7 @@ def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
     n = len(sets)
     if n < 2 or any(sets[a] & sets[b] for a in range(n) for b in range(a + 1, n)):
         return  # shared by several heads (a scale over head_dim)
-    split.head_params.append((mod, name, sets, n))  # resolved against the parameter's shape later
+    into.append((mod, name, sets, n))  # resolved against the parameter's (or argument's) shape later
 
 
 # --------------------------------------------------------------------------------------------- running it
@@ -982,6 +997,7 @@ _BY_DIGEST: dict = {}  # (top class, config digest, input shapes) -> {block path
 # (attention class name, child name, config digest) -> (role, Layout or None, refusal or None)
 _REGISTRY: dict = {}
 _HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
+_HEAD_INPUTS: dict = {}  # (attention class name, config digest) -> ((argument, heads axis), ...)
 
 
 def analyse(model: nn.Module, stored_inputs: dict | None = None) -> dict[str, BlockSplit]:
@@ -1039,6 +1055,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
+            r.input_shapes = {}
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -1070,6 +1087,38 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
 
             handles.append(m.register_forward_pre_hook(lin_pre))
             handles.append(m.register_forward_hook(lin_post))
+        arg_names: dict[str, list] = {}
+        for rel, m in block.named_modules():
+            if rel and not _is_dense(m):
+
+                def sub_pre(mod, args, kwargs, rel=rel):
+                    # tensors from outside the block reaching a module (MPT's ALiBi position_bias): mapped, so a
+                    # per-head one shows where it meets the attention scores
+                    if not r.active:
+                        return
+                    if rel not in arg_names:
+                        try:
+                            arg_names[rel] = list(inspect.signature(type(mod).forward).parameters)[1:]
+                        except (TypeError, ValueError):
+                            arg_names[rel] = []
+                    names_ = arg_names[rel]
+                    named = [(names_[j] if j < len(names_) else None, a) for j, a in enumerate(args) if j]
+                    for nm, a in [*named, *kwargs.items()]:
+                        if (
+                            nm is None
+                            or "hidden" in nm
+                            or not isinstance(a, torch.Tensor)
+                            or not a.is_floating_point()
+                            or a.dim() < 2
+                            or a.numel() > 1 << 20
+                            or id(a) in r.info
+                            or id(a) in r.params
+                        ):
+                            continue
+                        r.set(a, _Info({f"input:{rel}:{nm}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
+                        r.input_shapes[f"{rel}:{nm}"] = tuple(a.shape)
+
+                handles.append(m.register_forward_pre_hook(sub_pre, with_kwargs=True))
         for rel, m in block.named_modules():
             if rel and not _is_dense(m) and _is_norm(m):
 
@@ -1114,6 +1163,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         try:
             split = _analyse(snap, block, dense_by_block[bpath])
             _resolve_head_params(split, block)
+            _resolve_head_inputs(split, snap.input_shapes)
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
@@ -1133,6 +1183,7 @@ class _Snapshot:
         self.routers = set(r.routers)
         self.param_uses = dict(r.param_uses)
         self.ran = set(r.ran)
+        self.input_shapes = dict(r.input_shapes)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1159,6 +1210,21 @@ def _resolve_head_params(split: BlockSplit, block: nn.Module) -> None:
     split.head_params = resolved
 
 
+def _resolve_head_inputs(split: BlockSplit, shapes: dict) -> None:
+    """The heads axis of each per-head tensor argument (of the attention module it reaches), from its shape."""
+    resolved = []
+    for mod, name, sets, n in split.head_inputs:
+        shape = shapes.get(f"{mod}:{name}")
+        if shape is None or mod not in split.attention:
+            continue
+        idx = torch.arange(max(1, int(torch.tensor(shape).prod()))).view(shape)
+        for axis, size in enumerate(shape):
+            if size == n and all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):
+                resolved.append(HeadParam(mod, name, axis, n))
+                break
+    split.head_inputs = resolved
+
+
 def _register(model: nn.Module, result: dict) -> None:
     """Make the inferred layouts and head counts visible to the shard rules (which see one module)."""
     for bpath, split in result.items():
@@ -1180,6 +1246,12 @@ def _register(model: nn.Module, result: dict) -> None:
         for apath, counts in split.attention.items():
             attn = block.get_submodule(apath) if apath else block
             _HEADS[(type(attn).__name__, _config_digest(getattr(attn, "config", None)))] = counts
+        for hi in split.head_inputs:
+            attn = block.get_submodule(hi.module) if hi.module else block
+            key = (type(attn).__name__, _config_digest(getattr(attn, "config", None)))
+            found = _HEAD_INPUTS.setdefault(key, ())
+            if hi.name not in dict(found):
+                _HEAD_INPUTS[key] = (*found, (hi.name, hi.axis))
 
 
 def lookup(parent: nn.Module | None, child: str) -> tuple | None:
@@ -1194,6 +1266,14 @@ def inferred_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     if attn is None:
         return None
     return _HEADS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))))
+
+
+def inferred_head_inputs(attn: nn.Module | None) -> tuple:
+    """``((argument name, heads axis), ...)``: the per-head tensor arguments ``attn``'s class (and config) takes,
+    built for all heads outside its block (MPT's ALiBi ``position_bias``), read from the dataflow; ``()`` if none."""
+    if attn is None:
+        return ()
+    return _HEAD_INPUTS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))), ())
 
 
 def ensure(sch) -> None:
@@ -1325,6 +1405,7 @@ __all__ = [
     "analyse",
     "block_split",
     "ensure",
+    "inferred_head_inputs",
     "inferred_heads",
     "lookup",
 ]
