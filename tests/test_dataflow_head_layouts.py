@@ -10,6 +10,8 @@ unscheduled model remembered), the Megatron preset at TP 2, then the numeric che
   and its experts, stored transposed without an ``is_transposed`` flag, are read from the weights' shapes;
 * MiMo-V2-Flash: blocks of one class that differ in their parameters (attention sinks in some layers only) are
   read one by one;
+* DeBERTa: q_bias / v_bias, heads x head_dim features on one axis, are split with the heads (two per-head
+  parameters on one module);
 * GPT-OSS: a meta copy whose forward fails inside a block (its grouped-mm experts need real values) is read from
   the unscheduled model the schedule remembers (its attention sinks follow the heads).
 """
@@ -85,3 +87,15 @@ def test_a_meta_copy_that_fails_inside_a_block_is_read_from_the_remembered_model
     assert split is not None and split.head_params == [infer.HeadParam("self_attn", "sinks", 0, 4)]
     _preset_is_full_and_right(model, inputs, sch)
     assert torch.equal(torch.tensor(sch["model.layers.0.self_attn"].mod.sinks.orig_shape), torch.tensor([4]))
+
+
+def test_deberta_flat_per_head_biases_follow_the_heads():
+    model, inputs, sch = _scheduled("deberta")
+    split = infer.block_split(sch, "deberta.encoder.layer.0")
+    # q_bias / v_bias of heads x head_dim features, viewed into heads where they are added to q and v
+    assert split.head_params == [
+        infer.HeadParam("attention.self", name, 0, 4) for name in ("q_bias", "v_bias")
+    ]
+    _preset_is_full_and_right(model, inputs, sch)
+    attn = sch["deberta.encoder.layer.0.attention.self"].mod
+    assert attn.q_bias.shape == attn.v_bias.shape == (32,)

@@ -1207,6 +1207,14 @@ def _resolve_head_params(split: BlockSplit, block: nn.Module) -> None:
             if all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):
                 resolved.append(HeadParam(mod, name, axis, n))
                 break
+        else:  # heads x head_dim flattened on one axis (DeBERTa's q_bias / v_bias): head h a contiguous range
+            for axis, size in enumerate(shape):
+                if size % n or size == n:
+                    continue
+                chunks = idx.chunk(n, dim=axis)
+                if all(set(chunks[h].reshape(-1).tolist()) >= sets[h] for h in range(n)):
+                    resolved.append(HeadParam(mod, name, axis, n))
+                    break
     split.head_params = resolved
 
 
