@@ -12,6 +12,8 @@ unscheduled model remembered), the Megatron preset at TP 2, then the numeric che
   read one by one;
 * DeBERTa: q_bias / v_bias, heads x head_dim features on one axis, are split with the heads (two per-head
   parameters on one module);
+* NeoMME: a value projection whose heads also reach the output projection's input (exclusive self-attention) is
+  split with its heads;
 * GPT-OSS: a meta copy whose forward fails inside a block (its grouped-mm experts need real values) is read from
   the unscheduled model the schedule remembers (its attention sinks follow the heads).
 """
@@ -99,3 +101,11 @@ def test_deberta_flat_per_head_biases_follow_the_heads():
     _preset_is_full_and_right(model, inputs, sch)
     attn = sch["deberta.encoder.layer.0.attention.self"].mod
     assert attn.q_bias.shape == attn.v_bias.shape == (32,)
+
+
+def test_a_value_that_also_reaches_the_output_projection_by_head_is_split_with_its_heads():
+    model, inputs, sch = _scheduled("neomme")
+    split = infer.block_split(sch, "model.layers.0")
+    # NeoMME's exclusive self-attention subtracts each head's value direction from its output before o_proj
+    assert split.roles["self_attn.v_proj"] == "v" and split.roles["self_attn.output_projection.o_proj"] == "o"
+    _preset_is_full_and_right(model, inputs, sch)

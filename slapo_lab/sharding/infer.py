@@ -706,6 +706,12 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                     for f in s:
                         if 0 <= f < feats:
                             if part[f] not in ("?", role):
+                                if "g" in (role, part[f]):
+                                    # a q/k/v feature that also reaches the output projection's input by head
+                                    # (NeoMME's exclusive self-attention subtracts v's direction there): one
+                                    # part; the ranks' needed features below must still agree
+                                    part[f] = part[f] if role == "g" else role
+                                    continue
                                 shared = True
                             part[f] = role
                 uniq = [x for j, x in enumerate(sets) if j == 0 or x != sets[j - 1]]  # key/value heads
