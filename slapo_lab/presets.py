@@ -486,8 +486,11 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 split is not None
                 and (split.roles or split.whole)
                 and (rel in split.whole or rel in split.ran)
+                and (split.attention or rel in split.whole or _classify(rel) is None)
             ):
-                kind = None  # the dataflow ran it and paired it with nothing: it stays whole
+                # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
+                # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
+                kind = None
             else:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
