@@ -5,7 +5,9 @@ Tiny transformers 5.x models built from their config classes by the family sweep
 unscheduled model remembered), the Megatron preset at TP 2, then the numeric check on 2 simulated ranks:
 
 * MPT: the ALiBi ``position_bias`` the model builds for all heads and passes to every attention module is a
-  per-head *input* (read where it meets the scores), cut to each rank's heads by a pre-hook;
+  per-head *input* (read where it meets the scores), cut to each rank's heads by a pre-hook; MPNet's learned
+  position bias, passed on from the layer to its attention module, is cut there and its gradient summed over
+  the ranks;
 * Llama 4: the complex rotary embedding (``view_as_complex`` / ``view_as_real``) carries the q / k feature maps,
   and its experts, stored transposed without an ``is_transposed`` flag, are read from the weights' shapes;
 * MiMo-V2-Flash: blocks of one class that differ in their parameters (attention sinks in some layers only) are
@@ -109,3 +111,11 @@ def test_a_value_that_also_reaches_the_output_projection_by_head_is_split_with_i
     # NeoMME's exclusive self-attention subtracts each head's value direction from its output before o_proj
     assert split.roles["self_attn.v_proj"] == "v" and split.roles["self_attn.output_projection.o_proj"] == "o"
     _preset_is_full_and_right(model, inputs, sch)
+
+
+def test_a_learned_per_head_bias_passed_inward_is_cut_at_the_attention_and_its_gradient_summed():
+    model, inputs, sch = _scheduled("mpnet")
+    split = infer.block_split(sch, "mpnet.encoder.layer.0")
+    # MPNetEncoder looks the (batch, heads, q, k) bias up once; MPNetLayer passes it on to attention.attn
+    assert split.head_inputs == [infer.HeadParam("attention.attn", "position_bias", 1, 4)]
+    _preset_is_full_and_right(model, inputs, sch)  # the table's gradient: the ranks' heads summed

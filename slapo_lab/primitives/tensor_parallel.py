@@ -75,7 +75,7 @@ def _sites(sch, t: torch.Tensor, tensor_name: str) -> list[ShardSite]:
             parent, cname, path = (sch.parent.mod if sch.parent is not None else None), sch.name, sch.path
         else:
             parent, cname, path = parents.get(id(mod), (None, "", ""))
-        sites.append(ShardSite(mod, name or tensor_name, parent, cname, path))
+        sites.append(ShardSite(mod, name or tensor_name, parent, cname, path, getattr(sch, "tp", None)))
     return sites
 
 

@@ -54,6 +54,7 @@ import inspect
 import textwrap
 from functools import cache
 
+import torch
 from torch import nn
 
 from ..module_state import module_meta, peek_meta
@@ -293,41 +294,61 @@ def plan_config_heads(
     return out, None
 
 
-def _cut_heads(t, axis, heads: int, local: int, rank: int):
-    """This rank's heads of a per-head tensor (``axis`` "flat": rows ``batch x heads``; an int: that axis)."""
+def _cut_heads(t, axis, heads: int, local: int, rank: int, group=None):
+    """This rank's heads of a per-head tensor (``axis`` "flat": rows ``batch x heads``; an int: that axis).
+
+    A tensor with a gradient (MPNet's position bias, looked up from a table the model holds once) is read
+    through :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``group`` first: each rank's gradient
+    covers its own heads only, and the table's gradient is their sum."""
     if not hasattr(t, "shape") or t.dim() == 0:
         return t
     if axis == "flat":
         if t.shape[0] % heads:
             return t
-        v = t.view(-1, heads, *t.shape[1:])[:, rank * local : (rank + 1) * local]
+        v = _summed(t, group).view(-1, heads, *t.shape[1:])[:, rank * local : (rank + 1) * local]
         return v.reshape(-1, *t.shape[1:])
     if t.dim() <= axis or t.shape[axis] != heads:
-        return t  # shared by all heads (a (batch, 1, q, k) mask)
-    return t.narrow(axis, rank * local, local)
+        return t  # shared by all heads (a (batch, 1, q, k) mask), or already this rank's heads
+    return _summed(t, group).narrow(axis, rank * local, local)
 
 
-def _slice_per_head_inputs(module, args, kwargs, *, specs, index, heads, world_size, rank):
+def _summed(t, group):
+    """``t`` read through :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``group`` when it has a
+    gradient (only a tensor that is cut: its gradient from each rank covers that rank's heads)."""
+    if group is None or not getattr(t, "requires_grad", False) or not torch.is_grad_enabled():
+        return t
+    from .sync_ops import all_reduce_backward
+
+    return all_reduce_backward(t, group)
+
+
+def _slice_per_head_inputs(module, args, kwargs, *, specs, index, heads, world_size, rank, group=None):
     """Forward pre-hook: cut each per-head argument of ``specs`` (``(name, heads axis)``) to this rank's
     heads, whether passed by keyword or by position."""
     local = heads // world_size
     args = list(args)
     for n, axis in specs:
         if kwargs.get(n) is not None:
-            kwargs[n] = _cut_heads(kwargs[n], axis, heads, local, rank)
+            kwargs[n] = _cut_heads(kwargs[n], axis, heads, local, rank, group)
         elif index.get(n) is not None and index[n] < len(args) and args[index[n]] is not None:
-            args[index[n]] = _cut_heads(args[index[n]], axis, heads, local, rank)
+            args[index[n]] = _cut_heads(args[index[n]], axis, heads, local, rank, group)
     return tuple(args), kwargs
 
 
-def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size: int, rank: int):
+def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size: int, rank: int, group=None):
     try:
         params = list(inspect.signature(type(attn).forward).parameters)[1:]  # without self
     except (TypeError, ValueError):
         params = []
     index = {n: params.index(n) if n in params else None for n, _ in specs}
     hook = functools.partial(
-        _slice_per_head_inputs, specs=specs, index=index, heads=heads, world_size=world_size, rank=rank
+        _slice_per_head_inputs,
+        specs=specs,
+        index=index,
+        heads=heads,
+        world_size=world_size,
+        rank=rank,
+        group=group,
     )
     return attn.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -339,7 +360,9 @@ def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     return (rec["heads"], rec["kv_heads"]) if rec else None
 
 
-def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0) -> dict:
+def localise_heads(
+    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group=None
+) -> dict:
     """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
 
     Also gives the module a per-rank config copy (:data:`CONFIG_HEADS`) and cuts the per-head arguments
@@ -378,7 +401,7 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, 
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
     inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
-        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank))
+        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
         rec["inputs"] = [n for n, _ in inputs]
     meta["attention_heads"] = rec
     return rec

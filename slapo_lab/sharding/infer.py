@@ -206,9 +206,11 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
-        self.input_shapes: dict[
-            str, tuple
-        ] = {}  # "module:argument" -> shape of a tensor from outside the block
+        # "module:argument" -> shape of a tensor from outside the block; id(that tensor) -> where it was first
+        # seen; "module:argument" -> the inner modules' arguments it was passed on to
+        self.input_shapes: dict[str, tuple] = {}
+        self.input_of: dict[int, str] = {}
+        self.input_aliases: dict[str, list] = {}
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -1061,7 +1063,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
-            r.input_shapes = {}
+            r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -1110,11 +1112,16 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
                     names_ = arg_names[rel]
                     named = [(names_[j] if j < len(names_) else None, a) for j, a in enumerate(args) if j]
                     for nm, a in [*named, *kwargs.items()]:
+                        if nm is None or "hidden" in nm or not isinstance(a, torch.Tensor):
+                            continue
                         if (
-                            nm is None
-                            or "hidden" in nm
-                            or not isinstance(a, torch.Tensor)
-                            or not a.is_floating_point()
+                            id(a) in r.input_of
+                        ):  # passed on inward (MPNet's position_bias: layer -> attention)
+                            r.input_shapes.setdefault(f"{rel}:{nm}", tuple(a.shape))
+                            r.input_aliases.setdefault(r.input_of[id(a)], []).append(f"{rel}:{nm}")
+                            continue
+                        if (
+                            not a.is_floating_point()
                             or a.dim() < 2
                             or a.numel() > 1 << 20
                             or id(a) in r.info
@@ -1123,6 +1130,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
                             continue
                         r.set(a, _Info({f"input:{rel}:{nm}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
                         r.input_shapes[f"{rel}:{nm}"] = tuple(a.shape)
+                        r.input_of[id(a)] = f"{rel}:{nm}"
 
                 handles.append(m.register_forward_pre_hook(sub_pre, with_kwargs=True))
         for rel, m in block.named_modules():
@@ -1169,7 +1177,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         try:
             split = _analyse(snap, block, dense_by_block[bpath])
             _resolve_head_params(split, block)
-            _resolve_head_inputs(split, snap.input_shapes)
+            _resolve_head_inputs(split, snap.input_shapes, snap.input_aliases)
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
@@ -1190,6 +1198,7 @@ class _Snapshot:
         self.param_uses = dict(r.param_uses)
         self.ran = set(r.ran)
         self.input_shapes = dict(r.input_shapes)
+        self.input_aliases = dict(r.input_aliases)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1224,13 +1233,17 @@ def _resolve_head_params(split: BlockSplit, block: nn.Module) -> None:
     split.head_params = resolved
 
 
-def _resolve_head_inputs(split: BlockSplit, shapes: dict) -> None:
-    """The heads axis of each per-head tensor argument (of the attention module it reaches), from its shape."""
+def _resolve_head_inputs(split: BlockSplit, shapes: dict, aliases: dict) -> None:
+    """The heads axis of each per-head tensor argument (of the attention module it reaches, itself or passed on
+    to it by an outer module of the block), from its shape."""
     resolved = []
-    for mod, name, sets, n in split.head_inputs:
-        shape = shapes.get(f"{mod}:{name}")
-        if shape is None or mod not in split.attention:
+    for first, name0, sets, n in split.head_inputs:
+        where = [f"{first}:{name0}", *aliases.get(f"{first}:{name0}", [])]
+        at = next((w for w in where if w.rsplit(":", 1)[0] in split.attention), None)
+        shape = shapes.get(at) if at is not None else None
+        if shape is None:
             continue
+        mod, name = at.rsplit(":", 1)
         idx = torch.arange(max(1, int(torch.tensor(shape).prod()))).view(shape)
         for axis, size in enumerate(shape):
             if size == n and all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):

@@ -50,6 +50,7 @@ class ShardSite:
     parent: nn.Module | None = None
     child_name: str = ""
     path: str = ""
+    tp: object = None  # the schedule's tensor-parallel group (sums a per-head input's gradient), if known
 
 
 class BlockStride(int):
@@ -644,7 +645,7 @@ def localise_parent_heads(site: ShardSite, world_size: int, rank: int = 0) -> No
     if world_size == 1 or site.parent is None:
         return
     n, kv = attention_heads(site.parent)
-    _heads.localise_heads(site.parent, n, kv, world_size, rank)
+    _heads.localise_heads(site.parent, n, kv, world_size, rank, group=site.tp)
 
 
 class ShardRule:
