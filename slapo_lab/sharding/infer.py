@@ -14,14 +14,20 @@ argument's heads axis (``-3``) tells which features of which projection belong t
   distinct key heads) and the layout a column-parallel shard needs: the first of stride 1 (contiguous, e.g.
   GPT-NeoX's per-head interleaved ``query_key_value``: ``view(B, T, H, 3 * hd)`` then ``chunk(3)``), equal
   blocks (ModernBERT's ``Wqkv``: ``view(B, T, 3, H, hd)``) or blocks of unequal sizes (GPT-BigCode's
-  ``split((H*hd, kv*hd, kv*hd))``) whose per-rank features are exactly the features of that rank's heads;
+  ``split((H*hd, kv*hd, kv*hd))``) whose per-rank features are exactly the features of that rank's heads; with
+  fewer key/value heads than ranks in a fused projection (multi-query attention: GPT-BigCode's ``c_attn``,
+  Falcon's ``query_key_value``) the key/value blocks are kept by the ranks whose query heads use them (a
+  ``BlockStride`` with ``groups``, Megatron-LM / vLLM key/value replication);
 * a projection whose features reach every head (MLA's ``kv_a_proj_with_mqa`` rope part, broadcast over the
   heads) or also feed something else stays whole (a low-rank "a" of an a -> norm -> b chain);
 * the output projection: the linear whose input is the attention output, its in-features of rank r exactly
   rank r's heads;
 * per-head tensors: a parameter whose entries reach the heads (a relative-position table added to the scores,
-  attention sinks concatenated to them, a q/k norm weight of shape ``(heads, head_dim)``) is split on the axis
-  whose index is the head;
+  attention sinks concatenated to them, a q/k norm weight of shape ``(heads, head_dim)``, DeBERTa's flat
+  ``q_bias`` of heads x head_dim) is split on the axis whose index is the head; a tensor argument from outside
+  the block that meets the scores head by head (MPT's ALiBi ``position_bias``, MPNet's learned position bias)
+  is a per-head *input*, cut to each rank's heads by the attention module's pre-hook
+  (:func:`inferred_head_inputs`, :mod:`slapo_lab.sharding.heads`);
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
