@@ -36,7 +36,9 @@ def module_meta(mod: nn.Module) -> dict[str, Any]:
     ``hooks`` [RemovableHandle]; after ``sync(..., param_grads=True)`` also ``grad_allreduce_params`` [name]
     and ``grad_allreduce_group`` (the :class:`~slapo_lab.sharding.sync_ops.TPGroup` to sum over); after a
     shard with replicas (key/value heads on more ranks than heads) ``grad_replica_params`` [name] and
-    ``grad_replica_group`` (the replica sub-group).
+    ``grad_replica_group`` (the replica sub-group); after a shard whose blocks are partly replicated (a fused
+    multi-query projection) ``grad_block_replicas`` {name: (axis, local block sizes, replicas per block)} and
+    ``grad_block_group``.
     """
     meta = mod.__dict__.get(META_ATTR)
     if meta is None:
@@ -126,6 +128,33 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g, sharde
     return call
 
 
+def _with_block_grad_all_reduce(self: nn.Module, fn, blocks: dict, g):
+    """``fn`` run with each parameter of ``blocks`` (``{name: (axis, local block sizes, replicas per block)}``)
+    read as its blocks concatenated, those of replicas > 1 through
+    :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``g`` (their gradients summed over the ranks
+    sharing them: the key/value heads of a fused multi-query projection); swapped as in
+    :func:`_with_param_grad_all_reduce`."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from .sharding.sync_ops import all_reduce_backward
+
+    def call(*a, **k):
+        swap = {}
+        for n, (axis, local, reps) in blocks.items():
+            p = self._parameters.get(n)
+            if p is None:
+                continue
+            pieces = p.split(list(local), dim=axis)
+            swap[n] = torch.cat(
+                [all_reduce_backward(x, g) if r > 1 else x for x, r in zip(pieces, reps, strict=True)],
+                dim=axis,
+            )
+        with _reparametrize_module(self, swap):
+            return fn(*a, **k)
+
+    return call
+
+
 def slapo_forward(self: nn.Module, *args, **kwargs):
     """The composed forward installed by primitives (see the module docstring).
 
@@ -143,6 +172,8 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     group = meta.get("grad_replica_group")
     if group is not None:
         fn = _with_param_grad_all_reduce(self, fn, meta["grad_replica_params"], group, sharded=True)
+    if meta.get("grad_block_replicas"):
+        fn = _with_block_grad_all_reduce(self, fn, meta["grad_block_replicas"], meta["grad_block_group"])
     if meta["fork_rng"]:
         from .random import get_cuda_rng_tracker
 

@@ -478,7 +478,9 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     """
     block = sch[block_path]
     split = _split_of(sch, block_path)
-    heads = {hp.module: hp for hp in split.head_params} if split is not None else {}
+    heads: dict = {}
+    for hp in split.head_params if split is not None else ():
+        heads.setdefault(hp.module, []).append(hp)  # a module may hold several (DeBERTa's q_bias, v_bias)
     out = []
     for rel, node in block.named_schedules():
         if not rel:
@@ -506,16 +508,21 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 split is not None
                 and (split.roles or split.whole)
                 and (rel in split.whole or rel in split.ran)
+                and (split.attention or rel in split.whole or _classify(rel) is None)
             ):
-                kind = None  # the dataflow ran it and paired it with nothing: it stays whole
+                # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
+                # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
+                kind = None
             else:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
                 out.append((path, kind))
         elif rel in heads:
-            hp = heads[rel]
-            if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block):
-                out.append((path, f"head_param:{hp.name}:{hp.axis}"))
+            kept = [
+                hp for hp in heads[rel] if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block)
+            ]
+            if kept:  # one kind per module: "head_param:q_bias:0;v_bias:0"
+                out.append((path, "head_param:" + ";".join(f"{hp.name}:{hp.axis}" for hp in kept)))
         elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
             kind = _norm_kind(node)
             if kind == "norm" and split is not None and rel in split.grad_sum:
@@ -871,8 +878,9 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         _ensure_shard(sch[path], "weight", 1)
     elif kind.startswith("head_param:"):  # a parameter with one entry per head on an axis (Swin's relative
         # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
-        _, name, axis = kind.split(":")
-        _ensure_shard(sch[path], name, int(axis))
+        for one in kind[len("head_param:") :].split(";"):  # several on one module (DeBERTa's q_bias, v_bias)
+            name, axis = one.split(":")
+            _ensure_shard(sch[path], name, int(axis))
     elif kind == "channels":  # a depthwise convolution on a column-parallel output: this rank's channels
         _ensure_shard(sch[path], "weight", 0)
         if getattr(sch[path].mod, "bias", None) is not None:

@@ -26,6 +26,7 @@ from torch import nn
 import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.export import export_script
+from slapo_lab.module_state import module_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
@@ -253,7 +254,7 @@ class _Projections(nn.Module):
 
 
 class ConfigHeadsAttention(_Projections):
-    """Reads its head count from the shared config at run time: cannot be made per rank."""
+    """Reads its head count from the shared config at run time: gets a per-rank config copy."""
 
     def __init__(self):
         super().__init__()
@@ -297,13 +298,29 @@ class Wrong(AttrHeadsAttention):
         return super().forward(x) * self.n_heads
 
 
-def test_config_head_count_refused():
+def test_config_head_count_read_at_run_time_gets_a_per_rank_config():
+    torch.manual_seed(0)
     model = nn.Sequential(ConfigHeadsAttention())
-    sch = sl.create_schedule(model, world_size=2)
-    msg = _assert_refused(
-        sch, lambda: sch["0.q_proj"].shard("weight", axis=0), "reads config.num_attention_heads at run time"
-    )
-    assert "ConfigHeadsAttention" in msg
+    ref = ConfigHeadsAttention()
+    ref.load_state_dict(model[0].state_dict())
+    shared = model[0].config
+    sch = sl.create_schedule(model, world_size=2, rank=1)
+    for n in ("q_proj", "k_proj", "v_proj"):
+        presets.column_parallel(sch, f"0.{n}")
+    presets.row_parallel(sch, "0.o_proj")
+    attn = model[0]
+    assert (
+        attn.config is not shared and attn.config.num_attention_heads == 2
+    )  # its own copy, found by parsing
+    assert shared.num_attention_heads == 4  # the shared config stays global
+    assert module_meta(attn)["attention_heads"]["config"] == {"num_attention_heads": [4, 2]}
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():  # rank 1 (simulated, no reduce) computes heads 2 and 3 of the reference
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 4).transpose(1, 2)[:, 2:] for p in (ref.q_proj, ref.k_proj, ref.v_proj))
+        y = (torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).reshape(b, s, 8)
+        expect = y @ ref.o_proj.weight[:, 8:].T + ref.o_proj.bias
+        assert torch.allclose(model(x), expect, atol=1e-6)
 
 
 def test_inconsistent_head_attribute_refused():

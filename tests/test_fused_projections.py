@@ -2,8 +2,9 @@
 
 * Falcon's ``self_attention.query_key_value``: with ``new_decoder_architecture`` one ``[q x heads/kv, k, v]``
   group per key/value head (a contiguous shard by groups), without multi-query attention per head
-  ``[q, k, v]`` (a contiguous shard by heads), with multi-query attention refused in one sentence; ALiBi
-  (``alibi=True``) is cut to each rank's heads;
+  ``[q, k, v]`` (a contiguous shard by heads), with multi-query attention ``[q; k; v]`` blocks whose query
+  block is split and whose one key/value head every rank keeps (a ``BlockStride`` with ``replicas``, read from
+  the dataflow); ALiBi (``alibi=True``) is cut to each rank's heads;
 * BLOOM's ``query_key_value`` (per head ``[q, k, v]``) and its ALiBi bias, cut to each rank's heads;
 * Phi-3's ``qkv_proj`` (``[q; k; v]`` blocks, unequal under grouped-query attention: a ``BlockStride``) and
   ``gate_up_proj`` (``[gate; up]``), with a per-module config holding this rank's head counts;
@@ -77,6 +78,7 @@ FAMILIES = {
         lambda: _falcon(num_attention_heads=8, new_decoder_architecture=True, num_kv_heads=4),
     ),
     "falcon_old_layout": (lambda: _falcon(multi_query=False), lambda: _falcon(multi_query=False)),
+    "falcon_mqa": (_falcon, _falcon),  # FalconConfig's default: multi_query=True, one key/value head
     "falcon_alibi": (
         lambda: _falcon(multi_query=False, alibi=True),
         lambda: _falcon(multi_query=False, alibi=True),
@@ -129,28 +131,23 @@ def test_falcon_groups_that_do_not_divide_are_refused_in_one_sentence():
     )
 
 
-def test_falcon_multi_query_attention_is_refused_and_the_preset_says_so():
-    torch.manual_seed(0)
-    model = _falcon()  # FalconConfig's default: multi_query=True, one key/value head
-    sch = sl.create_schedule(model, world_size=2)
-    why = (
-        "FalconAttention uses multi-query attention, one key/value head for all 4 query heads, so its fused "
-        "query_key_value and its dense cannot be split by heads"
+def test_falcon_multi_query_attention_splits_its_query_heads_and_replicates_its_key_value_head():
+    model, _, _ = _scheduled(_falcon, 2)  # FalconConfig's default: multi_query=True, one key/value head
+    attn = model.transformer.h[0].self_attention
+    w = attn.query_key_value.weight  # [q (4 x 16); k (16); v (16)]: this rank's 2 query heads, k and v whole
+    assert w.shape == (32 + 16 + 16, 64)
+    assert (w.shard_stride.sizes, w.shard_stride.groups) == ((64, 16, 16), (0, 1, 1))
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1) and attn.dense.weight.shape == (64, 32)
+    # the key/value blocks' gradient is summed over the ranks sharing them
+    assert sl.module_state(attn.query_key_value)["grad_block_replicas"]["weight"] == (
+        0,
+        [32, 16, 16],
+        (1, 2, 2),
     )
-    for name, axis in (("query_key_value", 0), ("dense", 1)):
-        with pytest.raises(sl.ScheduleError) as ei:
-            sch[f"transformer.h.0.self_attention.{name}"].shard("weight", axis=axis)
-        assert str(ei.value) == (
-            f"Cannot shard transformer.h.0.self_attention.{name}.weight on axis {axis} across 2 ranks: {why}."
-        )
-    assert len(sch.record) == 0
-    notes = presets.megatron_tp(sch).notes
-    assert notes == [
-        f"Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense ({why})."
-    ]
-    assert model.transformer.h[0].mlp.dense_4h_to_h.weight.shape == (64, 128)  # the MLP is sharded
-    report = numeric_check(_falcon(), sch.record.calls, 2, INPUTS)
-    assert report.passed, report.message
+    merged = merge_shards(
+        [local_shard(torch.arange(96), 0, 2, r, w.shard_stride) for r in range(2)], 0, w.shard_stride
+    )
+    assert torch.equal(merged, torch.arange(96))
 
 
 def test_bloom_attention_takes_its_own_heads_alibi_slopes():

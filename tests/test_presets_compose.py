@@ -130,14 +130,10 @@ def test_the_preset_says_which_dense_layers_stay_whole_and_why():
         FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     )
     sch = sl.create_schedule(falcon, world_size=2)
-    # FalconConfig's default is multi-query attention: one key/value head, so the fused query_key_value (and
-    # the dense after it) cannot be split by heads; the MLP is sharded
-    whole = (
-        "Kept whole on every rank: in every block self_attention.query_key_value, self_attention.dense "
-        "(FalconAttention uses multi-query attention, one key/value head for all 4 query heads, so its fused "
-        "query_key_value and its dense cannot be split by heads)."
-    )
-    assert presets.megatron_tp(sch).notes == [whole]
+    # FalconConfig's default is multi-query attention: one key/value head, which every rank keeps beside its
+    # query heads (read from the dataflow), so nothing in the blocks stays whole
+    assert presets.megatron_tp(sch).notes == []
+    assert sch["transformer.h.0.self_attention.query_key_value"].mod.weight.shape == (32 + 16 + 16, 64)
     assert sch["transformer.h.0.mlp.dense_h_to_4h"].mod.weight.shape == (128, 64)
 
 
@@ -184,25 +180,33 @@ def test_deberta_projections_are_recognised():
 
 
 def test_dense_layers_kept_whole_are_a_replicated_finding_and_a_line_in_the_editor():
-    from transformers import FalconConfig, FalconForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from slapo_lab.utils import meta_copy
 
     torch.manual_seed(0)
-    falcon = FalconForCausalLM(
-        FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    # 3 key/value heads neither divide by nor divide 2 ranks: the attention stays whole, the MLP is split
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+        )
     )
-    sch = sl.create_schedule(meta_copy(falcon), world_size=2)
+    sch = sl.create_schedule(meta_copy(llama), world_size=2)
     assert sl.check_schedule(sch, coverage=True) == []  # nothing sharded yet: nothing to say
     notes = presets.megatron_tp(sch).notes
     assert sl.check_schedule(sch) == []  # right as it is: not an open item
     found = sl.check_schedule(sch, coverage=True)
     assert [(f.kind, f.message) for f in found] == [("replicated", notes[0])]
 
-    ed = sl.ScheduleEditor(falcon, example_inputs={"input_ids": torch.randint(0, 128, (2, 8))}, world_size=2)
+    ed = sl.ScheduleEditor(llama, example_inputs={"input_ids": torch.randint(0, 128, (2, 8))}, world_size=2)
     assert ed._coverage.value == ""
     assert ed.apply_preset("megatron") is None, ed.message
-    assert "self_attention.query_key_value" in ed._coverage.value and ed._check.value == ""
+    assert "self_attn.q_proj" in ed._coverage.value and ed._check.value == ""
     ed.undo()
     assert ed._coverage.value == ""
 

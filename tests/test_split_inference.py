@@ -4,8 +4,8 @@ Tiny transformers 5.x models built from their config classes (no downloads):
 
 * the inferred roles and layouts (:mod:`slapo_lab.sharding.infer`): GPT-NeoX's per-head interleaved
   ``query_key_value`` (contiguous by heads), ModernBERT's ``Wqkv`` (three blocks) and ``Wi`` (``gate|up``
-  chunked in two), GPT-BigCode's multi-query ``c_attn`` (refused: its one key/value head sits beside the query
-  heads), DeepSeek-V3's MLA (``q_b_proj`` / ``kv_b_proj`` column parallel, ``kv_a_proj_with_mqa`` whole: its rope
+  chunked in two), GPT-BigCode's multi-query ``c_attn`` (its query block split, its one key/value head replicated
+  on every rank: a ``BlockStride`` with ``replicas``), DeepSeek-V3's MLA (``q_b_proj`` / ``kv_b_proj`` column parallel, ``kv_a_proj_with_mqa`` whole: its rope
   part reaches every head), per-head tensors (Cohere's q/k norm weights, Swin's relative position table, GPT-OSS's
   attention sinks), StableLM's per-head norm list (its attention refused in one sentence), GPT-OSS's experts
   with an output bias (added once over the ranks);
@@ -24,6 +24,7 @@ import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.numeric import numeric_check
 from slapo_lab.sharding import infer
+from slapo_lab.sharding.rules import BlockStride
 
 V = 128
 _DENSE = {"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -175,11 +176,13 @@ def test_modernbert_fused_wqkv_is_three_blocks_and_wi_is_gate_and_up():
     assert s.layouts["mlp.Wi"].stride == 2  # input, gate = Wi(x).chunk(2)
 
 
-def test_gpt_bigcode_multi_query_attention_is_kept_whole_with_its_reason():
+def test_gpt_bigcode_multi_query_attention_splits_its_query_heads_and_replicates_its_key_value_head():
     s = _split("gpt_bigcode", "transformer.h.0")
     assert s.attention == {"attn": (4, 1)}  # one key/value head, read from split((H*hd, hd, hd))
-    assert "multi-query" in s.refusals["attn"]
-    assert set(s.whole) == {"attn.c_attn", "attn.c_proj"}
+    assert s.refusals == {} and s.whole == {}
+    assert (s.roles["attn.c_attn"], s.roles["attn.c_proj"]) == ("qkv", "o")
+    stride = s.layouts["attn.c_attn"].stride  # [q (4 heads); k (1 head); v (1 head)], k and v on both ranks
+    assert isinstance(stride, BlockStride) and (stride.sizes, stride.groups) == ((64, 16, 16), (0, 1, 1))
     assert (s.roles["mlp.c_fc"], s.roles["mlp.c_proj"]) == ("mlp_in", "mlp_out")
 
 
@@ -233,10 +236,10 @@ def test_the_megatron_preset_is_right_on_the_family(family):
     if family in FULL:  # every q/k/v/o and MLP projection of every block is sharded
         for phrase in ("q_proj", "query_key_value", "Wqkv", "Wo", "o_proj", "down_proj", "fc1", "fc2"):
             assert f" {phrase}" not in whole and f".{phrase}" not in whole.replace("a_proj", ""), whole
-    elif family == "gpt_bigcode":
-        assert (
-            "attn.c_attn, attn.c_proj (GPTBigCodeAttention: its 1 key/value head for 4 query heads" in whole
-        )
+    elif family == "gpt_bigcode":  # query heads split, the key/value head on both ranks
+        assert "c_attn" not in whole and "attn.c_proj" not in whole, whole
+        w = sch["transformer.h.0.attn.c_attn"].mod.weight
+        assert tuple(w.shape) == (32 + 16 + 16, 64) and w.shard_stride.groups == (0, 1, 1)
     elif family == "stablelm":
         assert (
             "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj (StableLmAttention"
@@ -358,7 +361,9 @@ def test_einsum_attention_is_read_and_a_class_reading_heads_from_its_config_stay
     s = infer.block_split(sch, "funnel.encoder.blocks.0")  # a list around one layer: paths keep the "0."
     assert s.roles["0.attention.q_head"] == "q" and s.roles["0.attention.post_proj"] == "o"  # bind,bjnd->bnij
     calls = presets.megatron_tp(sch)
-    assert "FunnelRelMultiheadAttention reads config.n_head at run time" in calls.notes[0]
+    # its config copy holds this rank's heads, but its raw per-head parameters (r_w_bias, r_kernel ...) are not
+    # split: the gate's numeric check keeps the attention whole
+    assert calls.notes[0].startswith("Kept whole:") and "0.attention (q_head" in calls.notes[0]
     assert sch["funnel.encoder.blocks.0.0.ffn.linear_2"].mod.weight.shape == (32, 32)  # the MLP is split
     torch.manual_seed(0)
     report = numeric_check(transformers.FunnelForMaskedLM(cfg).eval(), sch.record.calls, 2, _inputs("funnel"))

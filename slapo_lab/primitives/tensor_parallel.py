@@ -19,6 +19,7 @@ from ..sharding import sync_ops
 from ..sharding.router import router_experts
 from ..sharding.rules import (
     ShardSite,
+    block_replicas,
     block_sizes,
     fused_layout,
     get_shard_rule,
@@ -74,7 +75,7 @@ def _sites(sch, t: torch.Tensor, tensor_name: str) -> list[ShardSite]:
             parent, cname, path = (sch.parent.mod if sch.parent is not None else None), sch.name, sch.path
         else:
             parent, cname, path = parents.get(id(mod), (None, "", ""))
-        sites.append(ShardSite(mod, name or tensor_name, parent, cname, path))
+        sites.append(ShardSite(mod, name or tensor_name, parent, cname, path, getattr(sch, "tp", None)))
     return sites
 
 
@@ -266,6 +267,11 @@ class ShardPrimitive(Primitive):
             get_shard_rule(mod).apply(mod, name, axis, ws, rank)
             if replicas > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
                 _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
+            block_reps = block_replicas(stride, int(stride), ws) if ws > 1 else ()
+            if max(block_reps, default=1) > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
+                _install_block_replica_grad_all_reduce(
+                    mod, name, axis, stride, ws, sch.tp.replica_group(max(block_reps))
+                )
         for site in sites:
             apply_site = _rule_hook(site, "apply_site")
             if apply_site:
@@ -548,6 +554,28 @@ def _install_replica_grad_all_reduce(mod: nn.Module, name: str, g) -> None:
     if name not in names:
         names.append(name)
     meta["grad_replica_group"] = g
+    install_forward(mod)
+
+
+def _install_block_replica_grad_all_reduce(mod: nn.Module, name: str, axis: int, stride, ws: int, g) -> None:
+    """Sum the gradient of the replicated blocks of ``mod``'s shard ``name`` over the replica group ``g``.
+
+    A fused multi-query projection (a :class:`~slapo_lab.sharding.rules.BlockStride` with ``replicas``: its
+    query block split, its key/value blocks held by ``r`` ranks each) gets, on each rank, its own query heads'
+    gradient for the key/value head it shares: a partial sum over the replica group, as for
+    :func:`_install_replica_grad_all_reduce`; the split query block's gradient is this rank's alone. Each
+    forward reads the parameter as its blocks concatenated, the replicated ones through
+    :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``g``.
+    """
+    sizes = block_sizes(int(sum(stride.sizes)), stride)
+    reps = block_replicas(stride, len(sizes), ws)
+    meta = module_meta(mod)
+    meta.setdefault("grad_block_replicas", {})[name] = (
+        axis,
+        [s * r // ws for s, r in zip(sizes, reps)],
+        reps,
+    )
+    meta["grad_block_group"] = g
     install_forward(mod)
 
 

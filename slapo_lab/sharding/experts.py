@@ -50,7 +50,29 @@ def is_experts_module(mod: nn.Module) -> bool:
 
 
 def _transposed(mod: nn.Module) -> bool:
-    return bool(getattr(mod, "is_transposed", False))
+    """Whether the experts are stored transposed (``(experts, hidden, 2 * intermediate)`` /
+    ``(experts, intermediate, hidden)``): the module's ``is_transposed`` where it has one, else read from the
+    shapes, the hidden size being the axis the two weights share (Llama 4's ``Llama4TextExperts`` multiplies
+    ``bmm(x, gate_up_proj)`` with no flag)."""
+    flag = getattr(mod, "is_transposed", None)
+    if isinstance(flag, bool):
+        return flag
+    up = next((mod._parameters.get(n) for n in UP_NAMES if mod._parameters.get(n) is not None), None)
+    down = mod._parameters.get(DOWN_NAME)
+    if (
+        not isinstance(up, torch.Tensor)
+        or not isinstance(down, torch.Tensor)
+        or up.dim() != 3
+        or down.dim() != 3
+    ):
+        return False
+    (_, a, b), (_, c, d) = (
+        tuple(getattr(up, "orig_shape", up.shape)),
+        tuple(getattr(down, "orig_shape", down.shape)),
+    )
+    plain = b == c and a in (d, 2 * d)
+    transposed = a == d and b in (c, 2 * c)
+    return transposed and not plain
 
 
 def intermediate_axis(mod: nn.Module, name: str) -> int | None:

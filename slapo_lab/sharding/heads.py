@@ -25,12 +25,12 @@ Which attributes a class treats as per-rank comes from two sources, unioned:
   parsing the class source with :mod:`ast`; a class without source counts as reading all of them).
 
 A class whose run-time code reads a head count from its ``config`` (shared by every layer and rank, so it
-cannot hold a per-rank number), or keeps a head-count attribute that disagrees with the module's heads,
-is refused with one sentence before anything changes -- unless the class is registered for a per-module
-config (:data:`CONFIG_HEADS`, :func:`register_config_heads`: Phi-3's ``Phi3Attention.forward`` slices its
-fused ``qkv_proj`` output at ``self.config.num_attention_heads * self.head_dim``): the module then gets its
-own shallow copy of the config holding this rank's counts (the model's and the other layers' config stay
-global).
+cannot hold a per-rank number) -- found by the same parsing (:func:`config_head_keys`), or registered
+(:data:`CONFIG_HEADS`, :func:`register_config_heads`: Phi-3's ``Phi3Attention.forward`` slices its fused
+``qkv_proj`` output at ``self.config.num_attention_heads * self.head_dim``) -- gets its own shallow copy of
+the config holding this rank's counts (the model's and the other layers' config stay global). A config count
+or a head-count attribute that disagrees with the module's heads is refused with one sentence before anything
+changes.
 
 Some attention classes take a per-head tensor that the *model* builds for all heads: BLOOM's ALiBi bias
 (``BloomModel.build_alibi_tensor``: ``(batch x heads, 1, keys)``, consumed by ``BloomAttention.forward`` as
@@ -292,17 +292,7 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     name = cls.__name__
     reads = runtime_reads(cls)
     known = (*HEAD_ATTRS, *KV_HEAD_ATTRS, *WIDTH_ATTRS)
-    if reads is None:
-        read_attrs, cfg_reads = set(known), set()
-    else:
-        read_attrs, cfg_reads = reads
-    cfg_keys = _registered(cls, CONFIG_HEADS)
-    bad_cfg = sorted((cfg_reads & CONFIG_HEAD_KEYS) - set(cfg_keys))
-    if bad_cfg:
-        return {}, (
-            f"{name} reads config.{bad_cfg[0]} at run time, a count shared by every rank that cannot hold "
-            f"this rank's {heads // world_size} heads; replace the attention module or leave it replicated"
-        )
+    read_attrs = set(known) if reads is None else set(reads[0])
     cfg_plan, reason = plan_config_heads(attn, heads, kv_heads, world_size)
     if reason:
         return {}, reason
@@ -358,12 +348,25 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     return out, None
 
 
+def config_head_keys(attn: nn.Module) -> tuple[str, ...]:
+    """The head-count keys of ``attn.config`` that its class reads at run time: those registered
+    (:data:`CONFIG_HEADS`) and those its methods other than ``__init__`` read as ``self.config.<key>``
+    (:func:`runtime_reads`; Phi-4-multimodal's copy of Phi-3's attention slices its fused ``qkv_proj`` at
+    ``self.config.num_attention_heads * self.head_dim``). Once the heads are split the module gets its own
+    config copy holding this rank's counts."""
+    keys = list(_registered(type(attn), CONFIG_HEADS))
+    reads = runtime_reads(type(attn))
+    if reads is not None and getattr(attn, "config", None) is not None:
+        keys += sorted((reads[1] & CONFIG_HEAD_KEYS) - set(keys))
+    return tuple(keys)
+
+
 def plan_config_heads(
     attn: nn.Module, heads: int, kv_heads: int, world_size: int
 ) -> tuple[dict[str, tuple[int, int]], str | None]:
     """The per-rank counts of the config keys :data:`CONFIG_HEADS` registers for ``attn``'s class:
     ``({key: (global, local)}, None)``, or ``({}, reason)`` when the config's value is not the module's count."""
-    keys = _registered(type(attn), CONFIG_HEADS)
+    keys = config_head_keys(attn)
     cfg = getattr(attn, "config", None)
     out: dict[str, tuple[int, int]] = {}
     for k in keys:
@@ -380,41 +383,61 @@ def plan_config_heads(
     return out, None
 
 
-def _cut_heads(t, axis, heads: int, local: int, rank: int):
-    """This rank's heads of a per-head tensor (``axis`` "flat": rows ``batch x heads``; an int: that axis)."""
+def _cut_heads(t, axis, heads: int, local: int, rank: int, group=None):
+    """This rank's heads of a per-head tensor (``axis`` "flat": rows ``batch x heads``; an int: that axis).
+
+    A tensor with a gradient (MPNet's position bias, looked up from a table the model holds once) is read
+    through :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``group`` first: each rank's gradient
+    covers its own heads only, and the table's gradient is their sum."""
     if not hasattr(t, "shape") or t.dim() == 0:
         return t
     if axis == "flat":
         if t.shape[0] % heads:
             return t
-        v = t.view(-1, heads, *t.shape[1:])[:, rank * local : (rank + 1) * local]
+        v = _summed(t, group).view(-1, heads, *t.shape[1:])[:, rank * local : (rank + 1) * local]
         return v.reshape(-1, *t.shape[1:])
     if t.dim() <= axis or t.shape[axis] != heads:
-        return t  # shared by all heads (a (batch, 1, q, k) mask)
-    return t.narrow(axis, rank * local, local)
+        return t  # shared by all heads (a (batch, 1, q, k) mask), or already this rank's heads
+    return _summed(t, group).narrow(axis, rank * local, local)
 
 
-def _slice_per_head_inputs(module, args, kwargs, *, specs, index, heads, world_size, rank):
+def _summed(t, group):
+    """``t`` read through :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``group`` when it has a
+    gradient (only a tensor that is cut: its gradient from each rank covers that rank's heads)."""
+    if group is None or not getattr(t, "requires_grad", False) or not torch.is_grad_enabled():
+        return t
+    from .sync_ops import all_reduce_backward
+
+    return all_reduce_backward(t, group)
+
+
+def _slice_per_head_inputs(module, args, kwargs, *, specs, index, heads, world_size, rank, group=None):
     """Forward pre-hook: cut each per-head argument of ``specs`` (``(name, heads axis)``) to this rank's
     heads, whether passed by keyword or by position."""
     local = heads // world_size
     args = list(args)
     for n, axis in specs:
         if kwargs.get(n) is not None:
-            kwargs[n] = _cut_heads(kwargs[n], axis, heads, local, rank)
+            kwargs[n] = _cut_heads(kwargs[n], axis, heads, local, rank, group)
         elif index.get(n) is not None and index[n] < len(args) and args[index[n]] is not None:
-            args[index[n]] = _cut_heads(args[index[n]], axis, heads, local, rank)
+            args[index[n]] = _cut_heads(args[index[n]], axis, heads, local, rank, group)
     return tuple(args), kwargs
 
 
-def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size: int, rank: int):
+def _install_input_slicer(attn: nn.Module, specs: tuple, heads: int, world_size: int, rank: int, group=None):
     try:
         params = list(inspect.signature(type(attn).forward).parameters)[1:]  # without self
     except (TypeError, ValueError):
         params = []
     index = {n: params.index(n) if n in params else None for n, _ in specs}
     hook = functools.partial(
-        _slice_per_head_inputs, specs=specs, index=index, heads=heads, world_size=world_size, rank=rank
+        _slice_per_head_inputs,
+        specs=specs,
+        index=index,
+        heads=heads,
+        world_size=world_size,
+        rank=rank,
+        group=group,
     )
     return attn.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -494,7 +517,9 @@ def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     return (rec["heads"], rec["kv_heads"]) if rec else None
 
 
-def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0) -> dict:
+def localise_heads(
+    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group=None
+) -> dict:
     """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
 
     Also gives the module a per-rank config copy (:data:`CONFIG_HEADS`) and cuts the per-head arguments
@@ -540,9 +565,12 @@ def localise_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int, 
         width = heads * head_dim
         meta["hooks"].extend(_install_width_scope(attn, width, width // world_size))
         rec["width"] = [width, width // world_size]
+    from . import infer as _infer
+
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
+    inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
-        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank))
+        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
         rec["inputs"] = [n for n, _ in inputs]
     meta["attention_heads"] = rec
     return rec

@@ -14,14 +14,20 @@ argument's heads axis (``-3``) tells which features of which projection belong t
   distinct key heads) and the layout a column-parallel shard needs: the first of stride 1 (contiguous, e.g.
   GPT-NeoX's per-head interleaved ``query_key_value``: ``view(B, T, H, 3 * hd)`` then ``chunk(3)``), equal
   blocks (ModernBERT's ``Wqkv``: ``view(B, T, 3, H, hd)``) or blocks of unequal sizes (GPT-BigCode's
-  ``split((H*hd, kv*hd, kv*hd))``) whose per-rank features are exactly the features of that rank's heads;
+  ``split((H*hd, kv*hd, kv*hd))``) whose per-rank features are exactly the features of that rank's heads; with
+  fewer key/value heads than ranks in a fused projection (multi-query attention: GPT-BigCode's ``c_attn``,
+  Falcon's ``query_key_value``) the key/value blocks are kept by the ranks whose query heads use them (a
+  ``BlockStride`` with ``groups``, Megatron-LM / vLLM key/value replication);
 * a projection whose features reach every head (MLA's ``kv_a_proj_with_mqa`` rope part, broadcast over the
   heads) or also feed something else stays whole (a low-rank "a" of an a -> norm -> b chain);
 * the output projection: the linear whose input is the attention output, its in-features of rank r exactly
   rank r's heads;
 * per-head tensors: a parameter whose entries reach the heads (a relative-position table added to the scores,
-  attention sinks concatenated to them, a q/k norm weight of shape ``(heads, head_dim)``) is split on the axis
-  whose index is the head;
+  attention sinks concatenated to them, a q/k norm weight of shape ``(heads, head_dim)``, DeBERTa's flat
+  ``q_bias`` of heads x head_dim) is split on the axis whose index is the head; a tensor argument from outside
+  the block that meets the scores head by head (MPT's ALiBi ``position_bias``, MPNet's learned position bias)
+  is a per-head *input*, cut to each rank's heads by the attention module's pre-hook
+  (:func:`inferred_head_inputs`, :mod:`slapo_lab.sharding.heads`);
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
@@ -103,6 +109,7 @@ _FACTORY_OPS = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"copy_", "__setitem__"})
+_COMPLEX_OPS = frozenset({"view_as_complex", "view_as_real"})
 _MAX_MAPS = 3
 _BOOL = torch.Tensor.__bool__
 
@@ -169,6 +176,9 @@ class BlockSplit:
     ran: set = field(
         default_factory=set
     )  # the linears the recorded forward ran (the others: names are hints)
+    # per-head tensor arguments of an attention module, built for all heads outside the block (MPT's ALiBi
+    # position_bias): HeadParam(module, argument name, heads axis, heads); cut to each rank's heads
+    head_inputs: list = field(default_factory=list)
 
 
 class _Done(Exception):
@@ -204,6 +214,11 @@ class _Recorder(TorchFunctionMode):
         self.ran: set = set()  # the linears the block ran
         # id(meta buffer or a value made from one) -> (it, the same made from the remembered model's real buffer)
         self.values: dict[int, tuple] = {}
+        # "module:argument" -> shape of a tensor from outside the block; id(that tensor) -> where it was first
+        # seen; "module:argument" -> the inner modules' arguments it was passed on to
+        self.input_shapes: dict[str, tuple] = {}
+        self.input_of: dict[int, str] = {}
+        self.input_aliases: dict[str, list] = {}
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -288,11 +303,13 @@ class _Recorder(TorchFunctionMode):
                         for t2, i2 in ins
                         if t2 is not t
                         for p in i2.maps
-                        if not p.startswith(("param:", "@"))
+                        if not p.startswith(("param:", "@", "input:"))
                     }
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
-            self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
+            self.routers |= {
+                p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
+            }
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -334,6 +351,9 @@ class _Recorder(TorchFunctionMode):
             first = ins[0][1]
             self.set(outs[0], _Info(dict(first.maps), src, first.scores))
             return
+        if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
+            self.complex_view(name, ins[0][1], outs[0], src, scores)
+            return
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
@@ -359,8 +379,23 @@ class _Recorder(TorchFunctionMode):
                             if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
-            if scores is not None and any(p.startswith("param:") for p in maps):
+            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def complex_view(self, name: str, inf: _Info, out, src, scores) -> None:
+        """``view_as_complex`` / ``view_as_real`` (Llama 4's complex rotary embedding): a complex element stands
+        for its (real, imaginary) pair of features, mapped to the real one's; back to real, the pair is that
+        feature and the next (the pairs ``view_as_complex`` takes are adjacent features of one head)."""
+        maps = {}
+        for p, ms in inf.maps.items():
+            if name == "view_as_complex":
+                got = [m[..., 0] for m in ms if m.dim() >= 1 and m.shape[-1] == 2]
+            else:
+                got = [torch.stack((m, torch.where(m >= 0, m + 1, m)), -1) for m in ms]
+            got = [m for m in got if tuple(m.shape) == tuple(out.shape)]
+            if got:
+                maps[p] = got
+        self.set(out, _Info(maps, src, scores))
 
     def canonical(self, t, axes: list[int]):
         """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
@@ -477,7 +512,7 @@ class _Recorder(TorchFunctionMode):
                 for p, ms in results.get(idx, {}).items()
             }
             self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
-            if scores is not None and any(p.startswith("param:") for p in maps):
+            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
@@ -567,7 +602,7 @@ def _broadcasts(a: tuple, b: tuple) -> bool:
 
 
 def _linear_maps(inf: _Info) -> bool:
-    return any(not p.startswith(("param:", "@")) for p in inf.maps)
+    return any(not p.startswith(("param:", "@", "input:")) for p in inf.maps)
 
 
 def _head_sets(t: torch.Tensor, maps: list, n: int | None = None) -> list[set]:
@@ -598,6 +633,22 @@ def _candidate_strides(n: int, feature_part: list[str]) -> list:
     return [s for s in out if sum(_sizes(n, s)) == n]
 
 
+def _replicated_strides(feature_part: list[str], replicated: dict[str, int]) -> list:
+    """The stride of a fused projection whose parts are stored as blocks back to back, the replicated ones
+    (key / value heads of multi-query attention) held whole by their replica groups; none when a part recurs."""
+    from .rules import BlockStride
+
+    runs: list = []
+    for p in feature_part:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    if len(runs) < 2 or len({r[0] for r in runs}) != len(runs):
+        return []
+    return [BlockStride([r[1] for r in runs], [replicated.get(r[0], 0) for r in runs])]
+
+
 def _sizes(n: int, stride) -> list[int]:
     from .rules import block_sizes
 
@@ -608,9 +659,10 @@ def _sizes(n: int, stride) -> list[int]:
 
 
 def _fits(n: int, stride, ws: int, needed: list[set]) -> bool:
-    from .rules import local_shard
+    from .rules import block_replicas, local_shard
 
-    if any(s % ws for s in _sizes(n, stride)):
+    sizes = _sizes(n, stride)
+    if any(s % (ws // r) for s, r in zip(sizes, block_replicas(stride, len(sizes), ws), strict=False)):
         return False
     idx = torch.arange(n)
     return all(set(local_shard(idx, 0, ws, r, stride).tolist()) == needed[r] for r in range(ws))
@@ -651,6 +703,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             for p, ms in inf.maps.items():
                 if p.startswith("@"):
                     continue
+                if p.startswith("input:"):
+                    _note_head_param(split, p, ms, split.head_inputs)
+                    continue
                 if p.startswith("param:"):
                     owned = _head_owned(p, ms)
                     if owned is not None:
@@ -676,6 +731,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             for p, ms in inf.maps.items():
                 if p.startswith("param:"):
                     _note_head_param(split, p, ms)
+                elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
+                    _note_head_param(split, p, ms, split.head_inputs)
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(
@@ -732,14 +789,35 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             part = ["?"] * feats
             needed = [set() for _ in range(ws)]
             shared = False
+            replicated: dict[str, int] = {}  # k / v of a fused multi-query projection -> its key/value heads
             for role, sets in per_role.items():
                 hn = len(sets)
                 for h, s in enumerate(sets):
                     for f in s:
                         if 0 <= f < feats:
                             if part[f] not in ("?", role):
+                                if "g" in (role, part[f]):
+                                    # a q/k/v feature that also reaches the output projection's input by head
+                                    # (NeoMME's exclusive self-attention subtracts v's direction there): one
+                                    # part; the ranks' needed features below must still agree
+                                    part[f] = part[f] if role == "g" else role
+                                    continue
                                 shared = True
                             part[f] = role
+                uniq = [x for j, x in enumerate(sets) if j == 0 or x != sets[j - 1]]  # key/value heads
+                if (
+                    role in ("k", "v")
+                    and "q" in per_role
+                    and len(uniq) % ws
+                    and ws % len(uniq) == 0
+                    and n % ws == 0
+                ):
+                    # a fused multi-query projection: each rank keeps the key/value head its query heads use,
+                    # shared by ws / kv ranks (GPT-BigCode's c_attn, Falcon's query_key_value)
+                    replicated[role] = len(uniq)  # key/value head groups
+                    for r in range(ws):
+                        needed[r] |= uniq[r // (ws // len(uniq))]
+                    continue
                 if hn % ws:
                     if role in ("k", "v") and len(per_role) == 1 and ws % max(kv, 1) == 0:
                         continue  # a separate key/value projection, replicated (kv_replicas)
@@ -758,7 +836,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             if refusal and len(per_role) > 1:
                 break
             refusal_here = None
-            if any(needed[r] & needed[s] for r in range(ws) for s in range(r + 1, ws)):
+            copies = {f for f in range(feats) if part[f] in replicated}
+            if any((needed[r] & needed[s]) - copies for r in range(ws) for s in range(r + 1, ws)):
                 shared = True
             covered = set().union(*needed)
             if shared or "?" in part or len(covered) != feats:
@@ -769,10 +848,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 )
                 continue
             parts = "".join(dict.fromkeys(part))
-            lay = next(
-                (s for s in _candidate_strides(feats, part) if _fits(feats, s, ws, needed)),
-                None,
-            )
+            cands = _replicated_strides(part, replicated) if replicated else _candidate_strides(feats, part)
+            lay = next((s for s in cands if _fits(feats, s, ws, needed)), None)
             if lay is None:
                 refusal_here = f"no shard of {p} keeps whole heads on every rank"
                 split.whole[p] = refusal_here
@@ -890,12 +967,14 @@ def _head_owned(p: str, ms: list) -> tuple[str, int] | None:
     return container, m.shape[-3]
 
 
-def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
-    """A parameter whose entries reach attention heads (axis -3 of its map): note, per head, its entries
-    (heads repeated for grouped-query attention count once)."""
-    key = p[len("param:") :]
+def _note_head_param(split: BlockSplit, p: str, ms: list, into: list | None = None) -> None:
+    """A parameter (or, ``into`` ``split.head_inputs``, a tensor argument from outside the block) whose entries
+    reach attention heads (axis -3 of its map): note, per head, its entries (heads repeated for grouped-query
+    attention count once)."""
+    into = split.head_params if into is None else into
+    key = p.split(":", 1)[1]
     mod, name = key.rsplit(":", 1)
-    if any(hp[0] == mod and hp[1] == name for hp in split.head_params):
+    if any(hp[0] == mod and hp[1] == name for hp in into):
         return
     m = ms[0]
     if m.dim() < 3:
@@ -911,7 +990,7 @@ def _note_head_param(split: BlockSplit, p: str, ms: list) -> None:
     n = len(sets)
     if n < 2 or any(sets[a] & sets[b] for a in range(n) for b in range(a + 1, n)):
         return  # shared by several heads (a scale over head_dim)
-    split.head_params.append((mod, name, sets, n))  # resolved against the parameter's shape later
+    into.append((mod, name, sets, n))  # resolved against the parameter's (or argument's) shape later
 
 
 # --------------------------------------------------------------------------------------------- running it
@@ -961,7 +1040,7 @@ def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
         for j, kid in enumerate(kids):
-            sig = (type(kid), tuple((r, type(x).__name__) for r, x in kid.named_modules()))
+            sig = _signature(kid)
             if sig in seen:
                 continue
             if any(kid is not b and _inside(kid, b) for _, b in out):
@@ -1021,6 +1100,7 @@ _BY_DIGEST: dict = {}  # (top class, config digest, input shapes) -> {block path
 # (attention class name, child name, config digest) -> (role, Layout or None, refusal or None)
 _REGISTRY: dict = {}
 _HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
+_HEAD_INPUTS: dict = {}  # (attention class name, config digest) -> ((argument, heads axis), ...)
 
 
 def analyse(
@@ -1104,6 +1184,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
+            r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -1135,6 +1216,44 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
 
             handles.append(m.register_forward_pre_hook(lin_pre))
             handles.append(m.register_forward_hook(lin_post))
+        arg_names: dict[str, list] = {}
+        for rel, m in block.named_modules():
+            if rel and not _is_dense(m):
+
+                def sub_pre(mod, args, kwargs, rel=rel):
+                    # tensors from outside the block reaching a module (MPT's ALiBi position_bias): mapped, so a
+                    # per-head one shows where it meets the attention scores
+                    if not r.active:
+                        return
+                    if rel not in arg_names:
+                        try:
+                            arg_names[rel] = list(inspect.signature(type(mod).forward).parameters)[1:]
+                        except (TypeError, ValueError):
+                            arg_names[rel] = []
+                    names_ = arg_names[rel]
+                    named = [(names_[j] if j < len(names_) else None, a) for j, a in enumerate(args) if j]
+                    for nm, a in [*named, *kwargs.items()]:
+                        if nm is None or "hidden" in nm or not isinstance(a, torch.Tensor):
+                            continue
+                        if (
+                            id(a) in r.input_of
+                        ):  # passed on inward (MPNet's position_bias: layer -> attention)
+                            r.input_shapes.setdefault(f"{rel}:{nm}", tuple(a.shape))
+                            r.input_aliases.setdefault(r.input_of[id(a)], []).append(f"{rel}:{nm}")
+                            continue
+                        if (
+                            not a.is_floating_point()
+                            or a.dim() < 2
+                            or a.numel() > 1 << 20
+                            or id(a) in r.info
+                            or id(a) in r.params
+                        ):
+                            continue
+                        r.set(a, _Info({f"input:{rel}:{nm}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
+                        r.input_shapes[f"{rel}:{nm}"] = tuple(a.shape)
+                        r.input_of[id(a)] = f"{rel}:{nm}"
+
+                handles.append(m.register_forward_pre_hook(sub_pre, with_kwargs=True))
         for rel, m in block.named_modules():
             if rel and not _is_dense(m) and _is_norm(m):
 
@@ -1179,10 +1298,13 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
         try:
             split = _analyse(snap, block, dense_by_block[bpath])
             _resolve_head_params(split, block)
+            _resolve_head_inputs(split, snap.input_shapes, snap.input_aliases)
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None:
+    if key[1] is not None and len(result) == len(blocks):
+        # only a complete reading stands for every model of this class and config: a forward that failed
+        # part-way (a meta copy whose expert kernel needs real values) leaves the unscheduled model to try
         _BY_DIGEST[key] = result
     _register(model, result)
     return result
@@ -1196,6 +1318,8 @@ class _Snapshot:
         self.routers = set(r.routers)
         self.param_uses = dict(r.param_uses)
         self.ran = set(r.ran)
+        self.input_shapes = dict(r.input_shapes)
+        self.input_aliases = dict(r.input_aliases)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1219,7 +1343,34 @@ def _resolve_head_params(split: BlockSplit, block: nn.Module) -> None:
             if all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):
                 resolved.append(HeadParam(mod, name, axis, n))
                 break
+        else:  # heads x head_dim flattened on one axis (DeBERTa's q_bias / v_bias): head h a contiguous range
+            for axis, size in enumerate(shape):
+                if size % n or size == n:
+                    continue
+                chunks = idx.chunk(n, dim=axis)
+                if all(set(chunks[h].reshape(-1).tolist()) >= sets[h] for h in range(n)):
+                    resolved.append(HeadParam(mod, name, axis, n))
+                    break
     split.head_params = resolved
+
+
+def _resolve_head_inputs(split: BlockSplit, shapes: dict, aliases: dict) -> None:
+    """The heads axis of each per-head tensor argument (of the attention module it reaches, itself or passed on
+    to it by an outer module of the block), from its shape."""
+    resolved = []
+    for first, name0, sets, n in split.head_inputs:
+        where = [f"{first}:{name0}", *aliases.get(f"{first}:{name0}", [])]
+        at = next((w for w in where if w.rsplit(":", 1)[0] in split.attention), None)
+        shape = shapes.get(at) if at is not None else None
+        if shape is None:
+            continue
+        mod, name = at.rsplit(":", 1)
+        idx = torch.arange(max(1, int(torch.tensor(shape).prod()))).view(shape)
+        for axis, size in enumerate(shape):
+            if size == n and all(set(idx.select(axis, h).reshape(-1).tolist()) >= sets[h] for h in range(n)):
+                resolved.append(HeadParam(mod, name, axis, n))
+                break
+    split.head_inputs = resolved
 
 
 def _register(model: nn.Module, result: dict) -> None:
@@ -1243,6 +1394,12 @@ def _register(model: nn.Module, result: dict) -> None:
         for apath, counts in split.attention.items():
             attn = block.get_submodule(apath) if apath else block
             _HEADS[(type(attn).__name__, _config_digest(getattr(attn, "config", None)))] = counts
+        for hi in split.head_inputs:
+            attn = block.get_submodule(hi.module) if hi.module else block
+            key = (type(attn).__name__, _config_digest(getattr(attn, "config", None)))
+            found = _HEAD_INPUTS.setdefault(key, ())
+            if hi.name not in dict(found):
+                _HEAD_INPUTS[key] = (*found, (hi.name, hi.axis))
 
 
 def lookup(parent: nn.Module | None, child: str) -> tuple | None:
@@ -1257,6 +1414,14 @@ def inferred_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     if attn is None:
         return None
     return _HEADS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))))
+
+
+def inferred_head_inputs(attn: nn.Module | None) -> tuple:
+    """``((argument name, heads axis), ...)``: the per-head tensor arguments ``attn``'s class (and config) takes,
+    built for all heads outside its block (MPT's ALiBi ``position_bias``), read from the dataflow; ``()`` if none."""
+    if attn is None:
+        return ()
+    return _HEAD_INPUTS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))), ())
 
 
 def ensure(sch) -> None:
@@ -1276,18 +1441,29 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
 
     inputs = top._top.extra.get(_INPUTS_KEY)
     ref = top._top.extra.get(REFERENCE_KEY)
-    result = analyse(top.mod, inputs, ref if ref is not None and type(ref) is type(top.mod) else None)
-    if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
+    same = ref is not None and ref is not top.mod and type(ref) is type(top.mod)
+    result = analyse(top.mod, inputs, ref if same else None)
+    if not same:
         return result
-    result = analyse(ref, inputs)
-    if result:
+    if result and len(result) >= len(_stacks(top.mod)):
+        return result
+    # the forward stopped before every kind of block ran (a meta copy whose later layer reads values)
+    full = analyse(ref, inputs)
+    if len(full) > len(result):
+        result = full
         with _LOCK:
             _DONE[top.mod] = result
     return result
 
 
 def _signature(mod: nn.Module) -> tuple:
-    return (type(mod), tuple((r, type(x).__name__) for r, x in mod.named_modules()))
+    """A block's structure: its modules' classes and its parameters' names and global shapes (blocks of one
+    class may differ in their parameters: MiMo-V2-Flash's layers with and without attention sinks)."""
+    return (
+        type(mod),
+        tuple((r, type(x).__name__) for r, x in mod.named_modules()),
+        tuple((n, tuple(getattr(p, "orig_shape", p.shape))) for n, p in mod.named_parameters()),
+    )
 
 
 def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
@@ -1408,6 +1584,7 @@ __all__ = [
     "analyse",
     "block_split",
     "ensure",
+    "inferred_head_inputs",
     "inferred_heads",
     "lookup",
 ]

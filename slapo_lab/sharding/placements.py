@@ -168,15 +168,23 @@ class ShardLayout:
 
     @property
     def uneven_blocks(self) -> bool:
-        """Whether the strided blocks have unequal sizes (no DTensor placement describes the layout)."""
-        return len(set(self.tp_block_sizes)) > 1
+        """Whether the strided blocks have unequal sizes or some are replicated (no DTensor placement describes
+        the layout)."""
+        from .rules import block_replicas
+
+        sizes = self.tp_block_sizes
+        return len(set(sizes)) > 1 or max(block_replicas(self.tp_stride, len(sizes), self.tp), default=1) > 1
 
     def _tp_runs(self) -> list[tuple[int, int]]:
         """Global ``(start, length)`` runs on ``tp_axis`` held by this rank, in local order."""
+        from .rules import block_replicas
+
         runs, start = [], 0
-        for size in self.tp_block_sizes:
-            piece = size // self.tp_parts
-            runs.append((start + self.tp_index * piece, piece))
+        sizes = self.tp_block_sizes
+        for size, r in zip(sizes, block_replicas(self.tp_stride, len(sizes), self.tp_parts), strict=True):
+            # a block held by r ranks (a fused multi-query projection's key/value heads) is cut r times less
+            piece = size * r // self.tp_parts
+            runs.append((start + (self.tp_index // r) * piece, piece))
             start += size
         return runs
 
@@ -185,7 +193,7 @@ class ShardLayout:
         """The shape of this rank's local tensor."""
         shape = list(self.shape)
         if self.tp_sharded:
-            shape[self.tp_axis] //= self.tp_parts
+            shape[self.tp_axis] = sum(length for _, length in self._tp_runs())
         if self.fsdp_dim is not None:
             lo, hi = _chunk_range(shape[self.fsdp_dim], self.dp, self.dp_rank)
             shape[self.fsdp_dim] = hi - lo

@@ -50,6 +50,7 @@ class ShardSite:
     parent: nn.Module | None = None
     child_name: str = ""
     path: str = ""
+    tp: object = None  # the schedule's tensor-parallel group (sums a per-head input's gradient), if known
 
 
 class BlockStride(int):
@@ -60,23 +61,35 @@ class BlockStride(int):
     (``shard_stride > 1``) or how many blocks it has keeps working; ``sizes`` are the blocks' global sizes
     along the shard axis, in order. Every block must divide by the world size. Pickles and deep-copies as
     itself. Equal blocks are a plain ``int`` stride (Megatron-LM's ``partition_stride``).
+
+    ``groups`` (optional, one per block, default all 0): a block of ``g > 0`` groups holds ``g`` key/value heads;
+    with fewer of them than ranks it is split into ``g`` chunks only, each held by ``ws / g`` consecutive ranks
+    (:func:`block_replicas`; ``g = 1``: the whole block on every rank) -- the key/value heads of a fused
+    multi-query projection (GPT-BigCode's ``c_attn``, Falcon's ``query_key_value``: one key/value head beside
+    the query heads), replicated as Megatron-LM / vLLM replicate key/value heads. 0: split over every rank.
     """
 
     sizes: tuple[int, ...]
+    groups: tuple[int, ...]
 
-    def __new__(cls, sizes):
+    def __new__(cls, sizes, groups=None):
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) < 2 or min(sizes) <= 0:
             raise ValueError(f"a BlockStride needs two or more positive block sizes, not {sizes!r}")
+        gs = tuple(int(g) for g in groups) if groups is not None else (0,) * len(sizes)
+        if len(gs) != len(sizes) or min(gs) < 0:
+            raise ValueError(f"a BlockStride needs one group count (0 or more) per block, not {gs!r}")
         obj = super().__new__(cls, len(sizes))
         obj.sizes = sizes
+        obj.groups = gs
         return obj
 
     def __getnewargs__(self):
-        return (self.sizes,)
+        return (self.sizes, self.groups)
 
     def __repr__(self) -> str:
-        return f"BlockStride({', '.join(map(str, self.sizes))})"
+        extra = f", groups=({', '.join(map(str, self.groups))})" if any(self.groups) else ""
+        return f"BlockStride({', '.join(map(str, self.sizes))}{extra})"
 
     __str__ = __repr__
 
@@ -114,7 +127,26 @@ def block_sizes(n: int, stride) -> list[int]:
 
 def stride_key(stride) -> tuple:
     """A hashable key that tells strides apart by their blocks (``3`` and ``BlockStride(4, 2, 2)`` differ)."""
-    return (int(stride), getattr(stride, "sizes", None))
+    return (int(stride), getattr(stride, "sizes", None), getattr(stride, "groups", None))
+
+
+def block_replicas(stride, blocks: int, world_size: int) -> tuple[int, ...]:
+    """On how many consecutive ranks each of a stride's ``blocks`` blocks is shared over ``world_size`` ranks:
+    1, but ``world_size / g`` for a block of a :class:`BlockStride` holding ``g`` key/value head groups, fewer
+    than the ranks.
+
+    Raises:
+        ValueError: for groups that neither divide nor divide by ``world_size``.
+    """
+    out = []
+    for g in getattr(stride, "groups", None) or (0,) * blocks:
+        if g == 0 or g % world_size == 0:
+            out.append(1)
+        elif world_size % g == 0:
+            out.append(world_size // g)
+        else:
+            raise ValueError(f"{g} key/value head groups neither divide nor divide by {world_size} ranks")
+    return tuple(out)
 
 
 def local_shard(
@@ -149,7 +181,10 @@ def local_shard(
         blocks = t.unflatten(axis, (stride, t.shape[axis] // stride))
         return blocks.chunk(world_size, dim=axis + 1)[rank].flatten(axis, axis + 1)
     parts = t.split(block_sizes(t.shape[axis], stride), dim=axis)
-    return torch.cat([p.chunk(world_size, dim=axis)[rank] for p in parts], dim=axis)
+    reps = block_replicas(stride, len(parts), world_size)
+    return torch.cat(
+        [p.chunk(world_size // r, dim=axis)[rank // r] for p, r in zip(parts, reps, strict=True)], dim=axis
+    )
 
 
 def merge_shards(parts: list[torch.Tensor], axis: int, stride=1, replicas: int = 1) -> torch.Tensor:
@@ -170,10 +205,12 @@ def merge_shards(parts: list[torch.Tensor], axis: int, stride=1, replicas: int =
         blocks = [p.unflatten(axis, (stride, p.shape[axis] // stride)) for p in parts]
         return torch.cat(blocks, dim=axis + 1).flatten(axis, axis + 1)
     ws = len(parts)
-    sizes = block_sizes(sum(p.shape[axis] for p in parts), stride)
-    local = [s // ws for s in sizes]
+    given = getattr(stride, "sizes", None)
+    sizes = list(given) if given is not None else block_sizes(sum(p.shape[axis] for p in parts), stride)
+    reps = block_replicas(stride, len(sizes), ws)
+    local = [s * r // ws for s, r in zip(sizes, reps, strict=True)]
     pieces = [p.split(local, dim=axis) for p in parts]
-    return torch.cat([pieces[r][j] for j in range(len(sizes)) for r in range(ws)], dim=axis)
+    return torch.cat([pieces[r][j] for j in range(len(sizes)) for r in range(0, ws, reps[j])], dim=axis)
 
 
 # --- attention awareness ---------------------------------------------------------------------------
@@ -404,6 +441,9 @@ def fused_layout(site: ShardSite) -> FusedLayout | None:
         return None
     if name == "query_key_value":
         falcon = _falcon_layout(site, out)
+        if falcon is not None and falcon.refusal:  # multi-query: the dataflow may show a replicated split
+            inferred = _inferred_layout(site)
+            falcon = inferred if inferred is not None and inferred.refusal is None else falcon
         if falcon is not None:
             return falcon
     names = _class_names(parent)
@@ -542,7 +582,9 @@ def heads_reason(site: ShardSite, side: str | None, world_size: int) -> str | No
         order = [("attention", n), ("key/value", kv)]
     # separate q / k / v / o projections may replicate key/value heads over ranks (kv_replicas, which also needs
     # the query heads to divide: checked next); a fused one cannot (its k and v rows sit beside split q rows)
-    replicable = role in ("q", "k", "v", "o") and kv < world_size and world_size % kv == 0
+    replicable = (
+        (role in ("q", "k", "v", "o") or _replicated_fused(site)) and kv < world_size and world_size % kv == 0
+    )
     for what, count in order:
         if count % world_size and not (what == "key/value" and replicable):
             return f"the {count} {what} heads do not divide by {world_size}"
@@ -575,6 +617,13 @@ def shard_replicas(site: ShardSite, axis: int, world_size: int) -> int:
     return int(hook(site, axis, world_size)) if hook is not None else 1
 
 
+def _replicated_fused(site: ShardSite) -> bool:
+    """Whether ``site``'s fused q/k/v layout keeps its key/value blocks replicated (:class:`BlockStride`
+    ``replicas``: multi-query attention read from the dataflow)."""
+    lay = fused_layout(site)
+    return lay is not None and lay.refusal is None and any(getattr(lay.stride, "groups", None) or ())
+
+
 def splits_heads(site: ShardSite, side: str | None) -> bool:
     """Whether sharding this projection's ``side`` ("out" for q/k/v, "in" for the output projection)
     leaves each rank a subset of the parent attention module's heads."""
@@ -596,7 +645,7 @@ def localise_parent_heads(site: ShardSite, world_size: int, rank: int = 0) -> No
     if world_size == 1 or site.parent is None:
         return
     n, kv = attention_heads(site.parent)
-    _heads.localise_heads(site.parent, n, kv, world_size, rank)
+    _heads.localise_heads(site.parent, n, kv, world_size, rank, group=site.tp)
 
 
 class ShardRule:

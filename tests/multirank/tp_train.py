@@ -28,6 +28,7 @@ from harness import apply_bert_tp
 from matrix_models import (  # the tiny HF builders tests/matrix_models.py shares (unseeded: run_case seeds)
     bloom_model,
     deberta_v2_model,
+    falcon_mqa,
     falcon_new_arch_model,
     mixtral_model,
     phi3_model,
@@ -442,6 +443,8 @@ FAMILY_CASES["fused"] = [
         lambda: falcon_old_layout_model(alibi=True),
         lambda s: presets.megatron_tp(s),
     ),
+    # multi-query attention: the query heads split, the one key/value head on both ranks (its gradient summed)
+    ("falcon_mqa_megatron_tp", falcon_mqa, lambda s: presets.megatron_tp(s)),
     ("bloom_megatron_tp", bloom_model, lambda s: presets.megatron_tp(s)),
     ("phi3_megatron_tp", phi3_model, lambda s: presets.megatron_tp(s)),
     ("phi3_gqa_megatron_tp", phi3_gqa_model, lambda s: presets.megatron_tp(s)),
