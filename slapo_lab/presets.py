@@ -450,8 +450,9 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     ``c_proj``, ``output.dense``, ``down_proj``, ALBERT's ``attention.dense`` / ``ffn_output`` ... row, see
     ``COLUMN_NAMES`` / ``ROW_NAMES``; other linears stay replicated, as do the projections of an attention
     whose heads cannot be split: Falcon's multi-query attention); ``"norm"``; ``"head_norm"`` (a per-head
-    q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"qk_norm_full"`` (a q/k norm over all heads, which
-    cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
+    q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"features"`` (a module whose parameters follow a split
+    layer's features entry by entry, OLMo 2's q_norm: sharded with them); ``"qk_norm_full"`` (a q/k norm over
+    all heads, which cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
     table such as T5's relative attention bias).
     """
     block = sch[block_path]
@@ -490,6 +491,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
                 out.append((path, kind))
+        elif split is not None and rel in split.feature_params:
+            out.append((path, "features"))  # a norm over a split projection's features: sharded with them
         elif rel in heads:
             hp = heads[rel]
             if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block):
@@ -516,9 +519,23 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
+    if split is not None and split.feature_params:
+        out = _feature_layers(block_path, split, out)
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
+
+
+def _feature_layers(block_path: str, split, layers: list) -> list:
+    """``layers`` without the ``"features"`` modules (:attr:`~slapo_lab.sharding.infer.BlockSplit.feature_params`)
+    whose linears are not all split here (an attention whose heads do not divide stays whole: so do its norms)."""
+    pre = f"{block_path}." if block_path else ""
+    split_kinds = {p[len(pre) :] for p, k in layers if k in ("column", "column_shard", "row")}
+    return [
+        (p, k)
+        for p, k in layers
+        if k != "features" or split.feature_params.get(p[len(pre) :], {None}) <= split_kinds
+    ]
 
 
 def _shared_attention(block, block_path: str, split, layers: list) -> list:
@@ -804,6 +821,13 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         _ensure_sync(sch[path], "bwd_post", "all_reduce")
     elif kind == "grad_sum":
         _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+    elif kind == "features":
+        # a norm over a split layer's features: its parameters are sharded like them, and its statistics are
+        # summed over the ranks (slapo_lab/sharding/feature_stats.py)
+        node = sch[path]
+        for name, prm in list(node.mod._parameters.items()):
+            if prm is not None:
+                _ensure_shard(node, name, prm.dim() - 1)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns

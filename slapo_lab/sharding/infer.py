@@ -169,6 +169,10 @@ class BlockSplit:
     ran: set = field(
         default_factory=set
     )  # the linears the recorded forward ran (the others: names are hints)
+    # module path -> the split linears whose features its parameters follow entry by entry (a norm over all of a
+    # column-parallel output, or over the attention output / MLP features a row-parallel layer takes):
+    # its parameters are sharded on their last axis and its statistics summed over the ranks (feature_stats)
+    feature_params: dict = field(default_factory=dict)
 
 
 class _Done(Exception):
@@ -202,6 +206,12 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
+        self.aligned: dict[
+            str, set
+        ] = {}  # "module:param" -> producers whose features it follows entry by entry
+        self.mixed: set[int] = (
+            set()
+        )  # ids of values summed with an unmapped value of their shape (a residual)
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -261,6 +271,8 @@ class _Recorder(TorchFunctionMode):
                         if not p.startswith(("param:", "@"))
                     }
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
+            if isinstance(out, torch.Tensor):
+                self.align(ins, out)
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
             self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
         if name == "scaled_dot_product_attention":
@@ -323,8 +335,38 @@ class _Recorder(TorchFunctionMode):
                             if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
+            if maps and any(
+                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and self.get(t) is None
+                for t in _tensors((args, kwargs))
+            ):
+                self.mixed.add(id(o))
             if scores is not None and any(p.startswith("param:") for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def align(self, ins, out: torch.Tensor) -> None:
+        """Note a parameter of one entry per feature (every axis but the last of size 1) applied elementwise to a
+        producer's value whose last axis holds that producer's features in order: the parameter follows those
+        features (a norm's weight or bias over all of a projection's output, GRN's gamma / beta)."""
+        width = out.shape[-1] if out.dim() else 0
+        if width < 2:
+            return
+        feats = torch.arange(width)
+        for t, i in ins:
+            if (
+                t.dim() < 1
+                or t.shape[-1] != width
+                or not i.maps
+                or any(not u.startswith("param:") for u in i.maps)
+            ):
+                continue  # a value made from parameters only (a weight, ``1 + weight``, a bias)
+            keys = [u for u, ms in i.maps.items() if bool((ms[0].reshape(-1, width) == feats).all())]
+            for key in keys:
+                for t2, i2 in ins:
+                    if t2 is t or t2.dim() < 1 or t2.shape[-1] != width:
+                        continue
+                    for p, ms in i2.maps.items():
+                        if not p.startswith("param:") and bool((ms[0].reshape(-1, width) == feats).all()):
+                            self.aligned.setdefault(key[len("param:") :], set()).add(p)
 
     def canonical(self, t, axes: list[int]):
         """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
@@ -768,18 +810,57 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             taken.add(p)
         taken.add(r_path)
     split.ran = set(rec.ran)
+    _feature_params(split, rec, block)
     # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
     # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
     columns = {p for p, r in split.roles.items() if r not in ("o", "mlp_out")}
     split_params = {hp[0] for hp in split.head_params}
     for key, prods in rec.param_uses.items():
         mod = key.rsplit(":", 1)[0]
-        if prods & columns and mod not in split_params:
+        if prods & columns and mod not in split_params and mod not in split.feature_params:
             split.grad_sum.add(mod)
     for p in rec.routers:
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
     return split
+
+
+def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
+    """``split.feature_params``: the modules all of whose parameters follow, entry by entry, the features of
+    linears this split shards contiguously: a column-parallel projection's output (OLMo 2's ``q_norm`` over all
+    heads' q), or an attention output whose output projection is row parallel (BitNet's ``attn_sub_norm``)."""
+    o_of = {}
+    for i in range(len(rec.events)):
+        key = f"@attn{i}"
+        o_of[key] = next((p for p, inf in rec.linear_in.items() if key in inf.maps), None)
+    by_mod: dict[str, set] = {}
+    for key, prods in rec.aligned.items():
+        by_mod.setdefault(key.rsplit(":", 1)[0], set()).update(prods)
+    for mod, prods in by_mod.items():
+        owner = block.get_submodule(mod) if mod else block
+        names = [n for n, p in owner._parameters.items() if p is not None and p.requires_grad]
+        if not names or any(f"{mod}:{n}" not in rec.aligned for n in names):
+            continue
+        linears = set()
+        for p in prods:
+            if p.startswith("@attn"):
+                o = o_of.get(p)
+                ok = o is not None and split.roles.get(o) == "o"
+            else:
+                role, lay = split.roles.get(p), split.layouts.get(p)
+                o = p
+                ok = (
+                    role is not None
+                    and (role == "mlp_in" or set(role) <= set("qkvg"))
+                    and lay is not None
+                    and type(lay.stride) is int
+                    and lay.stride == 1
+                )
+            if not ok:
+                break
+            linears.add(o)
+        else:
+            split.feature_params[mod] = linears
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -989,6 +1070,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
+            r.aligned, r.mixed = {}, set()
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -1024,13 +1106,18 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             if rel and not _is_dense(m) and _is_norm(m):
 
                 def norm_post(_m, _args, out, rel=rel):
-                    # a norm over a projection's whole output needs all its features: no split through it
+                    # a norm over a projection's whole output needs all its features: no split through it, unless
+                    # its parameters follow those features (then it is sharded with them: feature_params)
                     if not isinstance(out, torch.Tensor):
                         return
                     inf = r.info.get(id(out))
                     if inf is None:
                         return
                     width = out.shape[-1]
+                    if _feature_norm(_m, width) and not any(
+                        isinstance(a, torch.Tensor) and id(a) in r.mixed for a in _args
+                    ):
+                        return
                     keep = {p: ms for p, ms in inf.maps.items() if p not in dense or dense_feats(p) != width}
                     r.set(out, _Info(keep, inf.src, inf.scores))
 
@@ -1067,8 +1154,8 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None:
-        _BY_DIGEST[key] = result
+    if key[1] is not None and result:  # an empty result (a meta forward that cannot run) must not shadow the
+        _BY_DIGEST[key] = result  # real model of the same class and config, analysed next (_analyse_top)
     _register(model, result)
     return result
 
@@ -1081,6 +1168,13 @@ class _Snapshot:
         self.routers = set(r.routers)
         self.param_uses = dict(r.param_uses)
         self.ran = set(r.ran)
+        self.aligned = dict(r.aligned)
+
+
+def _feature_norm(mod: nn.Module, width: int) -> bool:
+    """A norm with parameters, each of one entry per feature of a ``width``-wide last axis."""
+    params = [p for p in mod._parameters.values() if p is not None]
+    return bool(params) and all(p.dim() >= 1 and p.shape[-1] == width == p.numel() for p in params)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1197,6 +1291,11 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         {k[len(pre) :] for k in split.shared if k.startswith(pre)},
         {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
         {k[len(pre) :] for k in split.ran if k.startswith(pre)},
+        {
+            k[len(pre) :]: {x[len(pre) :] for x in v}
+            for k, v in split.feature_params.items()
+            if k.startswith(pre)
+        },
     )
 
 
@@ -1218,6 +1317,7 @@ def _prefixed(split: BlockSplit, prefix: str) -> BlockSplit:
         {pre + k for k in split.shared},
         {pre + k for k in split.grad_sum},
         {pre + k for k in split.ran},
+        {pre + k: {pre + x for x in v} for k, v in split.feature_params.items()},
     )
 
 
