@@ -41,7 +41,6 @@ class MeanVarLayerNorm(nn.Module):
         return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
 
 
-
 def _norms():
     from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -106,7 +105,10 @@ FAMILIES = {
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
         },
-        {"self_attn.attn_sub_norm": {"self_attn.o_proj"}, "mlp.ffn_sub_norm": {"mlp.gate_proj", "mlp.up_proj"}},
+        {
+            "self_attn.attn_sub_norm": {"self_attn.o_proj"},
+            "mlp.ffn_sub_norm": {"mlp.gate_proj", "mlp.up_proj"},
+        },
     ),
     "olmo2": (
         "Olmo2Config",
