@@ -895,6 +895,11 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
     n = len(sch.record)
     _ensure_shard(sch[emb_path], "weight", 0)
     _ensure_sync(sch[emb_path], "fwd_post", "all_reduce")
+    # a module inside the embedding's own forward (Inkling's embed_norm after the lookup) runs on this rank's
+    # rows only, before the reduce: its replicated parameters' gradients are partial sums over the ranks
+    for rel, node in sch[emb_path].named_schedules():
+        if rel and any(p is not None and p.requires_grad for p in node.mod._parameters.values()):
+            _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     # every other embedding tied to it (T5: encoder.embed_tokens, decoder.embed_tokens share ``shared.weight``)
     # looks up through the same masked vocab-parallel forward, so its partial output needs the same all_reduce
     for owner, _name in sch.owners_of(sch[emb_path].mod.weight):

@@ -159,3 +159,45 @@ def test_the_megatron_preset_shards_norms_over_split_features(family):
         assert w.shape[-1] * 2 == w.orig_shape[-1] and w.shard_axis == w.dim() - 1
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.passed, report.message
+
+
+class NormedEmbedding(nn.Embedding):
+    """An embedding whose own forward normalises the looked-up rows (transformers' ``InklingNormedEmbedding``)."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__(n, d)
+        self.embed_norm = nn.RMSNorm(d)
+
+    def forward(self, ids):
+        return self.embed_norm(super().forward(ids))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = NormedEmbedding(32, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.embed.embed_norm.weight.copy_(torch.randn(16))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+def test_a_norm_inside_a_vocab_parallel_embedding_sums_its_gradients():
+    torch.manual_seed(0)
+    model = TinyLM()
+    sch = sl.create_schedule(copy.deepcopy(model), world_size=2)
+    presets.vocab_parallel_embeddings(sch)
+    calls = sch.record.calls
+    assert [(c.path, c.kwargs.get("param_grads")) for c in calls if c.path == "embed.embed_norm"] == [
+        ("embed.embed_norm", True)
+    ]
+    inputs = {"input_ids": torch.randint(0, 32, (2, 8))}
+    report = numeric_check(model, calls, 2, inputs)
+    assert report.passed, report.message
+    # without it each rank's embed_norm.weight gradient holds its own rows' part only
+    report = numeric_check(model, [c for c in calls if c.path != "embed.embed_norm"], 2, inputs)
+    assert report.status == "failed" and "embed" in report.message, report.message

@@ -25,7 +25,13 @@ argument's heads axis (``-3``) tells which features of which projection belong t
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
-* routers: a linear whose output reaches ``topk`` stays whole.
+* routers: a linear whose output reaches ``topk`` stays whole;
+* norms over all of a split layer's features (OLMo 2's ``q_norm`` over every head's q, BitNet's
+  ``attn_sub_norm`` over the attention output before ``o_proj``, ConvNeXt-V2's GRN between ``pwconv1`` and
+  ``pwconv2``): a parameter of one entry per feature applied to a value whose last axis holds a projection's
+  (or an attention output's) features in order follows them (``feature_params``); such a norm passes the maps
+  on (unless its input is a sum with an unmapped value: a residual), is sharded like the features, and its
+  statistics are summed over the ranks (:mod:`slapo_lab.sharding.feature_stats`).
 
 Results are cached per model instance, and registered per attention class, child name and config (so the shard
 rules of :mod:`slapo_lab.sharding.rules`, which see one module, find the layout of a fused projection); the
@@ -1335,14 +1341,16 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     for p, split in result.items():
         if full.startswith(p + "."):
             return _sub_split(split, full[len(p) + 1 :])
-    inner = [p for p in result if p.startswith(full + ".") or not full]
-    if len(inner) == 1:  # the requested block is a container around one analysed block
-        return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     mod = top.mod.get_submodule(full) if full else top.mod
     sig = _signature(mod)
+    # an analysed block of the same structure comes before a block inside this one (ConvNeXt's stage 2 is
+    # stage 1's twin, and only its layer 0 was analysed as a block of its own)
     for p, split in result.items():
         if _signature(top.mod.get_submodule(p)) == sig:
             return split
+    inner = [p for p in result if p.startswith(full + ".") or not full]
+    if len(inner) == 1:  # the requested block is a container around one analysed block
+        return _prefixed(result[inner[0]], inner[0][len(full) + 1 :] if full else inner[0])
     for p, split in result.items():  # a block of the same structure nested in an analysed one (Swin's stages)
         outer = top.mod.get_submodule(p)
         for rel, sub in outer.named_modules():
