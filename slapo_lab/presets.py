@@ -825,9 +825,12 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         # a norm over a split layer's features: its parameters are sharded like them, and its statistics are
         # summed over the ranks (slapo_lab/sharding/feature_stats.py)
         node = sch[path]
+        conv = isinstance(
+            node.mod, nn.modules.conv._ConvNd
+        )  # a depthwise convolution: one filter per channel
         for name, prm in list(node.mod._parameters.items()):
             if prm is not None:
-                _ensure_shard(node, name, prm.dim() - 1)
+                _ensure_shard(node, name, 0 if conv else prm.dim() - 1)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns

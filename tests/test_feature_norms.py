@@ -201,3 +201,43 @@ def test_a_norm_inside_a_vocab_parallel_embedding_sums_its_gradients():
     # without it each rank's embed_norm.weight gradient holds its own rows' part only
     report = numeric_check(model, [c for c in calls if c.path != "embed.embed_norm"], 2, inputs)
     assert report.status == "failed" and "embed" in report.message, report.message
+
+
+class ConvBlock(nn.Module):
+    """up -> a depthwise causal convolution over its features (Inkling's short convolutions) -> down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.conv = nn.Conv1d(32, 32, 3, groups=32, padding=2)
+
+    def forward(self, x):
+        h = self.conv(self.up(x).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        return x + self.down(torch.nn.functional.silu(h))
+
+
+class ConvStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ConvBlock(), ConvBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_depthwise_convolution_over_split_features_is_split_by_channels():
+    from slapo_lab.pipeline.order import set_example_inputs
+
+    torch.manual_seed(0)
+    model = ConvStack()
+    inputs = {"x": torch.randn(2, 8, 16)}
+    sch = sl.create_schedule(copy.deepcopy(model), world_size=2)
+    set_example_inputs(sch, inputs)
+    assert infer.block_split(sch, "layers.0").feature_params == {"conv": {"up"}}
+    presets.megatron_tp(sch, vocab_parallel=False)
+    conv = sch["layers.1.conv"].mod
+    assert conv.weight.shape == (16, 1, 3) and conv.bias.shape == (16,) and conv.groups == 16
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message

@@ -183,6 +183,31 @@ class FeatureStatsRule(NormRule):
         meta["output_type"], meta["output_axis"] = "partition", -1
 
 
-register_shard_rule(FeatureStatsRule())
+class DepthwiseConvRule(ShardRule):
+    """A depthwise convolution (``groups`` = in = out channels: one filter per channel, Inkling's short
+    convolutions over k and v) sharded on axis 0 of its weight and bias: each rank filters its own channels, the
+    output is partitioned on the channel axis. Other axes are refused (a filter is never split)."""
 
-__all__ = ["FeatureStatsRule", "GlobalFeatureStats", "get_shard_rule"]
+    def matches(self, mod):
+        return (
+            isinstance(mod, nn.modules.conv._ConvNd)
+            and mod.groups > 1
+            and mod.groups == mod.in_channels == mod.out_channels
+        )
+
+    def check(self, mod, name, axis):
+        if axis != 0:
+            return f"a depthwise {type(mod).__name__} is split by channels (axis 0 of its {name}), not on axis {axis}"
+        return None
+
+    def apply(self, mod, name, axis, world_size, rank):
+        if name == "weight":
+            mod.in_channels = mod.out_channels = mod.groups = mod.weight.shape[0]
+        meta = module_meta(mod)
+        meta["output_type"], meta["output_axis"] = "partition", 1
+
+
+register_shard_rule(FeatureStatsRule())
+register_shard_rule(DepthwiseConvRule())
+
+__all__ = ["DepthwiseConvRule", "FeatureStatsRule", "GlobalFeatureStats", "get_shard_rule"]

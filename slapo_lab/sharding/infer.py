@@ -279,6 +279,8 @@ class _Recorder(TorchFunctionMode):
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
             if isinstance(out, torch.Tensor):
                 self.align(ins, out)
+                if name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src):
+                    return
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
             self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
         if name == "scaled_dot_product_attention":
@@ -373,6 +375,47 @@ class _Recorder(TorchFunctionMode):
                     for p, ms in i2.maps.items():
                         if not p.startswith("param:") and bool((ms[0].reshape(-1, width) == feats).all()):
                             self.aligned.setdefault(key[len("param:") :], set()).add(p)
+
+    def align_depthwise(self, args, kwargs, out, src) -> bool:
+        """A depthwise convolution (``groups`` = channels, one filter per channel: Inkling's short convolutions
+        over k and v) whose input's channel axis holds a producer's features in order: its weight's (and
+        bias') axis 0 follows those features, and its output's channel ``c`` holds feature ``c`` (True: the
+        output's maps are set)."""
+        x = args[0] if args else kwargs.get("input")
+        w = args[1] if len(args) > 1 else kwargs.get("weight")
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+            return False
+        c = x.shape[1]
+        if groups != c or w.shape[0] != c or w.shape[1] != 1 or c < 2:
+            return False
+        if out.dim() != x.dim() or out.shape[1] != c:
+            return False
+        xi = self.get(x)
+        if xi is None:
+            return False
+        feats = torch.arange(c)
+        prods = {
+            p
+            for p, ms in xi.maps.items()
+            if not p.startswith("param:") and bool((ms[0].movedim(1, -1).reshape(-1, c) == feats).all())
+        }
+        if not prods:
+            return False
+        for t in (w, b):
+            inf = self.get(t) if isinstance(t, torch.Tensor) else None
+            for u, ms in (inf.maps if inf is not None else {}).items():
+                per = ms[0].numel() // c
+                if u.startswith("param:") and bool(
+                    (ms[0].reshape(c, -1).min(1).values // max(per, 1) == feats).all()
+                ):
+                    self.aligned.setdefault(u[len("param:") :], set()).update(prods)
+        shape = [1] * out.dim()
+        shape[1] = c
+        m = torch.broadcast_to(feats.view(shape), out.shape)
+        self.set(out, _Info({p: [m] for p in prods}, src))
+        return True
 
     def canonical(self, t, axes: list[int]):
         """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
@@ -809,6 +852,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             plan[p] = lay
         if not plan or not bool(explained.all()):
             continue
+        if any(p in inf2.maps for q, inf2 in rec.linear_in.items() if q != r_path for p in plan):
+            continue  # a column layer's features also reach another linear (Mamba's x_proj), which would see a part
         split.roles[r_path] = "mlp_out"
         for p, lay in plan.items():
             split.roles[p] = "mlp_in"
@@ -866,7 +911,8 @@ def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
                 break
             linears.add(o)
         else:
-            split.feature_params[mod] = linears
+            if linears:
+                split.feature_params[mod] = linears
 
 
 def _common_parent(paths: list[str]) -> str:
