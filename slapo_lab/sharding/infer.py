@@ -503,7 +503,10 @@ class _Recorder(TorchFunctionMode):
                         inf = self.info.get(id(x)) or (self.get(x) if id(x) in self.params else None)
                         if inf is not None and p in inf.maps:
                             ms = inf.maps[p]
-                            return ms[min(j, len(ms) - 1)]
+                            # a map broadcast by an elementwise op is an expanded view, which ``view`` cannot
+                            # reshape (Laguna's per-head gate, then ``.view(B, T, -1)``): a copy can
+                            m = ms[min(j, len(ms) - 1)]
+                            return m if m.is_contiguous() else m.contiguous()
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
                         return x.to("cpu") if x.device.type != "meta" else x
@@ -1206,8 +1209,8 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None and result:  # an empty result (a meta forward that cannot run) must not shadow the
-        _BY_DIGEST[key] = result  # real model of the same class and config, analysed next (_analyse_top)
+    if key[1] is not None and len(result) == len(blocks):  # a partial result (a meta forward that cannot run,
+        _BY_DIGEST[key] = result  # or stops at an MoE block) must not shadow the real model analysed next
     _register(model, result)
     return result
 
@@ -1308,10 +1311,13 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     inputs = top._top.extra.get(_INPUTS_KEY)
     result = analyse(top.mod, inputs)
     ref = top._top.extra.get(REFERENCE_KEY)
-    if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
+    if ref is None or ref is top.mod or type(ref) is not type(top.mod):
         return result
-    result = analyse(ref, inputs)
-    if result:
+    if result and len(result) == len(_stacks(top.mod)):
+        return result
+    full = analyse(ref, inputs)  # the meta forward stopped early (Laguna's MoE blocks after its dense one)
+    if len(full) > len(result):
+        result = full
         with _LOCK:
             _DONE[top.mod] = result
     return result
