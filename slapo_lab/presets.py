@@ -472,8 +472,9 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     ``c_proj``, ``output.dense``, ``down_proj``, ALBERT's ``attention.dense`` / ``ffn_output`` ... row, see
     ``COLUMN_NAMES`` / ``ROW_NAMES``; other linears stay replicated, as do the projections of an attention
     whose heads cannot be split: Falcon's multi-query attention); ``"norm"``; ``"head_norm"`` (a per-head
-    q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"qk_norm_full"`` (a q/k norm over all heads, which
-    cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
+    q/k norm of size head_dim, ``HEAD_NORM_NAMES``); ``"features"`` (a module whose parameters follow a split
+    layer's features entry by entry, OLMo 2's q_norm: sharded with them); ``"qk_norm_full"`` (a q/k norm over
+    all heads, which cannot be split); ``"experts"`` (3-D expert weights, :func:`experts_parallel`); ``"heads"`` (a per-head
     table such as T5's relative attention bias).
     """
     block = sch[block_path]
@@ -517,6 +518,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
                 out.append((path, kind))
+        elif split is not None and rel in split.feature_params:
+            out.append((path, "features"))  # a norm over a split projection's features: sharded with them
         elif rel in heads:
             kept = [
                 hp for hp in heads[rel] if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block)
@@ -534,8 +537,6 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             ):
                 kind = "norm"  # its attention stays whole: its gradients are whole too
             out.append((path, kind))
-        elif _depthwise_on_columns(mod, split, rel):
-            out.append((path, "channels"))
         elif (
             split is not None
             and rel in split.grad_sum
@@ -547,18 +548,23 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
+    if split is not None and split.feature_params:
+        out = _feature_layers(block_path, split, out)
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
 
 
-def _depthwise_on_columns(mod: nn.Module, split, rel: str) -> bool:
-    """A depthwise convolution applied to a column-parallel layer's output (read from the dataflow:
-    SegFormer's / PVTv2's ``mlp.dwconv.dwconv`` between ``fc1`` and ``fc2``): each channel is filtered alone,
-    so this rank filters its own channels (kind ``"channels"``: weight and bias sharded on axis 0)."""
-    from .sharding.rules import is_depthwise
-
-    return split is not None and rel in split.grad_sum and is_depthwise(mod)
+def _feature_layers(block_path: str, split, layers: list) -> list:
+    """``layers`` without the ``"features"`` modules (:attr:`~slapo_lab.sharding.infer.BlockSplit.feature_params`)
+    whose linears are not all split here (an attention whose heads do not divide stays whole: so do its norms)."""
+    pre = f"{block_path}." if block_path else ""
+    split_kinds = {p[len(pre) :] for p, k in layers if k in ("column", "column_shard", "row")}
+    return [
+        (p, k)
+        for p, k in layers
+        if k != "features" or split.feature_params.get(p[len(pre) :], {None}) <= split_kinds
+    ]
 
 
 def _shared_attention(block, block_path: str, split, layers: list) -> list:
@@ -872,6 +878,16 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         _ensure_sync(sch[path], "bwd_post", "all_reduce")
     elif kind == "grad_sum":
         _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+    elif kind == "features":
+        # a norm over a split layer's features: its parameters are sharded like them, and its statistics are
+        # summed over the ranks (slapo_lab/sharding/feature_stats.py)
+        node = sch[path]
+        conv = isinstance(
+            node.mod, nn.modules.conv._ConvNd
+        )  # a depthwise convolution: one filter per channel
+        for name, prm in list(node.mod._parameters.items()):
+            if prm is not None:
+                _ensure_shard(node, name, 0 if conv else prm.dim() - 1)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
@@ -881,10 +897,6 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         for one in kind[len("head_param:") :].split(";"):  # several on one module (DeBERTa's q_bias, v_bias)
             name, axis = one.split(":")
             _ensure_shard(sch[path], name, int(axis))
-    elif kind == "channels":  # a depthwise convolution on a column-parallel output: this rank's channels
-        _ensure_shard(sch[path], "weight", 0)
-        if getattr(sch[path].mod, "bias", None) is not None:
-            _ensure_shard(sch[path], "bias", 0)
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
@@ -944,6 +956,11 @@ def vocab_parallel_embeddings(sch) -> list[Call]:
     n = len(sch.record)
     _ensure_shard(sch[emb_path], "weight", 0)
     _ensure_sync(sch[emb_path], "fwd_post", "all_reduce")
+    # a module inside the embedding's own forward (Inkling's embed_norm after the lookup) runs on this rank's
+    # rows only, before the reduce: its replicated parameters' gradients are partial sums over the ranks
+    for rel, node in sch[emb_path].named_schedules():
+        if rel and any(p is not None and p.requires_grad for p in node.mod._parameters.values()):
+            _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     # every other embedding tied to it (T5: encoder.embed_tokens, decoder.embed_tokens share ``shared.weight``)
     # looks up through the same masked vocab-parallel forward, so its partial output needs the same all_reduce
     for owner, _name in sch.owners_of(sch[emb_path].mod.weight):

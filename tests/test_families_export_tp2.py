@@ -62,13 +62,7 @@ FAMILIES = [
         "interleaved in mp_num groups) makes the outputs differ at transformer.h.0.attn (worst difference 0.421).",
     ),
     Fam("qwen2_moe", "Qwen2MoeForCausalLM", "MoE with a shared expert and its gate"),
-    Fam(
-        "olmoe",
-        "OlmoeForCausalLM",
-        "MoE whose q/k norms span all heads",
-        whole="OLMoE's attention stays whole: self_attn.q_norm normalises q or k over all attention heads' "
-        "features, and q_proj / k_proj reach no attention head through ops that keep features apart.",
-    ),
+    Fam("olmoe", "OlmoeForCausalLM", "MoE whose q/k norms span all heads (sharded with them)"),
     Fam(
         "deepseek_v2",
         "DeepseekV2ForCausalLM",

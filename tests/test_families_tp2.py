@@ -225,17 +225,19 @@ def test_albert_shared_layer_and_vit_presets():
     )
 
 
-def test_a_norm_over_all_heads_keeps_the_attention_whole_and_the_mlp_is_split():
+def test_a_norm_over_all_heads_is_sharded_with_the_heads_and_sums_its_statistics():
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
     model = Olmo2ForCausalLM(tp_train._decoder_cfg(Olmo2Config))
     sch = sl.create_schedule(model, world_size=2)
     hidden = model.config.hidden_size
     notes = presets.megatron_tp(sch).notes
-    kept = [n for n in notes if n.startswith("Kept whole: in every Olmo2DecoderLayer self_attn")]
-    assert len(kept) == 1 and "normalises q or k over all attention heads" in kept[0], notes
-    assert not any(".self_attn." in c.path for c in sch.record.calls)
-    assert sch["model.layers.0.self_attn.q_proj"].mod.weight.shape == (hidden, hidden)
+    assert not any("Kept whole: in every Olmo2DecoderLayer" in n for n in notes), notes
+    # q_norm spans all heads' q features: its weight follows q_proj's column shard (slapo_lab/sharding/feature_stats.py)
+    code = sch.record.code()
+    assert 'sch["model.layers.0.self_attn.q_norm"].shard("weight", axis=0)' in code
+    assert sch["model.layers.0.self_attn.q_proj"].mod.weight.shape == (hidden // 2, hidden)
+    assert sch["model.layers.0.self_attn.q_norm"].mod.weight.shape == (hidden // 2,)
     assert sch["model.layers.1.mlp.down_proj"].mod.weight.shape[1] == model.config.intermediate_size // 2
 
 

@@ -10,7 +10,7 @@ the numeric check on 2 simulated ranks (:func:`slapo_lab.numeric.numeric_check`)
 * **a reshape to the width read from the input** (:class:`slapo_lab.sharding.heads._LocalWidth`): TrOCR's
   attention reshapes its output with ``embed_dim`` from ``hidden_states.size()``; FSMT's compares
   ``self.embed_dim`` with its input's, so that attribute stays global;
-* **depthwise convolutions on a column-parallel output** (kind ``"channels"``): SegFormer's Mix-FFN filters
+* **depthwise convolutions on a column-parallel output** (kind ``"features"``, :class:`slapo_lab.sharding.feature_stats.DepthwiseConvRule`): SegFormer's Mix-FFN filters
   each of ``fc1``'s channels alone (``dwconv``), so each rank filters its own;
 * **blocks of tokens** (LongT5's local attention: padded, cut into blocks, concatenated in threes, scored with
   ``einsum("...qhd,...khd->...hqk")``): the heads axis is told from the batch and block axes by the features;
@@ -178,7 +178,7 @@ def test_segformer_depthwise_convolution_filters_this_ranks_channels():
     pre = "segformer.stages.0.blocks.0.mlp."
     assert (kinds[pre + "fc1"], kinds[pre + "dwconv.dwconv"], kinds[pre + "fc2"]) == (
         "column",
-        "channels",
+        "features",  # its weight follows fc1's features: split by channels (sharding/feature_stats.py)
         "row",
     )
     notes = presets.megatron_tp(sch, vocab_parallel=False).notes

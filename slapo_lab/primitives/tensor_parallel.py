@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
+from ..sharding import feature_stats as _feature_stats  # noqa: F401 - registers the feature-axis norm rule
 from ..sharding import infer as _infer
 from ..sharding import sync_ops
 from ..sharding.router import router_experts
@@ -264,7 +265,10 @@ class ShardPrimitive(Primitive):
             else:
                 mod._buffers[name] = new
             module_meta(mod)["sharded"][name] = axis
-            get_shard_rule(mod).apply(mod, name, axis, ws, rank)
+            rule = get_shard_rule(mod)
+            if getattr(rule, "needs_group", False):  # a rule whose forward communicates (feature_stats)
+                module_meta(mod)["tp_group"] = sch.tp
+            rule.apply(mod, name, axis, ws, rank)
             if replicas > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
                 _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
             block_reps = block_replicas(stride, int(stride), ws) if ws > 1 else ()

@@ -31,7 +31,13 @@ argument's heads axis (``-3``) tells which features of which projection belong t
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
-* routers: a linear whose output reaches ``topk`` stays whole.
+* routers: a linear whose output reaches ``topk`` stays whole;
+* norms over all of a split layer's features (OLMo 2's ``q_norm`` over every head's q, BitNet's
+  ``attn_sub_norm`` over the attention output before ``o_proj``, ConvNeXt-V2's GRN between ``pwconv1`` and
+  ``pwconv2``): a parameter of one entry per feature applied to a value whose last axis holds a projection's
+  (or an attention output's) features in order follows them (``feature_params``); such a norm passes the maps
+  on (unless its input is a sum with an unmapped value: a residual), is sharded like the features, and its
+  statistics are summed over the ranks (:mod:`slapo_lab.sharding.feature_stats`).
 
 Results are cached per model instance, and registered per attention class, child name and config (so the shard
 rules of :mod:`slapo_lab.sharding.rules`, which see one module, find the layout of a fused projection); the
@@ -179,6 +185,10 @@ class BlockSplit:
     # per-head tensor arguments of an attention module, built for all heads outside the block (MPT's ALiBi
     # position_bias): HeadParam(module, argument name, heads axis, heads); cut to each rank's heads
     head_inputs: list = field(default_factory=list)
+    # module path -> the split linears whose features its parameters follow entry by entry (a norm over all of a
+    # column-parallel output, or over the attention output / MLP features a row-parallel layer takes):
+    # its parameters are sharded on their last axis and its statistics summed over the ranks (feature_stats)
+    feature_params: dict = field(default_factory=dict)
 
 
 class _Done(Exception):
@@ -219,6 +229,12 @@ class _Recorder(TorchFunctionMode):
         self.input_shapes: dict[str, tuple] = {}
         self.input_of: dict[int, str] = {}
         self.input_aliases: dict[str, list] = {}
+        self.aligned: dict[
+            str, set
+        ] = {}  # "module:param" -> producers whose features it follows entry by entry
+        self.mixed: set[int] = (
+            set()
+        )  # ids of values summed with an unmapped value of their shape (a residual)
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -306,6 +322,10 @@ class _Recorder(TorchFunctionMode):
                         if not p.startswith(("param:", "@", "input:"))
                     }
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
+            if isinstance(out, torch.Tensor):
+                self.align(ins, out)
+                if name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src):
+                    return
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
             self.routers |= {
                 p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
@@ -379,6 +399,11 @@ class _Recorder(TorchFunctionMode):
                             if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
+            if maps and any(
+                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and self.get(t) is None
+                for t in _tensors((args, kwargs))
+            ):
+                self.mixed.add(id(o))
             if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
@@ -396,6 +421,72 @@ class _Recorder(TorchFunctionMode):
             if got:
                 maps[p] = got
         self.set(out, _Info(maps, src, scores))
+
+    def align(self, ins, out: torch.Tensor) -> None:
+        """Note a parameter of one entry per feature (every axis but the last of size 1) applied elementwise to a
+        producer's value whose last axis holds that producer's features in order: the parameter follows those
+        features (a norm's weight or bias over all of a projection's output, GRN's gamma / beta)."""
+        width = out.shape[-1] if out.dim() else 0
+        if width < 2:
+            return
+        feats = torch.arange(width)
+        for t, i in ins:
+            if (
+                t.dim() < 1
+                or t.shape[-1] != width
+                or not i.maps
+                or any(not u.startswith("param:") for u in i.maps)
+            ):
+                continue  # a value made from parameters only (a weight, ``1 + weight``, a bias)
+            keys = [u for u, ms in i.maps.items() if bool((ms[0].reshape(-1, width) == feats).all())]
+            for key in keys:
+                for t2, i2 in ins:
+                    if t2 is t or t2.dim() < 1 or t2.shape[-1] != width:
+                        continue
+                    for p, ms in i2.maps.items():
+                        if not p.startswith("param:") and bool((ms[0].reshape(-1, width) == feats).all()):
+                            self.aligned.setdefault(key[len("param:") :], set()).add(p)
+
+    def align_depthwise(self, args, kwargs, out, src) -> bool:
+        """A depthwise convolution (``groups`` = channels, one filter per channel: Inkling's short convolutions
+        over k and v) whose input's channel axis holds a producer's features in order: its weight's (and
+        bias') axis 0 follows those features, and its output's channel ``c`` holds feature ``c`` (True: the
+        output's maps are set)."""
+        x = args[0] if args else kwargs.get("input")
+        w = args[1] if len(args) > 1 else kwargs.get("weight")
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+            return False
+        c = x.shape[1]
+        if groups != c or w.shape[0] != c or w.shape[1] != 1 or c < 2:
+            return False
+        if out.dim() != x.dim() or out.shape[1] != c:
+            return False
+        xi = self.get(x)
+        if xi is None:
+            return False
+        feats = torch.arange(c)
+        prods = {
+            p
+            for p, ms in xi.maps.items()
+            if not p.startswith("param:") and bool((ms[0].movedim(1, -1).reshape(-1, c) == feats).all())
+        }
+        if not prods:
+            return False
+        for t in (w, b):
+            inf = self.get(t) if isinstance(t, torch.Tensor) else None
+            for u, ms in (inf.maps if inf is not None else {}).items():
+                per = ms[0].numel() // c
+                if u.startswith("param:") and bool(
+                    (ms[0].reshape(c, -1).min(1).values // max(per, 1) == feats).all()
+                ):
+                    self.aligned.setdefault(u[len("param:") :], set()).update(prods)
+        shape = [1] * out.dim()
+        shape[1] = c
+        m = torch.broadcast_to(feats.view(shape), out.shape)
+        self.set(out, _Info({p: [m] for p in prods}, src))
+        return True
 
     def canonical(self, t, axes: list[int]):
         """``t`` with ``axes`` (heads, rows, features) moved last, its maps moved alike (a new tensor)."""
@@ -490,7 +581,10 @@ class _Recorder(TorchFunctionMode):
                         inf = self.info.get(id(x)) or (self.get(x) if id(x) in self.params else None)
                         if inf is not None and p in inf.maps:
                             ms = inf.maps[p]
-                            return ms[min(j, len(ms) - 1)]
+                            # a map broadcast by an elementwise op is an expanded view, which ``view`` cannot
+                            # reshape (Laguna's per-head gate, then ``.view(B, T, -1)``): a copy can
+                            m = ms[min(j, len(ms) - 1)]
+                            return m if m.is_contiguous() else m.contiguous()
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
                         if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
@@ -920,6 +1014,8 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             plan[p] = lay
         if not plan or not bool(explained.all()):
             continue
+        if any(p in inf2.maps for q, inf2 in rec.linear_in.items() if q != r_path for p in plan):
+            continue  # a column layer's features also reach another linear (Mamba's x_proj), which would see a part
         split.roles[r_path] = "mlp_out"
         for p, lay in plan.items():
             split.roles[p] = "mlp_in"
@@ -927,18 +1023,58 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             taken.add(p)
         taken.add(r_path)
     split.ran = set(rec.ran)
+    _feature_params(split, rec, block)
     # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
     # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
     columns = {p for p, r in split.roles.items() if r not in ("o", "mlp_out")}
     split_params = {hp[0] for hp in split.head_params}
     for key, prods in rec.param_uses.items():
         mod = key.rsplit(":", 1)[0]
-        if prods & columns and mod not in split_params:
+        if prods & columns and mod not in split_params and mod not in split.feature_params:
             split.grad_sum.add(mod)
     for p in rec.routers:
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
     return split
+
+
+def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
+    """``split.feature_params``: the modules all of whose parameters follow, entry by entry, the features of
+    linears this split shards contiguously: a column-parallel projection's output (OLMo 2's ``q_norm`` over all
+    heads' q), or an attention output whose output projection is row parallel (BitNet's ``attn_sub_norm``)."""
+    o_of = {}
+    for i in range(len(rec.events)):
+        key = f"@attn{i}"
+        o_of[key] = next((p for p, inf in rec.linear_in.items() if key in inf.maps), None)
+    by_mod: dict[str, set] = {}
+    for key, prods in rec.aligned.items():
+        by_mod.setdefault(key.rsplit(":", 1)[0], set()).update(prods)
+    for mod, prods in by_mod.items():
+        owner = block.get_submodule(mod) if mod else block
+        names = [n for n, p in owner._parameters.items() if p is not None and p.requires_grad]
+        if not names or any(f"{mod}:{n}" not in rec.aligned for n in names):
+            continue
+        linears = set()
+        for p in prods:
+            if p.startswith("@attn"):
+                o = o_of.get(p)
+                ok = o is not None and split.roles.get(o) == "o"
+            else:
+                role, lay = split.roles.get(p), split.layouts.get(p)
+                o = p
+                ok = (
+                    role is not None
+                    and (role == "mlp_in" or set(role) <= set("qkvg"))
+                    and lay is not None
+                    and type(lay.stride) is int
+                    and lay.stride == 1
+                )
+            if not ok:
+                break
+            linears.add(o)
+        else:
+            if linears:
+                split.feature_params[mod] = linears
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -1185,6 +1321,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
+            r.aligned, r.mixed = {}, set()
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
@@ -1258,13 +1395,18 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             if rel and not _is_dense(m) and _is_norm(m):
 
                 def norm_post(_m, _args, out, rel=rel):
-                    # a norm over a projection's whole output needs all its features: no split through it
+                    # a norm over a projection's whole output needs all its features: no split through it, unless
+                    # its parameters follow those features (then it is sharded with them: feature_params)
                     if not isinstance(out, torch.Tensor):
                         return
                     inf = r.info.get(id(out))
                     if inf is None:
                         return
                     width = out.shape[-1]
+                    if _feature_norm(_m, width) and not any(
+                        isinstance(a, torch.Tensor) and id(a) in r.mixed for a in _args
+                    ):
+                        return
                     keep = {p: ms for p, ms in inf.maps.items() if p not in dense or dense_feats(p) != width}
                     r.set(out, _Info(keep, inf.src, inf.scores))
 
@@ -1320,6 +1462,13 @@ class _Snapshot:
         self.ran = set(r.ran)
         self.input_shapes = dict(r.input_shapes)
         self.input_aliases = dict(r.input_aliases)
+        self.aligned = dict(r.aligned)
+
+
+def _feature_norm(mod: nn.Module, width: int) -> bool:
+    """A norm with parameters, each of one entry per feature of a ``width``-wide last axis."""
+    params = [p for p in mod._parameters.values() if p is not None]
+    return bool(params) and all(p.dim() >= 1 and p.shape[-1] == width == p.numel() for p in params)
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -1488,6 +1637,11 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         {k[len(pre) :] for k in split.shared if k.startswith(pre)},
         {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
         {k[len(pre) :] for k in split.ran if k.startswith(pre)},
+        {
+            k[len(pre) :]: {x[len(pre) :] for x in v}
+            for k, v in split.feature_params.items()
+            if k.startswith(pre)
+        },
     )
 
 
@@ -1509,6 +1663,7 @@ def _prefixed(split: BlockSplit, prefix: str) -> BlockSplit:
         {pre + k for k in split.shared},
         {pre + k for k in split.grad_sum},
         {pre + k for k in split.ran},
+        {pre + k: {pre + x for x in v} for k, v in split.feature_params.items()},
     )
 
 

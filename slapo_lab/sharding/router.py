@@ -22,6 +22,8 @@ def _expert_count(mod: nn.Module, name: str) -> int | None:
     """The number of experts of ``mod`` when it is an expert bank, else None."""
     if isinstance(mod, nn.ModuleList) and len(mod) > 1 and "expert" in f"{name} {type(mod).__name__}".lower():
         return len(mod)
+    if isinstance(mod, nn.modules.conv._ConvNd):  # a convolution's 3-D weight is filters, not experts
+        return None
     banks = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
     if banks and len({p.shape[0] for p in banks}) == 1:
         n = banks[0].shape[0]

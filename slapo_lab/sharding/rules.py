@@ -917,18 +917,6 @@ class EmbeddingRule(ShardRule):
             _set_output(mod, "partition", -1)
 
 
-def is_depthwise(mod: nn.Module) -> bool:
-    """Whether ``mod`` is a depthwise ``nn.Conv2d``: one filter per channel (``groups == in_channels ==
-    out_channels``), so its channels split over ranks exactly (SegFormer's and PVTv2's Mix-FFN ``dwconv``
-    between ``fc1`` and ``fc2``; Nystromformer's per-head convolution of the values)."""
-    return (
-        isinstance(mod, nn.Conv2d)
-        and mod.groups > 1
-        and mod.groups == mod.in_channels == mod.out_channels
-        and mod.weight.shape[1] == 1
-    )
-
-
 class Conv2dRule(ShardRule):
     """``nn.Conv2d`` (weight ``(out, in, kh, kw)``): axis 0 = output channels, axis 1 = input channels."""
 
@@ -940,17 +928,14 @@ class Conv2dRule(ShardRule):
             return "only the channel axes 0 (output) and 1 (input) of a Conv2d weight can be sharded"
         if name == "bias" and module_meta(mod)["sharded"].get("weight") == 1:
             return "the weight is sharded on its input channels, so the bias must stay replicated"
-        if mod.groups != 1 and not (is_depthwise(mod) and axis == 0):
+        if mod.groups != 1:  # a depthwise one is slapo_lab/sharding/feature_stats.py's DepthwiseConvRule
             return "grouped convolutions cannot be sharded by channel"
         return None
 
     def apply(self, mod, name, axis, world_size, rank):
         if name != "weight":
             return
-        if axis == 0 and is_depthwise(mod):  # one filter per channel: this rank's channels, its own groups
-            mod.out_channels = mod.in_channels = mod.groups = mod.weight.shape[0]
-            _set_output(mod, "partition", 1)
-        elif axis == 0:
+        if axis == 0:
             mod.out_channels = mod.weight.shape[0]
             _set_output(mod, "partition", 1)
         else:
