@@ -104,6 +104,10 @@ _FACTORY_OPS = frozenset(
 )
 _WRITE_OPS = frozenset({"copy_", "__setitem__"})
 _MAX_MAPS = 3
+#: Complex views (DeepSeek-V2's rotary embedding: ``view_as_complex(x.reshape(..., -1, 2))`` then
+#: ``view_as_real(...).flatten(3)``): a complex element's map holds its pair of features, see :func:`_complex_maps`.
+_COMPLEX_OPS = frozenset({"view_as_complex", "view_as_real"})
+_PAIR = 1 << 31
 _BOOL = torch.Tensor.__bool__
 
 
@@ -307,6 +311,9 @@ class _Recorder(TorchFunctionMode):
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
+        if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
+            self.set(outs[0], _Info(_complex_maps(name, ins[0][1].maps, outs[0]), src, scores))
+            return
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
             maps: dict = {}
             for t, i in ins:
@@ -466,6 +473,22 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _complex_maps(name: str, maps: dict, out: torch.Tensor) -> dict:
+    """The maps of ``view_as_complex`` / ``view_as_real``'s output: a complex element's map entry encodes its
+    (real, imaginary) features as ``(f0 + 1) * 2**31 + (f1 + 1)`` (-1 where unmapped), decoded back into a last
+    axis of 2 by ``view_as_real``; elementwise complex ops in between carry the encoded maps unchanged."""
+    res: dict = {}
+    for p, ms in maps.items():
+        for m in ms:
+            if name == "view_as_complex":
+                e = (m[..., 0] + 1) * _PAIR + (m[..., 1] + 1)
+            else:
+                e = torch.stack((m // _PAIR - 1, m % _PAIR - 1), dim=-1)
+            if tuple(e.shape) == tuple(out.shape):
+                res.setdefault(p, []).append(e)
+    return res
 
 
 def _merge_scores(tags) -> tuple | None:
@@ -1067,7 +1090,9 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None:
+    if key[1] is not None and len(result) == len(
+        blocks
+    ):  # a partial result (a forward that stopped) is not shared
         _BY_DIGEST[key] = result
     _register(model, result)
     return result
@@ -1162,13 +1187,17 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     inputs = top._top.extra.get(_INPUTS_KEY)
     result = analyse(top.mod, inputs)
     ref = top._top.extra.get(REFERENCE_KEY)
-    if result or ref is None or ref is top.mod or type(ref) is not type(top.mod):
+    if ref is None or ref is top.mod or type(ref) is not type(top.mod):
         return result
-    result = analyse(ref, inputs)
-    if result:
+    if result and len(result) >= len(_stacks(top.mod)):
+        return result
+    # the meta forward stopped before some block ran (an MoE block's data-dependent routing on the meta device,
+    # DeepSeek-V3's layers after ``first_k_dense_replace``): the real model's forward records those blocks
+    merged = {**analyse(ref, inputs), **result}
+    if merged:
         with _LOCK:
-            _DONE[top.mod] = result
-    return result
+            _DONE[top.mod] = merged
+    return merged
 
 
 def _signature(mod: nn.Module) -> tuple:
