@@ -523,7 +523,10 @@ def _storage(t) -> int | None:
 
     if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
         return None
-    return t.untyped_storage().data_ptr()
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (vmap's batched tensors)
+        return None
 
 
 def _tensor_leaves(x):
@@ -562,12 +565,13 @@ def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, s
     from torch.overrides import TorchFunctionMode
 
     model = copy.deepcopy(model)
-    mods = dict(model.named_modules())
+    mods = {b: model.get_submodule(b) for b in blocks}
     block_of = {}
-    for b in blocks:
-        for rel, m in mods[b].named_modules():
-            if rel:
-                block_of.setdefault(f"{b}.{rel}", b)
+    for b in blocks:  # (a module shared by the blocks, such as OpenAI GPT's activation, has a path in each)
+        for rel, m in mods[b].named_modules(remove_duplicate=False):
+            if rel and f"{b}.{rel}" not in block_of:
+                block_of[f"{b}.{rel}"] = b
+                mods[f"{b}.{rel}"] = m
     lineage: dict[int, frozenset] = {}  # storage -> linears the values in it derive from
     keep: list = []  # every recorded tensor stays alive (no storage is reused during the forward)
     topk_in: set = set()
@@ -584,6 +588,13 @@ def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, s
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
+            with contextlib.suppress(
+                Exception
+            ):  # an op whose lineage cannot be followed: its outputs derive from nothing
+                self.note(func, args, kwargs, out)
+            return out
+
+        def note(self, func, args, kwargs, out) -> None:
             name = getattr(func, "__name__", "")
             src = lin_of((args, kwargs))
             if name == "topk":
@@ -598,7 +609,6 @@ def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, s
                 if _storage(t) is not None:
                     lineage[_storage(t)] = src
                     keep.append(t)
-            return out
 
     handles = []
 
