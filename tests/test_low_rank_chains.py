@@ -102,6 +102,11 @@ def test_sparse_attention_indexer_stays_whole_and_sinks_follow_the_heads():
         assert _sharded(sch, attn, "sinks") == 0
         assert _sharded(sch, f"{attn}.q_b_proj") == 0 and _sharded(sch, f"{attn}.gate_proj") == 0
         assert _sharded(sch, f"{attn}.o_proj") == 1
+    whole = infer.block_split(sch, "model.layers.0").whole
+    assert whole["self_attn.indexer.wq_b"].startswith("a token router"), (
+        whole
+    )  # reaches the block via topk only
+    assert whole["self_attn.indexer.wk"].startswith("a token router"), whole
     for name in ("wq_b", "wk", "weights_proj"):
         assert _sharded(sch, f"model.layers.0.self_attn.indexer.{name}") is None
     assert kept_whole(sch, model, inputs) == []

@@ -206,6 +206,8 @@ class _Recorder(TorchFunctionMode):
         self.view_of: dict[int, tuple] = {}  # id(getitem output) -> (base tensor, index)
         self.param_uses: dict[str, set] = {}  # "module:param" -> linears whose outputs it is applied to
         self.ran: set = set()  # the linears the block ran
+        self.topk_src: set = set()  # the linears whose outputs reach a ``topk`` with no linear between
+        self.out_src: set = set()  # the same for the block's outputs (``topk``'s results derive from nothing)
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -267,6 +269,11 @@ class _Recorder(TorchFunctionMode):
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
             self.routers |= {p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:"))}
+        if (
+            name == "topk"
+        ):  # a choice of tokens or experts: what follows derives from the choice, not the scores
+            self.topk_src |= {p for p in src if not p.startswith("@")}
+            src = frozenset()
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -802,6 +809,15 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
     for p in rec.routers:
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
+    # a sparse-attention indexer (DeepSeek-V3.2's wq_b / wk / weights_proj): linears whose outputs reach the
+    # block only through a topk choice of tokens, and feed no other linear
+    fed = {p for r_path, inf in rec.linear_in.items() for p in inf.maps if p != r_path}
+    for p in sorted(rec.topk_src - rec.out_src):
+        if p in dense and p not in split.roles and p not in split.whole and p not in fed:
+            split.whole[p] = (
+                "a token router: its output reaches the block only through a topk choice, which every rank must "
+                "make the same way"
+            )
     return split
 
 
@@ -1012,9 +1028,13 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             r.params = names
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
+            r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
+            r.out_src = set().union(
+                *(i.src for i in map(r.info.get, map(id, _tensors(_out))) if i is not None)
+            )
             recs[bpath] = _Snapshot(r)
             pending.discard(bpath)
             if not pending:
@@ -1106,6 +1126,7 @@ class _Snapshot:
         self.routers = set(r.routers)
         self.param_uses = dict(r.param_uses)
         self.ran = set(r.ran)
+        self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
 def _is_norm(mod: nn.Module) -> bool:
