@@ -25,7 +25,14 @@ argument's heads axis (``-3``) tells which features of which projection belong t
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
-* routers: a linear whose output reaches ``topk`` stays whole.
+* routers: a linear whose output reaches ``topk`` stays whole, and so does one whose output reaches the block's
+  output only through a ``topk`` choice (a sparse-attention indexer's ``wq_b`` / ``wk`` / ``weights_proj``,
+  DeepSeek-V3.2's DSA; lineage through any op up to the next linear, cut at ``topk``'s results) and feeds no
+  other linear.
+
+Complex views (``view_as_complex`` / ``view_as_real``, DeepSeek-V2's rotary embedding) carry the maps of both
+features of a pair. Where the meta forward stops before a block has run (an MoE block's data-dependent routing
+on the meta device), that block is read from the schedule's remembered real model.
 
 Results are cached per model instance, and registered per attention class, child name and config (so the shard
 rules of :mod:`slapo_lab.sharding.rules`, which see one module, find the layout of a fused projection); the
