@@ -27,8 +27,7 @@ argument's heads axis (``-3``) tells which features of which projection belong t
   parallel and those are column parallel;
 * routers: a linear whose output reaches ``topk`` stays whole, and so does one whose output reaches the block's
   output only through a ``topk`` choice (a sparse-attention indexer's ``wq_b`` / ``wk`` / ``weights_proj``,
-  DeepSeek-V3.2's DSA; lineage through any op up to the next linear, cut at ``topk``'s results) and feeds no
-  other linear.
+  DeepSeek-V3.2's DSA; lineage through any op and any later linear, cut at ``topk``'s results).
 
 Complex views (``view_as_complex`` / ``view_as_real``, DeepSeek-V2's rotary embedding) carry the maps of both
 features of a pair. Where the meta forward stops before a block has run (an MoE block's data-dependent routing
@@ -817,10 +816,21 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
     # a sparse-attention indexer (DeepSeek-V3.2's wq_b / wk / weights_proj): linears whose outputs reach the
-    # block only through a topk choice of tokens, and feed no other linear
-    fed = {p for r_path, inf in rec.linear_in.items() for p in inf.maps if p != r_path}
-    for p in sorted(rec.topk_src - rec.out_src):
-        if p in dense and p not in split.roles and p not in split.whole and p not in fed:
+    # block's output only through a topk choice of tokens (lineage from linear to linear, cut at topk's results)
+    succ: dict = {}
+    for m_path, inf in rec.linear_in.items():
+        for p in inf.src:
+            succ.setdefault(p, set()).add(m_path)
+    reach = set(rec.out_src)
+    grown = True
+    while grown:
+        grown = False
+        for p, ms in succ.items():
+            if p not in reach and ms & reach:
+                reach.add(p)
+                grown = True
+    for p in sorted(rec.topk_src - reach):
+        if p in dense and p not in split.roles and p not in split.whole:
             split.whole[p] = (
                 "a token router: its output reaches the block only through a topk choice, which every rank must "
                 "make the same way"
