@@ -590,10 +590,12 @@ def _shared_attention(block, block_path: str, split, layers: list) -> list:
     for a in sorted(attns):
         for rel, node in block[a].named_schedules() if a else block.named_schedules():
             full = f"{a}.{rel}" if a and rel else (a or rel)
+            per_head = {hp.name for hp in split.head_params if hp.module == full}
             if full in roles or not any(
-                p is not None and p.requires_grad for p in node.mod._parameters.values()
+                p is not None and p.requires_grad and n not in per_head
+                for n, p in node.mod._parameters.items()
             ):
-                continue
+                continue  # (a per-head parameter, such as attention sinks, is split with the heads: not summed)
             if not rel and not a:
                 continue
             out.append((f"{pre}{full}", "grad_sum"))
@@ -1237,6 +1239,11 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         cls = type(sch[b].mod).__name__
         rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
         kinds = dict(rel_layers)
+        # a module with several kinds (GPT-OSS-style sinks on an MLA attention that also takes Megatron's f:
+        # ``head_param`` then ``attention_f``) gets each of them, in block_layers' order
+        queues: dict = {}
+        for r, k in rel_layers:
+            queues.setdefault(r, []).append(k)
         for region, rels in layer_regions(cls, rel_layers):
             if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
                 kinds[r] == "row" for r in rels
@@ -1255,7 +1262,13 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
                 continue
             run(
                 region,
-                functools.partial(_apply_layers, sch, paths, [kinds[r] for r in rels], sequence_parallel),
+                functools.partial(
+                    _apply_layers,
+                    sch,
+                    paths,
+                    [queues[r].pop(0) if len(queues[r]) > 1 else queues[r][0] for r in rels],
+                    sequence_parallel,
+                ),
             )
     if vocab_parallel:
         vocab = vocab_size(sch)

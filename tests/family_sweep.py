@@ -32,7 +32,14 @@ Classes (:class:`Result`.status):
   that bank's number of experts (a 3-D bank's first axis, or a ``ModuleList`` / ``ModuleDict`` of at least 2
   same-class modules each holding a linear): one logit per expert, or a shared expert's single gate
   (:func:`projections`; the tiny models have 4 experts and projections at least 16 wide, so nothing else
-  matches). Layers outside the blocks (embeddings, pooler, heads) are not counted.
+  matches). Two more exclusions are measured on one forward of the real tiny model with hooks and a
+  ``TorchFunctionMode`` (:func:`structural_exclusions`, independent of ``slapo_lab``'s split inference, so the
+  preset does not grade itself), as the issue names them: **a low-rank "a" projection** (MLA's ``a -> norm ->
+  b`` chain, where b is split and a stays whole): a linear with fewer out- than in-features whose output (or a
+  view of its storage) is the input of a norm module whose output feeds another linear of the same block; and
+  **a token router** (a sparse-attention indexer such as DeepSeek-V3.2's): a linear whose output reaches
+  ``topk`` and reaches no block's output except through ``topk``'s results. Layers outside the blocks
+  (embeddings, pooler, heads) are not counted.
 * ``"partial"``: the check passed; what is kept whole (per block, relative path) and the preset's notes.
 * ``"refused"``: ``megatron_tp`` raised ``ScheduleError`` (its sentence).
 * ``"failed"`` (✗): the check failed or errored (its message), or it could not judge (skipped).
@@ -505,15 +512,182 @@ def _expert_count(mod) -> int | None:
     return three[0].shape[0] if three else None
 
 
-def projections(sch) -> dict[str, list[str]]:
+def _is_norm_module(mod) -> bool:
+    from torch import nn
+
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or type(mod).__name__.endswith("Norm")
+
+
+def _storage(t) -> int | None:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (vmap's batched tensors)
+        return None
+
+
+def _tensor_leaves(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensor_leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensor_leaves(y)
+    elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        yield from _tensor_leaves(x.to_tuple())
+
+
+def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, str]:
+    """``{linear path: why}`` for the linears inside ``blocks`` that are not projections to shard, measured on
+    one forward of the real ``model`` (a deep copy, eval mode, no grad) on ``inputs`` with forward hooks and a
+    :class:`torch.overrides.TorchFunctionMode` -- independent of ``slapo_lab``'s own split inference:
+
+    * **a low-rank "a" projection** (MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa``): a linear A with
+      ``out_features < in_features`` whose output's storage (the output or a view of it, e.g. a ``split``) is
+      the input of a norm module (``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.GroupNorm``, or a class named
+      ``*Norm``) whose output's storage is the input of another linear B of the same block;
+    * **a token router** (DeepSeek-V3.2's sparse-attention indexer ``wq_b`` / ``wk`` / ``weights_proj``): a
+      linear whose output reaches an input of ``topk`` and reaches no block's output except through ``topk``'s
+      results. Reach is value lineage: every op's outputs derive from all its tensor inputs (an in-place op's
+      from its target's storage too, so a write into a view reaches the base), except ``topk``'s outputs, which
+      derive from nothing; a linear's output derives from its own path.
+    """
+    import copy
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    model = copy.deepcopy(model)
+    mods = {b: model.get_submodule(b) for b in blocks}
+    block_of = {}
+    for b in blocks:  # (a module shared by the blocks, such as OpenAI GPT's activation, has a path in each)
+        for rel, m in mods[b].named_modules(remove_duplicate=False):
+            if rel and f"{b}.{rel}" not in block_of:
+                block_of[f"{b}.{rel}"] = b
+                mods[f"{b}.{rel}"] = m
+    lineage: dict[int, frozenset] = {}  # storage -> linears the values in it derive from
+    keep: list = []  # every recorded tensor stays alive (no storage is reused during the forward)
+    topk_in: set = set()
+    reach_out: set = set()
+    lin_out: dict[int, str] = {}  # storage -> linear that produced it
+    norm_in: dict[str, set] = {}  # norm path -> linears whose output storage it read
+    norm_out: dict[int, str] = {}
+    low_rank: dict[str, str] = {}
+
+    def lin_of(x) -> frozenset:
+        return frozenset().union(*(lineage.get(_storage(t), frozenset()) for t in _tensor_leaves(x)))
+
+    class Lineage(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            with contextlib.suppress(
+                Exception
+            ):  # an op whose lineage cannot be followed: its outputs derive from nothing
+                self.note(func, args, kwargs, out)
+            return out
+
+        def note(self, func, args, kwargs, out) -> None:
+            name = getattr(func, "__name__", "")
+            src = lin_of((args, kwargs))
+            if name == "topk":
+                topk_in.update(src)
+                src = frozenset()
+            elif name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+                target = args[0] if args else None
+                if _storage(target) is not None:
+                    lineage[_storage(target)] = src
+                    keep.append(target)
+            for t in _tensor_leaves(out):
+                if _storage(t) is not None:
+                    lineage[_storage(t)] = src
+                    keep.append(t)
+
+    handles = []
+
+    def add(path, mod):
+        if _is_linear(mod):
+
+            def lin_pre(_m, args, path=path):
+                st = _storage(args[0]) if args else None
+                if st in norm_out:
+                    for a in norm_in.get(norm_out[st], ()):
+                        w_in, w_out = _in_out(mods[a])
+                        if a != path and block_of.get(a) == block_of.get(path) and w_out < w_in:
+                            low_rank[a] = (
+                                f"a low-rank projection ({w_in} -> {w_out} features) whose normalised output "
+                                f"feeds {path[len(block_of[path]) + 1 :]}"
+                            )
+
+            def lin_post(_m, _args, out, path=path):
+                if _storage(out) is not None:
+                    lineage[_storage(out)] = lineage.get(_storage(out), frozenset()) | {path}
+                    lin_out[_storage(out)] = path
+                    keep.append(out)
+
+            handles.append(mod.register_forward_pre_hook(lin_pre))
+            handles.append(mod.register_forward_hook(lin_post))
+        elif _is_norm_module(mod):
+
+            def norm_pre(_m, args, path=path):
+                st = _storage(args[0]) if args else None
+                if st in lin_out:
+                    norm_in.setdefault(path, set()).add(lin_out[st])
+
+            def norm_post(_m, _args, out, path=path):
+                if _storage(out) is not None:
+                    norm_out[_storage(out)] = path
+                    keep.append(out)
+
+            handles.append(mod.register_forward_pre_hook(norm_pre))
+            handles.append(mod.register_forward_hook(norm_post))
+
+    for path in block_of:
+        add(path, mods[path])
+    for b in blocks:
+        handles.append(mods[b].register_forward_hook(lambda _m, _a, out: reach_out.update(lin_of(out))))
+    model.eval()
+    try:
+        with torch.no_grad(), Lineage():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    out = dict(low_rank)
+    for path in sorted(topk_in - reach_out):
+        if path in block_of and _is_linear(mods[path]):
+            out.setdefault(
+                path, "a token router: its output reaches topk and the block's output only through it"
+            )
+    return out
+
+
+def _in_out(mod) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` (weight ``out x in``) or HF ``Conv1D`` (``in x out``)."""
+    w = mod.weight.shape
+    return (w[0], w[1]) if type(mod).__name__ == "Conv1D" else (w[1], w[0])
+
+
+def projections(sch, model=None, inputs: dict | None = None) -> dict[str, list[str]]:
     """``{block path: [projection paths]}`` for every block of every stack (the rule in the module docstring:
-    linears and 3-D expert banks inside the blocks, routers excluded)."""
+    linears and 3-D expert banks inside the blocks, routers excluded). Given the unscheduled ``model`` (real
+    weights, the same module paths as ``sch``'s) and example ``inputs``, the linears that
+    :func:`structural_exclusions` measures as low-rank "a" projections or token routers are excluded too."""
     from torch import nn
 
     from slapo_lab import presets
 
     out: dict[str, list[str]] = {}
-    for block in presets.find_blocks(sch):
+    blocks = presets.find_blocks(sch)
+    skip = structural_exclusions(model, inputs, blocks) if model is not None and inputs is not None else {}
+    for block in blocks:
         bmod = sch[block].mod
         routers: set[int] = set()
         for mod in bmod.modules():
@@ -525,7 +699,7 @@ def projections(sch) -> dict[str, list[str]]:
                     routers.add(id(child))
         paths = []
         for rel, mod in bmod.named_modules():
-            if not rel or id(mod) in routers:
+            if not rel or id(mod) in routers or f"{block}.{rel}" in skip:
                 continue
             three = not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and _expert_count(mod) is not None
             if _is_linear(mod) or three:
@@ -538,11 +712,11 @@ def _sharded(mod) -> bool:
     return any(getattr(p, "shard_axis", None) is not None for p in mod.parameters(recurse=False))
 
 
-def kept_whole(sch) -> list[str]:
-    """The projections (see :func:`projections`) no call shards, by path relative to their block, deduplicated
-    over the blocks of a stack."""
+def kept_whole(sch, model=None, inputs: dict | None = None) -> list[str]:
+    """The projections (see :func:`projections`, given ``model`` and ``inputs``) no call shards, by path
+    relative to their block, deduplicated over the blocks of a stack."""
     out: list[str] = []
-    for block, paths in projections(sch).items():
+    for block, paths in projections(sch, model, inputs).items():
         for p in paths:
             if not _sharded(sch.get_top_schedule().mod.get_submodule(p)):
                 rel = f"{block.rsplit('.', 1)[0]}.*.{p[len(block) + 1 :]}"
@@ -600,7 +774,7 @@ def sweep_one(model_type: str) -> Result:
                 res.status = "failed"
                 res.detail = ("(check skipped) " if report.status == "skipped" else "") + report.message
                 return res
-            whole = kept_whole(sch)
+            whole = kept_whole(sch, model, inputs)
             if not whole:
                 res.status, res.detail = "full", report.message
             else:

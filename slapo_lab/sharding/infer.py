@@ -31,13 +31,19 @@ argument's heads axis (``-3``) tells which features of which projection belong t
 * MLP pairs whatever the activation: a linear whose input features are exactly, rank by rank, the features of
   one or more other linears under some stride (``act(gate) * up``, a fused ``gate|up`` chunked in two) is row
   parallel and those are column parallel;
-* routers: a linear whose output reaches ``topk`` stays whole;
+* routers: a linear whose output reaches ``topk`` stays whole, and so does one whose output reaches the block's
+  output only through a ``topk`` choice (a sparse-attention indexer's ``wq_b`` / ``wk`` / ``weights_proj``,
+  DeepSeek-V3.2's DSA; lineage through any op and any later linear, cut at ``topk``'s results);
 * norms over all of a split layer's features (OLMo 2's ``q_norm`` over every head's q, BitNet's
   ``attn_sub_norm`` over the attention output before ``o_proj``, ConvNeXt-V2's GRN between ``pwconv1`` and
   ``pwconv2``): a parameter of one entry per feature applied to a value whose last axis holds a projection's
   (or an attention output's) features in order follows them (``feature_params``); such a norm passes the maps
   on (unless its input is a sum with an unmapped value: a residual), is sharded like the features, and its
   statistics are summed over the ranks (:mod:`slapo_lab.sharding.feature_stats`).
+
+Complex views (``view_as_complex`` / ``view_as_real``, DeepSeek-V2's rotary embedding) carry the maps of both
+features of a pair. Where the meta forward stops before a block has run (an MoE block's data-dependent routing
+on the meta device), that block is read from the schedule's remembered real model.
 
 Results are cached per model instance, and registered per attention class, child name and config (so the shard
 rules of :mod:`slapo_lab.sharding.rules`, which see one module, find the layout of a fused projection); the
@@ -115,8 +121,11 @@ _FACTORY_OPS = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"copy_", "__setitem__"})
-_COMPLEX_OPS = frozenset({"view_as_complex", "view_as_real"})
 _MAX_MAPS = 3
+#: Complex views (DeepSeek-V2's rotary embedding: ``view_as_complex(x.reshape(..., -1, 2))`` then
+#: ``view_as_real(...).flatten(3)``): a complex element's map holds its pair of features, see :func:`_complex_maps`.
+_COMPLEX_OPS = frozenset({"view_as_complex", "view_as_real"})
+_PAIR = 1 << 31
 _BOOL = torch.Tensor.__bool__
 
 
@@ -235,6 +244,8 @@ class _Recorder(TorchFunctionMode):
         self.mixed: set[int] = (
             set()
         )  # ids of values summed with an unmapped value of their shape (a residual)
+        self.topk_src: set = set()  # the linears whose outputs reach a ``topk`` with no linear between
+        self.out_src: set = set()  # the same for the block's outputs (``topk``'s results derive from nothing)
 
     # -- bookkeeping
     def get(self, t) -> _Info | None:
@@ -330,6 +341,11 @@ class _Recorder(TorchFunctionMode):
             self.routers |= {
                 p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
             }
+        if (
+            name == "topk"
+        ):  # a choice of tokens or experts: what follows derives from the choice, not the scores
+            self.topk_src |= {p for p in src if not p.startswith("@")}
+            src = frozenset()
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -371,9 +387,6 @@ class _Recorder(TorchFunctionMode):
             first = ins[0][1]
             self.set(outs[0], _Info(dict(first.maps), src, first.scores))
             return
-        if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
-            self.complex_view(name, ins[0][1], outs[0], src, scores)
-            return
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
@@ -382,6 +395,9 @@ class _Recorder(TorchFunctionMode):
             # no feature
             kw = {k: v for k, v in kwargs.items() if k not in ("mode", "value")}
             self.shape_op(func, args[:2], {**kw, "value": -1}, out, ins, src, scores)
+            return
+        if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
+            self.set(outs[0], _Info(_complex_maps(name, ins[0][1].maps, outs[0]), src, scores))
             return
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
             maps: dict = {}
@@ -406,21 +422,6 @@ class _Recorder(TorchFunctionMode):
                 self.mixed.add(id(o))
             if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
                 self.score_extras.append((o, self.info[id(o)]))
-
-    def complex_view(self, name: str, inf: _Info, out, src, scores) -> None:
-        """``view_as_complex`` / ``view_as_real`` (Llama 4's complex rotary embedding): a complex element stands
-        for its (real, imaginary) pair of features, mapped to the real one's; back to real, the pair is that
-        feature and the next (the pairs ``view_as_complex`` takes are adjacent features of one head)."""
-        maps = {}
-        for p, ms in inf.maps.items():
-            if name == "view_as_complex":
-                got = [m[..., 0] for m in ms if m.dim() >= 1 and m.shape[-1] == 2]
-            else:
-                got = [torch.stack((m, torch.where(m >= 0, m + 1, m)), -1) for m in ms]
-            got = [m for m in got if tuple(m.shape) == tuple(out.shape)]
-            if got:
-                maps[p] = got
-        self.set(out, _Info(maps, src, scores))
 
     def align(self, ins, out: torch.Tensor) -> None:
         """Note a parameter of one entry per feature (every axis but the last of size 1) applied elementwise to a
@@ -679,6 +680,22 @@ def _varies(inf: _Info, axis: int) -> bool:
     return False
 
 
+def _complex_maps(name: str, maps: dict, out: torch.Tensor) -> dict:
+    """The maps of ``view_as_complex`` / ``view_as_real``'s output: a complex element's map entry encodes its
+    (real, imaginary) features as ``(f0 + 1) * 2**31 + (f1 + 1)`` (-1 where unmapped), decoded back into a last
+    axis of 2 by ``view_as_real``; elementwise complex ops in between carry the encoded maps unchanged."""
+    res: dict = {}
+    for p, ms in maps.items():
+        for m in ms:
+            if name == "view_as_complex":
+                e = (m[..., 0] + 1) * _PAIR + (m[..., 1] + 1)
+            else:
+                e = torch.stack((m // _PAIR - 1, m % _PAIR - 1), dim=-1)
+            if tuple(e.shape) == tuple(out.shape):
+                res.setdefault(p, []).append(e)
+    return res
+
+
 def _merge_scores(tags) -> tuple | None:
     """The score terms of every input, in order, each once."""
     out: list = []
@@ -769,14 +786,39 @@ def _test_ws(*counts: int) -> int | None:
     return None
 
 
+def _token_routers(rec) -> set[str]:
+    """The linears whose outputs reach the block's output only through a ``topk`` choice of tokens (a
+    sparse-attention indexer: DeepSeek-V3.2's ``wq_b`` / ``wk`` / ``weights_proj``): lineage from linear to
+    linear, cut at ``topk``'s results."""
+    succ: dict = {}
+    for m_path, inf in rec.linear_in.items():
+        for p in inf.src:
+            succ.setdefault(p, set()).add(m_path)
+    reach = set(rec.out_src)
+    grown = True
+    while grown:
+        grown = False
+        for p, ms in succ.items():
+            if p not in reach and ms & reach:
+                reach.add(p)
+                grown = True
+    return set(rec.topk_src) - reach
+
+
 def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> BlockSplit:
     split = BlockSplit()
     out_feats = {p: _dense_out(m) for p, m in dense.items()}
     parent_of = {p: p.rsplit(".", 1)[0] if "." in p else "" for p in dense}
+    token_routers = _token_routers(rec)
     for i, ev in enumerate(rec.events):
         (q, qi), (k, ki), (v, vi) = ev["q"], ev["k"], ev["v"]
         if qi is None or ki is None or vi is None or q.dim() < 3:
             continue
+        scorers = {
+            p for inf in (qi, ki) for p in inf.maps if not p.startswith(("@", "param:", "input:", "cols:"))
+        }
+        if scorers and scorers <= token_routers:
+            continue  # scores that choose tokens (a sparse-attention indexer's), not an attention to split
         n = q.shape[-3]
         roles: dict[str, dict] = {}  # producer -> role -> [set per head]
         kv = None
@@ -790,7 +832,17 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         for a, b in ev.get(
             "pairs", ()
         ):  # more scores added to the first (DeBERTa's c2p / p2c position terms)
-            args += [("q", a, rec_get(a), False), ("k", b, rec_get(b), False)]
+            pa, pb = rec_get(a), rec_get(b)
+            made = {
+                p
+                for inf in (pa, pb)
+                if inf is not None
+                for p in inf.maps
+                if not p.startswith(("@", "param:"))
+            }
+            if made and made <= token_routers:
+                continue  # a token choice's scores added to the attention's (an indexer's mask), not a head term
+            args += [("q", a, pa, False), ("k", b, pb, False)]
         for role, t, inf, main in args:
             if inf is None:
                 continue
@@ -1035,6 +1087,12 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
     for p in rec.routers:
         if p in dense and p not in split.roles:
             split.whole[p] = "a router: every rank must route every token the same way"
+    for p in sorted(token_routers):
+        if p in dense and p not in split.roles and p not in split.whole:
+            split.whole[p] = (
+                "a token router: its output reaches the block only through a topk choice, which every rank must "
+                "make the same way"
+            )
     return split
 
 
@@ -1322,9 +1380,13 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
             r.aligned, r.mixed = {}, set()
+            r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
             r.active -= 1
+            r.out_src = set().union(
+                *(i.src for i in map(r.info.get, map(id, _tensors(_out))) if i is not None)
+            )
             recs[bpath] = _Snapshot(r)
             pending.discard(bpath)
             if not pending:
@@ -1463,6 +1525,7 @@ class _Snapshot:
         self.input_shapes = dict(r.input_shapes)
         self.input_aliases = dict(r.input_aliases)
         self.aligned = dict(r.aligned)
+        self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
 def _feature_norm(mod: nn.Module, width: int) -> bool:
@@ -1596,13 +1659,13 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
         return result
     if result and len(result) >= len(_stacks(top.mod)):
         return result
-    # the forward stopped before every kind of block ran (a meta copy whose later layer reads values)
-    full = analyse(ref, inputs)
-    if len(full) > len(result):
-        result = full
+    # the meta forward stopped before some block ran (an MoE block's data-dependent routing on the meta device,
+    # DeepSeek-V3's layers after ``first_k_dense_replace``): the real model's forward records those blocks
+    merged = {**analyse(ref, inputs), **result}
+    if merged:
         with _LOCK:
-            _DONE[top.mod] = result
-    return result
+            _DONE[top.mod] = merged
+    return merged
 
 
 def _signature(mod: nn.Module) -> tuple:
