@@ -516,6 +516,12 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, "experts"))
         elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
             out.append((path, "heads"))
+    if split is not None and getattr(split, "mixers", None):  # SSM mixers (slapo_lab/sharding/mixers.py)
+        from .sharding import mixers
+
+        cut = len(block_path) + 1 if block_path else 0
+        out = [(p, k) for p, k in out if mixers.reason(split, p[cut:], sch.world_size) is None]
+        out += mixers.layers(split, block_path, sch.world_size)
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
@@ -812,6 +818,13 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
         _, name, axis = kind.split(":")
         _ensure_shard(sch[path], name, int(axis))
+    elif kind.startswith(
+        "channel_params:"
+    ):  # a mixer's per-channel / per-head parameters (A_log, D, dt_bias,
+        # a depthwise conv1d, a grouped norm: slapo_lab/sharding/mixers.py), each on its axis
+        for item in kind.split(":", 1)[1].split(","):
+            name, axis = item.split("=")
+            _ensure_shard(sch[path], name, int(axis))
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under

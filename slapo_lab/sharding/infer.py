@@ -950,6 +950,8 @@ def analyse(model: nn.Module, stored_inputs: dict | None = None) -> dict[str, Bl
 
 
 def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, BlockSplit]:
+    from . import mixers as _mixers
+
     blocks = _stacks(model)
     if not blocks:
         return {}
@@ -971,6 +973,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
     pending = {p for p, _ in blocks}
     dense_by_block: dict[str, dict] = {}
     recs: dict[str, _Snapshot] = {}
+    mixer_args: dict[str, dict] = {}  # block path -> {candidate mixer path: its first call's arguments}
 
     def make_hooks(bpath: str, block: nn.Module):
         r = rec
@@ -999,6 +1002,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True))
+        handles.extend(_mixers.capture(block, mixer_args.setdefault(bpath, {})))
         for rel, m in dense.items():
 
             def lin_pre(_m, args, rel=rel):
@@ -1064,6 +1068,9 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
         try:
             split = _analyse(snap, block, dense_by_block[bpath])
             _resolve_head_params(split, block)
+            _mixers.complete(
+                split, block, mixer_args.get(bpath, {})
+            )  # SSM mixers: slapo_lab/sharding/mixers.py
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue

@@ -1,0 +1,584 @@
+"""Channel-parallel sequence mixers (Mamba-2 and kin), read from the mixer's feature dependencies.
+
+A state-space or linear-attention mixer (HF ``Mamba2Mixer``, ``BambaMixer``, ``FalconH1Mixer``,
+``NemotronHMamba2Mixer`` ...) projects the hidden states with one or more input linears (``in_proj``: the fused
+``z | x | B | C | dt``), mixes each channel over time (a depthwise ``conv1d``, a selective scan per head, a
+gated norm per group) and projects back with one output linear (``out_proj``). The index maps of
+:mod:`slapo_lab.sharding.infer` stop at the scan; this module reads the split by differentiation instead.
+
+On a copy of the mixer with random weights (a meta mixer is materialised on the CPU) and random inputs of the
+recorded shapes, the output linear's input ``X`` (``(..., F)``) is cut into ``K`` chunks of features
+(``K``, a power of two up to 64 dividing ``F``) and, for each chunk, the gradient of a positive random
+weighting of it is taken with respect to every input linear's output and every other parameter of the mixer
+(the depthwise convolution's weight and bias, ``A_log``, ``D``, ``dt_bias``, the gated norm's weight). Its
+non-zero pattern is exactly which input features and parameter entries the chunk's channels need. For a
+world size ``ws`` dividing ``K``, rank ``r`` owns chunks ``[r K/ws, (r+1) K/ws)`` (the output linear is row
+parallel, its input features split contiguously) and :func:`plan` reads:
+
+* each input linear's column-parallel layout: the features each rank needs must partition the output
+  features into blocks that every rank cuts alike (a :class:`~slapo_lab.sharding.rules.BlockStride` of the
+  fused parts, e.g. ``[z, x, B, C, dt]``: Megatron-LM's ``megatron/core/ssm/mamba_mixer.py`` splits each
+  part of ``in_proj`` by heads / groups);
+* each other parameter's shard axis and layout the same way (the depthwise convolution by channel over its
+  ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the gated norm's weight by group), or, when
+  every rank needs all of its entries, replicated with its gradient summed over the ranks;
+* where some features are needed by several ranks but not all (Mamba-2's ``B`` and ``C`` with fewer groups
+  than ranks, which Megatron-LM replicates), no shard the primitives know is right: the mixer stays whole,
+  with that sentence.
+
+The mixer's own integer attributes its forward reads (``intermediate_size``, ``conv_dim``, ``num_heads``,
+``n_groups`` ...) must hold per-rank values: the attributes equal to a split width (a block or axis size of a
+sharded tensor), adjusted by the fewest additions / removals among its other even integer attributes, are
+divided by the world size on a rank-0 copy until its ``X`` equals the full ``X``'s rank-0 chunk (and rank 1's
+likewise). The result is registered per mixer class and parameter shape, so the shard primitive (through
+:class:`MixerRule`) finds each parameter's layout and rewrites the attributes in any process. Sources:
+Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``: ``in_proj`` column parallel with its parts
+split per rank, ``conv1d`` / ``A_log`` / ``D`` / ``dt_bias`` / the grouped norm split per rank, ``out_proj``
+row parallel), transformers ``models/mamba2/modeling_mamba2.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..module_state import module_meta
+from .rules import ShardRule, local_shard, make_stride, register_shard_rule
+
+MAX_CHUNKS = 16
+_MAX_TRIES = 80
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class MixerDeps:
+    """What each of ``chunks`` feature chunks of the output linear's input needs (paths relative to the mixer).
+
+    ``outs``: input linear path -> [set of its output features, per chunk]; ``params``: ``"module:name"`` ->
+    [set of flat entries, per chunk]; ``shapes``: ``"module:name"`` -> shape; ``feats``: input linear path ->
+    its output features; ``row``: the output linear's path; ``attrs``: the mixer attributes that hold per-rank
+    values (name -> global value), or None when none was found to work.
+    """
+
+    chunks: int
+    row: str
+    outs: dict = field(default_factory=dict)
+    feats: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)
+    attrs: dict | None = None
+    reason: str | None = None
+
+
+@dataclass
+class MixerPlan:
+    """The split of one mixer over ``ws`` ranks: ``columns`` (input linear -> stride), ``shards``
+    (``"module:name"`` -> (axis, stride)), ``grad_sum`` (modules whose replicated parameters sum their
+    gradients), or ``reason`` why it stays whole."""
+
+    columns: dict = field(default_factory=dict)
+    shards: dict = field(default_factory=dict)
+    grad_sum: set = field(default_factory=set)
+    reason: str | None = None
+
+
+def capture(block: nn.Module, store: dict) -> list:
+    """Forward pre-hooks on every module of ``block`` holding two or more linears as direct children (a
+    candidate mixer) that keep its first call's arguments in ``store[rel]``; returns the handles."""
+    handles = []
+    for rel, m in block.named_modules():
+        if not rel or sum(_is_linear(c) for c in m.children()) < 2:
+            continue
+
+        def pre(_m, args, kwargs, rel=rel):
+            store.setdefault(rel, (args, dict(kwargs)))
+
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+_LOCK = threading.RLock()
+_LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
+_ATTRS: dict = {}  # (mixer class, signature of its parameter shapes) -> {attr: global value}
+_CLASSES: set = set()
+
+
+def complete(split, block: nn.Module, captured: dict) -> None:
+    """Add the mixers of ``block`` (paths in ``captured``) that the index maps could not split to ``split``:
+    their input linears become ``"mlp_in"`` with their layout, the output linear ``"mlp_out"``, and
+    ``split.mixers`` (``{mixer path: MixerDeps}``) keeps the dependencies for :func:`layers`."""
+    from .infer import Layout
+
+    found = getattr(split, "mixers", None) or {}
+    for rel, (args, kwargs) in captured.items():
+        mixer = block.get_submodule(rel)
+        kids = [f"{rel}.{n}" for n, c in mixer.named_children() if _is_linear(c)]
+        if (
+            any(k in split.roles or k in split.refused_roles for k in kids)
+            or any(rel.startswith(m + ".") for m in found)
+            or any(a == rel or a.startswith(rel + ".") for a in split.attention)
+        ):
+            continue  # an attention (split or refused by its heads) or an MLP: the index maps' answer stands
+        try:
+            deps = dependencies(mixer, args, kwargs)
+        except Exception:  # noqa: BLE001, S112 - a mixer that cannot run alone: the index maps' answer stands
+            continue
+        if deps is None:
+            continue
+        found[rel] = deps
+        p2 = plan(deps, 2)
+        if p2.reason or deps.attrs is None:
+            for k in [*deps.outs, deps.row]:
+                split.whole[f"{rel}.{k}"] = p2.reason or (
+                    f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
+                    "rank, so the mixer stays whole"
+                )
+            continue
+        for k, stride in p2.columns.items():
+            split.roles[f"{rel}.{k}"] = "mlp_in"
+            split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
+            split.whole.pop(f"{rel}.{k}", None)
+        split.roles[f"{rel}.{deps.row}"] = "mlp_out"
+        split.whole.pop(f"{rel}.{deps.row}", None)
+        _register(mixer, deps)
+    split.mixers = found
+
+
+def _owner_key(mixer: nn.Module, sub: str, name: str, shape) -> tuple:
+    owner = mixer.get_submodule(sub) if sub else mixer
+    cls = type(mixer).__name__ + (f".{sub}" if sub else "")
+    return (cls, type(owner).__name__, name, tuple(shape))
+
+
+def _register(mixer: nn.Module, deps: MixerDeps) -> None:
+    """Make each parameter's layout (per world size) and the per-rank attributes visible to :class:`MixerRule`."""
+    with _LOCK:
+        for key, shape in deps.shapes.items():
+            sub, name = key.rsplit(":", 1)
+            layouts = {}
+            for ws in _world_sizes(deps.chunks):
+                p = plan(deps, ws)
+                if p.reason is None and key in p.shards:
+                    layouts[ws] = p.shards[key]
+            k = _owner_key(mixer, sub, name, shape)
+            _LAYOUTS[k] = layouts
+            _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
+        _ATTRS[(type(mixer).__name__, _shape_sig(mixer))] = dict(deps.attrs or {})
+
+
+def _shape_sig(mixer: nn.Module) -> tuple:
+    return tuple(
+        (n, tuple(getattr(p, "orig_shape", p.shape))) for n, p in mixer.named_parameters(recurse=False)
+    )
+
+
+def _world_sizes(chunks: int) -> list[int]:
+    return [w for w in (2, 4, 8, 16) if chunks % w == 0]
+
+
+# ------------------------------------------------------------------------------------------- the dependencies
+def _materialise(mixer: nn.Module) -> nn.Module:
+    """A float32 CPU copy of ``mixer`` with random parameters (seeded), buffers kept where they hold values."""
+    meta = any(t.is_meta for t in itertools.chain(mixer.parameters(), mixer.buffers()))
+    m = copy.deepcopy(mixer)
+    if meta:
+        m = m.to_empty(device="cpu")
+    m = m.float()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if meta:
+            for b in m.buffers():
+                if b.is_floating_point():
+                    b.copy_(torch.randn(b.shape, generator=g))
+                else:
+                    b.zero_()
+    m.eval()
+    return m
+
+
+def _real_inputs(args, kwargs, g):
+    def conv(x, key=""):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                return torch.randn(x.shape, generator=g)
+            if x.dtype == torch.bool or "mask" in key:
+                return torch.ones(x.shape, dtype=x.dtype)
+            return x.to("cpu") if not x.is_meta else torch.zeros(x.shape, dtype=x.dtype)
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(y) for y in x)
+        return x
+
+    return conv(list(args)), {k: conv(v, k) for k, v in kwargs.items()}
+
+
+def _run(m: nn.Module, args, kwargs, leaves: dict | None = None, row: str | None = None):
+    """Run ``m``; the output of each linear in ``leaves`` (path -> None) is replaced by a leaf that requires
+    grad (stored there), and the input of ``row`` is returned (the run stops there). Returns (order of the
+    linears called, row input)."""
+    order, handles, got = [], [], {}
+    for rel, c in m.named_modules():
+        if not _is_linear(c) or "." in rel or not rel:
+            continue
+
+        def pre(_c, a, rel=rel):
+            order.append(rel)
+            if rel == row:
+                got["x"] = a[0]
+                raise _Stop
+
+        def post(_c, _a, out, rel=rel):
+            if leaves is not None and rel in leaves:
+                leaf = out.detach().clone().requires_grad_(True)
+                leaves[rel] = leaf
+                return leaf
+            return None
+
+        handles += [c.register_forward_pre_hook(pre), c.register_forward_hook(post)]
+    try:
+        m(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return order, got.get("x")
+
+
+def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
+    """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
+    mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
+    multiple, inputs without a gradient path)."""
+    m = _materialise(mixer)
+    g = torch.Generator().manual_seed(1)
+    a, kw = _real_inputs(args, kwargs, g)
+    with torch.no_grad():
+        order, _ = _run(m, a, kw)
+    order = list(dict.fromkeys(order))
+    if len(order) < 2:
+        return None
+    row = order[-1]
+    ins = order[:-1]
+    leaves = dict.fromkeys(ins)
+    with torch.enable_grad():
+        _, x = _run(m, a, kw, leaves, row)
+        if x is None or not x.requires_grad or any(v is None for v in leaves.values()):
+            return None
+        feats = x.shape[-1]
+        k = next((c for c in (16, 8, 4, 2) if c <= MAX_CHUNKS and feats % c == 0), None)
+        if k is None:
+            return None
+        params = {}
+        for sub, mod in m.named_modules():
+            if sub in ins or sub == row or (_is_linear(mod) and sub):
+                continue
+            for n, p in mod.named_parameters(recurse=False):
+                params[f"{sub}:{n}"] = p
+        deps = MixerDeps(k, row)
+        deps.feats = {p: leaves[p].shape[-1] for p in ins}
+        deps.shapes = {key: tuple(p.shape) for key, p in params.items()}
+        targets = [leaves[p] for p in ins] + list(params.values())
+        w = torch.rand(x.shape, generator=g) + 0.5
+        width = feats // k
+        for c in range(k):
+            loss = (x[..., c * width : (c + 1) * width] * w[..., c * width : (c + 1) * width]).sum()
+            grads = torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+            for p, gr in zip(ins, grads[: len(ins)], strict=True):
+                nz = (
+                    set()
+                    if gr is None
+                    else set(torch.nonzero(gr.abs().reshape(-1, gr.shape[-1]).sum(0)).flatten().tolist())
+                )
+                deps.outs.setdefault(p, []).append(nz)
+            for key, gr in zip(params, grads[len(ins) :], strict=True):
+                nz = set() if gr is None else set(torch.nonzero(gr.reshape(-1)).flatten().tolist())
+                deps.params.setdefault(key, []).append(nz)
+    if not plan(deps, 2).reason:
+        deps.attrs = _find_attrs(m, a, kw, x.detach(), deps)
+    return deps
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+def _runs_layout(owner: list, ws: int):
+    """The stride whose :func:`local_shard` gives rank r exactly the positions ``owner`` assigns it, or None."""
+    runs: list = []
+    for o in owner:
+        if runs and runs[-1][0] == o:
+            runs[-1][1] += 1
+        else:
+            runs.append([o, 1])
+    if len(runs) % ws:
+        return None
+    sizes = []
+    for b in range(0, len(runs), ws):
+        grp = runs[b : b + ws]
+        if [r for r, _ in grp] != list(range(ws)) or len({n for _, n in grp}) != 1:
+            return None
+        sizes.append(grp[0][1] * ws)
+    # merge consecutive blocks into one: a contiguous shard is one block
+    stride = make_stride(sizes) if len(sizes) > 1 else 1
+    idx = torch.arange(len(owner))
+    for r in range(ws):
+        want = [i for i, o in enumerate(owner) if o == r]
+        if local_shard(idx, 0, ws, r, stride).tolist() != want:
+            return None
+    return stride
+
+
+def _owners(per_chunk: list, ws: int, n: int) -> list:
+    """For each of ``n`` positions, the ranks (a frozenset) whose chunks need it."""
+    per = len(per_chunk) // ws
+    owner = [set() for _ in range(n)]
+    for c, s in enumerate(per_chunk):
+        for i in s:
+            if 0 <= i < n:
+                owner[i].add(c // per)
+    return [frozenset(o) for o in owner]
+
+
+def plan(deps: MixerDeps, ws: int) -> MixerPlan:
+    """The :class:`MixerPlan` of ``deps`` over ``ws`` ranks (``ws`` must divide ``deps.chunks``)."""
+    out = MixerPlan()
+    if ws < 2 or deps.chunks % ws:
+        out.reason = f"its {deps.chunks} channel chunks do not split over {ws} ranks"
+        return out
+    for p, per in deps.outs.items():
+        n = deps.feats[p]
+        own = _owners(per, ws, n)
+        shared = sum(1 for o in own if len(o) > 1)
+        if shared or any(not o for o in own):
+            what = (
+                f"{shared} of {p}'s {n} output features reach the channels of several ranks (a group shared by "
+                "heads on different ranks, e.g. Mamba-2's B and C with fewer groups than ranks, which Megatron-LM "
+                "replicates)"
+                if shared
+                else f"{sum(1 for o in own if not o)} of {p}'s {n} output features reach none of the output "
+                "projection's inputs"
+            )
+            out.reason = f"{what}, so the mixer stays whole"
+            return out
+        stride = _runs_layout([next(iter(o)) for o in own], ws)
+        if stride is None:
+            out.reason = f"no column-parallel layout of {p} gives each rank the features its channels need"
+            return out
+        out.columns[p] = stride
+    for key, per in deps.params.items():
+        shape = deps.shapes[key]
+        n = 1
+        for s in shape:
+            n *= s
+        own = _owners(per, ws, n)
+        used = [o for o in own if o]
+        if not used:
+            continue
+        if all(len(o) == ws for o in used):  # every rank needs it: replicated, gradients summed
+            out.grad_sum.add(key.rsplit(":", 1)[0])
+            continue
+        if any(len(o) != 1 for o in own):
+            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
+            return out
+        idx = torch.arange(n).view(shape)
+        flat = [next(iter(o)) for o in own]
+        found = None
+        for axis, size in enumerate(shape):
+            per_slice = []
+            for i in range(size):
+                ranks = {flat[j] for j in idx.select(axis, i).reshape(-1).tolist()}
+                if len(ranks) != 1:
+                    break
+                per_slice.append(ranks.pop())
+            else:
+                stride = _runs_layout(per_slice, ws)
+                if stride is not None:
+                    found = (axis, stride)
+                    break
+        if found is None:
+            out.reason = f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
+            return out
+        out.shards[key] = found
+    return out
+
+
+# ------------------------------------------------------------------------------------- per-rank attributes
+def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, attrs: dict) -> nn.Module:
+    r = copy.deepcopy(m)
+    with torch.no_grad():
+        for lin, stride in p.columns.items():
+            mod = r.get_submodule(lin)
+            mod.weight = nn.Parameter(local_shard(mod.weight, 0, ws, rank, stride).clone())
+            if mod.bias is not None:
+                mod.bias = nn.Parameter(local_shard(mod.bias, 0, ws, rank, stride).clone())
+            mod.out_features = mod.weight.shape[0]
+        for key, (axis, stride) in p.shards.items():
+            sub, name = key.rsplit(":", 1)
+            mod = r.get_submodule(sub) if sub else r
+            setattr(mod, name, nn.Parameter(local_shard(getattr(mod, name), axis, ws, rank, stride).clone()))
+            _fix_conv(mod, name, axis)
+    for k, v in attrs.items():
+        setattr(r, k, v // ws)
+    return r
+
+
+def _fix_conv(mod: nn.Module, name: str, axis: int) -> None:
+    """A depthwise ``nn.Conv1d`` whose weight was cut on its channels: its channel and group counts follow."""
+    if isinstance(mod, nn.Conv1d) and name == "weight" and axis == 0 and mod.groups == mod.in_channels:
+        c = mod.weight.shape[0]
+        mod.in_channels = mod.out_channels = mod.groups = c
+
+
+def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) -> dict | None:
+    """The mixer attributes that make rank copies at world size 2 reproduce their chunks of ``x``, or None."""
+    ws = 2
+    p = plan(deps, ws)
+    widths = set(deps.feats.values()) | {x.shape[-1]}
+    for stride in p.columns.values():
+        widths |= set(getattr(stride, "sizes", ()) or ())
+        if not getattr(stride, "sizes", None) and int(stride) > 1:
+            widths |= {deps.feats[next(iter(p.columns))] // int(stride)}
+    for key, (axis, stride) in p.shards.items():
+        size = deps.shapes[key][axis]
+        widths.add(size)
+        widths |= set(getattr(stride, "sizes", ()) or ())
+    ints = {
+        k: v
+        for k, v in vars(m).items()
+        if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
+    }
+    base = frozenset(k for k, v in ints.items() if v in widths)
+    rest = sorted(set(ints) - base)
+    tries = [base]
+    tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
+    tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
+    tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
+    half = x.shape[-1] // ws
+
+    def works(attempt) -> bool:
+        attrs = {k: ints[k] for k in attempt}
+        for rank in range(ws):
+            try:
+                r = _rank_copy(m, deps, p, ws, rank, attrs)
+                with torch.no_grad():
+                    _, xr = _run(r, args, kwargs, None, deps.row)
+            except Exception:  # noqa: BLE001 - these attributes do not fit: the next try
+                return False
+            want = x[..., rank * half : (rank + 1) * half]
+            if (
+                xr is None
+                or tuple(xr.shape) != tuple(want.shape)
+                or not torch.allclose(xr, want, atol=1e-5, rtol=1e-4)
+            ):
+                return False
+        return True
+
+    for attempt in tries[:_MAX_TRIES]:
+        if works(attempt):
+            keep = set(attempt)
+            for k in sorted(attempt):  # the fewest: an attribute the forward does not read stays global
+                if works(keep - {k}):
+                    keep.discard(k)
+            return {k: ints[k] for k in sorted(keep)}
+    return None
+
+
+# ------------------------------------------------------------------------------------------ preset layers
+def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
+    """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
+    ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
+    layouts) or ``"grad_sum"``."""
+    pre = f"{block_path}." if block_path else ""
+    out = []
+    for rel, deps in (getattr(split, "mixers", None) or {}).items():
+        p = plan(deps, ws)
+        if p.reason or deps.attrs is None:
+            continue
+        per_module: dict = {}
+        for key, (axis, _stride) in p.shards.items():
+            sub, name = key.rsplit(":", 1)
+            per_module.setdefault(sub, []).append(f"{name}={axis}")
+        for sub, items in per_module.items():
+            out.append((pre + ".".join(x for x in (rel, sub) if x), "channel_params:" + ",".join(items)))
+        for sub in sorted(p.grad_sum):
+            out.append((pre + ".".join(x for x in (rel, sub) if x), "grad_sum"))
+    return out
+
+
+def reason(split, rel: str, ws: int) -> str | None:
+    """Why the mixer around the linear ``rel`` (a path in the block) stays whole over ``ws`` ranks, or None."""
+    for mrel, deps in (getattr(split, "mixers", None) or {}).items():
+        if rel.startswith(mrel + "."):
+            p = plan(deps, ws)
+            return p.reason
+    return None
+
+
+class MixerRule(ShardRule):
+    """The shard rule of a mixer's own parameters and of its channel-wise children (a depthwise ``nn.Conv1d``,
+    a gated norm), for the tensors :func:`complete` registered: their stride comes from the plan, a depthwise
+    convolution's channel and group counts follow its weight, and the mixer's per-rank attributes are divided
+    by the world size once (recorded in ``_slapo_meta["mixer_attrs"]`` as ``{name: [global, local]}``)."""
+
+    def _layout(self, site, axis: int, ws: int):
+        mod = site.mod
+        shape = tuple(getattr(getattr(mod, site.name), "orig_shape", getattr(mod, site.name).shape))
+        keys = [(type(mod).__name__, type(mod).__name__, site.name, shape)]
+        if site.parent is not None:
+            keys.append(
+                (f"{type(site.parent).__name__}.{site.child_name}", type(mod).__name__, site.name, shape)
+            )
+        for k in keys:
+            lay = _LAYOUTS.get(k)
+            if lay and ws in lay and lay[ws][0] == axis:
+                return lay[ws], k
+        return None, None
+
+    def matches(self, mod):
+        return type(mod).__name__ in _CLASSES and not _is_linear(mod)
+
+    def stride(self, site, axis):
+        from ..module_state import peek_meta  # noqa: F401
+
+        for ws in _world_sizes(MAX_CHUNKS):
+            lay, _ = self._layout(site, axis, ws)
+            if lay is not None:
+                return lay[1]
+        return 1
+
+    def apply(self, mod, name, axis, world_size, rank):
+        _fix_conv(mod, name, axis)
+
+    def apply_site(self, site, axis, world_size, rank):
+        lay, key = self._layout(site, axis, world_size)
+        if lay is None:
+            return
+        mixer = site.mod if "." not in key[0] else site.parent
+        if mixer is None:
+            return
+        attrs = _ATTRS.get((type(mixer).__name__, _shape_sig(mixer)))
+        meta = module_meta(mixer)
+        if not attrs or "mixer_attrs" in meta:
+            return
+        done = {}
+        for k, v in attrs.items():
+            cur = getattr(mixer, k, None)
+            if cur == v:
+                setattr(mixer, k, v // world_size)
+            done[k] = [v, v // world_size]
+        meta["mixer_attrs"] = done
+
+
+register_shard_rule(MixerRule())
+
+__all__ = ["MixerDeps", "MixerPlan", "MixerRule", "capture", "complete", "dependencies", "layers", "plan"]
