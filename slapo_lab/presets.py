@@ -521,7 +521,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
 
         cut = len(block_path) + 1 if block_path else 0
         out = [(p, k) for p, k in out if mixers.reason(split, p[cut:], sch.world_size) is None]
-        out += mixers.layers(split, block_path, sch.world_size)
+        out += [x for x in mixers.layers(split, block_path, sch.world_size) if x not in out]
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out

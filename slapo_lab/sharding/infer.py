@@ -1074,7 +1074,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None) -> dict[str, Bl
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue
-    if key[1] is not None:
+    if key[1] is not None and result:  # an empty result (a meta forward that failed) must not hide a real one
         _BY_DIGEST[key] = result
     _register(model, result)
     return result

@@ -125,8 +125,14 @@ def complete(split, block: nn.Module, captured: dict) -> None:
     for rel, (args, kwargs) in captured.items():
         mixer = block.get_submodule(rel)
         kids = [f"{rel}.{n}" for n, c in mixer.named_children() if _is_linear(c)]
+        paired = [k for k in kids if k in split.roles]
+        partial_mlp = (
+            paired
+            and len(paired) < len(kids)
+            and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
+        )  # an MLP pair the index maps found inside a mixer whose other input linears they could not follow
         if (
-            any(k in split.roles or k in split.refused_roles for k in kids)
+            any((k in split.roles and not partial_mlp) or k in split.refused_roles for k in kids)
             or any(rel.startswith(m + ".") for m in found)
             or any(a == rel or a.startswith(rel + ".") for a in split.attention)
         ):
@@ -140,12 +146,17 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         found[rel] = deps
         p2 = plan(deps, 2)
         if p2.reason or deps.attrs is None:
+            if partial_mlp:
+                continue
             for k in [*deps.outs, deps.row]:
                 split.whole[f"{rel}.{k}"] = p2.reason or (
                     f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
                     "rank, so the mixer stays whole"
                 )
             continue
+        for k in paired:
+            split.roles.pop(k, None)
+            split.layouts.pop(k, None)
         for k, stride in p2.columns.items():
             split.roles[f"{rel}.{k}"] = "mlp_in"
             split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
