@@ -818,10 +818,19 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
         _, name, axis = kind.split(":")
         _ensure_shard(sch[path], name, int(axis))
-    elif kind.startswith(
-        "channel_params:"
-    ):  # a mixer's per-channel / per-head parameters (A_log, D, dt_bias,
-        # a depthwise conv1d, a grouped norm: slapo_lab/sharding/mixers.py), each on its axis
+    elif kind == "gather_linear":
+        # a mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
+        # input channels gathered, its output features split, its output gathered (the gathers' backward
+        # reduce-scatters sum the ranks' partial gradients); see slapo_lab/sharding/mixers.py
+        node, rule = _dense(sch, path, "column_parallel")
+        _ensure_shard(node, "weight", rule.out_axis)
+        if getattr(node.mod, "bias", None) is not None:
+            _ensure_shard(node, "bias", 0)
+        _ensure_sync(node, "fwd_pre", "all_gather", axis=-1)
+        _ensure_sync(node, "fwd_post", "all_gather", axis=-1)
+    elif kind.startswith("channel_params:"):
+        # a mixer's per-channel / per-head parameters (A_log, D, dt_bias, a depthwise conv1d, a grouped norm:
+        # slapo_lab/sharding/mixers.py), each on its axis
         for item in kind.split(":", 1)[1].split(","):
             name, axis = item.split("=")
             _ensure_shard(sch[path], name, int(axis))

@@ -8,8 +8,10 @@ downloads):
   ``conv1d`` over its ``[x, B, C]`` channels, ``A_log`` / ``D`` / ``dt_bias`` and the grouped norm by head /
   group, ``out_proj`` row parallel, and ``intermediate_size`` / ``conv_dim`` / ``num_heads`` / ``n_groups``
   per rank (Megatron-LM ``megatron/core/ssm/mamba_mixer.py``); ✓ with every projection sharded;
-* Mamba-2 with 1 group: ``B`` and ``C`` reach every rank's heads, so the mixer stays whole with that sentence
-  (and the check still passes);
+* Mamba-2 with 1 group: its gated norm spans all channels (and ``B`` / ``C`` reach every rank's heads), so the
+  mixer stays whole with that sentence (and the check still passes);
+* Mamba-1: ``x_proj`` (every channel needs all of its dt, B, C) computed from the gathered channels, its output
+  features split and gathered, ``dt_proj`` (whose weight the forward uses directly) per channel: ✓;
 * Qwen3.5's gated DeltaNet (``linear_attn``: ``in_proj_qkv`` as three blocks, ``in_proj_z`` / ``in_proj_b`` /
   ``in_proj_a`` contiguous, ``conv1d`` by channel, the per-head norm replicated with its gradient summed): ✓;
 * the layout reader on its own (:func:`slapo_lab.sharding.mixers.plan` on hand-made dependencies).
@@ -82,7 +84,7 @@ def test_mamba2_split_follows_megatron():
         "conv1d:bias": 0,
         "norm:weight": 0,
     }
-    assert set(deps.attrs) == {"intermediate_size", "conv_dim", "num_heads", "n_groups"}
+    assert set(deps.attrs) == {":intermediate_size", ":conv_dim", ":num_heads", ":n_groups"}
     assert _preset_and_check(model, inputs, sch) is None  # every projection sharded
     local = sch[f"{block}.mixer"].mod
     assert (local.intermediate_size, local.num_heads, local.n_groups) == (d // 2, h // 2, 1)
@@ -93,7 +95,8 @@ def test_mamba2_one_group_stays_whole_with_a_reason():
     split = infer.block_split(sch, presets.find_blocks(sch)[0])
     assert "mixer.in_proj" not in split.roles
     why = split.whole["mixer.in_proj"]
-    assert "reach the channels of several ranks" in why and "B and C" in why
+    # one group: the gated norm spans all channels (Megatron-LM needs ngroups divisible by the TP degree)
+    assert "reach the channels of every rank" in why and "gated norm" in why
     note = _preset_and_check(model, inputs, sch)
     assert "mixer.in_proj" in note and "mixer stays whole" in note
 
@@ -130,3 +133,22 @@ def test_plan_reads_blocks_and_refuses_shared_features():
     assert mixers.plan(deps, 4).columns["inp"] == 2
     deps.outs = {"inp": [{0, 4}, {1, 5}, {2, 6}, {3, 4}]}  # feature 4 needed by both ranks, 7 by none
     assert "reach the channels of several ranks" in mixers.plan(deps, 2).reason
+
+
+def test_mamba1_gathers_x_proj():
+    model, inputs, sch = _schedule("mamba", "MambaForCausalLM")
+    block = presets.find_blocks(sch)[0]
+    split = infer.block_split(sch, block)
+    # x_proj contracts over every channel and every channel needs all of dt, B, C: computed from the gathered
+    # channels; dt_proj (its weight used directly) and A_log / D / conv1d split per channel
+    assert split.roles == {
+        "mixer.in_proj": "mlp_in",
+        "mixer.x_proj": "mixer_gather",
+        "mixer.out_proj": "mlp_out",
+    }
+    assert split.layouts["mixer.in_proj"].stride == 2  # x | z
+    kinds = dict(presets.block_layers(sch, block))
+    assert kinds[f"{block}.mixer.x_proj"] == "gather_linear"
+    assert kinds[f"{block}.mixer.dt_proj"] == "channel_params:weight=0,bias=0"
+    assert kinds[f"{block}.mixer"] == "channel_params:A_log=0,D=0"
+    assert _preset_and_check(model, inputs, sch) is None

@@ -76,6 +76,8 @@ class MixerDeps:
     shapes: dict = field(default_factory=dict)
     attrs: dict | None = None
     reason: str | None = None
+    feeds: dict = field(default_factory=dict)  # input linear -> the input linears its input derives from
+    values: dict = field(default_factory=dict)  # input linear -> (its input, its output) in the full run
 
 
 @dataclass
@@ -85,6 +87,8 @@ class MixerPlan:
     gradients), or ``reason`` why it stays whole."""
 
     columns: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)  # input linear -> "column" / "column_shard" / "gather_linear"
+    gathers: set = field(default_factory=set)
     shards: dict = field(default_factory=dict)
     grad_sum: set = field(default_factory=set)
     reason: str | None = None
@@ -158,13 +162,31 @@ def complete(split, block: nn.Module, captured: dict) -> None:
             split.roles.pop(k, None)
             split.layouts.pop(k, None)
         for k, stride in p2.columns.items():
-            split.roles[f"{rel}.{k}"] = "mlp_in"
+            # "mlp_in": column parallel (registered by infer); "mixer_column": column parallel whose input
+            # gradient a gather sums, applied by layers() with the layout registered here
+            role = "mlp_in" if p2.kinds[k] == "column" else "mixer_column"
+            split.roles[f"{rel}.{k}"] = role
             split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
+            split.whole.pop(f"{rel}.{k}", None)
+            if role != "mlp_in":
+                _register_layout(mixer, k, Layout("in", stride, None))
+        for k in p2.gathers:
+            split.roles[f"{rel}.{k}"] = "mixer_gather"
             split.whole.pop(f"{rel}.{k}", None)
         split.roles[f"{rel}.{deps.row}"] = "mlp_out"
         split.whole.pop(f"{rel}.{deps.row}", None)
         _register(mixer, deps)
     split.mixers = found
+
+
+def _register_layout(mixer: nn.Module, child: str, lay) -> None:
+    """The column layout of ``mixer``'s linear ``child`` for the shard rules (as infer registers an MLP input)."""
+    from . import infer
+
+    parent_rel, _, name = child.rpartition(".")
+    parent = mixer.get_submodule(parent_rel) if parent_rel else mixer
+    key = (type(parent).__name__, name, infer._config_digest(getattr(parent, "config", None)))
+    infer._REGISTRY[key] = ("mlp_in", lay, None)
 
 
 def _owner_key(mixer: nn.Module, sub: str, name: str, shape) -> tuple:
@@ -217,6 +239,12 @@ def _materialise(mixer: nn.Module) -> nn.Module:
                     b.copy_(torch.randn(b.shape, generator=g))
                 else:
                     b.zero_()
+    for (
+        mod
+    ) in m.modules():  # state a forward left on the module (RecurrentGemma's recurrent_states): none yet
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, torch.Tensor) and not k.startswith("_"):
+                setattr(mod, k, None)
     m.eval()
     return m
 
@@ -228,7 +256,11 @@ def _real_inputs(args, kwargs, g):
                 return torch.randn(x.shape, generator=g)
             if x.dtype == torch.bool or "mask" in key:
                 return torch.ones(x.shape, dtype=x.dtype)
-            return x.to("cpu") if not x.is_meta else torch.zeros(x.shape, dtype=x.dtype)
+            if not x.is_meta:
+                return x.to("cpu")
+            if "position" in key and x.dim():  # positions 0, 1, ... (a zero position resets a recurrence)
+                return torch.arange(x.shape[-1], dtype=x.dtype).expand(x.shape).contiguous()
+            return torch.zeros(x.shape, dtype=x.dtype)
         if isinstance(x, (list, tuple)):
             return type(x)(conv(y) for y in x)
         return x
@@ -236,7 +268,9 @@ def _real_inputs(args, kwargs, g):
     return conv(list(args)), {k: conv(v, k) for k, v in kwargs.items()}
 
 
-def _run(m: nn.Module, args, kwargs, leaves: dict | None = None, row: str | None = None):
+def _run(
+    m: nn.Module, args, kwargs, leaves: dict | None = None, row: str | None = None, seen: dict | None = None
+):
     """Run ``m``; the output of each linear in ``leaves`` (path -> None) is replaced by a leaf that requires
     grad (stored there), and the input of ``row`` is returned (the run stops there). Returns (order of the
     linears called, row input)."""
@@ -247,6 +281,8 @@ def _run(m: nn.Module, args, kwargs, leaves: dict | None = None, row: str | None
 
         def pre(_c, a, rel=rel):
             order.append(rel)
+            if seen is not None:
+                seen.setdefault(rel, a[0])
             if rel == row:
                 got["x"] = a[0]
                 raise _Stop
@@ -273,19 +309,21 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
     """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
     mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
     multiple, inputs without a gradient path)."""
-    m = _materialise(mixer)
+    pristine = _materialise(mixer)
+    m = copy.deepcopy(pristine)
     g = torch.Generator().manual_seed(1)
     a, kw = _real_inputs(args, kwargs, g)
     with torch.no_grad():
-        order, _ = _run(m, a, kw)
+        order, _ = _run(copy.deepcopy(pristine), a, kw)
     order = list(dict.fromkeys(order))
     if len(order) < 2:
         return None
     row = order[-1]
     ins = order[:-1]
     leaves = dict.fromkeys(ins)
+    seen: dict = {}
     with torch.enable_grad():
-        _, x = _run(m, a, kw, leaves, row)
+        _, x = _run(m, a, kw, leaves, row, seen)
         if x is None or not x.requires_grad or any(v is None for v in leaves.values()):
             return None
         feats = x.shape[-1]
@@ -294,13 +332,22 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
             return None
         params = {}
         for sub, mod in m.named_modules():
-            if sub in ins or sub == row or (_is_linear(mod) and sub):
-                continue
+            if sub in ins or sub == row:
+                continue  # (a linear whose weight the forward uses directly, Mamba's dt_proj, counts here)
             for n, p in mod.named_parameters(recurse=False):
                 params[f"{sub}:{n}"] = p
         deps = MixerDeps(k, row)
         deps.feats = {p: leaves[p].shape[-1] for p in ins}
         deps.shapes = {key: tuple(p.shape) for key, p in params.items()}
+        for p in ins:
+            xin = seen.get(p)
+            deps.values[p] = (None if xin is None else xin.detach(), leaves[p].detach())
+            deps.feeds[p] = set()
+            if isinstance(xin, torch.Tensor) and xin.requires_grad:
+                gs = torch.autograd.grad(
+                    xin.sum(), [leaves[q] for q in ins], retain_graph=True, allow_unused=True
+                )
+                deps.feeds[p] = {q for q, gq in zip(ins, gs, strict=True) if gq is not None}
         targets = [leaves[p] for p in ins] + list(params.values())
         w = torch.rand(x.shape, generator=g) + 0.5
         width = feats // k
@@ -318,7 +365,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
                 nz = set() if gr is None else set(torch.nonzero(gr.reshape(-1)).flatten().tolist())
                 deps.params.setdefault(key, []).append(nz)
     if not plan(deps, 2).reason:
-        deps.attrs = _find_attrs(m, a, kw, x.detach(), deps)
+        deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
     return deps
 
 
@@ -370,15 +417,29 @@ def plan(deps: MixerDeps, ws: int) -> MixerPlan:
         n = deps.feats[p]
         own = _owners(per, ws, n)
         shared = sum(1 for o in own if len(o) > 1)
+        if all(len(o) == ws for o in own) and n % ws == 0 and deps.feeds.get(p):
+            # every rank needs all its outputs (Mamba's x_proj: dt, B, C from all channels): computed from the
+            # gathered channels, its output features split and gathered again
+            out.gathers.add(p)
+            out.kinds[p] = "gather_linear"
+            continue
         if shared or any(not o for o in own):
-            what = (
-                f"{shared} of {p}'s {n} output features reach the channels of several ranks (a group shared by "
-                "heads on different ranks, e.g. Mamba-2's B and C with fewer groups than ranks, which Megatron-LM "
-                "replicates)"
-                if shared
-                else f"{sum(1 for o in own if not o)} of {p}'s {n} output features reach none of the output "
-                "projection's inputs"
-            )
+            if shared == n:
+                what = (
+                    f"all {n} of {p}'s output features reach the channels of every rank (something between it and "
+                    f"{deps.row} mixes all channels, e.g. a gated norm over all of them: Mamba-2's with one group)"
+                )
+            elif shared:
+                what = (
+                    f"{shared} of {p}'s {n} output features reach the channels of several ranks (a group shared "
+                    "by heads on different ranks, e.g. Mamba-2's B and C with fewer groups than ranks, which "
+                    "Megatron-LM replicates)"
+                )
+            else:
+                what = (
+                    f"{sum(1 for o in own if not o)} of {p}'s {n} output features reach none of the output "
+                    "projection's inputs"
+                )
             out.reason = f"{what}, so the mixer stays whole"
             return out
         stride = _runs_layout([next(iter(o)) for o in own], ws)
@@ -386,6 +447,8 @@ def plan(deps: MixerDeps, ws: int) -> MixerPlan:
             out.reason = f"no column-parallel layout of {p} gives each rank the features its channels need"
             return out
         out.columns[p] = stride
+    for p in out.columns:  # fed by a gathered output: its input gradient is summed by that gather's backward
+        out.kinds[p] = "column_shard" if deps.feeds.get(p, set()) & out.gathers else "column"
     for key, per in deps.params.items():
         shape = deps.shapes[key]
         n = 1
@@ -439,8 +502,34 @@ def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, 
             setattr(mod, name, nn.Parameter(local_shard(getattr(mod, name), axis, ws, rank, stride).clone()))
             _fix_conv(mod, name, axis)
     for k, v in attrs.items():
-        setattr(r, k, v // ws)
+        _set_attr(r, k, v // ws)
     return r
+
+
+def _set_attr(mixer: nn.Module, key: str, value: int) -> None:
+    sub, _, name = key.rpartition(":")
+    setattr(mixer.get_submodule(sub) if sub else mixer, name, value)
+
+
+def _get_attr(mixer: nn.Module, key: str):
+    sub, _, name = key.rpartition(":")
+    try:
+        return getattr(mixer.get_submodule(sub) if sub else mixer, name, None)
+    except AttributeError:
+        return None
+
+
+def _emulate_gathers(r: nn.Module, deps: MixerDeps, p: MixerPlan, local: dict) -> None:
+    """A rank copy's gathered linears: each keeps its local input in ``local`` and returns the full
+    run's output (what the all-gathers give every rank)."""
+    for g in p.gathers:
+        full = deps.values[g][1]
+
+        def forward(x, *_a, g=g, full=full, **_k):
+            local.setdefault(g, x)
+            return full
+
+        r.get_submodule(g).forward = forward
 
 
 def _fix_conv(mod: nn.Module, name: str, axis: int) -> None:
@@ -463,9 +552,11 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         size = deps.shapes[key][axis]
         widths.add(size)
         widths |= set(getattr(stride, "sizes", ()) or ())
-    ints = {
-        k: v
-        for k, v in vars(m).items()
+    ints = {  # "submodule:attribute" (the mixer's own: ":attribute"); convolutions follow their weight instead
+        f"{sub}:{k}": v
+        for sub, mod in m.named_modules()
+        if not _is_linear(mod) and not isinstance(mod, nn.modules.conv._ConvNd)
+        for k, v in vars(mod).items()
         if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
     }
     base = frozenset(k for k, v in ints.items() if v in widths)
@@ -478,19 +569,31 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
 
     def works(attempt) -> bool:
         attrs = {k: ints[k] for k in attempt}
+        inputs: list = []
         for rank in range(ws):
+            local: dict = {}
             try:
                 r = _rank_copy(m, deps, p, ws, rank, attrs)
+                _emulate_gathers(r, deps, p, local)
                 with torch.no_grad():
                     _, xr = _run(r, args, kwargs, None, deps.row)
             except Exception:  # noqa: BLE001 - these attributes do not fit: the next try
                 return False
+            inputs.append(local)
             want = x[..., rank * half : (rank + 1) * half]
             if (
                 xr is None
                 or tuple(xr.shape) != tuple(want.shape)
                 or not torch.allclose(xr, want, atol=1e-5, rtol=1e-4)
             ):
+                return False
+        for g in p.gathers:  # the ranks' inputs of a gathered linear, concatenated, are its full input
+            parts = [loc.get(g) for loc in inputs]
+            full = deps.values[g][0]
+            if full is None or any(x is None for x in parts):
+                return False
+            cat = torch.cat(parts, dim=-1)
+            if tuple(cat.shape) != tuple(full.shape) or not torch.allclose(cat, full, atol=1e-5, rtol=1e-4):
                 return False
         return True
 
@@ -515,6 +618,9 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
         p = plan(deps, ws)
         if p.reason or deps.attrs is None:
             continue
+        for k, kind in p.kinds.items():
+            if kind != "column":  # "column" linears come through their "mlp_in" role
+                out.append((pre + f"{rel}.{k}", kind))
         per_module: dict = {}
         for key, (axis, _stride) in p.shards.items():
             sub, name = key.rsplit(":", 1)
@@ -583,9 +689,8 @@ class MixerRule(ShardRule):
             return
         done = {}
         for k, v in attrs.items():
-            cur = getattr(mixer, k, None)
-            if cur == v:
-                setattr(mixer, k, v // world_size)
+            if _get_attr(mixer, k) == v:
+                _set_attr(mixer, k, v // world_size)
             done[k] = [v, v // world_size]
         meta["mixer_attrs"] = done
 
