@@ -521,7 +521,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
 
         cut = len(block_path) + 1 if block_path else 0
         out = [(p, k) for p, k in out if mixers.reason(split, p[cut:], sch.world_size) is None]
-        out += [x for x in mixers.layers(split, block_path, sch.world_size) if x not in out]
+        mine = mixers.layers(split, block_path, sch.world_size)
+        out = [x for x in out if x[0] not in {p for p, _ in mine}] + mine
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
@@ -830,10 +831,13 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         _ensure_sync(node, "fwd_post", "all_gather", axis=-1)
     elif kind.startswith("channel_params:"):
         # a mixer's per-channel / per-head parameters (A_log, D, dt_bias, a depthwise conv1d, a grouped norm:
-        # slapo_lab/sharding/mixers.py), each on its axis
-        for item in kind.split(":", 1)[1].split(","):
+        # slapo_lab/sharding/mixers.py), each on its axis; then, with ";grad_sum", its replicated ones sum gradients
+        spec, _, extra = kind.split(":", 1)[1].partition(";")
+        for item in spec.split(","):
             name, axis = item.split("=")
             _ensure_shard(sch[path], name, int(axis))
+        if extra == "grad_sum":
+            _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under

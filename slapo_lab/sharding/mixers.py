@@ -130,11 +130,18 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         mixer = block.get_submodule(rel)
         kids = [f"{rel}.{n}" for n, c in mixer.named_children() if _is_linear(c)]
         paired = [k for k in kids if k in split.roles]
+        own = any(
+            p is not None
+            for sub, mod in mixer.named_modules()
+            if not _is_linear(mod)
+            for p in mod._parameters.values()
+        )
         partial_mlp = (
             paired
-            and len(paired) < len(kids)
+            and (len(paired) < len(kids) or own)
             and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
-        )  # an MLP pair the index maps found inside a mixer whose other input linears they could not follow
+        )  # an MLP pair the index maps found inside a mixer whose other input linears or whose per-channel
+        # parameters (RWKV's time_decay) they could not follow
         if (
             any((k in split.roles and not partial_mlp) or k in split.refused_roles for k in kids)
             or any(rel.startswith(m + ".") for m in found)
@@ -147,11 +154,11 @@ def complete(split, block: nn.Module, captured: dict) -> None:
             continue
         if deps is None:
             continue
-        found[rel] = deps
         p2 = plan(deps, 2)
+        if (p2.reason or deps.attrs is None) and partial_mlp:
+            continue  # the index maps' MLP pair stands
+        found[rel] = deps
         if p2.reason or deps.attrs is None:
-            if partial_mlp:
-                continue
             for k in [*deps.outs, deps.row]:
                 split.whole[f"{rel}.{k}"] = p2.reason or (
                     f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
@@ -611,7 +618,8 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
 def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
     """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
     ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
-    layouts) or ``"grad_sum"``."""
+    layouts; ``";grad_sum"`` after them when the module's other parameters are replicated and sum their
+    gradients) or ``"grad_sum"``; a path here replaces the index maps' kind for it."""
     pre = f"{block_path}." if block_path else ""
     out = []
     for rel, deps in (getattr(split, "mixers", None) or {}).items():
@@ -625,10 +633,13 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
         for key, (axis, _stride) in p.shards.items():
             sub, name = key.rsplit(":", 1)
             per_module.setdefault(sub, []).append(f"{name}={axis}")
-        for sub, items in per_module.items():
-            out.append((pre + ".".join(x for x in (rel, sub) if x), "channel_params:" + ",".join(items)))
-        for sub in sorted(p.grad_sum):
-            out.append((pre + ".".join(x for x in (rel, sub) if x), "grad_sum"))
+        for sub in sorted(set(per_module) | p.grad_sum):
+            path = pre + ".".join(x for x in (rel, sub) if x)
+            if sub not in per_module:
+                out.append((path, "grad_sum"))
+                continue
+            tail = ";grad_sum" if sub in p.grad_sum else ""  # its other (replicated) parameters sum gradients
+            out.append((path, "channel_params:" + ",".join(per_module[sub]) + tail))
     return out
 
 
