@@ -212,9 +212,9 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
                 p = plan(deps, ws)
                 if p.reason is None and key in p.shards:
                     layouts[ws] = p.shards[key]
-            k = _owner_key(mixer, sub, name, shape)
-            _LAYOUTS[k] = layouts
-            _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
+            if layouts:
+                _LAYOUTS[_owner_key(mixer, sub, name, shape)] = layouts
+                _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
         _ATTRS[(type(mixer).__name__, _shape_sig(mixer))] = dict(deps.attrs or {})
 
 
@@ -675,21 +675,54 @@ class MixerRule(ShardRule):
     def matches(self, mod):
         return type(mod).__name__ in _CLASSES and not _is_linear(mod)
 
-    def stride(self, site, axis):
-        from ..module_state import peek_meta  # noqa: F401
+    def _other(self, mod) -> ShardRule:
+        """The rule that would own ``mod`` without this one (for tensors no mixer plan registered)."""
+        from .rules import _DEFAULT, _RULES
 
+        return next((r for r in _RULES if r is not self and r.matches(mod)), _DEFAULT)
+
+    def _registered(self, mod, name: str) -> bool:
+        t = getattr(mod, name, None)
+        if not isinstance(t, torch.Tensor):
+            return False
+        shape = tuple(getattr(t, "orig_shape", t.shape))
+        return any(k[1] == type(mod).__name__ and k[2] == name and k[3] == shape for k in _LAYOUTS)
+
+    def check(self, mod, name, axis):
+        return None if self._registered(mod, name) else self._other(mod).check(mod, name, axis)
+
+    def check_site(self, site, axis, world_size):
+        if self._registered(site.mod, site.name):
+            return None
+        other = getattr(self._other(site.mod), "check_site", None)
+        return other(site, axis, world_size) if other else None
+
+    def stride(self, site, axis):
         for ws in _world_sizes(MAX_CHUNKS):
             lay, _ = self._layout(site, axis, ws)
             if lay is not None:
                 return lay[1]
-        return 1
+        other = getattr(self._other(site.mod), "stride", None)
+        return other(site, axis) if other else 1
+
+    def replicas(self, site, axis, world_size):
+        if self._registered(site.mod, site.name):
+            return 1
+        other = getattr(self._other(site.mod), "replicas", None)
+        return other(site, axis, world_size) if other else 1
 
     def apply(self, mod, name, axis, world_size, rank):
+        if not self._registered(mod, name):
+            self._other(mod).apply(mod, name, axis, world_size, rank)
+            return
         _fix_conv(mod, name, axis)
 
     def apply_site(self, site, axis, world_size, rank):
         lay, key = self._layout(site, axis, world_size)
         if lay is None:
+            other = getattr(self._other(site.mod), "apply_site", None)
+            if other:
+                other(site, axis, world_size, rank)
             return
         mixer = site.mod if "." not in key[0] else site.parent
         if mixer is None:
