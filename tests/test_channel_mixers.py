@@ -14,6 +14,7 @@ downloads):
   features split and gathered, ``dt_proj`` (whose weight the forward uses directly) per channel: ✓;
 * Qwen3.5's gated DeltaNet (``linear_attn``: ``in_proj_qkv`` as three blocks, ``in_proj_z`` / ``in_proj_b`` /
   ``in_proj_a`` contiguous, ``conv1d`` by channel, the per-head norm replicated with its gradient summed): ✓;
+* RecurrentGemma's RG-LRU (attributes of a submodule per rank) and RWKV's per-channel time_decay / time_first;
 * the layout reader on its own (:func:`slapo_lab.sharding.mixers.plan` on hand-made dependencies).
 """
 
@@ -152,3 +153,22 @@ def test_mamba1_gathers_x_proj():
     assert kinds[f"{block}.mixer.dt_proj"] == "channel_params:weight=0,bias=0"
     assert kinds[f"{block}.mixer"] == "channel_params:A_log=0,D=0"
     assert _preset_and_check(model, inputs, sch) is None
+
+
+def test_recurrent_gemma_rg_lru_and_rwkv_time_decay():
+    # RecurrentGemma: the RG-LRU's per-head gate banks split by head and its own num_attention_heads per rank
+    model, inputs, sch = _schedule("recurrent_gemma", "RecurrentGemmaForCausalLM")
+    block = presets.find_blocks(sch)[0]
+    deps = infer.block_split(sch, block).mixers["temporal_block"]
+    assert deps.attrs == {"rg_lru:num_attention_heads": model.config.num_attention_heads}
+    assert mixers.plan(deps, 2).shards["rg_lru:recurrent_gate_weight"] == (0, 1)
+    assert _preset_and_check(model, inputs, sch) is None
+    # RWKV: key / value / receptance -> output is an MLP pair to the index maps, but time_decay and time_first
+    # hold one entry per channel: they split with it (the feed-forward's receptance gate, applied after the
+    # row-parallel value, stays whole)
+    model, inputs, sch = _schedule("rwkv", "RwkvForCausalLM")
+    block = presets.find_blocks(sch)[0]
+    kinds = dict(presets.block_layers(sch, block))
+    assert kinds[f"{block}.attention"] == "channel_params:time_decay=0,time_first=0"
+    note = _preset_and_check(model, inputs, sch)
+    assert note is not None and "feed_forward.receptance" in note and "attention." not in note
