@@ -1,40 +1,56 @@
-"""Channel-parallel sequence mixers (Mamba-2 and kin), read from the mixer's feature dependencies.
+"""Channel-parallel sequence mixers (Mamba and kin), read from the mixer's feature dependencies.
 
-A state-space or linear-attention mixer (HF ``Mamba2Mixer``, ``BambaMixer``, ``FalconH1Mixer``,
-``NemotronHMamba2Mixer`` ...) projects the hidden states with one or more input linears (``in_proj``: the fused
-``z | x | B | C | dt``), mixes each channel over time (a depthwise ``conv1d``, a selective scan per head, a
-gated norm per group) and projects back with one output linear (``out_proj``). The index maps of
+A state-space or linear-attention mixer (HF ``Mamba2Mixer``, ``NemotronHMamba2Mixer``, ``MambaMixer``,
+Qwen3-Next's / Qwen3.5's gated DeltaNet ``linear_attn``, RecurrentGemma's RG-LRU block, RWKV's time mixing ...)
+projects the hidden states with one or more input linears (Mamba-2's fused ``in_proj``: ``z | x | B | C |
+dt``), mixes each channel over time (a depthwise ``conv1d``, a selective scan or a delta rule per head, a gated
+norm per group) and projects back with one output linear (``out_proj``). The index maps of
 :mod:`slapo_lab.sharding.infer` stop at the scan; this module reads the split by differentiation instead.
 
-On a copy of the mixer with random weights (a meta mixer is materialised on the CPU) and random inputs of the
-recorded shapes, the output linear's input ``X`` (``(..., F)``) is cut into ``K`` chunks of features
-(``K``, a power of two up to 64 dividing ``F``) and, for each chunk, the gradient of a positive random
-weighting of it is taken with respect to every input linear's output and every other parameter of the mixer
-(the depthwise convolution's weight and bias, ``A_log``, ``D``, ``dt_bias``, the gated norm's weight). Its
-non-zero pattern is exactly which input features and parameter entries the chunk's channels need. For a
-world size ``ws`` dividing ``K``, rank ``r`` owns chunks ``[r K/ws, (r+1) K/ws)`` (the output linear is row
-parallel, its input features split contiguously) and :func:`plan` reads:
+**Candidates**: every module of a block (the block aside) holding two or more linears, outermost first, that
+is not an attention the index maps read, holds no expert bank, and whose linears the index maps left unpaired
+(or paired as an MLP while other linears or per-channel parameters of it stayed unexplained: RWKV's
+``time_decay``). Its first call's arguments are recorded during the block's forward (:func:`capture`).
 
-* each input linear's column-parallel layout: the features each rank needs must partition the output
-  features into blocks that every rank cuts alike (a :class:`~slapo_lab.sharding.rules.BlockStride` of the
-  fused parts, e.g. ``[z, x, B, C, dt]``: Megatron-LM's ``megatron/core/ssm/mamba_mixer.py`` splits each
-  part of ``in_proj`` by heads / groups);
-* each other parameter's shard axis and layout the same way (the depthwise convolution by channel over its
-  ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the gated norm's weight by group), or, when
-  every rank needs all of its entries, replicated with its gradient summed over the ranks;
-* where some features are needed by several ranks but not all (Mamba-2's ``B`` and ``C`` with fewer groups
-  than ranks, which Megatron-LM replicates), no shard the primitives know is right: the mixer stays whole,
-  with that sentence.
+**Dependencies** (:func:`dependencies`): on a copy of the mixer with random weights (a meta mixer is
+materialised on the CPU; state a forward left on a module, such as RecurrentGemma's ``recurrent_states``, is
+cleared) and random inputs of the recorded shapes (positions counting 0, 1, ...), the linears run in some
+order; the last one is the output linear, the others the input linears, whose outputs are replaced by leaves.
+The output linear's input ``X`` (``(..., F)``) is cut into ``K`` chunks of features (``K``, a power of two up
+to 16 dividing ``F``) and, for each chunk, the gradient of a positive random weighting of it is taken with
+respect to every input linear's output and every other parameter of the mixer (a depthwise convolution's
+weight and bias, ``A_log``, ``D``, ``dt_bias``, a gated norm's weight, a linear whose weight the forward uses
+directly: Mamba's ``dt_proj``). Its non-zero pattern is which input features and parameter entries the chunk's
+channels need.
 
-The mixer's own integer attributes its forward reads (``intermediate_size``, ``conv_dim``, ``num_heads``,
-``n_groups`` ...) must hold per-rank values: the attributes equal to a split width (a block or axis size of a
-sharded tensor), adjusted by the fewest additions / removals among its other even integer attributes, are
-divided by the world size on a rank-0 copy until its ``X`` equals the full ``X``'s rank-0 chunk (and rank 1's
-likewise). The result is registered per mixer class and parameter shape, so the shard primitive (through
-:class:`MixerRule`) finds each parameter's layout and rewrites the attributes in any process. Sources:
-Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``: ``in_proj`` column parallel with its parts
-split per rank, ``conv1d`` / ``A_log`` / ``D`` / ``dt_bias`` / the grouped norm split per rank, ``out_proj``
-row parallel), transformers ``models/mamba2/modeling_mamba2.py``.
+**Plan** (:func:`plan`): for a world size ``ws`` dividing ``K``, rank ``r`` owns chunks ``[r K/ws, (r+1)
+K/ws)`` (the output linear is row parallel, its input features split contiguously):
+
+* an input linear whose features partition over the ranks is column parallel, with the layout that cuts each
+  of its blocks alike (a :class:`~slapo_lab.sharding.rules.BlockStride` of the fused parts: Megatron-LM's
+  ``megatron/core/ssm/mamba_mixer.py`` splits each of ``z``, ``x``, ``B``, ``C``, ``dt`` of ``in_proj`` by its
+  local width, ``ngroups_local_tp = ngroups // tp``);
+* an input linear fed by other input linears whose every output all ranks need (Mamba's ``x_proj``: ``dt``,
+  ``B``, ``C`` from all channels) is computed from the gathered channels, its output features split and
+  gathered again (``"gather_linear"``: the gathers' backward reduce-scatters sum the ranks' partial gradients);
+  a column fed by such a gather skips its own input-gradient all-reduce (``"column_shard"``);
+* every other parameter is split on the axis whose slices each rank needs alone (the convolution by channel
+  over its ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the grouped norm by group), or, when
+  every rank needs all of it, replicated with its gradient summed over the ranks (``"grad_sum"``);
+* features some ranks but not all need (Mamba-2's ``B`` / ``C`` with fewer groups than ranks, which Megatron-LM
+  does not split either), or all channels mixed before the output linear (a gated norm over all of them), keep
+  the mixer whole, with that sentence.
+
+**Per-rank attributes**: the integer attributes of the mixer and its submodules that its forward reads
+(``intermediate_size``, ``conv_dim``, ``num_heads``, ``n_groups``; the RG-LRU's ``num_attention_heads``) must
+hold per-rank values. Those equal to a split width, adjusted by the fewest additions / removals among the other
+even ones, are divided by the world size on rank copies at world size 2 until each rank's ``X`` equals its
+chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated, its full input); then each
+attribute the forward does not need is dropped again. Without such values the mixer stays whole. The layouts
+and attributes are registered per mixer class and parameter shape, so the shard primitive (through
+:class:`MixerRule`) finds them in any process (a replay, an exported script, the numeric check's copy).
+Sources: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``), transformers
+``models/mamba2/modeling_mamba2.py``, ``models/mamba/modeling_mamba.py``.
 """
 
 from __future__ import annotations
@@ -42,16 +58,18 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..module_state import module_meta
-from .rules import ShardRule, local_shard, make_stride, register_shard_rule
+from .rules import ShardRule, is_norm, local_shard, make_stride, register_shard_rule
 
 MAX_CHUNKS = 16
-_MAX_TRIES = 80
+_MAX_TRIES = 40
+_MAX_SEARCH_S = 10.0  # seconds the per-rank attribute search may take per mixer
 
 
 class _Stop(Exception):
@@ -95,11 +113,12 @@ class MixerPlan:
 
 
 def capture(block: nn.Module, store: dict) -> list:
-    """Forward pre-hooks on every module of ``block`` holding two or more linears as direct children (a
-    candidate mixer) that keep its first call's arguments in ``store[rel]``; returns the handles."""
+    """Forward pre-hooks on every module of ``block`` (the block itself aside) holding two or more linears (a
+    candidate mixer: Mamba's ``mixer``, or MRA's ``attention`` around its ``self.query`` ... ``output.dense``)
+    that keep its first call's arguments in ``store[rel]``; returns the handles."""
     handles = []
     for rel, m in block.named_modules():
-        if not rel or sum(_is_linear(c) for c in m.children()) < 2:
+        if not rel or _is_linear(m) or sum(_is_linear(c) for c in m.modules()) < 2:
             continue
 
         def pre(_m, args, kwargs, rel=rel):
@@ -128,12 +147,12 @@ def complete(split, block: nn.Module, captured: dict) -> None:
     found = getattr(split, "mixers", None) or {}
     for rel, (args, kwargs) in captured.items():
         mixer = block.get_submodule(rel)
-        kids = [f"{rel}.{n}" for n, c in mixer.named_children() if _is_linear(c)]
+        kids = [f"{rel}.{n}" for n, c in mixer.named_modules() if n and _is_linear(c)]
         paired = [k for k in kids if k in split.roles]
-        own = any(
+        own = any(  # per-channel parameters besides the linears and the norms
             p is not None
             for sub, mod in mixer.named_modules()
-            if not _is_linear(mod)
+            if not _is_linear(mod) and not is_norm(mod)
             for p in mod._parameters.values()
         )
         partial_mlp = (
@@ -143,7 +162,8 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         )  # an MLP pair the index maps found inside a mixer whose other input linears or whose per-channel
         # parameters (RWKV's time_decay) they could not follow
         if (
-            any((k in split.roles and not partial_mlp) or k in split.refused_roles for k in kids)
+            _has_experts(mixer)  # a mixture of experts: slapo_lab/sharding/experts.py
+            or any((k in split.roles and not partial_mlp) or k in split.refused_roles for k in kids)
             or any(rel.startswith(m + ".") for m in found)
             or any(a == rel or a.startswith(rel + ".") for a in split.attention)
         ):
@@ -184,6 +204,17 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         split.whole.pop(f"{rel}.{deps.row}", None)
         _register(mixer, deps)
     split.mixers = found
+
+
+def _has_experts(mod: nn.Module) -> bool:
+    """Whether ``mod`` holds an expert bank (transformers 5.x's 3-D experts module, or a list of experts)."""
+    from .experts import is_experts_module
+
+    return any(
+        is_experts_module(m)
+        or (isinstance(m, nn.ModuleList) and "expert" in f"{n} {type(m).__name__}".lower())
+        for n, m in mod.named_modules()
+    )
 
 
 def _register_layout(mixer: nn.Module, child: str, lay) -> None:
@@ -283,7 +314,7 @@ def _run(
     linears called, row input)."""
     order, handles, got = [], [], {}
     for rel, c in m.named_modules():
-        if not _is_linear(c) or "." in rel or not rel:
+        if not _is_linear(c) or not rel:
             continue
 
         def pre(_c, a, rel=rel):
@@ -604,7 +635,10 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
                 return False
         return True
 
+    t0 = time.perf_counter()
     for attempt in tries[:_MAX_TRIES]:
+        if time.perf_counter() - t0 > _MAX_SEARCH_S:
+            break
         if works(attempt):
             keep = set(attempt)
             for k in sorted(attempt):  # the fewest: an attribute the forward does not read stays global
