@@ -132,6 +132,7 @@ def test_plan_reads_blocks_and_refuses_shared_features():
     p = mixers.plan(deps, 2)
     assert p.reason is None and p.columns["inp"] == 2 and p.shards[":w"] == (0, 1)
     assert mixers.plan(deps, 4).columns["inp"] == 2
+    deps = mixers.MixerDeps(4, "out", feats={"inp": 8})
     deps.outs = {"inp": [{0, 4}, {1, 5}, {2, 6}, {3, 4}]}  # feature 4 needed by both ranks, 7 by none
     assert "reach the channels of several ranks" in mixers.plan(deps, 2).reason
 

@@ -80,8 +80,8 @@ class _Stop(Exception):
 class MixerDeps:
     """What each of ``chunks`` feature chunks of the output linear's input needs (paths relative to the mixer).
 
-    ``outs``: input linear path -> [set of its output features, per chunk]; ``params``: ``"module:name"`` ->
-    [set of flat entries, per chunk]; ``shapes``: ``"module:name"`` -> shape; ``feats``: input linear path ->
+    ``outs``: input linear path -> [its output features (a set or an index tensor), per chunk]; ``params``:
+    ``"module:name"`` -> [its flat entries, per chunk]; ``shapes``: ``"module:name"`` -> shape; ``feats``: input linear path ->
     its output features; ``row``: the output linear's path; ``attrs``: the mixer attributes that hold per-rank
     values (name -> global value), or None when none was found to work.
     """
@@ -240,7 +240,7 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
             sub, name = key.rsplit(":", 1)
             layouts = {}
             for ws in _world_sizes(deps.chunks):
-                p = plan(deps, ws)
+                p = plan(deps, ws)  # cached per world size
                 if p.reason is None and key in p.shards:
                     layouts[ws] = p.shards[key]
             if layouts:
@@ -394,13 +394,17 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
             grads = torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
             for p, gr in zip(ins, grads[: len(ins)], strict=True):
                 nz = (
-                    set()
+                    torch.zeros(0, dtype=torch.long)
                     if gr is None
-                    else set(torch.nonzero(gr.abs().reshape(-1, gr.shape[-1]).sum(0)).flatten().tolist())
+                    else torch.nonzero(gr.abs().reshape(-1, gr.shape[-1]).sum(0)).flatten()
                 )
                 deps.outs.setdefault(p, []).append(nz)
             for key, gr in zip(params, grads[len(ins) :], strict=True):
-                nz = set() if gr is None else set(torch.nonzero(gr.reshape(-1)).flatten().tolist())
+                nz = (
+                    torch.zeros(0, dtype=torch.long)
+                    if gr is None
+                    else torch.nonzero(gr.reshape(-1)).flatten()
+                )
                 deps.params.setdefault(key, []).append(nz)
     if not plan(deps, 2).reason:
         deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
@@ -434,19 +438,37 @@ def _runs_layout(owner: list, ws: int):
     return stride
 
 
-def _owners(per_chunk: list, ws: int, n: int) -> list:
-    """For each of ``n`` positions, the ranks (a frozenset) whose chunks need it."""
+def _owners(per_chunk: list, ws: int, n: int) -> torch.Tensor:
+    """For each of ``n`` positions, a bit mask (int64) of the ranks whose chunks need it."""
     per = len(per_chunk) // ws
-    owner = [set() for _ in range(n)]
+    mask = torch.zeros(n, dtype=torch.long)
     for c, s in enumerate(per_chunk):
-        for i in s:
-            if 0 <= i < n:
-                owner[i].add(c // per)
-    return [frozenset(o) for o in owner]
+        idx = s if isinstance(s, torch.Tensor) else torch.tensor(sorted(s), dtype=torch.long)
+        idx = idx[(idx >= 0) & (idx < n)]
+        mask[idx] |= 1 << (c // per)
+    return mask
+
+
+def _ranks(mask: torch.Tensor) -> torch.Tensor:
+    """How many ranks each bit mask holds."""
+    return sum(((mask >> b) & 1) for b in range(MAX_CHUNKS)) if mask.numel() else mask
+
+
+def _single(mask: torch.Tensor) -> list[int]:
+    """The rank of each single-rank bit mask."""
+    return [int(v).bit_length() - 1 for v in mask.tolist()]
 
 
 def plan(deps: MixerDeps, ws: int) -> MixerPlan:
-    """The :class:`MixerPlan` of ``deps`` over ``ws`` ranks (``ws`` must divide ``deps.chunks``)."""
+    """The :class:`MixerPlan` of ``deps`` over ``ws`` ranks (``ws`` must divide ``deps.chunks``); cached on
+    ``deps`` per world size."""
+    cache = deps.__dict__.setdefault("_plans", {})
+    if ws not in cache:
+        cache[ws] = _plan(deps, ws)
+    return cache[ws]
+
+
+def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
     out = MixerPlan()
     if ws < 2 or deps.chunks % ws:
         out.reason = f"its {deps.chunks} channel chunks do not split over {ws} ranks"
@@ -454,14 +476,16 @@ def plan(deps: MixerDeps, ws: int) -> MixerPlan:
     for p, per in deps.outs.items():
         n = deps.feats[p]
         own = _owners(per, ws, n)
-        shared = sum(1 for o in own if len(o) > 1)
-        if all(len(o) == ws for o in own) and n % ws == 0 and deps.feeds.get(p):
+        count = _ranks(own)
+        shared = int((count > 1).sum())
+        if bool((count == ws).all()) and n % ws == 0 and deps.feeds.get(p):
             # every rank needs all its outputs (Mamba's x_proj: dt, B, C from all channels): computed from the
             # gathered channels, its output features split and gathered again
             out.gathers.add(p)
             out.kinds[p] = "gather_linear"
             continue
-        if shared or any(not o for o in own):
+        unused = int((count == 0).sum())
+        if shared or unused:
             if shared == n:
                 what = (
                     f"all {n} of {p}'s output features reach the channels of every rank (something between it and "
@@ -474,13 +498,10 @@ def plan(deps: MixerDeps, ws: int) -> MixerPlan:
                     "Megatron-LM replicates)"
                 )
             else:
-                what = (
-                    f"{sum(1 for o in own if not o)} of {p}'s {n} output features reach none of the output "
-                    "projection's inputs"
-                )
+                what = f"{unused} of {p}'s {n} output features reach none of the output projection's inputs"
             out.reason = f"{what}, so the mixer stays whole"
             return out
-        stride = _runs_layout([next(iter(o)) for o in own], ws)
+        stride = _runs_layout(_single(own), ws)
         if stride is None:
             out.reason = f"no column-parallel layout of {p} gives each rank the features its channels need"
             return out
@@ -493,30 +514,25 @@ def plan(deps: MixerDeps, ws: int) -> MixerPlan:
         for s in shape:
             n *= s
         own = _owners(per, ws, n)
-        used = [o for o in own if o]
-        if not used:
+        count = _ranks(own)
+        if not bool((count > 0).any()):
             continue
-        if all(len(o) == ws for o in used):  # every rank needs it: replicated, gradients summed
+        if bool((count[count > 0] == ws).all()):  # every rank needs it: replicated, gradients summed
             out.grad_sum.add(key.rsplit(":", 1)[0])
             continue
-        if any(len(o) != 1 for o in own):
+        if bool((count != 1).any()):
             out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
             return out
-        idx = torch.arange(n).view(shape)
-        flat = [next(iter(o)) for o in own]
+        grid = own.view(shape)
         found = None
         for axis, size in enumerate(shape):
-            per_slice = []
-            for i in range(size):
-                ranks = {flat[j] for j in idx.select(axis, i).reshape(-1).tolist()}
-                if len(ranks) != 1:
-                    break
-                per_slice.append(ranks.pop())
-            else:
-                stride = _runs_layout(per_slice, ws)
-                if stride is not None:
-                    found = (axis, stride)
-                    break
+            rows = grid.movedim(axis, 0).reshape(size, -1)
+            if not bool((rows == rows[:, :1]).all()):
+                continue  # a slice needed by several ranks
+            stride = _runs_layout(_single(rows[:, 0]), ws)
+            if stride is not None:
+                found = (axis, stride)
+                break
         if found is None:
             out.reason = f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
             return out
