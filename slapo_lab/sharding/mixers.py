@@ -81,9 +81,11 @@ class MixerDeps:
     """What each of ``chunks`` feature chunks of the output linear's input needs (paths relative to the mixer).
 
     ``outs``: input linear path -> [its output features (a set or an index tensor), per chunk]; ``params``:
-    ``"module:name"`` -> [its flat entries, per chunk]; ``shapes``: ``"module:name"`` -> shape; ``feats``: input linear path ->
-    its output features; ``row``: the output linear's path; ``attrs``: the mixer attributes that hold per-rank
-    values (name -> global value), or None when none was found to work.
+    ``"module:name"`` -> [its flat entries, per chunk]; ``shapes``: ``"module:name"`` -> shape; ``feats``: input
+    linear path -> its output features; ``row``: the output linear's path; ``attrs``: the integer attributes that
+    hold per-rank values (``"submodule:name"``, the mixer's own ``":name"`` -> global value), or None when none
+    was found to work; ``feeds`` / ``values``: per input linear, the input linears its input derives from, and
+    its input and output in the full run (for a gathered linear's check).
     """
 
     chunks: int
@@ -93,9 +95,8 @@ class MixerDeps:
     params: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     attrs: dict | None = None
-    reason: str | None = None
-    feeds: dict = field(default_factory=dict)  # input linear -> the input linears its input derives from
-    values: dict = field(default_factory=dict)  # input linear -> (its input, its output) in the full run
+    feeds: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)
 
 
 @dataclass
