@@ -550,6 +550,13 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             out.append((path, "heads"))
     if split is not None and split.feature_params:
         out = _feature_layers(block_path, split, out)
+    if split is not None and getattr(split, "mixers", None):  # SSM mixers (slapo_lab/sharding/mixers.py)
+        from .sharding import mixers
+
+        cut = len(block_path) + 1 if block_path else 0
+        out = [(p, k) for p, k in out if mixers.reason(split, p[cut:], sch.world_size) is None]
+        mine = mixers.layers(split, block_path, sch.world_size)
+        out = [x for x in out if x[0] not in {p for p, _ in mine}] + mine
     if split is not None and split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
@@ -899,6 +906,25 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         for one in kind[len("head_param:") :].split(";"):  # several on one module (DeBERTa's q_bias, v_bias)
             name, axis = one.split(":")
             _ensure_shard(sch[path], name, int(axis))
+    elif kind == "gather_linear":
+        # a mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
+        # input channels gathered, its output features split, its output gathered (the gathers' backward
+        # reduce-scatters sum the ranks' partial gradients); see slapo_lab/sharding/mixers.py
+        node, rule = _dense(sch, path, "column_parallel")
+        _ensure_shard(node, "weight", rule.out_axis)
+        if getattr(node.mod, "bias", None) is not None:
+            _ensure_shard(node, "bias", 0)
+        _ensure_sync(node, "fwd_pre", "all_gather", axis=-1)
+        _ensure_sync(node, "fwd_post", "all_gather", axis=-1)
+    elif kind.startswith("channel_params:"):
+        # a mixer's per-channel / per-head parameters (A_log, D, dt_bias, a depthwise conv1d, a grouped norm:
+        # slapo_lab/sharding/mixers.py), each on its axis; then, with ";grad_sum", its replicated ones sum gradients
+        spec, _, extra = kind.split(":", 1)[1].partition(";")
+        for item in spec.split(","):
+            name, axis = item.split("=")
+            _ensure_shard(sch[path], name, int(axis))
+        if extra == "grad_sum":
+            _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
     elif kind == "experts":
         experts_parallel(sch, path)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under

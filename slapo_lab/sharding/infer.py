@@ -1338,6 +1338,8 @@ def _real_buffers(model: nn.Module, real: nn.Module | None) -> dict[int, tuple]:
 
 
 def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
+    from . import mixers as _mixers
+
     blocks = _stacks(model)
     if not blocks:
         return {}
@@ -1360,6 +1362,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
     pending = {p for p, _ in blocks}
     dense_by_block: dict[str, dict] = {}
     recs: dict[str, _Snapshot] = {}
+    mixer_args: dict[str, dict] = {}  # block path -> {candidate mixer path: its first call's arguments}
 
     def make_hooks(bpath: str, block: nn.Module):
         r = rec
@@ -1394,6 +1397,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True))
+        handles.extend(_mixers.capture(block, mixer_args.setdefault(bpath, {})))
         for rel, m in dense.items():
 
             def lin_pre(_m, args, rel=rel):
@@ -1503,6 +1507,9 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             split = _analyse(snap, block, dense_by_block[bpath])
             _resolve_head_params(split, block)
             _resolve_head_inputs(split, snap.input_shapes, snap.input_aliases)
+            _mixers.complete(
+                split, block, mixer_args.get(bpath, {})
+            )  # SSM mixers: slapo_lab/sharding/mixers.py
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue

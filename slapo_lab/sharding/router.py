@@ -19,7 +19,11 @@ __all__ = ["router_experts"]
 
 
 def _expert_count(mod: nn.Module, name: str) -> int | None:
-    """The number of experts of ``mod`` when it is an expert bank, else None."""
+    """The number of experts of ``mod`` when it is an expert bank, else None (a convolution's 3-D weight is
+    ``(out channels, in channels / groups, kernel)``, no bank: Qwen3.5's depthwise ``conv1d`` beside its
+    ``in_proj_qkv``)."""
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return None
     if isinstance(mod, nn.ModuleList) and len(mod) > 1 and "expert" in f"{name} {type(mod).__name__}".lower():
         return len(mod)
     if isinstance(mod, nn.modules.conv._ConvNd):  # a convolution's 3-D weight is filters, not experts
