@@ -493,12 +493,17 @@ class _WidthScope:
         self.width, self.local, self.stack = width, local, []
 
     def enter(self, _module, _args) -> None:
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace a mode pushed inside a checkpointed region (an unsafe side effect of the
+            # higher-order op): compiled, the forward runs as written, which is right wherever its reshapes
+            # already use the module's per-rank attributes (GPT-2); TrOCR-like reshapes fail there in one error
+            return
         mode = _LocalWidth(self.width, self.local)
         mode.__enter__()
         self.stack.append(mode)
 
     def exit(self, _module, _args, _out) -> None:
-        if self.stack:
+        if self.stack and not torch.compiler.is_compiling():
             self.stack.pop().__exit__(None, None, None)
 
 
