@@ -40,9 +40,8 @@ def main(**kwargs) -> int:
 
     code = _main(**kwargs, checked=checked)
     if dist.is_available() and dist.is_initialized():
-        return (
-            code  # the caller kept its own process group (several scripts in one launch): it ends the process
-        )
+        # the caller kept its own process group (several scripts in one launch): it ends the process itself
+        return code
     return finish(code)
 
 

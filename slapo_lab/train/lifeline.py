@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import signal
 import sys
@@ -134,8 +135,6 @@ def finish(code: int) -> int:
     """
     if launcher_of() is None:
         return code
-    import logging
-
     try:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
