@@ -151,10 +151,10 @@ def test_the_editor_checks_in_the_background_after_every_change_and_lists_a_fail
     ed = sl.ScheduleEditor(model, example_inputs={"input_ids": ids}, world_size=2, live_check=True)
     first = _wait_for(ed)
     assert first is not None and first.passed, first  # nothing scheduled: equal
-    t0 = time.perf_counter()
     assert ed.apply("checkpoint", path="h.1") is None
-    assert ed.numeric_report is None  # the click returns at once; the check runs after it
-    assert time.perf_counter() - t0 < ed.NUMERIC_DEBOUNCE
+    # the click returns before the check: a check run inside the click would have set the report (a click's
+    # latency is benchmarks/editor_bench.py's to measure, not a timed assertion's on a shared machine)
+    assert ed.numeric_report is None
     report = _wait_for(ed)
     assert report.passed and "✓" in ed._numeric_box.value.replace("&#10003;", "✓")
     # the preset checks its calls first: this attention takes its head size from the width, so split it

@@ -1121,11 +1121,11 @@ def main(
             "process, or --device cpu."
         )
     if error:
-        from .preflight import speaks_errors
+        from .preflight import failed, speaks_errors
 
         if speaks_errors():  # once per node, not once per rank
-            print(error, file=sys.stderr)
-        return 2
+            print(error, file=sys.stderr, flush=True)
+        return failed(2)
     _init_process_group(args, device)
     say_phase("setup")
     run = None

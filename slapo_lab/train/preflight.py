@@ -96,6 +96,20 @@ def speaks_errors() -> bool:
     return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
 
 
+#: Seconds a silent rank (not its node's speaker) waits before it exits on a launch error: the speaker, local
+#: rank 0, prints the sentence and exits first, so the launcher stops the job on the speaker's status instead of
+#: on a silent rank's, which would have SIGTERMed the speaker before it printed (a race seen in CI).
+SILENT_WAIT_S = 30.0
+
+
+def failed(status: int) -> int:
+    """``status`` for a launch error on this rank; a launched rank that does not print it (see
+    :func:`speaks_errors`) first waits up to :data:`SILENT_WAIT_S` for its launcher to stop it."""
+    if not speaks_errors() and "LOCAL_RANK" in os.environ:
+        time.sleep(SILENT_WAIT_S)
+    return status
+
+
 def speaks_notes() -> bool:
     """Whether this process prints notes: global rank 0 (or a process without a launcher)."""
     return os.environ.get("RANK", "0") == "0"
@@ -514,7 +528,7 @@ def preflight(
             args = parse_args(parser, argv)
     except SystemExit as done:
         if done.code not in (0, None):
-            return int(done.code) if isinstance(done.code, int) else 2
+            return failed(int(done.code) if isinstance(done.code, int) else 2)
         raise
     if getattr(args, "print_ds_config", False):
         return Checked(args, world=launched_world())
@@ -523,7 +537,7 @@ def preflight(
     except PreflightError as err:
         if speaks_errors():
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return failed(2)
     if speaks_notes():
         for note in checked.notes:
             print(note, flush=True)
