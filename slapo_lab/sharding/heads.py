@@ -135,14 +135,10 @@ def register_attention_heads(class_name: str, attrs: tuple[str, ...] | list[str]
 
 
 @cache
-def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
-    """``(self attributes, self.config attributes)`` read by ``cls``'s methods other than ``__init__``.
-
-    Walks the classes of ``cls.__mro__`` below ``nn.Module``, overridden methods included (``super()`` may
-    call them); None when a class has no source to read.
-    """
-    self_attrs: set[str] = set()
-    cfg_attrs: set[str] = set()
+def _runtime_methods(cls: type) -> tuple | None:
+    """The AST nodes of ``cls``'s methods other than ``__init__``, over the classes of ``cls.__mro__`` below
+    ``nn.Module`` (overridden ones included: ``super()`` may call them); None when a class has no source."""
+    out = []
     for klass in cls.__mro__:
         if (
             klass in (nn.Module, object)
@@ -155,22 +151,40 @@ def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
         except (OSError, TypeError, SyntaxError):
             return None
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for fn in body:
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+        out += [
+            fn
+            for fn in body
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != "__init__"
+        ]
+    return tuple(out)
+
+
+@cache
+def runtime_reads(cls: type) -> tuple[frozenset[str], frozenset[str]] | None:
+    """``(self attributes, self.config attributes)`` read by ``cls``'s methods other than ``__init__``.
+
+    Walks the classes of ``cls.__mro__`` below ``nn.Module``, overridden methods included (``super()`` may
+    call them); None when a class has no source to read.
+    """
+    self_attrs: set[str] = set()
+    cfg_attrs: set[str] = set()
+    methods = _runtime_methods(cls)
+    if methods is None:
+        return None
+    for fn in methods:
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute):
                 continue
-            for node in ast.walk(fn):
-                if not isinstance(node, ast.Attribute):
-                    continue
-                base = node.value
-                if isinstance(base, ast.Name) and base.id == "self":
-                    self_attrs.add(node.attr)
-                elif (
-                    isinstance(base, ast.Attribute)
-                    and base.attr == "config"
-                    and isinstance(base.value, ast.Name)
-                    and base.value.id == "self"
-                ):
-                    cfg_attrs.add(node.attr)
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == "self":
+                self_attrs.add(node.attr)
+            elif (
+                isinstance(base, ast.Attribute)
+                and base.attr == "config"
+                and isinstance(base.value, ast.Name)
+                and base.value.id == "self"
+            ):
+                cfg_attrs.add(node.attr)
     return frozenset(self_attrs), frozenset(cfg_attrs)
 
 
@@ -185,31 +199,20 @@ def runtime_compared(cls: type) -> frozenset[str] | None:
     a width compared with the input's (FSMT's ``assert embed_dim == self.embed_dim``) is the model width, not
     the heads' width, and stays global. None when a class has no source to read."""
     out: set[str] = set()
-    for klass in cls.__mro__:
-        if (
-            klass in (nn.Module, object)
-            or not issubclass(klass, nn.Module)
-            or klass.__module__.startswith("torch.")
-        ):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            return None
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for fn in body:
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+    methods = _runtime_methods(cls)
+    if methods is None:
+        return None
+    for fn in methods:
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Compare):
                 continue
-            for node in ast.walk(fn):
-                if not isinstance(node, ast.Compare):
-                    continue
-                for side in (node.left, *node.comparators):
-                    if (
-                        isinstance(side, ast.Attribute)
-                        and isinstance(side.value, ast.Name)
-                        and side.value.id == "self"
-                    ):
-                        out.add(side.attr)
+            for side in (node.left, *node.comparators):
+                if (
+                    isinstance(side, ast.Attribute)
+                    and isinstance(side.value, ast.Name)
+                    and side.value.id == "self"
+                ):
+                    out.add(side.attr)
     return frozenset(out)
 
 
@@ -219,36 +222,25 @@ def reshapes_to_a_local_width(cls: type) -> bool:
     axis is a local value rather than the module's attribute (TrOCR's ``attn_output.reshape(bsz, tgt_len,
     embed_dim)`` with ``embed_dim`` read from ``hidden_states.size()``, Pegasus-X's ``dim.hidden_dim``): such
     a forward gets :class:`_LocalWidth`. True when a class has no source to read."""
-    for klass in cls.__mro__:
-        if (
-            klass in (nn.Module, object)
-            or not issubclass(klass, nn.Module)
-            or klass.__module__.startswith("torch.")
-        ):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            return True
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for fn in body:
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+    methods = _runtime_methods(cls)
+    if methods is None:
+        return True
+    for fn in methods:
+        for node in ast.walk(fn):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("view", "reshape")
+                and len(node.args) >= 2
+                and not any(isinstance(a, ast.Starred) for a in node.args)
+            ):
                 continue
-            for node in ast.walk(fn):
-                if not (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("view", "reshape")
-                    and len(node.args) >= 2
-                    and not any(isinstance(a, ast.Starred) for a in node.args)
-                ):
-                    continue
-                last = node.args[-1]
-                if isinstance(last, ast.Name) or (
-                    isinstance(last, ast.Attribute)
-                    and not (isinstance(last.value, ast.Name) and last.value.id == "self")
-                ):
-                    return True
+            last = node.args[-1]
+            if isinstance(last, ast.Name) or (
+                isinstance(last, ast.Attribute)
+                and not (isinstance(last.value, ast.Name) and last.value.id == "self")
+            ):
+                return True
     return False
 
 
