@@ -797,7 +797,8 @@ def _meta_vals(graph: fx.Graph) -> None:
 # ------------------------------------------------------------------------------------------------
 # fx.GraphModules out of torch.export
 # ------------------------------------------------------------------------------------------------
-_PLAIN_HOOKS = (
+#: The ``nn.Module`` dicts of plain (non-state) hooks: moved with a module that is swapped or traced.
+HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
     "_forward_hooks",
@@ -816,7 +817,7 @@ _STATE_KEYS = frozenset(
         "_non_persistent_buffers_set",
         "_modules",
         "_is_full_backward_hook",
-        *_PLAIN_HOOKS,
+        *HOOK_DICTS,
     }
 )
 
@@ -1586,7 +1587,7 @@ def _move_plain_hooks(old: nn.Module, new: nn.Module) -> None:
     """Hooks registered on the module (not by a primitive: those refuse tracing) stay at its path (Slapo)."""
     if new is old:
         return
-    for attr in _PLAIN_HOOKS:
+    for attr in HOOK_DICTS:
         src = getattr(old, attr, None)
         if src:
             getattr(new, attr).update(src)

@@ -37,7 +37,16 @@ from torch import fx, nn
 
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
-from ..tracing import edit_graph, is_traced, lost_call_signature, needs_call, orig_class, refresh, set_child
+from ..tracing import (
+    HOOK_DICTS,
+    edit_graph,
+    is_traced,
+    lost_call_signature,
+    needs_call,
+    orig_class,
+    refresh,
+    set_child,
+)
 from .base import Primitive, own_copy, register_primitive
 
 
@@ -175,22 +184,11 @@ def check_module_swap(sch, new: Any) -> None:
     _check_module_signature(sch, new)
 
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
 def swap_module(sch, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``sch``'s path (no checks, no record): move plain hooks, keep parameter tags
     and the pipeline cut, re-mirror the children."""
     old = sch.mod
-    for attr in _HOOK_DICTS:
+    for attr in HOOK_DICTS:
         src = getattr(old, attr, None)
         if src:
             getattr(new, attr).update(src)
