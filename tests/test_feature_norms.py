@@ -93,18 +93,20 @@ def test_a_norm_sharded_on_its_features_sums_its_statistics_over_the_ranks(kind,
     assert report.status == "failed" and report.worst > 1e-2, report.message
 
 
+_TINY_DECODER = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
 FAMILIES = {
     "bitnet": (
         "BitNetConfig",
         "BitNetForCausalLM",
-        {
-            "vocab_size": 128,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        },
+        _TINY_DECODER,
         {
             "self_attn.attn_sub_norm": {"self_attn.o_proj"},
             "mlp.ffn_sub_norm": {"mlp.gate_proj", "mlp.up_proj"},
@@ -113,14 +115,7 @@ FAMILIES = {
     "olmo2": (
         "Olmo2Config",
         "Olmo2ForCausalLM",
-        {
-            "vocab_size": 128,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        },
+        _TINY_DECODER,
         {"self_attn.q_norm": {"self_attn.q_proj"}, "self_attn.k_norm": {"self_attn.k_proj"}},
     ),
     "convnextv2": (
