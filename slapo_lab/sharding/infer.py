@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -749,12 +750,7 @@ def _replicated_strides(feature_part: list[str], replicated: dict[str, int]) -> 
     (key / value heads of multi-query attention) held whole by their replica groups; none when a part recurs."""
     from .rules import BlockStride
 
-    runs: list = []
-    for p in feature_part:
-        if runs and runs[-1][0] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
+    runs = [[k, len(list(g))] for k, g in itertools.groupby(feature_part)]  # (part, run length), in order
     if len(runs) < 2 or len({r[0] for r in runs}) != len(runs):
         return []
     return [BlockStride([r[1] for r in runs], [replicated.get(r[0], 0) for r in runs])]

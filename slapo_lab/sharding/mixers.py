@@ -426,12 +426,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
 # ------------------------------------------------------------------------------------------------- the plan
 def _runs_layout(owner: list, ws: int):
     """The stride whose :func:`local_shard` gives rank r exactly the positions ``owner`` assigns it, or None."""
-    runs: list = []
-    for o in owner:
-        if runs and runs[-1][0] == o:
-            runs[-1][1] += 1
-        else:
-            runs.append([o, 1])
+    runs = [[k, len(list(g))] for k, g in itertools.groupby(owner)]  # (part, run length), in order
     if len(runs) % ws:
         return None
     sizes = []
