@@ -897,6 +897,7 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         for name, prm in list(node.mod._parameters.items()):
             if prm is not None:
                 _ensure_shard(node, name, 0 if conv else prm.dim() - 1)
+        _shard_running_stats(node)
     elif kind == "row":
         row_parallel(sch, path, sequence_parallel)
     elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
@@ -906,6 +907,7 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
         for one in kind[len("head_param:") :].split(";"):  # several on one module (DeBERTa's q_bias, v_bias)
             name, axis = one.split(":")
             _ensure_shard(sch[path], name, int(axis))
+        _shard_running_stats(sch[path])
     elif kind == "gather_linear":
         # a mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
         # input channels gathered, its output features split, its output gathered (the gathers' backward
@@ -930,6 +932,25 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
         # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
         _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+
+
+def _shard_running_stats(node) -> None:
+    """Shard a batch norm's running statistics like its sharded per-feature parameters: LeViT's
+    ``Linear -> BatchNorm1d`` and any norm that keeps one running mean / variance per feature. Each buffer of
+    the parameters' shape follows the first of them that is sharded (same axis, hence the same index map), so
+    the module's eval-mode forward sees this rank's features' statistics (``running_mean should contain 128
+    elements not 256`` otherwise)."""
+    if not isinstance(node.mod, nn.modules.batchnorm._BatchNorm):
+        return
+    axes = {
+        tuple(getattr(p, "orig_shape", p.shape)): p.shard_axis
+        for p in node.mod._parameters.values()
+        if p is not None and getattr(p, "shard_axis", None) is not None
+    }
+    for name, buf in list(node.mod._buffers.items()):
+        axis = axes.get(tuple(buf.shape)) if buf is not None else None
+        if axis is not None:
+            _ensure_shard(node, name, axis)
 
 
 def _path_of(sch, mod: nn.Module) -> str | None:

@@ -15,7 +15,10 @@ the numeric check on 2 simulated ranks (:func:`slapo_lab.numeric.numeric_check`)
 * **blocks of tokens** (LongT5's local attention: padded, cut into blocks, concatenated in threes, scored with
   ``einsum("...qhd,...khd->...hqk")``): the heads axis is told from the batch and block axes by the features;
 * **a container of blocks** (PVT's ``encoder.block.i``, a list of layers of which only the first was
-  analysed): every layer takes the analysed split.
+  analysed): every layer takes the analysed split;
+* **blocks cut inside** (LeViT's stages, each a block of residual layers): the numeric check's shrunk copy
+  keeps fewer layers of a stage, so it is analysed afresh, not served the full model's split; a
+  ``BatchNorm1d`` after a column-parallel linear keeps its running statistics for this rank's features.
 """
 
 from __future__ import annotations
@@ -78,6 +81,20 @@ MODELS = {
             "strides": [4, 2],
             "num_attention_heads": [2, 2],
             "mlp_ratios": [2, 2],
+        },
+    ),
+    "levit": (
+        "LevitConfig",
+        "LevitForImageClassification",
+        {
+            "image_size": 32,
+            "hidden_sizes": [16, 32, 48],
+            "num_attention_heads": [4, 4, 4],
+            "depths": [2, 2, 2],
+            "key_dim": [16, 16, 16],
+            "mlp_ratio": [2, 2, 2],
+            "attention_ratio": [2, 2, 2],
+            "num_labels": 2,
         },
     ),
     "segformer": (
@@ -239,3 +256,19 @@ def test_a_model_of_convolutions_only_is_refused_naming_what_its_blocks_hold():
         "ResNetForImageClassification has no dense projection (nn.Linear or HF Conv1D) in its 2 repeated blocks "
         "for the Megatron preset to split (they hold Conv2d x5, BatchNorm2d x5), so nothing is split."
     )
+
+
+def test_levit_mlps_split_with_their_batch_norms_in_stages_the_check_cuts():
+    model, inputs = _build("levit"), _inputs("levit")
+    sch = _editor_schedule(model, inputs)
+    mlp = "levit.encoder.stages.2.layers.1.module."
+    kinds = dict(presets.block_layers(sch, "levit.encoder.stages.2.layers.1"))
+    assert (kinds[mlp + "linear_up.linear"], kinds[mlp + "linear_up.batch_norm"]) == ("column", "features")
+    # LeViT's attention wraps its fused linear and a batch norm in one module class that its MLP uses too,
+    # so the split is refused there by the check, in one sentence, and the MLPs are split (never refused whole)
+    notes = presets.megatron_tp(sch, vocab_parallel=False).notes
+    assert any(n.startswith("Kept whole: in every LevitResidualLayer module (queries_keys_values") for n in notes)
+    bn = sch[mlp + "linear_up.batch_norm"].mod
+    assert bn.running_mean.shape == bn.weight.shape == (48,)  # 96 features, this rank's half
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message

@@ -1346,7 +1346,9 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
         type(model).__qualname__,
         _config_digest(getattr(model, "config", None)),
         tuple((k, tuple(v.shape)) for k, v in inputs.items() if isinstance(v, torch.Tensor)),
-        tuple(p for p, _ in blocks),
+        # each block's structure too: a shrunk copy (the numeric check's, a stack cut inside a block) shares the
+        # config and the block paths but not what is inside them (LeViT's stages, each a block of layers)
+        tuple((p, _signature(b)) for p, b in blocks),
     )
     if key[1] is not None and key in _BY_DIGEST:
         result = _BY_DIGEST[key]
@@ -1703,7 +1705,12 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
         {k[len(pre) :] for k in split.shared if k.startswith(pre)},
         {k[len(pre) :] for k in split.grad_sum if k.startswith(pre)},
         {k[len(pre) :] for k in split.ran if k.startswith(pre)},
-        {
+        head_inputs=[
+            HeadParam(hi.module[len(pre) :], hi.name, hi.axis, hi.heads)
+            for hi in split.head_inputs
+            if hi.module.startswith(pre)
+        ],
+        feature_params={
             k[len(pre) :]: {x[len(pre) :] for x in v}
             for k, v in split.feature_params.items()
             if k.startswith(pre)
@@ -1729,7 +1736,8 @@ def _prefixed(split: BlockSplit, prefix: str) -> BlockSplit:
         {pre + k for k in split.shared},
         {pre + k for k in split.grad_sum},
         {pre + k for k in split.ran},
-        {pre + k: {pre + x for x in v} for k, v in split.feature_params.items()},
+        head_inputs=[HeadParam(pre + hi.module, hi.name, hi.axis, hi.heads) for hi in split.head_inputs],
+        feature_params={pre + k: {pre + x for x in v} for k, v in split.feature_params.items()},
     )
 
 
