@@ -267,7 +267,9 @@ def test_levit_mlps_split_with_their_batch_norms_in_stages_the_check_cuts():
     # LeViT's attention wraps its fused linear and a batch norm in one module class that its MLP uses too,
     # so the split is refused there by the check, in one sentence, and the MLPs are split (never refused whole)
     notes = presets.megatron_tp(sch, vocab_parallel=False).notes
-    assert any(n.startswith("Kept whole: in every LevitResidualLayer module (queries_keys_values") for n in notes)
+    assert any(
+        n.startswith("Kept whole: in every LevitResidualLayer module (queries_keys_values") for n in notes
+    )
     bn = sch[mlp + "linear_up.batch_norm"].mod
     assert bn.running_mean.shape == bn.weight.shape == (48,)  # 96 features, this rank's half
     report = numeric_check(model, sch.record.calls, 2, inputs)
