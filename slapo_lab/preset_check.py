@@ -97,6 +97,14 @@ def _depth(a: str, b: str) -> int:
     return n
 
 
+def _own(kind: str) -> str:
+    """How a region names a layer that is its owner module itself (an attention module's own per-head table:
+    LeViT's ``attention_biases``)."""
+    if kind.startswith("head_param:"):
+        return "its own " + ", ".join(one.split(":")[0] for one in kind[len("head_param:") :].split(";"))
+    return "the module's own tensors"
+
+
 def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[Region, list[str]]]:
     """Group one block's layers (``(path relative to the block, kind)`` from
     :func:`slapo_lab.presets.block_layers`, in module order) into regions.
@@ -143,9 +151,11 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
             owners.append(_parent(rel))
         else:
             found[best_i].append(rel)
+    kinds = dict(layers)
     out = []
     for g, owner in zip(found, owners, strict=True):
-        rels = [p[len(owner) + 1 :] if owner else p for p in g]
+        # a layer that is the owner itself (an attention module's own per-head table) is named by its own tensors
+        rels = [(p[len(owner) + 1 :] if owner else p) or _own(kinds.get(p, "")) for p in g]
         names = ", ".join(rels[:5]) + (f" and {len(rels) - 5} more" if len(rels) > 5 else "")
         label = f"{owner} ({names})" if owner else names
         out.append((Region((block_cls, tuple(g)), label, f"every {block_cls}"), g))

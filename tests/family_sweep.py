@@ -27,7 +27,8 @@ Classes (:class:`Result`.status):
 
 * ``"full"``: the check passed and every projection of every block stack is sharded. **A projection** is,
   structurally, every ``nn.Linear`` / HF ``Conv1D`` inside a block of a stack :func:`slapo_lab.presets.find_blocks`
-  finds, plus every expert bank (a module holding 3-D weights that is not a convolution), **except routers**:
+  finds, plus every expert bank (a module holding 3-D weights, at least 2 on the first axis, that is not a
+  convolution), **except routers**:
   a linear, anywhere under a module that has an expert bank as a direct child, whose ``out_features`` is at most
   that bank's number of experts (a 3-D bank's first axis, or a ``ModuleList`` / ``ModuleDict`` of at least 2
   same-class modules each holding a linear): one logit per expert, or a shared expert's single gate
@@ -497,8 +498,10 @@ def _is_linear(mod) -> bool:
 
 
 def _expert_count(mod) -> int | None:
-    """Experts in ``mod`` when it is an expert bank: 3-D weights (first axis) or a ModuleList of >= 2 modules
-    of one class each holding a linear."""
+    """Experts in ``mod`` when it is an expert bank: 3-D weights whose first axis holds >= 2 experts, or a
+    ModuleList of >= 2 modules of one class each holding a linear. A 3-D parameter with one entry on its first
+    axis is a broadcast per-channel term, not a bank (Phi-4-multimodal's GLU biases ``b1``, ``b2`` of shape
+    ``(1, channels, 1)``)."""
     from torch import nn
 
     if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) >= 2:
@@ -508,7 +511,7 @@ def _expert_count(mod) -> int | None:
         return None
     if isinstance(mod, nn.modules.conv._ConvNd):
         return None
-    three = [p for p in mod._parameters.values() if p is not None and p.dim() == 3]
+    three = [p for p in mod._parameters.values() if p is not None and p.dim() == 3 and p.shape[0] >= 2]
     return three[0].shape[0] if three else None
 
 
