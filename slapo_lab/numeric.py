@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blocks import find_blocks
 from .errors import ScheduleError
 from .record import Call
 
@@ -461,7 +462,6 @@ def shrunk_copy(
     Raises:
         ScheduleError: a meta model without a Hugging Face config, or one still too large once shrunk.
     """
-    from .presets import find_blocks
     from .schedule import create_schedule
     from .utils import meta_copy
 

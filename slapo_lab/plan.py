@@ -49,7 +49,6 @@ Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule fo
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .blocks import block_stack
 from .errors import ScheduleError
 from .module_state import peek_meta
 from .utils import human_bytes, meta_copy, to_meta
@@ -153,17 +153,6 @@ class StageAssignment:
     nodes: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _find_blocks(nodes: dict) -> tuple[str | None, int]:
-    """The longest ``ModuleList``/``Sequential`` (the shallowest among equals) of ``{path: node}``."""
-    best, best_n, best_depth = None, 1, math.inf
-    for path, node in nodes.items():
-        if isinstance(node.mod, (nn.ModuleList, nn.Sequential)):
-            n, depth = len(node.child), path.count(".")
-            if n > best_n or (n == best_n and depth < best_depth):
-                best, best_n, best_depth = path, n, depth
-    return best, (best_n if best is not None else 0)
-
-
 def stage_assignment(sch, forward_order=None) -> StageAssignment:
     """Assign every module of ``sch`` to a pipeline stage from the recorded cuts.
 
@@ -217,7 +206,7 @@ def stage_assignment(sch, forward_order=None) -> StageAssignment:
             calls = fo.calls.get(path)
             if calls:
                 stage_of[path] = bisect.bisect_right(exits, calls[0][0])
-    blocks, n_blocks = _find_blocks(nodes)
+    blocks, n_blocks = block_stack(sch)
     return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged, nodes)
 
 

@@ -42,24 +42,10 @@ from collections import OrderedDict
 
 from torch import nn
 
+from .blocks import _BLOCK_CLASSES, FAMILIES, detect_family, find_blocks, is_conv1d
 from .errors import ScheduleError
 from .record import Call
 from .sharding.rules import head_dim, is_norm
-
-FAMILIES = ("bert", "gpt2", "llama")
-_BLOCK_CLASSES = {"bert": ("BertLayer",), "gpt2": ("GPT2Block",), "llama": ("LlamaDecoderLayer",)}
-
-# Families whose attention keeps head counts in attributes (OPT, GPT-Neo, T5: the shard rules rewrite them per
-# rank, slapo_lab/sharding/heads.py) and RoBERTa (BERT's names); T5Block covers the encoder and the decoder.
-_BLOCK_CLASSES.update(
-    {
-        "roberta": ("RobertaLayer",),
-        "opt": ("OPTDecoderLayer",),
-        "gpt_neo": ("GPTNeoBlock",),
-        "t5": ("T5Block", "MT5Block", "UMT5Block"),
-    }
-)
-FAMILIES = (*FAMILIES, "roberta", "opt", "gpt_neo", "t5")
 
 # Projections by their attribute name (last path component) or path suffix inside a block.
 COLUMN_NAMES = frozenset(
@@ -124,10 +110,6 @@ COLUMN_NAMES = COLUMN_NAMES | {"query_proj", "key_proj", "value_proj", "pos_key_
 HEAD_NORM_NAMES = frozenset(
     {"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm"}
 )
-
-
-def _is_conv1d(mod: nn.Module) -> bool:
-    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
 
 
 def _since(sch, n: int) -> list[Call]:
@@ -254,82 +236,6 @@ def _all_or_nothing(fn):
             return fn(sch, *args, **kwargs)
 
     return wrapper
-
-
-def detect_family(sch) -> str | None:
-    """``"bert"``, ``"gpt2"`` or ``"llama"`` from the block classes under ``sch``, else None."""
-    names = {type(m).__name__ for m in sch.mod.modules()}
-    for fam, classes in _BLOCK_CLASSES.items():
-        if names.intersection(classes):
-            return fam
-    return None
-
-
-def find_blocks(sch) -> list[str]:
-    """Paths (relative to ``sch``) of the repeated transformer blocks, in order.
-
-    The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
-    the children of every stack of blocks: the largest ``nn.ModuleList`` whose children all share one class
-    and have parameters (lists whose blocks hold dense layers first, so StableLM's per-head q/k norms are not
-    taken for its blocks), then each other such list of at least two that is neither inside nor around one
-    already taken (Whisper's decoder beside its encoder, CLIP's vision tower beside its text tower), in
-    module order.
-    """
-    fam = detect_family(sch)
-    if fam is not None:
-        classes = _BLOCK_CLASSES[fam]
-        return [p for p, node in sch.named_schedules() if p and type(node.mod).__name__ in classes]
-    stacks: list[tuple[int, str, list[str]]] = []  # (order, path, block paths)
-    for i, (p, node) in enumerate(sch.named_schedules()):
-        if not isinstance(node.mod, nn.ModuleList) or len(node.mod) < 1:
-            continue
-        kids = list(node.mod)
-        if len({type(k) for k in kids}) != 1 or not any(True for _ in kids[0].parameters()):
-            continue
-        stacks.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
-    taken: list[tuple[int, str, list[str]]] = []
-    dense = {p: _has_dense(sch[p].mod[0]) for _, p, _ in stacks}
-    # blocks hold dense layers: a list of per-head norms (StableLM's q_layernorm.norms) is no stack of blocks,
-    # however long; then the longest first (stable: the first of equal lengths wins)
-    for stack in sorted(stacks, key=lambda s: (not dense[s[1]], -len(s[2]))):
-        if taken and len(stack[2]) < 2:
-            continue
-        p = stack[1]
-        if any(_nested(p, q) or _nested(q, p) for _, q, _ in taken):
-            continue
-        taken.append(stack)
-    return [b for _, _, blocks in sorted(taken) for b in blocks] or _mixed_blocks(sch)
-
-
-def _mixed_blocks(sch) -> list[str]:
-    """Where no list of one block class exists: the children of the longest ``nn.ModuleList`` (then of each
-    other one neither inside nor around it) whose children are blocks of several classes, each holding a dense
-    layer -- a hybrid stack (OLMo-Hybrid's attention and linear-attention layers, Inkling2's full and sliding
-    layers, SwiftFormer's convolutional and attention encoders)."""
-    lists = []
-    for i, (p, node) in enumerate(sch.named_schedules()):
-        kids = list(node.mod) if isinstance(node.mod, nn.ModuleList) else []
-        if len(kids) < 2 or len({type(k) for k in kids}) < 2:
-            continue
-        if any(isinstance(k, (nn.ModuleList, nn.ModuleDict)) or not _has_dense(k) for k in kids):
-            continue
-        lists.append((i, p, [f"{p}.{name}" if p else name for name in node.child]))
-    # the innermost lists: a list around another (SwiftFormer's stages around their blocks) holds no blocks
-    lists = [s for s in lists if not any(q != s[1] and _nested(q, s[1]) for _, q, _ in lists)]
-    taken: list = []
-    for stack in sorted(lists, key=lambda s: -len(s[2])):
-        if not any(_nested(stack[1], q) or _nested(q, stack[1]) for _, q, _ in taken):
-            taken.append(stack)
-    return [b for _, _, blocks in sorted(taken) for b in blocks]
-
-
-def _has_dense(mod: nn.Module) -> bool:
-    return any(isinstance(m, (nn.Linear, nn.Conv2d)) or _is_conv1d(m) for m in mod.modules())
-
-
-def _nested(inner: str, outer: str) -> bool:
-    """Whether module path ``inner`` is ``outer`` or below it ("" is the root)."""
-    return not outer or inner == outer or inner.startswith(outer + ".")
 
 
 def _dense(sch, path: str, what: str):
@@ -488,7 +394,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             continue
         path = f"{block_path}.{rel}" if block_path else rel
         mod = node.mod
-        if isinstance(mod, nn.Linear) or _is_conv1d(mod):
+        if isinstance(mod, nn.Linear) or is_conv1d(mod):
             fused, refusal = _fused_kind(node)
             role = split.roles.get(rel) if split is not None else None
             if refusal:
@@ -674,7 +580,7 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
     splits: dict = {}
     for path, node in sch.named_schedules():
         mod = node.mod
-        if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)) or getattr(mod, "weight", None) is None:
+        if not (isinstance(mod, nn.Linear) or is_conv1d(mod)) or getattr(mod, "weight", None) is None:
             continue
         meta = peek_meta(mod)
         if (meta and meta["sharded"]) or getattr(mod.weight, "shard_axis", None) is not None:
@@ -800,7 +706,7 @@ def _no_pair_reason(sch, block_path: str, layers: list[tuple[str, str]]) -> str:
         dense = [
             p
             for p, n in sch[block_path].named_schedules()
-            if isinstance(n.mod, nn.Linear) or _is_conv1d(n.mod)
+            if isinstance(n.mod, nn.Linear) or is_conv1d(n.mod)
         ]
         return (
             f"{block_path or 'the root module'} has no dense layer its recorded dataflow can split: "
@@ -826,7 +732,7 @@ def _convolutions_only(sch) -> str | None:
     for b in blocks:
         for _rel, node in sch[b].named_schedules():
             mod = node.mod
-            if isinstance(mod, nn.Linear) or _is_conv1d(mod):
+            if isinstance(mod, nn.Linear) or is_conv1d(mod):
                 return None
             if any(p is not None for p in mod._parameters.values()):
                 kinds[type(mod).__name__] = kinds.get(type(mod).__name__, 0) + 1

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..blocks import find_blocks
 from ..errors import ScheduleError
 from .order import _split_inputs, _strip_schedule, dummy_inputs
 
@@ -60,7 +61,6 @@ def block_stacks(sch) -> tuple[str, list[str]]:
     Raises:
         ScheduleError: the model has fewer than two repeated blocks.
     """
-    from ..presets import find_blocks
     from .order import cached_call_order
 
     top = sch.get_top_schedule()

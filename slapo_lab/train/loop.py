@@ -358,7 +358,7 @@ class Run:
 
     # ------------------------------------------------------------------ model
     def _setup_model(self) -> None:
-        from ..presets import find_blocks
+        from ..blocks import find_blocks
         from ..schedule import create_schedule
         from .parallel import apply_fsdp
         from .weights import Target, WeightsError, build_meta_model, canonical_names

@@ -67,7 +67,7 @@ class Reference:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from ..presets import find_blocks
+        from ..blocks import find_blocks
         from ..schedule import create_schedule
 
         world = dist.get_world_size()
