@@ -570,7 +570,7 @@ def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
 
 
 def remembered_inputs(sch, model: nn.Module) -> dict:
-    """The example inputs the schedule remembers (:func:`slapo_lab.pipeline.order.set_example_inputs`, as the
+    """The example inputs the schedule remembers (:func:`slapo_lab.call_order.set_example_inputs`, as the
     editor sets them), else ones made from a Hugging Face model's config
     (:func:`slapo_lab.inputs.inputs_from_config`), else ``input_ids`` of 2 x 16 tokens for a model whose forward
     takes them.
@@ -580,8 +580,8 @@ def remembered_inputs(sch, model: nn.Module) -> dict:
     """
     import inspect
 
+    from .call_order import _INPUTS_KEY
     from .inputs import inputs_from_config
-    from .pipeline.order import _INPUTS_KEY
 
     stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
     if stored:

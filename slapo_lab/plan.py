@@ -159,7 +159,7 @@ def stage_assignment(sch, forward_order=None) -> StageAssignment:
     A module belongs to the stage in which it starts in depth-first registration order; a cut at
     ``p`` ends its stage after ``p``'s whole subtree, so everything inside ``p`` shares ``p``'s stage.
     With no cuts every module is in stage 0. Given the forward's ``forward_order``
-    (:class:`slapo_lab.pipeline.order.CallOrder`), a module that runs is placed by when it first runs
+    (:class:`slapo_lab.call_order.CallOrder`), a module that runs is placed by when it first runs
     instead: after how many cuts' exits (Llama's ``rotary_emb``, registered after the layers, runs before
     them, so in stage 0, where the pipeline computes it).
 

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .call_order import REFERENCE_KEY
 from .errors import ScheduleError
-from .pipeline.order import REFERENCE_KEY
 from .record import Call
 
 __all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]

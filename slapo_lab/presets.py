@@ -1266,7 +1266,7 @@ def _refuse_width_derived_heads(sch) -> None:
     counts or sizes from widths the preset split (nanoGPT's ``C // self.n_head``), and the preset is refused
     in one sentence (all or nothing: nothing stays applied). Without example inputs nothing is run (the
     editor's live numeric check still runs the model)."""
-    from .pipeline.order import _INPUTS_KEY
+    from .call_order import _INPUTS_KEY
     from .plan import estimate_activations
 
     top = sch.get_top_schedule()

@@ -740,9 +740,9 @@ def sweep_one(model_type: str) -> Result:
 
     import slapo_lab as sl
     from slapo_lab import presets
+    from slapo_lab.call_order import set_example_inputs
     from slapo_lab.errors import ScheduleError
     from slapo_lab.numeric import numeric_check
-    from slapo_lab.pipeline.order import set_example_inputs
     from slapo_lab.preset_check import set_reference
     from slapo_lab.utils import meta_copy
 

@@ -185,7 +185,7 @@ def test_call_order_for_cut_checks_is_recorded_in_the_background_not_on_first_do
     it starts after the constructor, so opening the first level never waits for it."""
     import asyncio
 
-    order = importlib.import_module("slapo_lab.pipeline.order")
+    order = importlib.import_module("slapo_lab.call_order")
     recorded = []
     real = order.record_call_order
     monkeypatch.setattr(order, "record_call_order", lambda *a, **k: recorded.append(1) or real(*a, **k))

@@ -32,8 +32,8 @@ from harness import REPO_ROOT, launch_results
 
 import slapo_lab as sl
 from slapo_lab import presets
+from slapo_lab.call_order import set_example_inputs
 from slapo_lab.export import ExportError, export_script
-from slapo_lab.pipeline.order import set_example_inputs
 
 pytestmark = pytest.mark.multirank
 

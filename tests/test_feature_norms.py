@@ -223,7 +223,7 @@ class ConvStack(nn.Module):
 
 
 def test_a_depthwise_convolution_over_split_features_is_split_by_channels():
-    from slapo_lab.pipeline.order import set_example_inputs
+    from slapo_lab.call_order import set_example_inputs
 
     torch.manual_seed(0)
     model = ConvStack()

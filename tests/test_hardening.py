@@ -19,7 +19,7 @@ from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 import slapo_lab as sl
-from slapo_lab.pipeline.order import set_example_inputs
+from slapo_lab.call_order import set_example_inputs
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 RESULTS: dict[str, str] = {}

@@ -422,7 +422,7 @@ def test_model_inputs_and_traced_module_inputs_do_not_share_a_store():
     cut checks run on: after both, a cut leaving the last stage empty is still refused."""
     from transformers import BertConfig, BertModel
 
-    from slapo_lab.pipeline.order import set_example_inputs
+    from slapo_lab.call_order import set_example_inputs
 
     torch.manual_seed(0)
     model = BertModel(

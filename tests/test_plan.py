@@ -474,7 +474,7 @@ def test_fsdp_with_tp_and_stages_hand_count():
 def test_a_module_registered_after_the_layers_but_run_before_them_is_in_the_first_stage():
     """Llama's rotary_emb is registered after the layers and norm but runs before layer 0: with the forward's
     call order it is in stage 0, where the pipeline computes it (registration order put it in the last)."""
-    from slapo_lab.pipeline.order import cached_call_order, call_order, set_example_inputs
+    from slapo_lab.call_order import cached_call_order, call_order, set_example_inputs
 
     cfg = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64

@@ -29,8 +29,8 @@ import transformers
 
 import slapo_lab as sl
 from slapo_lab import presets
+from slapo_lab.call_order import set_example_inputs
 from slapo_lab.numeric import numeric_check
-from slapo_lab.pipeline.order import set_example_inputs
 from slapo_lab.preset_check import set_reference
 from slapo_lab.sharding import infer
 from slapo_lab.sharding.heads import _local_shape, plan_local_heads, runtime_compared

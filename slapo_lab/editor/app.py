@@ -1167,7 +1167,7 @@ class ScheduleEditor(EditorState, W.VBox):
         stage_of = None
         if self.schedule.metadata.primitives.get("cut_pipeline_stage"):
             try:
-                from ..pipeline.order import cached_call_order
+                from ..call_order import cached_call_order
                 from ..plan import stage_assignment
 
                 # by when modules run, once the forward's order is known (never recorded just for this)
@@ -1310,7 +1310,7 @@ class ScheduleEditor(EditorState, W.VBox):
         mode, op = self._sync.value
         reasons[self._btn_sync] = check_primitive(node, "sync", mode=mode, sync_op_or_fn=op)
         reasons[self._btn_ckpt] = check_primitive(node, "checkpoint")
-        from ..pipeline.order import cached_call_order
+        from ..call_order import cached_call_order
 
         if _running_loop() is not None and cached_call_order(self.schedule) is None:
             reasons[self._btn_cut] = (
@@ -1576,7 +1576,7 @@ class ScheduleEditor(EditorState, W.VBox):
     def _background(
         self, gen: int, calls: list, cancel: threading.Event, kernel: bool, numeric: bool
     ) -> None:
-        from ..pipeline.order import record_for_cache
+        from ..call_order import record_for_cache
         from ..plan import profile_for_cache
 
         try:
@@ -1642,7 +1642,7 @@ class ScheduleEditor(EditorState, W.VBox):
         first navigation does not pay for it; a no-op when it is cached. Returns seconds spent."""
         import time
 
-        from ..pipeline.order import call_order
+        from ..call_order import call_order
 
         t0 = time.perf_counter()
         try:

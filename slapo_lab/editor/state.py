@@ -596,7 +596,7 @@ class EditorState(SchedulePersistence):
         if not self.example_inputs:
             return
         try:
-            from ..pipeline.order import set_example_inputs
+            from ..call_order import set_example_inputs
 
             set_example_inputs(sch, self.example_inputs)
         except Exception as err:  # noqa: BLE001 - the cut check then happens at build time

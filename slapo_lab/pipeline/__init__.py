@@ -20,9 +20,9 @@ Sources: Slapo ``slapo/pipeline.py`` (seed 002); PyTorch ``torch/distributed/pip
 ``deepspeed/runtime/pipe``.
 """
 
+from ..call_order import CallOrder, call_order, check_cuts, record_call_order, set_example_inputs
 from .balance import CutSuggestion, suggest_cuts
 from .mesh import PipelineMesh, make_mesh
-from .order import CallOrder, call_order, check_cuts, record_call_order, set_example_inputs
 from .partition import PipelinePartition, StageInfo, default_output_fn, partition_pipeline
 from .runtime import SCHEDULES, TARGETS, PipelineModel, build_pipeline
 

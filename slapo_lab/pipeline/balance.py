@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..blocks import find_blocks
+from ..call_order import _split_inputs, _strip_schedule, dummy_inputs
 from ..errors import ScheduleError
-from .order import _split_inputs, _strip_schedule, dummy_inputs
 
 BY = ("params", "flops", "time")
 
@@ -61,7 +61,7 @@ def block_stacks(sch) -> tuple[str, list[str]]:
     Raises:
         ScheduleError: the model has fewer than two repeated blocks.
     """
-    from .order import cached_call_order
+    from ..call_order import cached_call_order
 
     top = sch.get_top_schedule()
     blocks = find_blocks(top)
@@ -140,7 +140,7 @@ def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats
                     lambda mod, a, o, i=i: marks.append((2 * i + 1, counter.get_total_flops()))
                 )
             )
-        from .order import _OpCounter
+        from ..call_order import _OpCounter
 
         with torch.no_grad(), _OpCounter(), counter:
             copy(*to_meta(args), **to_meta(kwargs))
@@ -198,7 +198,7 @@ def _from_marks(marks, n: int, total: float) -> list[float]:
 
 
 def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[float]:
-    from .order import record_call_order
+    from ..call_order import record_call_order
 
     n = len(blocks)
     order = record_call_order(model, args=args, kwargs=kwargs)
@@ -290,7 +290,7 @@ def suggest_cuts(
         )
     inputs = example_inputs
     if inputs is None:
-        from .order import _INPUTS_KEY
+        from ..call_order import _INPUTS_KEY
 
         inputs = top._top.extra.get(_INPUTS_KEY)
     if inputs is None:

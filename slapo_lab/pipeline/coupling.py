@@ -78,8 +78,8 @@ def batchnorm_single_value(
     Returns None when no BatchNorm would fail, or when the model cannot run on meta tensors (then nothing
     is known).
     """
+    from ..call_order import _strip_schedule
     from ..utils import meta_copy, to_meta
-    from .order import _strip_schedule
 
     def counted(m: nn.Module) -> bool:
         return isinstance(m, _BatchNorm) and (all_batchnorms or _batch_stats(m))

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..call_order import _split_inputs
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
-from .order import _split_inputs
 
 _INT_OF = {
     torch.float32: torch.int32,

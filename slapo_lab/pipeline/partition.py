@@ -37,10 +37,10 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..call_order import _split_inputs, check_cuts, record_call_order, stage_ops
 from ..errors import ScheduleError
 from ._collectives import exportable_sync_ops
 from .coupling import batchnorm_single_value, coupling_refusal, single_value_refusal
-from .order import _split_inputs, check_cuts, record_call_order, stage_ops
 
 
 @contextlib.contextmanager

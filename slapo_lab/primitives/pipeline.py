@@ -45,7 +45,7 @@ class CutPipelineStagePrimitive(Primitive):
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
         if sch.path in sch.metadata.primitives["cut_pipeline_stage"]:
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
-        from ..pipeline.order import check_cut
+        from ..call_order import check_cut
 
         check_cut(sch)
 

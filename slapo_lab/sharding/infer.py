@@ -1653,8 +1653,8 @@ def ensure(sch) -> None:
 def _analyse_top(top) -> dict[str, BlockSplit]:
     """:func:`analyse` of the top schedule's model; where its forward cannot run (a meta copy whose forward
     reads tensor values, such as DeBERTa's relative positions), of the unscheduled model with real weights the
-    schedule remembers (:data:`slapo_lab.pipeline.order.REFERENCE_KEY`), whose modules have the same paths."""
-    from ..pipeline.order import _INPUTS_KEY, REFERENCE_KEY
+    schedule remembers (:data:`slapo_lab.call_order.REFERENCE_KEY`), whose modules have the same paths."""
+    from ..call_order import _INPUTS_KEY, REFERENCE_KEY
 
     inputs = top._top.extra.get(_INPUTS_KEY)
     ref = top._top.extra.get(REFERENCE_KEY)

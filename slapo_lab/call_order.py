@@ -16,6 +16,10 @@ Example inputs are found in this order: the ``example_inputs`` argument; ``set_e
 inputs)`` (stored as ``sch._top.extra["example_inputs"]``); a Hugging Face model's ``dummy_inputs``
 (the root's, or a descendant's ``input_ids`` fed to the root's ``input_ids`` / first parameter).
 Without any, the call-order checks are skipped and ``build_pipeline`` checks the cuts instead.
+
+It sits in the bottom layer (it imports only ``errors``, ``module_state`` and ``utils``): the split inference
+(:mod:`slapo_lab.sharding.infer`), the pipeline primitive, the numeric check and :mod:`slapo_lab.pipeline` read
+the example inputs and the call order from here.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ScheduleError
-from ..module_state import META_ATTR
+from .errors import ScheduleError
+from .module_state import META_ATTR
 
 _CACHE_KEY = "pipeline_call_order"
 _INPUTS_KEY = "example_inputs"
@@ -168,7 +172,7 @@ def record_call_order(
     next module once set (the order then has an error). Never raises for a model that fails on meta tensors:
     the failure is returned in ``.error``.
     """
-    from ..utils import meta_copy, to_meta
+    from .utils import meta_copy, to_meta
 
     order = CallOrder()
     try:
@@ -217,7 +221,7 @@ def set_example_inputs(sch, example_inputs) -> None:
 
     They are used to record the forward call order that ``cut_pipeline_stage`` checks against.
     """
-    from ..utils import to_meta
+    from .utils import to_meta
 
     _split_inputs(example_inputs)  # type check
     top = sch._top
@@ -248,7 +252,7 @@ def record_for_cache(sch, lock, cancelled=None) -> bool:
     Returns:
         True when a new order was cached (False: cached already, no inputs to run, cancelled, or stale).
     """
-    from ..utils import meta_copy
+    from .utils import meta_copy
 
     with lock:
         if cached_call_order(sch) is not None:
