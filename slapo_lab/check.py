@@ -40,6 +40,7 @@ import dataclasses
 
 from torch import nn
 
+from .atomic import atomic
 from .errors import ScheduleError
 from .module_state import peek_meta
 from .primitives.tensor_parallel import PARAM_GRADS_OP
@@ -368,7 +369,7 @@ def close_open_items(sch, max_rounds: int = 4) -> list[Call]:
 
     A fix can open the next item (k_proj split by heads is column parallel: its input gradient needs
     an all_reduce), hence rounds. All or nothing and one recorded action (one undo removes it), as a
-    preset (:func:`slapo_lab.presets.atomic`).
+    preset (:func:`slapo_lab.atomic.atomic`).
 
     Returns:
         The calls applied, in order (empty when nothing was open).
@@ -377,7 +378,6 @@ def close_open_items(sch, max_rounds: int = 4) -> list[Call]:
         ScheduleError: when a fix is refused, or items are still open after ``max_rounds`` rounds
             (nothing is applied then).
     """
-    from .presets import atomic
 
     top = sch.get_top_schedule()
     n0 = len(top.record.calls)

@@ -21,7 +21,7 @@ Nothing is committed if not even that can be made right: when every region is dr
 The unscheduled model the check compares with is, in order: the model the schedule's editor remembers
 (:func:`set_reference`), the Hugging Face model rebuilt from its config (the check's ``from_config``), or,
 for the first calls on a model of the user's own classes, the model itself with the preset's calls taken
-back for the check (:class:`slapo_lab.presets._Snapshot`). Inside a real process group (an exported script,
+back for the check (:class:`slapo_lab.atomic.Snapshot`). Inside a real process group (an exported script,
 a torchrun test) nothing is checked here: the script's Verify is the proof there.
 """
 
@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .atomic import Snapshot
 from .call_order import REFERENCE_KEY
 from .errors import ScheduleError
 from .record import Call
@@ -231,7 +232,7 @@ def gate(
     """Apply a region-wise preset, check it numerically, and keep whole the regions that make it fail.
 
     Args:
-        sch: the root schedule (the preset runs inside :func:`slapo_lab.presets.atomic`).
+        sch: the root schedule (the preset runs inside :func:`slapo_lab.atomic.atomic`).
         apply: ``apply(skip)`` records the preset's calls leaving out the regions whose keys ``skip`` maps
             to a reason, and returns :class:`Applied`; it raises :class:`RegionRefused` for a region a
             primitive refuses (the gate restores the schedule, keeps that region whole and applies again).
@@ -244,12 +245,11 @@ def gate(
     Raises:
         ScheduleError: when no region can be applied right.
     """
-    from .presets import _Snapshot
 
     skip: dict[tuple, str] = {}
     labels: dict[tuple, Region] = {}
     earlier = list(sch.record.calls)
-    before = _Snapshot(sch)
+    before = Snapshot(sch)
     not_checked: list[str] = []
     for _ in range(256):
         try:
@@ -325,7 +325,6 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
         ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails).
     """
     from .numeric import numeric_check
-    from .presets import _Snapshot
 
     ref, from_config, undo = _reference(sch, len(earlier))
     if ref is None:
@@ -333,7 +332,7 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
     inputs = _inputs(sch, ref)
     if inputs is None:
         return "no example inputs (pass example_inputs= to the editor, or set_example_inputs on the schedule)"
-    after = _Snapshot(sch) if undo else None
+    after = Snapshot(sch) if undo else None
     if undo:  # the model of the user's own classes, unscheduled again for the check
         before.restore()
     pairs = list(zip(applied.calls, applied.region_of_call, strict=True))

@@ -1,0 +1,146 @@
+"""The import contract: ``slapo_lab``'s layers import only downward.
+
+Every ``import`` in the package is read with :mod:`ast` -- at module level and inside functions alike, since an
+import inside a function hides a cycle but does not remove it -- and each module is placed in one layer
+(``LAYERS``, the order ``docs/ARCHITECTURE.md`` gives). An import of a higher layer fails the test, unless it is
+one of ``KNOWN_UPWARD``, each named with why it is there; a listed edge that is gone fails too, so the list only
+shrinks. The same idea as import-linter's "layers" contract, without the extra dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "slapo_lab"
+
+#: Lowest first. A name is a module or a package (a package covers every module below it; the most specific
+#: name wins, so ``utils.common`` sits above the rest of ``utils``).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation: graph, sharding and what they stand on",
+        (
+            "errors",
+            "utils",
+            "random",
+            "inputs",
+            "parallel_dims",
+            "module_state",
+            "call_order",
+            "blocks",
+            "graph",
+            "sharding",
+        ),
+    ),
+    (
+        "engine: the schedule, its record and primitives",
+        (
+            "schedule",
+            "record",
+            "primitives",
+            "tracing",
+            "pattern",
+            "atomic",
+            "op",
+            "utils.common",
+            "framework_dialect",
+        ),
+    ),
+    ("analysis: checks and the memory plan", ("check", "numeric", "plan", "verify", "tune")),
+    ("presets and pipeline", ("presets", "preset_check", "pipeline", "build", "init", "planner")),
+    ("export and train", ("export", "train")),
+    ("editor and command line", ("editor", "cli", "tools", "labextension", "__init__")),
+]
+
+#: ``(importer, imported)`` edges that still go up, each with its reason (fix one: delete its line).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("check", "presets"): "coverage_findings names what the preset's split inference keeps whole",
+    (
+        "numeric",
+        "pipeline.partition",
+    ): "the numeric check's pipeline part partitions the shrunk copy into stages",
+    (
+        "numeric",
+        "pipeline.runtime",
+    ): "the numeric check's pipeline part switches the stage graphs' dropout off",
+}
+
+
+def _layer(module: str) -> int | None:
+    best, index = -1, None
+    for i, (_name, members) in enumerate(LAYERS):
+        for m in members:
+            if (module == m or module.startswith(m + ".")) and len(m) > best:
+                best, index = len(m), i
+    return index
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] or ["__init__"]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """``(imported slapo_lab module, line)`` for every import in ``path`` (relative ones resolved)."""
+    me = _module_name(path)
+    package = me.split(".") if path.name == "__init__.py" and me != "__init__" else me.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                head = [*base, *(node.module.split(".") if node.module else [])]
+                names = [".".join(head)] if node.module else [".".join([*head, a.name]) for a in node.names]
+                names = ["slapo_lab." + n if n else "slapo_lab" for n in names]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for n in names:
+            if n.startswith("slapo_lab.") and n != "slapo_lab.__version__":
+                out.append((n[len("slapo_lab.") :], node.lineno))
+    return out
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        me = _module_name(path)
+        for target, line in _imports(path):
+            a, b = _layer(me), _layer(target)
+            if a is None or b is None or b <= a:
+                continue
+            key = next(
+                (k for k in KNOWN_UPWARD if (me == k[0] or me.startswith(k[0] + ".")) and target == k[1]),
+                (me, target),
+            )
+            found.setdefault(key, []).append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return found
+
+
+def test_every_module_has_a_layer():
+    missing = [_module_name(p) for p in sorted(ROOT.rglob("*.py")) if _layer(_module_name(p)) is None]
+    assert not missing, f"modules in no layer of LAYERS: {missing}"
+
+
+def test_layers_import_only_downward():
+    up = {k: v for k, v in _edges().items() if k not in KNOWN_UPWARD}
+    assert not up, "imports of a higher layer: " + "; ".join(
+        f"{a} -> {b} ({', '.join(where)})" for (a, b), where in sorted(up.items())
+    )
+
+
+def test_each_known_upward_import_is_still_there():
+    gone = set(KNOWN_UPWARD) - set(_edges())
+    assert not gone, f"fixed: remove these from KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_the_reader_sees_imports_inside_functions(tmp_path):
+    """The contract's own reader: an import inside a function is an edge too (the kind that hid cycles)."""
+    assert ("check", "presets") in _edges()  # check.coverage_findings imports presets inside the function
+    assert any(t == "atomic" for t, _ in _imports(ROOT / "check.py"))
