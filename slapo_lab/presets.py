@@ -613,6 +613,19 @@ def _no_pair_reason(sch, block_path: str, layers: list[tuple[str, str]]) -> str:
             "convolution or a recurrent scan lies between them), so it stays whole; shard its layers with "
             "column_parallel() / row_parallel() by hand if you know a right split."
         )
+    if not layers:  # no layer got a kind: name the dense layers the block holds, not "none"
+        dense = [
+            p
+            for p, n in sch[block_path].named_schedules()
+            if p and (isinstance(n.mod, nn.Linear) or is_conv1d(n.mod))
+        ]
+        if dense:
+            return (
+                f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
+                f"(its dense layers {', '.join(dense[:4])}{' ...' if len(dense) > 4 else ''} pair with nothing "
+                "the preset knows, and its dataflow could not be recorded); shard its layers with "
+                "column_parallel() / row_parallel() instead."
+            )
     return (
         f"{block_path or 'the root module'} has no recognisable column- and row-parallel projection pair "
         f"(found: {names}); shard its layers with column_parallel() / row_parallel() instead."
@@ -1044,7 +1057,16 @@ def megatron_tp(
     if not calls and not _any_sharded(sch):
         if any(n.startswith("Kept whole:") for n in notes):
             raise ScheduleError(f"megatron_tp found no dense projection it can split: {' '.join(notes)}")
-        first = blocks[0] if blocks else ""
+        # the reason of the first block that holds a dense layer (a hybrid stack's convolutional blocks say
+        # nothing about why its attention blocks stay whole: SwiftFormer)
+        first = next(
+            (
+                b
+                for b in blocks
+                if any(isinstance(m, nn.Linear) or is_conv1d(m) for m in sch[b].mod.modules())
+            ),
+            blocks[0] if blocks else "",
+        )
         raise ScheduleError(_no_pair_reason(sch, first, block_layers(sch, first) if blocks else []))
     return PresetCalls(calls, [*notes, *([whole] if whole else [])])
 
