@@ -66,6 +66,31 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
 }
 
 
+#: The internal modules the editor imports beside the public API (``slapo_lab``'s own names): each is of a lower
+#: layer, and ``docs/ARCHITECTURE.md`` points here. A new one must be added on purpose.
+EDITOR_MAY_USE = frozenset(
+    {
+        "call_order",
+        "check",
+        "errors",
+        "export",
+        "graph",
+        "module_state",
+        "numeric",
+        "parallel_dims",
+        "pipeline",
+        "plan",
+        "preset_check",
+        "presets",
+        "record",
+        "train.data",
+        "train.phases",
+        "train.preflight",
+        "utils",
+    }
+)
+
+
 def _layer(module: str) -> int | None:
     best, index = -1, None
     for i, (_name, members) in enumerate(LAYERS):
@@ -144,3 +169,17 @@ def test_the_reader_sees_imports_inside_functions(tmp_path):
     """The contract's own reader: an import inside a function is an edge too (the kind that hid cycles)."""
     assert ("check", "presets") in _edges()  # check.coverage_findings imports presets inside the function
     assert any(t == "atomic" for t, _ in _imports(ROOT / "check.py"))
+
+
+def test_the_editor_uses_only_the_modules_it_is_allowed():
+    import slapo_lab
+
+    # ``from .. import create_schedule``: a public name that is no module of its own
+    public = {n for n in slapo_lab.__all__ if not (ROOT / n).is_dir() and not (ROOT / f"{n}.py").exists()}
+    used = set()
+    for path in sorted((ROOT / "editor").rglob("*.py")):
+        used |= {t for t, _ in _imports(path) if not t.startswith("editor") and t not in public}
+    allowed = {t for t in used if any(t == m or t.startswith(m + ".") for m in EDITOR_MAY_USE)}
+    assert used - allowed == set(), f"the editor imports {sorted(used - allowed)}: not in EDITOR_MAY_USE"
+    unused = {m for m in EDITOR_MAY_USE if not any(t == m or t.startswith(m + ".") for t in used)}
+    assert not unused, f"EDITOR_MAY_USE names modules the editor no longer imports: {sorted(unused)}"
