@@ -1,6 +1,7 @@
 """slapo-lab: Slapo's schedule language on PyTorch 2.13, with a JupyterLab visual editor.
 
-The public API, and nothing else: the editor and exported scripts use only these names.
+The public API. Exported scripts call ``slapo_lab.train.main``; the editor uses these names and the internal modules
+of lower layers that ``tests/test_import_layers.py`` lists (``EDITOR_MAY_USE``; see docs/ARCHITECTURE.md).
 """
 
 import importlib
