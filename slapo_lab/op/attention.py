@@ -156,7 +156,7 @@ class FlashAttention(nn.Module):
         self,
         hidden_states: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
-        layer_past: tuple[torch.Tensor] | None = None,
+        layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
         head_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
