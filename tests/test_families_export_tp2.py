@@ -57,9 +57,7 @@ FAMILIES = [
     Fam(
         "codegen",
         "CodeGenForCausalLM",
-        "dense decoder, fused qkv_proj in mp_num groups",
-        whole="CodeGen's attention stays whole: split as a contiguous q/k/v, its fused qkv_proj (q, v and k "
-        "interleaved in mp_num groups) makes the outputs differ at transformer.h.0.attn (worst difference 0.421).",
+        "dense decoder, fused qkv_proj in mp_num groups (whole groups per rank, embed_dim kept global)",
     ),
     Fam("qwen2_moe", "Qwen2MoeForCausalLM", "MoE with a shared expert and its gate"),
     Fam("olmoe", "OlmoeForCausalLM", "MoE whose q/k norms span all heads (sharded with them)"),

@@ -217,6 +217,42 @@ def runtime_compared(cls: type) -> frozenset[str] | None:
 
 
 @cache
+def group_widths(cls: type) -> frozenset[str]:
+    """The ``self`` attributes ``cls``'s methods other than ``__init__`` read only as the dividend of an integer
+    division by another attribute that is not a head count: the width of one of a fixed number of fused groups
+    (CodeGen's ``local_dim = self.embed_dim // self.mp_num``, then ``qkv.view(..., -1, 3 * local_dim)``: each
+    rank keeps whole groups, of the global width, on the ``-1`` axis). Such a width stays global when the heads
+    are split (a rank with a part of a group fails the numeric check). Empty when a class has no source."""
+    methods = _runtime_methods(cls)
+    if methods is None:
+        return frozenset()
+    as_group: set[str] = set()
+    other: set[str] = set()
+
+    def self_attr(node) -> str | None:
+        ok = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+        return node.attr if ok else None
+
+    for fn in methods:
+        divided = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+                a, b = self_attr(node.left), self_attr(node.right)
+                if (
+                    a is not None
+                    and b is not None
+                    and not (b in HEAD_ATTRS or b in KV_HEAD_ATTRS or _HEAD_COUNT_NAME.fullmatch(b))
+                ):
+                    as_group.add(a)
+                    divided.add(id(node.left))
+        for node in ast.walk(fn):
+            a = self_attr(node)
+            if a is not None and id(node) not in divided:
+                other.add(a)
+    return frozenset(as_group - other)
+
+
+@cache
 def reshapes_to_a_local_width(cls: type) -> bool:
     """Whether ``cls``'s methods other than ``__init__`` ``view`` / ``reshape`` to an explicit shape whose last
     axis is a local value rather than the module's attribute (TrOCR's ``attn_output.reshape(bsz, tgt_len,
@@ -323,6 +359,8 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         else:
             if not _int(v) or (a in compared and a not in registered):
                 continue  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
+            if a in group_widths(cls) and a not in registered:
+                continue  # the width of one of a fixed number of fused groups (CodeGen's mp_num), kept whole
             hd = head_dim or (v // heads if v % heads == 0 else None)
             if hd is None or v != heads * hd:
                 if a in registered:

@@ -1334,6 +1334,7 @@ def _real_buffers(model: nn.Module, real: nn.Module | None) -> dict[int, tuple]:
 
 
 def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
+    from . import feature_inputs as _feature_inputs
     from . import mixers as _mixers
 
     blocks = _stacks(model)
@@ -1396,6 +1397,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True))
         handles.extend(_mixers.capture(block, mixer_args.setdefault(bpath, {})))
+        handles.extend(_feature_inputs.capture(block, r))  # per-feature block arguments
         for rel, m in dense.items():
 
             def lin_pre(_m, args, rel=rel):
@@ -1508,6 +1510,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             _mixers.complete(
                 split, block, mixer_args.get(bpath, {})
             )  # SSM mixers: slapo_lab/sharding/mixers.py
+            _feature_inputs.complete(split, block, snap)  # slapo_lab/sharding/feature_inputs.py
             result[bpath] = split
         except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
             continue

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..module_state import install_forward, module_meta
+from . import feature_inputs as _feature_inputs
 from . import heads as _heads
 from . import infer as _infer
 
@@ -796,6 +797,7 @@ class DenseRule(ShardRule):
         """A q/k/v (or output) projection split by heads: the parent's head attributes become per rank."""
         if splits_heads(site, self._side(site.name, axis)):
             localise_parent_heads(site, world_size, rank)
+        _feature_inputs.install(site, self._side(site.name, axis), world_size, rank)
 
     def set_features(self, mod, out_features: int | None = None, in_features: int | None = None) -> None:
         """Keep the module's own feature-count attributes equal to its (sharded) weight."""
