@@ -15,9 +15,9 @@ from torch import nn
 
 import slapo_lab as sl
 from slapo_lab import presets
+from slapo_lab.call_order import set_example_inputs
 from slapo_lab.module_state import peek_meta
 from slapo_lab.numeric import numeric_check
-from slapo_lab.pipeline.order import set_example_inputs
 from slapo_lab.preset_check import set_reference
 from slapo_lab.sharding import heads, infer
 
