@@ -136,6 +136,7 @@ def _is_linear(m: nn.Module) -> bool:
 _LOCK = threading.RLock()
 _LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
 _ATTRS: dict = {}  # (mixer class, signature of its parameter shapes) -> {attr: global value}
+_ATTR_LOCAL: dict = {}  # the same key -> {ws: {global width: per-rank width}} where that is not global / ws
 _CLASSES: set = set()
 
 
@@ -259,6 +260,11 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
                 _LAYOUTS[_owner_key(mixer, sub, name, shape)] = layouts
                 _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
         _ATTRS[(type(mixer).__name__, _shape_sig(mixer))] = dict(deps.attrs or {})
+        _ATTR_LOCAL[(type(mixer).__name__, _shape_sig(mixer))] = {
+            ws: _local_widths(deps, plan(deps, ws), ws)
+            for ws in _world_sizes(deps.chunks)
+            if plan(deps, ws).reason is None
+        }
 
 
 def _shape_sig(mixer: nn.Module) -> tuple:
@@ -372,6 +378,13 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
     ins = order[:-1]
     leaves = dict.fromkeys(ins)
     seen: dict = {}
+    bufs: dict = {}  # a per-feature buffer (Falcon-H1's mup_vector scales in_proj's outputs): a leaf, so its
+    # entries' dependencies are read like a parameter's
+    for sub, mod in m.named_modules():
+        for n, b in list(mod._buffers.items()):
+            if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel() > 1:
+                mod._buffers[n] = b.detach().clone().requires_grad_(True)
+                bufs.setdefault(sub, []).append(n)
     with torch.enable_grad():
         _, x = _run(m, a, kw, leaves, row, seen)
         if x is None or not x.requires_grad or any(v is None for v in leaves.values()):
@@ -386,6 +399,8 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
                 continue  # (a linear whose weight the forward uses directly, Mamba's dt_proj, counts here)
             for n, p in mod.named_parameters(recurse=False):
                 params[f"{sub}:{n}"] = p
+            for n in bufs.get(sub, ()):
+                params[f"{sub}:{n}"] = mod._buffers[n]
         deps = MixerDeps(k, row)
         deps.feats = {p: leaves[p].shape[-1] for p in ins}
         deps.shapes = {key: tuple(p.shape) for key, p in params.items()}
@@ -445,6 +460,48 @@ def _runs_layout(owner: list, ws: int):
     return stride
 
 
+def _grouped_layout(masks: list, ws: int):
+    """The :class:`~slapo_lab.sharding.rules.BlockStride` (with ``groups``) whose :func:`local_shard` gives rank r
+    exactly the positions whose rank bit mask in ``masks`` holds r, when some positions are needed by several
+    ranks, or None.
+
+    The positions must run in blocks: a split block is ``ws`` equal runs owned by ranks 0, 1, ... alone (group
+    count 0); a block shared by ``r`` consecutive ranks (``r`` dividing ``ws``) is ``g = ws / r`` equal runs
+    owned by ranks ``{0..r-1}``, ``{r..2r-1}``, ... (group count ``g``: Mamba-2's ``B`` / ``C`` with ``g`` groups,
+    fewer than the ranks, each group on the ranks whose heads read it). Every rank then keeps its chunk of each
+    split block and its group of each shared block, the gradient of a shared block summed over the ranks that
+    share it (the shard primitive does so for a :class:`BlockStride` with groups). At least one block must be
+    split. Source: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``ngroups_local_tp``: groups below the
+    tensor-parallel size are replicated)."""
+    from .rules import BlockStride
+
+    runs = [(int(m), len(list(g))) for m, g in itertools.groupby(int(v) for v in masks)]
+    sizes, groups, i = [], [], 0
+    while i < len(runs):
+        m, _ = runs[i]
+        r = m.bit_count()
+        if m != (1 << r) - 1 or r == 0 or ws % r:  # a block starts with the ranks 0 .. r-1
+            return None
+        g = ws // r
+        grp = runs[i : i + g]
+        if [x for x, _ in grp] != [((1 << r) - 1) << (j * r) for j in range(g)] or len(
+            {k for _, k in grp}
+        ) != 1:
+            return None
+        sizes.append(grp[0][1] * g)
+        groups.append(g if r > 1 else 0)
+        i += g
+    if all(groups) or not any(groups) or len(sizes) < 2:
+        return None  # nothing split, or nothing shared (the plain layouts cover that)
+    stride = BlockStride(sizes, groups)
+    idx = torch.arange(len(masks))
+    for r in range(ws):
+        want = [i for i, m in enumerate(masks) if (int(m) >> r) & 1]
+        if local_shard(idx, 0, ws, r, stride).tolist() != want:
+            return None
+    return stride
+
+
 def _owners(per_chunk: list, ws: int, n: int) -> torch.Tensor:
     """For each of ``n`` positions, a bit mask (int64) of the ranks whose chunks need it."""
     per = len(per_chunk) // ws
@@ -492,6 +549,10 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
             out.kinds[p] = "gather_linear"
             continue
         unused = int((count == 0).sum())
+        grouped = _grouped_layout(own.tolist(), ws) if shared and shared < n and not unused else None
+        if grouped is not None:  # parts shared by heads on different ranks (B, C): replicated on those ranks
+            out.columns[p] = grouped
+            continue
         if shared or unused:
             if shared == n:
                 what = (
@@ -527,19 +588,26 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
         if bool((count[count > 0] == ws).all()):  # every rank needs it: replicated, gradients summed
             out.grad_sum.add(key.rsplit(":", 1)[0])
             continue
-        if bool((count != 1).any()):
-            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
-            return out
+        shared = bool((count != 1).any())
         grid = own.view(shape)
         found = None
         for axis, size in enumerate(shape):
             rows = grid.movedim(axis, 0).reshape(size, -1)
             if not bool((rows == rows[:, :1]).all()):
                 continue  # a slice needed by several ranks
+            if shared:  # a depthwise convolution's B / C channels, shared like in_proj's B / C
+                stride = _grouped_layout(rows[:, 0].tolist(), ws)
+                if stride is not None:
+                    found = (axis, stride)
+                    break
+                continue
             stride = _runs_layout(_single(rows[:, 0]), ws)
             if stride is not None:
                 found = (axis, stride)
                 break
+        if found is None and shared:
+            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
+            return out
         if found is None:
             out.reason = f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
             return out
@@ -560,11 +628,41 @@ def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, 
         for key, (axis, stride) in p.shards.items():
             sub, name = key.rsplit(":", 1)
             mod = r.get_submodule(sub) if sub else r
-            setattr(mod, name, nn.Parameter(local_shard(getattr(mod, name), axis, ws, rank, stride).clone()))
+            part = local_shard(getattr(mod, name), axis, ws, rank, stride).clone()
+            if name in mod._buffers:
+                mod._buffers[name] = part
+            else:
+                setattr(mod, name, nn.Parameter(part))
             _fix_conv(mod, name, axis)
+    local = _local_widths(deps, p, ws)
     for k, v in attrs.items():
-        _set_attr(r, k, v // ws)
+        _set_attr(r, k, local.get(v, v // ws))
     return r
+
+
+def _local_widths(deps: MixerDeps, p: MixerPlan, ws: int) -> dict:
+    """``{global width: this rank's width}`` over ``ws`` ranks for the widths whose split keeps a shared part
+    whole (a fused projection or a convolution with blocks shared by several ranks: Mamba-2's ``conv_dim`` is
+    ``x / ws + B + C`` per rank with one group); a width with two different answers is left out (its attribute
+    is then divided by ``ws``, as every width of a plain split is)."""
+    from .rules import block_replicas, block_sizes
+
+    found: dict = {}
+
+    def add(n: int, stride) -> None:
+        if not getattr(stride, "groups", None) or not any(stride.groups):
+            return
+        sizes = block_sizes(n, stride)
+        locs = [s * r // ws for s, r in zip(sizes, block_replicas(stride, len(sizes), ws), strict=True)]
+        for i in range(len(sizes)):  # every run of consecutive blocks (a fused part, or all of them)
+            for j in range(i + 1, len(sizes) + 1):
+                found.setdefault(sum(sizes[i:j]), set()).add(sum(locs[i:j]))
+
+    for lin, stride in p.columns.items():
+        add(deps.feats[lin], stride)
+    for key, (axis, stride) in p.shards.items():
+        add(deps.shapes[key][axis], stride)
+    return {g: next(iter(v)) for g, v in found.items() if len(v) == 1 and next(iter(v)) != g // ws}
 
 
 def _set_attr(mixer: nn.Module, key: str, value: int) -> None:
@@ -789,10 +887,11 @@ class MixerRule(ShardRule):
         if not attrs or "mixer_attrs" in meta:
             return
         done = {}
+        local = _ATTR_LOCAL.get((type(mixer).__name__, _shape_sig(mixer)), {}).get(world_size, {})
         for k, v in attrs.items():
             if _get_attr(mixer, k) == v:
-                _set_attr(mixer, k, v // world_size)
-            done[k] = [v, v // world_size]
+                _set_attr(mixer, k, local.get(v, v // world_size))
+            done[k] = [v, local.get(v, v // world_size)]
         meta["mixer_attrs"] = done
 
 
