@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta
 from .rules import ShardRule, is_norm, local_shard, make_stride, register_shard_rule
@@ -97,6 +98,10 @@ class MixerDeps:
     attrs: dict | None = None
     feeds: dict = field(default_factory=dict)
     values: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # norm path -> its statistics' values in the full run
+    unrun: set = field(
+        default_factory=set
+    )  # submodules holding parameters whose forward the mixer never calls
 
 
 @dataclass
@@ -137,6 +142,7 @@ _LOCK = threading.RLock()
 _LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
 _ATTRS: dict = {}  # (mixer class, signature of its parameter shapes) -> {attr: global value}
 _ATTR_LOCAL: dict = {}  # the same key -> {ws: {global width: per-rank width}} where that is not global / ws
+_UNRUN: set = set()  # (mixer class, submodule) whose forward the mixer never calls (it reads the weights)
 _CLASSES: set = set()
 
 
@@ -251,6 +257,11 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
     with _LOCK:
         for key, shape in deps.shapes.items():
             sub, name = key.rsplit(":", 1)
+            if (
+                sub in deps.stats
+            ):  # a norm over split features: FeatureStatsRule's (sharding/feature_stats.py),
+                _LAYOUTS.pop(_owner_key(mixer, sub, name, shape), None)  # also where another config split it
+                continue
             layouts = {}
             for ws in _world_sizes(deps.chunks):
                 p = plan(deps, ws)  # cached per world size
@@ -260,6 +271,7 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
                 _LAYOUTS[_owner_key(mixer, sub, name, shape)] = layouts
                 _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
         _ATTRS[(type(mixer).__name__, _shape_sig(mixer))] = dict(deps.attrs or {})
+        _UNRUN.update((type(mixer).__name__, sub) for sub in deps.unrun)
         _ATTR_LOCAL[(type(mixer).__name__, _shape_sig(mixer))] = {
             ws: _local_widths(deps, plan(deps, ws), ws)
             for ws in _world_sizes(deps.chunks)
@@ -364,16 +376,144 @@ def _run(
 def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
     """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
     mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
-    multiple, inputs without a gradient path)."""
+    multiple, inputs without a gradient path).
+
+    When every rank's channels need features of several ranks, the dependencies are read again with the
+    statistics over the last axis of the mixer's norm-like modules (leaves with parameters whose forward takes a
+    ``mean`` / ``sum`` / ``var`` / ``std`` over its features: Mamba-2's gated norm with one group) detached: such a
+    statistic, summed over the ranks (:mod:`slapo_lab.sharding.feature_stats`), is no reason to keep the mixer
+    whole. Those norms (``deps.stats``) are then split by their features, contiguously, like the output linear's
+    input; any other split of them keeps the first reading's reason."""
     pristine = _materialise(mixer)
-    m = copy.deepcopy(pristine)
     g = torch.Generator().manual_seed(1)
     a, kw = _real_inputs(args, kwargs, g)
+    first = copy.deepcopy(pristine)
+    ran: set = set()
+    hooks = [
+        mod.register_forward_pre_hook(lambda *_a, sub=sub: ran.add(sub))
+        for sub, mod in first.named_modules()
+        if sub
+    ]
     with torch.no_grad():
-        order, _ = _run(copy.deepcopy(pristine), a, kw)
+        order, _ = _run(first, a, kw)
+    for h in hooks:
+        h.remove()
     order = list(dict.fromkeys(order))
     if len(order) < 2:
         return None
+    got = _dependencies(pristine, a, kw, order, g, {})
+    if got is None:
+        return None
+    deps, x = got
+    deps.unrun = {  # (Mamba-2's conv1d: its weight read by causal_conv1d_fn)
+        sub
+        for sub, mod in first.named_modules()
+        if sub and sub not in ran and any(p is not None for p in mod._parameters.values())
+    }
+    if plan(deps, 2).reason:
+        norms = _stat_norms(pristine, a, kw)
+        again = _dependencies(pristine, a, kw, order, g, norms) if norms else None
+        if again is not None and not plan(again[0], 2).reason and _stats_split_features(again[0], norms):
+            deps, x = again
+            deps.stats, deps.unrun = norms, got[0].unrun
+    if not plan(deps, 2).reason:
+        deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
+    return deps
+
+
+class _StatMode(TorchFunctionMode):
+    """Inside a norm-like module: each ``mean`` / ``sum`` / ``var`` / ``std`` over the last axis is detached
+    (``"detach"``), recorded in ``store`` in call order (``"record"``), or, where its input holds ``local`` features,
+    replaced by the next recorded value (``"replay"``: a rank copy gets the statistic over all ranks' features, as
+    :class:`~slapo_lab.sharding.feature_stats.GlobalFeatureStats` gives it at run time)."""
+
+    def __init__(self, how: str, store: list, local: int | None = None) -> None:
+        super().__init__()
+        self.how, self.store, self.local, self.hits = how, store, local, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from .feature_stats import _dims
+
+        kwargs = dict(kwargs or {})
+        out = func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if getattr(func, "__name__", "") not in ("mean", "sum", "var", "std") or not isinstance(
+            x, torch.Tensor
+        ):
+            return out
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if x.dim() < 1 or not isinstance(dim, (int, tuple, list, type(None))):
+            return out
+        if x.dim() - 1 not in _dims(dim, x.dim()):
+            return out
+        self.hits += 1
+        if self.how == "detach":
+            return out.detach()
+        if self.how == "record":
+            self.store.append(out.detach())
+            return out
+        v = self.store.pop(0) if self.store else None
+        if x.shape[-1] == self.local and v is not None and v.shape == out.shape:
+            return v
+        return out
+
+
+def _with_stats(mod: nn.Module, make) -> None:
+    """Run ``mod``'s forward (on this instance) under the mode ``make()`` returns."""
+    inner = mod.forward
+
+    def forward(*a, **k):
+        mode = make()
+        with mode:
+            return inner(*a, **k)
+
+    mod.forward = forward
+
+
+def _stat_norms(m: nn.Module, args, kwargs) -> dict:
+    """The norm-like modules of ``m`` (leaves other than linears and convolutions holding parameters) whose
+    forward takes a statistic over its last axis, with those statistics' values in a run of ``m``:
+    ``{path: [values]}``."""
+    r = copy.deepcopy(m)
+    found: dict = {}
+    for sub, mod in r.named_modules():
+        if (
+            sub
+            and not _is_linear(mod)
+            and not isinstance(mod, nn.modules.conv._ConvNd)
+            and any(p is not None for p in mod._parameters.values())
+            and not any(True for _ in mod.children())
+        ):
+            found[sub] = []
+            _with_stats(mod, lambda store=found[sub]: _StatMode("record", store))
+    try:
+        with torch.no_grad():
+            r(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no reading of its statistics
+        return {}
+    return {k: v for k, v in found.items() if v}
+
+
+def _stats_split_features(deps: MixerDeps, norms: dict) -> bool:
+    """Whether each norm in ``norms`` is split contiguously on the last axis of its parameters at every world
+    size the plan allows (its features follow the output linear's input), never replicated."""
+    for ws in _world_sizes(deps.chunks):
+        p = plan(deps, ws)
+        if p.reason:
+            continue
+        for key, shape in deps.shapes.items():
+            sub = key.rsplit(":", 1)[0]
+            if sub in norms and (sub in p.grad_sum or p.shards.get(key) != (len(shape) - 1, 1)):
+                return False
+    return True
+
+
+def _dependencies(pristine: nn.Module, a, kw, order: list, g, norms: dict):
+    """The body of :func:`dependencies`: ``(MixerDeps, the output linear's input)`` or None; the statistics of
+    the modules in ``norms`` are detached."""
+    m = copy.deepcopy(pristine)
+    for sub in norms:
+        _with_stats(m.get_submodule(sub), lambda: _StatMode("detach", []))
     row = order[-1]
     ins = order[:-1]
     leaves = dict.fromkeys(ins)
@@ -433,9 +573,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
                     else torch.nonzero(gr.reshape(-1)).flatten()
                 )
                 deps.params.setdefault(key, []).append(nz)
-    if not plan(deps, 2).reason:
-        deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
-    return deps
+    return deps, x
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -637,6 +775,10 @@ def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, 
     local = _local_widths(deps, p, ws)
     for k, v in attrs.items():
         _set_attr(r, k, local.get(v, v // ws))
+    for sub, values in deps.stats.items():  # each rank's norm sees the statistics over all ranks' features
+        mod = r.get_submodule(sub)
+        width = next(t.shape[-1] for t in mod._parameters.values() if t is not None)
+        _with_stats(mod, lambda values=values, width=width: _StatMode("replay", list(values), width))
     return r
 
 
@@ -774,7 +916,8 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
     """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
     ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
     layouts; ``";grad_sum"`` after them when the module's other parameters are replicated and sum their
-    gradients) or ``"grad_sum"``; a path here replaces the index maps' kind for it."""
+    gradients), ``"grad_sum"``, or ``"features"`` for a norm whose statistics span the split features (see
+    :func:`dependencies`); a path here replaces the index maps' kind for it."""
     pre = f"{block_path}." if block_path else ""
     out = []
     for rel, deps in (getattr(split, "mixers", None) or {}).items():
@@ -790,6 +933,9 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
             per_module.setdefault(sub, []).append(f"{name}={axis}")
         for sub in sorted(set(per_module) | p.grad_sum):
             path = pre + ".".join(x for x in (rel, sub) if x)
+            if sub in deps.stats:  # its statistics summed over the ranks, its parameters split by feature
+                out.append((path, "features"))
+                continue
             if sub not in per_module:
                 out.append((path, "grad_sum"))
                 continue
@@ -828,7 +974,11 @@ class MixerRule(ShardRule):
         return None, None
 
     def matches(self, mod):
-        return type(mod).__name__ in _CLASSES and not _is_linear(mod)
+        return (
+            type(mod).__name__ in _CLASSES
+            and not _is_linear(mod)
+            and any(self._registered(mod, n) for n in [*mod._parameters, *mod._buffers])
+        )
 
     def _other(self, mod) -> ShardRule:
         """The rule that would own ``mod`` without this one (for tensors no mixer plan registered)."""
@@ -882,6 +1032,8 @@ class MixerRule(ShardRule):
         mixer = site.mod if "." not in key[0] else site.parent
         if mixer is None:
             return
+        if mixer is not site.mod and (type(mixer).__name__, site.child_name) in _UNRUN:
+            _move_block_grads(site.mod, site.child_name, mixer)
         attrs = _ATTRS.get((type(mixer).__name__, _shape_sig(mixer)))
         meta = module_meta(mixer)
         if not attrs or "mixer_attrs" in meta:
@@ -893,6 +1045,24 @@ class MixerRule(ShardRule):
                 _set_attr(mixer, k, local.get(v, v // world_size))
             done[k] = [v, local.get(v, v // world_size)]
         meta["mixer_attrs"] = done
+
+
+def _move_block_grads(child: nn.Module, child_name: str, mixer: nn.Module) -> None:
+    """The gradient sums of ``child``'s replicated blocks (the shard primitive's ``grad_block_replicas``), taken
+    by ``mixer``'s forward instead: the mixer reads ``child``'s weights without calling it (Mamba-2's ``conv1d``
+    through ``causal_conv1d_fn``), so a sum installed on ``child``'s forward would never run."""
+    from ..module_state import install_forward, peek_meta
+
+    meta = peek_meta(child)
+    blocks = (meta or {}).get("grad_block_replicas")
+    if not blocks:
+        return
+    target = module_meta(mixer)
+    for name, spec in list(blocks.items()):
+        target.setdefault("grad_block_replicas", {})[f"{child_name}.{name}"] = spec
+        target["grad_block_group"] = meta["grad_block_group"]
+        del blocks[name]
+    install_forward(mixer)
 
 
 register_shard_rule(MixerRule())
