@@ -97,7 +97,7 @@ def test_mamba2_one_group_splits_with_summed_norm_statistics():
     block = presets.find_blocks(sch)[0]
     split = infer.block_split(sch, block)
     # one group: the gated norm spans all channels, so its statistic is summed over the ranks (feature_stats),
-    # and B / C reach every rank's heads, so they are replicated (Megatron-LM replicates groups below the TP size)
+    # and B / C reach every rank's heads, so they are replicated (as vLLM's mamba_mixer2.py duplicates them)
     assert split.roles == {"mixer.in_proj": "mlp_in", "mixer.out_proj": "mlp_out"}
     mixer = model.get_submodule(f"{block}.mixer")
     d, gn, h = mixer.intermediate_size, mixer.ssm_state_size, mixer.num_heads

@@ -6,7 +6,7 @@ the partial gradients a gathered output's consumers receive (:func:`slapo_lab.nu
 * Falcon-H1's Mamba-2 mixer with one group (and no gated norm): ``B`` and ``C`` of the fused ``in_proj`` (and their
   channels of the depthwise ``conv1d``) are replicated on every rank with their gradients summed, ``z`` / ``x`` /
   ``dt`` split by heads, its ``mup_vector`` buffer split like ``in_proj``'s outputs, ``conv_dim`` per rank
-  ``x / 2 + B + C`` (Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` replicates groups below the TP size); ✓.
+  ``x / 2 + B + C`` (vLLM's ``mamba_mixer2.py`` duplicates groups below the TP size); ✓.
 * FalconMamba: ``x_proj``'s gathered output feeds the weightless ``b/c/dt_layernorm``, whose input gradient on a rank
   is that rank's part, summed by the gather's backward: ✓; the same schedule whose gather does not sum in backward
   (``tensor_parallel_output_grad=False``) is still found ✗.

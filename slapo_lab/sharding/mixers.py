@@ -37,9 +37,18 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
 * every other parameter is split on the axis whose slices each rank needs alone (the convolution by channel
   over its ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the grouped norm by group), or, when
   every rank needs all of it, replicated with its gradient summed over the ranks (``"grad_sum"``);
-* features some ranks but not all need (Mamba-2's ``B`` / ``C`` with fewer groups than ranks, which Megatron-LM
-  does not split either), or all channels mixed before the output linear (a gated norm over all of them), keep
-  the mixer whole, with that sentence.
+* features several ranks need, in blocks each shared by consecutive ranks (Mamba-2's ``B`` / ``C`` with fewer
+  groups than ranks: vLLM replicates them, Megatron-LM requires ``ngroups % tp == 0``), are replicated on those
+  ranks, the rest split: a
+  :class:`~slapo_lab.sharding.rules.BlockStride` with ``groups`` for the input linear, the convolution's ``B`` /
+  ``C`` channels and a per-feature buffer (Falcon-H1's ``mup_vector``) alike; the shard primitive sums the
+  gradient of a shared block over the ranks holding it (moved to the mixer's forward when the mixer reads the
+  child's weight without calling it: ``causal_conv1d_fn``);
+* a norm whose statistics span the channels (Mamba-2's gated norm with one group) is read with its statistics
+  detached and then split by features with its statistics summed over the ranks
+  (:mod:`slapo_lab.sharding.feature_stats`, kind ``"features"``; vLLM's ``Mixer2RMSNormGated`` all-reduces the
+  variance over the TP group the same way when ``n_groups == 1``);
+* anything else shared by some ranks, or features no rank needs, keep the mixer whole, with that sentence.
 
 **Per-rank attributes**: the integer attributes of the mixer and its submodules that its forward reads
 (``intermediate_size``, ``conv_dim``, ``num_heads``, ``n_groups``; the RG-LRU's ``num_attention_heads``) must
@@ -609,8 +618,9 @@ def _grouped_layout(masks: list, ws: int):
     fewer than the ranks, each group on the ranks whose heads read it). Every rank then keeps its chunk of each
     split block and its group of each shared block, the gradient of a shared block summed over the ranks that
     share it (the shard primitive does so for a :class:`BlockStride` with groups). At least one block must be
-    split. Source: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``ngroups_local_tp``: groups below the
-    tensor-parallel size are replicated)."""
+    split. Sources: vLLM ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (``extra_groups_for_head_shards``,
+    ``mamba_v2_sharded_weight_loader``: groups fewer than the TP ranks are duplicated so each rank holds the group
+    its heads read); Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` asserts ``ngroups % tp_size == 0`` instead."""
     from .rules import BlockStride
 
     runs = [(int(m), len(list(g))) for m, g in itertools.groupby(int(v) for v in masks)]
@@ -699,9 +709,8 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
                 )
             elif shared:
                 what = (
-                    f"{shared} of {p}'s {n} output features reach the channels of several ranks (a group shared "
-                    "by heads on different ranks, e.g. Mamba-2's B and C with fewer groups than ranks, which "
-                    "Megatron-LM replicates)"
+                    f"{shared} of {p}'s {n} output features reach the channels of several ranks, not as groups "
+                    "each held whole by consecutive ranks (as Mamba-2's B and C with fewer groups than ranks are)"
                 )
             else:
                 what = f"{unused} of {p}'s {n} output features reach none of the output projection's inputs"
