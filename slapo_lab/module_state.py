@@ -128,6 +128,13 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g, sharde
     return call
 
 
+def _get_param(mod: nn.Module, name: str):
+    try:
+        return mod.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 def _with_block_grad_all_reduce(self: nn.Module, fn, blocks: dict, g):
     """``fn`` run with each parameter of ``blocks`` (``{name: (axis, local block sizes, replicas per block)}``)
     read as its blocks concatenated, those of replicas > 1 through
@@ -141,7 +148,8 @@ def _with_block_grad_all_reduce(self: nn.Module, fn, blocks: dict, g):
     def call(*a, **k):
         swap = {}
         for n, (axis, local, reps) in blocks.items():
-            p = self._parameters.get(n)
+            # (a dotted name: a child's parameter its parent's forward reads directly, Mamba-2's conv1d.weight)
+            p = self._parameters.get(n) if "." not in n else _get_param(self, n)
             if p is None:
                 continue
             pieces = p.split(list(local), dim=axis)

@@ -895,7 +895,8 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     relative difference)``, else None. A wrong gradient spreads to every module before it, so the first one
     autograd produces is where it starts. Not a fault: a child's partial input gradient inside a module whose
     own ``bwd_post`` all-reduce sums its children's parts (its input gradient then agrees to
-    :data:`GRAD_NOISE`). Gradients of another shape (a row-parallel layer's slice of its input) are not
+    :data:`GRAD_NOISE`), nor the partial gradient a gathered output's consumer receives inside a module whose
+    input gradient agrees, the gather's backward summing the ranks' parts (Mamba's ``x_proj``). Gradients of another shape (a row-parallel layer's slice of its input) are not
     compared."""
     from .module_state import peek_meta
 
@@ -925,6 +926,22 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
         meta = peek_meta(mod) if mod is not None else None
         return bool(meta) and meta.get("output_type") == "partial"
 
+    def gathers_for(name: str, outer: str) -> bool:  # a module inside ``outer`` (not around ``name``) gathers
+        # its output over the ranks (fwd_post all_gather: Mamba's x_proj in a channel-parallel mixer); every rank
+        # then holds the whole output, its consumers (FalconMamba's b/c/dt_layernorm) receive this rank's part
+        # of its gradient, and the gather's backward sums those parts (reduce-scatter)
+        mod = sch.modules.get(outer)
+        for rel, m in mod.named_modules() if mod is not None else ():
+            meta = peek_meta(m)
+            full = f"{outer}.{rel}" if outer and rel else outer or rel
+            if (
+                meta
+                and ("fwd_post", "all_gather") in meta.get("syncs", ())
+                and not (name == full or name.startswith(full + "."))
+            ):
+                return True
+        return False
+
     for key, r in rel.items():
         name = key[0]
         # a child's partial input gradient is no fault where an enclosing module with a bwd_post all-reduce
@@ -932,7 +949,8 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
         # partial sum reduced at its own boundary (a norm in a vocab-parallel embedding's forward, Inkling's
         # embed_norm, sees this rank's rows only, as its forward outputs are partial: parameters are compared)
         if r > GRAD_RTOL and not any(
-            (sums_children(a) and worst.get(a, 1.0) <= GRAD_NOISE) or reduces_partial(a)
+            ((sums_children(a) or gathers_for(name, a)) and worst.get(a, 1.0) <= GRAD_NOISE)
+            or reduces_partial(a)
             for a in _ancestors(name)
         ):
             return name, r

@@ -8,8 +8,8 @@ downloads):
   ``conv1d`` over its ``[x, B, C]`` channels, ``A_log`` / ``D`` / ``dt_bias`` and the grouped norm by head /
   group, ``out_proj`` row parallel, and ``intermediate_size`` / ``conv_dim`` / ``num_heads`` / ``n_groups``
   per rank (Megatron-LM ``megatron/core/ssm/mamba_mixer.py``); ✓ with every projection sharded;
-* Mamba-2 with 1 group: its gated norm spans all channels (and ``B`` / ``C`` reach every rank's heads), so the
-  mixer stays whole with that sentence (and the check still passes);
+* Mamba-2 with 1 group: its gated norm spans all channels, so its statistic is summed over the ranks
+  (``feature_stats``), and ``B`` / ``C`` reach every rank's heads, so they are replicated: ✓;
 * Mamba-1: ``x_proj`` (every channel needs all of its dt, B, C) computed from the gathered channels, its output
   features split and gathered, ``dt_proj`` (whose weight the forward uses directly) per channel: ✓;
 * Qwen3.5's gated DeltaNet (``linear_attn``: ``in_proj_qkv`` as three blocks, ``in_proj_z`` / ``in_proj_b`` /
@@ -92,15 +92,26 @@ def test_mamba2_split_follows_megatron():
     assert (local.intermediate_size, local.num_heads, local.n_groups) == (d // 2, h // 2, 1)
 
 
-def test_mamba2_one_group_stays_whole_with_a_reason():
+def test_mamba2_one_group_splits_with_summed_norm_statistics():
     model, inputs, sch = _schedule("mamba2", "Mamba2ForCausalLM", n_groups=1)
-    split = infer.block_split(sch, presets.find_blocks(sch)[0])
-    assert "mixer.in_proj" not in split.roles
-    why = split.whole["mixer.in_proj"]
-    # one group: the gated norm spans all channels (Megatron-LM needs ngroups divisible by the TP degree)
-    assert "reach the channels of every rank" in why and "gated norm" in why
-    note = _preset_and_check(model, inputs, sch)
-    assert "mixer.in_proj" in note and "mixer stays whole" in note
+    block = presets.find_blocks(sch)[0]
+    split = infer.block_split(sch, block)
+    # one group: the gated norm spans all channels, so its statistic is summed over the ranks (feature_stats),
+    # and B / C reach every rank's heads, so they are replicated (as vLLM's mamba_mixer2.py duplicates them)
+    assert split.roles == {"mixer.in_proj": "mlp_in", "mixer.out_proj": "mlp_out"}
+    mixer = model.get_submodule(f"{block}.mixer")
+    d, gn, h = mixer.intermediate_size, mixer.ssm_state_size, mixer.num_heads
+    stride = split.layouts["mixer.in_proj"].stride
+    assert (stride.sizes, stride.groups) == ((d, d, 2 * gn, h), (0, 0, 1, 0))
+    assert set(split.mixers["mixer"].stats) == {"norm"}
+    assert dict(presets.block_layers(sch, block))[f"{block}.mixer.norm"] == "features"
+    assert _preset_and_check(model, inputs, sch) is None  # every projection sharded
+    local = sch[f"{block}.mixer"].mod
+    assert (local.intermediate_size, local.conv_dim, local.norm.group_size) == (
+        d // 2,
+        d // 2 + 2 * gn,
+        d // 2,
+    )
 
 
 @pytest.mark.xfail(

@@ -37,9 +37,18 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
 * every other parameter is split on the axis whose slices each rank needs alone (the convolution by channel
   over its ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the grouped norm by group), or, when
   every rank needs all of it, replicated with its gradient summed over the ranks (``"grad_sum"``);
-* features some ranks but not all need (Mamba-2's ``B`` / ``C`` with fewer groups than ranks, which Megatron-LM
-  does not split either), or all channels mixed before the output linear (a gated norm over all of them), keep
-  the mixer whole, with that sentence.
+* features several ranks need, in blocks each shared by consecutive ranks (Mamba-2's ``B`` / ``C`` with fewer
+  groups than ranks: vLLM replicates them, Megatron-LM requires ``ngroups % tp == 0``), are replicated on those
+  ranks, the rest split: a
+  :class:`~slapo_lab.sharding.rules.BlockStride` with ``groups`` for the input linear, the convolution's ``B`` /
+  ``C`` channels and a per-feature buffer (Falcon-H1's ``mup_vector``) alike; the shard primitive sums the
+  gradient of a shared block over the ranks holding it (moved to the mixer's forward when the mixer reads the
+  child's weight without calling it: ``causal_conv1d_fn``);
+* a norm whose statistics span the channels (Mamba-2's gated norm with one group) is read with its statistics
+  detached and then split by features with its statistics summed over the ranks
+  (:mod:`slapo_lab.sharding.feature_stats`, kind ``"features"``; vLLM's ``Mixer2RMSNormGated`` all-reduces the
+  variance over the TP group the same way when ``n_groups == 1``);
+* anything else shared by some ranks, or features no rank needs, keep the mixer whole, with that sentence.
 
 **Per-rank attributes**: the integer attributes of the mixer and its submodules that its forward reads
 (``intermediate_size``, ``conv_dim``, ``num_heads``, ``n_groups``; the RG-LRU's ``num_attention_heads``) must
@@ -63,6 +72,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta
 from .rules import ShardRule, is_norm, local_shard, make_stride, register_shard_rule
@@ -97,6 +107,10 @@ class MixerDeps:
     attrs: dict | None = None
     feeds: dict = field(default_factory=dict)
     values: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # norm path -> its statistics' values in the full run
+    unrun: set = field(
+        default_factory=set
+    )  # submodules holding parameters whose forward the mixer never calls
 
 
 @dataclass
@@ -136,6 +150,8 @@ def _is_linear(m: nn.Module) -> bool:
 _LOCK = threading.RLock()
 _LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
 _ATTRS: dict = {}  # (mixer class, signature of its parameter shapes) -> {attr: global value}
+_ATTR_LOCAL: dict = {}  # the same key -> {ws: {global width: per-rank width}} where that is not global / ws
+_UNRUN: set = set()  # (mixer class, submodule) whose forward the mixer never calls (it reads the weights)
 _CLASSES: set = set()
 
 
@@ -250,6 +266,11 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
     with _LOCK:
         for key, shape in deps.shapes.items():
             sub, name = key.rsplit(":", 1)
+            if (
+                sub in deps.stats
+            ):  # a norm over split features: FeatureStatsRule's (sharding/feature_stats.py),
+                _LAYOUTS.pop(_owner_key(mixer, sub, name, shape), None)  # also where another config split it
+                continue
             layouts = {}
             for ws in _world_sizes(deps.chunks):
                 p = plan(deps, ws)  # cached per world size
@@ -259,6 +280,12 @@ def _register(mixer: nn.Module, deps: MixerDeps) -> None:
                 _LAYOUTS[_owner_key(mixer, sub, name, shape)] = layouts
                 _CLASSES.add(type(mixer.get_submodule(sub) if sub else mixer).__name__)
         _ATTRS[(type(mixer).__name__, _shape_sig(mixer))] = dict(deps.attrs or {})
+        _UNRUN.update((type(mixer).__name__, sub) for sub in deps.unrun)
+        _ATTR_LOCAL[(type(mixer).__name__, _shape_sig(mixer))] = {
+            ws: _local_widths(deps, plan(deps, ws), ws)
+            for ws in _world_sizes(deps.chunks)
+            if plan(deps, ws).reason is None
+        }
 
 
 def _shape_sig(mixer: nn.Module) -> tuple:
@@ -358,20 +385,155 @@ def _run(
 def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
     """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
     mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
-    multiple, inputs without a gradient path)."""
+    multiple, inputs without a gradient path).
+
+    When every rank's channels need features of several ranks, the dependencies are read again with the
+    statistics over the last axis of the mixer's norm-like modules (leaves with parameters whose forward takes a
+    ``mean`` / ``sum`` / ``var`` / ``std`` over its features: Mamba-2's gated norm with one group) detached: such a
+    statistic, summed over the ranks (:mod:`slapo_lab.sharding.feature_stats`), is no reason to keep the mixer
+    whole. Those norms (``deps.stats``) are then split by their features, contiguously, like the output linear's
+    input; any other split of them keeps the first reading's reason."""
     pristine = _materialise(mixer)
-    m = copy.deepcopy(pristine)
     g = torch.Generator().manual_seed(1)
     a, kw = _real_inputs(args, kwargs, g)
+    first = copy.deepcopy(pristine)
+    ran: set = set()
+    hooks = [
+        mod.register_forward_pre_hook(lambda *_a, sub=sub: ran.add(sub))
+        for sub, mod in first.named_modules()
+        if sub
+    ]
     with torch.no_grad():
-        order, _ = _run(copy.deepcopy(pristine), a, kw)
+        order, _ = _run(first, a, kw)
+    for h in hooks:
+        h.remove()
     order = list(dict.fromkeys(order))
     if len(order) < 2:
         return None
+    got = _dependencies(pristine, a, kw, order, g, {})
+    if got is None:
+        return None
+    deps, x = got
+    deps.unrun = {  # (Mamba-2's conv1d: its weight read by causal_conv1d_fn)
+        sub
+        for sub, mod in first.named_modules()
+        if sub and sub not in ran and any(p is not None for p in mod._parameters.values())
+    }
+    if plan(deps, 2).reason:
+        norms = _stat_norms(pristine, a, kw)
+        again = _dependencies(pristine, a, kw, order, g, norms) if norms else None
+        if again is not None and not plan(again[0], 2).reason and _stats_split_features(again[0], norms):
+            deps, x = again
+            deps.stats, deps.unrun = norms, got[0].unrun
+    if not plan(deps, 2).reason:
+        deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
+    return deps
+
+
+class _StatMode(TorchFunctionMode):
+    """Inside a norm-like module: each ``mean`` / ``sum`` / ``var`` / ``std`` over the last axis is detached
+    (``"detach"``), recorded in ``store`` in call order (``"record"``), or, where its input holds ``local`` features,
+    replaced by the next recorded value (``"replay"``: a rank copy gets the statistic over all ranks' features, as
+    :class:`~slapo_lab.sharding.feature_stats.GlobalFeatureStats` gives it at run time)."""
+
+    def __init__(self, how: str, store: list, local: int | None = None) -> None:
+        super().__init__()
+        self.how, self.store, self.local, self.hits = how, store, local, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from .feature_stats import _dims
+
+        kwargs = dict(kwargs or {})
+        out = func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if getattr(func, "__name__", "") not in ("mean", "sum", "var", "std") or not isinstance(
+            x, torch.Tensor
+        ):
+            return out
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if x.dim() < 1 or not isinstance(dim, (int, tuple, list, type(None))):
+            return out
+        if x.dim() - 1 not in _dims(dim, x.dim()):
+            return out
+        self.hits += 1
+        if self.how == "detach":
+            return out.detach()
+        if self.how == "record":
+            self.store.append(out.detach())
+            return out
+        v = self.store.pop(0) if self.store else None
+        if x.shape[-1] == self.local and v is not None and v.shape == out.shape:
+            return v
+        return out
+
+
+def _with_stats(mod: nn.Module, make) -> None:
+    """Run ``mod``'s forward (on this instance) under the mode ``make()`` returns."""
+    inner = mod.forward
+
+    def forward(*a, **k):
+        mode = make()
+        with mode:
+            return inner(*a, **k)
+
+    mod.forward = forward
+
+
+def _stat_norms(m: nn.Module, args, kwargs) -> dict:
+    """The norm-like modules of ``m`` (leaves other than linears and convolutions holding parameters) whose
+    forward takes a statistic over its last axis, with those statistics' values in a run of ``m``:
+    ``{path: [values]}``."""
+    r = copy.deepcopy(m)
+    found: dict = {}
+    for sub, mod in r.named_modules():
+        if (
+            sub
+            and not _is_linear(mod)
+            and not isinstance(mod, nn.modules.conv._ConvNd)
+            and any(p is not None for p in mod._parameters.values())
+            and not any(True for _ in mod.children())
+        ):
+            found[sub] = []
+            _with_stats(mod, lambda store=found[sub]: _StatMode("record", store))
+    try:
+        with torch.no_grad():
+            r(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no reading of its statistics
+        return {}
+    return {k: v for k, v in found.items() if v}
+
+
+def _stats_split_features(deps: MixerDeps, norms: dict) -> bool:
+    """Whether each norm in ``norms`` is split contiguously on the last axis of its parameters at every world
+    size the plan allows (its features follow the output linear's input), never replicated."""
+    for ws in _world_sizes(deps.chunks):
+        p = plan(deps, ws)
+        if p.reason:
+            continue
+        for key, shape in deps.shapes.items():
+            sub = key.rsplit(":", 1)[0]
+            if sub in norms and (sub in p.grad_sum or p.shards.get(key) != (len(shape) - 1, 1)):
+                return False
+    return True
+
+
+def _dependencies(pristine: nn.Module, a, kw, order: list, g, norms: dict):
+    """The body of :func:`dependencies`: ``(MixerDeps, the output linear's input)`` or None; the statistics of
+    the modules in ``norms`` are detached."""
+    m = copy.deepcopy(pristine)
+    for sub in norms:
+        _with_stats(m.get_submodule(sub), lambda: _StatMode("detach", []))
     row = order[-1]
     ins = order[:-1]
     leaves = dict.fromkeys(ins)
     seen: dict = {}
+    bufs: dict = {}  # a per-feature buffer (Falcon-H1's mup_vector scales in_proj's outputs): a leaf, so its
+    # entries' dependencies are read like a parameter's
+    for sub, mod in m.named_modules():
+        for n, b in list(mod._buffers.items()):
+            if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel() > 1:
+                mod._buffers[n] = b.detach().clone().requires_grad_(True)
+                bufs.setdefault(sub, []).append(n)
     with torch.enable_grad():
         _, x = _run(m, a, kw, leaves, row, seen)
         if x is None or not x.requires_grad or any(v is None for v in leaves.values()):
@@ -386,6 +548,8 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
                 continue  # (a linear whose weight the forward uses directly, Mamba's dt_proj, counts here)
             for n, p in mod.named_parameters(recurse=False):
                 params[f"{sub}:{n}"] = p
+            for n in bufs.get(sub, ()):
+                params[f"{sub}:{n}"] = mod._buffers[n]
         deps = MixerDeps(k, row)
         deps.feats = {p: leaves[p].shape[-1] for p in ins}
         deps.shapes = {key: tuple(p.shape) for key, p in params.items()}
@@ -418,9 +582,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
                     else torch.nonzero(gr.reshape(-1)).flatten()
                 )
                 deps.params.setdefault(key, []).append(nz)
-    if not plan(deps, 2).reason:
-        deps.attrs = _find_attrs(pristine, a, kw, x.detach(), deps)
-    return deps
+    return deps, x
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -440,6 +602,49 @@ def _runs_layout(owner: list, ws: int):
     idx = torch.arange(len(owner))
     for r in range(ws):
         want = [i for i, o in enumerate(owner) if o == r]
+        if local_shard(idx, 0, ws, r, stride).tolist() != want:
+            return None
+    return stride
+
+
+def _grouped_layout(masks: list, ws: int):
+    """The :class:`~slapo_lab.sharding.rules.BlockStride` (with ``groups``) whose :func:`local_shard` gives rank r
+    exactly the positions whose rank bit mask in ``masks`` holds r, when some positions are needed by several
+    ranks, or None.
+
+    The positions must run in blocks: a split block is ``ws`` equal runs owned by ranks 0, 1, ... alone (group
+    count 0); a block shared by ``r`` consecutive ranks (``r`` dividing ``ws``) is ``g = ws / r`` equal runs
+    owned by ranks ``{0..r-1}``, ``{r..2r-1}``, ... (group count ``g``: Mamba-2's ``B`` / ``C`` with ``g`` groups,
+    fewer than the ranks, each group on the ranks whose heads read it). Every rank then keeps its chunk of each
+    split block and its group of each shared block, the gradient of a shared block summed over the ranks that
+    share it (the shard primitive does so for a :class:`BlockStride` with groups). At least one block must be
+    split. Sources: vLLM ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (``extra_groups_for_head_shards``,
+    ``mamba_v2_sharded_weight_loader``: groups fewer than the TP ranks are duplicated so each rank holds the group
+    its heads read); Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` asserts ``ngroups % tp_size == 0`` instead."""
+    from .rules import BlockStride
+
+    runs = [(int(m), len(list(g))) for m, g in itertools.groupby(int(v) for v in masks)]
+    sizes, groups, i = [], [], 0
+    while i < len(runs):
+        m, _ = runs[i]
+        r = m.bit_count()
+        if m != (1 << r) - 1 or r == 0 or ws % r:  # a block starts with the ranks 0 .. r-1
+            return None
+        g = ws // r
+        grp = runs[i : i + g]
+        if [x for x, _ in grp] != [((1 << r) - 1) << (j * r) for j in range(g)] or len(
+            {k for _, k in grp}
+        ) != 1:
+            return None
+        sizes.append(grp[0][1] * g)
+        groups.append(g if r > 1 else 0)
+        i += g
+    if all(groups) or not any(groups) or len(sizes) < 2:
+        return None  # nothing split, or nothing shared (the plain layouts cover that)
+    stride = BlockStride(sizes, groups)
+    idx = torch.arange(len(masks))
+    for r in range(ws):
+        want = [i for i, m in enumerate(masks) if (int(m) >> r) & 1]
         if local_shard(idx, 0, ws, r, stride).tolist() != want:
             return None
     return stride
@@ -492,6 +697,10 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
             out.kinds[p] = "gather_linear"
             continue
         unused = int((count == 0).sum())
+        grouped = _grouped_layout(own.tolist(), ws) if shared and shared < n and not unused else None
+        if grouped is not None:  # parts shared by heads on different ranks (B, C): replicated on those ranks
+            out.columns[p] = grouped
+            continue
         if shared or unused:
             if shared == n:
                 what = (
@@ -500,9 +709,8 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
                 )
             elif shared:
                 what = (
-                    f"{shared} of {p}'s {n} output features reach the channels of several ranks (a group shared "
-                    "by heads on different ranks, e.g. Mamba-2's B and C with fewer groups than ranks, which "
-                    "Megatron-LM replicates)"
+                    f"{shared} of {p}'s {n} output features reach the channels of several ranks, not as groups "
+                    "each held whole by consecutive ranks (as Mamba-2's B and C with fewer groups than ranks are)"
                 )
             else:
                 what = f"{unused} of {p}'s {n} output features reach none of the output projection's inputs"
@@ -527,19 +735,26 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
         if bool((count[count > 0] == ws).all()):  # every rank needs it: replicated, gradients summed
             out.grad_sum.add(key.rsplit(":", 1)[0])
             continue
-        if bool((count != 1).any()):
-            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
-            return out
+        shared = bool((count != 1).any())
         grid = own.view(shape)
         found = None
         for axis, size in enumerate(shape):
             rows = grid.movedim(axis, 0).reshape(size, -1)
             if not bool((rows == rows[:, :1]).all()):
                 continue  # a slice needed by several ranks
+            if shared:  # a depthwise convolution's B / C channels, shared like in_proj's B / C
+                stride = _grouped_layout(rows[:, 0].tolist(), ws)
+                if stride is not None:
+                    found = (axis, stride)
+                    break
+                continue
             stride = _runs_layout(_single(rows[:, 0]), ws)
             if stride is not None:
                 found = (axis, stride)
                 break
+        if found is None and shared:
+            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
+            return out
         if found is None:
             out.reason = f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
             return out
@@ -560,11 +775,45 @@ def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, 
         for key, (axis, stride) in p.shards.items():
             sub, name = key.rsplit(":", 1)
             mod = r.get_submodule(sub) if sub else r
-            setattr(mod, name, nn.Parameter(local_shard(getattr(mod, name), axis, ws, rank, stride).clone()))
+            part = local_shard(getattr(mod, name), axis, ws, rank, stride).clone()
+            if name in mod._buffers:
+                mod._buffers[name] = part
+            else:
+                setattr(mod, name, nn.Parameter(part))
             _fix_conv(mod, name, axis)
+    local = _local_widths(deps, p, ws)
     for k, v in attrs.items():
-        _set_attr(r, k, v // ws)
+        _set_attr(r, k, local.get(v, v // ws))
+    for sub, values in deps.stats.items():  # each rank's norm sees the statistics over all ranks' features
+        mod = r.get_submodule(sub)
+        width = next(t.shape[-1] for t in mod._parameters.values() if t is not None)
+        _with_stats(mod, lambda values=values, width=width: _StatMode("replay", list(values), width))
     return r
+
+
+def _local_widths(deps: MixerDeps, p: MixerPlan, ws: int) -> dict:
+    """``{global width: this rank's width}`` over ``ws`` ranks for the widths whose split keeps a shared part
+    whole (a fused projection or a convolution with blocks shared by several ranks: Mamba-2's ``conv_dim`` is
+    ``x / ws + B + C`` per rank with one group); a width with two different answers is left out (its attribute
+    is then divided by ``ws``, as every width of a plain split is)."""
+    from .rules import block_replicas, block_sizes
+
+    found: dict = {}
+
+    def add(n: int, stride) -> None:
+        if not getattr(stride, "groups", None) or not any(stride.groups):
+            return
+        sizes = block_sizes(n, stride)
+        locs = [s * r // ws for s, r in zip(sizes, block_replicas(stride, len(sizes), ws), strict=True)]
+        for i in range(len(sizes)):  # every run of consecutive blocks (a fused part, or all of them)
+            for j in range(i + 1, len(sizes) + 1):
+                found.setdefault(sum(sizes[i:j]), set()).add(sum(locs[i:j]))
+
+    for lin, stride in p.columns.items():
+        add(deps.feats[lin], stride)
+    for key, (axis, stride) in p.shards.items():
+        add(deps.shapes[key][axis], stride)
+    return {g: next(iter(v)) for g, v in found.items() if len(v) == 1 and next(iter(v)) != g // ws}
 
 
 def _set_attr(mixer: nn.Module, key: str, value: int) -> None:
@@ -676,7 +925,8 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
     """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
     ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
     layouts; ``";grad_sum"`` after them when the module's other parameters are replicated and sum their
-    gradients) or ``"grad_sum"``; a path here replaces the index maps' kind for it."""
+    gradients), ``"grad_sum"``, or ``"features"`` for a norm whose statistics span the split features (see
+    :func:`dependencies`); a path here replaces the index maps' kind for it."""
     pre = f"{block_path}." if block_path else ""
     out = []
     for rel, deps in (getattr(split, "mixers", None) or {}).items():
@@ -692,6 +942,9 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
             per_module.setdefault(sub, []).append(f"{name}={axis}")
         for sub in sorted(set(per_module) | p.grad_sum):
             path = pre + ".".join(x for x in (rel, sub) if x)
+            if sub in deps.stats:  # its statistics summed over the ranks, its parameters split by feature
+                out.append((path, "features"))
+                continue
             if sub not in per_module:
                 out.append((path, "grad_sum"))
                 continue
@@ -730,7 +983,11 @@ class MixerRule(ShardRule):
         return None, None
 
     def matches(self, mod):
-        return type(mod).__name__ in _CLASSES and not _is_linear(mod)
+        return (
+            type(mod).__name__ in _CLASSES
+            and not _is_linear(mod)
+            and any(self._registered(mod, n) for n in [*mod._parameters, *mod._buffers])
+        )
 
     def _other(self, mod) -> ShardRule:
         """The rule that would own ``mod`` without this one (for tensors no mixer plan registered)."""
@@ -784,16 +1041,37 @@ class MixerRule(ShardRule):
         mixer = site.mod if "." not in key[0] else site.parent
         if mixer is None:
             return
+        if mixer is not site.mod and (type(mixer).__name__, site.child_name) in _UNRUN:
+            _move_block_grads(site.mod, site.child_name, mixer)
         attrs = _ATTRS.get((type(mixer).__name__, _shape_sig(mixer)))
         meta = module_meta(mixer)
         if not attrs or "mixer_attrs" in meta:
             return
         done = {}
+        local = _ATTR_LOCAL.get((type(mixer).__name__, _shape_sig(mixer)), {}).get(world_size, {})
         for k, v in attrs.items():
             if _get_attr(mixer, k) == v:
-                _set_attr(mixer, k, v // world_size)
-            done[k] = [v, v // world_size]
+                _set_attr(mixer, k, local.get(v, v // world_size))
+            done[k] = [v, local.get(v, v // world_size)]
         meta["mixer_attrs"] = done
+
+
+def _move_block_grads(child: nn.Module, child_name: str, mixer: nn.Module) -> None:
+    """The gradient sums of ``child``'s replicated blocks (the shard primitive's ``grad_block_replicas``), taken
+    by ``mixer``'s forward instead: the mixer reads ``child``'s weights without calling it (Mamba-2's ``conv1d``
+    through ``causal_conv1d_fn``), so a sum installed on ``child``'s forward would never run."""
+    from ..module_state import install_forward, peek_meta
+
+    meta = peek_meta(child)
+    blocks = (meta or {}).get("grad_block_replicas")
+    if not blocks:
+        return
+    target = module_meta(mixer)
+    for name, spec in list(blocks.items()):
+        target.setdefault("grad_block_replicas", {})[f"{child_name}.{name}"] = spec
+        target["grad_block_group"] = meta["grad_block_group"]
+        del blocks[name]
+    install_forward(mixer)
 
 
 register_shard_rule(MixerRule())
