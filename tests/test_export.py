@@ -14,6 +14,7 @@ import re
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -201,8 +202,9 @@ def _run_script(path, argv, monkeypatch) -> int:
 
 
 def _parsed(path, argv, monkeypatch):
-    """The options ``python path *argv`` parses (through the script and ``slapo_lab.train.main``); the run is
-    stopped right after parsing, before the launch checks (:mod:`slapo_lab.train.preflight`)."""
+    """The options ``python path *argv`` parses (through the script and ``slapo_lab.train.main``), the
+    :class:`~slapo_lab.train.config.TrainConfig` flattened to ``ns.<option>``; the run is stopped right after
+    parsing, before the launch checks (:mod:`slapo_lab.train.preflight`)."""
     from slapo_lab.train import preflight
 
     seen = []
@@ -214,7 +216,7 @@ def _parsed(path, argv, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(preflight, "check", stop)
         assert _run_script(path, argv, m) == 2
-    return seen[0]
+    return types.SimpleNamespace(**seen[0].flat())
 
 
 @pytest.fixture
@@ -440,10 +442,13 @@ def test_bert_script_compiles_is_ruff_clean_and_replays(bert_tp, ids, tmp_path, 
         args.max_grad_norm,
     ) == (True, 4, 32, None, False, "synthetic", "adamw", 1e-4, 1.0)
     assert _parsed(path, ["--no-verify", "--device", "cpu"], monkeypatch).verify is False
-    assert not hasattr(args, "zero") and not hasattr(
-        args, "pp_schedule"
-    )  # DeepSpeed / pipeline options only there
+    # DeepSpeed / pipeline options only there: this script's command line refuses them (their typed fields keep
+    # the defaults the runtime reads)
+    assert (args.zero, args.pp_schedule, args.stages_per_rank) == (0, "1F1B", 1)
     capsys.readouterr()
+    for flag, value in (("--zero", "1"), ("--pp-schedule", "GPipe"), ("--stages-per-rank", "2")):
+        assert _run_script(path, [flag, value], monkeypatch) == 2
+        assert f"unrecognized arguments: {flag} {value}" in capsys.readouterr().err
     assert _run_script(path, ["--help"], monkeypatch) == 0
     helptext = " ".join(capsys.readouterr().out.split())
     assert helptext.startswith("usage: train_bert.py")
@@ -1368,12 +1373,11 @@ def test_verify_compares_all_zero_tensors():
 
 def test_backend_and_gpu_placement(monkeypatch, capsys):
     """Issue 10: --backend {auto,nccl,gloo}; local rank i -> cuda:i % GPUs, and NCCL refuses shared GPUs."""
-    import argparse
-
     from slapo_lab.train import loop
+    from slapo_lab.train.config import ParallelOptions
 
     def args(device, backend="auto"):
-        return argparse.Namespace(device=device, backend=backend)
+        return ParallelOptions(device=device, backend=backend)
 
     assert loop._backend(args("cpu")) == "gloo"
     assert loop._backend(args("cuda")) == "nccl"
