@@ -6,11 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import re
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
 
+import slapo_lab.train.config as config_module
+from slapo_lab.export import render_script
 from slapo_lab.parallel_dims import ParallelDims
+from slapo_lab.train import preflight
 from slapo_lab.train.args import build_parser, parse_args
 from slapo_lab.train.config import (
     BatchOptions,
@@ -170,3 +177,118 @@ def test_parallel_section_yields_parallel_dims():
     assert ParallelOptions().dims(3, 1, 8) == ParallelDims(3, 1, 2)  # the replicas that fit
     assert TrainConfig().model.tokenizer_dir is None
     assert TrainConfig.from_flat({"model_path": "m"}).model.tokenizer_dir == "m"
+
+
+# ---------------------------------------------------------------------------------------------- literal & scripts
+OLD_SCRIPT = Path(__file__).parent / "data" / "exported_before_trainconfig.py.txt"
+STEP = re.compile(r"^step (\d+)/(\d+) loss (\S+) \| lr (\S+)", re.MULTILINE)
+
+
+def test_literal_round_trips_and_stays_data():
+    """``TrainConfig.literal()`` is Python that builds the same config, and ``from_literal`` reads it back without
+    running it; a hostile path stays a string; anything but section calls of literals is refused."""
+    evil = "'''\"\"\"\n__import__('os').system('echo pwned') #\\"
+    cfg = TrainConfig.from_flat(
+        {
+            "model_path": evil,
+            "data": "c.jsonl",
+            "seq_len": 64,
+            "dp": 2,
+            "fsdp": True,
+            "lr": 3e-4,
+            "verify": False,
+        }
+    )
+    text = cfg.literal()
+    assert text.startswith("TrainConfig(\n    model=ModelOptions(model_path=") and text.endswith("\n)")
+    assert all(len(line) <= 110 for line in text.splitlines())
+    assert eval(text, {n: getattr(config_module, n) for n in config_module.__all__}) == cfg
+    assert TrainConfig.from_literal(text) == cfg
+    assert cfg.section_classes() == [
+        "DataOptions",
+        "ModelOptions",
+        "OptimizerOptions",
+        "ParallelOptions",
+        "VerifyOptions",
+    ]
+    assert (
+        TrainConfig().literal() == "TrainConfig()"
+        and TrainConfig.from_literal("TrainConfig()") == TrainConfig()
+    )
+    long = TrainConfig.from_flat({"model_path": "m" * 120})
+    assert TrainConfig.from_literal(long.literal()) == long
+    assert "    model=ModelOptions(\n        model_path='mmm" in long.literal()  # too long: one option a line
+    for bad, words in (
+        ("TrainConfig(data=DataOptions(data=open('x')))", "malformed"),
+        ("TrainConfig(data=__import__('os'))", "expected a DataOptions(...)"),
+        ("TrainConfig(data=DataOptions(lr=1.0))", "DataOptions has no option lr."),
+        ("TrainConfig(batch=BatchOptions(steps=-1))", "--steps must not be negative"),
+    ):
+        with pytest.raises((ConfigError, ValueError), match=re.escape(words)):
+            TrainConfig.from_literal(bad)
+
+
+def _run(path: Path, argv: list[str], monkeypatch) -> int:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(path), run_name="__main__")
+    return done.value.code
+
+
+def _parsed(path: Path, argv: list[str], monkeypatch) -> TrainConfig:
+    seen = []
+
+    def stop(cfg, **_):
+        seen.append(cfg)
+        raise preflight.PreflightError("stopped by the test after parsing.")
+
+    with monkeypatch.context() as m:
+        m.setattr(preflight, "check", stop)
+        assert _run(path, argv, m) == 2
+    return seen[0]
+
+
+def test_new_script_renders_config_and_parses_like_an_old_one(tmp_path, monkeypatch, capsys):
+    """A script exported now holds ``CONFIG = TrainConfig(...)`` of the chosen options; its command line gives
+    the same options as the script exported before TrainConfig (``DEFAULTS`` dict, kept as a fixture) with the
+    same choices, with and without flags that override them."""
+    old = tmp_path / "train_old_bert.py"
+    old.write_text(OLD_SCRIPT.read_text())
+    ns = runpy.run_path(str(old), run_name="fixture")
+    text = render_script(
+        ns["MODEL"], [], ns["INPUTS"], 1, script_name="train_new.py", defaults=ns["DEFAULTS"]
+    )
+    assert "DEFAULTS" not in text and "config=CONFIG" in text
+    assert "from slapo_lab.train.config import BatchOptions, OptimizerOptions, TrainConfig\n" in text
+    assert "    batch=BatchOptions(global_batch_size=2, micro_batch_size=1, steps=2),\n" in text
+    new = tmp_path / "train_new.py"
+    new.write_text(text)
+    for argv in ([], ["--lr", "0.5", "--steps", "7", "--seq-len", "8"], ["--global-batch-size", "4"]):
+        a, b = _parsed(old, argv, monkeypatch), _parsed(new, argv, monkeypatch)
+        assert a == b, argv
+    assert (a.batch.steps, a.optimizer.lr, a.batch.global_batch_size, a.batch.micro_batch_size) == (
+        2,
+        1e-3,
+        4,
+        1,
+    )
+    assert a.data.seq_len == 16  # the example's, from INPUTS
+    capsys.readouterr()
+
+
+def test_old_exported_script_still_trains(tmp_path, monkeypatch, capsys):
+    """The compatibility path: a script exported before TrainConfig (its ``main(..., defaults=DEFAULTS)``
+    call, a fixture written by that version) still runs: Verify passes and its baked-in defaults (2 steps at lr
+    1e-3, global batch 2 in micro-batches of 1) train."""
+    path = tmp_path / "train_old_bert.py"
+    path.write_text(OLD_SCRIPT.read_text())
+    assert "defaults=DEFAULTS" in path.read_text()
+    assert _run(path, ["--device", "cpu", "--verify-batch-size", "1"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert (
+        "Verify: PASSED" in out and "global batch 2 x 16 tokens in micro-batches of 1 (2 per step" in out
+    ), out
+    steps = STEP.findall(out)
+    assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")], out
+    assert all(math.isfinite(float(s[2])) for s in steps), out

@@ -52,9 +52,9 @@ def build_parser(
         pipeline: whether the schedule has pipeline cuts (adds ``--pp-schedule``, ``--stages-per-rank``).
         example_batch / example_seq: the example inputs' batch size and sequence length (the defaults
             of ``--global-batch-size`` and ``--seq-len``).
-        defaults: option defaults baked in by the export: ``{"model_path": ..., "data": ..., "dp": 2}`` (old
-            scripts' ``DEFAULTS``) over the example's sizes, or a whole :class:`TrainConfig` (new scripts'
-            ``CONFIG``), whose values are every default.
+        defaults: option defaults baked in by the export, over the example's sizes: a :class:`TrainConfig` (new
+            scripts' ``CONFIG``; the options it changes from the class defaults) or a dict
+            ``{"model_path": ..., "data": ..., "dp": 2}`` (``DEFAULTS`` of scripts exported before it).
 
     Raises:
         ValueError: ``defaults`` names an option that is not one.
@@ -90,8 +90,7 @@ def build_parser(
         groups[section.TITLE].add_argument(*(meta["flags"] or (flag(name),)), **kwargs)
         present.add(name)
     if isinstance(defaults, TrainConfig):
-        p.set_defaults(**{k: v for k, v in defaults.flat().items() if k in present})
-        return p
+        defaults = defaults.changed()
     p.set_defaults(global_batch_size=example_batch, seq_len=example_seq)
     if defaults:
         unknown = sorted(set(defaults) - present)

@@ -279,11 +279,16 @@ class ParallelOptions(_Section):
 
 @dataclass(frozen=True)
 class BatchOptions(_Section):
-    """Batch sizes (sequences) and the length of the run (optimizer steps or epochs)."""
+    """Batch sizes (sequences) and the length of the run (optimizer steps or epochs).
+
+    ``global_batch_size`` None (and :class:`DataOptions`' ``seq_len`` None) mean the script's example inputs'
+    batch size (sequence length): the command line's defaults (:func:`slapo_lab.train.args.build_parser`), so a
+    parsed config always holds a number.
+    """
 
     TITLE: ClassVar[str] = "batch and steps"
-    global_batch_size: int = option(
-        1,
+    global_batch_size: int | None = option(
+        None,
         "sequences per optimizer step over all replicas, the same whatever the layout (gradient accumulation "
         "makes up the difference)",
         label="Global batch size",
@@ -544,10 +549,88 @@ class TrainConfig:
                 out += [flag(name), repr(value) if isinstance(value, float) else str(value)]
         return out
 
+    def changed(self) -> dict[str, Any]:
+        """``{option: value}`` of the options set to other values than the defaults (what an export chose)."""
+        base = TrainConfig().flat()
+        return {k: v for k, v in self.flat().items() if v != base[k]}
+
+    # -- as Python source
+    def literal(self, indent: int = 4, width: int = 110) -> str:
+        """This config as Python source: ``TrainConfig(data=DataOptions(data='corpus.jsonl', seq_len=128), ...)``
+        naming only the options that differ from the defaults (values as ``repr``), one section per line, wrapped
+        to ``width`` columns. :meth:`from_literal` reads it back."""
+        parts = []
+        for s in dataclasses.fields(self):
+            sec = getattr(self, s.name)
+            base = s.default_factory()
+            items = [
+                f"{f.name}={getattr(sec, f.name)!r}"
+                for f in dataclasses.fields(sec)
+                if getattr(sec, f.name) != getattr(base, f.name)
+            ]
+            if not items:
+                continue
+            cls = type(sec).__name__
+            one = f"{s.name}={cls}({', '.join(items)}),"
+            if indent + len(one) <= width:
+                parts.append(" " * indent + one)
+            else:
+                inner = "".join(f"{' ' * (2 * indent)}{it},\n" for it in items)
+                parts.append(f"{' ' * indent}{s.name}={cls}(\n{inner}{' ' * indent}),")
+        if not parts:
+            return "TrainConfig()"
+        return "TrainConfig(\n" + "\n".join(parts) + "\n)"
+
+    def section_classes(self) -> list[str]:
+        """The names of the section classes :meth:`literal` uses, sorted (what a script imports)."""
+        return sorted({type(getattr(self, k)).__name__ for k in _sections_of(self.changed())})
+
+    @classmethod
+    def from_literal(cls, source: str) -> TrainConfig:
+        """Read :meth:`literal`'s text back without running it: the expression must be ``TrainConfig(...)`` of
+        section classes whose arguments are Python literals (``ast.literal_eval``), nothing else.
+
+        Raises:
+            ConfigError: any other expression, or a bad value.
+        """
+        import ast
+
+        node = ast.parse(source.strip(), mode="eval").body
+        sections = {s.name: s.default_factory for s in dataclasses.fields(cls)}
+
+        def call_of(n, name: str) -> dict[str, Any]:
+            if not (
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name and not n.args
+            ):
+                raise ConfigError(
+                    f"expected a {name}(...) call of keyword literals, not {ast.unparse(n)[:60]!r}."
+                )
+            return {k.arg: k.value for k in n.keywords}
+
+        kwargs = {}
+        for name, sub in call_of(node, cls.__name__).items():
+            if name not in sections:
+                raise ConfigError(f"TrainConfig has no section {name!r}.")
+            values = {k: ast.literal_eval(v) for k, v in call_of(sub, sections[name].__name__).items()}
+            try:
+                kwargs[name] = sections[name](**values)
+            except TypeError:
+                unknown = sorted(set(values) - {f.name for f in dataclasses.fields(sections[name])})
+                raise ConfigError(f"{sections[name].__name__} has no option {', '.join(unknown)}.") from None
+        return cls(**kwargs)
+
     # -- derived
     def dims(self, tp: int, pp: int, world: int) -> ParallelDims:
         """:meth:`ParallelOptions.dims` of this config."""
         return self.parallel.dims(tp, pp, world)
+
+
+def _sections_of(names) -> list[str]:
+    """The TrainConfig section names holding the options ``names``, in declaration order."""
+    fields = option_fields()
+    owner = {s.default_factory: s.name for s in dataclasses.fields(TrainConfig)}
+    wanted = {owner[fields[n][0]] for n in names}
+    return [s.name for s in dataclasses.fields(TrainConfig) if s.name in wanted]
 
 
 def option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
