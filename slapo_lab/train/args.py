@@ -9,8 +9,6 @@ combination is refused by argparse with the config's one sentence and exit statu
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,17 +21,10 @@ from .config import (
     TrainConfig,
     flag,
     option_fields,
+    option_type,
 )
 
 __all__ = ["LR_SCHEDULES", "OPTIMIZERS", "PP_SCHEDULES", "SAVE_DTYPES", "build_parser", "parse_args"]
-
-
-def _value_type(section: type, name: str) -> type:
-    """``int`` / ``float`` / ``str`` / ``bool`` of a section's field, its ``| None`` dropped."""
-    hint = typing.get_type_hints(section)[name]
-    if isinstance(hint, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
 
 
 def build_parser(
@@ -72,7 +63,7 @@ def build_parser(
             continue
         if section.TITLE not in groups:
             groups[section.TITLE] = p.add_argument_group(section.TITLE)
-        kind = _value_type(section, name)
+        kind = option_type(name)
         kwargs: dict[str, Any] = {"default": f.default, "dest": name}
         if meta["hidden"]:
             kwargs["help"] = argparse.SUPPRESS

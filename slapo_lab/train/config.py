@@ -14,7 +14,8 @@ tyro there, argparse here: the same flags, defaults and messages as this project
 
 Each field's ``metadata`` (:func:`option`) holds:
 
-* ``help`` -- the ``--help`` text; ``label`` -- the Export form's label;
+* ``help`` -- the ``--help`` text; ``label`` -- the Export form's label; ``noun`` -- the option in the form's
+  sentences ("The global batch size must be ...", default: the label);
 * ``min`` / ``max`` / ``choices`` -- the limits :meth:`_Section.__post_init__` checks;
 * ``metavar``, ``flags`` (other spellings), ``only`` (``"deepspeed"`` / ``"pipeline"``: the option exists only
   in such a script), ``hidden`` (not listed by ``--help``).
@@ -30,6 +31,8 @@ Raises (everywhere here): :class:`ConfigError`, one sentence naming the option (
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,6 +61,7 @@ __all__ = [
     "flag",
     "option",
     "option_fields",
+    "option_type",
 ]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -82,6 +86,7 @@ def option(
     flags: tuple[str, ...] = (),
     only: str | None = None,
     hidden: bool = False,
+    noun: str | None = None,
 ) -> Any:
     """A dataclass field of an options section, its metadata as in the module docstring.
 
@@ -98,6 +103,7 @@ def option(
         "flags": flags,
         "only": only,
         "hidden": hidden,
+        "noun": noun or label,
     }
     return field(default=default, metadata=meta)
 
@@ -148,11 +154,15 @@ class ModelOptions(_Section):
         None,
         "a Hugging Face model directory (config.json + *.safetensors, sharded index too) to fine-tune; each rank "
         "reads only its own slices. Without it the model gets seeded random weights",
-        label="Model path",
+        label="model path",
         metavar="DIR",
     )
     tokenizer: str | None = option(
-        None, "the tokenizer directory (default: --model-path)", label="Tokenizer", metavar="DIR"
+        None,
+        "the tokenizer directory (default: --model-path)",
+        label="tokenizer",
+        noun="tokenizer directory",
+        metavar="DIR",
     )
 
     @property
@@ -170,13 +180,14 @@ class DataOptions(_Section):
         "synthetic",
         "training text: a .txt, a .jsonl with a 'text' field, a .parquet, or a directory of them; 'synthetic' "
         "trains on random inputs shaped like the example (a benchmark)",
-        label="Data",
+        label="data",
+        noun="data path",
         metavar="PATH",
     )
     seq_len: int | None = option(
-        None, "tokens per training sequence", label="Sequence length", min=1, metavar="N"
+        None, "tokens per training sequence", label="seq len", noun="sequence length", min=1, metavar="N"
     )
-    seed: int = option(1234, "seed of the random weights, the data order and dropout", label="Seed")
+    seed: int = option(1234, "seed of the random weights, the data order and dropout", label="seed")
 
     def _check(self) -> None:
         if self.data != "synthetic" and self.seq_len is None:
@@ -189,19 +200,23 @@ class EvalOptions(_Section):
 
     TITLE: ClassVar[str] = "model and data"
     eval_data: str | None = option(
-        None, "validation text, same formats as --data", label="Validation data", metavar="PATH"
+        None,
+        "validation text, same formats as --data",
+        label="eval data",
+        noun="validation data path",
+        metavar="PATH",
     )
     eval_every: int = option(
         0,
         "report the validation loss every N steps (0: at the end only)",
-        label="Evaluate every",
+        label="eval every",
         min=0,
         metavar="N",
     )
     eval_samples: int | None = option(
         None,
         "validation sequences per evaluation (default: all)",
-        label="Validation samples",
+        label="eval samples",
         min=1,
         metavar="N",
     )
@@ -219,39 +234,49 @@ class ParallelOptions(_Section):
     dp: int | None = option(
         None,
         "data-parallel replicas (default: world size / (tp x pp)); world size = tp x pp x dp",
-        label="Data-parallel replicas",
+        label="dp",
+        noun="number of data-parallel replicas (dp)",
         min=1,
         metavar="N",
     )
     fsdp: bool = option(
         False,
         "shard parameters, gradients and optimizer states over the data-parallel replicas (FSDP2)",
-        label="FSDP2",
+        label="FSDP",
     )
-    zero: int = option(0, "DeepSpeed ZeRO stage", label="ZeRO stage", choices=(0, 1, 2), only="deepspeed")
+    zero: int = option(
+        0,
+        "DeepSpeed ZeRO stage",
+        label="ZeRO",
+        noun="ZeRO stage",
+        min=0,
+        max=2,
+        choices=(0, 1, 2),
+        only="deepspeed",
+    )
     pp_schedule: str = option(
         "1F1B",
         "the torch.distributed.pipelining schedule",
-        label="Pipeline schedule",
+        label="pp schedule",
         choices=PP_SCHEDULES,
         only="pipeline",
     )
     stages_per_rank: int = option(
         1,
         "pipeline stages per pipeline rank (> 1 needs --pp-schedule Interleaved1F1B)",
-        label="Stages per rank",
+        label="stages per rank",
         only="pipeline",
     )
     device: str | None = option(
         None,
         "cuda: one GPU per process (local rank % GPUs); default: cuda if available",
-        label="Device",
+        label="device",
         choices=("cuda", "cpu"),
     )
     backend: str = option(
         "auto",
         "process group backend: auto = nccl on cuda, gloo on cpu",
-        label="Backend",
+        label="backend",
         choices=("auto", "nccl", "gloo"),
     )
 
@@ -291,7 +316,8 @@ class BatchOptions(_Section):
         None,
         "sequences per optimizer step over all replicas, the same whatever the layout (gradient accumulation "
         "makes up the difference)",
-        label="Global batch size",
+        label="global batch",
+        noun="global batch size",
         min=1,
         metavar="N",
     )
@@ -299,13 +325,16 @@ class BatchOptions(_Section):
         None,
         "sequences per forward pass and replica (default: the global batch / dp, or / the pipeline stages for "
         "a pipeline)",
-        label="Micro-batch size",
+        label="micro batch",
+        noun="micro batch size",
         min=1,
         metavar="N",
     )
-    steps: int = option(10, "optimizer steps to train for", label="Steps", min=0, metavar="N")
+    steps: int = option(
+        10, "optimizer steps to train for", label="steps", noun="number of steps", min=0, metavar="N"
+    )
     epochs: float | None = option(
-        None, "train for E passes over --data instead of --steps", label="Epochs", metavar="E"
+        None, "train for E passes over --data instead of --steps", label="epochs", metavar="E"
     )
 
     def _check(self) -> None:
@@ -318,16 +347,16 @@ class OptimizerOptions(_Section):
     """The optimizer (``torch.optim.AdamW`` or ``SGD``) and gradient clipping."""
 
     TITLE: ClassVar[str] = "optimizer"
-    optimizer: str = option("adamw", label="Optimizer", choices=OPTIMIZERS)
-    lr: float = option(1e-4, "peak learning rate", label="Learning rate", min=0)
-    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", label="Weight decay", min=0)
+    optimizer: str = option("adamw", label="optimizer", choices=OPTIMIZERS)
+    lr: float = option(1e-4, "peak learning rate", label="lr", noun="learning rate", min=0)
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", label="weight decay", min=0)
     adam_beta1: float = option(0.9, label="Adam beta1")
     adam_beta2: float = option(0.999, label="Adam beta2")
     adam_eps: float = option(1e-8, label="Adam epsilon")
     max_grad_norm: float = option(
         1.0,
         "clip gradients to this global norm (over every shard, replica and stage); 0: no clipping",
-        label="Max gradient norm",
+        label="max grad norm",
         min=0,
     )
 
@@ -337,11 +366,11 @@ class ScheduleOptions(_Section):
     """The learning-rate schedule (``torch.optim.lr_scheduler``)."""
 
     TITLE: ClassVar[str] = "optimizer"
-    warmup_steps: int = option(0, "linear warm-up steps from 0 to --lr", label="Warm-up steps", min=0)
+    warmup_steps: int = option(0, "linear warm-up steps from 0 to --lr", label="warm-up steps", min=0)
     lr_schedule: str = option(
         "linear",
         "after warm-up: constant, linear decay to 0, or cosine decay to 0 (torch.optim.lr_scheduler)",
-        label="Learning-rate schedule",
+        label="lr schedule",
         choices=LR_SCHEDULES,
     )
 
@@ -355,28 +384,31 @@ class CheckpointOptions(_Section):
         None,
         "save torch.distributed.checkpoint checkpoints here; a relaunch resumes from the latest complete one "
         "(at any layout)",
-        label="Checkpoint folder",
+        label="checkpoints",
+        noun="checkpoint directory",
         metavar="DIR",
     )
     checkpoint_every: int = option(
-        0, "save every N steps (0: only at the end)", label="Checkpoint every", min=0, metavar="N"
+        0,
+        "save every N steps (0: only at the end)",
+        label="every",
+        noun="checkpoint interval (every)",
+        min=0,
+        metavar="N",
     )
-    keep_checkpoints: int = option(
-        0, "keep the K newest (0: all)", label="Keep checkpoints", min=0, metavar="K"
-    )
-    no_resume: bool = option(
-        False, "start fresh even if --checkpoint-dir has checkpoints", label="Start fresh"
-    )
+    keep_checkpoints: int = option(0, "keep the K newest (0: all)", label="keep", min=0, metavar="K")
+    no_resume: bool = option(False, "start fresh even if --checkpoint-dir has checkpoints", label="no resume")
     save_hf: str | None = option(
         None,
         "at the end, write a Hugging Face directory (safetensors, config, tokenizer) that from_pretrained loads",
-        label="Save HF folder",
+        label="save HF",
+        noun="save-HF directory",
         metavar="DIR",
     )
     save_dtype: str = option(
         "auto",
         "dtype of --save-hf weights (auto: the pretrained checkpoint's, else float32)",
-        label="Save dtype",
+        label="save dtype",
         choices=SAVE_DTYPES,
     )
 
@@ -391,11 +423,11 @@ class PrecisionOptions(_Section):
 
     TITLE: ClassVar[str] = "precision and speed"
     bf16: bool = option(False, "bfloat16 compute with fp32 master weights", label="bf16")
-    compile: bool = option(False, "torch.compile each repeated block (fullgraph)", label="torch.compile")
+    compile: bool = option(False, "torch.compile each repeated block (fullgraph)", label="compile")
     compile_backend: str = option(
         "inductor",
         "the torch.compile backend of --compile (aot_eager: checks the graphs without code generation)",
-        label="Compile backend",
+        label="compile backend",
     )
 
 
@@ -408,19 +440,19 @@ class VerifyOptions(_Section):
         True,
         "first prove that the scheduled model's loss, outputs and every gradient equal the unscheduled "
         "model's on a small batch",
-        label="Verify first",
+        label="verify",
     )
     verify_batch_size: int | None = option(
         None,
         "sequences Verify runs on (default: 2, or one pipeline step's batch)",
-        label="Verify batch size",
+        label="verify batch",
         min=1,
         metavar="N",
     )
     verify_seq_len: int | None = option(
         None,
         "tokens per sequence in Verify (default: min(--seq-len, 64); pipelines: --seq-len)",
-        label="Verify sequence length",
+        label="verify seq len",
         min=1,
         metavar="N",
     )
@@ -432,18 +464,22 @@ class MetricsOptions(_Section):
 
     TITLE: ClassVar[str] = "progress and metrics"
     log_dir: str | None = option(
-        None, "write TensorBoard events and metrics.csv here", label="Log folder", metavar="DIR"
+        None,
+        "write TensorBoard events and metrics.csv here",
+        label="log dir",
+        noun="log directory",
+        metavar="DIR",
     )
     progress: str = option(
         "auto",
         "a tqdm bar on rank 0 (auto: when attached to a terminal)",
-        label="Progress bar",
+        label="progress",
         choices=("auto", "on", "off"),
     )
     peak_tflops: float | None = option(
         None,
         "peak TFLOP/s per GPU in the precision run, for MFU (default: looked up by GPU name)",
-        label="Peak TFLOP/s",
+        label="peak TFLOP/s",
     )
 
 
@@ -453,10 +489,10 @@ class LaunchOptions(_Section):
 
     TITLE: ClassVar[str] = "parallelism"
     print_ds_config: bool = option(
-        False, "print the DeepSpeed config and exit", label="Print DeepSpeed config", only="deepspeed"
+        False, "print the DeepSpeed config and exit", label="print DS config", only="deepspeed"
     )
     local_rank: int | None = option(
-        None, label="Local rank", flags=("--local_rank", "--local-rank"), only="deepspeed", hidden=True
+        None, label="local rank", flags=("--local_rank", "--local-rank"), only="deepspeed", hidden=True
     )
 
 
@@ -631,6 +667,15 @@ def _sections_of(names) -> list[str]:
     owner = {s.default_factory: s.name for s in dataclasses.fields(TrainConfig)}
     wanted = {owner[fields[n][0]] for n in names}
     return [s.name for s in dataclasses.fields(TrainConfig) if s.name in wanted]
+
+
+def option_type(name: str) -> type:
+    """``int`` / ``float`` / ``str`` / ``bool`` of option ``name`` (its annotation, ``| None`` dropped)."""
+    section = option_fields()[name][0]
+    hint = typing.get_type_hints(section)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
 def option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
