@@ -295,14 +295,16 @@ def test_fold_back_and_per_rank_tooltips(editor):
 
 # --- the Export form -------------------------------------------------------------------------------
 def _defaults_of(script):
-    """The ``DEFAULTS = {...}`` literal of an exported script."""
+    """The options the ``CONFIG = TrainConfig(...)`` literal of an exported script sets (read without running it)."""
     import ast
+
+    from slapo_lab.train.config import TrainConfig
 
     tree = ast.parse(Path(script).read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["DEFAULTS"]:
-            return ast.literal_eval(node.value)
-    raise AssertionError("no DEFAULTS in the script")
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["CONFIG"]:
+            return TrainConfig.from_literal(ast.unparse(node.value)).changed()
+    raise AssertionError("no CONFIG in the script")
 
 
 def _one_sentence(text):

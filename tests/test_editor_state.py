@@ -8,6 +8,7 @@ import textwrap
 import torch
 
 from slapo_lab.editor import EditorState
+from slapo_lab.train.config import TrainConfig
 
 Q = "encoder.layer.0.attention.self.query"
 
@@ -332,9 +333,9 @@ def test_export_is_the_widgets_export_and_its_launch_line_fits_this_machine(bert
     assert out == str(tmp_path / "train_bert.py")
     tree = ast.parse((tmp_path / "train_bert.py").read_text())
     defaults = next(
-        ast.literal_eval(n.value)
+        TrainConfig.from_literal(ast.unparse(n.value)).changed()
         for n in tree.body
-        if isinstance(n, ast.Assign) and n.targets[0].id == "DEFAULTS"
+        if isinstance(n, ast.Assign) and n.targets[0].id == "CONFIG"
     )
     assert defaults == {"dp": 2, "steps": 3} and st.export_options["options"] == {"dp": 2, "steps": 3}
     import torch

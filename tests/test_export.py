@@ -14,6 +14,7 @@ import re
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import slapo_lab as sl
+import slapo_lab.train.config as train_config
 from slapo_lab.build import build
 from slapo_lab.export import (
     ExportError,
@@ -35,6 +37,7 @@ from slapo_lab.export import (
 )
 from slapo_lab.record import SCHEMA_VERSION, Call
 from slapo_lab.train import preflight
+from slapo_lab.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = ['a"b', "x\ny", "__import__('os')", "{i}", "c'd\\", "e}{", 'f"]); import os; ("']
@@ -107,19 +110,21 @@ SCHEDULE_NODES = (
     ast.Tuple,
     ast.Dict,
 )
-CONSTANTS = ("MODEL", "INPUTS", "TP", "STAGES", "DEFAULTS")
+CONSTANTS = ("MODEL", "INPUTS", "TP", "STAGES", "CONFIG")
 MAIN = (
     'if __name__ == "__main__":\n    raise SystemExit(slapo_lab.train.main(model=MODEL, schedule=schedule, '
-    "inputs=INPUTS, tp=TP, stages=STAGES, launcher={!r}, defaults=DEFAULTS, title=__doc__.splitlines()[0]))"
+    "inputs=INPUTS, tp=TP, stages=STAGES, launcher={!r}, config=CONFIG, title=__doc__.splitlines()[0]))"
 )
 
 
 def _script_constants(text: str, launcher: str = "torchrun") -> dict:
     """Check that an exported script is data plus one call, and return its constants (read as literals).
 
-    The module must be exactly: a docstring; ``import slapo_lab.train``; ``MODEL``, ``INPUTS``, ``TP``,
-    ``STAGES`` and ``DEFAULTS`` assigned Python literals (``ast.literal_eval``: nothing a schedule file holds can
-    become code there); ``def schedule(sch)`` made of :data:`SCHEDULE_NODES` naming only ``sch``, ``i`` and
+    The module must be exactly: a docstring; ``import slapo_lab.train`` and the import of ``TrainConfig`` and
+    its section classes from ``slapo_lab.train.config``; ``MODEL``, ``INPUTS``, ``TP`` and ``STAGES`` assigned
+    Python literals (``ast.literal_eval``: nothing a schedule file holds can become code there), ``CONFIG`` a
+    ``TrainConfig(...)`` of section calls of literals (``TrainConfig.from_literal``, returned as the options it
+    changes); ``def schedule(sch)`` made of :data:`SCHEDULE_NODES` naming only ``sch``, ``i`` and
     ``range``; and the ``__main__`` block calling ``slapo_lab.train.main``.
     """
     tree = ast.parse(text)
@@ -131,10 +136,17 @@ def _script_constants(text: str, launcher: str = "torchrun") -> dict:
     for node in body:
         if isinstance(node, ast.Import):
             assert [(a.name, a.asname) for a in node.names] == [("slapo_lab.train", None)], ast.dump(node)
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            assert node.module == "slapo_lab.train.config" and "TrainConfig" in names, ast.dump(node)
+            assert all(hasattr(train_config, n) and n.endswith(("Options", "Config")) for n in names), names
         elif isinstance(node, ast.Assign):
             (target,) = node.targets
             assert isinstance(target, ast.Name) and target.id in CONSTANTS and target.id not in constants
-            constants[target.id] = ast.literal_eval(node.value)
+            if target.id == "CONFIG":
+                constants[target.id] = TrainConfig.from_literal(ast.unparse(node.value)).changed()
+            else:
+                constants[target.id] = ast.literal_eval(node.value)
         elif isinstance(node, ast.FunctionDef):
             assert (
                 node.name == "schedule"
@@ -201,8 +213,9 @@ def _run_script(path, argv, monkeypatch) -> int:
 
 
 def _parsed(path, argv, monkeypatch):
-    """The options ``python path *argv`` parses (through the script and ``slapo_lab.train.main``); the run is
-    stopped right after parsing, before the launch checks (:mod:`slapo_lab.train.preflight`)."""
+    """The options ``python path *argv`` parses (through the script and ``slapo_lab.train.main``), the
+    :class:`~slapo_lab.train.config.TrainConfig` flattened to ``ns.<option>``; the run is stopped right after
+    parsing, before the launch checks (:mod:`slapo_lab.train.preflight`)."""
     from slapo_lab.train import preflight
 
     seen = []
@@ -214,7 +227,7 @@ def _parsed(path, argv, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(preflight, "check", stop)
         assert _run_script(path, argv, m) == 2
-    return seen[0]
+    return types.SimpleNamespace(**seen[0].flat())
 
 
 @pytest.fixture
@@ -379,7 +392,7 @@ def test_hostile_schedule_script_is_data_compiles_and_is_ruff_clean(hostile_call
     r = _ruff(out)
     assert r.returncode == 0, r.stdout + r.stderr
     consts = _script_constants(text)  # only literals, the schedule function and the call into slapo_lab.train
-    assert consts == {"MODEL": spec, "INPUTS": inputs, "TP": 2, "STAGES": 1, "DEFAULTS": {}}
+    assert consts == {"MODEL": spec, "INPUTS": inputs, "TP": 2, "STAGES": 1, "CONFIG": {}}
     assert _imports(text) == {"slapo_lab"}  # the factory is imported by the runtime, on every node
     ns = _load_script(text)
     sch = _RecordingSchedule()
@@ -412,7 +425,7 @@ def test_bert_script_compiles_is_ruff_clean_and_replays(bert_tp, ids, tmp_path, 
         json.dumps(model.config.to_dict())
     )
     assert consts["INPUTS"] == input_spec({"input_ids": ids}, 1000)
-    assert (consts["TP"], consts["STAGES"], consts["DEFAULTS"]) == (2, 1, {})
+    assert (consts["TP"], consts["STAGES"], consts["CONFIG"]) == (2, 1, {})
     # the runtime rebuilds the model from the spec (on the meta device) with the recorded full shapes
     from slapo_lab.train.weights import build_meta_model
 
@@ -440,10 +453,13 @@ def test_bert_script_compiles_is_ruff_clean_and_replays(bert_tp, ids, tmp_path, 
         args.max_grad_norm,
     ) == (True, 4, 32, None, False, "synthetic", "adamw", 1e-4, 1.0)
     assert _parsed(path, ["--no-verify", "--device", "cpu"], monkeypatch).verify is False
-    assert not hasattr(args, "zero") and not hasattr(
-        args, "pp_schedule"
-    )  # DeepSpeed / pipeline options only there
+    # DeepSpeed / pipeline options only there: this script's command line refuses them (their typed fields keep
+    # the defaults the runtime reads)
+    assert (args.zero, args.pp_schedule, args.stages_per_rank) == (0, "1F1B", 1)
     capsys.readouterr()
+    for flag, value in (("--zero", "1"), ("--pp-schedule", "GPipe"), ("--stages-per-rank", "2")):
+        assert _run_script(path, [flag, value], monkeypatch) == 2
+        assert f"unrecognized arguments: {flag} {value}" in capsys.readouterr().err
     assert _run_script(path, ["--help"], monkeypatch) == 0
     helptext = " ".join(capsys.readouterr().out.split())
     assert helptext.startswith("usage: train_bert.py")
@@ -511,7 +527,7 @@ def test_hostile_export_defaults_stay_data(tiny_bert, ids):
     text = render_script(
         model_spec(tiny_bert), [], input_spec({"input_ids": ids}, 1000), world_size=2, defaults=defaults
     )
-    assert _script_constants(text)["DEFAULTS"] == defaults
+    assert _script_constants(text)["CONFIG"] == defaults
     for bad, match in [
         ({"os.system('x')": 1}, "is not an option an export can set"),
         ({"zero": 1}, 'needs launcher="deepspeed"'),
@@ -1368,12 +1384,11 @@ def test_verify_compares_all_zero_tensors():
 
 def test_backend_and_gpu_placement(monkeypatch, capsys):
     """Issue 10: --backend {auto,nccl,gloo}; local rank i -> cuda:i % GPUs, and NCCL refuses shared GPUs."""
-    import argparse
-
     from slapo_lab.train import loop
+    from slapo_lab.train.config import ParallelOptions
 
     def args(device, backend="auto"):
-        return argparse.Namespace(device=device, backend=backend)
+        return ParallelOptions(device=device, backend=backend)
 
     assert loop._backend(args("cpu")) == "gloo"
     assert loop._backend(args("cuda")) == "nccl"

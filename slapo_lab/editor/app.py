@@ -24,6 +24,7 @@ from torch import nn
 from .. import check_primitive, module_state
 from ..errors import ScheduleError
 from ..record import format_call, gc_deferred
+from ..train.config import option_fields
 from ..utils import to_meta
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .form_button import FormButton
@@ -66,30 +67,21 @@ def _io_text(v) -> str:
 
 
 # ---------------------------------------------------------------------------------------- export form
-# the form's fields: option -> (description, tooltip)
+# the form's text fields: option -> tooltip (the label is the option's, slapo_lab.train.config)
 _FIELDS = {
-    "model_path": (
-        "model path",
-        ("a Hugging Face directory (config.json + *.safetensors) to fine-tune; empty: seeded random weights"),
-    ),
-    "tokenizer": ("tokenizer", "the tokenizer directory; empty: the model path"),
+    "model_path": "a Hugging Face directory (config.json + *.safetensors) to fine-tune; empty: seeded random weights",
+    "tokenizer": "the tokenizer directory; empty: the model path",
     "data": (
-        "data",
-        (
-            "'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
-            ".parquet file or a folder of them"
-        ),
+        "'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
+        ".parquet file or a folder of them"
     ),
-    "seq_len": ("seq len", "tokens per training sequence"),
-    "dp": ("dp", "data-parallel replicas: the run uses tp x pp x dp processes"),
-    "global_batch_size": ("global batch", "sequences per optimizer step over all replicas (divisible by dp)"),
-    "steps": ("steps", "optimizer steps to train for"),
-    "checkpoint_dir": ("checkpoints", "save resumable checkpoints here (created if missing); empty: none"),
-    "checkpoint_every": ("every", "save a checkpoint every N steps (0: only at the end)"),
-    "save_hf": (
-        "save HF",
-        "at the end, write a Hugging Face directory that from_pretrained loads; empty: none",
-    ),
+    "seq_len": "tokens per training sequence",
+    "dp": "data-parallel replicas: the run uses tp x pp x dp processes",
+    "global_batch_size": "sequences per optimizer step over all replicas (divisible by dp)",
+    "steps": "optimizer steps to train for",
+    "checkpoint_dir": "save resumable checkpoints here (created if missing); empty: none",
+    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "save_hf": "at the end, write a Hugging Face directory that from_pretrained loads; empty: none",
 }
 
 
@@ -854,9 +846,9 @@ class ScheduleEditor(EditorState, W.VBox):
         wide, narrow = W.Layout(width="340px"), W.Layout(width="190px")
         style = {"description_width": "84px"}
         fields: dict[str, W.Widget] = {}
-        for key, (label, tip) in _FIELDS.items():
+        for key, tip in _FIELDS.items():
             w = W.Text(
-                description=label,
+                description=option_fields()[key][1].metadata["label"],
                 tooltip=tip,
                 placeholder=tip.split("; ")[-1] if "; " in tip else "",
                 layout=wide if key in _PATH_OPTIONS else narrow,

@@ -24,9 +24,11 @@ from torch import nn
 
 from .. import check_primitive, create_schedule
 from ..errors import ScheduleError
+from ..export.script import EXPORT_OPTIONS
 from ..parallel_dims import ParallelDims
 from ..preset_check import set_reference
 from ..record import format_call, gc_paused
+from ..train.config import BatchOptions, option_fields, option_type
 from ..utils import meta_copy
 from .persistence import SchedulePersistence, serialized
 
@@ -50,35 +52,17 @@ def _describe(action) -> str:
 
 
 # ---------------------------------------------------------------------------------------- export options
-_SCRIPT_STEPS = 10  # the exported script's own --steps default (slapo_lab.train.args)
-_PATH_OPTIONS = ("model_path", "tokenizer", "data", "eval_data", "checkpoint_dir", "save_hf", "log_dir")
-# integer options and their smallest value
+# what the Export form checks, read off the options' fields (slapo_lab.train.config): the script's own --steps
+# default, the options that are paths (metavar DIR / PATH), the whole-number options and their smallest value,
+# and each option's noun in a sentence ("The global batch size must be ...")
+_SCRIPT_STEPS = BatchOptions().steps
+_PATH_OPTIONS = tuple(
+    k for k in EXPORT_OPTIONS if option_fields()[k][1].metadata["metavar"] in ("DIR", "PATH")
+)
 _INT_OPTIONS = {
-    "seq_len": 1,
-    "dp": 1,
-    "global_batch_size": 1,
-    "micro_batch_size": 1,
-    "steps": 0,
-    "checkpoint_every": 0,
-    "zero": 0,
+    k: option_fields()[k][1].metadata["min"] or 0 for k in EXPORT_OPTIONS if option_type(k) is int
 }
-_LABELS = {
-    "model_path": "model path",
-    "tokenizer": "tokenizer directory",
-    "data": "data path",
-    "eval_data": "validation data path",
-    "checkpoint_dir": "checkpoint directory",
-    "save_hf": "save-HF directory",
-    "log_dir": "log directory",
-    "seq_len": "sequence length",
-    "dp": "number of data-parallel replicas (dp)",
-    "global_batch_size": "global batch size",
-    "micro_batch_size": "micro batch size",
-    "steps": "number of steps",
-    "checkpoint_every": "checkpoint interval (every)",
-    "zero": "ZeRO stage",
-    "lr": "learning rate",
-}
+_LABELS = {k: option_fields()[k][1].metadata["noun"] for k in EXPORT_OPTIONS}
 
 
 def _export_error(text: str):
@@ -925,7 +909,6 @@ class EditorState(SchedulePersistence):
         import os
 
         from ..export import LAUNCHERS
-        from ..export.script import EXPORT_OPTIONS
 
         if launcher not in LAUNCHERS:
             raise _export_error(f"The launcher {launcher!r} is not supported; use torchrun or deepspeed.")

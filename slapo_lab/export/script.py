@@ -7,7 +7,11 @@ then one call into the training runtime, :func:`slapo_lab.train.main`, which own
 the data, the layouts, Verify, checkpoints and metrics. It imports only ``slapo_lab``.
 
 Every value is JSON data validated before rendering (:mod:`slapo_lab.export.spec`) and written as a Python
-literal (``pprint``), every name a checked identifier, so nothing a schedule file holds becomes code.
+literal (``pprint``), every name a checked identifier, so nothing a schedule file holds becomes code. The options
+are a ``CONFIG = TrainConfig(...)`` expression of :mod:`slapo_lab.train.config`'s section classes whose arguments
+are literals (:meth:`~slapo_lab.train.config.TrainConfig.literal`; ``TrainConfig.from_literal`` reads it back
+without running it). Scripts exported before it hold ``DEFAULTS = {...}`` and call ``main(..., defaults=DEFAULTS)``,
+which :func:`slapo_lab.train.main` still accepts.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from ..parallel_dims import ParallelDims
+from ..train.config import ConfigError, TrainConfig
 from .fold import schedule_lines
 from .spec import (
     ExportError,
@@ -250,6 +255,7 @@ def render_script(
             "is a constant; drop it from the example inputs (or set it in the model config)."
         )
     _check_batch_coupling(spec, inputs, stages, defaults, model)
+    config = export_config(inputs, defaults)
     from .. import __version__
 
     name = script_name if isinstance(script_name, str) and _SAFE_NAME.match(script_name) else "train.py"
@@ -286,6 +292,7 @@ def render_script(
     lines = [
         doc,
         "import slapo_lab.train",
+        f"from slapo_lab.train.config import {', '.join([*config.section_classes(), 'TrainConfig'])}",
         "",
         f"# The model: {built}.",
         f"MODEL = {_literal(spec, 8)}",
@@ -296,8 +303,8 @@ def render_script(
         f"TP = {world_size}  # the tensor-parallel width the schedule was recorded for",
         f"STAGES = {stages}  # pipeline stages: the recorded cuts + 1",
         "",
-        "# Option defaults chosen at export; the command line overrides them.",
-        f"DEFAULTS = {_literal(defaults, 11)}",
+        "# Option defaults chosen at export (the rest: slapo_lab.train.config's); the command line overrides them.",
+        f"CONFIG = {config.literal()}",
         "",
         "",
         "def schedule(sch):",
@@ -307,10 +314,29 @@ def render_script(
         "",
         'if __name__ == "__main__":',
         "    raise SystemExit(slapo_lab.train.main(model=MODEL, schedule=schedule, inputs=INPUTS, tp=TP, stages=STAGES,",
-        f"                                          launcher={launcher!r}, defaults=DEFAULTS, title=__doc__.splitlines()[0]))",
+        f"                                          launcher={launcher!r}, config=CONFIG, title=__doc__.splitlines()[0]))",
         "",
     ]
     return "\n".join(lines)
+
+
+def export_config(inputs: dict, defaults: dict) -> TrainConfig:
+    """The :class:`~slapo_lab.train.config.TrainConfig` a script renders for the options chosen at export
+    (``defaults``, checked by :func:`_check_defaults`); training on text names its sequence length (the example's
+    unless chosen), since the script's ``CONFIG`` must stand on its own.
+
+    Raises:
+        ExportError: options that do not go together (the config's sentence).
+    """
+    chosen = dict(defaults)
+    if chosen.get("data", "synthetic") != "synthetic" and chosen.get("seq_len") is None:
+        seq = example_sizes(inputs)[1]
+        if seq is not None:
+            chosen["seq_len"] = seq
+    try:
+        return TrainConfig.from_flat(chosen)
+    except ConfigError as err:
+        raise ExportError(f"The export options do not go together: {str(err).rstrip('.')}.") from None
 
 
 def pipeline_stages(calls) -> int:

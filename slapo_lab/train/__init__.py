@@ -1,11 +1,12 @@
 """The training runtime of exported scripts: fine-tune a scheduled model on the user's weights and data.
 
-An exported script holds the model spec, ``schedule(sch)``, the example inputs and one call into
-:func:`slapo_lab.train.main`; everything else lives here, as importable code:
+An exported script holds the model spec, ``schedule(sch)``, the example inputs, its options (``CONFIG``) and one
+call into :func:`slapo_lab.train.main`; everything else lives here, as importable code:
 
 * ``preflight``  -- the launch checks that need no torch (arguments, layout, paths, tokenizer, sequence length,
   the checkpoint a relaunch resumes), run before the heavy imports;
-* ``args``       -- the command line (``--model-path``, ``--data``, ``--dp``, ``--fsdp``, ``--checkpoint-dir`` ...);
+* ``config``     -- :class:`~slapo_lab.train.config.TrainConfig`, every option typed (help, label, limits, checks);
+* ``args``       -- the command line generated from it (``--model-path``, ``--data``, ``--dp``, ``--fsdp``, ...);
 * ``data``       -- local text / jsonl / parquet files through HF ``datasets`` and ``tokenizers``, packed into
   fixed-length sequences in a seeded order, one part per data-parallel replica; synthetic inputs;
 * ``metrics``    -- tqdm progress, per-step lines, TensorBoard events and ``metrics.csv``, peak memory, MFU;

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .config import TrainConfig
 
-def ds_config(args, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
+
+def ds_config(cfg: TrainConfig, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
     """DeepSpeed's config for these options (``--print-ds-config`` prints it).
 
     The batch sizes follow ``--global-batch-size`` / ``--micro-batch-size`` and ``dp``; ``--zero`` is the ZeRO
@@ -36,10 +38,10 @@ def ds_config(args, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
         "train_batch_size": micro * accumulation * dp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
-        "zero_optimization": {"stage": int(getattr(args, "zero", 0))},
+        "zero_optimization": {"stage": cfg.parallel.zero},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": float(args.max_grad_norm),
-        "bf16": {"enabled": bool(args.bf16)},
+        "gradient_clipping": float(cfg.optimizer.max_grad_norm),
+        "bf16": {"enabled": bool(cfg.precision.bf16)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -103,9 +105,9 @@ class DeepSpeedStepper:
 
         from .optim import make_scheduler
 
-        args, lay = run.args, run.layout
+        cfg, lay = run.cfg, run.layout
         self.run = run
-        self.zero = int(getattr(args, "zero", 0))
+        self.zero = cfg.parallel.zero
         if run.pm is not None:  # the same stages on DeepSpeed's pipeline engine
             from ..pipeline.runtime import deepspeed_from
             from .optim import make_optimizer
@@ -119,9 +121,11 @@ class DeepSpeedStepper:
             run.pm = deepspeed_from(
                 run.pm,
                 loss_fn=run.pipeline_loss,  # the same object: evaluation switches it to token sums
-                optimizer=lambda params: make_optimizer(args, params),
-                lr_scheduler=lambda opt: make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps),
-                ds_config=ds_config(args, run.micro, run.plan.accumulation, lay.dp),
+                optimizer=lambda params: make_optimizer(cfg.optimizer, params),
+                lr_scheduler=lambda opt: make_scheduler(
+                    opt, cfg.lr_schedule.lr_schedule, cfg.lr_schedule.warmup_steps, run.steps
+                ),
+                ds_config=ds_config(cfg, run.micro, run.plan.accumulation, lay.dp),
                 device=run.device,
             )
             self.engine = run.pm.engine
@@ -129,12 +133,14 @@ class DeepSpeedStepper:
             mark_model_parallel(run.targets)
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             optimizer = run._optimizer()
-            scheduler = make_scheduler(optimizer, args.lr_schedule, args.warmup_steps, args.steps)
+            scheduler = make_scheduler(
+                optimizer, cfg.lr_schedule.lr_schedule, cfg.lr_schedule.warmup_steps, run.steps
+            )
             self.engine, _, _, _ = deepspeed.initialize(
                 model=run.module,
                 optimizer=optimizer,
                 lr_scheduler=scheduler,
-                config=ds_config(args, run.micro, run.plan.accumulation, lay.dp),
+                config=ds_config(cfg, run.micro, run.plan.accumulation, lay.dp),
                 mpu=ModelParallelUnit(lay),
             )
             run.model = self.engine
@@ -153,13 +159,13 @@ class DeepSpeedStepper:
     def resume(self) -> int:
         """Load DeepSpeed's latest checkpoint of ``--checkpoint-dir``; returns the step to start from."""
         run = self.run
-        if not run.args.checkpoint_dir or run.args.no_resume:
+        if not run.cfg.checkpoint.checkpoint_dir or run.cfg.checkpoint.no_resume:
             return 0
         from pathlib import Path
 
-        if not (Path(run.args.checkpoint_dir) / "latest").is_file():
+        if not (Path(run.cfg.checkpoint.checkpoint_dir) / "latest").is_file():
             return 0
-        path, state = self.engine.load_checkpoint(run.args.checkpoint_dir)
+        path, state = self.engine.load_checkpoint(run.cfg.checkpoint.checkpoint_dir)
         if path is None:
             return 0
         state = state or {}
@@ -185,7 +191,7 @@ class DeepSpeedStepper:
             micro_batches = run.plan.micro_batches(run.data, step)
             total = torch.zeros((), device=run.device)
             for mb in micro_batches:
-                loss = model_loss(self.engine(**_to(mb, run.device)), run.args.seed)
+                loss = model_loss(self.engine(**_to(mb, run.device)), run.cfg.data.seed)
                 self.engine.backward(
                     loss
                 )  # scaled by 1 / gradient_accumulation_steps, averaged over replicas
@@ -203,6 +209,8 @@ class DeepSpeedStepper:
         check()  # a rank whose launcher died never writes (slapo_lab/train/lifeline.py)
         tag = f"step-{step:08d}"
         self.engine.save_checkpoint(
-            self.run.args.checkpoint_dir, tag=tag, client_state=dict(state, layout=self.run.layout_key)
+            self.run.cfg.checkpoint.checkpoint_dir,
+            tag=tag,
+            client_state=dict(state, layout=self.run.layout_key),
         )
-        return Path(self.run.args.checkpoint_dir) / tag
+        return Path(self.run.cfg.checkpoint.checkpoint_dir) / tag

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
+from .config import ParallelOptions, TrainConfig
 from .phases import say_phase
 
 
@@ -44,10 +45,14 @@ class RunError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------- process group
-def _device_of(args) -> tuple[str, str | None]:
+def _device_type(opts: ParallelOptions) -> str:
+    """``--device``, else ``"cuda"`` when CUDA is available and ``"cpu"`` otherwise."""
+    return opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _device_of(opts: ParallelOptions) -> tuple[str, str | None]:
     """(device, error): cuda:<local rank % GPUs> or cpu."""
-    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.device = want
+    want = _device_type(opts)
     if want == "cpu":
         return "cpu", None
     gpus = torch.cuda.device_count()
@@ -55,7 +60,7 @@ def _device_of(args) -> tuple[str, str | None]:
         return "", "error: CUDA is not available here; run with --device cpu."
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if ranks > gpus and _backend(args) == "nccl":
+    if ranks > gpus and _backend(opts) == "nccl":
         return "", (
             f"error: {ranks} processes on this node but {gpus} GPU(s), and NCCL needs one GPU per process; "
             "launch at most one process per GPU, or add --backend gloo to share GPUs (testing)."
@@ -63,22 +68,23 @@ def _device_of(args) -> tuple[str, str | None]:
     return f"cuda:{local_rank % gpus}", None
 
 
-def _backend(args) -> str:
-    if args.backend != "auto":
-        return args.backend
-    return "nccl" if args.device == "cuda" else "gloo"
+def _backend(opts: ParallelOptions) -> str:
+    """``--backend``; ``auto``: nccl on cuda, gloo on cpu (:func:`_device_type`)."""
+    if opts.backend != "auto":
+        return opts.backend
+    return "nccl" if _device_type(opts) == "cuda" else "gloo"
 
 
-def _init_process_group(args, device: str) -> None:
+def _init_process_group(opts: ParallelOptions, device: str) -> None:
     """Join the launcher's group (env://), or make a group of one process without a launcher."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        dist.init_process_group(_backend(args), store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(_backend(opts), store=dist.HashStore(), rank=0, world_size=1)
         return
-    if _backend(args) == "nccl":
+    if _backend(opts) == "nccl":
         dist.init_process_group("nccl", device_id=torch.device(device))
     else:
         dist.init_process_group("gloo")
@@ -222,7 +228,7 @@ class Run:
 
     def __init__(
         self,
-        args,
+        cfg: TrainConfig,
         *,
         spec: dict,
         schedule_fn: Callable,
@@ -232,7 +238,8 @@ class Run:
         launcher: str,
         device: str,
     ) -> None:
-        self.args = args
+        self.cfg = cfg
+        self.steps = cfg.batch.steps  # optimizer steps: --steps, or what --epochs makes of the data (setup)
         self.spec = spec
         self.schedule_fn = schedule_fn
         self.input_spec = input_spec
@@ -253,7 +260,7 @@ class Run:
         from . import metrics
         from .parallel import LayoutError, make_layout
 
-        args = self.args
+        cfg = self.cfg
         metrics.mark_memory_baseline()
         hint = "deepspeed --num_gpus " if self.launcher == "deepspeed" else "torchrun --nproc_per_node="
         try:
@@ -261,19 +268,23 @@ class Run:
                 self.tp_size,
                 self.stages,
                 dist.get_world_size(),
-                dp=args.dp,
-                stages_per_rank=getattr(args, "stages_per_rank", 1),
-                fsdp=args.fsdp,
+                dp=cfg.parallel.dp,
+                stages_per_rank=cfg.parallel.stages_per_rank,
+                fsdp=cfg.parallel.fsdp,
                 device=torch.device(self.device).type,
                 launch_hint=hint,
             )
         except (LayoutError, ScheduleError) as err:
             raise RunError(str(err)) from None
         lay = self.layout
-        if args.fsdp and lay.dp == 1:
+        if cfg.parallel.fsdp and lay.dp == 1:
             _say("note: --fsdp with one data-parallel replica shards nothing; training without FSDP2.")
-        set_random_seed(args.seed, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
-        if not (_rank0() and args.progress != "off" and (args.progress == "on" or sys.stderr.isatty())):
+        set_random_seed(cfg.data.seed, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
+        if not (
+            _rank0()
+            and cfg.metrics.progress != "off"
+            and (cfg.metrics.progress == "on" or sys.stderr.isatty())
+        ):
             import datasets
 
             datasets.disable_progress_bars()  # one set of bars, on rank 0 at a terminal
@@ -283,20 +294,20 @@ class Run:
     def _setup_data(self) -> None:
         from .data import BatchPlan, load_data, objective_of
 
-        args, lay = self.args, self.layout
+        cfg, lay = self.cfg, self.layout
         cls = self.spec.get("class", "") if self.spec.get("kind") == "hf" else ""
         self.objective = objective_of(cls)
-        if args.data != "synthetic":
+        if cfg.data.data != "synthetic":
             if self.objective is None:
                 raise RunError(
                     f"{cls or 'This model'} has no language-model head, so it has no loss to train on "
                     "text; export a *ForCausalLM or *ForMaskedLM model (or use --data synthetic)."
                 )
-            if args.tokenizer is None:
+            if cfg.model.tokenizer_dir is None:
                 raise RunError(
                     "--data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer files)."
                 )
-        if args.eval_data and args.tokenizer is None:
+        if cfg.eval.eval_data and cfg.model.tokenizer_dir is None:
             raise RunError(
                 "--eval-data needs a tokenizer: pass --tokenizer DIR (or a --model-path with tokenizer "
                 "files)."
@@ -304,29 +315,29 @@ class Run:
         objective = self.objective or "causal_lm"
         try:
             self.data = load_data(
-                args.data,
-                tokenizer_dir=args.tokenizer,
-                seq_len=args.seq_len,
+                cfg.data.data,
+                tokenizer_dir=cfg.model.tokenizer_dir,
+                seq_len=cfg.data.seq_len,
                 objective=objective,
-                seed=args.seed,
+                seed=cfg.data.seed,
                 input_spec=self.input_spec,
                 main_first=self._main_first(),
                 lm_labels=self.objective is not None,
             )
             self.eval_data = None
-            if args.eval_data:
+            if cfg.eval.eval_data:
                 self.eval_data = load_data(
-                    args.eval_data,
-                    tokenizer_dir=args.tokenizer,
-                    seq_len=args.seq_len,
+                    cfg.eval.eval_data,
+                    tokenizer_dir=cfg.model.tokenizer_dir,
+                    seq_len=cfg.data.seq_len,
                     objective=objective,
-                    seed=args.seed,
+                    seed=cfg.data.seed,
                     main_first=self._main_first(),
                     lm_labels=True,
                 )
-            g = args.global_batch_size
+            g = cfg.batch.global_batch_size
             self.micro = lay.dims.micro_batches(
-                g, args.micro_batch_size, self.stages if self.pipeline else 1
+                g, cfg.batch.micro_batch_size, self.stages if self.pipeline else 1
             )[0]
             self.plan = BatchPlan(
                 self.data.num_samples,
@@ -334,16 +345,16 @@ class Run:
                 self.micro,
                 lay.dp,
                 lay.dp_rank,
-                args.seed,
+                cfg.data.seed,
                 source=getattr(self.data, "source", None),
             )
         except ValueError as err:
             raise RunError(str(err)) from None
-        if args.epochs is not None:
+        if cfg.batch.epochs is not None:
             if self.plan.steps_per_epoch is None:
                 raise RunError("--epochs needs --data (synthetic data has no epochs); use --steps.")
-            args.steps = max(1, math.ceil(args.epochs * self.plan.steps_per_epoch))
-        self.seq_len = args.seq_len
+            self.steps = max(1, math.ceil(cfg.batch.epochs * self.plan.steps_per_epoch))
+        self.seq_len = cfg.data.seq_len
 
     @contextlib.contextmanager
     def _main_first(self):
@@ -363,9 +374,9 @@ class Run:
         from .parallel import apply_fsdp
         from .weights import Target, WeightsError, build_meta_model, canonical_names
 
-        args, lay = self.args, self.layout
+        cfg, lay = self.cfg, self.layout
         try:
-            model = build_meta_model(self.spec, args.model_path)
+            model = build_meta_model(self.spec, cfg.model.model_path)
         except WeightsError as err:
             raise RunError(str(err)) from None
         self.config = getattr(model, "config", None)
@@ -379,9 +390,9 @@ class Run:
             raise RunError(f"The schedule does not apply to this model: {err}") from None
         self.sch = sch
         self.block_paths = find_blocks(sch)
-        if args.compile:
+        if cfg.precision.compile:
             for path in self.block_paths:
-                sch[path].mod.compile(fullgraph=True, backend=args.compile_backend)
+                sch[path].mod.compile(fullgraph=True, backend=cfg.precision.compile_backend)
         blocks = [sch[p].mod for p in self.block_paths]
         self.targets: list[Target] = []
         if self.pipeline:
@@ -416,7 +427,7 @@ class Run:
         from .parallel import apply_fsdp
         from .weights import allocate
 
-        args, lay = self.args, self.layout
+        cfg, lay = self.cfg, self.layout
         # torch.export traces the model with fake tensors on the run's device (no memory): device-dependent code
         # takes this device's branch, and constants made during the trace keep their values
         fake = _fake_parameters(sch.mod, self.device)
@@ -439,21 +450,21 @@ class Run:
                 self.targets.extend(targets)
 
         # DeepSpeed's engine comes after Verify (its train_batch steps the optimizer): the torch runtime first
-        self.pipeline_loss = pipeline_loss_fn(self.objective, args.seed)
+        self.pipeline_loss = pipeline_loss_fn(self.objective, cfg.data.seed)
         try:
             self.pm = build_pipeline(
                 sch,
                 "torch",
                 example_inputs=example,
                 loss_fn=self.pipeline_loss,
-                schedule=getattr(args, "pp_schedule", "1F1B"),
+                schedule=cfg.parallel.pp_schedule,
                 n_microbatches=self.plan.accumulation,
                 pp_group=lay.mesh.pp_group,
                 dp_group=None if lay.fsdp or lay.dp == 1 else lay.mesh.dp_group,
                 stages_per_rank=lay.stages_per_rank,
                 device=self.device,
                 prepare_stages=prepare,
-                autocast_bf16=args.bf16 and self.launcher != "deepspeed",
+                autocast_bf16=cfg.precision.bf16 and self.launcher != "deepspeed",
                 deepspeed_later=self.launcher == "deepspeed",
             )
         except ScheduleError as err:
@@ -484,10 +495,10 @@ class Run:
         else:
             allocate(targets, self.device, module, tables)
             module.to(self.device)
-        if self.args.model_path:
-            load_hf(self.args.model_path, targets, self.layout.view_mesh)
+        if self.cfg.model.model_path:
+            load_hf(self.cfg.model.model_path, targets, self.layout.view_mesh)
         else:
-            init_random(self.sch, targets, self.args.seed)
+            init_random(self.sch, targets, self.cfg.data.seed)
 
     # ------------------------------------------------------------------ batches
     def _replica_batch(self, step: int) -> dict:
@@ -501,22 +512,22 @@ class Run:
         from .weights import build_meta_model, init_random, load_hf
 
         say_phase("reference")
-        args = self.args
+        cfg = self.cfg
         batch = self._verify_batch()
         rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
         seq = next((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 1), None)
 
         def fill(ref_sch, targets, mesh):
-            if args.model_path:
-                load_hf(args.model_path, targets, mesh)
+            if cfg.model.model_path:
+                load_hf(cfg.model.model_path, targets, mesh)
             else:
-                init_random(ref_sch, targets, args.seed)
+                init_random(ref_sch, targets, cfg.data.seed)
 
-        ref = Reference(lambda: build_meta_model(self.spec, args.model_path), fill, self.device)
+        ref = Reference(lambda: build_meta_model(self.spec, cfg.model.model_path), fill, self.device)
         note = (
             f"one forward and backward of {rows} sequence(s)"
             + (f" of {seq} tokens" if seq else "")
-            + f" ({'synthetic inputs' if args.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
+            + f" ({'synthetic inputs' if cfg.data.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
             f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
             f"{self.layout.describe()}"
         )
@@ -552,17 +563,22 @@ class Run:
         return report.passed
 
     def _verify_batch(self) -> dict:
-        args = self.args
+        cfg = self.cfg
         if self.pipeline:  # its shapes are fixed: one step's batch, replica 0's on every replica
             from .data import BatchPlan
 
             first = BatchPlan(
-                self.data.num_samples, args.global_batch_size, self.micro, self.layout.dp, 0, args.seed
+                self.data.num_samples,
+                cfg.batch.global_batch_size,
+                self.micro,
+                self.layout.dp,
+                0,
+                cfg.data.seed,
             )
             return _to(_cat(first.micro_batches(self.data, 0)), self.device)
-        rows = args.verify_batch_size or 2
+        rows = cfg.verify.verify_batch_size or 2
         batch = self.data.batch(list(range(rows)), 0)
-        length = args.verify_seq_len or (min(self.seq_len, 64) if self.seq_len else None)
+        length = cfg.verify.verify_seq_len or (min(self.seq_len, 64) if self.seq_len else None)
         if length is not None and self.seq_len:
             batch = {
                 k: v[:, :length]
@@ -580,7 +596,7 @@ class Run:
             return float(loss), None
         self.module.eval()
         out = self.module(**batch)
-        loss = model_loss(out, self.args.seed)
+        loss = model_loss(out, self.cfg.data.seed)
         loss.backward()
         self.layout.average_ignored_grads()
         self.unused_params = any(t.param.requires_grad and t.param.grad is None for t in self.targets)
@@ -590,11 +606,11 @@ class Run:
         model.eval()
         if not self.pipeline:
             out = model(**batch)
-            loss = model_loss(out, self.args.seed)
+            loss = model_loss(out, self.cfg.data.seed)
             loss.backward()
             return float(loss.detach()), out
         n = self.plan.accumulation  # the pipeline's micro-batches: the same means, summed the same way
-        loss_fn = pipeline_loss_fn(self.objective, self.args.seed)
+        loss_fn = pipeline_loss_fn(self.objective, self.cfg.data.seed)
         inputs, target = _split_target(batch, n, self.device)
         total = 0.0
         for i in range(n):
@@ -636,7 +652,7 @@ class Run:
 
         dtensors = [t.param for t in self.targets if getattr(t.param, "_local_tensor", None) is not None]
         plain = [t.param for t in self.targets if getattr(t.param, "_local_tensor", None) is None]
-        opt = make_optimizer(self.args, dtensors or plain)
+        opt = make_optimizer(self.cfg.optimizer, dtensors or plain)
         if dtensors and plain:  # foreach kernels take one kind per group
             opt.add_param_group({"params": plain})
         return opt
@@ -652,7 +668,7 @@ class Run:
         return torch.autocast(
             device_type=torch.device(self.device).type,
             dtype=torch.bfloat16,
-            enabled=bool(self.args.bf16) and self.pm is None,
+            enabled=bool(self.cfg.precision.bf16) and self.pm is None,
         )
 
     def _forward_backward(self, step: int) -> float:
@@ -674,7 +690,7 @@ class Run:
                 self.module.set_requires_gradient_sync(last)
             with sync:
                 with self._autocast():
-                    loss = model_loss(self.model(**_to(mb, self.device)), self.args.seed) / n
+                    loss = model_loss(self.model(**_to(mb, self.device)), self.cfg.data.seed) / n
                 loss.backward()
             total += loss.detach().float()
         lay.average_ignored_grads()
@@ -705,7 +721,7 @@ class Run:
             for t in self.targets
             if t.param.grad is not None
         ]
-        clip_(grads, self.args.max_grad_norm, norm)
+        clip_(grads, self.cfg.optimizer.max_grad_norm, norm)
         return float(norm)
 
     def evaluate(self) -> tuple[float, int]:
@@ -727,11 +743,11 @@ class Run:
         group = self.plan.accumulation if self.pm is not None else 1
         micro = list(
             eval_micro_batches(
-                self.eval_data, self.micro, lay.dp, lay.dp_rank, self.args.eval_samples, group=group
+                self.eval_data, self.micro, lay.dp, lay.dp_rank, self.cfg.eval.eval_samples, group=group
             )
         )
         most = len(
-            eval_micro_batches(self.eval_data, self.micro, lay.dp, 0, self.args.eval_samples, group=group)
+            eval_micro_batches(self.eval_data, self.micro, lay.dp, 0, self.cfg.eval.eval_samples, group=group)
         )
         batches = [(mb, True) for mb in micro]
         if lay.fsdp:
@@ -772,7 +788,7 @@ class Run:
             both = torch.stack([total, tokens]).to(self._reduce_device)
             dist.all_reduce(both, group=lay.mesh.dp_group)
             total, tokens = both[0].cpu(), both[1].cpu()
-        rows = eval_sample_count(self.eval_data, self.args.eval_samples)
+        rows = eval_sample_count(self.eval_data, self.cfg.eval.eval_samples)
         return (float(total / tokens) if float(tokens) else float("nan")), rows
 
     def _eval_filler(self, group: int) -> dict:
@@ -782,7 +798,7 @@ class Run:
         return next(
             iter(
                 eval_micro_batches(
-                    self.eval_data, self.micro, self.layout.dp, 0, self.args.eval_samples, group=group
+                    self.eval_data, self.micro, self.layout.dp, 0, self.cfg.eval.eval_samples, group=group
                 )
             )
         )
@@ -801,7 +817,7 @@ class Run:
         """
         from .metrics import MetricsLogger
 
-        args, lay = self.args, self.layout
+        cfg, lay = self.cfg, self.layout
         if self.launcher == "deepspeed":
             from .deepspeed import DeepSpeedStepper
 
@@ -810,34 +826,36 @@ class Run:
             stepper = TorchStepper(self)
         start = stepper.resume()
         say_phase("train")
-        tokens_per_step = args.global_batch_size * (self.seq_len or 1)
+        tokens_per_step = cfg.batch.global_batch_size * (self.seq_len or 1)
         _say(
             f"model: {self.n_params / 1e6:.2f} M parameters, {dist.get_world_size()} rank(s) = {lay.describe()}"
-            + (f", DeepSpeed ZeRO-{args.zero}" if self.launcher == "deepspeed" else "")
-            + f", device {self.device}, global batch {args.global_batch_size}"
+            + (f", DeepSpeed ZeRO-{cfg.parallel.zero}" if self.launcher == "deepspeed" else "")
+            + f", device {self.device}, global batch {cfg.batch.global_batch_size}"
             + (f" x {self.seq_len} tokens" if self.seq_len else "")
             + f" in micro-batches of {self.micro} ({self.plan.accumulation} per step and replica)"
-            + (", bf16 compute / fp32 weights" if args.bf16 else ""),
+            + (", bf16 compute / fp32 weights" if cfg.precision.bf16 else ""),
             self.data.describe(),
         )
         precision = (
-            "bf16" if args.bf16 else ("fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32")
+            "bf16"
+            if cfg.precision.bf16
+            else ("fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32")
         )
         logger = MetricsLogger(
             dist.get_rank(),
-            log_dir=args.log_dir,
-            total_steps=args.steps,
+            log_dir=cfg.metrics.log_dir,
+            total_steps=self.steps,
             start_step=start,
-            progress=args.progress,
+            progress=cfg.metrics.progress,
             device=self.device,
             n_params=self.n_params,
             world_size=dist.get_world_size(),
             precision=precision,
-            peak_tflops=args.peak_tflops,
+            peak_tflops=cfg.metrics.peak_tflops,
         )
         saved_at = start if start else None
         with logger:
-            for step in range(start, args.steps):
+            for step in range(start, self.steps):
                 if self.device.startswith("cuda"):
                     torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
@@ -852,27 +870,31 @@ class Run:
                     lr=lr,
                     grad_norm=norm,
                     tokens=tokens_per_step,
-                    samples=args.global_batch_size,
+                    samples=cfg.batch.global_batch_size,
                     seconds=seconds,
                 )
                 if (
                     self.eval_data is not None
-                    and args.eval_every
-                    and done % args.eval_every == 0
-                    and done < args.steps
+                    and cfg.eval.eval_every
+                    and done % cfg.eval.eval_every == 0
+                    and done < self.steps
                 ):
                     self._log_eval(logger, done)
-                if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every == 0:
+                if (
+                    cfg.checkpoint.checkpoint_dir
+                    and cfg.checkpoint.checkpoint_every
+                    and done % cfg.checkpoint.checkpoint_every == 0
+                ):
                     _say(f"checkpoint step {done} saved: {stepper.save(done, self._train_state(done))}")
                     saved_at = done
             if self.eval_data is not None:
-                self._log_eval(logger, args.steps)
-        if args.checkpoint_dir and saved_at != args.steps:
+                self._log_eval(logger, self.steps)
+        if cfg.checkpoint.checkpoint_dir and saved_at != self.steps:
             _say(
-                f"checkpoint step {args.steps} saved: {stepper.save(args.steps, self._train_state(args.steps))}"
+                f"checkpoint step {self.steps} saved: {stepper.save(self.steps, self._train_state(self.steps))}"
             )
-        if args.save_hf:
-            self.save_hf(args.save_hf)
+        if cfg.checkpoint.save_hf:
+            self.save_hf(cfg.checkpoint.save_hf)
         return 0
 
     def stretch_schedule(self, optimizer, scheduler, state: dict, start: int):
@@ -881,19 +903,21 @@ class Run:
         total, advanced to ``start`` (and said so)."""
         from .optim import make_scheduler
 
-        saved = int(state.get("total_steps") or self.args.steps)
-        if saved == self.args.steps:
+        saved = int(state.get("total_steps") or self.steps)
+        if saved == self.steps:
             return scheduler
         import warnings
 
-        fresh = make_scheduler(optimizer, self.args.lr_schedule, self.args.warmup_steps, self.args.steps)
+        fresh = make_scheduler(
+            optimizer, self.cfg.lr_schedule.lr_schedule, self.cfg.lr_schedule.warmup_steps, self.steps
+        )
         with warnings.catch_warnings():  # stepping the schedule without optimizer steps is the point here
             warnings.simplefilter("ignore")
             for _ in range(start):
                 fresh.step()
         _say(
             f"note: the checkpoint's learning-rate schedule ended at step {saved}; it now runs over --steps "
-            f"{self.args.steps} (lr {optimizer.param_groups[0]['lr']:.2e} at step {start + 1})."
+            f"{self.steps} (lr {optimizer.param_groups[0]['lr']:.2e} at step {start + 1})."
         )
         return fresh
 
@@ -908,7 +932,7 @@ class Run:
         same = state.get("layout") == self.layout_key
         if not same:
             set_random_seed(
-                self.args.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank
+                self.cfg.data.seed + start, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank
             )
         _say(
             f"resumed from {path} at step {start}"
@@ -944,22 +968,22 @@ class Run:
             spec["config"] = self.config.to_dict()
         absolute = lambda p: str(Path(p).resolve()) if p else None
         return {
-            "model_path": absolute(self.args.model_path),
+            "model_path": absolute(self.cfg.model.model_path),
             **self.record,
             "model": spec,
-            "tokenizer": absolute(self.args.tokenizer),
-            "source_dtype": str(source_dtype(self.args.model_path)).removeprefix("torch."),
+            "tokenizer": absolute(self.cfg.model.tokenizer_dir),
+            "source_dtype": str(source_dtype(self.cfg.model.model_path)).removeprefix("torch."),
             "schedule": [format_call(c) for c in self.sch.record.calls],
         }
 
     def _train_state(self, step: int) -> dict:
         return {
             "step": step,
-            "samples": step * self.args.global_batch_size,
+            "samples": step * self.cfg.batch.global_batch_size,
             "epoch": self.plan.epoch(step),
-            "seed": self.args.seed,
-            "global_batch_size": self.args.global_batch_size,
-            "total_steps": self.args.steps,
+            "seed": self.cfg.data.seed,
+            "global_batch_size": self.cfg.batch.global_batch_size,
+            "total_steps": self.steps,
         }
 
     def save_hf(self, folder: str) -> None:
@@ -968,15 +992,17 @@ class Run:
         from .checkpoint import save_hf
         from .weights import copy_hf_extras, source_dtype
 
-        args = self.args
+        cfg = self.cfg
         dtype = (
-            source_dtype(args.model_path) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+            source_dtype(cfg.model.model_path)
+            if cfg.checkpoint.save_dtype == "auto"
+            else getattr(torch, cfg.checkpoint.save_dtype)
         )
         tensors = {t.name: (t.param, t.layout) for t in self._norm_targets()}
         save_hf(folder, tensors, self.layout.view_mesh, dtype)
         if _rank0() and self.config is not None:
             self.config.dtype = dtype
-            copy_hf_extras(args.model_path, args.tokenizer, folder, self.config)
+            copy_hf_extras(cfg.model.model_path, cfg.model.tokenizer_dir, folder, self.config)
         dist.barrier()
         _say(f"saved the model as a Hugging Face directory: {folder} ({dtype}; from_pretrained loads it)")
 
@@ -991,10 +1017,12 @@ class TorchStepper:
         from .optim import make_scheduler
         from .parallel import wrap_ddp
 
-        args, lay = run.args, run.layout
+        cfg, lay = run.cfg, run.layout
         self.run = run
         self.optimizer = run._optimizer()
-        self.scheduler = make_scheduler(self.optimizer, args.lr_schedule, args.warmup_steps, args.steps)
+        self.scheduler = make_scheduler(
+            self.optimizer, cfg.lr_schedule.lr_schedule, cfg.lr_schedule.warmup_steps, run.steps
+        )
         run.model = run.module
         if run.pm is None and not lay.fsdp and lay.dp > 1:
             run.ddp = run.model = wrap_ddp(run.module, lay, run.device, find_unused=run.unused_params)
@@ -1002,16 +1030,16 @@ class TorchStepper:
             m.train()
         self.norm_targets = run._norm_targets()
         self.ckpt = None
-        if args.checkpoint_dir:
+        if cfg.checkpoint.checkpoint_dir:
             info = {id(t.param): (t.name, t.layout) for t in run.targets}
             self.ckpt = Checkpointer(
-                args.checkpoint_dir,
+                cfg.checkpoint.checkpoint_dir,
                 [(run.module, info)],
                 self.optimizer,
                 self.scheduler,
                 lay.view_mesh,
                 run.layout_key,
-                keep=args.keep_checkpoints,
+                keep=cfg.checkpoint.keep_checkpoints,
                 run_info=run.run_info(),
             )
 
@@ -1020,9 +1048,9 @@ class TorchStepper:
         from .checkpoint import latest_checkpoint
 
         run = self.run
-        if self.ckpt is None or run.args.no_resume:
+        if self.ckpt is None or run.cfg.checkpoint.no_resume:
             return 0
-        latest = latest_checkpoint(run.args.checkpoint_dir)
+        latest = latest_checkpoint(run.cfg.checkpoint.checkpoint_dir)
         if latest is None:
             return 0
         state = self.ckpt.load(latest[1], run._train_state(0))
@@ -1056,6 +1084,7 @@ def main(
     tp: int,
     stages: int = 1,
     launcher: str = "torchrun",
+    config: TrainConfig | None = None,
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
@@ -1071,7 +1100,10 @@ def main(
         tp: the tensor-parallel width the schedule was recorded for.
         stages: pipeline stages (cuts + 1).
         launcher: ``"torchrun"`` or ``"deepspeed"``.
-        defaults: option defaults baked in by the export.
+        config: the options chosen at export (:class:`~slapo_lab.train.config.TrainConfig`, a script's ``CONFIG``):
+            the command line's defaults.
+        defaults: the same as a dict of options (``DEFAULTS`` of scripts exported before ``TrainConfig``, still
+            accepted: the compatibility path).
         argv: the command line (default: ``sys.argv[1:]``).
         title: the first line of ``--help``.
         checked: what :func:`slapo_lab.train.preflight.preflight` returned for these arguments (None: run it
@@ -1097,25 +1129,28 @@ def main(
             tp=tp,
             stages=stages,
             launcher=launcher,
+            config=config,
             defaults=defaults,
             argv=argv,
             title=title,
         )
         if isinstance(checked, int):
             return checked
-    args = checked.args
-    if getattr(args, "print_ds_config", False):
+    cfg = checked.config
+    if cfg.launch.print_ds_config:
         import json
 
         from .deepspeed import ds_config
 
         world = int(os.environ.get("WORLD_SIZE", ParallelDims(tp, stages).world_size))
-        dims = ParallelDims(tp, stages, args.dp or ParallelDims.filling(world, tp, stages)[0].dp)
-        micro, accumulation = dims.micro_batches(args.global_batch_size, args.micro_batch_size, stages)
-        print(json.dumps(ds_config(args, micro, accumulation, dims.dp), indent=2))
+        dims = cfg.parallel.dims(tp, stages, world)
+        micro, accumulation = dims.micro_batches(
+            cfg.batch.global_batch_size, cfg.batch.micro_batch_size, stages
+        )
+        print(json.dumps(ds_config(cfg, micro, accumulation, dims.dp), indent=2))
         return 0
-    device, error = _device_of(args)
-    if not error and stages > 1 and device.startswith("cuda") and _backend(args) == "gloo":
+    device, error = _device_of(cfg.parallel)
+    if not error and stages > 1 and device.startswith("cuda") and _backend(cfg.parallel) == "gloo":
         error = (
             "error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
             "process, or --device cpu."
@@ -1126,12 +1161,12 @@ def main(
         if speaks_errors():  # once per node, not once per rank
             print(error, file=sys.stderr, flush=True)
         return failed(2)
-    _init_process_group(args, device)
+    _init_process_group(cfg.parallel, device)
     say_phase("setup")
     run = None
     try:
         run = Run(
-            args,
+            cfg,
             spec=spec,
             schedule_fn=schedule,
             input_spec=input_spec,
@@ -1142,7 +1177,7 @@ def main(
         )
         run.record = checked.record
         run.setup()
-        if args.verify:
+        if cfg.verify.verify:
             passed = run.verify()
             if not passed:
                 return 1

@@ -16,19 +16,21 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .config import OptimizerOptions
 
-def make_optimizer(args, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+
+def make_optimizer(opts: OptimizerOptions, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """``--optimizer`` over ``params``: AdamW (``--lr``, ``--weight-decay``, ``--adam-beta1/2``, ``--adam-eps``)
     or SGD (``--lr``, ``--weight-decay``)."""
     params = list(params)
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=args.lr, weight_decay=args.weight_decay)
+    if opts.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=opts.lr, weight_decay=opts.weight_decay)
     return torch.optim.AdamW(
         params,
-        lr=args.lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        lr=opts.lr,
+        betas=(opts.adam_beta1, opts.adam_beta2),
+        eps=opts.adam_eps,
+        weight_decay=opts.weight_decay,
     )
 
 

@@ -4,7 +4,7 @@
 before a process group exists. It imports the standard library only (``python -X importtime`` shows no torch
 on this path; ``slapo_lab/__init__.py`` loads its public names on first use for that reason) and checks:
 
-* the command line (:mod:`slapo_lab.train.args`, argparse);
+* the command line (:mod:`slapo_lab.train.args`, argparse generated from :class:`~slapo_lab.train.config.TrainConfig`);
 * the layout: the world size the launcher gives (``WORLD_SIZE``; 1 without a launcher) against
   ``tp x pp x --dp`` (:func:`layout_problem`, which :func:`slapo_lab.train.parallel.make_layout` raises too);
 * ``--model-path`` (a directory with a readable ``config.json`` of the script's model type), ``--data`` and
@@ -38,6 +38,7 @@ from typing import Any
 
 from ..parallel_dims import ParallelDims
 from .args import build_parser, parse_args
+from .config import TrainConfig
 
 # The file kinds --data reads, by extension: the ``datasets`` packaged builder that reads each.
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
@@ -74,7 +75,7 @@ class Checked:
     """What :func:`preflight` hands to the run.
 
     Attributes:
-        args: the parsed command line.
+        config: the run's options (the parsed command line over the script's defaults).
         world: the processes launched (``WORLD_SIZE``, 1 without a launcher).
         resume: ``(step, path)`` of the checkpoint the run will resume, or None.
         record: what this run's checkpoints record in ``run.json`` besides what the run adds (the config, the
@@ -83,7 +84,7 @@ class Checked:
         notes: sentences said once before the run starts (other weights ignored, other data ...).
     """
 
-    args: Any
+    config: TrainConfig
     world: int = 1
     resume: tuple[int, Path] | None = None
     record: dict = field(default_factory=dict)
@@ -350,22 +351,23 @@ def _absolute(path) -> str | None:
     return str(Path(path).resolve()) if path else None
 
 
-def run_record(args, spec: dict, config: dict | None) -> dict:
+def run_record(cfg: TrainConfig, spec: dict, config: dict | None) -> dict:
     """What this launch would record in ``run.json`` (the run adds the schedule, the layout and the step)."""
+    data = cfg.data.data
     return {
         "config": config,
-        "model_path": _absolute(args.model_path),
-        "weights": weights_fingerprint(args.model_path),
-        "data": args.data if args.data == "synthetic" else _absolute(args.data),
-        "eval_data": _absolute(args.eval_data),
-        "seq_len": args.seq_len,
+        "model_path": _absolute(cfg.model.model_path),
+        "weights": weights_fingerprint(cfg.model.model_path),
+        "data": data if data == "synthetic" else _absolute(data),
+        "eval_data": _absolute(cfg.eval.eval_data),
+        "seq_len": cfg.data.seq_len,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "script": _absolute(sys.argv[0]) if sys.argv and sys.argv[0] else None,
     }
 
 
 def compare_run(
-    args, spec: dict, config: dict | None, path: Path, step: int, saved: dict
+    cfg: TrainConfig, spec: dict, config: dict | None, path: Path, step: int, saved: dict
 ) -> tuple[dict, list[str]]:
     """Compare the checkpoint ``path`` (``saved``: its ``run.json``) with this launch before anything loads.
 
@@ -395,32 +397,35 @@ def compare_run(
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise PreflightError(f"checkpoint {path} was saved for {keys}{more}, the model has {has}; {way_out}.")
     notes = []
-    now_path = _absolute(args.model_path)
+    model_path, data, seq_len = cfg.model.model_path, cfg.data.data, cfg.data.seq_len
+    now_path = _absolute(model_path)
     was_path = saved.get("model_path")
     if "weights" in saved or was_path:
         other = now_path != was_path or (
-            now_path is not None and saved.get("weights") not in (None, weights_fingerprint(args.model_path))
+            now_path is not None and saved.get("weights") not in (None, weights_fingerprint(model_path))
         )
         if other:
             origin = was_path or "seeded random weights"
             given = (
-                f"--model-path {args.model_path} is ignored; {way_out} to start from {args.model_path}"
-                if args.model_path
+                f"--model-path {model_path} is ignored; {way_out} to start from {model_path}"
+                if model_path
                 else f"{way_out} to start from seeded random weights"
             )
             if now_path == was_path:
-                given = f"the weights in {args.model_path} changed since and are ignored; {way_out} to start from them"
+                given = (
+                    f"the weights in {model_path} changed since and are ignored; {way_out} to start from them"
+                )
             notes.append(f"note: resuming step {step} of the run started from {origin}; {given}.")
-    now_data = args.data if args.data == "synthetic" else _absolute(args.data)
+    now_data = data if data == "synthetic" else _absolute(data)
     if saved.get("data") and saved["data"] != now_data:
         notes.append(
-            f"note: checkpoint {path} trained on {saved['data']}; resuming it on --data {args.data} "
+            f"note: checkpoint {path} trained on {saved['data']}; resuming it on --data {data} "
             f"({way_out} to start afresh)."
         )
-    if saved.get("seq_len") and args.seq_len and saved["seq_len"] != args.seq_len:
+    if saved.get("seq_len") and seq_len and saved["seq_len"] != seq_len:
         notes.append(
             f"note: checkpoint {path} trained on sequences of {saved['seq_len']} tokens; resuming it with "
-            f"--seq-len {args.seq_len}."
+            f"--seq-len {seq_len}."
         )
     if not notes:
         started = f" (a run started {saved['started']})" if saved.get("started") else ""
@@ -430,21 +435,22 @@ def compare_run(
 
 
 # ---------------------------------------------------------------------------------------------- the checks
-def check(args, *, spec: dict, tp: int, stages: int, launcher: str, world: int) -> Checked:
-    """Every check of the module docstring on parsed ``args``; returns what the run needs.
+def check(cfg: TrainConfig, *, spec: dict, tp: int, stages: int, launcher: str, world: int) -> Checked:
+    """Every check of the module docstring on the run's options ``cfg``; returns what the run needs.
 
     Raises:
         PreflightError: the first problem, in one sentence.
     """
     hint = "deepspeed --num_gpus " if launcher == "deepspeed" else "torchrun --nproc_per_node="
-    problem = layout_problem(tp, stages, world, args.dp, getattr(args, "stages_per_rank", 1), hint)
+    problem = layout_problem(tp, stages, world, cfg.parallel.dp, cfg.parallel.stages_per_rank, hint)
     if problem:
         raise PreflightError(problem)
-    config = read_model_config(spec, args.model_path)
-    text = args.data != "synthetic" or args.eval_data
+    model_path, data, eval_data = cfg.model.model_path, cfg.data.data, cfg.eval.eval_data
+    config = read_model_config(spec, model_path)
+    text = data != "synthetic" or eval_data
     for option, path in (
-        ("--data", args.data if args.data != "synthetic" else None),
-        ("--eval-data", args.eval_data),
+        ("--data", data if data != "synthetic" else None),
+        ("--eval-data", eval_data),
     ):
         if path is None:
             continue
@@ -453,10 +459,10 @@ def check(args, *, spec: dict, tp: int, stages: int, launcher: str, world: int) 
         except DataError as err:
             raise PreflightError(str(err).replace("pass --data", f"pass {option}")) from None
     if text:
-        tok = args.tokenizer
+        tok = cfg.model.tokenizer_dir
         if tok is None:
             raise PreflightError(
-                f"{'--data' if args.data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
+                f"{'--data' if data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
                 "DIR (or a --model-path with tokenizer files)."
             )
         if not Path(tok).is_dir():
@@ -465,7 +471,7 @@ def check(args, *, spec: dict, tp: int, stages: int, launcher: str, world: int) 
                 "tokenizer.save_pretrained(DIR)."
             )
         if not has_tokenizer(tok):
-            where = "model directory" if tok == args.model_path else "tokenizer directory"
+            where = "model directory" if tok == model_path else "tokenizer directory"
             raise PreflightError(
                 f"The {where} {tok} holds no tokenizer files (tokenizer.json, vocab.json, vocab.txt or a "
                 "sentencepiece model); pass --tokenizer DIR, a directory written by tokenizer.save_pretrained(DIR)."
@@ -473,21 +479,20 @@ def check(args, *, spec: dict, tp: int, stages: int, launcher: str, world: int) 
     limit = position_limit(config)
     if limit is not None:
         key, most = limit
-        for option in ("seq_len", "verify_seq_len"):
-            n = getattr(args, option, None)
+        for option, n in (("seq_len", cfg.data.seq_len), ("verify_seq_len", cfg.verify.verify_seq_len)):
             if n is not None and n > most:
-                where = f"{args.model_path}/config.json" if args.model_path else "the model's config"
+                where = f"{model_path}/config.json" if model_path else "the model's config"
                 raise PreflightError(
                     f"--{option.replace('_', '-')} {n} is longer than the {most} positions the model embeds "
                     f"({key} in {where}); use --{option.replace('_', '-')} {most} or less."
                 )
-    out = Checked(args, world=world, record=run_record(args, spec, config))
-    if args.checkpoint_dir and not args.no_resume:
-        latest = latest_checkpoint(args.checkpoint_dir)
+    out = Checked(cfg, world=world, record=run_record(cfg, spec, config))
+    if cfg.checkpoint.checkpoint_dir and not cfg.checkpoint.no_resume:
+        latest = latest_checkpoint(cfg.checkpoint.checkpoint_dir)
         if latest is not None:
             step, path = latest
             saved = read_run_info(path)
-            origin, notes = compare_run(args, spec, config, path, step, saved)
+            origin, notes = compare_run(cfg, spec, config, path, step, saved)
             out.resume = latest
             out.record.update(origin)
             out.notes.extend(notes)
@@ -501,6 +506,7 @@ def preflight(
     tp: int,
     stages: int = 1,
     launcher: str = "torchrun",
+    config: TrainConfig | None = None,
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
@@ -509,10 +515,21 @@ def preflight(
     """Parse the command line of an exported script and run the checks; the arguments of
     :func:`slapo_lab.train.main`.
 
+    The command line overrides the script's defaults: ``config`` (a new script's ``CONFIG``, every option's
+    default), or ``defaults`` (an old script's ``DEFAULTS`` dict, over the example's batch size and sequence
+    length: the compatibility path of scripts exported before :class:`TrainConfig`).
+
     Returns:
         :class:`Checked` when the run can start (its notes already printed on rank 0), else the exit status (2)
         after the one sentence (on the node's local rank 0; argparse's usage line comes before it).
+
+    Raises:
+        ValueError: both ``config`` and ``defaults`` given, or ``defaults`` names an option that is not one.
     """
+    if config is not None and defaults:
+        raise ValueError(
+            "pass the script's defaults as config= (a TrainConfig) or defaults= (a dict), not both"
+        )
     batch, seq = example_sizes(inputs if isinstance(inputs, dict) else {})
     parser = build_parser(
         title or "Train a model with a slapo-lab schedule.",
@@ -520,20 +537,20 @@ def preflight(
         pipeline=stages > 1,
         example_batch=int(batch or 1),
         example_seq=seq,
-        defaults=defaults,
+        defaults=config if config is not None else defaults,
     )
     quiet = io.StringIO()
     try:
         with contextlib.redirect_stderr(sys.stderr if speaks_errors() else quiet):
-            args = parse_args(parser, argv)
+            cfg = parse_args(parser, argv)
     except SystemExit as done:
         if done.code not in (0, None):
             return failed(int(done.code) if isinstance(done.code, int) else 2)
         raise
-    if getattr(args, "print_ds_config", False):
-        return Checked(args, world=launched_world())
+    if cfg.launch.print_ds_config:
+        return Checked(cfg, world=launched_world())
     try:
-        checked = check(args, spec=model, tp=tp, stages=stages, launcher=launcher, world=launched_world())
+        checked = check(cfg, spec=model, tp=tp, stages=stages, launcher=launcher, world=launched_world())
     except PreflightError as err:
         if speaks_errors():
             print(f"error: {err}", file=sys.stderr, flush=True)

@@ -42,7 +42,7 @@ def run_one(path: str, argv: list[str]) -> tuple[int, str, str]:
                 tp=ns["TP"],
                 stages=ns["STAGES"],
                 launcher="torchrun",
-                defaults=ns["DEFAULTS"],
+                config=ns["CONFIG"],
                 argv=list(argv),
                 title=ns["__doc__"].splitlines()[0],
             )
