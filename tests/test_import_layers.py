@@ -83,6 +83,7 @@ EDITOR_MAY_USE = frozenset(
         "preset_check",
         "presets",
         "record",
+        "train.config",
         "train.data",
         "train.phases",
         "train.preflight",
