@@ -21,7 +21,7 @@ A schedule file is data that people send each other. When its ``meta.model`` nam
 (``"package.module:function"``), ``check`` would import and call it and ``export`` would write a script
 that does, so both refuse (exit status 2, one sentence) unless run with ``--trust-factory``; even then the
 factory's package must live in the project folder (``--project DIR``, default: the current directory),
-never in the standard library or site-packages (:func:`slapo_lab.export.spec.check_factory_in_project`).
+never in the standard library or site-packages (:func:`slapo_lab.spec.check_factory_in_project`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _trust_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_factory_consent(schedule: str, spec, trust_factory: bool, project) -> None:
     """Refuse a factory ``spec`` names unless trusted and in the project (imports nothing)."""
-    from .export.spec import check_factory_in_project, factory_consent_error
+    from .spec import check_factory_in_project, factory_consent_error
 
     if isinstance(spec, dict) and spec.get("kind") == "factory":
         if not trust_factory:
@@ -127,9 +127,9 @@ def check_command(schedule: str, trust_factory: bool = False, project: str | Non
     from .check import check_schedule
     from .errors import ScheduleError
     from .export import ExportError, load_schedule
-    from .export.spec import build_from_spec
     from .record import replay
     from .schedule import create_schedule
+    from .spec import build_from_spec
 
     calls, meta = load_schedule(schedule)
     missing = [k for k in ("model", "world_size") if k not in meta]
@@ -212,7 +212,7 @@ def _refuse_failing(schedule: str, calls, meta, trust_factory: bool, project: st
 
     from .export import ExportError
     from .export.script import refuse_failing_schedule
-    from .export.spec import build_from_spec
+    from .spec import build_from_spec
 
     try:
         model = build_from_spec(meta["model"], trust_factory=trust_factory, project=project)

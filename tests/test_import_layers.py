@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("analysis: checks and the memory plan", ("check", "numeric", "plan", "verify", "tune")),
-    ("presets and pipeline", ("presets", "preset_check", "pipeline", "build", "init", "planner")),
+    ("presets and pipeline", ("presets", "preset_check", "pipeline", "build", "init", "spec", "planner")),
     ("export and train", ("export", "train")),
     ("editor and command line", ("editor", "cli", "tools", "labextension", "__init__")),
 ]
@@ -83,6 +83,7 @@ EDITOR_MAY_USE = frozenset(
         "preset_check",
         "presets",
         "record",
+        "spec",
         "train.config",
         "train.data",
         "train.phases",
@@ -184,3 +185,15 @@ def test_the_editor_uses_only_the_modules_it_is_allowed():
     assert used - allowed == set(), f"the editor imports {sorted(used - allowed)}: not in EDITOR_MAY_USE"
     unused = {m for m in EDITOR_MAY_USE if not any(t == m or t.startswith(m + ".") for t in used)}
     assert not unused, f"EDITOR_MAY_USE names modules the editor no longer imports: {sorted(unused)}"
+
+
+def test_export_and_train_form_no_folder_cycle():
+    """Exported scripts are rendered by ``export`` and run by ``train``: ``export`` may import ``train`` (the options
+    it renders), never the other way round; both read the model and input spec from ``slapo_lab.spec`` below them."""
+    back = [
+        f"{_module_name(p)} -> {t} (line {line})"
+        for p in sorted((ROOT / "train").rglob("*.py"))
+        for t, line in _imports(p)
+        if t == "export" or t.startswith("export.")
+    ]
+    assert not back, f"train imports export: {back}"

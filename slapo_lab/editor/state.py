@@ -854,7 +854,8 @@ class EditorState(SchedulePersistence):
         """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
         if not hasattr(self, "_sizes"):
             try:
-                from ..export.spec import example_sizes, input_spec
+                from ..spec import input_spec
+                from ..train.preflight import example_sizes
 
                 vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
                 self._sizes = example_sizes(

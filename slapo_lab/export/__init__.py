@@ -14,10 +14,7 @@ names is imported only with consent (:func:`build_from_spec`'s ``trust_factory``
 ``--trust-factory``) and only from the user's project (:func:`check_factory_in_project`).
 """
 
-from .fold import find_runs, schedule_lines
-from .io import ScheduleFile, load_schedule, save_schedule
-from .script import LAUNCHERS, export_script, launch_command, pipeline_stages, processes, render_script
-from .spec import (
+from ..spec import (
     ExportError,
     build_from_spec,
     check_factory_in_project,
@@ -27,6 +24,9 @@ from .spec import (
     validate_input_spec,
     validate_model_spec,
 )
+from .fold import find_runs, schedule_lines
+from .io import ScheduleFile, load_schedule, save_schedule
+from .script import LAUNCHERS, export_script, launch_command, pipeline_stages, processes, render_script
 
 __all__ = [
     "LAUNCHERS",

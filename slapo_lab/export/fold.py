@@ -150,7 +150,7 @@ def find_runs(calls: list[Call], var: str = "sch") -> list[Call | Run]:
 def schedule_lines(calls: list[Call], var: str = "sch", loop_var: str = "i") -> list[str]:
     """The lines (unindented; loop bodies indented by 4) that replay ``calls`` on ``var``.
 
-    Calls must already be validated (:func:`slapo_lab.export.spec.validate_calls`).
+    Calls must already be validated (:func:`slapo_lab.spec.validate_calls`).
     """
     lines: list[str] = []
     for item in find_runs(calls, var):

@@ -22,8 +22,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
-from .script import write_text_atomic
-from .spec import (
+from ..spec import (
     ExportError,
     _check_json,
     check_factory,
@@ -33,6 +32,7 @@ from .spec import (
     validate_input_spec,
     validate_model_spec,
 )
+from .script import write_text_atomic
 
 #: The most calls :func:`load_schedule` reads from one schedule file, and the most bytes (checked before
 #: the file is read): the editor loads 50,000 calls in about 3 s (``benchmarks/schedule_load_bench.py``),

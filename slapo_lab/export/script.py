@@ -6,7 +6,7 @@ at export, and ``schedule(sch)`` -- the recorded calls, loops folded (:mod:`slap
 then one call into the training runtime, :func:`slapo_lab.train.main`, which owns the command line,
 the data, the layouts, Verify, checkpoints and metrics. It imports only ``slapo_lab``.
 
-Every value is JSON data validated before rendering (:mod:`slapo_lab.export.spec`) and written as a Python
+Every value is JSON data validated before rendering (:mod:`slapo_lab.spec`) and written as a Python
 literal (``pprint``), every name a checked identifier, so nothing a schedule file holds becomes code. The options
 are a ``CONFIG = TrainConfig(...)`` expression of :mod:`slapo_lab.train.config`'s section classes whose arguments
 are literals (:meth:`~slapo_lab.train.config.TrainConfig.literal`; ``TrainConfig.from_literal`` reads it back
@@ -27,19 +27,19 @@ import torch
 from torch import nn
 
 from ..parallel_dims import ParallelDims
-from ..train.config import ConfigError, TrainConfig
-from .fold import schedule_lines
-from .spec import (
+from ..spec import (
     ExportError,
     _build_hf,
     _check_json,
-    example_sizes,
     input_spec,
     model_spec,
     validate_calls,
     validate_input_spec,
     validate_model_spec,
 )
+from ..train.config import ConfigError, TrainConfig
+from ..train.preflight import example_sizes
+from .fold import schedule_lines
 
 LAUNCHERS = ("torchrun", "deepspeed")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+\Z")
@@ -216,7 +216,7 @@ def render_script(
 
     Raises:
         ExportError: an unknown launcher or option, a bad world size, a spec / call / value that fails
-            validation (see :func:`~slapo_lab.export.spec.validate_calls`), a pipeline with constant
+            validation (see :func:`~slapo_lab.spec.validate_calls`), a pipeline with constant
             (non-tensor) inputs, or tensor x pipeline parallelism with the DeepSpeed launcher; a pipeline
             of a model with BatchNorm using batch statistics, or of a contrastive model (CLIP, SigLIP)
             whose default micro-batches (``global_batch_size / (micro_batch_size * dp)``) are more than

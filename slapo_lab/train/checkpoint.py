@@ -386,7 +386,7 @@ def convert_to_hf(
             json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
         )
     if spec.get("kind") == "hf":
-        from ..export.spec import transformers_class
+        from ..spec import transformers_class
         from .weights import copy_hf_extras
 
         config_cls = transformers_class(spec.get("config_class"), "PretrainedConfig")

@@ -30,7 +30,7 @@ every ``(dp, micro_batch_size)`` layout of one ``G`` trains on identical global 
 tensor-parallel and pipeline ranks of a replica compute the same batches independently.
 
 Synthetic data (``--data synthetic``, :class:`SyntheticData`) follows an input spec of
-:func:`slapo_lab.export.spec.input_spec`; it is endless (``num_samples is None``, every step in epoch 0).
+:func:`slapo_lab.spec.input_spec`; it is endless (``num_samples is None``, every step in epoch 0).
 
 Evaluation (``--eval-data PATH``, :func:`eval_micro_batches`): the same files / tokenizer / packing,
 in order, without shuffling; the same sequences at every layout (the last micro-batch is padded with rows
@@ -535,7 +535,7 @@ class TokenData:
 class SyntheticData:
     """Endless synthetic inputs like the example inputs (``--data synthetic``): ``num_samples is None``.
 
-    ``input_spec`` comes from :func:`slapo_lab.export.spec.input_spec`: name -> ``{"shape", "dims",
+    ``input_spec`` comes from :func:`slapo_lab.spec.input_spec`: name -> ``{"shape", "dims",
     "dtype", "low"/"high" | "fill"}`` or ``{"value": v}``. In :meth:`batch`, axis ``"batch"`` becomes the
     number of rows and ``"seq"`` becomes ``seq_len``; integer inputs are uniform in ``[low, high)`` (or
     ``fill``), floating inputs standard normal (in ``float_dtype`` when given), ``{"value": v}`` passes

@@ -1113,7 +1113,7 @@ def main(
         The exit status: 0 done, 1 Verify failed, 2 a problem of the launch or the input (one sentence on
         stderr).
     """
-    from ..export.spec import ExportError, validate_input_spec, validate_model_spec
+    from ..spec import ExportError, validate_input_spec, validate_model_spec
     from .lifeline import arm
     from .parallel import LayoutError
     from .preflight import preflight

@@ -63,8 +63,8 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
         WeightsError: the directory has no readable config.json, or its model type differs from the spec's.
         ExportError: the model cannot be built (one sentence).
     """
-    from ..export.spec import build_from_spec
     from ..init import init_empty_weights
+    from ..spec import build_from_spec
 
     if model_path is not None and spec.get("kind") == "hf":
         from .preflight import PreflightError, read_model_config

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..record import Call
-from ..train.preflight import example_sizes  # noqa: F401 (re-exported)
+from .record import Call
 
 
 class ExportError(ValueError):
@@ -606,8 +605,8 @@ def validate_calls(calls: Any) -> list[Call]:
     Raises:
         ExportError: naming the first bad call (by position and path).
     """
-    from ..errors import ScheduleError
-    from ..primitives import get_primitive, list_primitives
+    from .errors import ScheduleError
+    from .primitives import get_primitive, list_primitives
 
     calls = getattr(calls, "calls", calls)  # a Recorder
     if not isinstance(calls, (list, tuple)):
