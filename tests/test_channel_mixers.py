@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 from family_sweep import build
 
@@ -103,14 +102,6 @@ def test_mamba2_one_group_stays_whole_with_a_reason():
     assert "mixer.in_proj" in note and "mixer stays whole" in note
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "after the merge with the norm and vision readings, the index maps see the gated DeltaNet's chunked "
-        "recurrence as one attention head; the mixer split is read (roles below) but the shard rule still meets "
-        "the one-head refusal registered for the class, so the preset keeps the mixer whole (partial, never ✗)"
-    ),
-)
 def test_gated_deltanet_split():
     model, inputs, sch = _schedule("qwen3_5_text", "Qwen3_5ForCausalLM")
     block = next(b for b in presets.find_blocks(sch) if hasattr(model.get_submodule(b), "linear_attn"))

@@ -123,7 +123,8 @@ def capture(block: nn.Module, store: dict) -> list:
             continue
 
         def pre(_m, args, kwargs, rel=rel):
-            store.setdefault(rel, (args, dict(kwargs)))
+            if rel not in store:  # state objects (a cache) as they were before the call, which fills them
+                store[rel] = (_fresh(args), {k: _fresh(v) for k, v in kwargs.items()})
 
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     return handles
@@ -131,6 +132,27 @@ def capture(block: nn.Module, store: dict) -> list:
 
 def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear)
+
+
+_PLAIN = (torch.Tensor, nn.Module, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _fresh(x):
+    """``x`` with each state object in it (anything but tensors, modules, plain values and containers: a
+    transformers ``Cache`` that the mixer's forward fills with its convolution and recurrent states) replaced
+    by a deep copy, so each run of the mixer starts from the state it was first called with (a forward that
+    read the state left by an earlier run would see a longer sequence, and in-place state updates break the
+    gradients); an object that cannot be copied is kept."""
+    if isinstance(x, _PLAIN) or callable(x):
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fresh(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _fresh(v) for k, v in x.items()}
+    try:
+        return copy.deepcopy(x)
+    except Exception:  # noqa: BLE001 - an object without a copy: shared, as before
+        return x
 
 
 _LOCK = threading.RLock()
@@ -346,7 +368,7 @@ def _run(
 
         handles += [c.register_forward_pre_hook(pre), c.register_forward_hook(post)]
     try:
-        m(*args, **kwargs)
+        m(*_fresh(list(args)), **{k: _fresh(v) for k, v in kwargs.items()})
     except _Stop:
         pass
     finally:
