@@ -173,3 +173,18 @@ def test_recurrent_gemma_rg_lru_and_rwkv_time_decay():
     assert kinds[f"{block}.attention"] == "channel_params:time_decay=0,time_first=0"
     note = _preset_and_check(model, inputs, sch)
     assert note is not None and "feed_forward.receptance" in note and "attention." not in note
+
+
+def test_xlstm_reads_its_head_count_from_a_per_rank_config():
+    # xLSTM's mLSTM layer reshapes q / k / v into ``self.config.num_heads`` heads: the config, shared by every
+    # layer, cannot hold a per-rank count, so the mixer gets its own copy of it holding this rank's heads
+    model, inputs, sch = _schedule("xlstm", "xLSTMForCausalLM")
+    block = presets.find_blocks(sch)[0]
+    deps = infer.block_split(sch, block).mixers["mlstm_layer"]
+    heads = model.config.num_heads
+    assert deps.attrs[":config.num_heads"] == heads
+    assert mixers.plan(deps, 2).shards["multihead_norm:weight"] == (0, 1)  # per head, by head
+    assert _preset_and_check(model, inputs, sch) is None  # every projection sharded
+    local = sch[f"{block}.mlstm_layer"].mod
+    assert local.config.num_heads == heads // 2 and local.config is not sch.mod.config
+    assert sch.mod.config.num_heads == heads  # the model's (and the other layers') config stays global

@@ -14,7 +14,8 @@ is not an attention the index maps read, holds no expert bank, and whose linears
 
 **Dependencies** (:func:`dependencies`): on a copy of the mixer with random weights (a meta mixer is
 materialised on the CPU; state a forward left on a module, such as RecurrentGemma's ``recurrent_states``, is
-cleared) and random inputs of the recorded shapes (positions counting 0, 1, ...), the linears run in some
+cleared) and random inputs of the recorded shapes (positions counting 0, 1, ...; a state object such as a
+transformers ``Cache`` copied as it was before the first call, afresh for each run), the linears run in some
 order; the last one is the output linear, the others the input linears, whose outputs are replaced by leaves.
 The output linear's input ``X`` (``(..., F)``) is cut into ``K`` chunks of features (``K``, a power of two up
 to 16 dividing ``F``) and, for each chunk, the gradient of a positive random weighting of it is taken with
@@ -43,13 +44,15 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
 
 **Per-rank attributes**: the integer attributes of the mixer and its submodules that its forward reads
 (``intermediate_size``, ``conv_dim``, ``num_heads``, ``n_groups``; the RG-LRU's ``num_attention_heads``) must
-hold per-rank values. Those equal to a split width, adjusted by the fewest additions / removals among the other
-even ones, are divided by the world size on rank copies at world size 2 until each rank's ``X`` equals its
-chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated, its full input); then each
-attribute the forward does not need is dropped again. Without such values the mixer stays whole. The layouts
-and attributes are registered per mixer class and parameter shape, so the shard primitive (through
-:class:`MixerRule`) finds them in any process (a replay, an exported script, the numeric check's copy).
-Sources: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``), transformers
+hold per-rank values, and so must the integer config entries that the run-time methods of its modules read as
+``self.config.<key>`` (xLSTM's ``num_heads``; the mixer then gets its own shallow copy of the config, as an
+attention does in :mod:`slapo_lab.sharding.heads`). Those equal to a split width, adjusted by the fewest
+additions / removals among the other even ones, are divided by the world size on rank copies at world size 2
+until each rank's ``X`` equals its chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated,
+its full input); then each attribute the forward does not need is dropped again. Without such values the mixer
+stays whole. The layouts and attributes are registered per mixer class and parameter shape, so the shard
+primitive (through :class:`MixerRule`) finds them in any process (a replay, an exported script, the numeric
+check's copy). Sources: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``), transformers
 ``models/mamba2/modeling_mamba2.py``, ``models/mamba/modeling_mamba.py``.
 """
 
@@ -591,15 +594,53 @@ def _rank_copy(m: nn.Module, deps: MixerDeps, p: MixerPlan, ws: int, rank: int, 
 
 def _set_attr(mixer: nn.Module, key: str, value: int) -> None:
     sub, _, name = key.rpartition(":")
-    setattr(mixer.get_submodule(sub) if sub else mixer, name, value)
+    owner = mixer.get_submodule(sub) if sub else mixer
+    if name.startswith("config."):
+        # a count the forward reads from the config, shared by every layer (and, unsharded, every rank): the
+        # modules of this mixer holding that config get one shallow copy of it with this rank's value (as
+        # slapo_lab/sharding/heads.py gives an attention its own config)
+        cfg = owner.config
+        mine = copy.copy(cfg)
+        setattr(mine, name[len("config.") :], value)
+        for mod in mixer.modules():
+            if getattr(mod, "config", None) is cfg:
+                mod.config = mine
+        return
+    setattr(owner, name, value)
 
 
 def _get_attr(mixer: nn.Module, key: str):
     sub, _, name = key.rpartition(":")
     try:
-        return getattr(mixer.get_submodule(sub) if sub else mixer, name, None)
+        owner = mixer.get_submodule(sub) if sub else mixer
+        if name.startswith("config."):
+            return getattr(owner.config, name[len("config.") :], None)
+        return getattr(owner, name, None)
     except AttributeError:
         return None
+
+
+def _config_ints(m: nn.Module, ws: int) -> dict:
+    """``{"submodule:config.key": value}``: the integer config entries (above 1, divisible by ``ws``) that the
+    run-time methods of ``m``'s modules read as ``self.config.<key>`` (xLSTM's ``num_heads``), keyed at the
+    outermost module holding each config object."""
+    from .heads import runtime_reads
+
+    out: dict = {}
+    seen: set = set()
+    for sub, mod in m.named_modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is None or isinstance(cfg, (int, float, str, bool)):
+            continue
+        reads = runtime_reads(type(mod))
+        if reads is None:
+            continue
+        for k in sorted(reads[1]):
+            v = getattr(cfg, k, None)
+            if type(v) is int and v > 1 and v % ws == 0 and (id(cfg), k) not in seen:
+                seen.add((id(cfg), k))
+                out[f"{sub}:config.{k}"] = v
+    return out
 
 
 def _emulate_gathers(r: nn.Module, deps: MixerDeps, p: MixerPlan, local: dict) -> None:
@@ -642,6 +683,7 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         for k, v in vars(mod).items()
         if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
     }
+    ints.update(_config_ints(m, ws))
     base = frozenset(k for k, v in ints.items() if v in widths)
     rest = sorted(set(ints) - base)
     tries = [base]
