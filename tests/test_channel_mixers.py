@@ -188,3 +188,17 @@ def test_xlstm_reads_its_head_count_from_a_per_rank_config():
     local = sch[f"{block}.mlstm_layer"].mod
     assert local.config.num_heads == heads // 2 and local.config is not sch.mod.config
     assert sch.mod.config.num_heads == heads  # the model's (and the other layers') config stays global
+
+
+def test_plan_keeps_a_low_rank_input_whole_before_its_column():
+    # Kimi's g_a_proj -> g_b_proj: "a" (2 features) reaches the 4 chunks only through "b" (8 features, two
+    # per chunk), so "a" stays whole and "b" is column parallel (its input gradient summed over the ranks)
+    deps = mixers.MixerDeps(4, "out", feats={"a": 2, "b": 8})
+    deps.outs = {"a": [set()] * 4, "b": [{0, 1}, {2, 3}, {4, 5}, {6, 7}]}
+    deps.feeds = {"a": set(), "b": {"a"}}
+    p = mixers.plan(deps, 2)
+    assert p.reason is None and p.low_rank == {"a": ["b"]} and p.columns == {"b": 1}
+    assert p.kinds == {"b": "column"}
+    unused = mixers.MixerDeps(4, "out", feats=deps.feats, outs=deps.outs)  # "a" feeds nothing: whole mixer
+    unused.feeds = {"a": set(), "b": set()}
+    assert "reach none of the output projection's inputs" in mixers.plan(unused, 2).reason

@@ -35,6 +35,9 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
   ``B``, ``C`` from all channels) is computed from the gathered channels, its output features split and
   gathered again (``"gather_linear"``: the gathers' backward reduce-scatters sum the ranks' partial gradients);
   a column fed by such a gather skips its own input-gradient all-reduce (``"column_shard"``);
+* an input linear whose output reaches the channels only through other input linears (a low-rank "a": Kimi's
+  ``g_a_proj`` -> ``g_b_proj``) stays whole (``low_rank``); the column-parallel linears it feeds sum their
+  input gradients over the ranks, so its gradients are complete;
 * every other parameter is split on the axis whose slices each rank needs alone (the convolution by channel
   over its ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the grouped norm by group), or, when
   every rank needs all of it, replicated with its gradient summed over the ranks (``"grad_sum"``);
@@ -47,12 +50,13 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
 hold per-rank values, and so must the integer config entries that the run-time methods of its modules read as
 ``self.config.<key>`` (xLSTM's ``num_heads``; the mixer then gets its own shallow copy of the config, as an
 attention does in :mod:`slapo_lab.sharding.heads`). Those equal to a split width, adjusted by the fewest
-additions / removals among the other even ones, are divided by the world size on rank copies at world size 2
-until each rank's ``X`` equals its chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated,
-its full input); then each attribute the forward does not need is dropped again. Without such values the mixer
-stays whole. The layouts and attributes are registered per mixer class and parameter shape, so the shard
-primitive (through :class:`MixerRule`) finds them in any process (a replay, an exported script, the numeric
-check's copy). Sources: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``), transformers
+additions / removals among the other even ones (only those a run-time method reads; every subset when there
+are at most 5) are divided by the world size on rank copies at world size 2 until each rank's ``X`` equals its
+chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated, its full input); then each
+attribute the forward does not need is dropped again. Without such values the mixer stays whole. The layouts
+and attributes are registered per mixer class and parameter shape, so the shard primitive (through
+:class:`MixerRule`) finds them in any process (a replay, an exported script, the numeric check's copy).
+Sources: Megatron-LM ``megatron/core/ssm/mamba_mixer.py`` (``MambaMixer``), transformers
 ``models/mamba2/modeling_mamba2.py``, ``models/mamba/modeling_mamba.py``.
 """
 
@@ -114,6 +118,7 @@ class MixerPlan:
     shards: dict = field(default_factory=dict)
     grad_sum: set = field(default_factory=set)
     reason: str | None = None
+    low_rank: dict = field(default_factory=dict)  # input linear kept whole -> the input linears it feeds
 
 
 def capture(block: nn.Module, store: dict) -> list:
@@ -220,6 +225,11 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         for k in paired:
             split.roles.pop(k, None)
             split.layouts.pop(k, None)
+        for k, fed in p2.low_rank.items():
+            split.whole[f"{rel}.{k}"] = (
+                f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
+                "parallel, its input gradient summed over the ranks): it stays whole"
+            )
         if one_head:
             split.attention.pop(rel, None)
             split.refusals.pop(rel, None)
@@ -506,6 +516,13 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
         out.reason = f"its {deps.chunks} channel chunks do not split over {ws} ranks"
         return out
     for p, per in deps.outs.items():
+        fed = sorted(q for q in deps.outs if q != p and p in deps.feeds.get(q, ()))
+        if fed and not any(len(x) for x in per):
+            # a low-rank "a" whose output reaches the channels only through other input linears (Kimi's
+            # g_a_proj -> g_b_proj, f_a_proj -> f_b_proj): kept whole; the column-parallel linears it feeds sum
+            # their input gradients over the ranks, so its gradients are complete on every rank
+            out.low_rank[p] = fed
+            continue
         n = deps.feats[p]
         own = _owners(per, ws, n)
         count = _ranks(own)
@@ -620,6 +637,21 @@ def _get_attr(mixer: nn.Module, key: str):
         return None
 
 
+def _read_at_run_time(m: nn.Module, key: str) -> bool:
+    """Whether the attribute ``key`` (``"submodule:name"``) is read by its module's methods other than
+    ``__init__`` (:func:`slapo_lab.sharding.heads.runtime_reads`; True when the class has no source)."""
+    from .heads import runtime_reads
+
+    sub, _, name = key.rpartition(":")
+    if name.startswith("config."):
+        return True  # found among the run-time reads already
+    try:
+        reads = runtime_reads(type(m.get_submodule(sub) if sub else m))
+    except AttributeError:
+        return True
+    return reads is None or name in reads[0]
+
+
 def _config_ints(m: nn.Module, ws: int) -> dict:
     """``{"submodule:config.key": value}``: the integer config entries (above 1, divisible by ``ws``) that the
     run-time methods of ``m``'s modules read as ``self.config.<key>`` (xLSTM's ``num_heads``), keyed at the
@@ -684,12 +716,19 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
     }
     ints.update(_config_ints(m, ws))
+    ints = {k: v for k, v in ints.items() if _read_at_run_time(m, k)}
     base = frozenset(k for k, v in ints.items() if v in widths)
     rest = sorted(set(ints) - base)
     tries = [base]
-    tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
-    tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
-    tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
+    if len(ints) <= 5:  # few candidates: every subset, the nearest to the split widths' first
+        subsets = [
+            frozenset(c) for r in range(len(ints) + 1) for c in itertools.combinations(sorted(ints), r)
+        ]
+        tries += sorted((t for t in subsets if t != base), key=lambda t: (len(t ^ base), sorted(t)))
+    else:
+        tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
+        tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
+        tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
     half = x.shape[-1] // ws
 
     def works(attempt) -> bool:
