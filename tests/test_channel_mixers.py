@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 from family_sweep import build
 
@@ -114,14 +113,6 @@ def test_mamba2_one_group_splits_with_summed_norm_statistics():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "after the merge with the norm and vision readings, the index maps see the gated DeltaNet's chunked "
-        "recurrence as one attention head; the mixer split is read (roles below) but the shard rule still meets "
-        "the one-head refusal registered for the class, so the preset keeps the mixer whole (partial, never ✗)"
-    ),
-)
 def test_gated_deltanet_split():
     model, inputs, sch = _schedule("qwen3_5_text", "Qwen3_5ForCausalLM")
     block = next(b for b in presets.find_blocks(sch) if hasattr(model.get_submodule(b), "linear_attn"))
@@ -193,3 +184,32 @@ def test_recurrent_gemma_rg_lru_and_rwkv_time_decay():
     assert kinds[f"{block}.attention"] == "channel_params:time_decay=0,time_first=0"
     note = _preset_and_check(model, inputs, sch)
     assert note is not None and "feed_forward.receptance" in note and "attention." not in note
+
+
+def test_xlstm_reads_its_head_count_from_a_per_rank_config():
+    # xLSTM's mLSTM layer reshapes q / k / v into ``self.config.num_heads`` heads: the config, shared by every
+    # layer, cannot hold a per-rank count, so the mixer gets its own copy of it holding this rank's heads
+    model, inputs, sch = _schedule("xlstm", "xLSTMForCausalLM")
+    block = presets.find_blocks(sch)[0]
+    deps = infer.block_split(sch, block).mixers["mlstm_layer"]
+    heads = model.config.num_heads
+    assert deps.attrs[":config.num_heads"] == heads
+    assert mixers.plan(deps, 2).shards["multihead_norm:weight"] == (0, 1)  # per head, by head
+    assert _preset_and_check(model, inputs, sch) is None  # every projection sharded
+    local = sch[f"{block}.mlstm_layer"].mod
+    assert local.config.num_heads == heads // 2 and local.config is not sch.mod.config
+    assert sch.mod.config.num_heads == heads  # the model's (and the other layers') config stays global
+
+
+def test_plan_keeps_a_low_rank_input_whole_before_its_column():
+    # Kimi's g_a_proj -> g_b_proj: "a" (2 features) reaches the 4 chunks only through "b" (8 features, two
+    # per chunk), so "a" stays whole and "b" is column parallel (its input gradient summed over the ranks)
+    deps = mixers.MixerDeps(4, "out", feats={"a": 2, "b": 8})
+    deps.outs = {"a": [set()] * 4, "b": [{0, 1}, {2, 3}, {4, 5}, {6, 7}]}
+    deps.feeds = {"a": set(), "b": {"a"}}
+    p = mixers.plan(deps, 2)
+    assert p.reason is None and p.low_rank == {"a": ["b"]} and p.columns == {"b": 1}
+    assert p.kinds == {"b": "column"}
+    unused = mixers.MixerDeps(4, "out", feats=deps.feats, outs=deps.outs)  # "a" feeds nothing: whole mixer
+    unused.feeds = {"a": set(), "b": set()}
+    assert "reach none of the output projection's inputs" in mixers.plan(unused, 2).reason

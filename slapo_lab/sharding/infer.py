@@ -66,6 +66,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import head_buffers as _head_buffers
+
 _SHAPE_OPS = frozenset(
     {
         "view",
@@ -246,6 +248,8 @@ class _Recorder(TorchFunctionMode):
             set()
         )  # ids of values summed with an unmapped value of their shape (a residual)
         self.topk_src: set = set()  # the linears whose outputs reach a ``topk`` with no linear between
+        self.buffer_keys: set = set()  # "module:buffer" of the block's floating buffers (head_buffers)
+        self.meets: list = []  # where those buffers meet producer features, per head index (head_buffers)
         self.out_src: set = set()  # the same for the block's outputs (``topk``'s results derive from nothing)
 
     # -- bookkeeping
@@ -325,7 +329,7 @@ class _Recorder(TorchFunctionMode):
         src = frozenset().union(*(i.src for _, i in ins))
         if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
             for t, i in ins:
-                for u in (p for p in i.maps if p.startswith("param:")):
+                for u in (p for p in i.maps if p.startswith("param:") and p[6:] not in self.buffer_keys):
                     prods = {
                         p
                         for t2, i2 in ins
@@ -416,6 +420,8 @@ class _Recorder(TorchFunctionMode):
                             if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
+            if self.buffer_keys and maps:  # a per-head buffer applied to heads (head_buffers)
+                _head_buffers.note_meet(self, o, maps, scores, self.get)
             if maps and any(
                 t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and self.get(t) is None
                 for t in _tensors((args, kwargs))
@@ -440,7 +446,11 @@ class _Recorder(TorchFunctionMode):
                 or any(not u.startswith("param:") for u in i.maps)
             ):
                 continue  # a value made from parameters only (a weight, ``1 + weight``, a bias)
-            keys = [u for u, ms in i.maps.items() if bool((ms[0].reshape(-1, width) == feats).all())]
+            keys = [
+                u
+                for u, ms in i.maps.items()
+                if u[6:] not in self.buffer_keys and bool((ms[0].reshape(-1, width) == feats).all())
+            ]
             for key in keys:
                 for t2, i2 in ins:
                     if t2 is t or t2.dim() < 1 or t2.shape[-1] != width:
@@ -912,6 +922,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                         sets[h] |= set(seg[seg >= 0].tolist())
                 roles.setdefault(p, {})["g"] = sets
         split.attention[attn_mod] = (n, kv)
+        _head_buffers.note_attention(split, rec, roles, n)  # per-head buffers (MiniMax's decays)
         ws = _test_ws(n, kv) or _test_ws(n)
         refusal = None
         if head_lists:
@@ -1374,10 +1385,14 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             for pn, prm in m.named_parameters(recurse=False):
                 if prm is not None:
                     names[id(prm)] = f"{rel}:{pn}"
+        buffers = _head_buffers.names(block, _is_dense)
+        names.update(buffers)
+        buffer_keys = set(buffers.values())
 
         def pre(_m, args, kwargs):
             r.active += 1
             r.params = names
+            r.buffer_keys, r.meets = buffer_keys, []
             r.events, r.linear_in, r.linear_in_shape, r.routers, r.n_attn = [], {}, {}, set(), 0
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
@@ -1533,6 +1548,7 @@ class _Snapshot:
         self.input_shapes = dict(r.input_shapes)
         self.input_aliases = dict(r.input_aliases)
         self.aligned = dict(r.aligned)
+        self.meets, self.buffer_keys = list(r.meets), set(r.buffer_keys)
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 

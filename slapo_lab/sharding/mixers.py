@@ -14,7 +14,8 @@ is not an attention the index maps read, holds no expert bank, and whose linears
 
 **Dependencies** (:func:`dependencies`): on a copy of the mixer with random weights (a meta mixer is
 materialised on the CPU; state a forward left on a module, such as RecurrentGemma's ``recurrent_states``, is
-cleared) and random inputs of the recorded shapes (positions counting 0, 1, ...), the linears run in some
+cleared) and random inputs of the recorded shapes (positions counting 0, 1, ...; a state object such as a
+transformers ``Cache`` copied as it was before the first call, afresh for each run), the linears run in some
 order; the last one is the output linear, the others the input linears, whose outputs are replaced by leaves.
 The output linear's input ``X`` (``(..., F)``) is cut into ``K`` chunks of features (``K``, a power of two up
 to 16 dividing ``F``) and, for each chunk, the gradient of a positive random weighting of it is taken with
@@ -34,6 +35,9 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
   ``B``, ``C`` from all channels) is computed from the gathered channels, its output features split and
   gathered again (``"gather_linear"``: the gathers' backward reduce-scatters sum the ranks' partial gradients);
   a column fed by such a gather skips its own input-gradient all-reduce (``"column_shard"``);
+* an input linear whose output reaches the channels only through other input linears (a low-rank "a": Kimi's
+  ``g_a_proj`` -> ``g_b_proj``) stays whole (``low_rank``); the column-parallel linears it feeds sum their
+  input gradients over the ranks, so its gradients are complete;
 * every other parameter is split on the axis whose slices each rank needs alone (the convolution by channel
   over its ``[x, B, C]`` blocks, ``A_log`` / ``D`` / ``dt_bias`` by head, the grouped norm by group), or, when
   every rank needs all of it, replicated with its gradient summed over the ranks (``"grad_sum"``);
@@ -52,8 +56,11 @@ K/ws)`` (the output linear is row parallel, its input features split contiguousl
 
 **Per-rank attributes**: the integer attributes of the mixer and its submodules that its forward reads
 (``intermediate_size``, ``conv_dim``, ``num_heads``, ``n_groups``; the RG-LRU's ``num_attention_heads``) must
-hold per-rank values. Those equal to a split width, adjusted by the fewest additions / removals among the other
-even ones, are divided by the world size on rank copies at world size 2 until each rank's ``X`` equals its
+hold per-rank values, and so must the integer config entries that the run-time methods of its modules read as
+``self.config.<key>`` (xLSTM's ``num_heads``; the mixer then gets its own shallow copy of the config, as an
+attention does in :mod:`slapo_lab.sharding.heads`). Those equal to a split width, adjusted by the fewest
+additions / removals among the other even ones (only those a run-time method reads; every subset when there
+are at most 5) are divided by the world size on rank copies at world size 2 until each rank's ``X`` equals its
 chunk of the full ``X`` (and a gathered linear's rank inputs, concatenated, its full input); then each
 attribute the forward does not need is dropped again. Without such values the mixer stays whole. The layouts
 and attributes are registered per mixer class and parameter shape, so the shard primitive (through
@@ -125,6 +132,7 @@ class MixerPlan:
     shards: dict = field(default_factory=dict)
     grad_sum: set = field(default_factory=set)
     reason: str | None = None
+    low_rank: dict = field(default_factory=dict)  # input linear kept whole -> the input linears it feeds
 
 
 def capture(block: nn.Module, store: dict) -> list:
@@ -137,7 +145,8 @@ def capture(block: nn.Module, store: dict) -> list:
             continue
 
         def pre(_m, args, kwargs, rel=rel):
-            store.setdefault(rel, (args, dict(kwargs)))
+            if rel not in store:  # state objects (a cache) as they were before the call, which fills them
+                store[rel] = (_fresh(args), {k: _fresh(v) for k, v in kwargs.items()})
 
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     return handles
@@ -145,6 +154,27 @@ def capture(block: nn.Module, store: dict) -> list:
 
 def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear)
+
+
+_PLAIN = (torch.Tensor, nn.Module, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _fresh(x):
+    """``x`` with each state object in it (anything but tensors, modules, plain values and containers: a
+    transformers ``Cache`` that the mixer's forward fills with its convolution and recurrent states) replaced
+    by a deep copy, so each run of the mixer starts from the state it was first called with (a forward that
+    read the state left by an earlier run would see a longer sequence, and in-place state updates break the
+    gradients); an object that cannot be copied is kept."""
+    if isinstance(x, _PLAIN) or callable(x):
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fresh(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _fresh(v) for k, v in x.items()}
+    try:
+        return copy.deepcopy(x)
+    except Exception:  # noqa: BLE001 - an object without a copy: shared, as before
+        return x
 
 
 _LOCK = threading.RLock()
@@ -211,6 +241,11 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         for k in paired:
             split.roles.pop(k, None)
             split.layouts.pop(k, None)
+        for k, fed in p2.low_rank.items():
+            split.whole[f"{rel}.{k}"] = (
+                f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
+                "parallel, its input gradient summed over the ranks): it stays whole"
+            )
         if one_head:
             split.attention.pop(rel, None)
             split.refusals.pop(rel, None)
@@ -373,7 +408,7 @@ def _run(
 
         handles += [c.register_forward_pre_hook(pre), c.register_forward_hook(post)]
     try:
-        m(*args, **kwargs)
+        m(*_fresh(list(args)), **{k: _fresh(v) for k, v in kwargs.items()})
     except _Stop:
         pass
     finally:
@@ -686,6 +721,13 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
         out.reason = f"its {deps.chunks} channel chunks do not split over {ws} ranks"
         return out
     for p, per in deps.outs.items():
+        fed = sorted(q for q in deps.outs if q != p and p in deps.feeds.get(q, ()))
+        if fed and not any(len(x) for x in per):
+            # a low-rank "a" whose output reaches the channels only through other input linears (Kimi's
+            # g_a_proj -> g_b_proj, f_a_proj -> f_b_proj): kept whole; the column-parallel linears it feeds sum
+            # their input gradients over the ranks, so its gradients are complete on every rank
+            out.low_rank[p] = fed
+            continue
         n = deps.feats[p]
         own = _owners(per, ws, n)
         count = _ranks(own)
@@ -818,15 +860,68 @@ def _local_widths(deps: MixerDeps, p: MixerPlan, ws: int) -> dict:
 
 def _set_attr(mixer: nn.Module, key: str, value: int) -> None:
     sub, _, name = key.rpartition(":")
-    setattr(mixer.get_submodule(sub) if sub else mixer, name, value)
+    owner = mixer.get_submodule(sub) if sub else mixer
+    if name.startswith("config."):
+        # a count the forward reads from the config, shared by every layer (and, unsharded, every rank): the
+        # modules of this mixer holding that config get one shallow copy of it with this rank's value (as
+        # slapo_lab/sharding/heads.py gives an attention its own config)
+        cfg = owner.config
+        mine = copy.copy(cfg)
+        setattr(mine, name[len("config.") :], value)
+        for mod in mixer.modules():
+            if getattr(mod, "config", None) is cfg:
+                mod.config = mine
+        return
+    setattr(owner, name, value)
 
 
 def _get_attr(mixer: nn.Module, key: str):
     sub, _, name = key.rpartition(":")
     try:
-        return getattr(mixer.get_submodule(sub) if sub else mixer, name, None)
+        owner = mixer.get_submodule(sub) if sub else mixer
+        if name.startswith("config."):
+            return getattr(owner.config, name[len("config.") :], None)
+        return getattr(owner, name, None)
     except AttributeError:
         return None
+
+
+def _read_at_run_time(m: nn.Module, key: str) -> bool:
+    """Whether the attribute ``key`` (``"submodule:name"``) is read by its module's methods other than
+    ``__init__`` (:func:`slapo_lab.sharding.heads.runtime_reads`; True when the class has no source)."""
+    from .heads import runtime_reads
+
+    sub, _, name = key.rpartition(":")
+    if name.startswith("config."):
+        return True  # found among the run-time reads already
+    try:
+        reads = runtime_reads(type(m.get_submodule(sub) if sub else m))
+    except AttributeError:
+        return True
+    return reads is None or name in reads[0]
+
+
+def _config_ints(m: nn.Module, ws: int) -> dict:
+    """``{"submodule:config.key": value}``: the integer config entries (above 1, divisible by ``ws``) that the
+    run-time methods of ``m``'s modules read as ``self.config.<key>`` (xLSTM's ``num_heads``), keyed at the
+    outermost module holding each config object."""
+    from .heads import runtime_reads
+
+    out: dict = {}
+    seen: set = set()
+    for sub, mod in m.named_modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is None or isinstance(cfg, (int, float, str, bool)):
+            continue
+        reads = runtime_reads(type(mod))
+        if reads is None:
+            continue
+        for k in sorted(reads[1]):
+            v = getattr(cfg, k, None)
+            if type(v) is int and v > 1 and v % ws == 0 and (id(cfg), k) not in seen:
+                seen.add((id(cfg), k))
+                out[f"{sub}:config.{k}"] = v
+    return out
 
 
 def _emulate_gathers(r: nn.Module, deps: MixerDeps, p: MixerPlan, local: dict) -> None:
@@ -869,12 +964,20 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         for k, v in vars(mod).items()
         if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
     }
+    ints.update(_config_ints(m, ws))
+    ints = {k: v for k, v in ints.items() if _read_at_run_time(m, k)}
     base = frozenset(k for k, v in ints.items() if v in widths)
     rest = sorted(set(ints) - base)
     tries = [base]
-    tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
-    tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
-    tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
+    if len(ints) <= 5:  # few candidates: every subset, the nearest to the split widths' first
+        subsets = [
+            frozenset(c) for r in range(len(ints) + 1) for c in itertools.combinations(sorted(ints), r)
+        ]
+        tries += sorted((t for t in subsets if t != base), key=lambda t: (len(t ^ base), sorted(t)))
+    else:
+        tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
+        tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
+        tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
     half = x.shape[-1] // ws
 
     def works(attempt) -> bool:
