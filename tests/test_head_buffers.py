@@ -15,8 +15,8 @@ from family_sweep import build
 
 import slapo_lab as sl
 from slapo_lab import presets
+from slapo_lab.call_order import set_example_inputs
 from slapo_lab.numeric import numeric_check
-from slapo_lab.pipeline.order import set_example_inputs
 from slapo_lab.preset_check import set_reference
 from slapo_lab.sharding import infer
 from slapo_lab.utils import meta_copy
