@@ -37,7 +37,8 @@ Classes (:class:`Result`.status):
   ``TorchFunctionMode`` (:func:`structural_exclusions`, independent of ``slapo_lab``'s split inference, so the
   preset does not grade itself), as the issue names them: **a low-rank "a" projection** (MLA's ``a -> norm ->
   b`` chain, where b is split and a stays whole): a linear with fewer out- than in-features whose output (or a
-  view of its storage) is the input of a norm module whose output feeds another linear of the same block; and
+  view of its storage) is the input of a norm module whose output feeds another linear of the same block, or
+  whose output itself is the input of another linear of the block that widens it again (a low-rank gate); and
   **a token router** (a sparse-attention indexer such as DeepSeek-V3.2's): a linear whose output reaches
   ``topk`` and reaches no block's output except through ``topk``'s results. Layers outside the blocks
   (embeddings, pooler, heads) are not counted.
@@ -555,7 +556,8 @@ def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, s
     * **a low-rank "a" projection** (MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa``): a linear A with
       ``out_features < in_features`` whose output's storage (the output or a view of it, e.g. a ``split``) is
       the input of a norm module (``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.GroupNorm``, or a class named
-      ``*Norm``) whose output's storage is the input of another linear B of the same block;
+      ``*Norm``) whose output's storage is the input of another linear B of the same block, or whose output
+      itself is B's input, B widening it again (Kimi-Linear's gate ``g_a_proj -> g_b_proj``: ``out(B) > out(A)``);
     * **a token router** (DeepSeek-V3.2's sparse-attention indexer ``wq_b`` / ``wk`` / ``weights_proj``): a
       linear whose output reaches an input of ``topk`` and reaches no block's output except through ``topk``'s
       results. Reach is value lineage: every op's outputs derive from all its tensor inputs (an in-place op's
@@ -620,6 +622,14 @@ def structural_exclusions(model, inputs: dict, blocks: list[str]) -> dict[str, s
 
             def lin_pre(_m, args, path=path):
                 st = _storage(args[0]) if args else None
+                a = lin_out.get(st)  # a low-rank pair without a norm between (Kimi's g_a_proj -> g_b_proj)
+                if a is not None and a != path and block_of.get(a) == block_of.get(path):
+                    (a_in, a_out), (_b_in, b_out) = _in_out(mods[a]), _in_out(mods[path])
+                    if a_out < a_in and b_out > a_out:
+                        low_rank[a] = (
+                            f"a low-rank projection ({a_in} -> {a_out} features) whose output feeds "
+                            f"{path[len(block_of[path]) + 1 :]}"
+                        )
                 if st in norm_out:
                     for a in norm_in.get(norm_out[st], ()):
                         w_in, w_out = _in_out(mods[a])
