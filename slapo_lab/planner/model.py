@@ -55,6 +55,8 @@ and the device profile's ``matmul_efficiency`` / ``memory_efficiency`` / latenci
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -210,7 +212,7 @@ class Estimate:
 
     layout: Layout
     cluster: Cluster
-    memory: dict
+    stage_memory: dict  # category -> numpy array over stages (bytes per rank)
     peak_memory_bytes: int
     step_time_s: float
     time_parts: dict
@@ -219,6 +221,13 @@ class Estimate:
     micro_batches: int
     stage_blocks: list
     fits: bool
+
+    @property
+    def memory(self) -> dict:
+        """``{stage: {category: bytes}}`` per rank of each stage."""
+        cats = self.stage_memory
+        n = len(next(iter(cats.values())))
+        return {s: {k: int(v[s]) for k, v in cats.items()} for s in range(n)}
 
     @property
     def peak_live_bytes(self) -> int:
@@ -268,6 +277,19 @@ class _Pricer:
         self._profiles: dict = {}
         self._op_time: dict = {}
         self._stage_cache: dict = {}
+        self.blocks: dict = {}
+        self.cuts: dict = {}
+        self.stages: dict = {}
+        self._flops: dict = {}
+
+    def model_flops(self, prof: ModelProfile) -> float:
+        """Model FLOPs (forward + backward) of one sequence through all ranks of a replica."""
+        got = self._flops.get(id(prof))
+        if got is None:
+            got = self._flops[id(prof)] = (
+                prof.total("fwd_flops") * prof.tp + prof.total("bwd_flops") * prof.tp
+            )
+        return got
 
     # -- profiles
     def profile(self, tp: int, sp: bool) -> ModelProfile:
@@ -337,38 +359,121 @@ def _checkpointed(i: int, checkpoint) -> str:
 
 
 def _partition(costs: list[float], k: int) -> list[int]:
-    """Cut ``costs`` (in order) into ``k`` contiguous non-empty groups minimising the largest sum (binary
-    search on the bottleneck with a greedy fill); returns the group sizes."""
+    """Cut ``costs`` (in order) into ``k`` contiguous non-empty groups minimising the largest sum (bisection on
+    the bottleneck, each candidate checked by a greedy fill over prefix sums); returns the group sizes."""
     n = len(costs)
     if k >= n:
         return [1] * n + [0] * (k - n)
-    lo, hi = max(costs), sum(costs)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
 
     def groups(limit: float) -> list[int] | None:
-        sizes, acc, cnt = [], 0.0, 0
-        for i, c in enumerate(costs):
-            left = n - i  # items left including this one
-            slots = k - len(sizes)  # groups still to open including the current
-            if cnt and (acc + c > limit or left < slots):
-                sizes.append(cnt)
-                acc, cnt = 0.0, 0
-            acc += c
-            cnt += 1
-        sizes.append(cnt)
-        return sizes if len(sizes) <= k else None
+        sizes, i = [], 0
+        while i < n:
+            if len(sizes) == k:
+                return None
+            # the furthest j with prefix[j] - prefix[i] <= limit, leaving one item per group still to open
+            j = bisect.bisect_right(prefix, prefix[i] + limit, i + 1, n + 1) - 1
+            j = max(i + 1, min(j, n - (k - len(sizes) - 1)))
+            sizes.append(j - i)
+            i = j
+        return sizes
 
-    for _ in range(40):
+    lo, hi = max(costs), prefix[-1]
+    for _ in range(30):
         mid = (lo + hi) / 2
         if groups(mid) is None:
             lo = mid
         else:
             hi = mid
-    sizes = groups(hi) or [n]
+    sizes = groups(hi * (1 + 1e-9)) or [n]
     while len(sizes) < k:  # split the largest group until there are k
         j = max(range(len(sizes)), key=lambda i: sizes[i])
         a = sizes[j] // 2
         sizes[j : j + 1] = [sizes[j] - a, a]
     return sizes
+
+
+def _acc(xs: list) -> list:
+    return list(itertools.accumulate(xs, initial=0.0))
+
+
+class _Blocks:
+    """Per-block figures of one (TP degree, sequence parallelism, micro-batch, checkpoint policy), in model
+    order, with prefix sums for the stage ranges."""
+
+    def __init__(self, pr: _Pricer, prof: ModelProfile, tp: int, b: int, checkpoint):
+        seq = [p for p in prof.blocks for _ in range(p.count)]
+        rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
+        cost: dict = {}
+        compute, recompute, comm, saved, full, largest, params, train = ([] for _ in range(8))
+        for p, ck in rows:
+            key = (id(p), ck)
+            if key not in cost:
+                cost[key] = pr.part_cost(p, tp, b, ck)
+            c, r, cm, sv = cost[key]
+            compute.append(c)
+            recompute.append(r)
+            comm.append(cm)
+            saved.append(sv)
+            full.append(p.saved_bytes * b if ck != "none" else 0.0)
+            largest.append(p.saved_bytes * b)
+            params.append(p.param_bytes)
+            train.append(p.trainable_elems)
+        self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm)]
+        self.full, self.largest, self.params = full, largest, params
+        self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
+        self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
+        self.n = len(seq)
+
+
+def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, post, b: int) -> dict:
+    """Per-stage sums of one cut (rank ``s`` holds chunks ``s, s + pp, ...``): numpy arrays over stages."""
+    starts = list(itertools.accumulate(chunks, initial=0))
+    names = (
+        "compute",
+        "recompute",
+        "comm",
+        "saved",
+        "params",
+        "trainable",
+        "full",
+        "largest",
+        "unit",
+        "nparts",
+    )
+    cols = {k: [] for k in names}
+    for s in range(pp):
+        ranges = [(starts[c], starts[c + 1]) for c in range(s, len(chunks), pp)]
+        row = {
+            "compute": sum(blk.p_compute[e] - blk.p_compute[a] for a, e in ranges),
+            "recompute": sum(blk.p_recompute[e] - blk.p_recompute[a] for a, e in ranges),
+            "comm": sum(blk.p_comm[e] - blk.p_comm[a] for a, e in ranges),
+            "saved": sum(blk.p_saved[e] - blk.p_saved[a] for a, e in ranges),
+            "params": sum(blk.p_params[e] - blk.p_params[a] for a, e in ranges),
+            "trainable": sum(blk.p_train[e] - blk.p_train[a] for a, e in ranges),
+            "full": max(max(blk.full[a:e], default=0.0) for a, e in ranges),
+            "largest": max(max(blk.largest[a:e], default=0.0) for a, e in ranges),
+            "unit": max(max(blk.params[a:e], default=0) for a, e in ranges),
+            "nparts": sum(e - a for a, e in ranges),
+        }
+        ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
+        for part, (c, r, cm, sv) in ends:
+            # pre/post run once per micro-batch and are freed by its backward on the same stage
+            row["compute"] += c
+            row["recompute"] += r
+            row["comm"] += cm
+            row["saved"] += sv
+            row["params"] += part.param_bytes
+            row["trainable"] += part.trainable_elems
+            row["largest"] = max(row["largest"], part.saved_bytes * b)
+            if not row["unit"]:
+                row["unit"] = part.param_bytes
+        for k in names:
+            cols[k].append(row[k])
+    out = {k: np.array(v, dtype=float) for k, v in cols.items()}
+    out["time"] = out["compute"] + out["recompute"] + out["comm"]
+    out["zero"] = np.zeros(pp)
+    return out
 
 
 def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
@@ -384,7 +489,8 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
             f"the global batch of {global_batch_size} does not divide into dp {dp} x micro-batch {b}."
         )
     m = global_batch_size // (dp * b)
-    prof = pr.profile(tp, layout.sequence_parallel)
+    sp = layout.sequence_parallel
+    prof = pr.profile(tp, sp)
     if tp > 1 and prof.kv_heads and prof.kv_heads % tp:
         raise ScheduleError(f"TP {tp} does not divide {prof.kv_heads} KV heads.")
     if tp > 1 and prof.heads and prof.heads % tp:
@@ -395,92 +501,61 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         raise ScheduleError(f"PP {pp} x {v} chunk(s) exceeds the {nblocks} blocks.")
     if v > 1 and m % pp:
         raise ScheduleError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of PP {pp}.")
-    # blocks in model order with their profile
-    seq: list[PartProfile] = [p for p in prof.blocks for _ in range(p.count)]
-    costs = []
-    for i, part in enumerate(seq):
-        c, r, comm, _ = pr.part_cost(part, tp, b, _checkpointed(i, layout.checkpoint))
-        costs.append(c + r + comm)
+    ck = layout.checkpoint
+    key = (tp, sp, b, ck)
+    blk = pr.blocks.get(key)
+    if blk is None:
+        blk = pr.blocks[key] = _Blocks(pr, prof, tp, b, ck)
     pre = pr.part_cost(prof.pre, tp, b, "none")
     post = pr.part_cost(prof.post, tp, b, "none")
-    costs[0] += sum(pre[:3])
-    costs[-1] += sum(post[:3])
-    chunks = _partition(costs, pp * v) if pp * v > 1 else [nblocks]
-    # rank r holds chunks r, r + pp, ...
-    stage_chunks = [[c for c in range(len(chunks)) if c % pp == r] for r in range(pp)]
-    starts = np.cumsum([0, *chunks])
+    # balanced cuts on micro-batch-1 costs (the micro-batch scales every block alike)
+    pkey = (tp, sp, ck, pp * v)
+    chunks = pr.cuts.get(pkey)
+    if chunks is None:
+        one = pr.blocks.get((tp, sp, 1, ck)) or pr.blocks.setdefault(
+            (tp, sp, 1, ck), _Blocks(pr, prof, tp, 1, ck)
+        )
+        costs = list(one.time)
+        costs[0] += sum(pr.part_cost(prof.pre, tp, 1, "none")[:3])
+        costs[-1] += sum(pr.part_cost(prof.post, tp, 1, "none")[:3])
+        chunks = pr.cuts[pkey] = _partition(costs, pp * v) if pp * v > 1 else [nblocks]
+    st = pr.stages.get((tp, sp, b, ck, pp, v))
+    if st is None:
+        st = pr.stages[(tp, sp, b, ck, pp, v)] = _stage_table(blk, chunks, pp, prof, pre, post, b)
     shard = layout.shard
     div_p = dp if shard == "fsdp" else 1
     div_g = dp if shard in ("fsdp", "zero2") else 1
     div_o = dp if shard != "none" else 1
     opt_bytes = 12 if pr.dtype != "fp32" else 8
     within_node_dp = tp * pp * dp <= cl.gpus_per_node
-    within_node_pp = tp * pp <= cl.gpus_per_node
-    memory: dict = {}
-    stage_time: list[float] = []
-    stage_parts: list[tuple[float, float, float]] = []
-    stage_params: list[tuple[float, float]] = []
-    for s in range(pp):
-        idx = [i for c in stage_chunks[s] for i in range(int(starts[c]), int(starts[c + 1]))]
-        parts = [(seq[i], _checkpointed(i, layout.checkpoint)) for i in idx]
-        if s == 0:
-            parts.insert(0, (prof.pre, "none"))
-        if s == pp - 1:
-            parts.append((prof.post, "none"))
-        params = sum(p.param_bytes for p, _ in parts)
-        trainable = sum(p.trainable_elems for p, _ in parts)
-        param_elems = sum(p.param_elems for p, _ in parts)
-        compute = recompute = comm = saved = 0.0
-        full_block = 0.0
-        largest = 0.0
-        largest_block_params = 0
-        for p, ck in parts:
-            c, r, cm, sv = pr.part_cost(p, tp, b, ck)
-            compute += c
-            recompute += r
-            comm += cm
-            saved += sv
-            largest = max(largest, p.saved_bytes * b)
-            if ck != "none":
-                full_block = max(full_block, p.saved_bytes * b)
-            if p is not prof.pre and p is not prof.post:
-                largest_block_params = max(largest_block_params, p.param_bytes)
-        if pp == 1:
-            in_flight = 1.0
-        elif layout.pp_schedule == "GPipe":
-            in_flight = float(m)
-        else:
-            in_flight = float(min(m, pp - s))
-            if v > 1:
-                in_flight *= 1 + (pp - 1) / (pp * v)
-        acts = saved * in_flight + full_block + BACKWARD_WORKSET * largest
-        if shard == "fsdp" and dp > 1:
-            unit = largest_block_params or params
-            gather = FSDP_PREFETCH_BLOCKS * unit + unit
-        else:
-            gather = 0.0
-        cats = {
-            "params": params / div_p,
-            "grads": trainable * pr.elem / div_g,
-            "optimizer": trainable * opt_bytes / div_o,
-            "activations": acts,
-            "fsdp_gather": gather,
-        }
-        cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
-        memory[s] = {k: int(x) for k, x in cats.items()}
-        # pipeline p2p of the boundary activation, forward and backward, per micro-batch
-        p2p = 0.0
-        if pp > 1:
-            boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
-            bw, lat = pr.link(2, within_node_pp)
-            p2p = 2 * (boundary / bw + lat) * v
-        stage_time.append(compute + recompute + comm + p2p)
-        stage_parts.append((compute, recompute, comm + p2p))
-        stage_params.append((params, trainable, param_elems))
-    busiest = max(range(pp), key=lambda i: stage_time[i])
-    t_mb = stage_time[busiest]
-    compute, recompute, comm_mb = stage_parts[busiest]
-    params, trainable, _ = stage_params[busiest]
+    p2p = 0.0
+    if pp > 1:
+        boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
+        bw, lat = pr.link(2, tp * pp <= cl.gpus_per_node)
+        p2p = 2 * (boundary / bw + lat) * v
+    if pp == 1:
+        in_flight = 1.0
+    elif layout.pp_schedule == "GPipe":
+        in_flight = float(m)
+    else:
+        in_flight = np.minimum(m, pp - np.arange(pp)).astype(float)
+        if v > 1:
+            in_flight = in_flight * (1 + (pp - 1) / (pp * v))
+    cats = {
+        "params": st["params"] / div_p,
+        "grads": st["trainable"] * (pr.elem / div_g),
+        "optimizer": st["trainable"] * (opt_bytes / div_o),
+        "activations": st["saved"] * in_flight + st["full"] + BACKWARD_WORKSET * st["largest"],
+        "fsdp_gather": (FSDP_PREFETCH_BLOCKS + 1) * st["unit"] if shard == "fsdp" and dp > 1 else st["zero"],
+    }
+    cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
+    total = sum(cats.values())
+    busiest = int(np.argmax(st["time"]))
+    t_mb = float(st["time"][busiest]) + p2p
+    compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
+    comm_mb = float(st["comm"][busiest]) + p2p
+    params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
+    nparts = int(st["nparts"][busiest])
     # data-parallel traffic of the busiest stage
     dp_exposed = 0.0
     if dp > 1:
@@ -495,34 +570,29 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         else:  # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed
             ag = pr.collective("all_gather", params, dp, within_node_dp)
             rs = pr.collective("reduce_scatter", trainable * 4, dp, within_node_dp)
-            per_mb = 2 * ag + rs
-            nparts = max(1, sum(chunks[c] for c in stage_chunks[busiest]))
-            dp_exposed = m * (max(0.0, per_mb - compute - recompute) + 2 * ag / nparts)
+            dp_exposed = m * (max(0.0, 2 * ag + rs - compute - recompute) + 2 * ag / max(1, nparts))
     optimizer = trainable / div_o * ADAM_BYTES_PER_ELEMENT / pr.bw
-    bubble = (pp - 1) / v * t_mb
     parts_t = {
         "compute": m * compute,
         "recompute": m * recompute,
         "exposed_comm": m * comm_mb + dp_exposed,
-        "bubble": bubble,
+        "bubble": (pp - 1) / v * t_mb,
         "optimizer": optimizer,
     }
     step = sum(parts_t.values())
-    peak = max(sum(c.values()) for c in memory.values())
-    model_flops = sum((p.fwd_flops + p.bwd_flops) * p.count for p in prof.parts) * tp * global_batch_size
-    tokens = global_batch_size * pr.seq_len
+    peak = float(total.max())
     gpus = tp * pp * dp
     return Estimate(
         layout=layout,
         cluster=cl,
-        memory=memory,
+        stage_memory=cats,
         peak_memory_bytes=int(peak),
         step_time_s=step,
         time_parts=parts_t,
-        tokens_per_s_per_gpu=tokens / step / gpus,
-        mfu=model_flops / (gpus * dev.flops(pr.dtype) * step),
+        tokens_per_s_per_gpu=global_batch_size * pr.seq_len / step / gpus,
+        mfu=pr.model_flops(prof) * global_batch_size / (gpus * dev.flops(pr.dtype) * step),
         micro_batches=m,
-        stage_blocks=[sum(chunks[c] for c in stage_chunks[s]) for s in range(pp)],
+        stage_blocks=[int(x) for x in st["nparts"]],
         fits=peak <= dev.hbm_bytes,
     )
 
