@@ -181,7 +181,10 @@ class Cluster:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ScheduleError(f"Cluster: {name} must be a positive int, not {v!r}.")
-        device_profile(self.gpu)  # an unknown name fails here, in one sentence
+        try:
+            device_profile(self.gpu)
+        except ValueError as err:  # an unknown name fails here, in one sentence
+            raise ScheduleError(f"Cluster: {err}") from err
 
     @property
     def device(self) -> DeviceProfile:

@@ -206,6 +206,8 @@ class _Recorder(TorchDispatchMode):
         self.weights = weights
         self.rows: list[tuple] = []
         self.mm_count: dict[str, int] = {}
+        self.created: dict[int, str] = {}  # storage -> the part whose op made it
+        self.alive: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -247,6 +249,10 @@ class _Recorder(TorchDispatchMode):
             if func in _MATMULS:
                 n = self.mm_count[part] = self.mm_count.get(part, 0) + 1
                 kept = n % 2 == 1
+        for t in outs:
+            if _key(t) not in self.created:
+                self.created[_key(t)] = part
+                self.alive.append(t)  # fake tensors (no data): kept so that no later storage reuses the key
         self.rows.append((part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else ()))
         return out
 
@@ -490,7 +496,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             return ("post" if state["fwd_seen"] else "pre"), phase
         return ("pre" if state["bwd_seen"] else "post"), phase
 
-    weights = {_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    weights: set[int] = set()
     rec = _Recorder(part_of, weights)
     saved: dict[int, tuple[str, int]] = {}
     keep: list = []
@@ -548,27 +554,25 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
     modes = [(m, m.training) for m in model.modules()]
     model.train()
 
-    def run(fake: bool):
-        rec.rows.clear()
-        rec.mm_count.clear()
-        saved.clear()
-        keep.clear()
-        io.clear()
-        comm.clear()
-        state.update(fwd_seen=False, bwd_seen=False)
-        outer = contextlib.ExitStack()
-        if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
+    def run() -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-            outer.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        with outer, tracker, rec, FlashSDPA():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # the parameters as fake tensors, passed in by functional_call: autograd's saved weights and the ops'
+        # weight operands are then these tensors, whose storages ``weights`` holds
+        state_dict = dict(model.named_parameters())
+        state_dict.update(model.named_buffers())
+        fake_state = {name: mode.from_tensor(t) for name, t in state_dict.items()}
+        weights.clear()
+        weights.update(_key(t) for t in fake_state.values())
+        with mode, tracker, rec, FlashSDPA():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(**inputs)
+                out = torch.func.functional_call(model, fake_state, (), dict(inputs))
             loss = _loss(out)
             loss.backward()
 
     try:
-        run(fake=True)  # HF models read tensor values (packed-sequence checks): fake tensors answer them
+        run()  # on fake tensors: HF models read tensor values (packed-sequence checks) that fake tensors answer
     except ScheduleError:
         raise
     except Exception as err:
@@ -583,7 +587,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             m.training = mode
         for p in model.parameters():
             p.grad = None
-    return _collect(model, block_paths, rec.rows, saved, io, comm)
+    return _collect(model, block_paths, rec.rows, saved, io, comm, rec.created)
 
 
 def _loss(out) -> torch.Tensor:
@@ -594,7 +598,7 @@ def _loss(out) -> torch.Tensor:
     return t.float().sum()
 
 
-def _collect(model, block_paths, rows, saved, io, comm) -> dict[str, PartProfile]:
+def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, PartProfile]:
     parts = {name: PartProfile(name) for name in ("pre", "post")}
     mods = dict(model.named_modules())
     for p in block_paths:
@@ -638,7 +642,21 @@ def _collect(model, block_paths, rows, saved, io, comm) -> dict[str, PartProfile
         prof.bwd = np.array([r[:3] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 3)
         prof.recompute_all = prof.fwd
         prof.recompute_selective = np.array([r[:3] for r in fwd if not r[3]], dtype=float).reshape(-1, 3)
-    for part, nbytes in saved.values():
+    # a tensor every block is given (rotary cos/sin, masks) is made once, outside the blocks: a block that saves
+    # it shares it with the others, so it counts once, in the part that made it; a block's residual input (the
+    # previous block's output) is its own
+    residual = {
+        p: {
+            _key(t)
+            for t in io.get(p, {}).get("in", [])
+            if io.get(p, {}).get("out") and t.shape == io[p]["out"][0].shape
+        }
+        for p in block_paths
+    }
+    for key, (part, nbytes) in saved.items():
+        maker = created.get(key)
+        if part in residual and maker is not None and maker != part and key not in residual[part]:
+            part = maker
         parts[part].saved_bytes += nbytes
     for p in block_paths:
         prof = parts[p]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ScheduleError
+from ..utils import human_bytes
 from .devices import GiB
 from .model import CHECKPOINTS, Cluster, Estimate, Layout, _price, _pricer_for
 
@@ -183,13 +184,13 @@ def auto_plan(
                     continue
                 costed += 1
                 if not est.fits:
-                    over = (est.peak_memory_bytes - cluster.device.hbm_bytes) / GiB
+                    over_b = est.peak_memory_bytes - cluster.device.hbm_bytes
                     busiest = int(np.argmax(sum(est.stage_memory.values())))
                     reject(
                         layout,
-                        f"does not fit by {over:.1f} GiB ({est.peak_memory_bytes / GiB:.1f} GiB on stage "
-                        f"{busiest} of {cluster.device.hbm_bytes / GiB:.0f} GiB; closest: {layout.describe()}).",
-                        over,
+                        f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
+                        f"{busiest} of {human_bytes(cluster.device.hbm_bytes)}; closest: {layout.describe()}).",
+                        over_b / GiB,
                     )
                     continue
                 fitted += 1
