@@ -128,7 +128,15 @@ def test_memory_categories_and_time_parts_add_up(tiny):
     busiest = max(sum(c.values()) for c in est.memory.values())
     assert abs(busiest - est.peak_memory_bytes) <= len(est.memory[0])  # int rounding per category
     for cats in est.memory.values():
-        assert set(cats) == {"params", "grads", "optimizer", "activations", "fsdp_gather", "headroom"}
+        assert set(cats) == {
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "fsdp_gather",
+            "optimizer_step",
+            "headroom",
+        }
         live = sum(v for k, v in cats.items() if k != "headroom")
         assert cats["headroom"] == pytest.approx(ALLOCATOR_HEADROOM * live, abs=8)
     assert math.isclose(sum(est.time_parts.values()), est.step_time_s, rel_tol=1e-12)

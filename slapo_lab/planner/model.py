@@ -23,6 +23,8 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
 * ``fsdp_gather``: under FSDP, the all-gathered (``dp``-unsharded) parameters of the current and the prefetched
   block and the unsharded gradients of one block (FSDP2 prefetches the next all-gather: ``torch.distributed.fsdp``
   ``fully_shard`` docs);
+* ``optimizer_step``: AdamW's temporaries (:data:`ADAM_TEMPORARIES` fp32 copies of the largest parameter tensor)
+  where they exceed the activations, which the step runs without;
 * ``headroom``: :data:`ALLOCATOR_HEADROOM` of the above for the caching allocator's fragmentation.
 
 Step time (seconds), the busiest stage:
@@ -93,6 +95,9 @@ BACKWARD_WORKSET = 1.0
 #: AdamW's update per trainable element when training in bf16: read fp32 master, bf16 grad, two fp32 moments;
 #: write master, moments and the bf16 parameter: 4 + 2 + 8 + 4 + 8 + 2 (``torch.optim.AdamW``'s arithmetic).
 ADAM_BYTES_PER_ELEMENT = 28
+#: fp32 temporaries of one parameter's size that AdamW's single-tensor update holds at once (``exp_avg_sq.sqrt()``
+#: and its quotient in ``torch/optim/adamw.py``, ``_single_tensor_adam``); the largest parameter tensor sets them.
+ADAM_TEMPORARIES = 2
 #: Model chunks per rank of the interleaved schedule (Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``
 #: choice in Narayanan et al., 2021 experiments uses 2 and more; we price 2).
 VIRTUAL_STAGES = 2
@@ -202,7 +207,7 @@ class Estimate:
     Attributes:
         layout / cluster: what was priced.
         memory: ``{stage: {category: bytes}}`` per rank of each stage; categories ``params``, ``grads``,
-            ``optimizer``, ``activations``, ``fsdp_gather``, ``headroom``.
+            ``optimizer``, ``activations``, ``fsdp_gather``, ``optimizer_step``, ``headroom``.
         peak_memory_bytes: the busiest rank's total (bytes, headroom included).
         step_time_s: seconds per optimizer step.
         time_parts: ``{"compute", "exposed_comm", "bubble", "recompute", "optimizer"}`` seconds; they add up to
@@ -408,7 +413,7 @@ class _Blocks:
         seq = [p for p in prof.blocks for _ in range(p.count)]
         rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
         cost: dict = {}
-        compute, recompute, comm, saved, full, largest, params, train = ([] for _ in range(8))
+        compute, recompute, comm, saved, full, largest, params, train, big = ([] for _ in range(9))
         for p, ck in rows:
             key = (id(p), ck)
             if key not in cost:
@@ -422,8 +427,9 @@ class _Blocks:
             largest.append(p.saved_bytes * b)
             params.append(p.param_bytes)
             train.append(p.trainable_elems)
+            big.append(p.largest_param_elems)
         self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm)]
-        self.full, self.largest, self.params = full, largest, params
+        self.full, self.largest, self.params, self.big = full, largest, params, big
         self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
         self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
         self.n = len(seq)
@@ -458,6 +464,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             "largest": max(max(blk.largest[a:e], default=0.0) for a, e in ranges),
             "unit": max(max(blk.params[a:e], default=0) for a, e in ranges),
             "nparts": sum(e - a for a, e in ranges),
+            "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
         }
         ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
         for part, (c, r, cm, sv) in ends:
@@ -469,6 +476,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             row["params"] += part.param_bytes
             row["trainable"] += part.trainable_elems
             row["largest"] = max(row["largest"], part.saved_bytes * b)
+            row["big_param"] = max(row["big_param"], part.largest_param_elems)
             if not row["unit"]:
                 row["unit"] = part.param_bytes
         for k in names:
@@ -551,6 +559,10 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         "activations": st["saved"] * in_flight + st["full"] + BACKWARD_WORKSET * st["largest"],
         "fsdp_gather": (FSDP_PREFETCH_BLOCKS + 1) * st["unit"] if shard == "fsdp" and dp > 1 else st["zero"],
     }
+    # the optimizer step runs after the activations are freed: its temporaries count where they exceed them
+    cats["optimizer_step"] = np.maximum(
+        0.0, ADAM_TEMPORARIES * 4 * st["big_param"] / div_o - cats["activations"]
+    )
     cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
     total = sum(cats.values())
     busiest = int(np.argmax(st["time"]))

@@ -118,6 +118,7 @@ class PartProfile:
             runs again in backward.
         comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
         output_bytes: the part's output (the activation a pipeline boundary after it sends).
+        largest_param_elems: elements of the part's largest trainable tensor.
     """
 
     name: str
@@ -136,6 +137,7 @@ class PartProfile:
     recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
     comm: list = field(default_factory=list)
     output_bytes: int = 0
+    largest_param_elems: int = 0
 
 
 @dataclass
@@ -680,6 +682,7 @@ def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
     prof.param_bytes += t.numel() * t.element_size()
     if t.requires_grad:
         prof.trainable_elems += t.numel()
+        prof.largest_param_elems = max(prof.largest_param_elems, t.numel())
 
 
 def describe(prof: ModelProfile) -> str:
