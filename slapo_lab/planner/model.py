@@ -257,6 +257,50 @@ class Estimate:
             "pp_schedule": lay.pp_schedule,
         }
 
+    def apply(self, sch) -> list:
+        """Record this plan on ``sch`` as ordinary primitive calls, all or nothing (:func:`slapo_lab.presets.atomic`):
+        the Megatron preset for ``tp > 1`` (unless something is sharded already), ``checkpoint_blocks`` for
+        ``"all"`` or every k-th block, and ``cut_pipeline_stage`` after the last block of every stage but the last
+        (the balanced cuts of ``stage_blocks``). The calls are undoable and exported like any others, and the
+        presets check them numerically.
+
+        Returns:
+            list: the recorded calls.
+
+        Raises:
+            ScheduleError: ``sch`` is not for ``tp`` ranks, the plan checkpoints selectively or interleaves stages
+                (neither is a schedule primitive yet), or a primitive refuses (one sentence; nothing recorded).
+        """
+        from .. import presets
+
+        lay = self.layout
+        if sch.world_size != lay.tp:
+            raise ScheduleError(
+                f"apply: the schedule is for {sch.world_size} tensor-parallel ranks, the plan for tp {lay.tp}; "
+                f"create it with world_size={lay.tp}."
+            )
+        if lay.checkpoint == "selective":
+            raise ScheduleError(
+                "apply: selective checkpointing is not a schedule primitive yet; pick a plan with checkpoint "
+                "'all', 'none' or every k-th block."
+            )
+        if lay.pp > 1 and lay.pp_schedule == "interleaved":
+            raise ScheduleError(
+                "apply: interleaved stages are not a schedule option yet; pick a 1F1B or GPipe plan."
+            )
+        start = len(sch.record)
+        with presets.atomic(sch):
+            if lay.tp > 1 and not _sharded(sch):
+                presets.megatron_tp(sch, sequence_parallel=lay.sequence_parallel)
+            if lay.checkpoint == "all" or isinstance(lay.checkpoint, int):
+                presets.checkpoint_blocks(sch, every=1 if lay.checkpoint == "all" else lay.checkpoint)
+            if lay.pp > 1:
+                blocks = presets.find_blocks(sch)
+                ends = list(itertools.accumulate(self.stage_blocks))[:-1]
+                for end in ends:
+                    sch[blocks[end - 1]].cut_pipeline_stage()
+        return list(sch.record)[start:]
+
     def summary(self) -> str:
         """One line: layout, peak memory, step time, tokens/s/GPU, MFU."""
         return (
@@ -401,6 +445,11 @@ def _partition(costs: list[float], k: int) -> list[int]:
     return sizes
 
 
+def _sharded(sch) -> list:
+    """Parameters of ``sch``'s model that a shard call annotated (``orig_shape``)."""
+    return [p for p in sch.mod.parameters() if getattr(p, "orig_shape", None) is not None]
+
+
 def _acc(xs: list) -> list:
     return list(itertools.accumulate(xs, initial=0.0))
 
@@ -449,6 +498,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
         "largest",
         "unit",
         "nparts",
+        "big_param",
     )
     cols = {k: [] for k in names}
     for s in range(pp):
