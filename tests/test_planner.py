@@ -275,3 +275,79 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert rc == 0 and " 1  tp " in out and "layouts considered" in out
     rc = cli.main(["plan", str(tmp_path / "missing.json")])
     assert rc == 2 and capsys.readouterr().err.startswith("slapo-lab plan: error: cannot read")
+
+
+def test_apply_records_the_plan_as_primitive_calls(tiny):
+    est = sl.estimate(tiny, sl.Layout(tp=2, pp=3, dp=1, checkpoint="all"), cluster=_small_cluster(), seq_len=SEQ,
+                      global_batch_size=6, dtype="fp32")  # fmt: skip
+    assert est.stage_blocks == [1, 1, 1]
+    sch = sl.create_schedule(_tiny(), world_size=2)
+    calls = est.apply(sch)
+    names = {c.primitive for c in calls}
+    assert {"shard", "sync", "checkpoint", "cut_pipeline_stage"} <= names
+    assert sch.metadata.primitives["cut_pipeline_stage"] == ["model.layers.0", "model.layers.1"]
+    sel = sl.estimate(tiny, sl.Layout(tp=2, pp=1, dp=1, checkpoint="selective"), cluster=_small_cluster(),
+                      seq_len=SEQ, dtype="fp32")  # fmt: skip
+    before = len(sch.record)
+    with pytest.raises(
+        ScheduleError, match=r"^apply: selective checkpointing is not a schedule primitive yet"
+    ):
+        sel.apply(sch)
+    assert len(sch.record) == before
+
+
+def _measured_peak(model, ck: str, mbs: int, micro: int, seq: int) -> int:
+    """MemTracker's peak of live tensors over two fp32 AdamW steps (see benchmarks/plan_memory_cpu.py)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint
+
+    if ck == "all":
+        for layer in model.model.layers:
+            fwd = layer.forward
+            layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    model.train()
+    with tracker:
+        for _ in range(2):
+            for _ in range(micro):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                tracker.reset_mod_stats()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def _llama(seq: int, layers: int, vocab: int) -> LlamaForCausalLM:
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _ratio(ck: str, mbs: int, micro: int, seq: int, layers: int, vocab: int) -> float:
+    ref = _llama(seq, layers, vocab)
+    cl = sl.Cluster(nodes=1, gpus_per_node=1, gpu=_small_cluster().gpu)
+    est = sl.estimate(ref, sl.Layout(tp=1, pp=1, dp=1, micro_batch_size=mbs, checkpoint=ck), cluster=cl,
+                      seq_len=seq, global_batch_size=mbs * micro, dtype="fp32")  # fmt: skip
+    return est.peak_live_bytes / _measured_peak(_llama(seq, layers, vocab), ck, mbs, micro, seq)
+
+
+@pytest.mark.parametrize(("ck", "micro"), [("none", 1), ("all", 2)])
+def test_predicted_memory_matches_memtracker_when_states_dominate(ck, micro):
+    """One process, real tensors, a large vocabulary (parameters, gradients, AdamW states and the step's
+    temporaries dominate, as for the 56 M model of benchmarks/plan_memory_cpu.py): within 10 %."""
+    assert _ratio(ck, 1, micro, seq=32, layers=2, vocab=32000) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("ck", ["none", "all"])
+def test_predicted_memory_is_a_close_upper_bound_when_activations_dominate(ck):
+    """Activations dominate (4 layers, seq 256, vocabulary 256): the prediction over-counts the backward's
+    transient (an upper bound: gradients of a whole part's activations, or a recomputed block, on top of every
+    saved tensor, and gradients that set_to_none leaves unallocated at the start of backward). Measured today:
+    1.21x without checkpointing, 1.22x with every block checkpointed; asserted as an upper bound within 35 %."""
+    ratio = _ratio(ck, 2, 1, seq=256, layers=4, vocab=256)
+    assert 1.0 <= ratio <= 1.35

@@ -18,8 +18,8 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
   Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2); interleaved 1F1B with
   ``v`` = :data:`VIRTUAL_STAGES` model chunks per rank ``min(m, pp - s) * (1 + (pp - 1) / (pp v))`` (Korthikanti
   et al., 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); plus, with
-  checkpointing, one block's full activations while it is recomputed, and the gradients of the largest part's
-  activations during its backward (:data:`BACKWARD_WORKSET`);
+  checkpointing, one block's full activations while it is recomputed, or the gradients of the largest part's
+  activations during its backward (:data:`BACKWARD_WORKSET`), whichever is larger (one part at a time);
 * ``fsdp_gather``: under FSDP, the all-gathered (``dp``-unsharded) parameters of the current and the prefetched
   block and the unsharded gradients of one block (FSDP2 prefetches the next all-gather: ``torch.distributed.fsdp``
   ``fully_shard`` docs);
@@ -299,7 +299,7 @@ class Estimate:
                 ends = list(itertools.accumulate(self.stage_blocks))[:-1]
                 for end in ends:
                     sch[blocks[end - 1]].cut_pipeline_stage()
-        return list(sch.record)[start:]
+        return list(sch.record.calls[start:])
 
     def summary(self) -> str:
         """One line: layout, peak memory, step time, tokens/s/GPU, MFU."""
@@ -606,7 +606,9 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         "params": st["params"] / div_p,
         "grads": st["trainable"] * (pr.elem / div_g),
         "optimizer": st["trainable"] * (opt_bytes / div_o),
-        "activations": st["saved"] * in_flight + st["full"] + BACKWARD_WORKSET * st["largest"],
+        # one part at a time is recomputed (a checkpointed block's full activations) or holds the gradients of
+        # its saved tensors: the larger of the two transients, not both
+        "activations": st["saved"] * in_flight + np.maximum(st["full"], BACKWARD_WORKSET * st["largest"]),
         "fsdp_gather": (FSDP_PREFETCH_BLOCKS + 1) * st["unit"] if shard == "fsdp" and dp > 1 else st["zero"],
     }
     # the optimizer step runs after the activations are freed: its temporaries count where they exceed them
