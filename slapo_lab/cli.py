@@ -5,6 +5,11 @@
     slapo-lab export schedule.json -o train.py [--launcher torchrun|deepspeed] [--trust-factory [--project DIR]]
     slapo-lab check schedule.json [--trust-factory [--project DIR]]
     slapo-lab convert CKPT --to-hf DIR
+    slapo-lab plan HF_DIR_OR_CONFIG --nodes 4 --gpus-per-node 8 --gpu H100-SXM --seq-len 8192 --global-batch-size 512
+
+``plan`` builds the model of a Hugging Face directory (or its ``config.json``) on the meta device from its config
+class (no weights are read) and prints :func:`slapo_lab.auto_plan`'s ranked table and why-not list; exit status
+0 when a layout fits, 3 when none does, 2 for a bad argument or config (one sentence).
 
 ``check`` rebuilds the model on the meta device, replays the calls and prints the schedule check's open
 items (:func:`slapo_lab.check_schedule`), one sentence each with the calls that close them; exit status 0
@@ -79,7 +84,73 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="dtype of the weights written (auto: the dtype the run started from)",
     )
+    pl = sub.add_parser(
+        "plan",
+        help="rank the parallel layouts of a model on a cluster (predicted memory and step time)",
+        description="Build the model of a Hugging Face directory or config.json on the meta device and print "
+        "the planner's ranked layouts (TP x PP x DP, FSDP/ZeRO, checkpointing, micro-batch) and why the others "
+        "were refused.",
+    )
+    pl.add_argument("config", help="a Hugging Face model directory or its config.json")
+    pl.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
+    pl.add_argument("--gpu", default="H100-SXM", help="accelerator: " + ", ".join(_gpu_names()))
+    pl.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    pl.add_argument("--global-batch-size", type=int, default=64, help="sequences per step (default: 64)")
+    pl.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training dtype")
+    pl.add_argument("--top-k", type=int, default=5, help="layouts to list (default: 5)")
     return p
+
+
+def _gpu_names() -> list[str]:
+    from .planner.devices import DEVICES
+
+    return list(DEVICES)
+
+
+def plan_command(args) -> tuple[str, bool]:
+    """The ``plan`` table for ``args`` and whether any layout fits.
+
+    Raises:
+        ValueError: a config that cannot be read or built, or a bad cluster (one sentence).
+    """
+    import json
+    import os
+
+    import torch
+    import transformers
+
+    from .planner import Cluster, auto_plan
+
+    path = args.config
+    try:
+        if os.path.isdir(path):
+            cfg = transformers.AutoConfig.from_pretrained(path)
+        else:
+            with open(path) as f:
+                data = json.load(f)
+            cfg = transformers.AutoConfig.for_model(**data)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"cannot read a Hugging Face config from {path} ({err}).") from err
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            model = transformers.AutoModel.from_config(cfg)
+    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu)
+    found = auto_plan(
+        model,
+        cluster=cluster,
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch_size,
+        dtype=args.dtype,
+        top_k=args.top_k,
+    )
+    head = (
+        f"{type(model).__name__} on {args.nodes} x {args.gpus_per_node} {cluster.device.name}, seq {args.seq_len}, "
+        f"global batch {args.global_batch_size}, {args.dtype}:\n"
+    )
+    return head + found.table(), bool(found.candidates)
 
 
 def _trust_arguments(p: argparse.ArgumentParser) -> None:
@@ -313,6 +384,16 @@ def main(argv: list[str] | None = None) -> int:
             "sl.close_open_items(sch) apply every round):\n" + "\n".join(f.fix for f in found)
         )
         return 3
+    if args.command == "plan":
+        from .errors import ScheduleError
+
+        try:
+            text, any_fit = plan_command(args)
+        except (ValueError, ScheduleError) as err:
+            print(f"slapo-lab plan: error: {err}", file=sys.stderr)
+            return 2
+        print(text)
+        return 0 if any_fit else 3
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -1,0 +1,286 @@
+"""What one accelerator and its links can do: :class:`DeviceProfile`, the built-in profiles, and :func:`calibrate`.
+
+A profile holds the figures the planner's cost model divides by (``slapo_lab/planner/model.py``): dense
+matmul FLOP/s, memory size and bandwidth, and the bandwidth and latency of the links inside a node and between
+nodes. Built-in profiles carry datasheet figures; :func:`calibrate` measures the machine it runs on (matmul
+FLOP/s by size with ``torch.matmul``, a memory copy, and gloo collectives between two local processes), and a
+plan can use that measured profile instead.
+
+Units: FLOP/s, bytes, bytes per second (one direction, per GPU), seconds.
+
+Sources of the built-in figures (vendor datasheets, by name):
+
+* NVIDIA A100 40GB / 80GB SXM: "NVIDIA A100 Tensor Core GPU" datasheet (2021): BF16 312 TFLOPS dense, FP32
+  19.5 TFLOPS, HBM2 1,555 GB/s (40GB) and HBM2e 2,039 GB/s (80GB); NVLink 3: 600 GB/s per GPU both directions
+  together (300 GB/s each way). Inter-node: DGX A100 user guide, 8 x 200 Gb/s HDR InfiniBand (ConnectX-6), one
+  per GPU: 25 GB/s each way.
+* NVIDIA H100 SXM5 / PCIe: "NVIDIA H100 Tensor Core GPU" datasheet (2023): BF16 989 (SXM) / 756 (PCIe) TFLOPS
+  dense (half the with-sparsity figures), FP32 67 / 51 TFLOPS, HBM3 3.35 TB/s (SXM), HBM2e 2.0 TB/s (PCIe),
+  80 GB; NVLink 4: 900 GB/s per GPU both ways (SXM); PCIe Gen5 x16: 128 GB/s both ways (PCIe card, no
+  NVSwitch). Inter-node: DGX H100 user guide, 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU: 50 GB/s.
+* NVIDIA H200 SXM: "NVIDIA H200 Tensor Core GPU" datasheet (2024): compute as H100 SXM (989 / 67 TFLOPS),
+  141 GB HBM3e at 4.8 TB/s, NVLink 4 (900 GB/s both ways); NDR 400 Gb/s per GPU as DGX H200.
+* NVIDIA B200: "NVIDIA DGX B200" datasheet (2024): 72 PFLOPS FP8 training per 8 GPUs with sparsity, i.e. 4.5
+  PFLOPS FP8 dense per GPU and 2.25 PFLOPS BF16 dense; 1,440 GB HBM3e per 8 GPUs (180 GB each) at 64 TB/s (8 TB/s
+  each); NVLink 5: 1.8 TB/s per GPU both ways; 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU). FP32 80 TFLOPS is the
+  HGX B200 figure for FP32 (assumed; NVIDIA lists it for HGX, not per GPU in the DGX sheet).
+* AMD Instinct MI300X: "AMD Instinct MI300X Accelerator" datasheet (2023): BF16 1,307.4 TFLOPS dense, FP32
+  163.4 TFLOPS, 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s both ways (448 GB/s per GPU each
+  way to its 7 peers); 400 Gb/s per GPU between nodes (50 GB/s).
+
+``matmul_efficiency``: the fraction of the datasheet BF16 peak that a large, well-shaped ``matmul`` reaches,
+measured with ``mamf-finder.py`` (Stas Bekman, ``ml-engineering``, ``compute/accelerator/README.md``, table
+"Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 85.9 %, A100 PCIe 82.2 %, H100 SXM 80.1 %,
+MI300X 60.1 %. H100 PCIe, H200 and B200 are not in that table: they take the H100 SXM value (the same Hopper /
+similar tensor-core generation; an assumption, said here). ``memory_efficiency`` (0.9) is the fraction of the
+datasheet HBM bandwidth a large copy reaches (an assumption of the usual order of a STREAM-like copy; not
+measured here). Link latencies are per collective step: 10 us inside a node and 20 us between nodes, orders of
+magnitude of NCCL's small-message times (nccl-tests), also an assumption. None of these constants is fitted to a
+training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+__all__ = ["DEVICES", "DeviceProfile", "calibrate", "device_profile"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one accelerator and its links can do (units: FLOP/s, bytes, bytes/s one way per GPU, seconds).
+
+    Attributes:
+        name: the profile's name (``"H100-SXM"``, ``"calibrated cpu"``).
+        bf16_flops / fp32_flops: dense peak FLOP/s of a matmul in that dtype.
+        hbm_bytes: device memory (bytes).
+        hbm_bandwidth: device memory bandwidth (bytes/s).
+        intra_bandwidth / intra_latency: one GPU's link to its peers inside a node (NVLink, Infinity Fabric,
+            PCIe), bytes/s each way, and seconds per collective step.
+        inter_bandwidth / inter_latency: one GPU's share of the network between nodes (InfiniBand NIC).
+        matmul_efficiency: achieved / peak FLOP/s for a large matmul (see the module docstring for sources).
+        memory_efficiency: achieved / peak bytes/s for memory-bound kernels.
+        source: where the figures come from, in words.
+    """
+
+    name: str
+    bf16_flops: float
+    fp32_flops: float
+    hbm_bytes: int
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    matmul_efficiency: float = 0.8
+    memory_efficiency: float = 0.9
+    source: str = ""
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype`` (``"bf16"``, ``"fp16"`` use the bf16 figure; ``"fp32"`` the fp32 one)."""
+        return self.fp32_flops if dtype == "fp32" else self.bf16_flops
+
+
+def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, source):
+    return DeviceProfile(
+        name=name,
+        bf16_flops=bf16 * 1e12,
+        fp32_flops=fp32 * 1e12,
+        hbm_bytes=int(gb * GiB),
+        hbm_bandwidth=bw * 1e12,
+        intra_bandwidth=nvlink * 1e9,
+        intra_latency=10e-6,
+        inter_bandwidth=ib * 1e9,
+        inter_latency=20e-6,
+        matmul_efficiency=eff,
+        source=source,
+    )
+
+
+#: Built-in profiles by name (figures and sources in the module docstring). Memory sizes are the datasheets'
+#: "GB" read as GiB, as ``nvidia-smi`` shows them (an 80 GB H100 reports about 80 GiB less what the driver keeps).
+DEVICES: dict[str, DeviceProfile] = {
+    "A100-40GB": _nv("A100-40GB", 312, 19.5, 40, 1.555, 300, 25, 0.859, "NVIDIA A100 datasheet; DGX A100"),
+    "A100-80GB": _nv("A100-80GB", 312, 19.5, 80, 2.039, 300, 25, 0.859, "NVIDIA A100 datasheet; DGX A100"),
+    "H100-SXM": _nv("H100-SXM", 989, 67, 80, 3.35, 450, 50, 0.801, "NVIDIA H100 datasheet (SXM5); DGX H100"),
+    "H100-PCIe": _nv("H100-PCIe", 756, 51, 80, 2.0, 64, 50, 0.801, "NVIDIA H100 datasheet (PCIe)"),
+    "H200": _nv("H200", 989, 67, 141, 4.8, 450, 50, 0.801, "NVIDIA H200 datasheet; DGX H200"),
+    "B200": _nv("B200", 2250, 80, 180, 8.0, 900, 50, 0.801, "NVIDIA DGX B200 datasheet"),
+    "MI300X": _nv("MI300X", 1307.4, 163.4, 192, 5.3, 448, 50, 0.601, "AMD Instinct MI300X datasheet"),
+}
+_ALIASES = {"H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-SXM5": "H100-SXM", "A100": "A100-80GB",
+            "H200-141GB": "H200", "H200-SXM": "H200", "MI300": "MI300X"}  # fmt: skip
+
+
+def device_profile(gpu) -> DeviceProfile:
+    """The profile for ``gpu``: a :class:`DeviceProfile` as is, or a built-in name (case-insensitive; ``"H100"``
+    and ``"H100-80GB"`` mean the SXM part).
+
+    Raises:
+        ValueError: an unknown name (one sentence listing the known ones).
+    """
+    if isinstance(gpu, DeviceProfile):
+        return gpu
+    if isinstance(gpu, str):
+        want = gpu.strip().upper()
+        for key in list(DEVICES) + list(_ALIASES):
+            if key.upper() == want:
+                return DEVICES[_ALIASES.get(key, key)]
+    raise ValueError(
+        f"Unknown GPU {gpu!r}; use a DeviceProfile (sl.calibrate()) or one of {', '.join(DEVICES)}."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# calibration
+# --------------------------------------------------------------------------------------------------
+def _time(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def matmul_flops(sizes=(256, 512, 1024, 2048), dtype=None, device=None, repeats: int = 5) -> dict[int, float]:
+    """Achieved FLOP/s of an ``n x n @ n x n`` ``torch.matmul`` (``2 n^3`` FLOPs) for each ``n`` in ``sizes``."""
+    import torch
+
+    dtype = dtype or torch.float32
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+
+        def run(a=a, b=b):
+            torch.matmul(a, b)
+            if a.is_cuda:
+                torch.cuda.synchronize()
+
+        out[n] = 2 * n**3 / _time(run, repeats)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        times = {}
+        for n in sizes:
+            t = torch.ones(n // 4, dtype=torch.float32)
+            dist.barrier()
+            times[n] = _time(lambda t=t: dist.all_reduce(t), repeats)
+        if rank == 0:
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_times(
+    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5
+) -> dict[int, float]:
+    """Median seconds of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
+    (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``), for each ``n`` in ``sizes``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_collective_worker, args=(r, world, port, tuple(sizes), repeats, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    if any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise RuntimeError("calibrate(): a gloo collective process failed; see its stderr.")
+    return queue.get()
+
+
+def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` of a ring all-reduce fitted to ``times`` (bytes -> seconds):
+    ``t = 2 (w - 1) latency + 2 (w - 1) / w * bytes / bandwidth`` by least squares over the sizes."""
+    steps = 2 * (world - 1)
+    xs = [steps / world * n for n in times]
+    ys = list(times.values())
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = max(slope, 1e-15)
+    latency = max((my - slope * mx) / steps, 1e-7)
+    return 1.0 / slope, latency
+
+
+def calibrate(quick: bool = True) -> DeviceProfile:
+    """Measure this machine and return its :class:`DeviceProfile`.
+
+    Matmul FLOP/s: the best of ``torch.matmul`` on square fp32 (and bf16) matrices of 256 to 2048 (4096 unless
+    ``quick``); memory bandwidth: a 256 MiB ``clone`` (read + write); links: a gloo ``all_reduce`` between two
+    local processes of 1 KiB to 8 MiB, fitted as a ring (:func:`fit_link`) -- on one machine the "intra" and
+    "inter" links are the same loopback, so both get the fitted figures. ``matmul_efficiency`` is 1 (the
+    measured rate is what a matmul reaches) and the memory size is the machine's RAM (``os.sysconf``). On a CUDA
+    machine the matmuls run on the GPU and the memory is the GPU's.
+
+    Returns:
+        DeviceProfile named ``"calibrated <cpu|gpu name>"``.
+
+    Raises:
+        RuntimeError: a collective process failed (one sentence).
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    sizes = (256, 512, 1024, 2048) if quick else (256, 512, 1024, 2048, 4096)
+    fp32 = max(matmul_flops(sizes, torch.float32, device).values())
+    bf16 = max(matmul_flops(sizes, torch.bfloat16, device).values())
+    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    copy = 2 * x.numel() * 4 / _time(x.clone, 3)
+    bw, lat = fit_link(collective_times())
+    if cuda:
+        name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
+    else:
+        name, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceProfile(
+        name=f"calibrated {name}",
+        bf16_flops=bf16,
+        fp32_flops=fp32,
+        hbm_bytes=int(mem),
+        hbm_bandwidth=copy,
+        intra_bandwidth=bw,
+        intra_latency=lat,
+        inter_bandwidth=bw,
+        inter_latency=lat,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        source=f"sl.calibrate() on this machine ({time.strftime('%Y-%m-%d %H:%M')})",
+    )
+
+
+def replace(profile: DeviceProfile, **changes) -> DeviceProfile:
+    """A copy of ``profile`` with ``changes`` (``dataclasses.replace``)."""
+    return dataclasses.replace(profile, **changes)

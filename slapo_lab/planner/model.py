@@ -1,0 +1,707 @@
+"""Per-rank memory and step time of a layout, composed from the block profiles (``slapo_lab/planner/profile.py``).
+
+``estimate(model_or_schedule, Layout(tp=, pp=, dp=, ...), cluster=Cluster(...), seq_len=, global_batch_size=)``
+returns an :class:`Estimate`: for every pipeline stage (the ``tp`` ranks of a stage and their ``dp`` replicas
+hold the same bytes) memory by category, and the step time of the busiest stage by part. No forward runs per
+layout: a profile is taken once per tensor-parallel degree (and sequence parallelism) and every other choice is
+arithmetic on it.
+
+Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-batches per step:
+
+* ``params``: the stage's parameters at their tensor-parallel shape in the training dtype, ``/ dp`` under FSDP;
+* ``grads``: one gradient per trainable element in the training dtype, ``/ dp`` under FSDP and ZeRO-2;
+* ``optimizer``: AdamW, two fp32 moments per trainable element, plus an fp32 master copy when training in
+  bf16/fp16 (12 bytes; 8 in fp32): ZeRO paper (Rajbhandari et al., 2020, section 3.1), ``/ dp`` under FSDP, ZeRO-1
+  and ZeRO-2;
+* ``activations``: the saved bytes of the stage's parts per micro-batch (checkpoint policy applied per block)
+  times the micro-batches in flight: GPipe all ``m``; 1F1B ``min(m, pp - s)`` (Narayanan et al., 2021, "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2); interleaved 1F1B with
+  ``v`` = :data:`VIRTUAL_STAGES` model chunks per rank ``min(m, pp - s) * (1 + (pp - 1) / (pp v))`` (Korthikanti
+  et al., 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); plus, with
+  checkpointing, one block's full activations while it is recomputed, or the gradients of the largest part's
+  activations during its backward (:data:`BACKWARD_WORKSET`), whichever is larger (one part at a time);
+* ``fsdp_gather``: under FSDP, the all-gathered (``dp``-unsharded) parameters of the current and the prefetched
+  block and the unsharded gradients of one block (FSDP2 prefetches the next all-gather: ``torch.distributed.fsdp``
+  ``fully_shard`` docs);
+* ``optimizer_step``: AdamW's temporaries (:data:`ADAM_TEMPORARIES` fp32 copies of the largest parameter tensor)
+  where they exceed the activations, which the step runs without;
+* ``headroom``: :data:`ALLOCATOR_HEADROOM` of the above for the caching allocator's fragmentation.
+
+Step time (seconds), the busiest stage:
+
+* compute: every aten op of the stage's parts as a roofline, ``max(FLOPs / (peak x matmul_efficiency), bytes /
+  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources), forward and
+  backward, ``m`` times;
+* recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
+  outputs are not kept);
+* exposed communication: tensor-parallel syncs (not overlapped), pipeline sends of the boundary activation
+  (forward and backward), and the part of the data-parallel traffic that compute does not hide: DDP and ZeRO
+  all-reduce / reduce-scatter the gradients during the last micro-batch's backward, ZeRO all-gathers the updated
+  parameters after the step, FSDP all-gathers parameters (forward and backward, bf16) and reduce-scatters
+  gradients (fp32: torchtitan's ``mixed_precision_reduce`` default) each micro-batch behind that micro-batch's
+  compute. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``, all-gather and reduce-scatter
+  ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
+  a group inside one node uses the node's links, any other the per-GPU network bandwidth;
+* bubble: ``(pp - 1) / v`` stage-times of one micro-batch for GPipe and 1F1B (``v = 1``) and interleaved 1F1B,
+  i.e. the fraction ``(pp - 1) / (m v + pp - 1)`` of the step (Narayanan et al., 2021, section 2.2);
+* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound:
+  :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency).
+
+MFU: model FLOPs (``FlopCounterMode``'s forward + backward, no recompute, attention counted in full) per step
+over ``GPUs x peak x step time``.
+
+Constants, each with its source (none is fitted to a published run): :data:`ALLOCATOR_HEADROOM`,
+:data:`BACKWARD_WORKSET`, :data:`ADAM_BYTES_PER_ELEMENT`, :data:`VIRTUAL_STAGES`, :data:`FSDP_PREFETCH_BLOCKS`,
+and the device profile's ``matmul_efficiency`` / ``memory_efficiency`` / latencies (``devices.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims
+from .devices import DeviceProfile, GiB, device_profile
+from .profile import ModelProfile, PartProfile, profile_model
+
+__all__ = [
+    "ADAM_BYTES_PER_ELEMENT",
+    "ALLOCATOR_HEADROOM",
+    "BACKWARD_WORKSET",
+    "CHECKPOINTS",
+    "PP_SCHEDULES",
+    "SHARDS",
+    "Cluster",
+    "Estimate",
+    "Layout",
+    "estimate",
+]
+
+#: Fraction of the live bytes the caching allocator holds beyond them (fragmentation): GMLake (Guo et al., ASPLOS
+#: 2024, "GMLake: Efficient and Transparent GPU Memory Defragmentation for Large-scale DNN Training with Virtual
+#: Memory Stitching") measured 15 % fragmentation on average (up to 33 %) for eight LLMs on A100-80GB with
+#: PyTorch's caching allocator.
+ALLOCATOR_HEADROOM = 0.15
+#: Backward of a part holds the gradients of its saved activations while it runs: at most as many bytes as the
+#: part saved for one micro-batch (each saved tensor has a gradient of its size at most); counted once, for the
+#: largest part of the stage (an upper-bound approximation of ours, not measured).
+BACKWARD_WORKSET = 1.0
+#: AdamW's update per trainable element when training in bf16: read fp32 master, bf16 grad, two fp32 moments;
+#: write master, moments and the bf16 parameter: 4 + 2 + 8 + 4 + 8 + 2 (``torch.optim.AdamW``'s arithmetic).
+ADAM_BYTES_PER_ELEMENT = 28
+#: fp32 temporaries of one parameter's size that AdamW's single-tensor update holds at once (``exp_avg_sq.sqrt()``
+#: and its quotient in ``torch/optim/adamw.py``, ``_single_tensor_adam``); the largest parameter tensor sets them.
+ADAM_TEMPORARIES = 2
+#: Model chunks per rank of the interleaved schedule (Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``
+#: choice in Narayanan et al., 2021 experiments uses 2 and more; we price 2).
+VIRTUAL_STAGES = 2
+#: FSDP2 keeps the current block's and the prefetched next block's unsharded parameters.
+FSDP_PREFETCH_BLOCKS = 2
+
+SHARDS = ("none", "fsdp", "zero1", "zero2")
+PP_SCHEDULES = ("1F1B", "GPipe", "interleaved")
+CHECKPOINTS = ("none", "all", "selective")
+_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of a training run.
+
+    Attributes:
+        tp / pp / dp: tensor-, pipeline- and data-parallel degrees (:class:`slapo_lab.parallel_dims.ParallelDims`).
+        shard: ``"none"`` (DDP), ``"fsdp"`` (FSDP2), ``"zero1"`` or ``"zero2"`` (DeepSpeed ZeRO stages 1, 2).
+        micro_batch_size: sequences per micro-batch per replica.
+        checkpoint: ``"none"``, ``"all"`` blocks, ``"selective"`` (per op: :data:`~.profile.SELECTIVE_SAVE`), or
+            an int ``k``: every k-th block (blocks ``0, k, 2k, ...``, as ``presets.checkpoint_blocks(every=k)``).
+        pp_schedule: ``"1F1B"``, ``"GPipe"`` or ``"interleaved"`` (1F1B with :data:`VIRTUAL_STAGES` chunks).
+        sequence_parallel: Megatron sequence parallelism with the tensor-parallel preset.
+
+    Raises:
+        ScheduleError: a field outside its choices (one sentence naming it).
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    shard: str = "none"
+    micro_batch_size: int = 1
+    checkpoint: str | int = "none"
+    pp_schedule: str = "1F1B"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            ParallelDims(self.tp, self.pp, self.dp)
+        except ValueError as err:
+            raise ScheduleError(f"Layout: {err}") from err
+        if self.shard not in SHARDS:
+            raise ScheduleError(f"Layout: shard must be one of {', '.join(SHARDS)}, not {self.shard!r}.")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ScheduleError(
+                f"Layout: pp_schedule must be one of {', '.join(PP_SCHEDULES)}, not {self.pp_schedule!r}."
+            )
+        ck = self.checkpoint
+        if not (ck in CHECKPOINTS or (isinstance(ck, int) and not isinstance(ck, bool) and ck >= 1)):
+            raise ScheduleError(
+                f"Layout: checkpoint must be 'none', 'all', 'selective' or a positive int k, not {ck!r}."
+            )
+        if (
+            isinstance(self.micro_batch_size, bool)
+            or not isinstance(self.micro_batch_size, int)
+            or (self.micro_batch_size < 1)
+        ):
+            raise ScheduleError(
+                f"Layout: micro_batch_size must be a positive int, not {self.micro_batch_size!r}."
+            )
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.tp, self.pp, self.dp)
+
+    def describe(self) -> str:
+        """``tp 8 x pp 2 x dp 4, fsdp, mbs 1, checkpoint selective, 1F1B``."""
+        ck = self.checkpoint if isinstance(self.checkpoint, str) else f"every {self.checkpoint}"
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        pps = f", {self.pp_schedule}" if self.pp > 1 else ""
+        return f"{self.dims.describe()}, {self.shard}, mbs {self.micro_batch_size}, checkpoint {ck}{pps}{sp}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` accelerators of one kind (``gpu``: a built-in name or a DeviceProfile)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: str | DeviceProfile = "H100-SXM"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ScheduleError(f"Cluster: {name} must be a positive int, not {v!r}.")
+        try:
+            device_profile(self.gpu)
+        except ValueError as err:  # an unknown name fails here, in one sentence
+            raise ScheduleError(f"Cluster: {err}") from err
+
+    @property
+    def device(self) -> DeviceProfile:
+        return device_profile(self.gpu)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Estimate:
+    """The predicted cost of one layout (see the module docstring for every term).
+
+    Attributes:
+        layout / cluster: what was priced.
+        memory: ``{stage: {category: bytes}}`` per rank of each stage; categories ``params``, ``grads``,
+            ``optimizer``, ``activations``, ``fsdp_gather``, ``optimizer_step``, ``headroom``.
+        peak_memory_bytes: the busiest rank's total (bytes, headroom included).
+        step_time_s: seconds per optimizer step.
+        time_parts: ``{"compute", "exposed_comm", "bubble", "recompute", "optimizer"}`` seconds; they add up to
+            ``step_time_s``.
+        tokens_per_s_per_gpu / mfu: throughput per GPU and model FLOPs utilisation (0..1).
+        micro_batches: micro-batches per step and replica.
+        stage_blocks: blocks per pipeline stage (the balanced cuts).
+        fits: ``peak_memory_bytes`` <= the device's memory.
+    """
+
+    layout: Layout
+    cluster: Cluster
+    stage_memory: dict  # category -> numpy array over stages (bytes per rank)
+    peak_memory_bytes: int
+    step_time_s: float
+    time_parts: dict
+    tokens_per_s_per_gpu: float
+    mfu: float
+    micro_batches: int
+    stage_blocks: list
+    fits: bool
+
+    @property
+    def memory(self) -> dict:
+        """``{stage: {category: bytes}}`` per rank of each stage."""
+        cats = self.stage_memory
+        n = len(next(iter(cats.values())))
+        return {s: {k: int(v[s]) for k, v in cats.items()} for s in range(n)}
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """The busiest rank's live tensor bytes (the peak without the allocator's headroom)."""
+        return max(sum(v for k, v in cats.items() if k != "headroom") for cats in self.memory.values())
+
+    def export_options(self) -> dict:
+        """The export form's fields for this plan: ``dp``, ``shard``, ``micro_batch_size``,
+        ``global_batch_size``, ``grad_accumulation``, ``pp``, ``pp_schedule``, ``tp``."""
+        lay = self.layout
+        return {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "shard": lay.shard,
+            "micro_batch_size": lay.micro_batch_size,
+            "global_batch_size": lay.micro_batch_size * lay.dp * self.micro_batches,
+            "grad_accumulation": self.micro_batches,
+            "pp_schedule": lay.pp_schedule,
+        }
+
+    def apply(self, sch) -> list:
+        """Record this plan on ``sch`` as ordinary primitive calls, all or nothing (:func:`slapo_lab.presets.atomic`):
+        the Megatron preset for ``tp > 1`` (unless something is sharded already), ``checkpoint_blocks`` for
+        ``"all"`` or every k-th block, and ``cut_pipeline_stage`` after the last block of every stage but the last
+        (the balanced cuts of ``stage_blocks``). The calls are undoable and exported like any others, and the
+        presets check them numerically.
+
+        Returns:
+            list: the recorded calls.
+
+        Raises:
+            ScheduleError: ``sch`` is not for ``tp`` ranks, the plan checkpoints selectively or interleaves stages
+                (neither is a schedule primitive yet), or a primitive refuses (one sentence; nothing recorded).
+        """
+        from .. import presets
+
+        lay = self.layout
+        if sch.world_size != lay.tp:
+            raise ScheduleError(
+                f"apply: the schedule is for {sch.world_size} tensor-parallel ranks, the plan for tp {lay.tp}; "
+                f"create it with world_size={lay.tp}."
+            )
+        if lay.checkpoint == "selective":
+            raise ScheduleError(
+                "apply: selective checkpointing is not a schedule primitive yet; pick a plan with checkpoint "
+                "'all', 'none' or every k-th block."
+            )
+        if lay.pp > 1 and lay.pp_schedule == "interleaved":
+            raise ScheduleError(
+                "apply: interleaved stages are not a schedule option yet; pick a 1F1B or GPipe plan."
+            )
+        start = len(sch.record)
+        with presets.atomic(sch):
+            if lay.tp > 1 and not _sharded(sch):
+                presets.megatron_tp(sch, sequence_parallel=lay.sequence_parallel)
+            if lay.checkpoint == "all" or isinstance(lay.checkpoint, int):
+                presets.checkpoint_blocks(sch, every=1 if lay.checkpoint == "all" else lay.checkpoint)
+            if lay.pp > 1:
+                blocks = presets.find_blocks(sch)
+                ends = list(itertools.accumulate(self.stage_blocks))[:-1]
+                for end in ends:
+                    sch[blocks[end - 1]].cut_pipeline_stage()
+        return list(sch.record.calls[start:])
+
+    def summary(self) -> str:
+        """One line: layout, peak memory, step time, tokens/s/GPU, MFU."""
+        return (
+            f"{self.layout.describe()}: {self.peak_memory_bytes / GiB:.1f} GiB, {self.step_time_s:.3f} s/step, "
+            f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# pricing
+# --------------------------------------------------------------------------------------------------
+class _Pricer:
+    """Prices layouts of one model on one cluster at one sequence length; caches what layouts share."""
+
+    def __init__(self, model, cluster: Cluster, seq_len: int, dtype: str):
+        if dtype not in _ELEM:
+            raise ScheduleError(f"estimate: dtype must be one of {', '.join(_ELEM)}, not {dtype!r}.")
+        self.model = model
+        self.cluster = cluster
+        self.dev = cluster.device
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.elem = _ELEM[dtype]
+        self.peak = self.dev.flops(dtype) * self.dev.matmul_efficiency
+        self.bw = self.dev.hbm_bandwidth * self.dev.memory_efficiency
+        self._profiles: dict = {}
+        self._op_time: dict = {}
+        self._stage_cache: dict = {}
+        self.blocks: dict = {}
+        self.cuts: dict = {}
+        self.stages: dict = {}
+        self._flops: dict = {}
+
+    def model_flops(self, prof: ModelProfile) -> float:
+        """Model FLOPs (forward + backward) of one sequence through all ranks of a replica."""
+        got = self._flops.get(id(prof))
+        if got is None:
+            got = self._flops[id(prof)] = (
+                prof.total("fwd_flops") * prof.tp + prof.total("bwd_flops") * prof.tp
+            )
+        return got
+
+    # -- profiles
+    def profile(self, tp: int, sp: bool) -> ModelProfile:
+        key = (tp, sp)
+        if key not in self._profiles:
+            try:
+                self._profiles[key] = profile_model(self.model, tp, self.seq_len, self.dtype, sp)
+            except ScheduleError as err:
+                self._profiles[key] = err
+        got = self._profiles[key]
+        if isinstance(got, ScheduleError):
+            raise got
+        return got
+
+    # -- time of op rows for b sequences
+    def ops_time(self, rows: np.ndarray, b: int) -> float:
+        key = (id(rows), b)
+        t = self._op_time.get(key)
+        if t is None:
+            if rows.size == 0:
+                t = 0.0
+            else:
+                t = float(
+                    np.maximum(b * rows[:, 0] / self.peak, (b * rows[:, 1] + rows[:, 2]) / self.bw).sum()
+                )
+            self._op_time[key] = (t, rows)  # keep rows alive so the id stays theirs
+            return t
+        return t[0]
+
+    def link(self, n: int, within_node: bool) -> tuple[float, float]:
+        if within_node:
+            return self.dev.intra_bandwidth, self.dev.intra_latency
+        return self.dev.inter_bandwidth, self.dev.inter_latency
+
+    def collective(self, op: str, nbytes: float, n: int, within_node: bool) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat = self.link(n, within_node)
+        steps = 2 * math.log2(n)
+        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        return factor * nbytes / bw + steps * lat
+
+    # -- one part at micro-batch b under a checkpoint flag
+    def part_cost(self, part: PartProfile, tp: int, b: int, ckpt: str) -> tuple[float, float, float, float]:
+        """(compute s, recompute s, tp comm s, saved bytes) of one micro-batch of ``b`` through ``part``."""
+        key = (id(part), tp, b, ckpt)
+        hit = self._stage_cache.get(key)
+        if hit is not None:
+            return hit
+        compute = self.ops_time(part.fwd, b) + self.ops_time(part.bwd, b)
+        if ckpt == "all":
+            recompute, saved = self.ops_time(part.recompute_all, b), part.input_bytes * b
+        elif ckpt == "selective":
+            recompute, saved = self.ops_time(part.recompute_selective, b), part.selective_bytes * b
+        else:
+            recompute, saved = 0.0, part.saved_bytes * b
+        comm = sum(self.collective(op, nbytes * b, tp, True) for op, _phase, nbytes in part.comm)
+        out = (compute, recompute, comm, saved)
+        self._stage_cache[key] = out
+        return out
+
+
+def _checkpointed(i: int, checkpoint) -> str:
+    if checkpoint in ("none", "all", "selective"):
+        return checkpoint
+    return "all" if i % checkpoint == 0 else "none"
+
+
+def _partition(costs: list[float], k: int) -> list[int]:
+    """Cut ``costs`` (in order) into ``k`` contiguous non-empty groups minimising the largest sum (bisection on
+    the bottleneck, each candidate checked by a greedy fill over prefix sums); returns the group sizes."""
+    n = len(costs)
+    if k >= n:
+        return [1] * n + [0] * (k - n)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+
+    def groups(limit: float) -> list[int] | None:
+        sizes, i = [], 0
+        while i < n:
+            if len(sizes) == k:
+                return None
+            # the furthest j with prefix[j] - prefix[i] <= limit, leaving one item per group still to open
+            j = bisect.bisect_right(prefix, prefix[i] + limit, i + 1, n + 1) - 1
+            j = max(i + 1, min(j, n - (k - len(sizes) - 1)))
+            sizes.append(j - i)
+            i = j
+        return sizes
+
+    lo, hi = max(costs), prefix[-1]
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if groups(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    sizes = groups(hi * (1 + 1e-9)) or [n]
+    while len(sizes) < k:  # split the largest group until there are k
+        j = max(range(len(sizes)), key=lambda i: sizes[i])
+        a = sizes[j] // 2
+        sizes[j : j + 1] = [sizes[j] - a, a]
+    return sizes
+
+
+def _sharded(sch) -> list:
+    """Parameters of ``sch``'s model that a shard call annotated (``orig_shape``)."""
+    return [p for p in sch.mod.parameters() if getattr(p, "orig_shape", None) is not None]
+
+
+def _acc(xs: list) -> list:
+    return list(itertools.accumulate(xs, initial=0.0))
+
+
+class _Blocks:
+    """Per-block figures of one (TP degree, sequence parallelism, micro-batch, checkpoint policy), in model
+    order, with prefix sums for the stage ranges."""
+
+    def __init__(self, pr: _Pricer, prof: ModelProfile, tp: int, b: int, checkpoint):
+        seq = [p for p in prof.blocks for _ in range(p.count)]
+        rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
+        cost: dict = {}
+        compute, recompute, comm, saved, full, largest, params, train, big = ([] for _ in range(9))
+        for p, ck in rows:
+            key = (id(p), ck)
+            if key not in cost:
+                cost[key] = pr.part_cost(p, tp, b, ck)
+            c, r, cm, sv = cost[key]
+            compute.append(c)
+            recompute.append(r)
+            comm.append(cm)
+            saved.append(sv)
+            full.append(p.saved_bytes * b if ck != "none" else 0.0)
+            largest.append(p.saved_bytes * b)
+            params.append(p.param_bytes)
+            train.append(p.trainable_elems)
+            big.append(p.largest_param_elems)
+        self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm)]
+        self.full, self.largest, self.params, self.big = full, largest, params, big
+        self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
+        self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
+        self.n = len(seq)
+
+
+def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, post, b: int) -> dict:
+    """Per-stage sums of one cut (rank ``s`` holds chunks ``s, s + pp, ...``): numpy arrays over stages."""
+    starts = list(itertools.accumulate(chunks, initial=0))
+    names = (
+        "compute",
+        "recompute",
+        "comm",
+        "saved",
+        "params",
+        "trainable",
+        "full",
+        "largest",
+        "unit",
+        "nparts",
+        "big_param",
+    )
+    cols = {k: [] for k in names}
+    for s in range(pp):
+        ranges = [(starts[c], starts[c + 1]) for c in range(s, len(chunks), pp)]
+        row = {
+            "compute": sum(blk.p_compute[e] - blk.p_compute[a] for a, e in ranges),
+            "recompute": sum(blk.p_recompute[e] - blk.p_recompute[a] for a, e in ranges),
+            "comm": sum(blk.p_comm[e] - blk.p_comm[a] for a, e in ranges),
+            "saved": sum(blk.p_saved[e] - blk.p_saved[a] for a, e in ranges),
+            "params": sum(blk.p_params[e] - blk.p_params[a] for a, e in ranges),
+            "trainable": sum(blk.p_train[e] - blk.p_train[a] for a, e in ranges),
+            "full": max(max(blk.full[a:e], default=0.0) for a, e in ranges),
+            "largest": max(max(blk.largest[a:e], default=0.0) for a, e in ranges),
+            "unit": max(max(blk.params[a:e], default=0) for a, e in ranges),
+            "nparts": sum(e - a for a, e in ranges),
+            "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
+        }
+        ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
+        for part, (c, r, cm, sv) in ends:
+            # pre/post run once per micro-batch and are freed by its backward on the same stage
+            row["compute"] += c
+            row["recompute"] += r
+            row["comm"] += cm
+            row["saved"] += sv
+            row["params"] += part.param_bytes
+            row["trainable"] += part.trainable_elems
+            row["largest"] = max(row["largest"], part.saved_bytes * b)
+            row["big_param"] = max(row["big_param"], part.largest_param_elems)
+            if not row["unit"]:
+                row["unit"] = part.param_bytes
+        for k in names:
+            cols[k].append(row[k])
+    out = {k: np.array(v, dtype=float) for k, v in cols.items()}
+    out["time"] = out["compute"] + out["recompute"] + out["comm"]
+    out["zero"] = np.zeros(pp)
+    return out
+
+
+def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
+    """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence)."""
+    cl, dev = pr.cluster, pr.dev
+    tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    if tp * pp * dp > cl.gpus:
+        raise ScheduleError(f"{layout.dims.describe()} needs {tp * pp * dp} GPUs; the cluster has {cl.gpus}.")
+    if tp > cl.gpus_per_node:
+        raise ScheduleError(f"TP {tp} is beyond a node of {cl.gpus_per_node} GPUs.")
+    if global_batch_size % (dp * b):
+        raise ScheduleError(
+            f"the global batch of {global_batch_size} does not divide into dp {dp} x micro-batch {b}."
+        )
+    m = global_batch_size // (dp * b)
+    sp = layout.sequence_parallel
+    prof = pr.profile(tp, sp)
+    if tp > 1 and prof.kv_heads and prof.kv_heads % tp:
+        raise ScheduleError(f"TP {tp} does not divide {prof.kv_heads} KV heads.")
+    if tp > 1 and prof.heads and prof.heads % tp:
+        raise ScheduleError(f"TP {tp} does not divide {prof.heads} heads.")
+    v = VIRTUAL_STAGES if layout.pp_schedule == "interleaved" and pp > 1 else 1
+    nblocks = prof.num_blocks
+    if pp * v > nblocks:
+        raise ScheduleError(f"PP {pp} x {v} chunk(s) exceeds the {nblocks} blocks.")
+    if v > 1 and m % pp:
+        raise ScheduleError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of PP {pp}.")
+    ck = layout.checkpoint
+    key = (tp, sp, b, ck)
+    blk = pr.blocks.get(key)
+    if blk is None:
+        blk = pr.blocks[key] = _Blocks(pr, prof, tp, b, ck)
+    pre = pr.part_cost(prof.pre, tp, b, "none")
+    post = pr.part_cost(prof.post, tp, b, "none")
+    # balanced cuts on micro-batch-1 costs (the micro-batch scales every block alike)
+    pkey = (tp, sp, ck, pp * v)
+    chunks = pr.cuts.get(pkey)
+    if chunks is None:
+        one = pr.blocks.get((tp, sp, 1, ck)) or pr.blocks.setdefault(
+            (tp, sp, 1, ck), _Blocks(pr, prof, tp, 1, ck)
+        )
+        costs = list(one.time)
+        costs[0] += sum(pr.part_cost(prof.pre, tp, 1, "none")[:3])
+        costs[-1] += sum(pr.part_cost(prof.post, tp, 1, "none")[:3])
+        chunks = pr.cuts[pkey] = _partition(costs, pp * v) if pp * v > 1 else [nblocks]
+    st = pr.stages.get((tp, sp, b, ck, pp, v))
+    if st is None:
+        st = pr.stages[(tp, sp, b, ck, pp, v)] = _stage_table(blk, chunks, pp, prof, pre, post, b)
+    shard = layout.shard
+    div_p = dp if shard == "fsdp" else 1
+    div_g = dp if shard in ("fsdp", "zero2") else 1
+    div_o = dp if shard != "none" else 1
+    opt_bytes = 12 if pr.dtype != "fp32" else 8
+    within_node_dp = tp * pp * dp <= cl.gpus_per_node
+    p2p = 0.0
+    if pp > 1:
+        boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
+        bw, lat = pr.link(2, tp * pp <= cl.gpus_per_node)
+        p2p = 2 * (boundary / bw + lat) * v
+    if pp == 1:
+        in_flight = 1.0
+    elif layout.pp_schedule == "GPipe":
+        in_flight = float(m)
+    else:
+        in_flight = np.minimum(m, pp - np.arange(pp)).astype(float)
+        if v > 1:
+            in_flight = in_flight * (1 + (pp - 1) / (pp * v))
+    cats = {
+        "params": st["params"] / div_p,
+        "grads": st["trainable"] * (pr.elem / div_g),
+        "optimizer": st["trainable"] * (opt_bytes / div_o),
+        # one part at a time is recomputed (a checkpointed block's full activations) or holds the gradients of
+        # its saved tensors: the larger of the two transients, not both
+        "activations": st["saved"] * in_flight + np.maximum(st["full"], BACKWARD_WORKSET * st["largest"]),
+        "fsdp_gather": (FSDP_PREFETCH_BLOCKS + 1) * st["unit"] if shard == "fsdp" and dp > 1 else st["zero"],
+    }
+    # the optimizer step runs after the activations are freed: its temporaries count where they exceed them
+    cats["optimizer_step"] = np.maximum(
+        0.0, ADAM_TEMPORARIES * 4 * st["big_param"] / div_o - cats["activations"]
+    )
+    cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
+    total = sum(cats.values())
+    busiest = int(np.argmax(st["time"]))
+    t_mb = float(st["time"][busiest]) + p2p
+    compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
+    comm_mb = float(st["comm"][busiest]) + p2p
+    params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
+    nparts = int(st["nparts"][busiest])
+    # data-parallel traffic of the busiest stage
+    dp_exposed = 0.0
+    if dp > 1:
+        bwd_last = compute * 2 / 3  # backward is about two thirds of a micro-batch's compute
+        if shard == "none":
+            t = pr.collective("all_reduce", trainable * pr.elem, dp, within_node_dp)
+            dp_exposed = max(0.0, t - bwd_last)
+        elif shard in ("zero1", "zero2"):
+            rs = pr.collective("reduce_scatter", trainable * pr.elem, dp, within_node_dp)
+            ag = pr.collective("all_gather", params, dp, within_node_dp)
+            dp_exposed = max(0.0, rs - bwd_last) + ag
+        else:  # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed
+            ag = pr.collective("all_gather", params, dp, within_node_dp)
+            rs = pr.collective("reduce_scatter", trainable * 4, dp, within_node_dp)
+            dp_exposed = m * (max(0.0, 2 * ag + rs - compute - recompute) + 2 * ag / max(1, nparts))
+    optimizer = trainable / div_o * ADAM_BYTES_PER_ELEMENT / pr.bw
+    parts_t = {
+        "compute": m * compute,
+        "recompute": m * recompute,
+        "exposed_comm": m * comm_mb + dp_exposed,
+        "bubble": (pp - 1) / v * t_mb,
+        "optimizer": optimizer,
+    }
+    step = sum(parts_t.values())
+    peak = float(total.max())
+    gpus = tp * pp * dp
+    return Estimate(
+        layout=layout,
+        cluster=cl,
+        stage_memory=cats,
+        peak_memory_bytes=int(peak),
+        step_time_s=step,
+        time_parts=parts_t,
+        tokens_per_s_per_gpu=global_batch_size * pr.seq_len / step / gpus,
+        mfu=pr.model_flops(prof) * global_batch_size / (gpus * dev.flops(pr.dtype) * step),
+        micro_batches=m,
+        stage_blocks=[int(x) for x in st["nparts"]],
+        fits=peak <= dev.hbm_bytes,
+    )
+
+
+@lru_cache(maxsize=8)
+def _pricer_for(model, cluster: Cluster, seq_len: int, dtype: str) -> _Pricer:
+    return _Pricer(model, cluster, seq_len, dtype)
+
+
+def estimate(
+    model_or_schedule,
+    layout: Layout,
+    cluster: Cluster | None = None,
+    seq_len: int = 2048,
+    global_batch_size: int | None = None,
+    dtype: str = "bf16",
+) -> Estimate:
+    """Price one layout: per-rank memory by category and step time by part (see the module docstring).
+
+    Args:
+        model_or_schedule: an ``nn.Module`` (any device; a meta model works) or a :class:`slapo_lab.Schedule`
+            (its shards are used; ``layout.tp`` must be its ``world_size``).
+        layout: the :class:`Layout`.
+        cluster: the :class:`Cluster` (default: one node of 8 H100-SXM).
+        seq_len: tokens per sequence.
+        global_batch_size: sequences per optimizer step (default: ``dp x micro_batch_size``, one micro-batch).
+        dtype: training dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+
+    Returns:
+        Estimate (``.fits`` False when the busiest rank exceeds the device's memory; it is still priced).
+
+    Raises:
+        ScheduleError: a layout that cannot run (TP beyond a node or not dividing the heads, a batch that does
+            not divide, more stages than blocks, ...) or a model that cannot be profiled; one sentence.
+    """
+    cluster = cluster or Cluster()
+    if global_batch_size is None:
+        global_batch_size = layout.dp * layout.micro_batch_size
+    pr = _pricer_for(model_or_schedule, cluster, seq_len, dtype)
+    return _price(pr, layout, global_batch_size)
+
+
+def with_layout(est: Estimate, **changes) -> Layout:
+    """``est.layout`` with ``changes`` (``dataclasses.replace``)."""
+    return replace(est.layout, **changes)

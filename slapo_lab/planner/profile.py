@@ -1,0 +1,699 @@
+"""Cost profiles of a model's parts, one per distinct block, measured once on meta/fake tensors and cached.
+
+:func:`profile_model` runs ONE forward and backward of the model cut down to one block of each distinct block
+class (every stack of :func:`slapo_lab.presets.find_blocks` keeps its first block of each class; HF models loop
+over whatever their ``ModuleList`` holds), with tensor parallelism applied by the Megatron preset
+(:func:`slapo_lab.presets.megatron_tp`, ``check=False``) on a simulated schedule of ``tp`` ranks, on meta tensors
+(``FakeTensorMode`` when the forward reads a value). From that pass, per part -- ``"pre"`` (what runs before
+the first block: embeddings, rotary tables), each block class, ``"post"`` (final norm, head, loss):
+
+* every aten op's FLOPs (``torch.utils.flop_counter``'s formulas, the ones ``FlopCounterMode`` uses; CPU's
+  flash attention mapped to the SDPA formula), its bytes read and written (activations and weights apart;
+  views move nothing), forward and backward apart (backward ops are attributed with
+  ``torch.utils.module_tracker.ModuleTracker``);
+* the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``, one count per storage,
+  parameters excluded), the residual input a full checkpoint keeps, and what selective checkpointing keeps
+  (:data:`SELECTIVE_SAVE`: the outputs of every other matmul and of attention, torchtitan's
+  ``selective_ac_option="op"`` policy in ``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``);
+* parameter elements and bytes per tensor-parallel rank;
+* collectives with their byte volumes: the schedule's syncs (``_slapo_meta["syncs"]``: ``fwd_post`` moves the
+  module's output, ``fwd_pre`` its input, ``bwd_post`` its input's gradient) and the part's output (a pipeline
+  stage boundary's send/recv). FSDP, ZeRO and DP volumes follow from the parameter bytes (``model.py``).
+
+Every activation figure is for ONE sequence (micro-batch 1) at the profiled sequence length; activations,
+FLOPs and activation bytes scale linearly with the micro-batch size, weight bytes do not. The whole model is
+``pre + sum(count x block) + post``: the cost of a 126-layer model is one pass over three parts, whatever its
+depth, and the planner prices every candidate from these numbers without another forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from torch.utils.module_tracker import ModuleTracker
+
+from ..errors import ScheduleError
+from ..module_state import peek_meta
+
+__all__ = ["SELECTIVE_SAVE", "ModelProfile", "PartProfile", "profile_model", "selective_policy"]
+
+aten = torch.ops.aten
+
+#: Ops whose outputs selective activation checkpointing keeps (the rest of a block is recomputed), torchtitan's
+#: ``_save_list`` for ``selective_ac_option="op"`` plus CPU's flash attention and ``addmm`` (a linear with bias);
+#: of the matmuls (``mm``/``addmm``) every second one is recomputed, as torchtitan's policy does.
+SELECTIVE_SAVE = frozenset(
+    op
+    for op in (
+        getattr(aten.mm, "default", None),
+        getattr(aten.addmm, "default", None),
+        getattr(aten._scaled_dot_product_flash_attention, "default", None),
+        getattr(aten._scaled_dot_product_efficient_attention, "default", None),
+        getattr(aten._scaled_dot_product_cudnn_attention, "default", None),
+        getattr(aten._scaled_dot_product_flash_attention_for_cpu, "default", None),
+        getattr(aten.max, "default", None),
+    )
+    if op is not None
+)
+_MATMULS = frozenset(op for op in (aten.mm.default, aten.addmm.default))
+_SDPA_CPU = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+_ATTENTION = frozenset(
+    (
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_cudnn_attention_backward,
+    )
+)
+
+
+def selective_policy():
+    """A ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` policy that keeps the outputs of
+    :data:`SELECTIVE_SAVE` (every second matmul recomputed) and recomputes the rest, as the profiles assume."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    count = {"mm": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _MATMULS and not ctx.is_recompute:
+            count["mm"] += 1
+        if func in SELECTIVE_SAVE and not (func in _MATMULS and count["mm"] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@dataclass
+class PartProfile:
+    """One part of the model at one tensor-parallel degree, for ONE sequence (see the module docstring).
+
+    Attributes:
+        name: ``"pre"``, ``"post"`` or the block class name.
+        count: how many of it the model holds (1 for pre/post).
+        param_elems / param_bytes: parameters per tensor-parallel rank (elements, bytes), each tensor once.
+        trainable_elems: the elements of those that require grad.
+        fwd / bwd: ``(k, 3)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
+            moved, weight bytes moved); causal attention counts half its FLOPs (the kernel skips the masked
+            blocks: Dao, "FlashAttention-2", 2023, section 3.1).
+        fwd_flops / bwd_flops: model FLOPs (``FlopCounterMode``'s count, causal attention in full) for MFU.
+        saved_bytes: bytes autograd keeps for backward without checkpointing.
+        input_bytes: the residual input (same shape as the output) a full checkpoint keeps.
+        selective_bytes: what selective checkpointing keeps (``input_bytes`` + the kept op outputs).
+        recompute_all / recompute_selective: ``(k, 3)`` rows of the forward ops a full / selective checkpoint
+            runs again in backward.
+        comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
+        output_bytes: the part's output (the activation a pipeline boundary after it sends).
+        largest_param_elems: elements of the part's largest trainable tensor.
+    """
+
+    name: str
+    count: int = 1
+    param_elems: int = 0
+    param_bytes: int = 0
+    trainable_elems: int = 0
+    fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    selective_bytes: int = 0
+    recompute_all: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    comm: list = field(default_factory=list)
+    output_bytes: int = 0
+    largest_param_elems: int = 0
+
+
+@dataclass
+class ModelProfile:
+    """The parts of one model at one tensor-parallel degree (:func:`profile_model`).
+
+    Attributes:
+        tp / seq_len / dtype / sequence_parallel: what it was profiled at.
+        pre / post: the parts before the first and after the last block.
+        blocks: one :class:`PartProfile` per distinct block class, in model order, with its ``count``.
+        heads / kv_heads: attention heads and key/value heads of the first block (None: no attention found).
+        notes: the preset's notes (what it kept whole, and why).
+        seconds: the profiling pass's wall time.
+    """
+
+    tp: int
+    seq_len: int
+    dtype: str
+    sequence_parallel: bool
+    pre: PartProfile
+    post: PartProfile
+    blocks: list[PartProfile]
+    heads: int | None = None
+    kv_heads: int | None = None
+    notes: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(b.count for b in self.blocks)
+
+    @property
+    def parts(self) -> list[PartProfile]:
+        return [self.pre, *self.blocks, self.post]
+
+    def total(self, attr: str) -> float:
+        """``pre + sum(count x block) + post`` of a numeric attribute (``param_elems``, ``fwd_flops``...)."""
+        return sum(getattr(p, attr) * p.count for p in self.parts)
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif hasattr(x, "to_tuple"):  # HF ModelOutput
+        yield from _tensors(x.to_tuple())
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Recorder(TorchDispatchMode):
+    """Per aten op: (part, phase, FLOPs, activation bytes, weight bytes, kept by selective checkpointing,
+    output bytes). ``part_of()`` names the running part."""
+
+    def __init__(self, part_of, weights: set[int]):
+        super().__init__()
+        self.part_of = part_of
+        self.weights = weights
+        self.rows: list[tuple] = []
+        self.mm_count: dict[str, int] = {}
+        self.created: dict[int, str] = {}  # storage -> the part whose op made it
+        self.alive: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        part, phase = self.part_of()
+        packet = func._overloadpacket
+        ins = list(_tensors((args, kwargs)))
+        outs = list(_tensors(out))
+        in_keys = {_key(t) for t in ins}
+        if outs and all(_key(t) in in_keys for t in outs) and packet not in flop_registry:
+            return out  # a view or an in-place op on its input: no kernel of its own worth counting
+        fn = flop_registry.get(_SDPA_CPU.get(packet, packet))
+        flops = model_flops = 0.0
+        if fn is not None:
+            try:
+                model_flops = float(fn(*args, **kwargs, out_val=out))
+            except (
+                TypeError,
+                ValueError,
+                RuntimeError,
+                IndexError,
+            ):  # a formula that does not take these args
+                model_flops = 0.0
+            flops = model_flops
+            if _SDPA_CPU.get(packet, packet) in _ATTENTION and _is_causal(args, kwargs):
+                flops = model_flops / 2
+        act = wgt = 0
+        for t in ins:
+            nbytes = t.numel() * t.element_size()
+            if _key(t) in self.weights:
+                wgt += nbytes
+            else:
+                act += nbytes
+        out_bytes = sum(t.numel() * t.element_size() for t in outs)
+        act += out_bytes
+        kept = False
+        if phase == "fwd" and func in SELECTIVE_SAVE:
+            kept = True
+            if func in _MATMULS:
+                n = self.mm_count[part] = self.mm_count.get(part, 0) + 1
+                kept = n % 2 == 1
+        for t in outs:
+            if _key(t) not in self.created:
+                self.created[_key(t)] = part
+                self.alive.append(t)  # fake tensors (no data): kept so that no later storage reuses the key
+        self.rows.append((part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else ()))
+        return out
+
+
+def _is_causal(args, kwargs) -> bool:
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    # (query, key, value, dropout_p, is_causal, ...) for the flash kernels' forward
+    return len(args) > 4 and isinstance(args[4], bool) and args[4]
+
+
+# --------------------------------------------------------------------------------------------------
+# the cut-down model
+# --------------------------------------------------------------------------------------------------
+def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
+    """``[(ModuleList path, indices kept, count of each kept index's class)]`` for every stack of blocks."""
+    from ..presets import find_blocks
+
+    stacks: dict[str, list[int]] = {}
+    for path in find_blocks(sch):
+        parent, _, idx = path.rpartition(".")
+        if not idx.isdigit():
+            continue
+        stacks.setdefault(parent, []).append(int(idx))
+    out = []
+    for parent, idxs in stacks.items():
+        lst = sch.mod.get_submodule(parent) if parent else sch.mod
+        first: dict[type, int] = {}
+        counts: dict[type, int] = {}
+        for i in idxs:
+            cls = type(lst[i])
+            first.setdefault(cls, i)
+            counts[cls] = counts.get(cls, 0) + 1
+        kept = sorted(first.values())
+        out.append((parent, kept, [counts[type(lst[i])] for i in kept]))
+    return out
+
+
+@contextlib.contextmanager
+def _cut_down(model: nn.Module, stacks):
+    """Within the block: every stack of ``model`` holds only its kept blocks (restored after)."""
+    saved = []
+    try:
+        for parent, kept, _ in stacks:
+            lst = model.get_submodule(parent)
+            saved.append((lst, dict(lst._modules)))
+            lst._modules.clear()
+            for j, i in enumerate(kept):
+                lst._modules[str(j)] = saved[-1][1][str(i)]
+        yield
+    finally:
+        for lst, mods in saved:
+            lst._modules.clear()
+            lst._modules.update(mods)
+
+
+def _example_inputs(model: nn.Module, seq_len: int):
+    """``input_ids`` and ``labels`` of one sequence of ``seq_len`` tokens (meta), for a model with a vocabulary;
+    else the inputs :func:`slapo_lab.inputs.inputs_from_config` makes, with its sequence axis at ``seq_len``."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "vocab_size", None):
+        ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+    from ..inputs import inputs_from_config
+
+    inputs = inputs_from_config(model)
+    if inputs is None:
+        raise ScheduleError(
+            f"profile: cannot make inputs for {type(model).__name__} (no config with a vocab_size); "
+            "pass a schedule whose example inputs were recorded."
+        )
+    return {k: v[:1].to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# profiling
+# --------------------------------------------------------------------------------------------------
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def profile_model(
+    model_or_schedule,
+    tp: int = 1,
+    seq_len: int = 2048,
+    dtype: str = "bf16",
+    sequence_parallel: bool = False,
+) -> ModelProfile:
+    """The :class:`ModelProfile` of a model (or schedule) at tensor-parallel degree ``tp``, cached per model,
+    ``tp``, sequence length, dtype and sequence parallelism.
+
+    A plain model (any device, meta included) is cut down to one block per class, copied to meta in ``dtype``,
+    and, for ``tp > 1``, given the Megatron preset on a simulated schedule of ``tp`` ranks. A schedule is
+    profiled as it is (its own shards; ``tp`` must be its ``world_size``; its parameters keep their dtype).
+
+    Args:
+        model_or_schedule: an ``nn.Module`` or a :class:`slapo_lab.Schedule`.
+        tp: tensor-parallel degree.
+        seq_len: tokens per sequence.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (parameters and activations).
+        sequence_parallel: apply the preset with sequence parallelism.
+
+    Returns:
+        ModelProfile (per-sequence figures).
+
+    Raises:
+        ScheduleError: no repeated blocks, a preset that refuses this ``tp``, or a forward that fails (one
+            sentence naming the model or module).
+    """
+    from ..schedule import Schedule
+
+    sch = model_or_schedule if isinstance(model_or_schedule, Schedule) else None
+    model = sch.mod if sch is not None else model_or_schedule
+    if not isinstance(model, nn.Module):
+        raise ScheduleError(f"profile: expected a torch.nn.Module or a Schedule, not {type(model).__name__}.")
+    if dtype not in _DTYPES:
+        raise ScheduleError(f"profile: dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}.")
+    if sch is not None and sch.world_size != tp:
+        raise ScheduleError(
+            f"profile: the schedule is for {sch.world_size} tensor-parallel ranks, not tp={tp}; "
+            "price a plain model to search other degrees."
+        )
+    key = (tp, seq_len, dtype, sequence_parallel, len(sch.record) if sch is not None else -1)
+    with _LOCK:
+        hit = _CACHE.setdefault(model, {}).get(key)
+    if hit is not None:
+        return hit
+    prof = _profile(model, sch, tp, seq_len, dtype, sequence_parallel)
+    with _LOCK:
+        _CACHE[model][key] = prof
+    return prof
+
+
+def _profile(model, sch, tp, seq_len, dtype, sp) -> ModelProfile:
+    import time
+
+    from .. import presets
+    from ..schedule import create_schedule
+    from ..utils import meta_copy
+
+    t0 = time.perf_counter()
+    base = sch if sch is not None else create_schedule(model)
+    stacks = _block_stacks(base)
+    if not stacks:
+        raise ScheduleError(
+            f"profile: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one block class)."
+        )
+    notes: list = []
+    if sch is None:
+        with _cut_down(model, stacks):
+            small = copy.deepcopy(model) if _all_meta(model) else meta_copy(model)
+        small = small.to(_DTYPES[dtype])
+        small_stacks = [(p, list(range(len(k))), c) for p, k, c in stacks]
+        heads = kv = None
+        if tp > 1:
+            s_tp = create_schedule(small, world_size=tp)
+            try:
+                calls = presets.megatron_tp(
+                    s_tp,
+                    check=False,
+                    sequence_parallel=sp,
+                    vocab_parallel=presets.has_vocab_embedding(s_tp),
+                )
+            except ScheduleError as err:
+                raise ScheduleError(f"TP {tp}: {err}") from err
+            notes = list(getattr(calls, "notes", []) or [])
+            heads, kv = _heads(s_tp, small_stacks)  # the preset's dataflow pass, cached: no new forward
+        run_model, run_stacks = small, small_stacks
+        ctx = contextlib.nullcontext()
+    else:
+        heads, kv = _heads(sch, stacks) if tp > 1 else (None, None)
+        run_model, run_stacks = model, stacks
+        ctx = _cut_down(model, stacks)
+    with ctx:
+        parts = _measure(run_model, run_stacks, seq_len)
+    pre, post = parts.pop("pre"), parts.pop("post")
+    blocks = []
+    for parent, kept, counts in run_stacks:
+        for i, count in zip(kept, counts):
+            p = parts[f"{parent}.{i}" if parent else str(i)]
+            p.count = count
+            blocks.append(p)
+    return ModelProfile(
+        tp=tp,
+        seq_len=seq_len,
+        dtype=dtype,
+        sequence_parallel=sp,
+        pre=pre,
+        post=post,
+        blocks=blocks,
+        heads=heads,
+        kv_heads=kv,
+        notes=notes,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _all_meta(model: nn.Module) -> bool:
+    return all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _heads(sch, stacks) -> tuple[int | None, int | None]:
+    """(heads, key/value heads) of the first block's attention, read from its dataflow
+    (:func:`slapo_lab.sharding.infer.block_split`); (None, None) when none was found."""
+    from ..sharding import infer
+
+    parent, kept, _ = stacks[0]
+    path = f"{parent}.{kept[0]}" if parent else str(kept[0])
+    try:
+        split = infer.block_split(sch, path)
+    except Exception:  # noqa: BLE001 - the dataflow could not be recorded: the preset says what it refuses
+        return None, None
+    if split is None or not split.attention:
+        return None, None
+    heads, kv = next(iter(split.attention.values()))
+    return heads, kv
+
+
+def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
+    """One forward + backward of the cut-down ``model``; a :class:`PartProfile` per block path, "pre", "post"."""
+    from ..plan import FlashSDPA
+
+    block_paths = [f"{p}.{i}" if p else str(i) for p, kept, _ in stacks for i in kept]
+    mods = dict(model.named_modules())
+    blocks = {id(mods[p]): p for p in block_paths}
+    tracker = ModuleTracker()
+    fqn_of_block = {}  # ModuleTracker's names: "<RootClass>.<path>"
+    root = type(model).__name__
+    for p in block_paths:
+        fqn_of_block[f"{root}.{p}"] = p
+    state = {"fwd_seen": False, "bwd_seen": False, "in_bwd": False}
+
+    def part_of() -> tuple[str, str]:
+        phase = "bwd" if tracker.is_bw else "fwd"
+        for fqn in tracker.parents:
+            p = fqn_of_block.get(fqn)
+            if p is not None:
+                state["fwd_seen" if phase == "fwd" else "bwd_seen"] = True
+                return p, phase
+        if phase == "fwd":
+            return ("post" if state["fwd_seen"] else "pre"), phase
+        return ("pre" if state["bwd_seen"] else "post"), phase
+
+    weights: set[int] = set()
+    rec = _Recorder(part_of, weights)
+    saved: dict[int, tuple[str, int]] = {}
+    keep: list = []
+
+    def pack(t):
+        k = _key(t)
+        if k in weights:
+            return t
+        nbytes = t.untyped_storage().nbytes()
+        if k not in saved:
+            saved[k] = (part_of()[0], nbytes)
+            keep.append(t)
+        elif nbytes > saved[k][1]:
+            saved[k] = (saved[k][0], nbytes)
+        return t
+
+    io: dict[str, dict] = {}
+    handles = []
+
+    def block_pre(mod, args, kwargs):
+        io.setdefault(blocks[id(mod)], {})["in"] = list(_tensors((args, kwargs)))
+
+    def block_post(mod, args, kwargs, out):
+        io.setdefault(blocks[id(mod)], {})["out"] = list(_tensors(out))
+
+    comm: list[tuple[str, str, str, int]] = []  # (part, op, phase, bytes)
+
+    def sync_hook(path, syncs):
+        def hook(mod, args, kwargs, out):
+            part = part_of()[0]
+            nin = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) if t.is_floating_point())
+            nout = sum(t.numel() * t.element_size() for t in _tensors(out) if t.is_floating_point())
+            for mode, op in syncs:
+                if mode == "fwd_post":
+                    comm.append((part, op, "fwd", nout))
+                elif mode == "fwd_pre":
+                    comm.append((part, op, "fwd", nin))
+                elif mode == "bwd_post":
+                    comm.append((part, op, "bwd", nin))
+
+        return hook
+
+    for path, mod in model.named_modules():
+        if id(mod) in blocks:
+            handles.append(mod.register_forward_pre_hook(block_pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(block_post, with_kwargs=True))
+        meta = peek_meta(mod)
+        if meta and meta.get("syncs"):
+            syncs = [
+                (s[0], s[1] if isinstance(s[1], str) else getattr(s[1], "__name__", "custom"))
+                for s in meta["syncs"]
+            ]
+            handles.append(mod.register_forward_hook(sync_hook(path, syncs), with_kwargs=True))
+    inputs = _example_inputs(model, seq_len)
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+
+    def run() -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # the parameters as fake tensors, passed in by functional_call: autograd's saved weights and the ops'
+        # weight operands are then these tensors, whose storages ``weights`` holds
+        state_dict = dict(model.named_parameters())
+        state_dict.update(model.named_buffers())
+        fake_state = {name: mode.from_tensor(t) for name, t in state_dict.items()}
+        weights.clear()
+        weights.update(_key(t) for t in fake_state.values())
+        with mode, tracker, rec, FlashSDPA():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(model, fake_state, (), dict(inputs))
+            loss = _loss(out)
+            loss.backward()
+
+    try:
+        run()  # on fake tensors: HF models read tensor values (packed-sequence checks) that fake tensors answer
+    except ScheduleError:
+        raise
+    except Exception as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ScheduleError(
+            f"profile: the meta forward/backward of {type(model).__name__} failed ({type(err).__name__}: {msg})."
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes:
+            m.training = mode
+        for p in model.parameters():
+            p.grad = None
+    return _collect(model, block_paths, rec.rows, saved, io, comm, rec.created)
+
+
+def _loss(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    t = next(_tensors(out))
+    return t.float().sum()
+
+
+def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, PartProfile]:
+    parts = {name: PartProfile(name) for name in ("pre", "post")}
+    mods = dict(model.named_modules())
+    for p in block_paths:
+        parts[p] = PartProfile(type(mods[p]).__name__)
+    # parameters: each tensor once, in the part whose module owns it first (blocks own theirs; pre/post by
+    # whether its module ran before the first block)
+    owned: set[int] = set()
+    for p in block_paths:
+        for t in mods[p].parameters():
+            owned.add(id(t))
+            _add_param(parts[p], t)
+    first_block = mods[block_paths[0]]
+    order = [m for m in model.modules()]
+    before = set()
+    for m in order:
+        if m is first_block:
+            break
+        before.add(id(m))
+    for name, m in model.named_modules():
+        for t in m.parameters(recurse=False):
+            if id(t) in owned:
+                continue
+            owned.add(id(t))
+            _add_param(parts["pre" if id(m) in before else "post"], t)
+    # ops
+    by: dict[tuple[str, str], list] = {}
+    kept_out: dict[str, dict[int, int]] = {}
+    for part, phase, flops, act, wgt, kept, out_bytes, mflops, outs in rows:
+        by.setdefault((part, phase), []).append((flops, act, wgt, kept))
+        prof = parts[part]
+        if phase == "fwd":
+            prof.fwd_flops += mflops
+        else:
+            prof.bwd_flops += mflops
+        if kept:
+            for t in outs:
+                kept_out.setdefault(part, {})[_key(t)] = t.untyped_storage().nbytes()
+    for name, prof in parts.items():
+        fwd = by.get((name, "fwd"), [])
+        prof.fwd = np.array([r[:3] for r in fwd], dtype=float).reshape(-1, 3)
+        prof.bwd = np.array([r[:3] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 3)
+        prof.recompute_all = prof.fwd
+        prof.recompute_selective = np.array([r[:3] for r in fwd if not r[3]], dtype=float).reshape(-1, 3)
+    # a tensor every block is given (rotary cos/sin, masks) is made once, outside the blocks: a block that saves
+    # it shares it with the others, so it counts once, in the part that made it; a block's residual input (the
+    # previous block's output) is its own
+    residual = {
+        p: {
+            _key(t)
+            for t in io.get(p, {}).get("in", [])
+            if io.get(p, {}).get("out") and t.shape == io[p]["out"][0].shape
+        }
+        for p in block_paths
+    }
+    for key, (part, nbytes) in saved.items():
+        maker = created.get(key)
+        if part in residual and maker is not None and maker != part and key not in residual[part]:
+            part = maker
+        parts[part].saved_bytes += nbytes
+    for p in block_paths:
+        prof = parts[p]
+        outs = io.get(p, {}).get("out", [])
+        ins = io.get(p, {}).get("in", [])
+        shape = outs[0].shape if outs else None
+        prof.output_bytes = outs[0].numel() * outs[0].element_size() if outs else 0
+        prof.input_bytes = sum(
+            t.numel() * t.element_size() for t in ins if t.is_floating_point() and t.shape == shape
+        )
+        prof.selective_bytes = prof.input_bytes + sum(kept_out.get(p, {}).values())
+    pre_out = io.get(block_paths[0], {}).get("in", [])
+    parts["pre"].output_bytes = max((t.numel() * t.element_size() for t in pre_out), default=0)
+    for part, op, phase, nbytes in comm:
+        parts[part].comm.append((op, phase, nbytes))
+    return parts
+
+
+def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
+    prof.param_elems += t.numel()
+    prof.param_bytes += t.numel() * t.element_size()
+    if t.requires_grad:
+        prof.trainable_elems += t.numel()
+        prof.largest_param_elems = max(prof.largest_param_elems, t.numel())
+
+
+def describe(prof: ModelProfile) -> str:
+    """A few lines: per part, parameters, FLOPs and saved bytes per sequence."""
+    from ..utils import human_bytes
+
+    lines = [f"profile at tp {prof.tp}, seq {prof.seq_len}, {prof.dtype} ({prof.seconds:.2f} s):"]
+    for p in prof.parts:
+        lines.append(
+            f"  {p.name} x{p.count}: params {p.param_elems / 1e6:.1f} M, fwd {p.fwd_flops / 1e9:.1f} GFLOP, "
+            f"bwd {p.bwd_flops / 1e9:.1f} GFLOP, saved {human_bytes(p.saved_bytes)}, "
+            f"selective {human_bytes(p.selective_bytes)}, comm {len(p.comm)}"
+        )
+    return "\n".join(lines)

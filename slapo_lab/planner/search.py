@@ -1,0 +1,200 @@
+"""The planner: every layout of a model on a cluster, priced from the block profiles and ranked.
+
+``auto_plan(model, cluster=Cluster(nodes=4, gpus_per_node=8, gpu="H100-SXM"), seq_len=8192,
+global_batch_size=512)`` enumerates tensor parallelism (powers of two within a node that divide the GPUs),
+pipeline stages (cut points balanced on the cost model, GPipe / 1F1B / interleaved 1F1B), data parallelism with
+DDP, FSDP2, ZeRO-1 or ZeRO-2 (``dp`` fills the cluster), activation checkpointing (none, all, every k-th block,
+selective) and the micro-batch size, prices each with :func:`slapo_lab.planner.model.estimate`'s arithmetic
+(one profile per TP degree, no forward per candidate), and returns the fastest that fit, with the others'
+reasons grouped (one sentence per kind, with a count and the closest example).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ScheduleError
+from ..utils import human_bytes
+from .devices import GiB
+from .model import CHECKPOINTS, Cluster, Estimate, Layout, _price, _pricer_for
+
+__all__ = ["Plan", "Rejection", "auto_plan"]
+
+
+@dataclass
+class Rejection:
+    """Layouts refused for one kind of reason.
+
+    Attributes:
+        sentence: one sentence, the example closest to fitting for memory (the first seen otherwise).
+        count: how many layouts it refused.
+        layouts: up to three of them.
+    """
+
+    sentence: str
+    count: int = 0
+    layouts: list = field(default_factory=list)
+    _closest: float = float("inf")
+
+
+@dataclass
+class Plan:
+    """What :func:`auto_plan` found.
+
+    Attributes:
+        candidates: the ``top_k`` fastest layouts that fit (:class:`~slapo_lab.planner.model.Estimate`, each with
+            ``.layout``), best first (tokens/s/GPU).
+        rejected: :class:`Rejection` per kind of reason, most frequent first.
+        priced: layouts considered.
+        seconds: wall time of the search (profiles included).
+        costed: layouts whose memory and step time were computed (the rest were refused before: TP beyond a
+            node, a batch that does not divide, ...).
+        fitting: those of them that fit.
+    """
+
+    candidates: list
+    rejected: list
+    priced: int
+    seconds: float
+    costed: int = 0
+    fitting: int = 0
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __getitem__(self, i):
+        return self.candidates[i]
+
+    def table(self) -> str:
+        """The ranked table and the why-not list, as text."""
+        head = f"{'#':>2}  {'layout':<62} {'peak GiB':>8} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"
+        rows = [head, "-" * len(head)]
+        for i, e in enumerate(self.candidates, 1):
+            rows.append(
+                f"{i:>2}  {e.layout.describe():<62} {e.peak_memory_bytes / GiB:>8.1f} {e.step_time_s:>8.3f} "
+                f"{e.tokens_per_s_per_gpu:>10,.0f} {e.mfu:>6.1%}"
+            )
+        if not self.candidates:
+            rows.append("   (no layout fits)")
+        rows.append(
+            f"\n{self.priced:,} layouts considered, {self.costed:,} costed, {self.fitting:,} fit "
+            f"({self.seconds:.2f} s); rejected:"
+        )
+        for r in self.rejected:
+            rows.append(f"  {r.count:>6} x {r.sentence}")
+        return "\n".join(rows)
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    return [d for d in (1 << i for i in range(20)) if d <= limit and n % d == 0]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def auto_plan(
+    model_or_schedule,
+    cluster: Cluster | None = None,
+    seq_len: int = 2048,
+    global_batch_size: int = 8,
+    dtype: str = "bf16",
+    top_k: int = 5,
+    *,
+    tp: list[int] | None = None,
+    pp: list[int] | None = None,
+    shards: tuple = ("none", "fsdp", "zero1", "zero2"),
+    checkpoints: tuple = ("none", "all", "selective", 2, 3, 4, 6, 8),
+    micro_batch_sizes: tuple = (1, 2, 4, 8, 16),
+    pp_schedules: tuple = ("1F1B", "GPipe", "interleaved"),
+    sequence_parallel: tuple = (False, True),
+) -> Plan:
+    """Search the layouts of ``model_or_schedule`` on ``cluster`` and rank those that fit.
+
+    Args:
+        model_or_schedule: an ``nn.Module`` (meta works) or a Schedule (then only its ``world_size`` as TP).
+        cluster: :class:`~slapo_lab.planner.model.Cluster` (default one node of 8 H100-SXM).
+        seq_len / global_batch_size / dtype: the run (tokens per sequence, sequences per step, training dtype).
+        top_k: how many candidates to return.
+        tp / pp: degrees to try (default: TP powers of two within a node dividing the GPUs; PP every divisor of
+            the GPUs left up to the number of blocks).
+        shards / checkpoints / micro_batch_sizes / pp_schedules / sequence_parallel: the other choices.
+
+    Returns:
+        Plan: ``.candidates`` (Estimates, best tokens/s/GPU first), ``.rejected`` (grouped reasons), ``.priced``.
+
+    Raises:
+        ScheduleError: a model that cannot be profiled at TP 1 (one sentence).
+    """
+    from ..schedule import Schedule
+
+    t0 = time.perf_counter()
+    cluster = cluster or Cluster()
+    n = cluster.gpus
+    pr = _pricer_for(model_or_schedule, cluster, seq_len, dtype)
+    if isinstance(model_or_schedule, Schedule):
+        tps = [model_or_schedule.world_size]
+    else:
+        # powers of two within a node, and the next one (priced only to say why it is refused)
+        tps = tp or _powers_of_two_dividing(n, 2 * cluster.gpus_per_node)
+    base = pr.profile(tps[0] if isinstance(model_or_schedule, Schedule) else 1, False)
+    nblocks = base.num_blocks
+    checkpoints = tuple(c for c in checkpoints if c in CHECKPOINTS or (isinstance(c, int) and c < nblocks))
+    fits: list[Estimate] = []
+    groups: dict[str, Rejection] = {}
+    priced = costed = fitted = 0
+
+    def reject(layout: Layout, sentence: str, over: float = 0.0) -> None:
+        key = "fit" if over else re.sub(r"\d+(\.\d+)?", "N", sentence)
+        g = groups.setdefault(key, Rejection(sentence))
+        g.count += 1
+        if len(g.layouts) < 3:
+            g.layouts.append(layout)
+        if over and over < g._closest:
+            g._closest, g.sentence = over, sentence
+
+    for t in tps:
+        pps = pp or _divisors(n // t if n % t == 0 else 1, nblocks)
+        for p in pps:
+            if n % (t * p):
+                continue
+            d = n // (t * p)
+            scheds = pp_schedules if p > 1 else ("1F1B",)
+            shs = shards if d > 1 else ("none",)
+            sps = sequence_parallel if t > 1 else (False,)
+            for sched, sh, ck, mbs, sp in itertools.product(scheds, shs, checkpoints, micro_batch_sizes, sps):
+                priced += 1
+                try:
+                    layout = Layout(t, p, d, sh, mbs, ck, sched, sp)
+                except ScheduleError as err:
+                    reject(None, str(err))
+                    continue
+                try:
+                    est = _price(pr, layout, global_batch_size)
+                except ScheduleError as err:
+                    reject(layout, str(err))
+                    continue
+                costed += 1
+                if not est.fits:
+                    over_b = est.peak_memory_bytes - cluster.device.hbm_bytes
+                    busiest = int(np.argmax(sum(est.stage_memory.values())))
+                    reject(
+                        layout,
+                        f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
+                        f"{busiest} of {human_bytes(cluster.device.hbm_bytes)}; closest: {layout.describe()}).",
+                        over_b / GiB,
+                    )
+                    continue
+                fitted += 1
+                fits.append(est)
+    fits.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    rejected = sorted(groups.values(), key=lambda g: -g.count)
+    return Plan(fits[:top_k], rejected, priced, time.perf_counter() - t0, costed, fitted)

@@ -1,0 +1,353 @@
+"""The planner (slapo_lab/planner/): device profiles, per-block profiles composed into the whole model, the
+memory and step-time arithmetic, rejection sentences, the search and the ``plan`` command.
+
+Tiny Llama models are built from ``transformers.LlamaConfig`` (no downloads); the 8B one on the meta device.
+The composition checks compare the cut-down profile (one block, counted ``n`` times) with FlopCounterMode and
+saved_tensors_hooks run on the whole real model, so a wrong attribution or count fails them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import slapo_lab as sl
+from slapo_lab.errors import ScheduleError
+from slapo_lab.planner import devices
+from slapo_lab.planner.model import ALLOCATOR_HEADROOM, _partition
+from slapo_lab.planner.profile import profile_model
+
+SEQ = 32
+
+
+def _tiny(layers: int = 3, kv: int = 2, eager: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+        vocab_size=256,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    if eager:
+        cfg._attn_implementation = "eager"  # matmul attention: FlopCounterMode counts it on CPU too
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _tiny()
+
+
+# -- devices -----------------------------------------------------------------------------------------
+def test_builtin_profiles_and_names():
+    h100 = devices.device_profile("h100-80gb")
+    assert h100 is devices.DEVICES["H100-SXM"] and h100.bf16_flops == 989e12
+    for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X"):
+        p = devices.DEVICES[name]
+        assert p.bf16_flops > p.fp32_flops > 0 and p.hbm_bytes > 0 and p.intra_bandwidth > p.inter_bandwidth
+    with pytest.raises(ValueError, match=r"^Unknown GPU 'V100'; .*H100-SXM.*\.$"):
+        devices.device_profile("V100")
+    with pytest.raises(ScheduleError, match="Unknown GPU"):
+        sl.Cluster(nodes=1, gpus_per_node=8, gpu="V100")
+
+
+def test_fit_link_recovers_bandwidth_and_latency():
+    bw, lat = 2e9, 50e-6
+    times = {n: 2 * lat + 2 * (2 - 1) / 2 * n / bw for n in (1 << 10, 1 << 16, 1 << 20, 1 << 23)}
+    got_bw, got_lat = devices.fit_link(times, world=2)
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+
+
+def test_matmul_flops_measured():
+    got = devices.matmul_flops(sizes=(64, 128), repeats=2)
+    assert set(got) == {64, 128} and all(v > 1e6 for v in got.values())
+
+
+# -- profiles ----------------------------------------------------------------------------------------
+def test_profile_composes_to_the_whole_model(tiny):
+    """pre + n x block + post (one block profiled) equals the whole real model's FLOPs, saved bytes, params."""
+    prof = profile_model(tiny, tp=1, seq_len=SEQ, dtype="fp32")
+    assert [b.count for b in prof.blocks] == [3] and prof.num_blocks == 3
+    assert prof.total("param_elems") == sum(p.numel() for p in tiny.parameters())
+    ids = torch.randint(0, 256, (1, SEQ))
+    counter = FlopCounterMode(display=False)
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage()._cdata for p in tiny.parameters()}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in weights:
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    tiny.train()
+    with counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = tiny(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+    tiny.zero_grad(set_to_none=True)
+    assert prof.total("fwd_flops") + prof.total("bwd_flops") == counter.get_total_flops()
+    assert prof.total("saved_bytes") == sum(saved.values())
+    block = prof.blocks[0]
+    assert block.input_bytes == block.output_bytes == SEQ * 64 * 4
+    assert block.input_bytes < block.selective_bytes < block.saved_bytes
+    assert 0 < len(block.recompute_selective) < len(block.recompute_all)
+
+
+def test_profile_under_tensor_parallel_halves_the_block_and_counts_syncs(tiny):
+    one = profile_model(tiny, tp=1, seq_len=SEQ, dtype="fp32")
+    two = profile_model(tiny, tp=2, seq_len=SEQ, dtype="fp32")
+    b1, b2 = one.blocks[0], two.blocks[0]
+    norms = sum(p.numel() for n, p in tiny.model.layers[0].named_parameters() if "norm" in n)
+    assert b2.param_elems == (b1.param_elems - norms) // 2 + norms
+    assert b2.fwd_flops == pytest.approx(b1.fwd_flops / 2, rel=0.05)
+    ops = {(op, phase) for op, phase, _ in b2.comm}
+    assert ("all_reduce", "fwd") in ops and ("all_reduce", "bwd") in ops
+    assert all(nbytes == SEQ * 64 * 4 for op, phase, nbytes in b2.comm)  # the hidden state, per sequence
+    assert (two.heads, two.kv_heads) == (4, 2)
+    assert profile_model(tiny, tp=2, seq_len=SEQ, dtype="fp32") is two  # cached
+
+
+# -- estimate ----------------------------------------------------------------------------------------
+def _small_cluster(gpus=8, mem_gib=80.0):
+    dev = devices.replace(devices.DEVICES["H100-SXM"], hbm_bytes=int(mem_gib * devices.GiB))
+    return sl.Cluster(nodes=1, gpus_per_node=gpus, gpu=dev)
+
+
+def test_memory_categories_and_time_parts_add_up(tiny):
+    lay = sl.Layout(tp=2, pp=2, dp=2, shard="fsdp", micro_batch_size=2, checkpoint="selective")
+    est = sl.estimate(tiny, lay, cluster=_small_cluster(), seq_len=SEQ, global_batch_size=16, dtype="fp32")
+    busiest = max(sum(c.values()) for c in est.memory.values())
+    assert abs(busiest - est.peak_memory_bytes) <= len(est.memory[0])  # int rounding per category
+    for cats in est.memory.values():
+        assert set(cats) == {
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "fsdp_gather",
+            "optimizer_step",
+            "headroom",
+        }
+        live = sum(v for k, v in cats.items() if k != "headroom")
+        assert cats["headroom"] == pytest.approx(ALLOCATOR_HEADROOM * live, abs=8)
+    assert math.isclose(sum(est.time_parts.values()), est.step_time_s, rel_tol=1e-12)
+    assert est.micro_batches == 4 and est.stage_blocks in ([2, 1], [1, 2])
+    assert est.tokens_per_s_per_gpu == pytest.approx(16 * SEQ / est.step_time_s / 8)
+    opts = est.export_options()
+    assert opts["dp"] == 2 and opts["shard"] == "fsdp" and opts["global_batch_size"] == 16
+
+
+def test_sharding_divides_what_it_should(tiny):
+    def mem(shard):
+        lay = sl.Layout(tp=1, pp=1, dp=4, shard=shard)
+        return sl.estimate(
+            tiny, lay, cluster=_small_cluster(), seq_len=SEQ, global_batch_size=4, dtype="fp32"
+        ).memory[0]
+
+    none, z1, z2, fsdp = mem("none"), mem("zero1"), mem("zero2"), mem("fsdp")
+    assert (
+        z1["optimizer"] == none["optimizer"] // 4
+        and z1["grads"] == none["grads"]
+        and z1["params"] == none["params"]
+    )
+    assert z2["grads"] == none["grads"] // 4 and z2["params"] == none["params"]
+    assert fsdp["params"] == none["params"] // 4 and fsdp["fsdp_gather"] > 0 == none["fsdp_gather"]
+    # fp32 training keeps two moments (8 B) per element; bf16 adds the fp32 master (12 B)
+    assert none["optimizer"] == 8 * sum(p.numel() for p in tiny.parameters())
+
+
+def test_bubble_formula_and_in_flight_micro_batches(tiny):
+    """1F1B and GPipe: bubble = (pp - 1) / (m + pp - 1) of the pipeline time (Narayanan et al., 2021)."""
+    cl = _small_cluster()
+    for sched in ("1F1B", "GPipe"):
+        est = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1, pp_schedule=sched), cluster=cl, seq_len=SEQ,
+                          global_batch_size=8, dtype="fp32")  # fmt: skip
+        t = est.time_parts
+        pipeline = t["compute"] + t["recompute"] + t["exposed_comm"] + t["bubble"]
+        assert t["bubble"] / pipeline == pytest.approx((3 - 1) / (8 + 3 - 1))
+    gpipe = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1, pp_schedule="GPipe"), cluster=cl, seq_len=SEQ,
+                        global_batch_size=8, dtype="fp32").memory  # fmt: skip
+    f1b = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1), cluster=cl, seq_len=SEQ, global_batch_size=8,
+                      dtype="fp32").memory  # fmt: skip
+    assert gpipe[0]["activations"] > f1b[0]["activations"]
+    inter = sl.estimate(tiny, sl.Layout(tp=1, pp=1, dp=1), cluster=cl, seq_len=SEQ, global_batch_size=8,
+                        dtype="fp32")  # fmt: skip
+    assert inter.time_parts["bubble"] == 0.0
+
+
+def test_checkpoint_policies_order_memory_and_recompute(tiny):
+    cl = _small_cluster()
+
+    def est(ck):
+        return sl.estimate(tiny, sl.Layout(tp=1, pp=1, dp=1, checkpoint=ck), cluster=cl, seq_len=SEQ,
+                           global_batch_size=1, dtype="fp32")  # fmt: skip
+
+    none, sel, full, every2 = est("none"), est("selective"), est("all"), est(2)
+    acts = [e.memory[0]["activations"] for e in (none, sel, full)]
+    assert acts[0] > acts[1] > acts[2]
+    assert none.time_parts["recompute"] == 0 < sel.time_parts["recompute"] < full.time_parts["recompute"]
+    assert 0 < every2.time_parts["recompute"] < full.time_parts["recompute"]
+
+
+def test_partition_balances():
+    assert _partition([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert sum(_partition([5.0, 1, 1, 1, 1, 1, 5.0], 3)) == 7
+    assert max(_partition([3.0, 1, 1, 1, 3.0], 3)) <= 3
+
+
+# -- rejections --------------------------------------------------------------------------------------
+def test_rejection_sentences(tiny):
+    cl = _small_cluster()
+    with pytest.raises(ScheduleError, match=r"^TP 16 is beyond a node of 8 GPUs\.$"):
+        sl.estimate(
+            tiny, sl.Layout(tp=16, pp=1, dp=1), cluster=sl.Cluster(nodes=2, gpus_per_node=8), seq_len=SEQ
+        )
+    with pytest.raises(ScheduleError, match=r"^TP 4 does not divide 2 KV heads\.$"):
+        sl.estimate(tiny, sl.Layout(tp=4, pp=1, dp=1), cluster=cl, seq_len=SEQ, dtype="fp32")
+    with pytest.raises(
+        ScheduleError, match=r"^the global batch of 6 does not divide into dp 4 x micro-batch 1\.$"
+    ):
+        sl.estimate(tiny, sl.Layout(tp=1, pp=1, dp=4), cluster=cl, seq_len=SEQ, global_batch_size=6)
+    with pytest.raises(ScheduleError, match=r"^PP 4 x 1 chunk\(s\) exceeds the 3 blocks\.$"):
+        sl.estimate(tiny, sl.Layout(tp=1, pp=4, dp=1), cluster=cl, seq_len=SEQ, dtype="fp32")
+    with pytest.raises(
+        ScheduleError, match=r"^Layout: shard must be one of none, fsdp, zero1, zero2, not 'ddp'\.$"
+    ):
+        sl.Layout(tp=1, pp=1, dp=1, shard="ddp")
+
+
+def test_auto_plan_ranks_fitting_layouts_and_groups_reasons(tiny):
+    # a device so small that only sharded, checkpointed layouts fit
+    base = sl.estimate(tiny, sl.Layout(tp=1, pp=1, dp=8), cluster=_small_cluster(), seq_len=SEQ,
+                       global_batch_size=8, dtype="fp32")  # fmt: skip
+    cl = sl.Cluster(
+        nodes=2, gpus_per_node=4, gpu=_small_cluster(mem_gib=base.peak_memory_bytes * 0.8 / devices.GiB).gpu
+    )
+    plan = sl.auto_plan(tiny, cluster=cl, seq_len=SEQ, global_batch_size=8, dtype="fp32", top_k=3)
+    assert 1 <= len(plan) <= 3
+    speeds = [e.tokens_per_s_per_gpu for e in plan]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e.fits and e.layout.tp * e.layout.pp * e.layout.dp == 8 for e in plan)
+    sentences = [r.sentence for r in plan.rejected]
+    assert any(s.startswith("does not fit by ") for s in sentences)
+    assert "TP 4 does not divide 2 KV heads." in sentences
+    assert "TP 8 is beyond a node of 4 GPUs." in sentences
+    assert sum(r.count for r in plan.rejected) + plan.fitting == plan.priced
+    assert plan.costed >= plan.fitting > 0
+    assert "layouts considered" in plan.table()
+
+
+# -- meta model at 8B dimensions ---------------------------------------------------------------------
+def test_estimate_llama_8b_dims_on_meta():
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    cl = sl.Cluster(nodes=1, gpus_per_node=8, gpu="H100-SXM")
+    lay = sl.Layout(tp=1, pp=1, dp=8, shard="fsdp", micro_batch_size=1, checkpoint="selective")
+    est = sl.estimate(model, lay, cluster=cl, seq_len=2048, global_batch_size=8)
+    mem = est.memory[0]
+    params = 8_030_261_248
+    assert mem["params"] == pytest.approx(params * 2 / 8, rel=1e-6)
+    assert mem["optimizer"] == pytest.approx(params * 12 / 8, rel=1e-6)
+    assert est.fits and 0.05 < est.mfu < 0.8 and est.tokens_per_s_per_gpu > 1000
+    with pytest.raises(ScheduleError, match="beyond a node"):
+        sl.estimate(model, sl.Layout(tp=16, pp=1, dp=1), cluster=sl.Cluster(nodes=2), seq_len=2048)
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+def test_plan_command_prints_the_table(tmp_path, capsys):
+    from slapo_lab import cli
+
+    _tiny(eager=False).config.save_pretrained(tmp_path)
+    rc = cli.main(["plan", str(tmp_path), "--nodes", "1", "--gpus-per-node", "2", "--seq-len", str(SEQ),
+                   "--global-batch-size", "4", "--top-k", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and " 1  tp " in out and "layouts considered" in out
+    rc = cli.main(["plan", str(tmp_path / "missing.json")])
+    assert rc == 2 and capsys.readouterr().err.startswith("slapo-lab plan: error: cannot read")
+
+
+def test_apply_records_the_plan_as_primitive_calls(tiny):
+    est = sl.estimate(tiny, sl.Layout(tp=2, pp=3, dp=1, checkpoint="all"), cluster=_small_cluster(), seq_len=SEQ,
+                      global_batch_size=6, dtype="fp32")  # fmt: skip
+    assert est.stage_blocks == [1, 1, 1]
+    sch = sl.create_schedule(_tiny(), world_size=2)
+    calls = est.apply(sch)
+    names = {c.primitive for c in calls}
+    assert {"shard", "sync", "checkpoint", "cut_pipeline_stage"} <= names
+    assert sch.metadata.primitives["cut_pipeline_stage"] == ["model.layers.0", "model.layers.1"]
+    sel = sl.estimate(tiny, sl.Layout(tp=2, pp=1, dp=1, checkpoint="selective"), cluster=_small_cluster(),
+                      seq_len=SEQ, dtype="fp32")  # fmt: skip
+    before = len(sch.record)
+    with pytest.raises(
+        ScheduleError, match=r"^apply: selective checkpointing is not a schedule primitive yet"
+    ):
+        sel.apply(sch)
+    assert len(sch.record) == before
+
+
+def _measured_peak(model, ck: str, mbs: int, micro: int, seq: int) -> int:
+    """MemTracker's peak of live tensors over two fp32 AdamW steps (see benchmarks/plan_memory_cpu.py)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint
+
+    if ck == "all":
+        for layer in model.model.layers:
+            fwd = layer.forward
+            layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    model.train()
+    with tracker:
+        for _ in range(2):
+            for _ in range(micro):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                tracker.reset_mod_stats()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def _llama(seq: int, layers: int, vocab: int) -> LlamaForCausalLM:
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _ratio(ck: str, mbs: int, micro: int, seq: int, layers: int, vocab: int) -> float:
+    ref = _llama(seq, layers, vocab)
+    cl = sl.Cluster(nodes=1, gpus_per_node=1, gpu=_small_cluster().gpu)
+    est = sl.estimate(ref, sl.Layout(tp=1, pp=1, dp=1, micro_batch_size=mbs, checkpoint=ck), cluster=cl,
+                      seq_len=seq, global_batch_size=mbs * micro, dtype="fp32")  # fmt: skip
+    return est.peak_live_bytes / _measured_peak(_llama(seq, layers, vocab), ck, mbs, micro, seq)
+
+
+@pytest.mark.parametrize(("ck", "micro"), [("none", 1), ("all", 2)])
+def test_predicted_memory_matches_memtracker_when_states_dominate(ck, micro):
+    """One process, real tensors, a large vocabulary (parameters, gradients, AdamW states and the step's
+    temporaries dominate, as for the 56 M model of benchmarks/plan_memory_cpu.py): within 10 %."""
+    assert _ratio(ck, 1, micro, seq=32, layers=2, vocab=32000) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("ck", ["none", "all"])
+def test_predicted_memory_is_a_close_upper_bound_when_activations_dominate(ck):
+    """Activations dominate (4 layers, seq 256, vocabulary 256): the prediction over-counts the backward's
+    transient (an upper bound: gradients of a whole part's activations, or a recomputed block, on top of every
+    saved tensor, and gradients that set_to_none leaves unallocated at the start of backward). Measured today:
+    1.21x without checkpointing, 1.22x with every block checkpointed; asserted as an upper bound within 35 %."""
+    ratio = _ratio(ck, 2, 1, seq=256, layers=4, vocab=256)
+    assert 1.0 <= ratio <= 1.35
