@@ -1,7 +1,7 @@
 """Cost profiles of a model's parts, one per distinct block, measured once on meta/fake tensors and cached.
 
 :func:`profile_model` runs ONE forward and backward of the model cut down to one block of each distinct block
-class (every stack of :func:`slapo_lab.presets.find_blocks` keeps its first block of each class; HF models loop
+class (every stack of :func:`slapo_lab.blocks.find_blocks` keeps its first block of each class; HF models loop
 over whatever their ``ModuleList`` holds), with tensor parallelism applied by the Megatron preset
 (:func:`slapo_lab.presets.megatron_tp`, ``check=False``) on a simulated schedule of ``tp`` ranks, on meta tensors
 (``FakeTensorMode`` when the forward reads a value). From that pass, per part -- ``"pre"`` (what runs before
@@ -271,7 +271,7 @@ def _is_causal(args, kwargs) -> bool:
 # --------------------------------------------------------------------------------------------------
 def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
     """``[(ModuleList path, indices kept, count of each kept index's class)]`` for every stack of blocks."""
-    from ..presets import find_blocks
+    from ..blocks import find_blocks
 
     stacks: dict[str, list[int]] = {}
     for path in find_blocks(sch):
