@@ -66,6 +66,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import channel_heads as _channel_heads
+
 _SHAPE_OPS = frozenset(
     {
         "view",
@@ -336,6 +338,7 @@ class _Recorder(TorchFunctionMode):
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
             if isinstance(out, torch.Tensor):
                 self.align(ins, out)
+                _channel_heads.note_conv(self, name, args, kwargs)  # heads as channels (channel_heads.py)
                 if name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src):
                     return
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
@@ -912,6 +915,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                         sets[h] |= set(seg[seg >= 0].tolist())
                 roles.setdefault(p, {})["g"] = sets
         split.attention[attn_mod] = (n, kv)
+        _channel_heads.resolve(split, rec, roles)  # a convolution over heads (channel_heads.py)
         ws = _test_ws(n, kv) or _test_ws(n)
         refusal = None
         if head_lists:
@@ -1379,6 +1383,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
             r.aligned, r.mixed = {}, set()
+            r.channel_groups = {}
             r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
@@ -1528,6 +1533,7 @@ class _Snapshot:
         self.input_shapes = dict(r.input_shapes)
         self.input_aliases = dict(r.input_aliases)
         self.aligned = dict(r.aligned)
+        self.channel_groups = dict(getattr(r, "channel_groups", {}))
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
