@@ -420,7 +420,7 @@ class _Recorder(TorchFunctionMode):
                                 lst.append(mb)
             self.set(o, _Info(maps, src, scores))
             if maps and any(
-                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and self.get(t) is None
+                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and _residual(self.get(t))
                 for t in _tensors((args, kwargs))
             ):
                 self.mixed.add(id(o))
@@ -645,6 +645,12 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _residual(inf: _Info | None) -> bool:
+    """A value summed with a split layer's output that keeps the features from staying apart: unmapped, or a
+    tensor from outside the block only (BERT's ``input_tensor``, the block's input passed to ``SelfOutput``)."""
+    return inf is None or (bool(inf.maps) and all(p.startswith("input:") for p in inf.maps))
 
 
 def _expand_ellipsis(eq: str, ops: list) -> str | None:
