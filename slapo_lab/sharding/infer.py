@@ -67,6 +67,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import channel_heads as _channel_heads
+from . import fanout as _fanout
 
 _SHAPE_OPS = frozenset(
     {
@@ -1011,6 +1012,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             if len(parts) > 1 and lay == 1 and "k" in per_role:
                 units = kv if kv != n else n
             split.layouts[p] = Layout(parts, lay, units)
+        refusal = refusal or _fanout.shared_heads_reason(roles, rec, dense, o_path)  # fanout.py
         if refusal:
             split.refusals[attn_mod] = refusal
             for p in roles:
@@ -1115,8 +1117,14 @@ def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
         by_mod.setdefault(key.rsplit(":", 1)[0], set()).update(prods)
     for mod, prods in by_mod.items():
         owner = block.get_submodule(mod) if mod else block
-        names = [n for n, p in owner._parameters.items() if p is not None and p.requires_grad]
-        if not names or any(f"{mod}:{n}" not in rec.aligned for n in names):
+        # every parameter of the module's subtree: a bias that follows the features after a convolution of
+        # replicated weights (ConvBERT's SeparableConv1D: depthwise -> pointwise -> + bias) is not a feature norm
+        keys = [
+            f"{'.'.join(x for x in (mod, n.rpartition('.')[0]) if x)}:{n.rpartition('.')[2]}"
+            for n, p in owner.named_parameters()
+            if p.requires_grad
+        ]
+        if not keys or any(k not in rec.aligned for k in keys):
             continue
         linears = set()
         for p in prods:
