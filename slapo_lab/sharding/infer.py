@@ -1279,6 +1279,10 @@ def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
                 out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
             elif t.dtype == torch.bool or "mask" in k:
                 out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
+            elif "input_ids" not in k:
+                # another index tensor (positions, entity ids, token types): the stored meta tensor has no values
+                # and its table's size is not the vocabulary's, but index 0 is valid in every table
+                out[k] = torch.zeros(shape, dtype=t.dtype, device=dev)
             else:
                 out[k] = torch.randint(0, int(vocab), shape, dtype=t.dtype, device=dev)
         return out
