@@ -79,3 +79,33 @@ def resolve(split, rec, roles: dict) -> None:
                 entries = [frozenset(range(h * per, (h + 1) * per)) for h in range(c)]
                 split.head_params.append((mod, name, entries, c))
             break
+
+
+def embedding_rows(rec, args, kwargs, out, src) -> bool:
+    """``F.embedding(indices, weight)`` of a parameter ``weight`` inside the block (Granite Speech's Shaw
+    relative-position table ``rel_pos_emb``, one row per distance over ``head_dim``): the output's map is the
+    weight's map indexed by the same indices (their real values where the indices are a meta buffer's), so a
+    product with a head-split q records the table among the parameters applied to q (its gradient is then a
+    partial sum over this rank's heads, summed over the ranks). True when the output's map was set."""
+    idx = args[0] if args else kwargs.get("input")
+    w = args[1] if len(args) > 1 else kwargs.get("weight")
+    if (
+        not isinstance(idx, torch.Tensor)
+        or not isinstance(w, torch.Tensor)
+        or not isinstance(out, torch.Tensor)
+    ):
+        return False
+    inf = rec.get(w)
+    if inf is None or idx.is_floating_point():
+        return False
+    real = rec.real(idx)
+    if real.device.type == "meta":
+        return False
+    maps = {}
+    for p, ms in inf.maps.items():
+        if p.startswith("param:") and tuple(ms[0].shape) == tuple(w.shape):
+            maps[p] = [torch.nn.functional.embedding(real.cpu().long(), ms[0])]
+    if not maps:
+        return False
+    rec.set(out, type(inf)(maps, src))
+    return True

@@ -395,6 +395,8 @@ class _Recorder(TorchFunctionMode):
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
+        if name == "embedding" and _channel_heads.embedding_rows(self, args, kwargs, out, src):
+            return  # a table's rows looked up by index (a Shaw relative-position embedding): channel_heads.py
         if name == "pad" and kwargs.get("mode", args[2] if len(args) > 2 else "constant") == "constant":
             # padding moves features along an axis (LongT5's blocks of tokens): the padded entries come from
             # no feature
