@@ -66,6 +66,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import channel_heads as _channel_heads
+from . import fanout as _fanout
 from . import head_buffers as _head_buffers
 
 _SHAPE_OPS = frozenset(
@@ -340,6 +342,7 @@ class _Recorder(TorchFunctionMode):
                     self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
             if isinstance(out, torch.Tensor):
                 self.align(ins, out)
+                _channel_heads.note_conv(self, name, args, kwargs)  # heads as channels (channel_heads.py)
                 if name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src):
                     return
         if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
@@ -395,6 +398,8 @@ class _Recorder(TorchFunctionMode):
         if name in _SHAPE_OPS:
             self.shape_op(func, args, kwargs, out, ins, src, scores)
             return
+        if name == "embedding" and _channel_heads.embedding_rows(self, args, kwargs, out, src):
+            return  # a table's rows looked up by index (a Shaw relative-position embedding): channel_heads.py
         if name == "pad" and kwargs.get("mode", args[2] if len(args) > 2 else "constant") == "constant":
             # padding moves features along an axis (LongT5's blocks of tokens): the padded entries come from
             # no feature
@@ -423,7 +428,7 @@ class _Recorder(TorchFunctionMode):
             if self.buffer_keys and maps:  # a per-head buffer applied to heads (head_buffers)
                 _head_buffers.note_meet(self, o, maps, scores, self.get)
             if maps and any(
-                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and self.get(t) is None
+                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and _residual(self.get(t))
                 for t in _tensors((args, kwargs))
             ):
                 self.mixed.add(id(o))
@@ -652,6 +657,12 @@ class _Recorder(TorchFunctionMode):
             m = torch.broadcast_to(m, out.shape)
             self.set(out, _Info({f"@attn{i}": [m]}, src | {f"@attn{i}"}))
             ev["out_heads"] = h
+
+
+def _residual(inf: _Info | None) -> bool:
+    """A value summed with a split layer's output that keeps the features from staying apart: unmapped, or a
+    tensor from outside the block only (BERT's ``input_tensor``, the block's input passed to ``SelfOutput``)."""
+    return inf is None or (bool(inf.maps) and all(p.startswith("input:") for p in inf.maps))
 
 
 def _expand_ellipsis(eq: str, ops: list) -> str | None:
@@ -923,6 +934,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 roles.setdefault(p, {})["g"] = sets
         split.attention[attn_mod] = (n, kv)
         _head_buffers.note_attention(split, rec, roles, n)  # per-head buffers (MiniMax's decays)
+        _channel_heads.resolve(split, rec, roles)  # a convolution over heads (channel_heads.py)
         ws = _test_ws(n, kv) or _test_ws(n)
         refusal = None
         if head_lists:
@@ -1012,6 +1024,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             if len(parts) > 1 and lay == 1 and "k" in per_role:
                 units = kv if kv != n else n
             split.layouts[p] = Layout(parts, lay, units)
+        refusal = refusal or _fanout.shared_heads_reason(roles, rec, dense, o_path)  # fanout.py
         if refusal:
             split.refusals[attn_mod] = refusal
             for p in roles:
@@ -1116,8 +1129,14 @@ def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
         by_mod.setdefault(key.rsplit(":", 1)[0], set()).update(prods)
     for mod, prods in by_mod.items():
         owner = block.get_submodule(mod) if mod else block
-        names = [n for n, p in owner._parameters.items() if p is not None and p.requires_grad]
-        if not names or any(f"{mod}:{n}" not in rec.aligned for n in names):
+        # every parameter of the module's subtree: a bias that follows the features after a convolution of
+        # replicated weights (ConvBERT's SeparableConv1D: depthwise -> pointwise -> + bias) is not a feature norm
+        keys = [
+            f"{'.'.join(x for x in (mod, n.rpartition('.')[0]) if x)}:{n.rpartition('.')[2]}"
+            for n, p in owner.named_parameters()
+            if p.requires_grad
+        ]
+        if not keys or any(k not in rec.aligned for k in keys):
             continue
         linears = set()
         for p in prods:
@@ -1272,6 +1291,10 @@ def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
                 out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
             elif t.dtype == torch.bool or "mask" in k:
                 out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
+            elif "input_ids" not in k:
+                # another index tensor (positions, entity ids, token types): the stored meta tensor has no values
+                # and its table's size is not the vocabulary's, but index 0 is valid in every table
+                out[k] = torch.zeros(shape, dtype=t.dtype, device=dev)
             else:
                 out[k] = torch.randint(0, int(vocab), shape, dtype=t.dtype, device=dev)
         return out
@@ -1397,6 +1420,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.info, r.keep, r.score_extras, r.view_of, r.param_uses, r.ran = {}, [], [], {}, {}, set()
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
             r.aligned, r.mixed = {}, set()
+            r.channel_groups = {}
             r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
@@ -1549,6 +1573,7 @@ class _Snapshot:
         self.input_aliases = dict(r.input_aliases)
         self.aligned = dict(r.aligned)
         self.meets, self.buffer_keys = list(r.meets), set(r.buffer_keys)
+        self.channel_groups = dict(getattr(r, "channel_groups", {}))
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
