@@ -120,6 +120,9 @@ class NumericReport:
         blocks: ``(kept, total)`` blocks of the copy against the original.
         params: parameters of the copy that ran.
         seconds: wall time of the check.
+        unjudged: the modules of the copy holding a sharded tensor that never ran on the example inputs (a
+            vision or audio tower given text only): the check says nothing about their split, and
+            :attr:`message` says so.
     """
 
     status: str
@@ -130,6 +133,7 @@ class NumericReport:
     blocks: tuple[int, int] = (0, 0)
     params: int = 0
     seconds: float = 0.0
+    unjudged: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -978,11 +982,27 @@ def _failed_at(err: BaseException, ref: _Trace, sch: _Trace) -> str:
     return raised
 
 
+def _unjudged(model: nn.Module, trace: _Trace) -> list[str]:
+    """The modules of ``model`` (after its forward and backward) holding sharded trainable parameters that took
+    no part: never called under ``trace`` and no gradient reached any of them (a tower the inputs never reach;
+    a module whose weight its parent reads directly, Mamba's ``conv1d``, does get gradients)."""
+    out = []
+    for name, m in model.named_modules():
+        sharded = [
+            p
+            for p in m._parameters.values()
+            if p is not None and p.requires_grad and getattr(p, "shard_axis", None) is not None
+        ]
+        if sharded and name not in trace.calls and all(p.grad is None for p in sharded):
+            out.append(name)
+    return out
+
+
 def _rank_run(base: nn.Module, calls: list[Call], inputs: dict, failures: dict, rank: int):
     """One simulated rank (inside :func:`run_threaded_ranks`): replay ``calls`` on a copy of ``base`` and
     compare it with another copy. Returns ``(VerifyReport, first module whose output differs, first module
     whose output has another shape (module, shape, reference shape), first module whose input gradient differs
-    (module, relative difference))``; on a failure records ``(phase, module, exception)`` in
+    (module, relative difference), the sharded modules that never ran (:func:`_unjudged`))``; on a failure records ``(phase, module, exception)`` in
     ``failures[rank]`` (the module of the replayed call that was refused, or the module whose forward raised)
     and raises it again."""
     from .record import replay
@@ -1006,6 +1026,7 @@ def _rank_run(base: nn.Module, calls: list[Call], inputs: dict, failures: dict, 
             first_differing_module(*traces),
             first_reshaped_module(*traces),
             first_differing_input_grad(*traces),
+            _unjudged(sch.mod, traces[1]),
         )
     except BaseException as err:
         failures[rank] = (phase, _failed_at(err, *traces) if len(traces) == 2 else at, err)
@@ -1228,7 +1249,7 @@ def numeric_check(
         )
     if len(results) < world_size:  # only told to leave, with no rank failing: nothing to judge by
         return done("error", "The numeric check's simulated ranks stopped before they finished.", **kw)
-    report, first_module, reshaped, grad_at = results[0]
+    report, first_module, reshaped, grad_at, unjudged = results[0]
     worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
     if report.passed and grad_at is not None:  # below verify's tolerance, but a partial sum nobody reduced
         return done(
@@ -1250,13 +1271,22 @@ def numeric_check(
             return done(status, text, module=module, worst=pp_worst, **kw)
     if report.passed:
         stages = sum(c.primitive == "cut_pipeline_stage" for c in with_cuts) + 1
+        caveat = ""
+        if unjudged:
+            caveat = (
+                f" {len(unjudged)} module{'s' if len(unjudged) > 1 else ''} holding a sharded tensor never ran on "
+                f"the example inputs ({', '.join(unjudged[:2])}{' ...' if len(unjudged) > 2 else ''}), so the "
+                "check did not judge their split; give inputs that reach them to check it."
+            )
         return done(
             "passed",
             f"Numerically equal to the unsharded model on {world_size} simulated rank"
             f"{'s' if world_size > 1 else ''}"
             + (f" and as {stages} pipeline stages" if stages > 1 else "")
-            + f" (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, {n_params / 1e6:.1f} M parameters).",
+            + f" (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, {n_params / 1e6:.1f} M parameters)."
+            + caveat,
             worst=worst,
+            unjudged=tuple(unjudged),
             **kw,
         )
     ranks = f"on {world_size} simulated rank{'s' if world_size > 1 else ''}"

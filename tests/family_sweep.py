@@ -42,7 +42,11 @@ Classes (:class:`Result`.status):
   **a token router** (a sparse-attention indexer such as DeepSeek-V3.2's): a linear whose output reaches
   ``topk`` and reaches no block's output except through ``topk``'s results. Layers outside the blocks
   (embeddings, pooler, heads) are not counted.
-* ``"partial"``: the check passed; what is kept whole (per block, relative path) and the preset's notes.
+  A family whose sharded modules include some that never ran on the sweep's inputs (a vision or audio tower of
+  a model given ``input_ids`` only: :attr:`slapo_lab.numeric.NumericReport.unjudged`) is not full: the check
+  did not judge their split.
+* ``"partial"``: the check passed; what is kept whole (per block, relative path) and the preset's notes, or
+  which sharded modules the check did not judge (``not judged: ...``).
 * ``"refused"``: ``megatron_tp`` raised ``ScheduleError`` (its sentence).
 * ``"failed"`` (✗): the check failed or errored (its message), or it could not judge (skipped).
 * ``"crash"``: any other exception (type and first line), a family over its timeout, a worker that died.
@@ -445,6 +449,23 @@ def example_inputs(model, seed: int = 0) -> dict:
         raise DoesNotBuild(
             f"inputs: {type(model).__name__}.forward takes none of input_ids, pixel_values, input_features"
         )
+    cross = next((k for k in ("encoder_hidden_states", "encoder_outputs") if k in params), None)
+    if cross and "input_ids" in out and not getattr(cfg, "is_encoder_decoder", False):
+        # a decoder with cross-attention used alone (Whisper's or TrOCR's ForCausalLM): an encoder's states, so
+        # its cross-attention runs and the check judges its split
+        width = next(
+            (
+                v
+                for k in ("cross_attention_hidden_size", "d_model", "hidden_size")
+                if isinstance(v := getattr(cfg, k, None), int) and v > 0
+            ),
+            None,
+        )
+        if width is not None and any(
+            "encoder_attn" in n or "crossattention" in n for n, _ in model.named_modules()
+        ):
+            states = torch.randn(BATCH, SEQ, width, generator=g)
+            out[cross] = states if cross == "encoder_hidden_states" else (states,)  # Whisper's: a 1-tuple
     if "use_cache" in params:
         out["use_cache"] = False
     return out
@@ -788,8 +809,11 @@ def sweep_one(model_type: str) -> Result:
                 res.detail = ("(check skipped) " if report.status == "skipped" else "") + report.message
                 return res
             whole = kept_whole(sch, model, inputs)
-            if not whole:
+            if not whole and not report.unjudged:
                 res.status, res.detail = "full", report.message
+            elif not whole:  # split, but a tower the sweep's inputs never reach: the check did not judge it
+                res.status = "partial"
+                res.detail = f"not judged: {report.message}"
             else:
                 res.status = "partial"
                 res.detail = f"kept whole: {', '.join(whole)}" + (
