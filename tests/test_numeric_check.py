@@ -518,3 +518,35 @@ def test_a_checkpoint_on_a_block_that_skips_itself_by_pythons_random_is_caught()
     report = numeric_check(model, bug.calls, 2, inputs)
     assert report.status == "failed" and report.module == "blocks.0", report.message
     assert "_SkipBlock.forward draws from Python's (or NumPy's) random generator" in report.message
+
+
+class _TwoTowers(nn.Module):
+    """A text path and an image tower the example inputs may leave unused (a multimodal model given text only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_up, self.text_down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.image_up, self.image_down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, pixels=None):
+        y = x + self.text_down(torch.relu(self.text_up(x)))
+        if pixels is not None:
+            y = y + self.image_down(torch.relu(self.image_up(pixels)))
+        return y
+
+
+def test_sharded_modules_the_inputs_never_reach_are_named_as_not_judged():
+    torch.manual_seed(0)
+    model = _TwoTowers()
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    for side in ("text", "image"):
+        presets.column_parallel(sch, f"{side}_up")
+        presets.row_parallel(sch, f"{side}_down")
+    x = torch.randn(2, 8)
+    text_only = numeric_check(model, sch.record.calls, 2, {"x": x})
+    assert text_only.passed and text_only.unjudged == ("image_up", "image_down")
+    assert "2 modules holding a sharded tensor never ran on the example inputs (image_up, image_down)" in str(
+        text_only
+    )
+    both = numeric_check(model, sch.record.calls, 2, {"x": x, "pixels": torch.randn(2, 8)})
+    assert both.passed and both.unjudged == () and "never ran" not in str(both)
