@@ -136,7 +136,7 @@ def worker(args) -> int:
         "build_s": {k: round(v, 2) for k, v in build_s.items()},
         "loss_torch": [round(x, 6) for x in losses["torch"]],
         "loss_deepspeed": [round(x, 6) for x in losses["deepspeed"]],
-        "max_loss_diff": max(abs(a - b) for a, b in zip(losses["torch"], losses["deepspeed"])),
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses["torch"], losses["deepspeed"], strict=False)),
     }
     if rank == 0:
         print("BENCH " + json.dumps(res), flush=True)

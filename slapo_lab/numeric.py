@@ -1061,11 +1061,11 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
         )
     for st in part.stages:
         set_graph_dropout(st.module, False)
-    env = dict(zip(part.input_names, part.flat_inputs((), inputs)))
+    env = dict(zip(part.input_names, part.flat_inputs((), inputs), strict=False))
     try:
         for st in part.stages:
             res = st.module(*[env[n] for n in st.inputs])
-            env.update(zip(st.outputs, res if isinstance(res, (tuple, list)) else (res,)))
+            env.update(zip(st.outputs, res if isinstance(res, (tuple, list)) else (res,), strict=False))
     except Exception as err:  # noqa: BLE001 - a stage that fails is said in one sentence
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return "error", "", math.inf, f"A pipeline stage fails ({type(err).__name__}: {text})."

@@ -281,7 +281,7 @@ class FlashSDPA(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention or not args or not args[0].is_meta:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        bound = dict(zip(names, args))
+        bound = dict(zip(names, args, strict=False))
         bound.update(kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         if q.dim() != 4 or float(bound.get("dropout_p") or 0.0) > 0.0:  # CPU's flash kernel has no dropout
@@ -393,7 +393,9 @@ def estimate_activations(model: nn.Module, example_inputs: Any, cancelled=None) 
         def post(mod, args, kwargs, out):
             if id(mod) in leaves:
                 inputs_ids = {id(t) for t in _tensors((args, kwargs))}
-                got = [it for t, it in zip(_tensors(out), items(out)) if id(t) not in inputs_ids]
+                got = [
+                    it for t, it in zip(_tensors(out), items(out), strict=False) if id(t) not in inputs_ids
+                ]
                 prof.leaf_out.setdefault(path_of[id(mod)], []).extend(got)
 
         prof.seconds = _hooked_pass(model, inputs, pre, post, fake, torch.no_grad(), cancelled)
@@ -765,11 +767,19 @@ class Plan:
                 row.insert(7, human_bytes(s.get("gather_bytes") or 0))
             rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        lines = ["  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+        lines = [
+            "  ".join(
+                h.ljust(w) if i < 3 else h.rjust(w)
+                for i, (h, w) in enumerate(zip(head, widths, strict=False))
+            )
+        ]
         lines.append("  ".join("-" * w for w in widths))
         for r in rows:
             lines.append(
-                "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                "  ".join(
+                    c.ljust(w) if i < 3 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=False))
+                )
             )
         layout = f"{self.num_stages} stage(s) x TP {self.world_size}"
         if self.dp > 1:

@@ -927,7 +927,7 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
                 hit.add(pat)
                 break
     experts = {p for p, kind in targets if kind == "experts"}
-    for pat, rx, kind in compiled:
+    for pat, rx, _kind in compiled:
         if pat in hit or plan[pat] not in _HF_PARAM_STYLES:
             continue
         owners = {

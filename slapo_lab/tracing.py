@@ -883,7 +883,7 @@ class _CallInfo:
             self.n_args = in_spec.child(0).num_children
             self.kw_names = list(in_spec.child(1).context)
         self.checks: list[tuple[str, str, Any]] = []
-        for (path, value), node in zip(flat_with_path, placeholders):
+        for (path, value), node in zip(flat_with_path, placeholders, strict=False):
             where = pytree.keystr(path)
             val = node.meta.get("val")
             if isinstance(value, torch.Tensor):
@@ -965,7 +965,7 @@ class _CallInfo:
                 f"{self.name} was traced for inputs structured as {self.in_spec}, not {spec}; trace it again "
                 "with these inputs."
             )
-        for (_, value), (where, kind, want) in zip(flat, self.checks):
+        for (_, value), (where, kind, want) in zip(flat, self.checks, strict=False):
             if kind == "tensor":
                 if not isinstance(value, torch.Tensor) or value.dim() != len(want):
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -247,7 +247,7 @@ def verify_models(
 
     def loss_of(outs):
         total = 0.0
-        for (name, t), proj in zip(outs, projections):
+        for (_name, t), proj in zip(outs, projections, strict=False):
             if t.requires_grad and t.shape == proj.shape:
                 total = total + (t.float() * proj).sum() / t.numel()
         return total
@@ -260,7 +260,7 @@ def verify_models(
     torch.manual_seed(seed)
     out_sch = flatten_outputs(_call(scheduled, inputs))
     sch_by_name = dict(out_sch)
-    for (name, a_ref), proj in zip(out_ref, projections):
+    for (name, a_ref), _proj in zip(out_ref, projections, strict=False):
         a = sch_by_name.get(name)
         if a is None:
             report.outputs.append(

@@ -115,7 +115,7 @@ def test_checkpointed_blocks_compile_fullgraph_in_one_process():
     for step in range(2):
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(step))
         losses = []
-        for m, opt in zip((eager, compiled), opts):
+        for m, opt in zip((eager, compiled), opts, strict=False):
             opt.zero_grad(set_to_none=True)
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -181,7 +181,7 @@ def test_fork_rng_breaks_the_graph_and_stays_exact():
             torch.compile(copy.deepcopy(model)[0], backend=BACKEND, fullgraph=True)(x)
         for i in range(2):
             compiled.register_module(str(i), torch.compile(compiled[i], backend=BACKEND))
-        for g, e in zip(grads(compiled), expected):
+        for g, e in zip(grads(compiled), expected, strict=False):
             torch.testing.assert_close(g, e, atol=0, rtol=0)
         assert torch._dynamo.utils.counters["graph_break"]
     finally:

@@ -224,7 +224,7 @@ def test_gpt2_tp2_pp2_script_verifies_on_four_cpu_ranks(
     want = _check_pipeline_verify(
         _torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port, subprocess_env)
     )
-    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, want)), (losses, want)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, want, strict=False)), (losses, want)
 
 
 def test_gpt2_pp2_bf16_script_on_two_gloo_ranks(
@@ -250,7 +250,10 @@ def test_gpt2_pp2_bf16_script_on_two_gloo_ranks(
     want = _check_pipeline_verify(
         _torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port, subprocess_env)
     )
-    assert losses != want and all(abs(a - b) <= 0.03 for a, b in zip(losses, want)), (losses, want)
+    assert losses != want and all(abs(a - b) <= 0.03 for a, b in zip(losses, want, strict=False)), (
+        losses,
+        want,
+    )
 
 
 def test_gpt2_pp2_script_under_the_deepspeed_launcher(
@@ -282,7 +285,7 @@ def test_gpt2_pp2_script_under_the_deepspeed_launcher(
     torch_losses = _check_pipeline_verify(
         _torchrun_pp2(tmp_path_factory, run_bounded, torchrun_cmd, free_port, subprocess_env)
     )
-    assert all(abs(a - b) <= 2e-6 for a, b in zip(losses, torch_losses)), (losses, torch_losses)
+    assert all(abs(a - b) <= 2e-6 for a, b in zip(losses, torch_losses, strict=False)), (losses, torch_losses)
 
 
 def test_bert_tp2_script_under_the_deepspeed_launcher(
@@ -349,7 +352,9 @@ def test_bert_tp2_script_under_the_deepspeed_launcher(
     )
     assert one.returncode == 0, _explain(one)
     want = [float(s[2]) for s in STEP.findall(one.stdout)]
-    assert len(losses) == len(want) == 3 and all(abs(a - b) <= 2e-5 for a, b in zip(losses, want)), (
+    assert len(losses) == len(want) == 3 and all(
+        abs(a - b) <= 2e-5 for a, b in zip(losses, want, strict=False)
+    ), (
         losses,
         want,
     )

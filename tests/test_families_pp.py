@@ -70,11 +70,11 @@ def test_rotary_model_stage0_runs():
         if n.target is hop
     ]
     mb = M.take(inputs, 0, 2)
-    env = dict(zip(part.input_names, part.flat_inputs((), mb)))
+    env = dict(zip(part.input_names, part.flat_inputs((), mb), strict=False))
     for st in part.stages:  # the stages in sequence, autograd connected
         out = st.module(*[env[n] for n in st.inputs])
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        env.update(zip(st.outputs, outs))
+        env.update(zip(st.outputs, outs, strict=False))
     want = M.forward_output("fam_llama", ref, mb)
     torch.testing.assert_close(env[part.stages[-1].outputs[0]], want, rtol=0, atol=1e-6)
     # of what crosses to stage 1 only the hidden state carries a gradient: the rotary cos / sin are

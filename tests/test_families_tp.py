@@ -162,7 +162,7 @@ def test_replay_reproduces_the_rewrite():
     presets.megatron_tp(sch)
     fresh, sch2 = _sched(tp_train.t5_model)
     sl.replay(sch2, sch.record.calls)
-    for (p, a), (_, b) in zip(model.named_modules(), fresh.named_modules()):
+    for (p, a), (_, b) in zip(model.named_modules(), fresh.named_modules(), strict=False):
         if type(a).__name__ == "T5Attention":
             assert (b.n_heads, b.inner_dim) == (a.n_heads, a.inner_dim) == (2, 16), p
             assert sl.module_state(b)["attention_heads"] == sl.module_state(a)["attention_heads"]

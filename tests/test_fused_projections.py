@@ -239,7 +239,7 @@ def test_block_stride_shards_merge_back_and_layouts_take_the_same_slices(ws):
         assert torch.equal(lay.take(full), parts[r]) and lay.local_shape == tuple(parts[r].shape)
         assert len(lay.blocks()) == 3
         for _, offs, szs in lay.blocks():
-            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs))] += 1
+            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs, strict=False))] += 1
     assert bool((seen == 1).all())
     with pytest.raises(ValueError, match="has no DTensor placement"):
         ShardLayout(full.shape, 0, stride, ws, 0).placements()

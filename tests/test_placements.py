@@ -43,7 +43,7 @@ def test_tp_layout_takes_what_local_shard_takes(shape, axis, stride, tp):
     seen = torch.zeros(shape, dtype=torch.int64)
     for r in range(tp):
         for _, offs, szs in ShardLayout(shape, axis, stride, tp, r).blocks():
-            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs))] += 1
+            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs, strict=False))] += 1
     assert bool((seen == 1).all())
 
 
@@ -62,7 +62,7 @@ def test_fsdp_on_top_of_tp_tiles_the_tensor(dp):
         want = chunks[dp_rank] if dp_rank < len(chunks) else tp_local[:, :0]
         assert torch.equal(local, want)
         for _, offs, szs in lay.blocks():
-            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs))] += 1
+            seen[tuple(slice(o, o + s) for o, s in zip(offs, szs, strict=False))] += 1
     assert bool((seen == 1).all())
 
 

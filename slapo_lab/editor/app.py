@@ -1069,7 +1069,7 @@ class ScheduleEditor(EditorState, W.VBox):
             for b in buttons:
                 b.disabled = True
             return was
-        for b, w in zip(buttons, restore or []):
+        for b, w in zip(buttons, restore or [], strict=False):
             b.disabled = w
         return None
 
@@ -1225,7 +1225,7 @@ class ScheduleEditor(EditorState, W.VBox):
         tensors = [(n, t, "param") for n, t in mod.named_parameters(recurse=False)] + [
             (n, t, "buffer") for n, t in mod.named_buffers(recurse=False)
         ]
-        for n, t, kind in tensors:
+        for n, t, _kind in tensors:
             full = tuple(getattr(t, "orig_shape", t.shape))
             local = tuple(t.shape)
             axis = getattr(t, "shard_axis", None)

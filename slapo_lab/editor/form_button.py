@@ -69,7 +69,7 @@ class FormButton(widgets.Button):
                 len(self.form),
             )
             return
-        for w, state in zip(self.form, states):
+        for w, state in zip(self.form, states, strict=False):
             if not (isinstance(state, dict) and state and set(state) <= _STATE_KEYS):
                 _log.warning("FormButton %r: ignored the state %r", self.description, state)
                 continue

@@ -49,7 +49,7 @@ def _step(a: Call, b: Call) -> tuple[int, int, int] | None:
     pa, pb = a.path.split("."), b.path.split(".")
     if len(pa) != len(pb):
         return None
-    diff = [k for k, (x, y) in enumerate(zip(pa, pb)) if x != y]
+    diff = [k for k, (x, y) in enumerate(zip(pa, pb, strict=False)) if x != y]
     if len(diff) != 1:
         return None
     k = diff[0]

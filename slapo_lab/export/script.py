@@ -175,7 +175,7 @@ def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict,
         if "value" in e:
             kwargs[name] = e["value"]
             continue
-        shape = [rows if d == "batch" else int(s) for d, s in zip(e["dims"], e["shape"])]
+        shape = [rows if d == "batch" else int(s) for d, s in zip(e["dims"], e["shape"], strict=False)]
         kwargs[name] = torch.empty(shape, dtype=getattr(torch, e["dtype"]), device="meta")
     path = batchnorm_single_value(model, (), kwargs, all_batchnorms=all_bn)
     if path is not None:

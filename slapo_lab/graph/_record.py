@@ -229,7 +229,7 @@ def _make(spec, ins: list) -> _Tensor:
     shape, stride, offset, dtype = spec
     if offset == 0:
         return torch.empty_strided(shape, stride, dtype=dtype, device=_META)
-    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=False)) if all(shape) else 0
     base = torch.empty((offset + extent,), dtype=dtype, device=_META)
     return base.as_strided(shape, stride, offset)
 

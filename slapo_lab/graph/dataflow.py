@@ -238,7 +238,7 @@ def _real_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
                 f"no real copy could be made ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
             )
     for (_, a), (_, b) in zip(
-        model.named_modules(remove_duplicate=False), out.named_modules(remove_duplicate=False)
+        model.named_modules(remove_duplicate=False), out.named_modules(remove_duplicate=False), strict=False
     ):
         b.training = a.training
     return out, ""

@@ -125,12 +125,12 @@ class DeepSpeedStage(nn.Module):
         if isinstance(x, torch.Tensor):
             x = (x,)
         x = tuple(x)
-        env = {n: _decode(t, c) for n, t, c in zip(self._in_names, x, self._codec_in)}
+        env = {n: _decode(t, c) for n, t, c in zip(self._in_names, x, self._codec_in, strict=False)}
         env.update(self.run(env))
         anchors = [t for t in x if t.is_floating_point() and t.requires_grad]
         outs = [env[v] for v in self._out_names]
         if not self._last:
-            outs = [_encode(t, c) for t, c in zip(outs, self._codec_out)]
+            outs = [_encode(t, c) for t, c in zip(outs, self._codec_out, strict=False)]
         if anchors:
             for i, t in enumerate(outs):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
@@ -145,13 +145,13 @@ def _dry_run_codecs(partition) -> list[list[tuple]]:
     """Per boundary, how each live value travels (one micro-batch through all stages, DeepSpeed rules)."""
     n = partition.num_stages
     flat = partition.flat_inputs(partition.mb_args, partition.mb_kwargs)
-    values = dict(zip(partition.liveness[0], flat))
+    values = dict(zip(partition.liveness[0], flat, strict=False))
     codecs = [[("int",) if not t.is_floating_point() else ("float",) for t in flat]]
-    codecs[0] = [("bool",) if t.dtype == torch.bool else c for t, c in zip(flat, codecs[0])]
+    codecs[0] = [("bool",) if t.dtype == torch.bool else c for t, c in zip(flat, codecs[0], strict=False)]
     for i in range(n):
         stage = DeepSpeedStage(partition, i, [[]] * (n + 1))
         ins = {}
-        for name, c in zip(partition.liveness[i], codecs[i]):
+        for name, c in zip(partition.liveness[i], codecs[i], strict=False):
             t = values[name].detach()
             if c[0] == "float" and i > 0:
                 t = t.clone().requires_grad_(True)

@@ -160,7 +160,7 @@ class PipelinePartition:
 
     def stage0_inputs(self, args: tuple = (), kwargs: dict | None = None) -> tuple:
         """The positional inputs of stage 0 for these model inputs (the ones it reads, in order)."""
-        flat = dict(zip(self.input_names, self.flat_inputs(args, kwargs)))
+        flat = dict(zip(self.input_names, self.flat_inputs(args, kwargs), strict=False))
         return tuple(flat[n] for n in self.stages[0].inputs)
 
     def stage_module(self, i: int) -> nn.Module:
@@ -268,7 +268,7 @@ def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
         body = gm.get_submodule(body_node.target)
         env: dict[fx.Node, Any] = {}
         phs = [n for n in body.graph.nodes if n.op == "placeholder"]
-        env.update(zip(phs, operands))
+        env.update(zip(phs, operands, strict=False))
         results = None
         with g.inserting_before(node):
             for b in body.graph.nodes:
@@ -495,7 +495,7 @@ def _align_outputs(split: fx.GraphModule, stage_nodes: list[fx.Node]) -> None:
             new.meta = dict(old.meta)
             anchor = new
         news = [u for u in node.users if u not in getitems]
-        for old, new in zip(order, news):
+        for old, new in zip(order, news, strict=False):
             old.replace_all_uses_with(new)
             top.erase_node(old)
 

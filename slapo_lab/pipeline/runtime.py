@@ -155,7 +155,7 @@ class PipelineModel:
         dist.all_reduce(flat, group=self.dp_group)
         flat /= n
         off = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             k = g.numel()
             p.grad = flat[off : off + k].view_as(g).clone()
             off += k

@@ -229,7 +229,7 @@ def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
     k = len(xs)
     mx, my = sum(xs) / k, sum(ys) / k
     var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / var if var else 0.0
     slope = max(slope, 1e-15)
     latency = max((my - slope * mx) / steps, 1e-7)
     return 1.0 / slope, latency

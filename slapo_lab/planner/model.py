@@ -477,7 +477,7 @@ class _Blocks:
             params.append(p.param_bytes)
             train.append(p.trainable_elems)
             big.append(p.largest_param_elems)
-        self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm)]
+        self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm, strict=False)]
         self.full, self.largest, self.params, self.big = full, largest, params, big
         self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
         self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)

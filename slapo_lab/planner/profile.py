@@ -433,7 +433,7 @@ def _profile(model, sch, tp, seq_len, dtype, sp) -> ModelProfile:
     pre, post = parts.pop("pre"), parts.pop("post")
     blocks = []
     for parent, kept, counts in run_stacks:
-        for i, count in zip(kept, counts):
+        for i, count in zip(kept, counts, strict=False):
             p = parts[f"{parent}.{i}" if parent else str(i)]
             p.count = count
             blocks.append(p)
@@ -619,7 +619,7 @@ def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, Pa
         if m is first_block:
             break
         before.add(id(m))
-    for name, m in model.named_modules():
+    for m in model.modules():
         for t in m.parameters(recurse=False):
             if id(t) in owned:
                 continue
@@ -628,7 +628,7 @@ def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, Pa
     # ops
     by: dict[tuple[str, str], list] = {}
     kept_out: dict[str, dict[int, int]] = {}
-    for part, phase, flops, act, wgt, kept, out_bytes, mflops, outs in rows:
+    for part, phase, flops, act, wgt, kept, _out_bytes, mflops, outs in rows:
         by.setdefault((part, phase), []).append((flops, act, wgt, kept))
         prof = parts[part]
         if phase == "fwd":

@@ -56,7 +56,7 @@ def _fast_bind(
     names, known, required, varkw = plan
     if len(args) > len(names):
         return None
-    arguments = dict(zip(names, args))
+    arguments = dict(zip(names, args, strict=False))
     extra = {}
     for k, v in kwargs.items():
         if k in arguments:
@@ -248,7 +248,7 @@ def own_copy(sch, value: Any, what: str) -> Any:
             return v
         if type(v) in (tuple, list):
             items = [walk(x, depth + 1) for x in v]
-            same = all(a is b for a, b in zip(items, v))
+            same = all(a is b for a, b in zip(items, v, strict=False))
             return v if same else type(v)(items)  # a container without modules or tensors: itself
         if type(v) is dict:
             items = {k: walk(x, depth + 1) for k, x in v.items()}

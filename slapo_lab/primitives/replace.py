@@ -734,7 +734,7 @@ class ReplaceAllPrimitive(Primitive):
             check_module_swap(sub, new)
             news.append(new)
         news = own_copy(sch, news, "replace_all()")
-        for (_, sub), new in zip(targets, news):
+        for (_, sub), new in zip(targets, news, strict=False):
             swap_module(sub, new)
         return [sub.path for _, sub in targets]
 

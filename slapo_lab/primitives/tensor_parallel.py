@@ -576,7 +576,7 @@ def _install_block_replica_grad_all_reduce(mod: nn.Module, name: str, axis: int,
     meta = module_meta(mod)
     meta.setdefault("grad_block_replicas", {})[name] = (
         axis,
-        [s * r // ws for s, r in zip(sizes, reps)],
+        [s * r // ws for s, r in zip(sizes, reps, strict=False)],
         reps,
     )
     meta["grad_block_group"] = g

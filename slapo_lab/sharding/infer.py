@@ -957,7 +957,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             replicated: dict[str, int] = {}  # k / v of a fused multi-query projection -> its key/value heads
             for role, sets in per_role.items():
                 hn = len(sets)
-                for h, s in enumerate(sets):
+                for s in sets:
                     for f in s:
                         if 0 <= f < feats:
                             if part[f] not in ("?", role):

@@ -234,7 +234,10 @@ class ShardLayout:
             raise ValueError(
                 f"expected a tensor of the global shape {tuple(self.shape)}, got {tuple(full.shape)}"
             )
-        parts = [full[tuple(slice(o, o + s) for o, s in zip(offs, szs))] for _, offs, szs in self.blocks()]
+        parts = [
+            full[tuple(slice(o, o + s) for o, s in zip(offs, szs, strict=False))]
+            for _, offs, szs in self.blocks()
+        ]
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts, dim=self.tp_axis)

@@ -509,7 +509,7 @@ class TokenData:
         if self.objective == "causal_lm":
             return {"input_ids": ids, "labels": ids.clone()}
         rows, labels = [], []
-        for i, row in zip(indices, ids):
+        for i, row in zip(indices, ids, strict=False):
             inputs, lab = self.mask_row(row, epoch, int(i))
             rows.append(inputs)
             labels.append(lab)

@@ -131,7 +131,7 @@ def example_sizes(spec: dict) -> tuple[int | None, int | None]:
     """``(batch_size, seq_len)`` of the example, read off the input spec (None when no axis has it)."""
     batch = seq = None
     for e in spec.values():
-        for d, n in zip(e.get("dims", ()), e.get("shape", ())):
+        for d, n in zip(e.get("dims", ()), e.get("shape", ()), strict=False):
             if d == "batch" and batch is None:
                 batch = n
             if d == "seq" and seq is None:

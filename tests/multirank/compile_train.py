@@ -156,7 +156,7 @@ def run_case(name: str, backend: str) -> dict:
     for step in range(STEPS):
         ids, labels = batch(step)
         losses = []
-        for m, opt in zip(models, opts):
+        for m, opt in zip(models, opts, strict=False):
             opt.zero_grad(set_to_none=True)
             loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
