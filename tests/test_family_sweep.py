@@ -79,7 +79,10 @@ def test_families_proven_elsewhere_are_full(sweep):
 def test_partial_and_refused_say_what_and_why(sweep):
     results, _ = sweep
     for r in results:
-        if r.status == "partial":
+        # split, but some sharded modules were not reached by the sweep's inputs (a tower given text only)
+        if r.status == "partial" and r.detail.startswith("not judged: "):
+            assert "never ran on the example inputs" in r.detail and "did not judge" in r.detail, r
+        elif r.status == "partial":
             assert r.detail.startswith("kept whole: ") and ".*." in r.detail, r
         if r.status == "refused":
             assert r.detail.endswith(".") and "\n" not in r.detail, r
