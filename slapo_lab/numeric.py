@@ -608,8 +608,16 @@ def remembered_inputs(sch, model: nn.Module) -> dict:
 @contextlib.contextmanager
 def _threaded_world():
     """Install PyTorch's threaded process-group backend for the duration (process-wide, one at a time), with
-    no collective or termination left from an earlier world."""
+    no collective or termination left from an earlier world.
+
+    The scaled-dot-product-attention backend flags are process-wide too, and ``torch.nn.attention.sdpa_kernel``
+    saves and restores them per call: two rank threads inside a model that selects a backend for one call
+    (Granite Speech's conformer attention: ``sdpa_kernel(SDPBackend.MATH)``) can interleave so that the last
+    to leave restores the other's selection, leaving the math backend alone enabled for the rest of the
+    process (every later attention then saves its whole score matrix). They are put back when the world ends.
+    """
     import torch.distributed as dist
+    from torch.nn import attention as sdpa
 
     if dist.is_available() and dist.is_initialized():
         raise ScheduleError(
@@ -624,9 +632,11 @@ def _threaded_world():
         torch._C._distributed_c10d._set_thread_isolation_mode(
             True
         )  # group names per thread, as torch's tests
+        backends = sdpa._cur_sdpa_kernel_backends(with_priority=True)  # what sdpa_kernel itself saves
         try:
             yield mtpg
         finally:
+            sdpa._sdpa_kernel(backends, set_priority=True)
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()

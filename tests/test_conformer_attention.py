@@ -57,5 +57,10 @@ def test_conformer_attention_with_shaw_positions_splits_by_heads():
     assert not any("in every" in n for n in calls.notes), calls.notes
     assert sch["layers.0.attn.to_kv"].mod.weight.shard_axis == 0
     assert sch["layers.0.attn.to_out"].mod.weight.shard_axis == 1
+    cuda = torch.backends.cuda
+    flags = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
     report = numeric_check(enc, sch.record.calls, 2, inputs)
     assert report.passed, report.message
+    # the conformer selects the math backend per call, on two rank threads at once: the check leaves the
+    # process's attention backends as they were (else every later attention saves its whole score matrix)
+    assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == flags
