@@ -43,14 +43,13 @@ from ..module_state import module_meta
 _LOCK = threading.RLock()
 #: (parent class name, row linear's child name, parent config digest) -> ((argument, axis, features), ...)
 _REGISTRY: dict = {}
-_MAX_NUMEL = 1 << 20
 
 
 def capture(block: nn.Module, rec) -> list:
     """A forward pre-hook on ``block`` (registered after the recorder's own, which resets it) that gives each
     floating tensor argument of the block other than its hidden states (the first positional argument, or a
     keyword naming ``hidden``) an ``"input::<name>"`` index map; returns the handles."""
-    from .infer import _Info
+    from .infer import note_outside_input
 
     try:
         names = list(inspect.signature(type(block).forward).parameters)[1:]
@@ -64,18 +63,8 @@ def capture(block: nn.Module, rec) -> list:
         for nm, a in [*named, *kwargs.items()]:
             if nm is None or "hidden" in nm or not isinstance(a, torch.Tensor):
                 continue
-            if (
-                not a.is_floating_point()
-                or a.dim() < 2
-                or a.numel() > _MAX_NUMEL
-                or id(a) in rec.info
-                or id(a) in rec.params
-                or id(a) in rec.input_of
-            ):
-                continue
-            rec.set(a, _Info({f"input::{nm}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
-            rec.input_shapes[f":{nm}"] = tuple(a.shape)
-            rec.input_of[id(a)] = f":{nm}"
+            if id(a) not in rec.input_of:
+                note_outside_input(rec, f":{nm}", a)
 
     return [block.register_forward_pre_hook(pre, with_kwargs=True)]
 

@@ -1483,17 +1483,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
                             r.input_shapes.setdefault(f"{rel}:{nm}", tuple(a.shape))
                             r.input_aliases.setdefault(r.input_of[id(a)], []).append(f"{rel}:{nm}")
                             continue
-                        if (
-                            not a.is_floating_point()
-                            or a.dim() < 2
-                            or a.numel() > 1 << 20
-                            or id(a) in r.info
-                            or id(a) in r.params
-                        ):
-                            continue
-                        r.set(a, _Info({f"input:{rel}:{nm}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
-                        r.input_shapes[f"{rel}:{nm}"] = tuple(a.shape)
-                        r.input_of[id(a)] = f"{rel}:{nm}"
+                        note_outside_input(r, f"{rel}:{nm}", a)
 
                 handles.append(m.register_forward_pre_hook(sub_pre, with_kwargs=True))
         for rel, m in block.named_modules():
@@ -1632,6 +1622,23 @@ def _resolve_head_inputs(split: BlockSplit, shapes: dict, aliases: dict) -> None
                 resolved.append(HeadParam(mod, name, axis, n))
                 break
     split.head_inputs = resolved
+
+
+def note_outside_input(rec, key: str, a: torch.Tensor) -> None:
+    """Map ``a``, a tensor from outside the analysed block passed to the module at ``key``'s
+    ``"module path:argument"`` (``""`` for the block itself), so its entries show where they meet the
+    features: floating point, at least 2-D and at most 2**20 entries, and not yet mapped, else nothing."""
+    if (
+        not a.is_floating_point()
+        or a.dim() < 2
+        or a.numel() > 1 << 20
+        or id(a) in rec.info
+        or id(a) in rec.params
+    ):
+        return
+    rec.set(a, _Info({f"input:{key}": [torch.arange(a.numel()).view(tuple(a.shape))]}))
+    rec.input_shapes[key] = tuple(a.shape)
+    rec.input_of[id(a)] = key
 
 
 def _register(model: nn.Module, result: dict) -> None:
