@@ -280,12 +280,13 @@ class Run:
         if cfg.parallel.fsdp and lay.dp == 1:
             _say("note: --fsdp with one data-parallel replica shards nothing; training without FSDP2.")
         set_random_seed(cfg.data.seed, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank)
-        if not (
+        reads_files = cfg.data.data != "synthetic" or cfg.eval.eval_data is not None
+        if reads_files and not (
             _rank0()
             and cfg.metrics.progress != "off"
             and (cfg.metrics.progress == "on" or sys.stderr.isatty())
         ):
-            import datasets
+            import datasets  # only a run that reads text files needs Hugging Face datasets
 
             datasets.disable_progress_bars()  # one set of bars, on rank 0 at a terminal
         self._setup_data()
