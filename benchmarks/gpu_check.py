@@ -3,7 +3,7 @@
 Hugging Face + AdamW loop on the same model and batch.
 
 Run: ``bash benchmarks/gpu_check.sh`` on a machine with one CUDA GPU (it finishes in under 8 minutes on an
-H100 or H200); ``bash benchmarks/gpu_check.sh --size tiny --device cpu`` is the same flow on a 2-layer model
+H100 or H200); ``bash benchmarks/gpu_check.sh --size tiny --device cpu`` is the same flow on a 10-layer model
 on the CPU, which the test suite runs so that the check still works on the day a GPU is lent.
 
 What it does, each step in a process of its own with a time limit, so that one failure leaves the others'
@@ -49,7 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("env", "calibrate", "model", "script", "hand", "plan", "script_compile")  # compile last: the slowest
-#: TinyLlama-1.1B's config.json (hub id TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), and a 2-layer one
+#: TinyLlama-1.1B's config.json (hub id TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), and a 10-layer one
 #: for the CPU run of the suite.
 SIZES = {
     "1b": {
@@ -67,7 +67,7 @@ SIZES = {
     "tiny": {
         "hidden_size": 64,
         "intermediate_size": 176,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 10,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": 512,

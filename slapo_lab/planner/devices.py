@@ -259,7 +259,13 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     fp32 = max(matmul_flops(sizes, torch.float32, device).values())
     bf16 = max(matmul_flops(sizes, torch.bfloat16, device).values())
     x = torch.empty(64 << 20, dtype=torch.float32, device=device)
-    copy = 2 * x.numel() * 4 / _time(x.clone, 3)
+
+    def clone():  # CUDA runs it asynchronously: time it to its end
+        x.clone()
+        if cuda:
+            torch.cuda.synchronize()
+
+    copy = 2 * x.numel() * 4 / _time(clone, 3)
     bw, lat = fit_link(collective_times())
     if cuda:
         name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory

@@ -124,6 +124,24 @@ def probe_loss(hidden: torch.Tensor, seed: int) -> torch.Tensor:
     return (hidden.float() @ _PROBES[key]).square().mean()
 
 
+def no_cache_kwargs(model: nn.Module) -> dict:
+    """``{"use_cache": False}`` for a model whose ``forward`` takes ``use_cache`` (Hugging Face decoders and
+    encoder-decoders), else ``{}``.
+
+    A training or evaluation forward never reads a key/value cache, but a Hugging Face model builds one when
+    ``use_cache`` is left to its config (``DynamicCache`` in ``LlamaModel.forward``): it holds every layer's keys
+    and values until the step ends, and under ``--compile`` each block's guard on its own cache entry recompiles
+    the block, until dynamo's recompile limit stops the run (seen on an H200 with a 22-layer Llama).
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
 def model_loss(outputs, seed: int) -> torch.Tensor:
     """The model's own loss (labels were given), else :func:`probe_loss` of its first output."""
     loss = getattr(outputs, "loss", None)
@@ -252,6 +270,7 @@ class Run:
         self.record: dict = {}  # the launch's part of run.json (preflight's Checked.record)
         self.ddp = None
         self.unused_params = True  # DDP's find_unused_parameters, until Verify has seen every gradient
+        self.forward_extras: dict = {}  # keyword arguments of every forward besides the batch (no_cache_kwargs)
 
     # ------------------------------------------------------------------ layout, data
     def setup(self) -> None:
@@ -381,6 +400,7 @@ class Run:
         except WeightsError as err:
             raise RunError(str(err)) from None
         self.config = getattr(model, "config", None)
+        self.forward_extras = no_cache_kwargs(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         canon = canonical_names(model)
         self.canon_of_fqn = {name: canon[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
@@ -596,7 +616,7 @@ class Run:
             self.layout.average_ignored_grads()
             return float(loss), None
         self.module.eval()
-        out = self.module(**batch)
+        out = self.module(**batch, **self.forward_extras)
         loss = model_loss(out, self.cfg.data.seed)
         loss.backward()
         self.layout.average_ignored_grads()
@@ -606,7 +626,7 @@ class Run:
     def _verify_reference(self, model: nn.Module, batch: dict) -> tuple[float, Any]:
         model.eval()
         if not self.pipeline:
-            out = model(**batch)
+            out = model(**batch, **self.forward_extras)
             loss = model_loss(out, self.cfg.data.seed)
             loss.backward()
             return float(loss.detach()), out
@@ -618,7 +638,7 @@ class Run:
             chunk = {
                 k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()
             }
-            loss = loss_fn(first_tensor(model(**chunk)), target.chunk(n)[i]) / n
+            loss = loss_fn(first_tensor(model(**chunk, **self.forward_extras)), target.chunk(n)[i]) / n
             loss.backward()
             total += float(loss.detach())
         return total, None
@@ -691,7 +711,8 @@ class Run:
                 self.module.set_requires_gradient_sync(last)
             with sync:
                 with self._autocast():
-                    loss = model_loss(self.model(**_to(mb, self.device)), self.cfg.data.seed) / n
+                    out = self.model(**_to(mb, self.device), **self.forward_extras)
+                    loss = model_loss(out, self.cfg.data.seed) / n
                 loss.backward()
             total += loss.detach().float()
         lay.average_ignored_grads()
@@ -770,7 +791,7 @@ class Run:
                 for mb, counted in batches:
                     inputs, labels = _split_target(_to(mb, self.device), 1, self.device)
                     with self._autocast():
-                        logits = first_tensor(self.model(**inputs))
+                        logits = first_tensor(self.model(**inputs, **self.forward_extras))
                     if counted:
                         total += token_losses(logits, labels, objective).double().sum().cpu()
                         tokens += labelled_tokens(labels, objective)
