@@ -28,8 +28,10 @@ figures (every step writes ``<out>/<step>.json``; the report is ``<out>/report.m
    ``torch.autocast(bfloat16)``, ``labels=input_ids``, ``clip_grad_norm_`` 1.0, ``torch.optim.AdamW`` at the
    script's default lr with linear decay; peak memory reset after the model is on the device, as the runtime
    does.
-6. ``plan``: :func:`slapo_lab.planner.estimate` of the same layout (TP 1 x PP 1 x DP 1, no checkpointing, the
-   batch as one micro-batch) on the built-in profile of this GPU and on the calibrated profile.
+6. ``plan`` (run before the scripts): :func:`slapo_lab.planner.estimate` of the same layout (TP 1 x PP 1 x DP 1,
+   no checkpointing, the batch as one micro-batch) on the built-in profile of this GPU and on the calibrated
+   profile; the scripts get the built-in one's prediction (``--predicted-step-s`` / ``--predicted-peak-gib``) and
+   print their measurements as ratios to it.
 
 Every figure is measured in this one run, and the report gives the exported script against the hand loop and
 the measurements against the predictions as ratios.
@@ -48,7 +50,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "calibrate", "model", "script", "hand", "plan", "script_compile")  # compile last: the slowest
+STEPS = ("env", "calibrate", "model", "plan", "script", "hand", "script_compile")  # compile last: the slowest
 #: TinyLlama-1.1B's config.json (hub id TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), and a 10-layer one
 #: for the CPU run of the suite.
 SIZES = {
@@ -248,6 +250,17 @@ def _run_script(args, out: Path, compile_: bool) -> dict:
     cmd += ["--log-dir", str(log_dir), "--progress", "off", "--lr-schedule", "linear"]
     cmd += ["--compile"] + (["--compile-backend", "aot_eager"] if dev == "cpu" else []) if compile_ else []
     cmd += ["--no-verify"] if compile_ else ["--verify"]
+    plan = _load(out, "plan") or {}
+    pred = next((p for name, p in plan.items() if name.startswith("built-in")), None) or plan.get(
+        "calibrated"
+    )
+    if pred:  # the script prints its step times and peak memory as ratios to the plan's prediction
+        cmd += [
+            "--predicted-step-s",
+            f"{pred['step_s']:.6f}",
+            "--predicted-peak-gib",
+            f"{pred['peak_live_mib'] / 1024:.3f}",
+        ]
     t0 = time.perf_counter()
     proc = subprocess.run(
         cmd,
@@ -266,6 +279,9 @@ def _run_script(args, out: Path, compile_: bool) -> dict:
     res.update(wall_s=wall, data=data[1], command=" ".join(cmd[cmd.index(made["script"]) :]))
     res["verify_line"] = next(
         (ln for ln in proc.stdout.splitlines() if "Verify" in ln or "verif" in ln), None
+    )
+    res["plan_line"] = next(
+        (ln for ln in proc.stdout.splitlines() if ln.startswith("measured / predicted")), None
     )
     return res
 
@@ -443,6 +459,10 @@ def report(args, out: Path, status: dict) -> str:
                 f"| {name} | {_fmt(p['tokens_per_s'])} | {_ratio(measured.get('tokens_per_s'), p['tokens_per_s'])} "
                 f"| {p['peak_live_mib'] / 1024:.2f} | {_ratio(measured.get('peak_mem_mib'), p['peak_live_mib'])} |"
             )
+    for name in ("script", "script_compile"):
+        r = _load(out, name) or {}
+        if r.get("plan_line"):
+            lines += ["", f"The {name.replace('_', ' --')} run printed: {r['plan_line']}"]
     lines += ["", "| step | status | seconds |", "|---|---|---|"]
     for name in STEPS:
         st = status.get(name, {"status": "not run"})

@@ -31,6 +31,7 @@ def module_meta(mod: nn.Module) -> dict[str, Any]:
 
     Keys: ``sharded`` {tensor name: axis}, ``output_type`` ("partition" | "partial" | None),
     ``output_axis`` (int, for "partition"), ``syncs`` [(mode, op name)], ``checkpoint`` (bool),
+    ``checkpoint_policy`` ("full" | "selective", with ``checkpoint``),
     ``fork_rng`` (bool), ``cut`` (bool), ``impl`` (callable replacing the class forward or None),
     ``partial_reducers`` [callable] (run on a partial-sum output before a bias is added),
     ``hooks`` [RemovableHandle]; after ``sync(..., param_grads=True)`` also ``grad_allreduce_params`` [name]
@@ -48,6 +49,7 @@ def module_meta(mod: nn.Module) -> dict[str, Any]:
             "output_axis": None,
             "syncs": [],
             "checkpoint": False,
+            "checkpoint_policy": "full",
             "fork_rng": False,
             "cut": False,
             "impl": None,
@@ -192,7 +194,9 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
                 return inner(*a, **k)
 
     if meta["checkpoint"] and torch.is_grad_enabled():
-        from .random import checkpoint as _ckpt
+        from .random import checkpoint, checkpoint_selective
+
+        _ckpt = checkpoint_selective if meta.get("checkpoint_policy") == "selective" else checkpoint
 
         args, kwargs = without_kv_cache(args, kwargs)
         order = meta.get("order_args_fn")

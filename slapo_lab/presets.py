@@ -1208,11 +1208,14 @@ def _refuse_width_derived_heads(sch) -> None:
 
 
 @_all_or_nothing
-def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0, *, check: bool = True) -> list[Call]:
+def checkpoint_blocks(
+    sch, every: int = 1, ratio: float = 1.0, *, policy: str = "full", check: bool = True
+) -> list[Call]:
     """Activation-checkpoint the transformer blocks (:func:`find_blocks`).
 
     Checkpoints block ``i`` of the first ``int(len(blocks) * ratio)`` blocks (Slapo's ``ckpt_ratio``) when
-    ``i % every == 0``; blocks already checkpointed are skipped. With ``check`` the calls are checked
+    ``i % every == 0``; blocks already checkpointed are skipped. ``policy``: ``"full"`` or ``"selective"`` (see
+    :mod:`slapo_lab.primitives.checkpoint`). With ``check`` the calls are checked
     numerically first (:func:`slapo_lab.preset_check.gate`): the blocks of a class whose recomputation
     differs (randomness the checkpoint does not replay) stay as they are, said in the result's ``notes``.
 
@@ -1227,6 +1230,10 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0, *, check: bool = 
         raise ScheduleError(f"every must be a positive integer, not {every!r}.")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ScheduleError(f"ratio must be a number in [0, 1], not {ratio!r}.")
+    from .primitives.checkpoint import POLICIES
+
+    if policy not in POLICIES:
+        raise ScheduleError(f"policy must be one of {', '.join(map(repr, POLICIES))}, not {policy!r}.")
     blocks = find_blocks(sch)
     if not blocks:
         raise ScheduleError(
@@ -1234,11 +1241,12 @@ def checkpoint_blocks(sch, every: int = 1, ratio: float = 1.0, *, check: bool = 
         )
     from .preset_check import gate
 
-    calls, notes = gate(sch, functools.partial(_checkpoint_regions, sch, blocks, every, ratio), check=check)
+    apply = functools.partial(_checkpoint_regions, sch, blocks, every, ratio, policy=policy)
+    calls, notes = gate(sch, apply, check=check)
     return PresetCalls(calls, notes)
 
 
-def _checkpoint_regions(sch, blocks, every, ratio, skip):
+def _checkpoint_regions(sch, blocks, every, ratio, skip, policy="full"):
     """One application of :func:`checkpoint_blocks`; a region is the checkpoints of one block class."""
     from .module_state import peek_meta
     from .preset_check import Applied, Region
@@ -1253,7 +1261,10 @@ def _checkpoint_regions(sch, blocks, every, ratio, skip):
         owned[b] = region
         meta = peek_meta(sch[b].mod)
         if i % every == 0 and not (meta and meta["checkpoint"]) and region.key not in skip:
-            sch[b].checkpoint()
+            if policy == "full":
+                sch[b].checkpoint()  # recorded as before: schedules without a policy stay Slapo's calls
+            else:
+                sch[b].checkpoint(policy=policy)
             region_of_call.append(region)
     return Applied(_since(sch, n), region_of_call, owned, [])
 

@@ -190,6 +190,87 @@ class _TrackerStateContext:
             _TRACKER.set_states(current)
 
 
+aten = torch.ops.aten
+
+#: Ops whose outputs selective activation checkpointing keeps (the rest of a block is recomputed in backward):
+#: torchtitan's ``_save_list`` for ``selective_ac_option="op"`` (``torchtitan/models/llama3/infra/parallelize.py``)
+#: plus CPU's flash attention and ``addmm`` (a linear with bias). Of the matmuls (``mm`` / ``addmm``) every second
+#: one is recomputed, as torchtitan's policy does.
+SELECTIVE_SAVE = frozenset(
+    op
+    for op in (
+        getattr(aten.mm, "default", None),
+        getattr(aten.addmm, "default", None),
+        getattr(aten._scaled_dot_product_flash_attention, "default", None),
+        getattr(aten._scaled_dot_product_efficient_attention, "default", None),
+        getattr(aten._scaled_dot_product_cudnn_attention, "default", None),
+        getattr(aten._scaled_dot_product_flash_attention_for_cpu, "default", None),
+        getattr(aten.max, "default", None),
+    )
+    if op is not None
+)
+MATMULS = frozenset(op for op in (aten.mm.default, aten.addmm.default))
+
+
+def selective_policy():
+    """A fresh ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` policy for one checkpointed call:
+    keep the outputs of :data:`SELECTIVE_SAVE` but every second matmul's, recompute the rest.
+
+    The matmuls are counted separately in the forward and in the recomputation (torchtitan's
+    ``_get_custom_policy``), so that both make the same choice for the same op: the recomputation takes a kept
+    output from the cache in the order the forward stored it.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    count = {False: 0, True: 0}  # is_recompute -> matmuls seen
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in MATMULS:
+            count[ctx.is_recompute] += 1
+        if func in SELECTIVE_SAVE and not (func in MATMULS and count[ctx.is_recompute] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_contexts():
+    return _torch_ckpt.create_selective_checkpoint_contexts(selective_policy())
+
+
+def checkpoint_selective(function, *args, **kwargs):
+    """Selective activation checkpointing of ``function(*args, **kwargs)``: the outputs of the ops of
+    :data:`SELECTIVE_SAVE` are kept and the rest is recomputed in backward (torch's
+    :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`, non-reentrant; torchtitan's
+    ``selective_ac_option="op"``). Like :func:`checkpoint`, it restores the tensor-parallel RNG tracker's states
+    around the recomputation, except under ``torch.compile``, which takes the selective policy alone.
+    """
+    if not _TRACKER.states or torch.compiler.is_compiling():
+        return _torch_ckpt.checkpoint(
+            function,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=_selective_contexts,
+            **kwargs,
+        )
+    ctx = _TrackerStateContext()
+
+    def context_fn():
+        forward, recompute = _selective_contexts()
+
+        @contextlib.contextmanager
+        def both():
+            with recompute, ctx.restore():
+                yield
+
+        return forward, both()
+
+    return _torch_ckpt.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
+    )
+
+
 def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     """Activation checkpointing that also preserves the tensor-parallel RNG tracker's states.
 

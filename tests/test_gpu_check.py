@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.sh, the check run whenever a GPU is lent, still runs: its whole flow on a 10-layer Llama on
-the CPU (the exported script with ``--compile`` on the aot_eager backend, the hand loop, the planner), so that a
+the CPU (calibration, the planner, the exported script with ``--compile`` on the aot_eager backend printing its
+measurements against the plan's prediction, the hand loop), so that a
 change here cannot break it unseen on the day a GPU is there.
 
 Ten layers, because a block compiled once per layer is what broke ``--compile`` on the GPU (a Hugging Face KV cache
@@ -20,7 +21,7 @@ def test_gpu_check_flow_runs_on_the_cpu(tmp_path):
     out = tmp_path / "gc"
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--size", "tiny", "--device", "cpu"]
     cmd += ["--steps", "3", "--warmup", "1", "--seq", "32", "--batch", "2", "--out", str(out)]
-    cmd += ["--only", "env,model,script_compile,hand,plan"]
+    cmd += ["--only", "env,calibrate,model,plan,script_compile,hand"]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["PYTHON"] = sys.executable
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -31,4 +32,5 @@ def test_gpu_check_flow_runs_on_the_cpu(tmp_path):
     assert compiled["steps_logged"] == 3 and compiled["tokens_per_s"] > 0
     assert compiled["data"].endswith("corpus.txt")  # the real text file, through HF datasets
     assert report["model"]["n_params"] == report["hand"]["n_params"]  # one model, two loops
+    assert compiled["plan_line"].startswith("measured / predicted: step ")  # the calibrated plan's prediction
     assert "exported script --compile" in (out / "report.md").read_text()

@@ -288,12 +288,9 @@ def test_apply_records_the_plan_as_primitive_calls(tiny):
     assert sch.metadata.primitives["cut_pipeline_stage"] == ["model.layers.0", "model.layers.1"]
     sel = sl.estimate(tiny, sl.Layout(tp=2, pp=1, dp=1, checkpoint="selective"), cluster=_small_cluster(),
                       seq_len=SEQ, dtype="fp32")  # fmt: skip
-    before = len(sch.record)
-    with pytest.raises(
-        ScheduleError, match=r"^apply: selective checkpointing is not a schedule primitive yet"
-    ):
-        sel.apply(sch)
-    assert len(sch.record) == before
+    sch = sl.create_schedule(_tiny(), world_size=2)
+    ck = [c for c in sel.apply(sch) if c.primitive == "checkpoint"]
+    assert len(ck) == 3 and all(c.kwargs == {"policy": "selective"} for c in ck)
 
 
 def _measured_peak(model, ck: str, mbs: int, micro: int, seq: int) -> int:

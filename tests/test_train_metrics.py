@@ -49,6 +49,29 @@ def test_step_and_eval_lines(capsys):
     assert eval_line == "eval step 4: loss 5.100000"
 
 
+def test_a_plans_prediction_is_printed_beside_the_measurements(capsys):
+    with _logger(predicted_step_s=0.25, predicted_peak_gib=2.0) as lg:
+        first = lg.log_step(1, loss=2.0, lr=1e-3, tokens=4096, samples=32, seconds=4.0)  # compiles: left out
+        lines = [
+            lg.log_step(s, loss=2.0, lr=1e-3, tokens=4096, samples=32, seconds=t)
+            for s, t in ((2, 0.5), (3, 0.3))
+        ]
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        out[0]
+        == "plan: predicted 0.250 s per step and 2.00 GiB peak allocated (the measured figures follow as ratios)"
+    )
+    assert first.endswith("step 16.00x predicted") and lines[0].endswith("step 2.00x predicted")
+    peak = lg._peak_mib
+    assert out[-1] == (
+        "measured / predicted: step 1.60x (median 0.400 s of 2 steps against 0.250 s), "
+        f"peak memory {peak / 2048:.2f}x ({peak:,.0f} MiB on rank 0 against 2,048 MiB)"
+    )
+    with _logger() as lg:  # without a prediction: nothing of it
+        _log(lg, 1)
+    assert "predicted" not in capsys.readouterr().out
+
+
 def test_metrics_csv_columns_and_rows(tmp_path):
     with _logger(tmp_path) as lg:
         for s in (1, 2, 3):

@@ -244,7 +244,10 @@ class Estimate:
 
     def export_options(self) -> dict:
         """The export form's fields for this plan: ``dp``, ``shard``, ``micro_batch_size``,
-        ``global_batch_size``, ``grad_accumulation``, ``pp``, ``pp_schedule``, ``tp``."""
+        ``global_batch_size``, ``grad_accumulation``, ``pp``, ``pp_schedule``, ``tp``, and the prediction the
+        exported script prints its measurements against: ``predicted_step_s`` (seconds) and
+        ``predicted_peak_gib`` (the busiest rank's live bytes in GiB, headroom left out, as
+        ``torch.cuda.max_memory_allocated`` counts them)."""
         lay = self.layout
         return {
             "tp": lay.tp,
@@ -255,12 +258,14 @@ class Estimate:
             "global_batch_size": lay.micro_batch_size * lay.dp * self.micro_batches,
             "grad_accumulation": self.micro_batches,
             "pp_schedule": lay.pp_schedule,
+            "predicted_step_s": round(self.step_time_s, 6),
+            "predicted_peak_gib": round(self.peak_live_bytes / GiB, 3),
         }
 
     def apply(self, sch) -> list:
         """Record this plan on ``sch`` as ordinary primitive calls, all or nothing (:func:`slapo_lab.presets.atomic`):
         the Megatron preset for ``tp > 1`` (unless something is sharded already), ``checkpoint_blocks`` for
-        ``"all"`` or every k-th block, and ``cut_pipeline_stage`` after the last block of every stage but the last
+        ``"all"``, every k-th block or ``"selective"`` (``checkpoint(policy="selective")`` on every block), and ``cut_pipeline_stage`` after the last block of every stage but the last
         (the balanced cuts of ``stage_blocks``). The calls are undoable and exported like any others, and the
         presets check them numerically.
 
@@ -268,8 +273,8 @@ class Estimate:
             list: the recorded calls.
 
         Raises:
-            ScheduleError: ``sch`` is not for ``tp`` ranks, the plan checkpoints selectively or interleaves stages
-                (neither is a schedule primitive yet), or a primitive refuses (one sentence; nothing recorded).
+            ScheduleError: ``sch`` is not for ``tp`` ranks, the plan interleaves stages (not a schedule option
+                yet), or a primitive refuses (one sentence; nothing recorded).
         """
         from .. import presets
 
@@ -279,11 +284,6 @@ class Estimate:
                 f"apply: the schedule is for {sch.world_size} tensor-parallel ranks, the plan for tp {lay.tp}; "
                 f"create it with world_size={lay.tp}."
             )
-        if lay.checkpoint == "selective":
-            raise ScheduleError(
-                "apply: selective checkpointing is not a schedule primitive yet; pick a plan with checkpoint "
-                "'all', 'none' or every k-th block."
-            )
         if lay.pp > 1 and lay.pp_schedule == "interleaved":
             raise ScheduleError(
                 "apply: interleaved stages are not a schedule option yet; pick a 1F1B or GPipe plan."
@@ -292,8 +292,10 @@ class Estimate:
         with presets.atomic(sch):
             if lay.tp > 1 and not _sharded(sch):
                 presets.megatron_tp(sch, sequence_parallel=lay.sequence_parallel)
-            if lay.checkpoint == "all" or isinstance(lay.checkpoint, int):
-                presets.checkpoint_blocks(sch, every=1 if lay.checkpoint == "all" else lay.checkpoint)
+            if lay.checkpoint in ("all", "selective") or isinstance(lay.checkpoint, int):
+                every = lay.checkpoint if isinstance(lay.checkpoint, int) else 1
+                policy = "selective" if lay.checkpoint == "selective" else "full"
+                presets.checkpoint_blocks(sch, every=every, policy=policy)
             if lay.pp > 1:
                 blocks = presets.find_blocks(sch)
                 ends = list(itertools.accumulate(self.stage_blocks))[:-1]

@@ -13,7 +13,7 @@ the first block: embeddings, rotary tables), each block class, ``"post"`` (final
   ``torch.utils.module_tracker.ModuleTracker``);
 * the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``, one count per storage,
   parameters excluded), the residual input a full checkpoint keeps, and what selective checkpointing keeps
-  (:data:`SELECTIVE_SAVE`: the outputs of every other matmul and of attention, torchtitan's
+  (:data:`slapo_lab.random.SELECTIVE_SAVE`: the outputs of every other matmul and of attention, torchtitan's
   ``selective_ac_option="op"`` policy in ``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``);
 * parameter elements and bytes per tensor-parallel rank;
 * collectives with their byte volumes: the schedule's syncs (``_slapo_meta["syncs"]``: ``fwd_post`` moves the
@@ -43,28 +43,13 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..errors import ScheduleError
 from ..module_state import peek_meta
+from ..random import MATMULS as _MATMULS
+from ..random import SELECTIVE_SAVE, selective_policy
 
 __all__ = ["SELECTIVE_SAVE", "ModelProfile", "PartProfile", "profile_model", "selective_policy"]
 
 aten = torch.ops.aten
 
-#: Ops whose outputs selective activation checkpointing keeps (the rest of a block is recomputed), torchtitan's
-#: ``_save_list`` for ``selective_ac_option="op"`` plus CPU's flash attention and ``addmm`` (a linear with bias);
-#: of the matmuls (``mm``/``addmm``) every second one is recomputed, as torchtitan's policy does.
-SELECTIVE_SAVE = frozenset(
-    op
-    for op in (
-        getattr(aten.mm, "default", None),
-        getattr(aten.addmm, "default", None),
-        getattr(aten._scaled_dot_product_flash_attention, "default", None),
-        getattr(aten._scaled_dot_product_efficient_attention, "default", None),
-        getattr(aten._scaled_dot_product_cudnn_attention, "default", None),
-        getattr(aten._scaled_dot_product_flash_attention_for_cpu, "default", None),
-        getattr(aten.max, "default", None),
-    )
-    if op is not None
-)
-_MATMULS = frozenset(op for op in (aten.mm.default, aten.addmm.default))
 _SDPA_CPU = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
@@ -79,23 +64,6 @@ _ATTENTION = frozenset(
         aten._scaled_dot_product_cudnn_attention_backward,
     )
 )
-
-
-def selective_policy():
-    """A ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` policy that keeps the outputs of
-    :data:`SELECTIVE_SAVE` (every second matmul recomputed) and recomputes the rest, as the profiles assume."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    count = {"mm": 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in _MATMULS and not ctx.is_recompute:
-            count["mm"] += 1
-        if func in SELECTIVE_SAVE and not (func in _MATMULS and count["mm"] % 2 == 0):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
 
 
 @dataclass

@@ -5,6 +5,11 @@ arguments pass through; RNG state -- including the tensor-parallel tracker's -- 
 recomputation), so only its inputs are saved for backward. Semantics after Slapo's
 ``slapo/primitives/checkpoint.py``.
 
+``checkpoint(policy="selective")`` keeps more: the outputs of the ops of :data:`slapo_lab.random.SELECTIVE_SAVE`
+(attention and every second matmul) are saved and only the rest is recomputed, torchtitan's per-op selective
+activation checkpointing (``selective_ac_option="op"``) through torch's
+:func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts` (:func:`slapo_lab.random.checkpoint_selective`).
+
 A checkpointed module runs its forward twice (once more in backward), so nothing it does may have a
 side effect outside its outputs. Hugging Face decoder blocks append their keys and values to the KV
 cache object they are handed (``past_key_values`` / ``layer_past``: a ``transformers`` ``Cache``); the
@@ -22,6 +27,9 @@ from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from .base import Primitive, register_primitive
 
+#: ``checkpoint(policy=...)``: recompute everything but the inputs, or keep what selective checkpointing keeps.
+POLICIES = ("full", "selective")
+
 
 @register_primitive()
 class CheckpointPrimitive(Primitive):
@@ -29,16 +37,18 @@ class CheckpointPrimitive(Primitive):
 
     ``order_args_fn`` (Slapo compatibility) may map ``(*args, **kwargs)`` to positional arguments; with
     the non-reentrant implementation keyword arguments already work, so it is only applied if given.
+    ``policy``: ``"full"`` (the default: only the inputs are saved) or ``"selective"`` (the outputs of attention
+    and every second matmul are saved too; see the module docstring).
 
     Raises:
-        ScheduleError: on the root module, when already checkpointed, or for an fx ``subgraph`` (use
-            ``replace`` to make the subgraph a module first).
+        ScheduleError: on the root module, when already checkpointed, for an fx ``subgraph`` (use
+            ``replace`` to make the subgraph a module first), or for another ``policy``.
     """
 
     name = "checkpoint"
 
     @classmethod
-    def check(cls, sch, subgraph=None, order_args_fn=None) -> None:
+    def check(cls, sch, subgraph=None, order_args_fn=None, policy="full") -> None:
         if sch.parent is None:
             raise ScheduleError(
                 "Cannot checkpoint the root module: nothing outside it would keep fewer activations; "
@@ -54,11 +64,16 @@ class CheckpointPrimitive(Primitive):
             )
         if order_args_fn is not None and not callable(order_args_fn):
             raise ScheduleError("order_args_fn must be a callable.")
+        if policy not in POLICIES:
+            raise ScheduleError(
+                f"checkpoint(policy={policy!r}) on {sch.path}: the policy is one of {', '.join(map(repr, POLICIES))}."
+            )
 
     @staticmethod
-    def apply(sch, subgraph=None, order_args_fn=None):
-        CheckpointPrimitive.check(sch, subgraph, order_args_fn)
+    def apply(sch, subgraph=None, order_args_fn=None, policy="full"):
+        CheckpointPrimitive.check(sch, subgraph, order_args_fn, policy)
         meta = module_meta(sch.mod)
         meta["checkpoint"] = True
+        meta["checkpoint_policy"] = policy
         meta["order_args_fn"] = order_args_fn
         install_forward(sch.mod)

@@ -481,6 +481,20 @@ class MetricsOptions(_Section):
         "peak TFLOP/s per GPU in the precision run, for MFU (default: looked up by GPU name)",
         label="peak TFLOP/s",
     )
+    predicted_step_s: float | None = option(
+        None,
+        "a plan's predicted seconds per optimizer step (slapo_lab.planner): each step's time is printed as a ratio "
+        "to it, and the median at the end",
+        label="predicted step time (s)",
+        min=0,
+    )
+    predicted_peak_gib: float | None = option(
+        None,
+        "a plan's predicted peak allocated GiB of the busiest rank: rank 0's measured peak is printed as a ratio "
+        "to it at the end",
+        label="predicted peak memory (GiB)",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -874,6 +874,8 @@ class Run:
             world_size=dist.get_world_size(),
             precision=precision,
             peak_tflops=cfg.metrics.peak_tflops,
+            predicted_step_s=cfg.metrics.predicted_step_s,
+            predicted_peak_gib=cfg.metrics.predicted_peak_gib,
         )
         saved_at = start if start else None
         with logger:
