@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "calibrate", "model", "plan", "script", "hand", "script_compile")  # compile last: the slowest
+STEPS = ("env", "calibrate", "model", "plan", "script", "hand", "script_compile", "script_selective")
 #: TinyLlama-1.1B's config.json (hub id TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), and a 10-layer one
 #: for the CPU run of the suite.
 SIZES = {
@@ -195,6 +195,16 @@ def step_model(args, out: Path) -> dict:
     text = render_script(model_spec(model), [], input_spec({"input_ids": ids}, cfg.vocab_size), world_size=1)
     script = out / "train_llama.py"
     script.write_text(text)
+    # the same model with every block under selective activation checkpointing (checkpoint(policy="selective"))
+    import slapo_lab as sl
+    from slapo_lab import presets
+
+    with torch.device("meta"):
+        sch = sl.create_schedule(LlamaForCausalLM(cfg))
+    presets.checkpoint_blocks(sch, policy="selective", check=False)
+    spec = input_spec({"input_ids": ids}, cfg.vocab_size)
+    sac = out / "train_llama_sac.py"
+    sac.write_text(render_script(model_spec(model), sch.record.calls, spec, world_size=1))
     return {
         "config": SIZES[args.size],
         "n_params": n_params,
@@ -203,6 +213,7 @@ def step_model(args, out: Path) -> dict:
         "tokenizer_vocab": tok.get_vocab_size(),
         "model_dir": str(model_dir),
         "script": str(script),
+        "script_selective": str(sac),
     }
 
 
@@ -226,19 +237,27 @@ def _metrics(log_dir: Path, warmup: int) -> dict:
     }
 
 
-def _run_script(args, out: Path, compile_: bool) -> dict:
+#: the script runs: name -> (the script of the model step, --compile, Verify first, the plan's checkpoint policy)
+RUNS = {
+    "script": ("script", False, True, "none"),
+    "script_compile": ("script", True, False, "none"),
+    "script_selective": ("script_selective", True, False, "selective"),
+}
+
+
+def _run_script(args, out: Path, name: str) -> dict:
     made = _load(out, "model")
     if made is None:
         raise RuntimeError("the model step did not finish, so there is no script to run")
     env_info = _load(out, "env") or {}
     dev = _device(args)
-    name = "script_compile" if compile_ else "script"
+    which, compile_, verify, ckpt = RUNS[name]
     log_dir = out / f"logs_{name}"
     data = ["--data", str(out / "corpus.txt"), "--seq-len", str(args.seq)]
     if str(env_info.get("datasets", "")).startswith("not importable"):
         data = ["--data", "synthetic"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd += [made["script"], "--model-path", made["model_dir"], *data, "--device", dev, "--bf16"]
+    cmd += [made[which], "--model-path", made["model_dir"], *data, "--device", dev, "--bf16"]
     cmd += [
         "--steps",
         str(args.steps),
@@ -249,11 +268,10 @@ def _run_script(args, out: Path, compile_: bool) -> dict:
     ]
     cmd += ["--log-dir", str(log_dir), "--progress", "off", "--lr-schedule", "linear"]
     cmd += ["--compile"] + (["--compile-backend", "aot_eager"] if dev == "cpu" else []) if compile_ else []
-    cmd += ["--no-verify"] if compile_ else ["--verify"]
+    cmd += ["--verify"] if verify else ["--no-verify"]
     plan = _load(out, "plan") or {}
-    pred = next((p for name, p in plan.items() if name.startswith("built-in")), None) or plan.get(
-        "calibrated"
-    )
+    pred = next((p for key, p in plan.items() if key.startswith("built-in")), None) or plan.get("calibrated")
+    pred = pred and (pred if ckpt == "none" else pred[ckpt])
     if pred:  # the script prints its step times and peak memory as ratios to the plan's prediction
         cmd += [
             "--predicted-step-s",
@@ -276,7 +294,7 @@ def _run_script(args, out: Path, compile_: bool) -> dict:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
         raise RuntimeError(f"torchrun exited {proc.returncode}: " + " | ".join(tail))
     res = _metrics(log_dir, args.warmup)
-    res.update(wall_s=wall, data=data[1], command=" ".join(cmd[cmd.index(made["script"]) :]))
+    res.update(wall_s=wall, data=data[1], command=" ".join(cmd[cmd.index(made[which]) :]))
     res["verify_line"] = next(
         (ln for ln in proc.stdout.splitlines() if "Verify" in ln or "verif" in ln), None
     )
@@ -287,11 +305,15 @@ def _run_script(args, out: Path, compile_: bool) -> dict:
 
 
 def step_script(args, out: Path) -> dict:
-    return _run_script(args, out, compile_=False)
+    return _run_script(args, out, "script")
 
 
 def step_script_compile(args, out: Path) -> dict:
-    return _run_script(args, out, compile_=True)
+    return _run_script(args, out, "script_compile")
+
+
+def step_script_selective(args, out: Path) -> dict:
+    return _run_script(args, out, "script_selective")
 
 
 def step_hand(args, out: Path) -> dict:
@@ -346,6 +368,8 @@ def step_hand(args, out: Path) -> dict:
 
 
 def step_plan(args, out: Path) -> dict:
+    import dataclasses
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -375,8 +399,8 @@ def step_plan(args, out: Path) -> dict:
     cal = _load(out, "calibrate")
     if cal:
         profiles["calibrated"] = DeviceProfile(**cal["profile"])
-    res = {}
-    for name, prof in profiles.items():
+
+    def priced(prof, layout) -> dict:
         est = estimate(
             model,
             layout,
@@ -385,7 +409,7 @@ def step_plan(args, out: Path) -> dict:
             global_batch_size=args.batch,
             dtype="bf16",
         )
-        res[name] = {
+        return {
             "peak_memory_mib": est.peak_memory_bytes / 2**20,
             "peak_live_mib": est.peak_live_bytes / 2**20,
             "memory_mib": {k: v / 2**20 for k, v in est.memory[0].items()},
@@ -394,6 +418,11 @@ def step_plan(args, out: Path) -> dict:
             "tokens_per_s": est.tokens_per_s_per_gpu,
             "mfu": est.mfu,
         }
+
+    res = {}
+    for name, prof in profiles.items():
+        res[name] = priced(prof, layout)
+        res[name]["selective"] = priced(prof, dataclasses.replace(layout, checkpoint="selective"))
     return res
 
 
@@ -433,7 +462,12 @@ def report(args, out: Path, status: dict) -> str:
         "|---|---|---|---|---|",
     ]
     hand = _load(out, "hand") or {}
-    for name, label in (("script", "exported script"), ("script_compile", "exported script --compile")):
+    labels = {
+        "script": "exported script",
+        "script_compile": "exported script --compile",
+        "script_selective": "exported script --compile, selective checkpointing",
+    }
+    for name, label in labels.items():
         r = _load(out, name)
         if r:
             lines.append(
@@ -448,21 +482,27 @@ def report(args, out: Path, status: dict) -> str:
         )
     plan = _load(out, "plan") or {}
     if plan:
-        measured = _load(out, "script") or {}
         lines += [
             "",
-            "| planner profile | predicted tokens/s | measured / predicted | predicted live GiB | measured / predicted |",
-            "|---|---|---|---|---|",
+            "| planner profile, layout | measured by | predicted tokens/s | measured / predicted | predicted live GiB "
+            "| measured / predicted |",
+            "|---|---|---|---|---|---|",
         ]
         for name, p in plan.items():
-            lines.append(
-                f"| {name} | {_fmt(p['tokens_per_s'])} | {_ratio(measured.get('tokens_per_s'), p['tokens_per_s'])} "
-                f"| {p['peak_live_mib'] / 1024:.2f} | {_ratio(measured.get('peak_mem_mib'), p['peak_live_mib'])} |"
-            )
-    for name in ("script", "script_compile"):
+            for pred, run, what in (
+                (p, "script", "no checkpointing"),
+                (p["selective"], "script_selective", "selective"),
+            ):
+                measured = _load(out, run) or {}
+                lines.append(
+                    f"| {name}, {what} | {labels[run]} | {_fmt(pred['tokens_per_s'])} "
+                    f"| {_ratio(measured.get('tokens_per_s'), pred['tokens_per_s'])} | {pred['peak_live_mib'] / 1024:.2f} "
+                    f"| {_ratio(measured.get('peak_mem_mib'), pred['peak_live_mib'])} |"
+                )
+    for name, label in labels.items():
         r = _load(out, name) or {}
         if r.get("plan_line"):
-            lines += ["", f"The {name.replace('_', ' --')} run printed: {r['plan_line']}"]
+            lines += ["", f"The {label} run printed: {r['plan_line']}"]
     lines += ["", "| step | status | seconds |", "|---|---|---|"]
     for name in STEPS:
         st = status.get(name, {"status": "not run"})

@@ -260,8 +260,8 @@ def checkpoint_selective(function, *args, **kwargs):
         forward, recompute = _selective_contexts()
 
         @contextlib.contextmanager
-        def both():
-            with recompute, ctx.restore():
+        def both():  # the states are set outside the recompute mode, which must see only the forward's ops
+            with ctx.restore(), recompute:
                 yield
 
         return forward, both()

@@ -70,6 +70,25 @@ def test_selective_keeps_gradients_and_recomputes_less_than_full():
     assert n_none < counts["selective"] < counts["full"], (n_none, counts)
 
 
+def test_selective_with_the_tensor_parallel_rng_tracker_in_use():
+    """The training runtime seeds the tracker (set_random_seed with a tp_rank), and then the recomputation restores
+    its states; that restore must stay outside torch's recompute mode, which expects exactly the forward's ops
+    (it read "aten.clone.default encountered during backward but not found in storage" when inside)."""
+    from slapo_lab.random import get_cuda_rng_tracker, set_random_seed
+
+    model = _llama()
+    ref, _ = _grads_and_backward_matmuls(copy.deepcopy(model))
+    set_random_seed(1234, tp_rank=0)
+    try:
+        assert get_cuda_rng_tracker().states
+        sch = _scheduled(model, "selective")
+        grads, _ = _grads_and_backward_matmuls(sch.mod)
+    finally:
+        get_cuda_rng_tracker().reset()
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_call_records_replays_and_exports():
     model = _llama()
     sch = sl.create_schedule(copy.deepcopy(model))
