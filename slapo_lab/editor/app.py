@@ -31,6 +31,7 @@ from .form_button import FormButton
 from .graph_widget import GraphWidget
 from .highlight import highlight_python
 from .persistence import serialized
+from .plan_panel import PlanPanel
 from .state import (
     _INT_OPTIONS,
     _LABELS,
@@ -78,6 +79,7 @@ _FIELDS = {
     "seq_len": "tokens per training sequence",
     "dp": "data-parallel replicas: the run uses tp x pp x dp processes",
     "global_batch_size": "sequences per optimizer step over all replicas (divisible by dp)",
+    "micro_batch_size": "sequences per forward pass and replica; empty: the global batch / (dp x pipeline stages)",
     "steps": "optimizer steps to train for",
     "checkpoint_dir": "save resumable checkpoints here (created if missing); empty: none",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
@@ -501,6 +503,7 @@ class ScheduleEditor(EditorState, W.VBox):
             "checkpoint_every": 0,
             "save_hf": "",
             "global_batch_size": batch or 1,
+            "micro_batch_size": None,
             "steps": _SCRIPT_STEPS,
         }
 
@@ -533,6 +536,33 @@ class ScheduleEditor(EditorState, W.VBox):
         self._on_launcher()
         if refresh:
             self._refresh_costs()
+
+    def _fill_form_from_plan(self, options: dict) -> None:
+        """Put an applied plan's options (:meth:`~slapo_lab.editor.planning.PlanController.export_kwargs`) into the
+        form: the launcher, dp, FSDP or the ZeRO stage, the global and micro batch, the sequence length; the other
+        fields keep what they show. The memory view then replans."""
+        self._form_updating = True
+        try:
+            self._f_launcher.value = options.get("launcher", self._f_launcher.value)
+            for key, v in options.items():
+                w = self._form_fields.get(key)
+                if w is None:
+                    continue
+                if isinstance(w, W.Checkbox):
+                    w.value = bool(v)
+                elif key == "zero":
+                    w.value = v if v in (0, 1, 2) else 0
+                else:
+                    w.value = "" if v is None else str(v)
+            if self._f_launcher.value == "torchrun":
+                self._f_zero.value = 0
+            else:
+                self._f_fsdp.value = False
+        finally:
+            self._form_updating = False
+        self._on_launcher()
+        self._refresh_cluster()
+        self._refresh_costs()
 
     def _form_options(self) -> tuple[str, str, dict]:
         """``(launcher, script path, options)`` read off the form; numbers parsed, empty text = the default.
@@ -725,6 +755,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._gpn.observe(self._on_cluster, names="value")
         self._tp.observe(self._on_tp, names="value")
         self._cluster_info = W.HTML()
+        self._plan_panel = PlanPanel(self, on_apply=self._fill_form_from_plan)
         self._costs = W.HTML()
         self._costs_text = W.HTML()
         narrow = {"description_width": "48px"}
@@ -759,6 +790,7 @@ class ScheduleEditor(EditorState, W.VBox):
                 ),
                 W.HBox([self._nodes, self._gpn, self._gpu, self._tp]),
                 self._cluster_info,
+                self._plan_panel.box,
                 self._costs_text,
                 self._costs,
             ]
@@ -891,6 +923,7 @@ class ScheduleEditor(EditorState, W.VBox):
             fields["global_batch_size"],
             fields["steps"],
         )
+        self._f_micro = fields["micro_batch_size"]
         self._f_ckpt, self._f_ckpt_every, self._f_save_hf = (
             fields["checkpoint_dir"],
             fields["checkpoint_every"],
@@ -919,7 +952,7 @@ class ScheduleEditor(EditorState, W.VBox):
                 row([self._f_model, self._f_tokenizer]),
                 row([self._f_data, self._f_seq]),
                 row([self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero]),
-                row([self._f_batch, self._f_steps]),
+                row([self._f_batch, self._f_micro, self._f_steps]),
                 row([self._f_ckpt, self._f_ckpt_every, self._f_save_hf]),
                 row([self._export_path, self._btn_export]),
                 self._export_info,
