@@ -217,7 +217,8 @@ def table_html(rows: list[dict]) -> str:
         "</tr>"
         for r in rows
     )
-    return f"<table class='slapo-plan-rows'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    pad = "<style>.slapo-plan-rows th, .slapo-plan-rows td {padding: 1px 8px}</style>"
+    return f"{pad}<table class='slapo-plan-rows'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def why_not_html(groups: list[tuple[int, str]], shown: int = 6) -> str:
