@@ -21,14 +21,14 @@ import networkx as nx
 from torch import nn
 
 from .. import check_primitive, module_state
-from ..record import format_call, gc_deferred
+from ..record import gc_deferred
 from ..utils import to_meta
 from .export_panel import ExportPanel
 from .form_button import FormButton
 from .graph_widget import GraphWidget
-from .highlight import highlight_python
 from .memory_panel import ACTIVATIONS, MemoryPanel, set_silently
 from .persistence import serialized
+from .schedule_panel import SchedulePanel
 from .state import (
     EditorState,
     _running_loop,
@@ -87,10 +87,6 @@ _NUMERIC_COLOURS = {
     "failed": "var(--jp-error-color1, #c62828)",
     "error": "var(--jp-error-color1, #c62828)",
 }
-# The code panel shows at most _PANEL_LINES lines (the last ones); above _PANEL_FOLD_CALLS recorded calls it
-# does not fold repeats into loops (that reads every call on every redraw) and shows the last calls as typed.
-_PANEL_LINES = 1_000
-_PANEL_FOLD_CALLS = 5_000
 
 
 class ScheduleEditor(EditorState, W.VBox):
@@ -417,7 +413,6 @@ class ScheduleEditor(EditorState, W.VBox):
         self._inspector.add_class("slapo-inspector")
         self._tree.add_class("slapo-tree")
         self.last_plan = None
-        self._code = W.HTML()
         self._export = f = ExportPanel(self)
         # the form's widgets under their old names on the editor (the tests and the panel view read them)
         self._export_box, self._export_path, self._btn_export, self._export_info = (
@@ -440,8 +435,6 @@ class ScheduleEditor(EditorState, W.VBox):
         )
         self._f_dp, self._f_batch, self._f_micro, self._f_steps = f.f_dp, f.f_batch, f.f_micro, f.f_steps
         self._f_ckpt, self._f_ckpt_every, self._f_save_hf = f.f_ckpt, f.f_ckpt_every, f.f_save_hf
-        self._btn_undo = W.Button(description="Undo", icon="undo")
-        self._btn_redo = W.Button(description="Redo", icon="repeat")
         self._verify = v = VerifyPanel(self)
         self._btn_verify, self._btn_cancel, self._progress, self._phase, self._log = (
             v.btn_verify,
@@ -450,19 +443,9 @@ class ScheduleEditor(EditorState, W.VBox):
             v.phase,
             v.log,
         )
-        self._btn_undo.on_click(lambda _: self.undo())
-        self._btn_redo.on_click(lambda _: self.redo())
-        self._check = W.HTML()
-        self._check.add_class("slapo-check")
-        self._coverage = W.HTML()  # "Kept whole on every rank: …" (check_schedule's "replicated" finding)
-        self._coverage.add_class("slapo-coverage")
-        self._btn_fix = W.Button(
-            description="close open items",
-            icon="wrench",
-            tooltip="apply the calls the schedule check names, as one action (one Undo removes it)",
-            layout=W.Layout(display="none"),
-        )
-        self._btn_fix.on_click(lambda _: self.close_open_items())
+        self._schedule_panel = sp = SchedulePanel(self)
+        self._code, self._check, self._coverage = sp.code, sp.open_items, sp.coverage
+        self._btn_fix, self._btn_undo, self._btn_redo = sp.btn_fix, sp.btn_undo, sp.btn_redo
         self._code_box = W.VBox(
             [
                 W.HTML(
@@ -478,7 +461,6 @@ class ScheduleEditor(EditorState, W.VBox):
                 self._log,
             ]
         )
-        self._code.add_class("slapo-code")
 
     def _tree_rows_of_schedule(self) -> list[tuple[str, int, str, bool]]:
         """Every module as a tree row ``(path, depth, "name · Type", has children)``, in tree order."""
@@ -873,67 +855,16 @@ class ScheduleEditor(EditorState, W.VBox):
         self._sync_action_reasons()
 
     def _refresh_code(self) -> None:
-        """The code panel: the recorded calls with repeats over layers folded into ``for`` loops, exactly
-        as the exported script writes them (:func:`slapo_lab.export.fold.schedule_lines`); ``editor.code``
-        keeps one line per call."""
-        self._code.value = highlight_python(self._panel_code())
-
-    def _panel_code(self) -> str:
-        calls = list(self.schedule.record.calls)
-        if not calls:
-            return "# no primitives yet: click a module, then an action — or type on editor.schedule"
-        if len(calls) > _PANEL_FOLD_CALLS:  # a huge record: its last calls as typed, in bounded time
-            return "\n".join(
-                [f"# {len(calls):,} recorded calls, the last {_PANEL_LINES:,} shown (editor.code: all)"]
-                + [format_call(c) for c in calls[-_PANEL_LINES:]]
-            )
-        try:
-            from ..export.fold import schedule_lines
-
-            lines = schedule_lines(calls)
-        except Exception as err:  # noqa: BLE001 - an unexportable argument: show the calls one per line
-            _log.warning("code panel folding failed: %s", err)
-            lines = [format_call(c) for c in calls]
-        head = []
-        if len(lines) != len(calls):
-            head = [f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
-        if len(lines) > _PANEL_LINES:  # each line new to the highlighter costs it about 0.15 ms
-            head.append(f"# … {len(lines) - _PANEL_LINES:,} lines before these not shown (editor.code: all)")
-            lines = lines[-_PANEL_LINES:]
-        return "\n".join(head + lines)
+        """The code panel (:meth:`SchedulePanel.refresh_code`)."""
+        self._schedule_panel.refresh_code()
 
     def _refresh_costs(self) -> None:
         """The memory view (:meth:`MemoryPanel.refresh_costs`)."""
         self._memory.refresh_costs()
 
     def _refresh_check(self) -> None:
-        """The open items above the code panel (at most four sentences, then a count); hidden when none."""
-        try:
-            found = self.check()
-        except Exception:  # noqa: BLE001 - the view must never break the engine
-            _log.warning("schedule check failed", exc_info=True)
-            found = []
-        self._btn_fix.layout.display = "" if found else "none"
-        rep = self.numeric_report
-        if not found and rep is not None and rep.status in ("failed", "error"):
-            from ..check import Finding
-
-            found = [Finding(rep.module, "numeric", rep.message)]
-        self._refresh_coverage()
-        if not found:
-            self._check.value = ""
-            return
-        items = "".join(f"<li>{html.escape(f.message)}</li>" for f in found[:4])
-        more = (
-            f"<li>… and {len(found) - 4} more (<code>editor.check()</code> lists them all)</li>"
-            if len(found) > 4
-            else ""
-        )
-        self._check.value = (
-            f"<div class='slapo-check-box'><b>{len(found)} open item{'s' if len(found) > 1 else ''}"
-            "</b>: the model is not yet the original model split across ranks (Verify would "
-            f"fail):<ul>{items}{more}</ul></div>"
-        )
+        """The open items above the code panel (:meth:`SchedulePanel.refresh_check`)."""
+        self._schedule_panel.refresh_check()
 
     # ------------------------------------------------------------------ the cluster shape
 
@@ -948,23 +879,6 @@ class ScheduleEditor(EditorState, W.VBox):
         """The cluster shape's data-parallel degree into the Export form."""
         if str(self._f_dp.value).strip() != str(dp):
             self._f_dp.value = str(dp)
-
-    def _refresh_coverage(self) -> None:
-        """One line under the open items naming the dense layers kept whole while others are sharded (right,
-        but neither their memory nor their compute is split); empty when none."""
-        from ..check import coverage_findings
-
-        try:
-            found = coverage_findings(self.schedule)
-        except Exception:  # noqa: BLE001 - advice only: the view must never break the engine
-            _log.warning("coverage check failed", exc_info=True)
-            found = []
-        self._coverage.value = (
-            f"<div class='slapo-coverage-line' style='color: var(--jp-ui-font-color2, #616161)'><b>Note:</b> "
-            f"{html.escape(found[0].message)} Verify passes; their memory and compute are not split.</div>"
-            if found
-            else ""
-        )
 
     def _refresh_all(self, reset_view: bool = False) -> None:
         """Redraw after the schedule changed: the view first; the code panel, the schedule check and the costs
@@ -1117,9 +1031,7 @@ class ScheduleEditor(EditorState, W.VBox):
 
     def _refresh_history(self) -> None:
         """Undo is enabled only with something to undo, Redo only with something to redo."""
-        if not self._busy:
-            self._btn_undo.disabled = not self.schedule.record.calls
-            self._btn_redo.disabled = not self._redo
+        self._schedule_panel.refresh_history()
 
     def _prefetch_checks(self) -> float:
         """Record the forward call order that the cut checks (and the cut button's reason) need, so the
