@@ -80,6 +80,7 @@ EDITOR_MAY_USE = frozenset(
         "parallel_dims",
         "pipeline",
         "plan",
+        "planner",
         "preset_check",
         "presets",
         "record",

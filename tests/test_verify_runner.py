@@ -29,8 +29,8 @@ def test_verify_button_runs_torchrun_and_passes(tmp_path, monkeypatch):
     sl.presets.megatron_tp(ed.schedule)
     ed.apply("checkpoint", path="encoder.layer.0")
     phases = []
-    show = ed._on_verify_phase
-    monkeypatch.setattr(ed, "_on_verify_phase", lambda name: (phases.append(name), show(name)))
+    show = ed._verify.on_phase  # the Verify panel (editor/verify_panel.py) draws the phases
+    monkeypatch.setattr(ed._verify, "on_phase", lambda name: (phases.append(name), show(name)))
     ed._btn_verify.click()
     assert ed._runner is not None and ed._btn_cancel.disabled is False
     assert "Verify 2/7: launching the ranks" in ed._phase.value or phases  # named from the first second

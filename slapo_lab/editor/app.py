@@ -10,7 +10,6 @@ is the source for Verify and Export.
 from __future__ import annotations
 
 import atexit
-import functools
 import html
 import logging
 import threading
@@ -22,27 +21,20 @@ import networkx as nx
 from torch import nn
 
 from .. import check_primitive, module_state
-from ..errors import ScheduleError
-from ..record import format_call, gc_deferred
-from ..train.config import option_fields
+from ..record import gc_deferred
 from ..utils import to_meta
-from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
+from .export_panel import ExportPanel
 from .form_button import FormButton
 from .graph_widget import GraphWidget
-from .highlight import highlight_python
+from .memory_panel import ACTIVATIONS, MemoryPanel, set_silently
 from .persistence import serialized
+from .schedule_panel import SchedulePanel
 from .state import (
-    _INT_OPTIONS,
-    _LABELS,
-    _PATH_OPTIONS,
-    _SCRIPT_STEPS,
     EditorState,
-    _export_error,
-    _has_tokenizer,
-    _path_kind,
     _running_loop,
 )
 from .style import folded_style, legend_html, module_style
+from .verify_panel import VerifyPanel
 
 _log = logging.getLogger("slapo_lab.editor")
 
@@ -66,42 +58,12 @@ def _io_text(v) -> str:
     return ", ".join(parts)
 
 
-# ---------------------------------------------------------------------------------------- export form
-# the form's text fields: option -> tooltip (the label is the option's, slapo_lab.train.config)
-_FIELDS = {
-    "model_path": "a Hugging Face directory (config.json + *.safetensors) to fine-tune; empty: seeded random weights",
-    "tokenizer": "the tokenizer directory; empty: the model path",
-    "data": (
-        "'synthetic' (random inputs shaped like the example: a benchmark), or a .txt / .jsonl / "
-        ".parquet file or a folder of them"
-    ),
-    "seq_len": "tokens per training sequence",
-    "dp": "data-parallel replicas: the run uses tp x pp x dp processes",
-    "global_batch_size": "sequences per optimizer step over all replicas (divisible by dp)",
-    "steps": "optimizer steps to train for",
-    "checkpoint_dir": "save resumable checkpoints here (created if missing); empty: none",
-    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
-    "save_hf": "at the end, write a Hugging Face directory that from_pretrained loads; empty: none",
-}
-
-
 def _count(n: int) -> str:
     """``68976599040`` → ``69.0 B``, ``124439808`` → ``124.4 M``, ``6400`` → ``6,400``."""
     for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:,}"
-
-
-def _set_silently(widget, handler, **traits) -> None:
-    """Set ``traits`` on ``widget`` in the given order (``options`` before ``value``) without calling its value
-    observer ``handler``: the editor's own change, not the user's."""
-    widget.unobserve(handler, names="value")
-    try:
-        for name, value in traits.items():
-            setattr(widget, name, value)
-    finally:
-        widget.observe(handler, names="value")
 
 
 _LIVE_CHECKS: weakref.WeakSet = weakref.WeakSet()  # editors whose live check may be running
@@ -119,18 +81,12 @@ def _stop_live_checks() -> None:
             timer.join(10.0)
 
 
-# What the memory view counts as activations: what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL).
-_ACTIVATIONS = "autograd"
 # The live numeric check's line: JupyterLab's theme colours (light and dark), with fallbacks outside it.
 _NUMERIC_COLOURS = {
     "passed": "var(--jp-success-color1, #2e7d32)",
     "failed": "var(--jp-error-color1, #c62828)",
     "error": "var(--jp-error-color1, #c62828)",
 }
-# The code panel shows at most _PANEL_LINES lines (the last ones); above _PANEL_FOLD_CALLS recorded calls it
-# does not fold repeats into loops (that reads every call on every redraw) and shows the last calls as typed.
-_PANEL_LINES = 1_000
-_PANEL_FOLD_CALLS = 5_000
 
 
 class ScheduleEditor(EditorState, W.VBox):
@@ -185,12 +141,8 @@ class ScheduleEditor(EditorState, W.VBox):
         self._setup(model, example_inputs, world_size, rank, factory)
         self._flow = None
         self._flow_error = ""
-        self._runner = None
         self._rendered_key = None
         self._last_graph = None
-        self._log_lines: list[str] = []  # the visible log of the last Verify (no warnings)
-        self._verify_all: list[str] = []  # every line of it (the runner's result keeps them once it ends)
-        self._log_filter = None
         self._panels_pending = False  # code, open items and memory are redrawn once the action returned
         self.live_check = (
             os.environ.get("SLAPO_LAB_LIVE_CHECK", "1") != "0" if live_check is None else live_check
@@ -240,7 +192,7 @@ class ScheduleEditor(EditorState, W.VBox):
             ]
         )
         keep = self.selected if any(p == self.selected for _, p in opts) else None
-        _set_silently(self._tree, self._on_tree, options=opts, value=keep)
+        set_silently(self._tree, self._on_tree, options=opts, value=keep)
         none = bool(text) and not opts
         self._tree.layout.display = "none" if none else None
         self._search_info.value = f"No module matches '{html.escape(raw)}'." if none else ""
@@ -273,341 +225,49 @@ class ScheduleEditor(EditorState, W.VBox):
         Returns:
             The :class:`VerifyResult` if ``wait`` (None if it could not start), else the runner.
         """
-        import tempfile
-        import time
-
-        from .verify_runner import LogFilter, VerifyRunner, cpu_verify_too_big, plan_device
-
-        if self._runner is not None and self._runner.running:
-            self._error("A Verify run is already in progress; wait for it or press Cancel.")
-            return None
-        self._verify_t0 = time.monotonic()  # the bar and the phase show from the first second
-        self._verify_all, self._log_filter = [], LogFilter()
-        self._phase_name = "export"
-        self._progress.bar_style = ""
-        self._progress.value = 0
-        self._progress.layout.visibility = "visible"
-        self._show_phase(self._verify_t0)
-        try:
-            launcher, _, options = self._form_options()
-            options, used = self._verify_options(launcher, options)
-            options, defaults = self._check_export_options("torchrun", options)
-            folder = tempfile.mkdtemp(prefix="slapo-verify-")
-            script = str(
-                self._write_script(
-                    f"{folder}/verify_{type(self.model).__name__.lower()}.py", "torchrun", defaults
-                )
-            )
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            self._hide_progress()
-            self._error(f"Verify could not start: {err}")
-            return None
-        nproc = self.dims(options.get("dp", 1)).world_size
-        dev, note = plan_device(nproc, device)
-        if dev == "cpu":
-            too_big = cpu_verify_too_big(sum(p.numel() for p in self.model.parameters()), nproc)
-            if too_big:
-                self._hide_progress()
-                self._error(too_big)
-                return None
-        note = (note + " " if note else "") + used
-        self._log_lines = []
-        self._log.value = ""
-        self._progress.layout.visibility = "visible"
-        self._progress.value = 1  # exported; now launching
-        self._phase_name = "launch"
-        self._show_phase(time.monotonic())
-        self._btn_cancel.disabled = False
-        self._btn_verify.disabled = True
-        self._info(note + f" Verifying on {nproc} rank(s)…")
-        self._runner = VerifyRunner(
-            on_line=self._on_verify_line, on_done=self._on_verify_done, on_phase=self._on_verify_phase
-        )
-        try:
-            self._runner.start(script, nproc, dev, timeout=timeout, note=note)
-        except (OSError, RuntimeError) as err:  # the buttons must never stay disabled
-            self._btn_cancel.disabled = True
-            self._btn_verify.disabled = False
-            self._hide_progress()
-            self._error(f"Verify could not start: {err}")
-            return None
-        if wait:
-            return self._runner.wait()
-        return self._runner
-
-    def _verify_options(self, launcher: str, options: dict) -> tuple[dict, str]:
-        """The form's options for a Verify run, and the sentence saying which weights and data it uses.
-
-        The model path and the data (and the tokenizer) are kept, as absolute paths (the run's working
-        directory is a temporary folder), when they exist here; otherwise Verify uses seeded random weights
-        / synthetic data. Checkpoints, save-HF, logs, validation data, steps and the ZeRO stage are dropped.
-        """
-        import os
-
-        o = {
-            k: v
-            for k, v in options.items()
-            if k
-            not in ("checkpoint_dir", "checkpoint_every", "save_hf", "log_dir", "eval_data", "steps", "zero")
-        }
-        o = {k: v for k, v in o.items() if not (isinstance(v, str) and not v.strip())}
-        missing = []
-        model = o.pop("model_path", None)
-        if model is not None:
-            model = os.path.expanduser(model)
-            if self._model_dir_problem(model) is None:
-                o["model_path"] = os.path.abspath(model)
-            else:
-                missing.append(f"the model path {model}")
-        data = o.pop("data", "synthetic")
-        tokenizer = o.pop("tokenizer", None)
-        if data != "synthetic":
-            data = os.path.expanduser(data)
-            tok = os.path.expanduser(tokenizer) if tokenizer else o.get("model_path")
-            if _path_kind(data) == "missing":
-                missing.append(f"the data path {data}")
-            elif tok is None or _path_kind(tok) != "dir" or not _has_tokenizer(tok):
-                missing.append(f"the tokenizer directory {tok or tokenizer or '(none)'}")
-            else:
-                o["data"] = os.path.abspath(data)
-                if tokenizer:
-                    o["tokenizer"] = os.path.abspath(tok)
-        weights = f"the weights in {o['model_path']}" if "model_path" in o else "seeded random weights"
-        text = f"the data in {o['data']}" if "data" in o else "synthetic data"
-        used = f"Verify uses {weights} and {text}"
-        if missing:
-            used += (
-                f", because {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist here"
-            )
-        if launcher == "deepspeed" and options.get("zero"):
-            used += f" (ZeRO-{options['zero']} is left out: it changes neither outputs nor gradients)"
-        return o, used + "."
+        return self._verify.run(device, timeout, wait)
 
     def cancel_verify(self) -> bool:
         """Cancel a running Verify; returns whether one was running."""
-        return self._runner is not None and self._runner.cancel()
-
-    def _hide_progress(self) -> None:
-        self._progress.layout.visibility = "hidden"
-        self._phase.value = ""
+        return self._verify.cancel()
 
     def verify_log(self) -> list[str]:
         """Every output line of the last (or current) Verify run, warnings included (the panel hides them)."""
-        runner = self._runner
-        if runner is None:
-            return []
-        return list(runner.result.lines) if runner.result is not None else list(self._verify_all)
+        return self._verify.lines()
 
-    def _on_verify_phase(self, name: str) -> None:
-        """A phase began (:mod:`slapo_lab.train.phases`): name it beside the bar and move the bar."""
-        import time
+    @property
+    def _runner(self):
+        """The Verify panel's runner (None before the first run)."""
+        return self._verify.runner
 
-        from ..train.phases import PHASES
+    @_runner.setter
+    def _runner(self, value) -> None:
+        self._verify.runner = value
 
-        order = list(PHASES)
-        if name not in order:
-            return
-        if name == "train":  # Verify runs one step after it passed; the bar stays on "compare"
-            return
-        self._phase_name = name
-        self._progress.value = order.index(name)
-        self._show_phase(time.monotonic())
+    @property
+    def _log_lines(self) -> list[str]:
+        """The visible log of the last Verify (no warnings)."""
+        return self._verify.log_lines
 
-    def _show_phase(self, now: float) -> None:
-        from ..train.phases import PHASES
-
-        name = getattr(self, "_phase_name", "export")
-        i = list(PHASES).index(name)
-        secs = now - getattr(self, "_verify_t0", now)
-        self._phase.value = (
-            f"<span class='slapo-phase'>Verify {i + 1}/{len(PHASES)}: {html.escape(PHASES[name])} "
-            f"<small>({secs:.0f} s)</small></span>"
-        )
-
-    def _on_verify_line(self, line: str) -> None:
-        """One output line (already cut at MAX_LINE_CHARS by the runner). The panel shows the last 40 lines
-        that are not warnings or phase markers (:class:`~slapo_lab.editor.verify_runner.LogFilter`);
-        :meth:`verify_log` has them all."""
-        import time
-
-        if self._log_filter is None:
-            from .verify_runner import LogFilter
-
-            self._log_filter = LogFilter()
-        self._verify_all.append(line)
-        del self._verify_all[:-5000]
-        self._show_phase(time.monotonic())
-        if not self._log_filter.visible(line):
-            if self._log_filter.hidden and self._log_lines:
-                self._render_log()
-            return
-        self._log_lines.append(line)
-        del self._log_lines[:-200]
-        self._render_log()
-
-    def _render_log(self) -> None:
-        hidden = self._log_filter.hidden
-        note = (
-            f"({hidden} warning line{'s' if hidden != 1 else ''} hidden; editor.verify_log() has every line)\n"
-            if hidden
-            else ""
-        )
-        self._log.value = (
-            f"<pre class='slapo-log'>{html.escape(note + chr(10).join(self._log_lines[-40:]))}</pre>"
-        )
-
-    def _on_verify_done(self, result) -> None:
-        self._on_verify_phase("done")
-        self._progress.value = self._progress.max
-        self._progress.bar_style = "success" if result.status == "passed" else "danger"
-        self._btn_cancel.disabled = True
-        self._btn_verify.disabled = False
-        text = ((result.note + " ") if result.note else "") + result.summary
-        if result.status == "passed":
-            self._info(text)
-        else:
-            n = self._open_count()
-            if n:
-                text += (
-                    f" The schedule check lists {n} open item{'s' if n > 1 else ''} above the code; "
-                    "closing them is the first thing to try."
-                )
-            self._error(text)
-
+    # ------------------------------------------------------------------ the export form (ExportPanel)
     def _show_export(self, out, cmd: str) -> None:
-        self._export_info.value = (
-            f"<div class='slapo-export-info'>Wrote <code>{html.escape(str(out))}</code>. "
-            f"Launch: <code>{html.escape(cmd)}</code></div>"
-        )
-
-    # ------------------------------------------------------------------ the export form
-    def _form_defaults(self) -> dict:
-        """The form's values before any export: the script's defaults, the model path of a model that
-        ``from_pretrained`` read from a local directory."""
-        import os
-
-        batch, seq = self._example_sizes()
-        name = getattr(getattr(self.model, "config", None), "_name_or_path", "")
-        model_path = name if isinstance(name, str) and name and os.path.isdir(name) else ""
-        return {
-            "model_path": model_path,
-            "tokenizer": "",
-            "data": "synthetic",
-            "seq_len": seq,
-            "dp": 1,
-            "fsdp": False,
-            "zero": 0,
-            "checkpoint_dir": "",
-            "checkpoint_every": 0,
-            "save_hf": "",
-            "global_batch_size": batch or 1,
-            "steps": _SCRIPT_STEPS,
-        }
+        self._export.show_export(out, cmd)
 
     def _set_form(self, remembered: dict | None, refresh: bool = True) -> None:
-        """Show ``remembered`` (``export_options``) in the form; what it lacks shows the script's defaults.
-        Values of the wrong type are skipped (a hand-edited schedule file)."""
-        values = self._form_defaults()
-        if remembered is not None:
-            values["model_path"] = ""  # the export used no model path unless it says so
-            values.update({k: v for k, v in (remembered.get("options") or {}).items() if k in values})
-        self._form_updating = True
-        try:
-            for key, w in self._form_fields.items():
-                v = values.get(key)
-                if isinstance(w, W.Checkbox):
-                    w.value = bool(v) if isinstance(v, bool) else False
-                elif key == "zero":
-                    w.value = v if v in (0, 1, 2) else 0
-                else:
-                    w.value = (
-                        "" if v is None or isinstance(v, bool) or not isinstance(v, (str, int)) else str(v)
-                    )
-            if remembered is not None:
-                if remembered.get("launcher") in ("torchrun", "deepspeed"):
-                    self._f_launcher.value = remembered["launcher"]
-                if isinstance(remembered.get("script"), str) and remembered["script"]:
-                    self._export_path.value = remembered["script"]
-        finally:
-            self._form_updating = False
-        self._on_launcher()
-        if refresh:
-            self._refresh_costs()
+        """Show ``remembered`` (``export_options``) in the form (:meth:`ExportPanel.set_form`)."""
+        self._export.set_form(remembered, refresh)
 
     def _form_options(self) -> tuple[str, str, dict]:
-        """``(launcher, script path, options)`` read off the form; numbers parsed, empty text = the default.
-
-        Raises:
-            ExportError: a field that is not a whole number, in one sentence (the fields keep what was typed).
-        """
-        launcher = self._f_launcher.value
-        options: dict[str, Any] = {}
-        for key, w in self._form_fields.items():
-            if key == "fsdp":
-                if launcher == "torchrun":
-                    options[key] = bool(w.value)
-            elif key == "zero":
-                if launcher == "deepspeed":
-                    options[key] = int(w.value)
-            elif key in _INT_OPTIONS:
-                text = str(w.value).strip()
-                if not text:
-                    continue
-                try:
-                    options[key] = int(text)
-                except ValueError:
-                    raise _export_error(f"The {_LABELS[key]} must be a whole number, not {text!r}.") from None
-            else:
-                options[key] = str(w.value).strip()
-        path = self._export_path.value.strip()
-        if not path:
-            raise _export_error("Give the script a file name, e.g. train.py.")
-        return launcher, path, options
+        """``(launcher, script path, options)`` read off the form (:meth:`ExportPanel.form_options`)."""
+        return self._export.form_options()
 
     def _plan_layout(self) -> tuple[int, str | None, str]:
-        """``(dp, shard, note)`` for the memory plan, from the form: the note says when dp is unreadable."""
-        text = str(self._f_dp.value).strip()
-        try:
-            dp = int(text) if text else 1
-        except ValueError:
-            dp = 0
-        note = ""
-        if dp < 1:
-            note = (
-                f" <i>(dp {html.escape(repr(text))} is not a positive whole number, so this plans dp 1)</i>"
-            )
-            dp = 1
-        if self._f_launcher.value == "deepspeed":
-            shard = {1: "zero1", 2: "zero2"}.get(self._f_zero.value)
-        else:
-            shard = "fsdp" if self._f_fsdp.value else None
-        return dp, shard, note
+        """``(dp, shard, note)`` for the memory plan, from the form (:meth:`ExportPanel.plan_layout`)."""
+        return self._export.plan_layout()
 
-    def _on_launcher(self) -> None:
-        """FSDP with torchrun, a ZeRO stage with deepspeed."""
-        deepspeed = self._f_launcher.value == "deepspeed"
-        self._f_fsdp.layout.display = "none" if deepspeed else None
-        self._f_zero.layout.display = None if deepspeed else "none"
-
-    @serialized
-    def _on_layout_change(self, _change=None) -> None:
-        """dp, FSDP, ZeRO or the launcher changed in the form: replan the memory view."""
-        if getattr(self, "_form_updating", False):
-            return
-        self._on_launcher()
-        self._refresh_cluster()
-        self._refresh_costs()
-
-    def _on_export(self) -> None:
-        try:
-            launcher, path, options = self._form_options()
-            self.export(path, launcher=launcher, **options)
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            text = str(err) or type(err).__name__
-            self._error(text)
-            self._export_info.value = (
-                f"<div class='slapo-export-info slapo-err'>&#9888; {html.escape(text)}</div>"
-            )
+    def _fill_form_from_plan(self, options: dict) -> None:
+        """An applied plan's options into the form (:meth:`ExportPanel.fill_from_plan`)."""
+        self._export.fill_from_plan(options)
 
     # ------------------------------------------------------------------ widgets
     def _build_widgets(self) -> None:
@@ -697,36 +357,13 @@ class ScheduleEditor(EditorState, W.VBox):
             layout=W.Layout(width="95%"),
         )
         self._btn_preset.on_click(lambda _: self.apply_preset(self._preset.value, self._preset_k.value))
-        self._gpu = W.Dropdown(
-            options=list(GPU_SIZES.items()), value=80e9, description="GPU", layout=W.Layout(width="320px")
+        self._memory = MemoryPanel(
+            self, layout=self._plan_layout, set_dp=self._set_form_dp, on_apply=self._fill_form_from_plan
         )
-        self._gpu.observe(lambda ch: self._refresh_costs(), names="value")
-        from .cluster import tp_choices
-
-        self._nodes = W.BoundedIntText(
-            value=1, min=1, max=100_000, description="nodes", layout=W.Layout(width="140px")
-        )
-        self._gpn = W.BoundedIntText(
-            value=self._cluster.gpus_per_node,
-            min=1,
-            max=1024,
-            description="GPUs/node",
-            layout=W.Layout(width="170px"),
-        )
-        self._tp = W.Dropdown(
-            options=tp_choices(self._cluster, self.world_size),
-            value=self.world_size,
-            description="TP",
-            layout=W.Layout(width="120px"),
-        )
-        for w in (self._nodes, self._gpn, self._tp):
-            w.style = {"description_width": "initial"}
-        self._nodes.observe(self._on_cluster, names="value")
-        self._gpn.observe(self._on_cluster, names="value")
-        self._tp.observe(self._on_tp, names="value")
-        self._cluster_info = W.HTML()
-        self._costs = W.HTML()
-        self._costs_text = W.HTML()
+        m = self._memory  # the widgets' old names on the editor (the tests and the panel view read them)
+        self._gpu, self._nodes, self._gpn, self._tp = m.gpu, m.nodes, m.gpn, m.tp
+        self._cluster_info, self._costs, self._costs_text = m.cluster_info, m.costs, m.costs_text
+        self._plan_panel, self._costs_box = m.plan, m.box
         narrow = {"description_width": "48px"}
         for w in (self._param, self._axis, self._sync, self._preset, self._preset_k):
             w.style = narrow
@@ -750,19 +387,6 @@ class ScheduleEditor(EditorState, W.VBox):
             layout=W.Layout(width="30%"),
         )
         self._body = W.HBox([left, center, right], layout=W.Layout(width="100%"))
-        self._costs_box = W.VBox(
-            [
-                W.HTML(
-                    "<b>Memory per rank</b> (parameters, gradients, Adam states, "
-                    "activations of one micro-batch; dp, FSDP and ZeRO as set in the Export "
-                    "form)"
-                ),
-                W.HBox([self._nodes, self._gpn, self._gpu, self._tp]),
-                self._cluster_info,
-                self._costs_text,
-                self._costs,
-            ]
-        )
         self._message = W.HTML()
         self._message.add_class("slapo-message")
         # the click that resolves a refusal, when there is one (e.g. "Undo: preset megatron")
@@ -789,39 +413,39 @@ class ScheduleEditor(EditorState, W.VBox):
         self._inspector.add_class("slapo-inspector")
         self._tree.add_class("slapo-tree")
         self.last_plan = None
-        self._code = W.HTML()
-        self._build_export_form(name)
-        self._btn_undo = W.Button(description="Undo", icon="undo")
-        self._btn_redo = W.Button(description="Redo", icon="repeat")
-        self._btn_verify = W.Button(
-            description="Verify on GPU",
-            icon="check",
-            button_style="success",
-            tooltip="run the exported script with --verify under torchrun (CPU/gloo without GPUs)",
+        self._export = f = ExportPanel(self)
+        # the form's widgets under their old names on the editor (the tests and the panel view read them)
+        self._export_box, self._export_path, self._btn_export, self._export_info = (
+            f.box,
+            f.export_path,
+            f.btn_export,
+            f.export_info,
         )
-        self._btn_cancel = W.Button(description="Cancel", icon="stop", disabled=True)
-        self._btn_verify.on_click(lambda _: self.verify())
-        self._btn_cancel.on_click(lambda _: self.cancel_verify())
-        from ..train.phases import PHASES
-
-        self._progress = W.IntProgress(
-            value=0, min=0, max=len(PHASES) - 1, layout=W.Layout(visibility="hidden", width="30%")
+        self._form_fields, self._f_launcher, self._f_fsdp, self._f_zero = (
+            f.fields,
+            f.f_launcher,
+            f.f_fsdp,
+            f.f_zero,
         )
-        self._phase = W.HTML()  # "Verify 3/6: building this rank's shards … (12 s)"
-        self._log = W.HTML()
-        self._btn_undo.on_click(lambda _: self.undo())
-        self._btn_redo.on_click(lambda _: self.redo())
-        self._check = W.HTML()
-        self._check.add_class("slapo-check")
-        self._coverage = W.HTML()  # "Kept whole on every rank: …" (check_schedule's "replicated" finding)
-        self._coverage.add_class("slapo-coverage")
-        self._btn_fix = W.Button(
-            description="close open items",
-            icon="wrench",
-            tooltip="apply the calls the schedule check names, as one action (one Undo removes it)",
-            layout=W.Layout(display="none"),
+        self._f_model, self._f_tokenizer, self._f_data, self._f_seq = (
+            f.f_model,
+            f.f_tokenizer,
+            f.f_data,
+            f.f_seq,
         )
-        self._btn_fix.on_click(lambda _: self.close_open_items())
+        self._f_dp, self._f_batch, self._f_micro, self._f_steps = f.f_dp, f.f_batch, f.f_micro, f.f_steps
+        self._f_ckpt, self._f_ckpt_every, self._f_save_hf = f.f_ckpt, f.f_ckpt_every, f.f_save_hf
+        self._verify = v = VerifyPanel(self)
+        self._btn_verify, self._btn_cancel, self._progress, self._phase, self._log = (
+            v.btn_verify,
+            v.btn_cancel,
+            v.progress,
+            v.phase,
+            v.log,
+        )
+        self._schedule_panel = sp = SchedulePanel(self)
+        self._code, self._check, self._coverage = sp.code, sp.open_items, sp.coverage
+        self._btn_fix, self._btn_undo, self._btn_redo = sp.btn_fix, sp.btn_undo, sp.btn_redo
         self._code_box = W.VBox(
             [
                 W.HTML(
@@ -837,96 +461,6 @@ class ScheduleEditor(EditorState, W.VBox):
                 self._log,
             ]
         )
-        self._code.add_class("slapo-code")
-
-    def _build_export_form(self, name: str) -> None:
-        """The Export form: model, data, parallelism, batch and steps, checkpoints; the script path and the
-        Export button last. dp / FSDP / ZeRO also drive the memory view."""
-        self._form_updating = False
-        wide, narrow = W.Layout(width="340px"), W.Layout(width="190px")
-        style = {"description_width": "84px"}
-        fields: dict[str, W.Widget] = {}
-        for key, tip in _FIELDS.items():
-            w = W.Text(
-                description=option_fields()[key][1].metadata["label"],
-                tooltip=tip,
-                placeholder=tip.split("; ")[-1] if "; " in tip else "",
-                layout=wide if key in _PATH_OPTIONS else narrow,
-                style=style,
-            )
-            fields[key] = w
-        fields["dp"].continuous_update = False
-        self._f_launcher = W.Dropdown(
-            options=["torchrun", "deepspeed"],
-            value="torchrun",
-            description="launcher",
-            layout=narrow,
-            style=style,
-        )
-        self._f_fsdp = W.Checkbox(
-            value=False,
-            description="FSDP",
-            indent=False,
-            layout=W.Layout(width="90px"),
-            tooltip="shard parameters, gradients and optimizer states over dp (FSDP2)",
-        )
-        self._f_zero = W.Dropdown(
-            options=[("0: none", 0), ("1: optimizer states", 1), ("2: + gradients", 2)],
-            value=0,
-            description="ZeRO",
-            layout=W.Layout(width="240px", display="none"),
-            style=style,
-            tooltip="the DeepSpeed ZeRO stage: what is sharded over dp",
-        )
-        fields["fsdp"], fields["zero"] = self._f_fsdp, self._f_zero
-        self._form_fields = fields
-        self._f_model, self._f_tokenizer, self._f_data = (
-            fields["model_path"],
-            fields["tokenizer"],
-            fields["data"],
-        )
-        self._f_seq, self._f_dp, self._f_batch, self._f_steps = (
-            fields["seq_len"],
-            fields["dp"],
-            fields["global_batch_size"],
-            fields["steps"],
-        )
-        self._f_ckpt, self._f_ckpt_every, self._f_save_hf = (
-            fields["checkpoint_dir"],
-            fields["checkpoint_every"],
-            fields["save_hf"],
-        )
-        for w in (self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero):
-            w.observe(self._on_layout_change, names="value")
-        self._export_path = W.Text(
-            value=f"train_{name.lower()}.py", description="script", layout=wide, style=style
-        )
-        self._btn_export = FormButton(
-            [self._f_launcher, *fields.values(), self._export_path],
-            description="Export",
-            icon="download",
-            button_style="primary",
-            tooltip="write the training script with these options as its defaults",
-        )
-        self._btn_export.on_click(lambda _: self._on_export())
-        self._export_info = W.HTML()
-        row = functools.partial(W.HBox, layout=W.Layout(flex_flow="row wrap", align_items="center"))
-        self._export_box = W.VBox(
-            [
-                W.HTML(
-                    "<b>Export a training run</b> (the script's defaults; its command line overrides them)"
-                ),
-                row([self._f_model, self._f_tokenizer]),
-                row([self._f_data, self._f_seq]),
-                row([self._f_launcher, self._f_dp, self._f_fsdp, self._f_zero]),
-                row([self._f_batch, self._f_steps]),
-                row([self._f_ckpt, self._f_ckpt_every, self._f_save_hf]),
-                row([self._export_path, self._btn_export]),
-                self._export_info,
-            ]
-        )
-        self._export_box.add_class("slapo-export")
-        self._set_form(None, refresh=False)
 
     def _tree_rows_of_schedule(self) -> list[tuple[str, int, str, bool]]:
         """Every module as a tree row ``(path, depth, "name · Type", has children)``, in tree order."""
@@ -968,7 +502,7 @@ class ScheduleEditor(EditorState, W.VBox):
         opts = self._tree_visible()
         if list(self._tree.options) != opts:
             keep = self.selected if any(p == self.selected for _, p in opts) else None
-            _set_silently(self._tree, self._on_tree, options=opts, value=keep)
+            set_silently(self._tree, self._on_tree, options=opts, value=keep)
 
     # ------------------------------------------------------------------ events
 
@@ -1321,158 +855,30 @@ class ScheduleEditor(EditorState, W.VBox):
         self._sync_action_reasons()
 
     def _refresh_code(self) -> None:
-        """The code panel: the recorded calls with repeats over layers folded into ``for`` loops, exactly
-        as the exported script writes them (:func:`slapo_lab.export.fold.schedule_lines`); ``editor.code``
-        keeps one line per call."""
-        self._code.value = highlight_python(self._panel_code())
-
-    def _panel_code(self) -> str:
-        calls = list(self.schedule.record.calls)
-        if not calls:
-            return "# no primitives yet: click a module, then an action — or type on editor.schedule"
-        if len(calls) > _PANEL_FOLD_CALLS:  # a huge record: its last calls as typed, in bounded time
-            return "\n".join(
-                [f"# {len(calls):,} recorded calls, the last {_PANEL_LINES:,} shown (editor.code: all)"]
-                + [format_call(c) for c in calls[-_PANEL_LINES:]]
-            )
-        try:
-            from ..export.fold import schedule_lines
-
-            lines = schedule_lines(calls)
-        except Exception as err:  # noqa: BLE001 - an unexportable argument: show the calls one per line
-            _log.warning("code panel folding failed: %s", err)
-            lines = [format_call(c) for c in calls]
-        head = []
-        if len(lines) != len(calls):
-            head = [f"# {len(calls):,} recorded calls, repeats folded into loops (editor.code: one per line)"]
-        if len(lines) > _PANEL_LINES:  # each line new to the highlighter costs it about 0.15 ms
-            head.append(f"# … {len(lines) - _PANEL_LINES:,} lines before these not shown (editor.code: all)")
-            lines = lines[-_PANEL_LINES:]
-        return "\n".join(head + lines)
+        """The code panel (:meth:`SchedulePanel.refresh_code`)."""
+        self._schedule_panel.refresh_code()
 
     def _refresh_costs(self) -> None:
-        """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
-        one sentence (what failed, where, why), never an exception's text (that goes to the log); the rest of
-        the view is unaffected."""
-        from ..plan import has_cached_profile, plan
-
-        if getattr(self, "_n_params", None) is None:  # of the user's model: sharding shrinks the meta copy
-            self._n_params = sum(p.numel() for p in self.model.parameters())
-        dp, shard, note = self._plan_layout()
-        inputs = self.example_inputs or None
-        mode = _ACTIVATIONS
-        if (
-            inputs is not None
-            and _running_loop() is not None
-            and not has_cached_profile(self.schedule, inputs, mode)
-        ):  # a meta forward of every layer (3.5 s at 70B): the background work runs it in a kernel, so that no
-            # click waits for it, and redraws this view when it is done (outside a kernel it runs here)
-            inputs = None
-            note += " <i>(activations: being estimated…)</i>"
-        elif inputs is not None:
-            note += " <small>(activations: what autograd saves, attention as flash-attention SDPA)</small>"
-        try:
-            try:
-                pl = plan(
-                    self.schedule,
-                    example_inputs=inputs,
-                    activation=mode if inputs is not None else None,
-                    dp=dp,
-                    shard=shard,
-                )
-            except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
-                _log.info("activation estimate failed: %s", err)
-                pl = plan(self.schedule, activation=None, dp=dp, shard=shard)
-                note = f" <i>— {html.escape(memory_failure(err, 'activations not estimated'))}</i>"
-            self.last_plan = pl
-            gpu = float(self._gpu.value)
-            self._costs_text.value = html.escape(cost_summary(pl, gpu)) + note
-            self._costs.value = cost_chart_svg(pl, gpu)
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            _log.warning("memory plan failed", exc_info=True)
-            self.last_plan = None
-            self._costs.value = ""
-            self._costs_text.value = html.escape(memory_failure(err, "Memory plan unavailable"))
+        """The memory view (:meth:`MemoryPanel.refresh_costs`)."""
+        self._memory.refresh_costs()
 
     def _refresh_check(self) -> None:
-        """The open items above the code panel (at most four sentences, then a count); hidden when none."""
-        try:
-            found = self.check()
-        except Exception:  # noqa: BLE001 - the view must never break the engine
-            _log.warning("schedule check failed", exc_info=True)
-            found = []
-        self._btn_fix.layout.display = "" if found else "none"
-        rep = self.numeric_report
-        if not found and rep is not None and rep.status in ("failed", "error"):
-            from ..check import Finding
-
-            found = [Finding(rep.module, "numeric", rep.message)]
-        self._refresh_coverage()
-        if not found:
-            self._check.value = ""
-            return
-        items = "".join(f"<li>{html.escape(f.message)}</li>" for f in found[:4])
-        more = (
-            f"<li>… and {len(found) - 4} more (<code>editor.check()</code> lists them all)</li>"
-            if len(found) > 4
-            else ""
-        )
-        self._check.value = (
-            f"<div class='slapo-check-box'><b>{len(found)} open item{'s' if len(found) > 1 else ''}"
-            "</b>: the model is not yet the original model split across ranks (Verify would "
-            f"fail):<ul>{items}{more}</ul></div>"
-        )
+        """The open items above the code panel (:meth:`SchedulePanel.refresh_check`)."""
+        self._schedule_panel.refresh_check()
 
     # ------------------------------------------------------------------ the cluster shape
-
-    def _on_cluster(self, _change=None) -> None:
-        self.set_cluster(int(self._nodes.value), int(self._gpn.value))
-
-    def _on_tp(self, change) -> None:
-        if change["new"] != self.world_size:
-            self.set_tp(int(change["new"]))
 
     def _refresh_cluster(self) -> str | None:
         """The header's degrees, the TP choices, the cluster line and (once the user set the shape) the form's
         dp; returns the sentence saying why the shape does not fit, or None."""
-        from .cluster import data_parallel, degrees_text, tp_choices
-
-        pp = self.dims().pp
-        dp, problem = data_parallel(self._cluster, self.world_size, pp)
-        for w, v in ((self._nodes, self._cluster.nodes), (self._gpn, self._cluster.gpus_per_node)):
-            if w.value != v:
-                _set_silently(w, self._on_cluster, value=v)
-        if self._cluster_set and str(self._f_dp.value).strip() != str(dp):
-            self._f_dp.value = str(dp)
-        dp_form, shard, _ = self._plan_layout()
-        degrees = degrees_text(self.world_size, pp, dp_form, shard)
+        degrees, problem = self._memory.refresh_cluster()
         self._header.value = self._header_base + html.escape(degrees) + f" (planning for rank {self.rank})"
-        choices = tp_choices(self._cluster, self.world_size)
-        if list(self._tp.options) != choices or self._tp.value != self.world_size:
-            _set_silently(self._tp, self._on_tp, options=choices, value=self.world_size)
-        self._cluster_info.value = (
-            f"<small>{html.escape(str(self._cluster))}: {html.escape(degrees)}"
-            + (f" — {html.escape(problem)}" if problem else "")
-            + "</small>"
-        )
         return problem
 
-    def _refresh_coverage(self) -> None:
-        """One line under the open items naming the dense layers kept whole while others are sharded (right,
-        but neither their memory nor their compute is split); empty when none."""
-        from ..check import coverage_findings
-
-        try:
-            found = coverage_findings(self.schedule)
-        except Exception:  # noqa: BLE001 - advice only: the view must never break the engine
-            _log.warning("coverage check failed", exc_info=True)
-            found = []
-        self._coverage.value = (
-            f"<div class='slapo-coverage-line' style='color: var(--jp-ui-font-color2, #616161)'><b>Note:</b> "
-            f"{html.escape(found[0].message)} Verify passes; their memory and compute are not split.</div>"
-            if found
-            else ""
-        )
+    def _set_form_dp(self, dp: int) -> None:
+        """The cluster shape's data-parallel degree into the Export form."""
+        if str(self._f_dp.value).strip() != str(dp):
+            self._f_dp.value = str(dp)
 
     def _refresh_all(self, reset_view: bool = False) -> None:
         """Redraw after the schedule changed: the view first; the code panel, the schedule check and the costs
@@ -1580,7 +986,7 @@ class ScheduleEditor(EditorState, W.VBox):
                 kernel
                 and self.example_inputs
                 and not cancel.is_set()
-                and profile_for_cache(self.schedule, self.example_inputs, self._lock, _ACTIVATIONS, cancel)
+                and profile_for_cache(self.schedule, self.example_inputs, self._lock, ACTIVATIONS, cancel)
             ):
                 with self._lock:
                     self._refresh_costs()
@@ -1625,9 +1031,7 @@ class ScheduleEditor(EditorState, W.VBox):
 
     def _refresh_history(self) -> None:
         """Undo is enabled only with something to undo, Redo only with something to redo."""
-        if not self._busy:
-            self._btn_undo.disabled = not self.schedule.record.calls
-            self._btn_redo.disabled = not self._redo
+        self._schedule_panel.refresh_history()
 
     def _prefetch_checks(self) -> float:
         """Record the forward call order that the cut checks (and the cut button's reason) need, so the
@@ -1652,7 +1056,7 @@ class ScheduleEditor(EditorState, W.VBox):
         self._similar_info.value = f"<small>{n_sim} similar modules</small>" if n_sim > 1 else ""
         self._refresh_tree()
         if self._tree.value != self.selected and any(p == self.selected for _, p in self._tree.options):
-            _set_silently(self._tree, self._on_tree, value=self.selected)
+            set_silently(self._tree, self._on_tree, value=self.selected)
         if self._flow_error and not self.message:
             self._info(self._flow_error)
 

@@ -31,6 +31,7 @@ from ..record import format_call, gc_paused
 from ..train.config import BatchOptions, option_fields, option_type
 from ..utils import meta_copy
 from .persistence import SchedulePersistence, serialized
+from .planning import PlanController
 
 __all__ = ["EditorState"]
 
@@ -113,6 +114,8 @@ class EditorState(SchedulePersistence):
         level: the module path whose children are shown ("" the model).
         selected: the selected module path ("" the model).
         expanded: the folded runs of repeated blocks that are shown unfolded.
+        planner: the Plan pane's :class:`~slapo_lab.editor.planning.PlanController` (``planner.run(...)``,
+            ``planner.apply(i)``, ``planner.export_kwargs()``).
         apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets),
             all or nothing, and gated like a preset (:func:`similar_gate`).
         resolve_label: the label of the action that resolves the last refusal ("" when none), run by
@@ -170,6 +173,7 @@ class EditorState(SchedulePersistence):
         self.numeric_report = None  # the live numeric check's report of the current schedule (the widget's)
         self._cluster = ClusterShape(1, max(1, world_size))  # one node of one replica: dp 1, as the form
         self._cluster_set = False  # dp follows the cluster only once the user sets its shape
+        self.planner = PlanController(self)  # the Plan pane's controller: auto_plan, the chosen layout, Apply
 
     def _open_file(self, schedule_file: str | None) -> None:
         """Restore ``schedule_file`` when it exists (else start empty and create it at the first change), then
