@@ -76,10 +76,13 @@ def test_plan_controller_ranks_applies_undoes_and_exports_without_widgets(tmp_pa
         "global_batch_size": 4,
         "micro_batch_size": lay.micro_batch_size,
         "seq_len": SEQ,
+        "predicted_step_s": est.export_options()["predicted_step_s"],
+        "predicted_peak_gib": est.export_options()["predicted_peak_gib"],
     }
     out = st.export(str(tmp_path / "train.py"), **kwargs)
     text = Path(out).read_text(encoding="utf-8")
     assert f"micro_batch_size={lay.micro_batch_size}" in text  # the script's TrainConfig literal
+    assert f"predicted_step_s={kwargs['predicted_step_s']}" in text  # printed beside the measured step times
     assert "--nproc_per_node=4" in st.message  # tp 2 x pp 2 x dp 1
 
     assert st.undo() is None and st.schedule.record.calls == []  # one Undo removes the plan's calls
@@ -99,8 +102,8 @@ def test_plan_controller_refusals_are_one_sentence():
     assert st.planner.apply(n) == f"The plan has {n} candidates; there is no row {n} to apply."
     assert st.message == f"The plan has {n} candidates; there is no row {n} to apply."
     # a candidate the schedule primitives cannot record is refused whole, in one sentence, nothing recorded
-    st.planner.run(checkpoints=("selective",), shards=("none",))
-    assert st.planner.apply(0).startswith("The plan was not applied: apply: selective checkpointing is not")
+    st.planner.run(checkpoints=("none",), shards=("none",), tp=[1], pp=[2], pp_schedules=("interleaved",))
+    assert st.planner.apply(0).startswith("The plan was not applied: apply: interleaved stages are not")
     assert st.schedule.record.calls == [] and st.planner.chosen is None
 
 
@@ -134,6 +137,9 @@ def test_plan_pane_draws_the_table_and_apply_fills_the_export_form():
         2, 4, mbs, SEQ,
     )  # fmt: skip
     assert "ZeRO-2" in ed._cluster_info.value  # the header's degrees follow the form
+    assert options["predicted_step_s"] == ed.planner.chosen.export_options()["predicted_step_s"]
+    ed._export.f_dp.value = "1"  # another layout than the plan's: its prediction is no longer exported
+    assert "predicted_step_s" not in ed._form_options()[2]
     # no row: Apply says so in one sentence, nothing changes
     n = len(ed.schedule.record.calls)
     pane.row.options = []

@@ -40,6 +40,10 @@ FIELDS = {
 }
 
 
+#: the export options of an applied plan that no field shows: the script prints its measurements against them
+_PREDICTION = ("predicted_step_s", "predicted_peak_gib")
+
+
 class ExportPanel:
     """The Export form.
 
@@ -61,6 +65,7 @@ class ExportPanel:
         """The Export form: model, data, parallelism, batch and steps, checkpoints; the script path and the
         Export button last. dp / FSDP / ZeRO also drive the memory view."""
         self.updating = False
+        self.prediction: dict = {}  # an applied plan's predicted_step_s / predicted_peak_gib (export options)
         wide, narrow = W.Layout(width="340px"), W.Layout(width="190px")
         style = {"description_width": "84px"}
         fields: dict[str, W.Widget] = {}
@@ -210,8 +215,10 @@ class ExportPanel:
     def fill_from_plan(self, options: dict) -> None:
         """Put an applied plan's options (:meth:`~slapo_lab.editor.planning.PlanController.export_kwargs`) into the
         form: the launcher, dp, FSDP or the ZeRO stage, the global and micro batch, the sequence length; the other
-        fields keep what they show. The memory view then replans."""
+        fields keep what they show. The plan's prediction goes into the exported script (which prints its
+        measurements as ratios to it) until a layout field is changed. The memory view then replans."""
         self.updating = True
+        self.prediction = {k: options[k] for k in _PREDICTION if options.get(k) is not None}
         try:
             self.f_launcher.value = options.get("launcher", self.f_launcher.value)
             for key, v in options.items():
@@ -259,6 +266,7 @@ class ExportPanel:
                     raise _export_error(f"The {_LABELS[key]} must be a whole number, not {text!r}.") from None
             else:
                 options[key] = str(w.value).strip()
+        options.update(self.prediction)  # the applied plan's, until a layout field changes
         path = self.export_path.value.strip()
         if not path:
             raise _export_error("Give the script a file name, e.g. train.py.")
@@ -293,6 +301,7 @@ class ExportPanel:
         """dp, FSDP, ZeRO or the launcher changed in the form: replan the memory view."""
         if self.updating:
             return
+        self.prediction = {}  # another layout than the applied plan's: its prediction no longer holds
         with self.editor._lock:
             self.on_launcher()
             self.editor._refresh_cluster()

@@ -216,7 +216,8 @@ class PlanController:
 
     def export_kwargs(self, index: int | None = None) -> dict:
         """The Export form's options for the chosen candidate (or row ``index``): ``launcher`` (deepspeed for a
-        ZeRO stage), ``dp``, ``fsdp`` or ``zero``, ``global_batch_size``, ``micro_batch_size``, ``seq_len``;
+        ZeRO stage), ``dp``, ``fsdp`` or ``zero``, ``global_batch_size``, ``micro_batch_size``, ``seq_len``, and the
+        plan's ``predicted_step_s`` / ``predicted_peak_gib``, which the script prints its measurements against;
         ``state.export(path, **export_kwargs())`` writes the plan's run.
 
         Raises:
@@ -230,6 +231,8 @@ class PlanController:
         out = {"launcher": launcher, "dp": opts["dp"], **shard}
         out["global_batch_size"] = opts["global_batch_size"]
         out["micro_batch_size"] = opts["micro_batch_size"]
+        out["predicted_step_s"] = opts["predicted_step_s"]  # the script prints its measurements against them
+        out["predicted_peak_gib"] = opts["predicted_peak_gib"]
         if self.request is not None:
             out["seq_len"] = self.request.seq_len
         return out

@@ -63,6 +63,8 @@ EXPORT_OPTIONS = (
     "lr",
     "bf16",
     "log_dir",
+    "predicted_step_s",
+    "predicted_peak_gib",
 )
 
 
