@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from . import channel_heads as _channel_heads
 from . import fanout as _fanout
 from . import head_buffers as _head_buffers
+from . import score_terms as _score_terms
 
 _SHAPE_OPS = frozenset(
     {
@@ -106,6 +107,8 @@ _SHAPE_OPS = frozenset(
         "swapdims",
         "index_select",
         "tensor_split",
+        "gather",
+        "take_along_dim",
     }
 )
 _PASS_OPS = frozenset(
@@ -432,7 +435,7 @@ class _Recorder(TorchFunctionMode):
                 for t in _tensors((args, kwargs))
             ):
                 self.mixed.add(id(o))
-            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
+            if scores is not None and _score_terms.is_term(maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def align(self, ins, out: torch.Tensor) -> None:
@@ -605,6 +608,8 @@ class _Recorder(TorchFunctionMode):
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
                         if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
+                            if self.real(x).is_meta:  # no values (torch would gather a CPU map into garbage)
+                                return _score_terms.unknown_index(func, x)
                             return self.real(x)
                         return x.to("cpu")
                     if isinstance(x, (list, tuple)):
@@ -623,7 +628,7 @@ class _Recorder(TorchFunctionMode):
                 for p, ms in results.get(idx, {}).items()
             }
             self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
-            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
+            if scores is not None and _score_terms.is_term(maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
@@ -896,6 +901,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                     _note_head_param(split, p, ms)
                 elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
                     _note_head_param(split, p, ms, split.head_inputs)
+        _score_terms.note_roles(ev["extras"], roles, n, dense)  # a linear added to the scores by head
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(
@@ -1014,6 +1020,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 continue
             parts = "".join(dict.fromkeys(part))
             cands = _replicated_strides(part, replicated) if replicated else _candidate_strides(feats, part)
+            cands = [*cands, *_score_terms.run_strides(feats, needed)]  # one run of features per block
             lay = next((s for s in cands if _fits(feats, s, ws, needed)), None)
             if lay is None:
                 refusal_here = f"no shard of {p} keeps whole heads on every rank"

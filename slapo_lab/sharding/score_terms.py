@@ -1,0 +1,111 @@
+"""Linears whose output is added to the attention scores head by head: per-head score terms that follow the split.
+
+ProphetNet's n-gram self-attention (``transformers/models/prophetnet/modeling_prophetnet.py``,
+``ProphetNetNgramSelfAttention.get_main_relative_pos_embeddings``) computes its relative-position bias from the
+hidden states: ``relative_pos_embeddings = nn.Linear(hidden, num_buckets * num_heads)``, viewed as
+``(B, T, num_buckets, num_heads)``, permuted to heads first, ``gather``-ed by each query/key pair's bucket and
+added to the scores ``(B, heads, T, S)``. Each of its output features reaches exactly one head, so it is a
+column-parallel projection whose per-rank features are the features of that rank's heads -- here not contiguous
+but one chunk of every bucket's block of ``num_heads`` features (a strided shard, Megatron's
+``partition_stride``; :func:`slapo_lab.sharding.rules.local_shard`).
+
+:class:`slapo_lab.sharding.infer._Recorder` keeps such a value as a score *extra* when a linear's map reaches the
+scores (:func:`is_term`), ``gather`` carries the maps like any shape op, and :func:`note_roles` gives the linear
+a q-side role with one set of features per head (the score terms' convention of DeBERTa's c2p / p2c pairs,
+:mod:`slapo_lab.sharding.infer`); :func:`run_strides` offers the strided layout a rank's features form. A
+linear whose features reach several heads, or not every head, gets no role (the split inference and the
+preset's numeric gate keep it whole).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_term", "note_roles", "run_strides", "unknown_index"]
+
+_NOT_LINEAR = ("param:", "input:", "@", "cols:")
+
+
+def is_term(maps: dict) -> bool:
+    """Whether a value added to (or multiplied into) the scores carries a per-head term worth keeping: a
+    parameter's or an outside input's entries (head tables, ALiBi), or a linear's output features."""
+    return any(p.startswith(("param:", "input:")) or not p.startswith(_NOT_LINEAR) for p in maps)
+
+
+def unknown_index(func, index: torch.Tensor) -> torch.Tensor:
+    """The index a map follows for an index made on the meta device, which has no values (ProphetNet's
+    relative-position buckets come from position ids the meta forward computes): for ``gather`` /
+    ``take_along_dim`` zeros, so each output element stands for one element of its own row along the gathered
+    axis (the other axes, the heads among them, keep their place); for any other op a ``ValueError``, which
+    drops the map."""
+    if getattr(func, "__name__", "") not in ("gather", "take_along_dim"):
+        raise ValueError("an index without values")
+    return torch.zeros(tuple(index.shape), dtype=torch.long)
+
+
+def _complete(sets: list[set], feats: int) -> list[set] | None:
+    """Per-head feature sets seen through a gather that picked only some of each head's features, completed to
+    the layout every seen feature agrees with: interleaved (feature ``f`` of head ``f % n``: a ``view(..., X,
+    n)``, ProphetNet's ``(num_buckets, num_heads)``) or contiguous (head ``f // (feats / n)``: ``view(..., n,
+    X)``); None when neither explains them."""
+    n = len(sets)
+    if feats % n:
+        return None
+    seen = [(h, f) for h, s in enumerate(sets) for f in s]
+    if all(f % n == h for h, f in seen):
+        return [set(range(h, feats, n)) for h in range(n)]
+    width = feats // n
+    if all(f // width == h for h, f in seen):
+        return [set(range(h * width, (h + 1) * width)) for h in range(n)]
+    return None
+
+
+def note_roles(extras: list, roles: dict, n: int, dense: dict) -> None:
+    """Give every linear of ``dense`` whose output features reach the scores of an attention of ``n`` heads,
+    each feature exactly one head and every head some feature, the role ``"q"`` with its per-head feature sets
+    (``roles``: producer -> role -> [set of features per head], updated in place).
+
+    ``extras``: ``[(score-shaped tensor (..., heads, T, S), its _Info)]`` of one attention event."""
+    from .infer import _common_parent, _head_sets
+
+    # the attention module the event's own q / k / v belong to: a term another attention's scores left behind
+    # (an extra noted after that attention's last event) is not this one's
+    base = _common_parent([r.rpartition(".")[0] for r in roles if r in dense])
+    for e, inf in extras:
+        if not isinstance(e, torch.Tensor) or e.dim() < 3 or e.shape[-3] != n:
+            continue
+        for p, ms in inf.maps.items():
+            if p.startswith(_NOT_LINEAR) or p not in dense or p in roles:
+                continue
+            if base and not p.startswith(base + "."):
+                continue
+            sets = _head_sets(e, ms)
+            if len(sets) != n or not all(sets):
+                continue
+            if any(sets[a] & sets[b] for a in range(n) for b in range(a + 1, n)):
+                continue  # a feature shared by heads: no split keeps it with every head that reads it
+            feats = getattr(dense[p], "out_features", None) or dense[p].weight.shape[-1]
+            full = _complete(sets, feats) if len(set().union(*sets)) < feats else sets
+            if full is not None:
+                roles[p] = {"q": full}
+
+
+def run_strides(n: int, needed: list[set]) -> list[int]:
+    """The equal-block stride a column shard needs when rank 0's features ``needed[0]`` are runs of equal length
+    spread at equal distances over ``n`` features (one run per block): ``[number of blocks]``, else ``[]``."""
+    first = sorted(needed[0]) if needed and needed[0] else []
+    if not first:
+        return []
+    runs: list[list[int]] = []
+    for f in first:
+        if runs and f == runs[-1][-1] + 1:
+            runs[-1].append(f)
+        else:
+            runs.append([f])
+    k = len(runs)
+    if k < 2 or n % k or len({len(r) for r in runs}) != 1:
+        return []
+    block = n // k
+    if any(r[0] != i * block for i, r in enumerate(runs)):
+        return []
+    return [k]
