@@ -901,7 +901,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                     _note_head_param(split, p, ms)
                 elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
                     _note_head_param(split, p, ms, split.head_inputs)
-        _score_terms.note_roles(ev["extras"], roles, n, dense)  # a linear added to the scores by head
+        mixed_term = _score_terms.note_roles(ev["extras"], roles, n, dense, rec.linear_in)  # score terms
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(
@@ -942,7 +942,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         _head_buffers.note_attention(split, rec, roles, n)  # per-head buffers (MiniMax's decays)
         _channel_heads.resolve(split, rec, roles)  # a convolution over heads (channel_heads.py)
         ws = _test_ws(n, kv) or _test_ws(n)
-        refusal = None
+        refusal = mixed_term
         if head_lists:
             where = head_lists[0]
             refusal = (

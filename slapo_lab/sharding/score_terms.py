@@ -1,20 +1,24 @@
 """Linears whose output is added to the attention scores head by head: per-head score terms that follow the split.
 
-ProphetNet's n-gram self-attention (``transformers/models/prophetnet/modeling_prophetnet.py``,
-``ProphetNetNgramSelfAttention.get_main_relative_pos_embeddings``) computes its relative-position bias from the
-hidden states: ``relative_pos_embeddings = nn.Linear(hidden, num_buckets * num_heads)``, viewed as
-``(B, T, num_buckets, num_heads)``, permuted to heads first, ``gather``-ed by each query/key pair's bucket and
-added to the scores ``(B, heads, T, S)``. Each of its output features reaches exactly one head, so it is a
-column-parallel projection whose per-rank features are the features of that rank's heads -- here not contiguous
-but one chunk of every bucket's block of ``num_heads`` features (a strided shard, Megatron's
-``partition_stride``; :func:`slapo_lab.sharding.rules.local_shard`).
+A relative-position bias may be computed from the hidden states: ProphetNet's main stream
+(``transformers/models/prophetnet/modeling_prophetnet.py``, ``get_main_relative_pos_embeddings``) takes
+``relative_pos_embeddings = nn.Linear(hidden, num_buckets * num_heads)``, views it as
+``(B, T, num_buckets, num_heads)``, permutes the heads first, ``gather``-s each query/key pair's bucket and adds
+the result to the scores ``(B, heads, T, S)``. Each output feature then reaches exactly one head, so the linear is
+column parallel with the features of each rank's heads -- not contiguous here but one chunk of every bucket's
+block of ``num_heads`` features (a strided shard, Megatron's ``partition_stride``;
+:func:`slapo_lab.sharding.rules.local_shard`).
 
 :class:`slapo_lab.sharding.infer._Recorder` keeps such a value as a score *extra* when a linear's map reaches the
-scores (:func:`is_term`), ``gather`` carries the maps like any shape op, and :func:`note_roles` gives the linear
-a q-side role with one set of features per head (the score terms' convention of DeBERTa's c2p / p2c pairs,
-:mod:`slapo_lab.sharding.infer`); :func:`run_strides` offers the strided layout a rank's features form. A
-linear whose features reach several heads, or not every head, gets no role (the split inference and the
-preset's numeric gate keep it whole).
+scores (:func:`is_term`); ``gather`` carries the maps like any shape op, by a zero index where the index was
+made on the meta device and has no values (:func:`unknown_index`: each output element stands for one element of
+its row, and the per-head features seen are completed to the interleaved or contiguous layout they agree with);
+:func:`note_roles` gives the linear a q-side role with one set of features per head (the convention of DeBERTa's
+c2p / p2c score terms) and :func:`run_strides` the strided layout its per-rank features form. Where the linear's
+features reach several heads' scores, no split by heads is right and the attention is refused in one sentence:
+ProphetNet's predict stream (``get_predict_relative_pos_embeddings``) gathers rows ordered
+``(batch, T, ngram, heads)`` and reads them back as ``(batch, ngram, heads, T)``, so head h's scores get other
+heads' relative-position features.
 """
 
 from __future__ import annotations
@@ -60,17 +64,26 @@ def _complete(sets: list[set], feats: int) -> list[set] | None:
     return None
 
 
-def note_roles(extras: list, roles: dict, n: int, dense: dict) -> None:
+def note_roles(extras: list, roles: dict, n: int, dense: dict, linear_in: dict) -> str | None:
     """Give every linear of ``dense`` whose output features reach the scores of an attention of ``n`` heads,
     each feature exactly one head and every head some feature, the role ``"q"`` with its per-head feature sets
     (``roles``: producer -> role -> [set of features per head], updated in place).
 
-    ``extras``: ``[(score-shaped tensor (..., heads, T, S), its _Info)]`` of one attention event."""
+    ``extras``: ``[(score-shaped tensor (..., heads, T, S), its _Info)]`` of one attention event;
+    ``linear_in``: linear path -> the _Info of its input. A linear whose input carries another linear's features
+    (Doge's ``dt_proj`` of the values) gets no role: a column shard of it would see only this rank's heads.
+
+    Returns:
+        why the attention's heads cannot be split (a sentence fragment) when such a linear's features reach the
+        scores of several heads (ProphetNet's predict stream gathers its relative-position rows in another
+        order than it reads them back, so head h's scores get other heads' terms): the linear then joins
+        ``roles`` so the refusal keeps it whole with the attention; None otherwise."""
     from .infer import _common_parent, _head_sets
 
     # the attention module the event's own q / k / v belong to: a term another attention's scores left behind
     # (an extra noted after that attention's last event) is not this one's
     base = _common_parent([r.rpartition(".")[0] for r in roles if r in dense])
+    mixed = None
     for e, inf in extras:
         if not isinstance(e, torch.Tensor) or e.dim() < 3 or e.shape[-3] != n:
             continue
@@ -79,15 +92,25 @@ def note_roles(extras: list, roles: dict, n: int, dense: dict) -> None:
                 continue
             if base and not p.startswith(base + "."):
                 continue
+            fed = linear_in.get(p)
+            if fed is not None and any(q in dense for q in fed.maps):
+                continue
             sets = _head_sets(e, ms)
             if len(sets) != n or not all(sets):
                 continue
             if any(sets[a] & sets[b] for a in range(n) for b in range(a + 1, n)):
-                continue  # a feature shared by heads: no split keeps it with every head that reads it
+                # a feature shared by heads' scores: no split by heads keeps it with every head that reads it
+                roles[p] = {"q": sets}
+                mixed = mixed or (
+                    f"its {p.rsplit('.', 1)[-1]} output is added to the attention scores with features of one "
+                    "head reaching other heads' scores, so splitting the heads would change them"
+                )
+                continue
             feats = getattr(dense[p], "out_features", None) or dense[p].weight.shape[-1]
             full = _complete(sets, feats) if len(set().union(*sets)) < feats else sets
             if full is not None:
                 roles[p] = {"q": full}
+    return mixed
 
 
 def run_strides(n: int, needed: list[set]) -> list[int]:
