@@ -10,6 +10,11 @@
   in another order (``(batch, T, ngram, heads)`` rows as ``(ngram, batch, heads, T)``), so head h's scores get
   other heads' relative-position features -- checked on the model itself -- and the n-gram self-attention is kept
   whole with that sentence, its cross-attention split;
+* LUKE built tiny from ``LukeConfig`` with entities (the sweep's second input sequence,
+  ``tests/family_sweep.py``: ``entity_ids`` and ``entity_position_ids``): the entity-aware attention's extra
+  queries ``w2e_query`` / ``e2w_query`` / ``e2e_query`` are read from the dataflow and split by heads, the preset's
+  own check runs (the check draws the remembered meta positions among the token positions, not the vocabulary)
+  and passes;
 * the strided-layout, completion and meta-index helpers on their own.
 """
 
@@ -23,7 +28,7 @@ from torch import nn
 import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.call_order import set_example_inputs
-from slapo_lab.numeric import numeric_check
+from slapo_lab.numeric import numeric_check, shrunk_inputs
 from slapo_lab.preset_check import set_reference
 from slapo_lab.sharding import infer, score_terms
 from slapo_lab.sharding.rules import local_shard
@@ -201,3 +206,43 @@ def test_an_index_without_values_is_never_read():
     assert torch.equal(score_terms.unknown_index(torch.gather, idx), torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError):
         score_terms.unknown_index(torch.index_select, idx)
+
+
+def test_luke_entity_queries_are_split_by_heads():
+    from tests.family_sweep import example_inputs
+
+    torch.manual_seed(0)
+    cfg = transformers.LukeConfig(
+        vocab_size=64,
+        entity_vocab_size=32,
+        entity_emb_size=WIDTH,
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        use_entity_aware_attention=True,
+    )
+    model = transformers.LukeForMaskedLM(cfg).eval()
+    inputs = example_inputs(model)
+    assert inputs["entity_ids"].shape == (2, 4) and inputs["entity_position_ids"].shape == (2, 4, 1)
+    sch, calls = _preset(model, inputs)
+    assert not any("not checked" in n or n.startswith("Kept whole: in every") for n in calls.notes), (
+        calls.notes
+    )
+    split = infer.block_split(sch, "luke.encoder.layer.0")
+    for rel in ("query", "w2e_query", "e2w_query", "e2e_query", "key", "value"):
+        assert split.roles[f"attention.self.{rel}"] in ("q", "k", "v"), rel
+        assert sch[f"luke.encoder.layer.0.attention.self.{rel}"].mod.weight.shard_axis == 0, rel
+    assert sch["luke.encoder.layer.0.attention.output.dense"].mod.weight.shard_axis == 1
+    report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
+    assert report.status == "passed" and not report.unjudged, report.message
+
+
+def test_meta_position_ids_are_drawn_among_the_token_positions():
+    meta = {
+        "input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta"),
+        "entity_position_ids": torch.zeros(2, 4, 1, dtype=torch.long, device="meta"),
+    }
+    out = shrunk_inputs(meta, nn.Embedding(1000, 4))
+    assert int(out["entity_position_ids"].max()) < 16 and int(out["input_ids"].max()) >= 16
