@@ -15,7 +15,9 @@ stacks and an encoder is its masked LM):
    example inputs) is ``"does not build: <reason>"`` and not counted.
 2. **Example inputs** from the forward's signature and the config (:func:`example_inputs`): ``input_ids``
    (2 x 16), ``decoder_input_ids`` (2 x 8) for an encoder-decoder, ``pixel_values`` (2 x C x 32 x 32) for an
-   image model, ``input_features`` for a speech encoder, ``use_cache=False``.
+   image model, ``input_features`` for a speech encoder, ``use_cache=False``; inputs that switch on projections
+   the model has: a second sequence with its own vocabulary and positions (LUKE's entities,
+   :func:`_second_sequence`) and Longformer's / LED's ``global_attention_mask`` (the first token global).
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
    copy at world size 2 with the example inputs and the unscheduled model remembered
    (``set_example_inputs``, ``preset_check.set_reference``), then
@@ -469,6 +471,11 @@ def example_inputs(model, seed: int = 0) -> dict:
             states = torch.randn(BATCH, SEQ, width, generator=g)
             out[cross] = states if cross == "encoder_hidden_states" else (states,)  # Whisper's: a 1-tuple
     out.update(_second_sequence(cfg, params, out, g))
+    if "global_attention_mask" in params and "input_ids" in out:
+        # Longformer's and LED's global attention (its query_global / key_global / value_global run only for
+        # global tokens): the first token of each sample, as transformers' docs set it for classification
+        out["global_attention_mask"] = torch.zeros_like(out["input_ids"])
+        out["global_attention_mask"][:, 0] = 1
     if "use_cache" in params:
         out["use_cache"] = False
     return out

@@ -15,6 +15,9 @@
   queries ``w2e_query`` / ``e2w_query`` / ``e2e_query`` are read from the dataflow and split by heads, the preset's
   own check runs (the check draws the remembered meta positions among the token positions, not the vocabulary)
   and passes;
+* Longformer built tiny from ``LongformerConfig`` with the sweep's ``global_attention_mask`` (the first token
+  global): ``query_global`` / ``key_global`` / ``value_global`` run, are read as q / k / v and split by heads with
+  the local projections, and the check passes;
 * the strided-layout, completion and meta-index helpers on their own.
 """
 
@@ -246,3 +249,35 @@ def test_meta_position_ids_are_drawn_among_the_token_positions():
     }
     out = shrunk_inputs(meta, nn.Embedding(1000, 4))
     assert int(out["entity_position_ids"].max()) < 16 and int(out["input_ids"].max()) >= 16
+
+
+def test_longformer_global_projections_are_split_by_heads():
+    from tests.family_sweep import example_inputs
+
+    torch.manual_seed(0)
+    cfg = transformers.LongformerConfig(
+        vocab_size=64,
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=64,
+        attention_window=4,
+        max_position_embeddings=40,
+        pad_token_id=1,
+    )
+    model = transformers.LongformerForMaskedLM(cfg).eval()
+    inputs = example_inputs(model)
+    assert (
+        inputs["global_attention_mask"][:, 0].eq(1).all()
+        and inputs["global_attention_mask"][:, 1:].eq(0).all()
+    )
+    sch, calls = _preset(model, inputs)
+    assert not any("not checked" in n or n.startswith("Kept whole: in every") for n in calls.notes), (
+        calls.notes
+    )
+    split = infer.block_split(sch, "longformer.encoder.layer.0")
+    for rel, role in (("query_global", "q"), ("key_global", "k"), ("value_global", "v"), ("query", "q")):
+        assert split.roles[f"attention.self.{rel}"] == role, rel
+        assert sch[f"longformer.encoder.layer.0.attention.self.{rel}"].mod.weight.shard_axis == 0, rel
+    report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
+    assert report.status == "passed" and not report.unjudged, report.message
