@@ -18,6 +18,9 @@
 * Longformer built tiny from ``LongformerConfig`` with the sweep's ``global_attention_mask`` (the first token
   global): ``query_global`` / ``key_global`` / ``value_global`` run, are read as q / k / v and split by heads with
   the local projections, and the check passes;
+* RWKV built tiny from ``RwkvConfig``: ``feed_forward.receptance`` gates ``feed_forward.value``'s output after
+  its row-parallel all-reduce (:mod:`slapo_lab.sharding.post_gates`), so it stays whole with that reason while
+  ``key`` / ``value`` are split, and the check passes;
 * the strided-layout, completion and meta-index helpers on their own.
 """
 
@@ -281,3 +284,26 @@ def test_longformer_global_projections_are_split_by_heads():
         assert sch[f"longformer.encoder.layer.0.attention.self.{rel}"].mod.weight.shard_axis == 0, rel
     report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
     assert report.status == "passed" and not report.unjudged, report.message
+
+
+def test_rwkv_receptance_gates_after_the_reduce_and_stays_whole():
+    torch.manual_seed(0)
+    cfg = transformers.RwkvConfig(
+        vocab_size=64,
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        attention_hidden_size=WIDTH,
+        intermediate_size=64,
+    )
+    model = transformers.RwkvForCausalLM(cfg).eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8)), "use_cache": False}  # no state written in place
+    sch, calls = _preset(model, inputs)
+    split = infer.block_split(sch, "rwkv.blocks.0")
+    assert split.roles["feed_forward.key"] == "mlp_in" and split.roles["feed_forward.value"] == "mlp_out"
+    why = split.whole["feed_forward.receptance"]
+    assert why.startswith("a gate on feed_forward.value's output"), why
+    assert getattr(sch["rwkv.blocks.0.feed_forward.receptance"].mod.weight, "shard_axis", None) is None
+    assert sch["rwkv.blocks.0.feed_forward.value"].mod.weight.shard_axis == 1
+    assert any("feed_forward.receptance (a gate on" in n for n in calls.notes), calls.notes
+    report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
+    assert report.status == "passed", report.message
