@@ -21,6 +21,10 @@
 * RWKV built tiny from ``RwkvConfig``: ``feed_forward.receptance`` gates ``feed_forward.value``'s output after
   its row-parallel all-reduce (:mod:`slapo_lab.sharding.post_gates`), so it stays whole with that reason while
   ``key`` / ``value`` are split, and the check passes;
+* Inkling (text) built tiny as the sweep builds it (``tests/family_sweep.py``, from its config class):
+  ``r_proj``'s per-head relative states pass through ``relative_states @ proj`` (a weight over each head's
+  features, :func:`slapo_lab.sharding.score_terms.param_matmul`) into the attention's bias, so ``r_proj`` is
+  split by heads with q / k / v / o and the check passes;
 * the strided-layout, completion and meta-index helpers on their own.
 """
 
@@ -305,5 +309,20 @@ def test_rwkv_receptance_gates_after_the_reduce_and_stays_whole():
     assert getattr(sch["rwkv.blocks.0.feed_forward.receptance"].mod.weight, "shard_axis", None) is None
     assert sch["rwkv.blocks.0.feed_forward.value"].mod.weight.shard_axis == 1
     assert any("feed_forward.receptance (a gate on" in n for n in calls.notes), calls.notes
+    report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
+    assert report.status == "passed", report.message
+
+
+def test_inkling_relative_states_follow_the_heads():
+    from tests.family_sweep import build, families
+
+    model, inputs = build("inkling_text", families()["inkling_text"][1])
+    sch, calls = _preset(model, inputs)
+    assert not any(n.startswith("Kept whole: in every") for n in calls.notes), calls.notes
+    split = infer.block_split(sch, "model.layers.0")
+    assert split.roles["self_attn.r_proj"] == "q" and split.roles["self_attn.o_proj"] == "o"
+    assert "self_attn.rel_logits_proj" in split.grad_sum  # its bank is applied to this rank's heads only
+    for rel in ("q_proj", "k_proj", "v_proj", "r_proj"):
+        assert sch[f"model.layers.0.self_attn.{rel}"].mod.weight.shard_axis == 0, rel
     report = numeric_check(model, sch.record.calls, 2, inputs, timeout=100)
     assert report.status == "passed", report.message

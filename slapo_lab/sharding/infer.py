@@ -392,6 +392,8 @@ class _Recorder(TorchFunctionMode):
                 extras = [mm[0]]
                 self.attention(q, k, mm[1], extras, out, src, a.scores[1:])
                 return
+            if _score_terms.param_matmul(self, mm, a, b, out, src):  # a weight over the features (Inkling)
+                return
         outs = list(_tensors(out))
         if not outs:
             return
@@ -903,7 +905,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                     _note_head_param(split, p, ms)
                 elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
                     _note_head_param(split, p, ms, split.head_inputs)
-        mixed_term = _score_terms.note_roles(ev["extras"], roles, n, dense, rec.linear_in)  # score terms
+        mixed_term = _score_terms.note_roles(
+            ev["extras"], roles, n, dense, rec.linear_in, token_routers | rec.routers
+        )  # score terms
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_term", "note_roles", "run_strides", "unknown_index"]
+__all__ = ["is_term", "note_roles", "param_matmul", "run_strides", "unknown_index"]
 
 _NOT_LINEAR = ("param:", "input:", "@", "cols:")
 
@@ -34,6 +34,29 @@ def is_term(maps: dict) -> bool:
     """Whether a value added to (or multiplied into) the scores carries a per-head term worth keeping: a
     parameter's or an outside input's entries (head tables, ALiBi), or a linear's output features."""
     return any(p.startswith(("param:", "input:")) or not p.startswith(_NOT_LINEAR) for p in maps)
+
+
+def param_matmul(rec, mm: tuple, a, b, out, src) -> bool:
+    """``x @ W`` with ``x`` a linear's output and ``W`` a 2-D parameter (Inkling's ``InklingRelativeLogits``:
+    ``relative_states (B, T, heads, d_rel) @ proj (d_rel, extent)``): each output element mixes the features of
+    its own row of ``x``, every other axis (the heads among them) kept, so it takes the map of the row's first
+    feature (enough for the heads a value reaches; :func:`note_roles` completes the features). True when handled."""
+    from .infer import _Info, _linear_maps
+
+    x, w = mm
+    if a is None or b is None or a.scores is not None or not _linear_maps(a) or _linear_maps(b):
+        return False
+    if not isinstance(out, torch.Tensor) or w.dim() != 2 or x.dim() < 3 or out.shape[:-1] != x.shape[:-1]:
+        return False
+    maps = {
+        p: [ms[0].narrow(-1, 0, 1).expand(tuple(out.shape)).contiguous()]
+        for p, ms in a.maps.items()
+        if not p.startswith(_NOT_LINEAR) and tuple(ms[0].shape) == tuple(x.shape)
+    }
+    if not maps:
+        return False
+    rec.set(out, _Info(maps, src))
+    return True
 
 
 def unknown_index(func, index: torch.Tensor) -> torch.Tensor:
@@ -64,7 +87,9 @@ def _complete(sets: list[set], feats: int) -> list[set] | None:
     return None
 
 
-def note_roles(extras: list, roles: dict, n: int, dense: dict, linear_in: dict) -> str | None:
+def note_roles(
+    extras: list, roles: dict, n: int, dense: dict, linear_in: dict, routers: frozenset | set = frozenset()
+) -> str | None:
     """Give every linear of ``dense`` whose output features reach the scores of an attention of ``n`` heads,
     each feature exactly one head and every head some feature, the role ``"q"`` with its per-head feature sets
     (``roles``: producer -> role -> [set of features per head], updated in place).
@@ -72,6 +97,8 @@ def note_roles(extras: list, roles: dict, n: int, dense: dict, linear_in: dict) 
     ``extras``: ``[(score-shaped tensor (..., heads, T, S), its _Info)]`` of one attention event;
     ``linear_in``: linear path -> the _Info of its input. A linear whose input carries another linear's features
     (Doge's ``dt_proj`` of the values) gets no role: a column shard of it would see only this rank's heads.
+    ``routers``: linears that choose tokens or experts (a sparse-attention indexer's ``weights_proj``, whose
+    own scores are no attention's): never a score term.
 
     Returns:
         why the attention's heads cannot be split (a sentence fragment) when such a linear's features reach the
@@ -88,7 +115,7 @@ def note_roles(extras: list, roles: dict, n: int, dense: dict, linear_in: dict) 
         if not isinstance(e, torch.Tensor) or e.dim() < 3 or e.shape[-3] != n:
             continue
         for p, ms in inf.maps.items():
-            if p.startswith(_NOT_LINEAR) or p not in dense or p in roles:
+            if p.startswith(_NOT_LINEAR) or p not in dense or p in roles or p in routers:
                 continue
             if base and not p.startswith(base + "."):
                 continue
