@@ -40,7 +40,8 @@ def param_matmul(rec, mm: tuple, a, b, out, src) -> bool:
     """``x @ W`` with ``x`` a linear's output and ``W`` a 2-D parameter (Inkling's ``InklingRelativeLogits``:
     ``relative_states (B, T, heads, d_rel) @ proj (d_rel, extent)``): each output element mixes the features of
     its own row of ``x``, every other axis (the heads among them) kept, so it takes the map of the row's first
-    feature (enough for the heads a value reaches; :func:`note_roles` completes the features). True when handled."""
+    feature (enough for the heads a value reaches; :func:`note_roles` completes the features), for the linear and
+    for any parameter applied to ``x`` before. True when handled."""
     from .infer import _Info, _linear_maps
 
     x, w = mm
@@ -51,8 +52,8 @@ def param_matmul(rec, mm: tuple, a, b, out, src) -> bool:
     maps = {
         p: [ms[0].narrow(-1, 0, 1).expand(tuple(out.shape)).contiguous()]
         for p, ms in a.maps.items()
-        if not p.startswith(_NOT_LINEAR) and tuple(ms[0].shape) == tuple(x.shape)
-    }
+        if not p.startswith(("@", "cols:")) and tuple(ms[0].shape) == tuple(x.shape)
+    }  # a per-head scale applied before (Inkling 2's ScaledL2Clip) is carried too: it reaches the same heads
     if not maps:
         return False
     rec.set(out, _Info(maps, src))
