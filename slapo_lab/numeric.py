@@ -533,8 +533,10 @@ def shrunk_copy(
 
 
 def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
-    """``inputs`` for the shrunk copy: real tensors (meta ones drawn at random), at most 2 samples and
-    :data:`MAX_SEQ` positions of token inputs, token ids folded into the copy's vocabulary (-100 kept)."""
+    """``inputs`` for the shrunk copy: real tensors (meta ones drawn at random: an ``*position_ids`` among the
+    token positions, an ``<x>_ids`` within the config's ``<x>_vocab_size`` where it has one, LUKE's entities),
+    at most 2 samples and :data:`MAX_SEQ` positions of token inputs, token ids folded into the copy's vocabulary
+    (-100 kept)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = None
     cfg = getattr(model, "config", None)
@@ -562,6 +564,12 @@ def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
                 t = torch.ones(t.shape, dtype=torch.bool)
             elif "mask" in k:
                 t = torch.ones(t.shape, dtype=t.dtype)
+            elif k.endswith("position_ids") and seqs:  # positions of tokens (LUKE's entity_position_ids)
+                t = torch.randint(0, max(seqs), t.shape, generator=gen, dtype=t.dtype)
+            elif k.endswith("_ids") and isinstance(own := getattr(cfg, f"{k[:-4]}_vocab_size", None), int):
+                t = torch.randint(
+                    0, own, t.shape, generator=gen, dtype=t.dtype
+                )  # its own vocabulary (entities)
             else:
                 t = torch.randint(0, vocab or 2, t.shape, generator=gen, dtype=t.dtype)
         t = t[:2] if t.dim() >= 1 and t.shape[0] > 2 else t

@@ -15,7 +15,9 @@ stacks and an encoder is its masked LM):
    example inputs) is ``"does not build: <reason>"`` and not counted.
 2. **Example inputs** from the forward's signature and the config (:func:`example_inputs`): ``input_ids``
    (2 x 16), ``decoder_input_ids`` (2 x 8) for an encoder-decoder, ``pixel_values`` (2 x C x 32 x 32) for an
-   image model, ``input_features`` for a speech encoder, ``use_cache=False``.
+   image model, ``input_features`` for a speech encoder, ``use_cache=False``; inputs that switch on projections
+   the model has: a second sequence with its own vocabulary and positions (LUKE's entities,
+   :func:`_second_sequence`) and Longformer's / LED's ``global_attention_mask`` (the first token global).
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
    copy at world size 2 with the example inputs and the unscheduled model remembered
    (``set_example_inputs``, ``preset_check.set_reference``), then
@@ -90,6 +92,8 @@ WORLD_SIZE = 2
 #: Seconds the numeric check's ranks may run (its own default, 60 s, is short on a loaded 2-core machine).
 CHECK_TIMEOUT = 100.0
 BATCH, SEQ, DEC_SEQ, IMAGE = 2, 16, 8, 32
+#: Items of a second input sequence with its own vocabulary (LUKE's entities, :func:`_second_sequence`).
+ENTITIES = 4
 SMALL = {"layers": 2, "heads": 4, "head_dim": 16, "hidden": 64, "inter": 128, "experts": 4, "vocab": 256}
 TABLE_PATHS = (ROOT / "artifacts" / "family_sweep.md",)  # artifacts/ is git-ignored
 
@@ -466,9 +470,37 @@ def example_inputs(model, seed: int = 0) -> dict:
         ):
             states = torch.randn(BATCH, SEQ, width, generator=g)
             out[cross] = states if cross == "encoder_hidden_states" else (states,)  # Whisper's: a 1-tuple
+    out.update(_second_sequence(cfg, params, out, g))
+    if "global_attention_mask" in params and "input_ids" in out:
+        # Longformer's and LED's global attention (its query_global / key_global / value_global run only for
+        # global tokens): the first token of each sample, as transformers' docs set it for classification
+        out["global_attention_mask"] = torch.zeros_like(out["input_ids"])
+        out["global_attention_mask"][:, 0] = 1
     if "use_cache" in params:
         out["use_cache"] = False
     return out
+
+
+def _second_sequence(cfg, params, out: dict, g) -> dict:
+    """A second input sequence the forward takes beside the tokens, with its own vocabulary and positions: an
+    ``<x>_ids`` argument whose vocabulary the config sizes (``<x>_vocab_size``) and an ``<x>_position_ids``
+    argument (LUKE's ``entity_ids`` / ``entity_position_ids``: its entity-aware attention's ``w2e_query`` /
+    ``e2w_query`` / ``e2e_query`` run only with entities, so without them the check would not judge their split).
+    ``ENTITIES`` ids per sample, drawn past id 0 (padding), each at one token position (positions of shape
+    ``(batch, ENTITIES, 1)``: one token per mention)."""
+    import torch
+
+    extra: dict = {}
+    if "input_ids" not in out:
+        return extra
+    for name in params:
+        stem = name[: -len("_ids")] if name.endswith("_ids") else None
+        vocab = getattr(cfg, f"{stem}_vocab_size", None) if stem else None
+        if not isinstance(vocab, int) or vocab < 2 or f"{stem}_position_ids" not in params or name in out:
+            continue
+        extra[name] = torch.randint(1, vocab, (BATCH, ENTITIES), generator=g)
+        extra[f"{stem}_position_ids"] = torch.randint(0, SEQ, (BATCH, ENTITIES, 1), generator=g)
+    return extra
 
 
 # ------------------------------------------------------------------------------------------------ build

@@ -69,6 +69,8 @@ from torch.overrides import TorchFunctionMode
 from . import channel_heads as _channel_heads
 from . import fanout as _fanout
 from . import head_buffers as _head_buffers
+from . import post_gates as _post_gates
+from . import score_terms as _score_terms
 
 _SHAPE_OPS = frozenset(
     {
@@ -106,6 +108,8 @@ _SHAPE_OPS = frozenset(
         "swapdims",
         "index_select",
         "tensor_split",
+        "gather",
+        "take_along_dim",
     }
 )
 _PASS_OPS = frozenset(
@@ -330,6 +334,7 @@ class _Recorder(TorchFunctionMode):
             return
         src = frozenset().union(*(i.src for _, i in ins))
         if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
+            _post_gates.note_meet(self, name, ins)  # a gate on a row-parallel output (post_gates.py)
             for t, i in ins:
                 for u in (p for p in i.maps if p.startswith("param:") and p[6:] not in self.buffer_keys):
                     prods = {
@@ -387,6 +392,8 @@ class _Recorder(TorchFunctionMode):
                 extras = [mm[0]]
                 self.attention(q, k, mm[1], extras, out, src, a.scores[1:])
                 return
+            if _score_terms.param_matmul(self, mm, a, b, out, src):  # a weight over the features (Inkling)
+                return
         outs = list(_tensors(out))
         if not outs:
             return
@@ -432,7 +439,7 @@ class _Recorder(TorchFunctionMode):
                 for t in _tensors((args, kwargs))
             ):
                 self.mixed.add(id(o))
-            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
+            if scores is not None and _score_terms.is_term(maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def align(self, ins, out: torch.Tensor) -> None:
@@ -605,6 +612,8 @@ class _Recorder(TorchFunctionMode):
                         if inf is not None or x.is_floating_point():
                             return torch.full(tuple(x.shape), -1, dtype=torch.long)
                         if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
+                            if self.real(x).is_meta:  # no values (torch would gather a CPU map into garbage)
+                                return _score_terms.unknown_index(func, x)
                             return self.real(x)
                         return x.to("cpu")
                     if isinstance(x, (list, tuple)):
@@ -623,7 +632,7 @@ class _Recorder(TorchFunctionMode):
                 for p, ms in results.get(idx, {}).items()
             }
             self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
-            if scores is not None and any(p.startswith(("param:", "input:")) for p in maps):
+            if scores is not None and _score_terms.is_term(maps):
                 self.score_extras.append((o, self.info[id(o)]))
 
     def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
@@ -896,6 +905,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                     _note_head_param(split, p, ms)
                 elif p.startswith("input:"):  # a per-head tensor the model builds (MPT's ALiBi position_bias)
                     _note_head_param(split, p, ms, split.head_inputs)
+        mixed_term = _score_terms.note_roles(
+            ev["extras"], roles, n, dense, rec.linear_in, token_routers | rec.routers
+        )  # score terms
         kv = kv or n
         attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
         o_path = next(
@@ -936,7 +948,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
         _head_buffers.note_attention(split, rec, roles, n)  # per-head buffers (MiniMax's decays)
         _channel_heads.resolve(split, rec, roles)  # a convolution over heads (channel_heads.py)
         ws = _test_ws(n, kv) or _test_ws(n)
-        refusal = None
+        refusal = mixed_term
         if head_lists:
             where = head_lists[0]
             refusal = (
@@ -1014,6 +1026,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
                 continue
             parts = "".join(dict.fromkeys(part))
             cands = _replicated_strides(part, replicated) if replicated else _candidate_strides(feats, part)
+            cands = [*cands, *_score_terms.run_strides(feats, needed)]  # one run of features per block
             lay = next((s for s in cands if _fits(feats, s, ws, needed)), None)
             if lay is None:
                 refusal_here = f"no shard of {p} keeps whole heads on every rank"
@@ -1095,6 +1108,7 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             taken.add(p)
         taken.add(r_path)
     split.ran = set(rec.ran)
+    _post_gates.resolve(split, rec, dense)
     _feature_params(split, rec, block)
     # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
     # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
@@ -1421,6 +1435,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
             r.aligned, r.mixed = {}, set()
             r.channel_groups = {}
+            r.gate_meets = []
             r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
@@ -1564,6 +1579,7 @@ class _Snapshot:
         self.aligned = dict(r.aligned)
         self.meets, self.buffer_keys = list(r.meets), set(r.buffer_keys)
         self.channel_groups = dict(getattr(r, "channel_groups", {}))
+        self.gate_meets = list(getattr(r, "gate_meets", []))
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 

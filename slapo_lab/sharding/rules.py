@@ -483,8 +483,8 @@ def _inferred_layout(site: ShardSite) -> FusedLayout | None:
         return None
     if role == "mlp_in":
         return FusedLayout("gate_up", lay.stride, None, "", _INFERRED_SOURCE) if lay.stride != 1 else None
-    if len(role) < 2 or not set(role) <= set("qkvg"):
-        return None
+    if not set(role) <= set("qkvg") or (len(role) < 2 and lay.stride == 1):
+        return None  # one part with a strided layout keeps it (a per-head score term: score_terms.py)
     if lay.stride == 1:
         return FusedLayout(role, 1, lay.units, "attention heads", _INFERRED_SOURCE)
     return FusedLayout(role, lay.stride, None, "", _INFERRED_SOURCE)
