@@ -545,11 +545,21 @@ def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
     if vocab is None:
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         vocab = emb.num_embeddings if emb is not None else None
-    seqs = {
-        t.shape[-1]
-        for t in inputs.values()
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
-    }
+    seqs = (
+        {
+            t.shape[-1]
+            for k, t in inputs.items()
+            if isinstance(t, torch.Tensor)
+            and t.dim() == 2
+            and not t.is_floating_point()
+            and k.endswith("input_ids")
+        }
+        or {  # without token ids, every 2-D integer input; with them, those as long (an audio frame mask is not)
+            t.shape[-1]
+            for t in inputs.values()
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+        }
+    )
     out: dict[str, Any] = {}
     for k, t in inputs.items():
         if not isinstance(t, torch.Tensor):
@@ -584,12 +594,12 @@ def remembered_inputs(sch, model: nn.Module) -> dict:
     """
     import inspect
 
-    from .call_order import _INPUTS_KEY
+    from .call_order import _INPUTS_KEY, VALUES_KEY
     from .inputs import inputs_from_config
 
     stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
-    if stored:
-        return dict(stored)
+    if stored:  # integer inputs with their real values (placeholder tokens), the rest drawn by the check
+        return {**stored, **sch.get_top_schedule()._top.extra.get(VALUES_KEY, {})}
     made = inputs_from_config(model)
     if made:
         return made

@@ -15,7 +15,10 @@ stacks and an encoder is its masked LM):
    example inputs) is ``"does not build: <reason>"`` and not counted.
 2. **Example inputs** from the forward's signature and the config (:func:`example_inputs`): ``input_ids``
    (2 x 16), ``decoder_input_ids`` (2 x 8) for an encoder-decoder, ``pixel_values`` (2 x C x 32 x 32) for an
-   image model, ``input_features`` for a speech encoder, ``use_cache=False``.
+   image model, ``input_features`` for a speech encoder, ``use_cache=False``; then, for a model with a vision
+   or audio tower beside its text, the tower's inputs and placeholder tokens that make the tower's output reach
+   the model's output (``slapo_lab.multimodal_inputs.multimodal_inputs``, found by running the model), so the
+   check judges the tower's split too.
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
    copy at world size 2 with the example inputs and the unscheduled model remembered
    (``set_example_inputs``, ``preset_check.set_reference``), then
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import multiprocessing as mp
 import os
 import re
@@ -340,6 +344,45 @@ def _cause(err: BaseException) -> str:
     return f"{text} {_first_line(cause)}" if cause is not None else text
 
 
+def _tower_sizes(small: dict) -> None:
+    """Sizes of a vision or audio tower that must fit the shrunk config, so the tower runs on the sweep's
+    inputs (``slapo_lab.multimodal_inputs``): a pixel-shuffle factor (``scale_factor``,
+    ``pixel_shuffle_factor``) divides the patches per side of the image (the image grows to
+    ``patch_size * factor``); an image's token count (``mm_tokens_per_image``, Gemma 3's pooled patches) is at
+    most its patches (more leave the pooling a kernel of 0); an audio tower's frames are few
+    (``max_source_positions`` 16: 32 frames); a tower's ``output_dim`` (the width it hands to
+    the text model, Qwen3-ASR) is the text config's ``hidden_size``."""
+    for v in small.values():
+        if isinstance(v, dict):
+            _tower_sizes(v)  # T5Gemma 2's encoder holds both
+    vision = next(
+        (v for v in small.values() if isinstance(v, dict) and {"image_size", "patch_size"} <= v.keys()), None
+    )
+    for v in small.values():  # an audio tower's frames: few enough that its rows of features (placeholder
+        # tokens) and its frame mask stay inside the numeric check's MAX_SEQ positions
+        mels = isinstance(v, dict) and "num_mel_bins" in v
+        if mels and isinstance(v.get("max_source_positions"), int) and v["max_source_positions"] > 16:
+            v["max_source_positions"] = 16
+    text = small.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("hidden_size"), int):
+        for k, v in small.items():
+            if k != "text_config" and isinstance(v, dict) and isinstance(v.get("output_dim"), int):
+                v["output_dim"] = text["hidden_size"]
+    if vision is None or not all(isinstance(vision[k], int) for k in ("image_size", "patch_size")):
+        return
+    side = vision["image_size"] // vision["patch_size"]
+    factor = next(
+        (v for k, v in small.items() if k in ("scale_factor", "pixel_shuffle_factor") and isinstance(v, int)),
+        1,
+    )
+    if factor > 1 and side % factor:
+        side = math.lcm(side, factor)
+        vision["image_size"] = side * vision["patch_size"]
+    for k, v in small.items():
+        if k.endswith("tokens_per_image") and "audio" not in k and isinstance(v, int) and v > side**2:
+            small[k] = side**2
+
+
 def tiny_config(model_type: str):
     """The config class of ``model_type`` with small sizes (see the module docstring).
 
@@ -364,6 +407,7 @@ def tiny_config(model_type: str):
         for k in ("embed_dim", "hidden_size"):
             if isinstance(small.get(k), int) and small[k] > 32 and k in d and not isinstance(d[k], list):
                 small[k] = 32
+    _tower_sizes(small)
     h, e, n = small.get("hidden_size"), small.get("expand"), small.get("num_heads")
     if all(
         isinstance(x, int) for x in (h, e, n, small.get("head_dim"))
@@ -481,6 +525,8 @@ def build(model_type: str, model_cls: str, seed: int = 0):
     import torch
     import transformers
 
+    from slapo_lab.multimodal_inputs import multimodal_inputs
+
     cfg = tiny_config(model_type)
     try:
         cls = getattr(transformers, model_cls)
@@ -509,7 +555,9 @@ def build(model_type: str, model_cls: str, seed: int = 0):
             model(**inputs)
     except Exception as err:  # noqa: BLE001
         raise DoesNotBuild(f"unscheduled forward: {type(err).__name__}: {_first_line(err)}") from None
-    return model, inputs
+    return model, multimodal_inputs(
+        model, inputs, seed=seed
+    )  # a vision / audio tower's inputs, if any reach it
 
 
 # ------------------------------------------------------------------------------------------------ coverage
