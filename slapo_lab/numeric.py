@@ -229,6 +229,18 @@ def _keep_remainder(small: int, orig: int, ws: int) -> int:
     return base + orig % ws
 
 
+#: Config sizes of the model's inputs, which the shrunk copy keeps: its example inputs keep their shapes (an
+#: audio tower's mel bins may equal the tiny intermediate width the shrinker halves).
+_INPUT_SIZES = (
+    "num_mel_bins",
+    "num_channels",
+    "feature_size",
+    "input_feat_per_channel",
+    "image_size",
+    "patch_size",
+)
+
+
 def _shrink_config(cfg, ws: int) -> dict[str, Any]:
     """Small widths in place on ``cfg`` (a deep copy); returns {attribute: (old, new)} of what changed."""
     changed: dict[str, Any] = {}
@@ -259,6 +271,7 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
                 and not isinstance(v, bool)
                 and v in swap
                 and k not in _HEADS
+                and k not in _INPUT_SIZES
                 and "layer" not in k
             ):
                 setattr(c, k, swap[v])
@@ -272,6 +285,14 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
                 t = getattr(c, k, None)
                 if isinstance(t, int) and t >= vocab_new:
                     setattr(c, k, vocab_new - 1)
+    if vocab_new is not None:  # placeholder tokens (image_token_id, audio_token_index ...) of any sub-config
+        # fold as shrunk_inputs folds the token ids, so the copy still finds them in its inputs
+        for c in _configs(cfg):
+            for k, t in list(vars(c).items()):
+                folded = k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_IDS
+                if folded and isinstance(t, int) and not isinstance(t, bool) and t >= vocab_new:
+                    setattr(c, k, t % vocab_new)
+                    changed[k] = (t, t % vocab_new)
     return changed
 
 
