@@ -525,7 +525,7 @@ def build(model_type: str, model_cls: str, seed: int = 0):
     import torch
     import transformers
 
-    from slapo_lab.multimodal_inputs import multimodal_inputs
+    from slapo_lab.multimodal_inputs import multimodal_inputs, tower_input_names
 
     cfg = tiny_config(model_type)
     try:
@@ -555,9 +555,28 @@ def build(model_type: str, model_cls: str, seed: int = 0):
             model(**inputs)
     except Exception as err:  # noqa: BLE001
         raise DoesNotBuild(f"unscheduled forward: {type(err).__name__}: {_first_line(err)}") from None
-    return model, multimodal_inputs(
-        model, inputs, seed=seed
-    )  # a vision / audio tower's inputs, if any reach it
+    full = multimodal_inputs(model, inputs, seed=seed)  # a vision / audio tower's inputs, if any reach it
+    if any(n not in full for n in tower_input_names(model)) and _draw_zero_matrices(model, seed):
+        full = multimodal_inputs(model, inputs, seed=seed)
+    return model, full
+
+
+def _draw_zero_matrices(model, seed: int) -> bool:
+    """Draw every all-zero weight matrix of ``model`` like its other weights (normal, ``initializer_range``
+    or 0.02), seeded; whether there was one. For a tower no input reaches the output of: an untrained model's
+    zero-initialized projection (T5Gemma 2's ``mm_input_projection_weight``) hides the tower from the output,
+    and from the check, where a trained one does not."""
+    import torch
+
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    g = torch.Generator().manual_seed(seed + 1)
+    drawn = False
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p.is_floating_point() and p.numel() > 1 and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+                drawn = True
+    return drawn
 
 
 # ------------------------------------------------------------------------------------------------ coverage
