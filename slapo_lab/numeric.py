@@ -633,9 +633,10 @@ def _placeholder_map(reference: nn.Module | None, copy: nn.Module) -> dict[int, 
     out: dict[int, int] = {}
     for ca, cb in zip(_configs(a), _configs(b), strict=False):  # the copy's config is a deep copy: same order
         for k, v in vars(ca).items():
-            new = getattr(cb, k, None)
-            named = k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_IDS
-            if named and isinstance(new, int) and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            if not k.endswith(("_token_id", "_token_index")) or k in _TOKEN_IDS:
+                continue
+            new = vars(cb).get(k)  # not getattr: a per-layer config's property may raise (Gemma 4's)
+            if isinstance(new, int) and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 out.setdefault(v, new)
     return out
 
