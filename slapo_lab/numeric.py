@@ -1370,7 +1370,8 @@ def numeric_check(
             caveat = (
                 f" {len(unjudged)} module{'s' if len(unjudged) > 1 else ''} holding a sharded tensor never ran on "
                 f"the example inputs ({', '.join(unjudged[:2])}{' ...' if len(unjudged) > 2 else ''}), so the "
-                "check did not judge their split; give inputs that reach them to check it."
+                "check did not judge their split; give inputs that reach them to check it (for a vision or audio "
+                "tower, slapo_lab.multimodal_inputs.multimodal_inputs(model, inputs) adds them)."
             )
         return done(
             "passed",

@@ -9,7 +9,8 @@ stacks and an encoder is its masked LM):
 1. **Build tiny** from its config class (``AutoConfig.for_model(model_type)`` defaults, then
    :func:`tiny_config`: 2 layers per stack, 4 heads of 16 features (2 key/value heads where the family groups
    them, 1 where it has one), hidden 64, intermediate 128, 4 experts of which 2 per token, a vocabulary of at
-   most 256 with every special token id kept inside it, images of 32 pixels, like
+   most 256 with every special token id kept inside it, images of 32 pixels (a vision or audio tower's other sizes
+   made to fit: :func:`_tower_sizes`), like
    ``slapo_lab.numeric._shrink_config``); real weights on CPU, seeded. A family that cannot (a package that is
    not installed, a custom kernel, a config the shrinker breaks, an unscheduled forward that fails on the
    example inputs) is ``"does not build: <reason>"`` and not counted.
@@ -18,7 +19,9 @@ stacks and an encoder is its masked LM):
    image model, ``input_features`` for a speech encoder, ``use_cache=False``; then, for a model with a vision
    or audio tower beside its text, the tower's inputs and placeholder tokens that make the tower's output reach
    the model's output (``slapo_lab.multimodal_inputs.multimodal_inputs``, found by running the model), so the
-   check judges the tower's split too.
+   check judges the tower's split too; where none does, an all-zero weight matrix of the untrained model (a
+   zero-initialized projection that hides the tower) is drawn like the others and the inputs looked for again
+   (:func:`_draw_zero_matrices`).
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
    copy at world size 2 with the example inputs and the unscheduled model remembered
    (``set_example_inputs``, ``preset_check.set_reference``), then
