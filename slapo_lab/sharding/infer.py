@@ -1289,9 +1289,7 @@ def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
                 out[k] = torch.empty(shape, dtype=t.dtype, device="meta")
             elif t.is_floating_point():
                 out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
-            elif (
-                not t.is_meta
-            ):  # remembered values (call_order.VALUES_KEY): a multimodal model's placeholders
+            elif not t.is_meta:  # remembered values (call_order.VALUES_KEY): placeholder tokens
                 out[k] = t[:1].to(dev) if t.dim() >= 1 else t.to(dev)
             elif t.dtype == torch.bool or "mask" in k:
                 out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
