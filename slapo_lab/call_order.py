@@ -39,6 +39,11 @@ _INPUTS_KEY = "example_inputs"
 #: ``extra`` key of the top schedule: the unscheduled model it was made from, with real weights, where the caller
 #: gave one (:func:`slapo_lab.preset_check.set_reference`; the editor's user model).
 REFERENCE_KEY = "numeric_reference"
+#: ``extra`` key of the top schedule: the real values of the example inputs' integer tensors (token ids, masks;
+#: at most :data:`MAX_KEPT_VALUES` elements each), which the numeric check runs on instead of random ids: a
+#: multimodal model counts its placeholder tokens against its tower's output (:mod:`slapo_lab.multimodal_inputs`).
+VALUES_KEY = "example_input_values"
+MAX_KEPT_VALUES = 1 << 16
 
 
 @dataclass
@@ -217,7 +222,8 @@ def record_call_order(
 
 
 def set_example_inputs(sch, example_inputs) -> None:
-    """Remember example inputs for the schedule tree (stored as meta tensors; no memory held).
+    """Remember example inputs for the schedule tree (stored as meta tensors, and the values of small integer
+    tensors: :data:`VALUES_KEY`).
 
     They are used to record the forward call order that ``cut_pipeline_stage`` checks against.
     """
@@ -226,6 +232,14 @@ def set_example_inputs(sch, example_inputs) -> None:
     _split_inputs(example_inputs)  # type check
     top = sch._top
     top.extra[_INPUTS_KEY] = to_meta(example_inputs)
+    top.extra[VALUES_KEY] = {
+        k: v.detach().clone()
+        for k, v in (example_inputs.items() if isinstance(example_inputs, dict) else ())
+        if isinstance(v, torch.Tensor)
+        and not v.is_meta
+        and not v.is_floating_point()
+        and v.numel() <= MAX_KEPT_VALUES
+    }
     top.extra.pop(_CACHE_KEY, None)
 
 

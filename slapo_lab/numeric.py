@@ -229,6 +229,18 @@ def _keep_remainder(small: int, orig: int, ws: int) -> int:
     return base + orig % ws
 
 
+#: Config sizes of the model's inputs, which the shrunk copy keeps: its example inputs keep their shapes (an
+#: audio tower's mel bins may equal the tiny intermediate width the shrinker halves).
+_INPUT_SIZES = (
+    "num_mel_bins",
+    "num_channels",
+    "feature_size",
+    "input_feat_per_channel",
+    "image_size",
+    "patch_size",
+)
+
+
 def _shrink_config(cfg, ws: int) -> dict[str, Any]:
     """Small widths in place on ``cfg`` (a deep copy); returns {attribute: (old, new)} of what changed."""
     changed: dict[str, Any] = {}
@@ -259,6 +271,7 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
                 and not isinstance(v, bool)
                 and v in swap
                 and k not in _HEADS
+                and k not in _INPUT_SIZES
                 and "layer" not in k
             ):
                 setattr(c, k, swap[v])
@@ -272,6 +285,24 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
                 t = getattr(c, k, None)
                 if isinstance(t, int) and t >= vocab_new:
                     setattr(c, k, vocab_new - 1)
+    if vocab_new is not None:  # placeholder tokens (image_token_id, audio_token_index ...) of any sub-config:
+        # distinct ids inside the copy's vocabulary, below the special ones (shrunk_inputs maps the inputs alike)
+        taken: set = set()
+        for c in _configs(cfg):
+            for k in _TOKEN_IDS:
+                v = getattr(c, k, None)
+                taken.update(v if isinstance(v, (list, tuple)) else [v])
+        moved: dict[int, int] = {}
+        for c in _configs(cfg):
+            for k, t in list(vars(c).items()):
+                folded = k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_IDS
+                if folded and isinstance(t, int) and not isinstance(t, bool) and t >= vocab_new:
+                    if t not in moved:
+                        new = next(i for i in range(vocab_new - 1, -1, -1) if i not in taken)
+                        taken.add(new)
+                        moved[t] = new
+                    setattr(c, k, moved[t])
+                    changed[k] = (t, moved[t])
     return changed
 
 
@@ -532,12 +563,16 @@ def shrunk_copy(
     return model, mapped, kept_blocks, notes, mapped_cuts
 
 
-def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
+def shrunk_inputs(
+    inputs: dict, model: nn.Module, seed: int = 2013, reference: nn.Module | None = None
+) -> dict:
     """``inputs`` for the shrunk copy: real tensors (meta ones drawn at random: an ``*position_ids`` among the
     token positions, an ``<x>_ids`` within the config's ``<x>_vocab_size`` where it has one, LUKE's entities),
     at most 2 samples and :data:`MAX_SEQ` positions of token inputs, token ids folded into the copy's vocabulary
-    (-100 kept)."""
+    (-100 kept); with ``reference`` (the model the copy was made from), its placeholder tokens
+    (``image_token_id`` ...) map to the copy's and no other token lands on one (:func:`_fold_tokens`)."""
     gen = torch.Generator().manual_seed(seed)
+    placeholders = _placeholder_map(reference, model)
     vocab = None
     cfg = getattr(model, "config", None)
     if cfg is not None:
@@ -547,11 +582,21 @@ def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
     if vocab is None:
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         vocab = emb.num_embeddings if emb is not None else None
-    seqs = {
-        t.shape[-1]
-        for t in inputs.values()
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
-    }
+    seqs = (
+        {
+            t.shape[-1]
+            for k, t in inputs.items()
+            if isinstance(t, torch.Tensor)
+            and t.dim() == 2
+            and not t.is_floating_point()
+            and k.endswith("input_ids")
+        }
+        or {  # without token ids, every 2-D integer input; with them, those as long (an audio frame mask is not)
+            t.shape[-1]
+            for t in inputs.values()
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+        }
+    )
     out: dict[str, Any] = {}
     for k, t in inputs.items():
         if not isinstance(t, torch.Tensor):
@@ -576,9 +621,47 @@ def shrunk_inputs(inputs: dict, model: nn.Module, seed: int = 2013) -> dict:
         if t.dim() == 2 and not t.is_floating_point() and t.shape[-1] in seqs and t.shape[-1] > MAX_SEQ:
             t = t[:, :MAX_SEQ]
         if vocab and not t.is_floating_point() and t.dtype != torch.bool and "mask" not in k:
-            t = torch.where(t >= vocab, t % vocab, t)
+            t = (
+                _fold_tokens(t, vocab, placeholders)
+                if placeholders
+                else torch.where(t >= vocab, t % vocab, t)
+            )
         out[k] = t.clone()
     return out
+
+
+def _placeholder_map(reference: nn.Module | None, copy: nn.Module) -> dict[int, int]:
+    """``{placeholder token id of reference: its id in the shrunk copy}``: the integer config fields ending in
+    ``_token_id`` / ``_token_index`` other than :data:`_TOKEN_IDS` (``image_token_id``, ``audio_token_index``
+    ...), which a multimodal model counts in its ``input_ids`` against its tower's rows of features."""
+    a, b = getattr(reference, "config", None), getattr(copy, "config", None)
+    if a is None or b is None or not hasattr(a, "to_dict") or not hasattr(b, "to_dict"):
+        return {}
+    out: dict[int, int] = {}
+    for ca, cb in zip(_configs(a), _configs(b), strict=False):  # the copy's config is a deep copy: same order
+        for k, v in vars(ca).items():
+            if not k.endswith(("_token_id", "_token_index")) or k in _TOKEN_IDS:
+                continue
+            new = vars(cb).get(k)  # not getattr: a per-layer config's property may raise (Gemma 4's)
+            if isinstance(new, int) and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                out.setdefault(v, new)
+    return out
+
+
+def _fold_tokens(t: torch.Tensor, vocab: int, placeholders: dict[int, int]) -> torch.Tensor:
+    """Token ids ``t`` inside ``vocab``: each placeholder id to its id in the copy, every other id that is out
+    of the vocabulary or equal to a placeholder's new id to an id that is no placeholder (so the copy counts
+    exactly the placeholders the model counts)."""
+    keys = torch.tensor(list(placeholders), dtype=t.dtype)
+    vals = torch.tensor(list(placeholders.values()), dtype=t.dtype)
+    reserved = set(placeholders.values())
+    allowed = torch.tensor([i for i in range(vocab) if i not in reserved] or [0], dtype=t.dtype)
+    hit = t.unsqueeze(-1) == keys
+    is_ph = hit.any(-1)
+    mapped = (hit.to(t.dtype) * vals).sum(-1)
+    clash = (t >= vocab) | torch.isin(t, vals)
+    other = torch.where(t >= 0, allowed[t.clamp(min=0) % len(allowed)], t)  # -100 (ignored labels) kept
+    return torch.where(is_ph, mapped, torch.where(clash & (t >= 0), other, t))
 
 
 def remembered_inputs(sch, model: nn.Module) -> dict:
@@ -592,12 +675,12 @@ def remembered_inputs(sch, model: nn.Module) -> dict:
     """
     import inspect
 
-    from .call_order import _INPUTS_KEY
+    from .call_order import _INPUTS_KEY, VALUES_KEY
     from .inputs import inputs_from_config
 
     stored = sch.get_top_schedule()._top.extra.get(_INPUTS_KEY)
-    if stored:
-        return dict(stored)
+    if stored:  # integer inputs with their real values (placeholder tokens), the rest drawn by the check
+        return {**stored, **sch.get_top_schedule()._top.extra.get(VALUES_KEY, {})}
     made = inputs_from_config(model)
     if made:
         return made
@@ -1189,7 +1272,7 @@ def numeric_check(
         base, mapped, kept, _notes, with_cuts = shrunk_copy(
             reference, list(calls), world_size, from_config=from_config
         )
-        inputs = shrunk_inputs(example_inputs, base)
+        inputs = shrunk_inputs(example_inputs, base, reference=reference)
     except ScheduleError as err:
         return done("skipped", str(err))
     except Exception as err:  # noqa: BLE001 - the copy cannot be made: said, never raised
@@ -1294,7 +1377,8 @@ def numeric_check(
             caveat = (
                 f" {len(unjudged)} module{'s' if len(unjudged) > 1 else ''} holding a sharded tensor never ran on "
                 f"the example inputs ({', '.join(unjudged[:2])}{' ...' if len(unjudged) > 2 else ''}), so the "
-                "check did not judge their split; give inputs that reach them to check it."
+                "check did not judge their split; give inputs that reach them to check it (for a vision or audio "
+                "tower, slapo_lab.multimodal_inputs.multimodal_inputs(model, inputs) adds them)."
             )
         return done(
             "passed",

@@ -9,7 +9,8 @@ stacks and an encoder is its masked LM):
 1. **Build tiny** from its config class (``AutoConfig.for_model(model_type)`` defaults, then
    :func:`tiny_config`: 2 layers per stack, 4 heads of 16 features (2 key/value heads where the family groups
    them, 1 where it has one), hidden 64, intermediate 128, 4 experts of which 2 per token, a vocabulary of at
-   most 256 with every special token id kept inside it, images of 32 pixels, like
+   most 256 with every special token id kept inside it, images of 32 pixels (a vision or audio tower's other sizes
+   made to fit: :func:`_tower_sizes`), like
    ``slapo_lab.numeric._shrink_config``); real weights on CPU, seeded. A family that cannot (a package that is
    not installed, a custom kernel, a config the shrinker breaks, an unscheduled forward that fails on the
    example inputs) is ``"does not build: <reason>"`` and not counted.
@@ -17,7 +18,12 @@ stacks and an encoder is its masked LM):
    (2 x 16), ``decoder_input_ids`` (2 x 8) for an encoder-decoder, ``pixel_values`` (2 x C x 32 x 32) for an
    image model, ``input_features`` for a speech encoder, ``use_cache=False``; inputs that switch on projections
    the model has: a second sequence with its own vocabulary and positions (LUKE's entities,
-   :func:`_second_sequence`) and Longformer's / LED's ``global_attention_mask`` (the first token global).
+   :func:`_second_sequence`) and Longformer's / LED's ``global_attention_mask`` (the first token global); then,
+   for a model with a vision or audio tower beside its text, the tower's inputs and placeholder tokens that make
+   the tower's output reach the model's output (``slapo_lab.multimodal_inputs.multimodal_inputs``, found by
+   running the model), so the check judges the tower's split too; where none does, an all-zero weight matrix of
+   the untrained model (a zero-initialized projection that hides the tower) is drawn like the others and the
+   inputs looked for again (:func:`_draw_zero_matrices`).
 3. **The preset as the editor applies it** (``slapo_lab/editor/state.py``): ``sl.create_schedule`` on a meta
    copy at world size 2 with the example inputs and the unscheduled model remembered
    (``set_example_inputs``, ``preset_check.set_reference``), then
@@ -64,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import multiprocessing as mp
 import os
 import re
@@ -344,6 +351,45 @@ def _cause(err: BaseException) -> str:
     return f"{text} {_first_line(cause)}" if cause is not None else text
 
 
+def _tower_sizes(small: dict) -> None:
+    """Sizes of a vision or audio tower that must fit the shrunk config, so the tower runs on the sweep's
+    inputs (``slapo_lab.multimodal_inputs``): a pixel-shuffle factor (``scale_factor``,
+    ``pixel_shuffle_factor``) divides the patches per side of the image (the image grows to
+    ``patch_size * factor``); an image's token count (``mm_tokens_per_image``, Gemma 3's pooled patches) is at
+    most its patches (more leave the pooling a kernel of 0); an audio tower's frames are few
+    (``max_source_positions`` 16: 32 frames); a tower's ``output_dim`` (the width it hands to
+    the text model, Qwen3-ASR) is the text config's ``hidden_size``."""
+    for v in small.values():
+        if isinstance(v, dict):
+            _tower_sizes(v)  # T5Gemma 2's encoder holds both
+    vision = next(
+        (v for v in small.values() if isinstance(v, dict) and {"image_size", "patch_size"} <= v.keys()), None
+    )
+    for v in small.values():  # an audio tower's frames: few enough that its rows of features (placeholder
+        # tokens) and its frame mask stay inside the numeric check's MAX_SEQ positions
+        mels = isinstance(v, dict) and "num_mel_bins" in v
+        if mels and isinstance(v.get("max_source_positions"), int) and v["max_source_positions"] > 16:
+            v["max_source_positions"] = 16
+    text = small.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("hidden_size"), int):
+        for k, v in small.items():
+            if k != "text_config" and isinstance(v, dict) and isinstance(v.get("output_dim"), int):
+                v["output_dim"] = text["hidden_size"]
+    if vision is None or not all(isinstance(vision[k], int) for k in ("image_size", "patch_size")):
+        return
+    side = vision["image_size"] // vision["patch_size"]
+    factor = next(
+        (v for k, v in small.items() if k in ("scale_factor", "pixel_shuffle_factor") and isinstance(v, int)),
+        1,
+    )
+    if factor > 1 and side % factor:
+        side = math.lcm(side, factor)
+        vision["image_size"] = side * vision["patch_size"]
+    for k, v in small.items():
+        if k.endswith("tokens_per_image") and "audio" not in k and isinstance(v, int) and v > side**2:
+            small[k] = side**2
+
+
 def tiny_config(model_type: str):
     """The config class of ``model_type`` with small sizes (see the module docstring).
 
@@ -368,6 +414,7 @@ def tiny_config(model_type: str):
         for k in ("embed_dim", "hidden_size"):
             if isinstance(small.get(k), int) and small[k] > 32 and k in d and not isinstance(d[k], list):
                 small[k] = 32
+    _tower_sizes(small)
     h, e, n = small.get("hidden_size"), small.get("expand"), small.get("num_heads")
     if all(
         isinstance(x, int) for x in (h, e, n, small.get("head_dim"))
@@ -513,6 +560,8 @@ def build(model_type: str, model_cls: str, seed: int = 0):
     import torch
     import transformers
 
+    from slapo_lab.multimodal_inputs import multimodal_inputs, tower_input_names
+
     cfg = tiny_config(model_type)
     try:
         cls = getattr(transformers, model_cls)
@@ -541,7 +590,28 @@ def build(model_type: str, model_cls: str, seed: int = 0):
             model(**inputs)
     except Exception as err:  # noqa: BLE001
         raise DoesNotBuild(f"unscheduled forward: {type(err).__name__}: {_first_line(err)}") from None
-    return model, inputs
+    full = multimodal_inputs(model, inputs, seed=seed)  # a vision / audio tower's inputs, if any reach it
+    if any(n not in full for n in tower_input_names(model)) and _draw_zero_matrices(model, seed):
+        full = multimodal_inputs(model, inputs, seed=seed)
+    return model, full
+
+
+def _draw_zero_matrices(model, seed: int) -> bool:
+    """Draw every all-zero weight matrix of ``model`` like its other weights (normal, ``initializer_range``
+    or 0.02), seeded; whether there was one. For a tower no input reaches the output of: an untrained model's
+    zero-initialized projection (T5Gemma 2's ``mm_input_projection_weight``) hides the tower from the output,
+    and from the check, where a trained one does not."""
+    import torch
+
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    g = torch.Generator().manual_seed(seed + 1)
+    drawn = False
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p.is_floating_point() and p.numel() > 1 and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+                drawn = True
+    return drawn
 
 
 # ------------------------------------------------------------------------------------------------ coverage

@@ -1303,6 +1303,8 @@ def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
                 out[k] = torch.empty(shape, dtype=t.dtype, device="meta")
             elif t.is_floating_point():
                 out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
+            elif not t.is_meta:  # remembered values (call_order.VALUES_KEY): placeholder tokens
+                out[k] = t[:1].to(dev) if t.dim() >= 1 else t.to(dev)
             elif t.dtype == torch.bool or "mask" in k:
                 out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
             elif "input_ids" not in k:
@@ -1721,9 +1723,11 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     """:func:`analyse` of the top schedule's model; where its forward cannot run (a meta copy whose forward
     reads tensor values, such as DeBERTa's relative positions), of the unscheduled model with real weights the
     schedule remembers (:data:`slapo_lab.call_order.REFERENCE_KEY`), whose modules have the same paths."""
-    from ..call_order import _INPUTS_KEY, REFERENCE_KEY
+    from ..call_order import _INPUTS_KEY, REFERENCE_KEY, VALUES_KEY
 
     inputs = top._top.extra.get(_INPUTS_KEY)
+    if inputs:
+        inputs = {**inputs, **top._top.extra.get(VALUES_KEY, {})}
     ref = top._top.extra.get(REFERENCE_KEY)
     same = ref is not None and ref is not top.mod and type(ref) is type(top.mod)
     result = analyse(top.mod, inputs, ref if same else None)
