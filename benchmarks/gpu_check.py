@@ -484,8 +484,10 @@ def report(args, out: Path, status: dict) -> str:
     if plan:
         lines += [
             "",
-            "| planner profile, layout | measured by | predicted tokens/s | measured / predicted | predicted live GiB "
-            "| measured / predicted |",
+            (
+                "| planner profile, layout | measured by | predicted tokens/s | measured / predicted "
+                "| predicted live GiB | measured / predicted |"
+            ),
             "|---|---|---|---|---|---|",
         ]
         for name, p in plan.items():
