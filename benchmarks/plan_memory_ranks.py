@@ -149,9 +149,10 @@ def _loss(logits, target):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def measure(case: Case, seq: int, stage_blocks: list[int]) -> dict:
+def measure(case: Case, seq: int, stage_blocks: list[int], timed: int = 0) -> dict:
     """This rank's MemTracker peak (bytes, by category) for two AdamW steps of ``case`` (inside the process
-    group of ``WORLD`` ranks)."""
+    group of ``WORLD`` ranks); with ``timed``, instead one warm-up step and ``timed`` steps without the tracker,
+    their wall times in ``"times"`` (seconds, each between two barriers)."""
     import torch.distributed as dist
 
     import slapo_lab as sl
@@ -232,6 +233,16 @@ def measure(case: Case, seq: int, stage_blocks: list[int]) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    if timed:
+        times = []
+        for i in range(timed + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return {"rank": dist.get_rank(), "stage": mesh.pp_rank, "times": times}
     tracker = _tracker()
     tracker.track_external(tracked, opt)
     dist.barrier()
@@ -245,7 +256,9 @@ def measure(case: Case, seq: int, stage_blocks: list[int]) -> dict:
     return {"rank": dist.get_rank(), "stage": mesh.pp_rank, **cats}
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], seq: int, out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, cases: list[dict], seq: int, out_dir: str, timed: int = 0
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -256,7 +269,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], seq: int, out_d
             case = Case(**{k: v for k, v in c.items() if k != "stage_blocks"})
             t0 = time.perf_counter()
             try:
-                res = measure(case, seq, c["stage_blocks"])
+                res = measure(case, seq, c["stage_blocks"], timed)
             except Exception as err:  # noqa: BLE001 - reported in the table, the other layouts still run
                 import traceback
 
@@ -278,6 +291,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn(cases: list[Case], seq: int, stage_blocks: dict, timed: int = 0) -> dict:
+    """Run ``cases`` on ``WORLD`` spawned gloo ranks: ``{case name: [per-rank result dict]}``."""
+    import torch.multiprocessing as mp
+
+    payload = [dict(asdict(c), stage_blocks=stage_blocks[c.name]) for c in cases]
+    out = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(WORLD, _free_port(), payload, seq, out_dir, timed), nprocs=WORLD, join=True)
+        for c in cases:
+            out[c.name] = []
+            for r in range(WORLD):
+                with open(os.path.join(out_dir, f"{c.name}.{r}.json")) as f:
+                    out[c.name].append(json.load(f))
+    return out
 
 
 def run(cases: list[Case], seq: int = 128) -> list[dict]:
