@@ -19,12 +19,28 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
   ``v`` = :data:`VIRTUAL_STAGES` model chunks per rank ``min(m, pp - s) * (1 + (pp - 1) / (pp v))`` (Korthikanti
   et al., 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); plus, with
   checkpointing, one block's full activations while it is recomputed, or the gradients of the largest part's
-  activations during its backward (:data:`BACKWARD_WORKSET`), whichever is larger (one part at a time);
-* ``fsdp_gather``: under FSDP, the all-gathered (``dp``-unsharded) parameters of the current and the prefetched
-  block and the unsharded gradients of one block (FSDP2 prefetches the next all-gather: ``torch.distributed.fsdp``
-  ``fully_shard`` docs);
-* ``optimizer_step``: AdamW's temporaries (:data:`ADAM_TEMPORARIES` fp32 copies of the largest parameter tensor)
-  where they exceed the activations, which the step runs without;
+  activations during its backward (:data:`BACKWARD_WORKSET`), or, on the last stage, the two gradients of the
+  model output's size that the loss's backward holds at once (w.r.t. the log-softmax output and w.r.t. the
+  logits), whichever is larger (one part at a time); plus, without pipelining, the model's output itself (the
+  caller holds it through backward; a pipeline's are ``pp_outputs``). With ONE
+  micro-batch per step the gradients do not exist yet while the activations peak (the previous step set them to
+  None, ``zero_grad(set_to_none=True)``; backward makes them as it frees the activations), so only the part of the
+  activations beyond the gradients counts; with more, the earlier micro-batches' gradients are there and all of
+  it counts;
+* ``fsdp_gather``: under FSDP2 (``torch.distributed.fsdp.fully_shard`` on every block, then the root), the root
+  unit's unsharded parameters (everything outside the blocks: ``fully_shard`` keeps the root gathered from
+  forward to backward), plus the larger of (a) the gathered parameters of the current and the prefetched block and
+  the unsharded gradients of one block (:data:`FSDP_PREFETCH_BLOCKS`) and (b) the root's reduce-scatter, which runs
+  last, after the activations are freed: its unsharded gradients and the output shard (and, when earlier
+  micro-batches left a shard, the new one beside it);
+* ``ddp_buckets``: DDP's reducer copies every gradient into its flat buckets (``gradient_as_bucket_view=False``,
+  the default, as :func:`slapo_lab.train.parallel.wrap_ddp` builds it): one more gradient-sized buffer for
+  ``shard="none"`` and ``"zero1"`` (which all-reduces through the same reducer) with ``dp > 1``;
+* ``pp_outputs``: with ``pp > 1``, the last stage's outputs of every micro-batch (a causal LM's logits), which
+  ``torch.distributed.pipelining`` keeps until the step returns them merged;
+* ``optimizer_step``: AdamW's temporaries (:data:`ADAM_TEMPORARIES` fp32 copies of the largest parameter tensor,
+  that tensor's shard under FSDP, whole under ZeRO whose partitions hold whole tensors) where they exceed the
+  activations, which the step runs without;
 * ``headroom``: :data:`ALLOCATOR_HEADROOM` of the above for the caching allocator's fragmentation.
 
 Step time (seconds), the busiest stage:
@@ -207,7 +223,8 @@ class Estimate:
     Attributes:
         layout / cluster: what was priced.
         memory: ``{stage: {category: bytes}}`` per rank of each stage; categories ``params``, ``grads``,
-            ``optimizer``, ``activations``, ``fsdp_gather``, ``optimizer_step``, ``headroom``.
+            ``optimizer``, ``activations``, ``fsdp_gather``, ``ddp_buckets``, ``pp_outputs``, ``optimizer_step``,
+            ``headroom``.
         peak_memory_bytes: the busiest rank's total (bytes, headroom included).
         step_time_s: seconds per optimizer step.
         time_parts: ``{"compute", "exposed_comm", "bubble", "recompute", "optimizer"}`` seconds; they add up to
@@ -501,6 +518,8 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
         "unit",
         "nparts",
         "big_param",
+        "root",
+        "root_train",
     )
     cols = {k: [] for k in names}
     for s in range(pp):
@@ -517,6 +536,8 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             "unit": max(max(blk.params[a:e], default=0) for a, e in ranges),
             "nparts": sum(e - a for a, e in ranges),
             "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
+            "root": 0.0,
+            "root_train": 0.0,
         }
         ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
         for part, (c, r, cm, sv) in ends:
@@ -527,6 +548,8 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             row["saved"] += sv
             row["params"] += part.param_bytes
             row["trainable"] += part.trainable_elems
+            row["root"] += part.param_bytes
+            row["root_train"] += part.trainable_elems
             row["largest"] = max(row["largest"], part.saved_bytes * b)
             row["big_param"] = max(row["big_param"], part.largest_param_elems)
             if not row["unit"]:
@@ -604,19 +627,54 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         in_flight = np.minimum(m, pp - np.arange(pp)).astype(float)
         if v > 1:
             in_flight = in_flight * (1 + (pp - 1) / (pp * v))
+    grads = st["trainable"] * (pr.elem / div_g)
+    # the model's output (a causal LM's logits, ``post.output_bytes``) on the last stage: held by the caller
+    # through backward (one micro-batch's; a pipeline keeps every micro-batch's: ``pp_outputs``), and its
+    # backward holds two gradients of that size at once (the loss's gradient w.r.t. the log-softmax output and
+    # log_softmax_backward's result, w.r.t. the logits)
+    out_b = np.where(np.arange(pp) == pp - 1, b * prof.post.output_bytes, 0.0)
+    held = out_b if pp == 1 else 0.0
+    # one part at a time is recomputed (a checkpointed block's full activations) or holds the gradients of
+    # its saved tensors: the larger of the transients, not all
+    transient = np.maximum(np.maximum(st["full"], BACKWARD_WORKSET * st["largest"]), 2 * out_b)
+    act = st["saved"] * in_flight + held + transient
+    # with one micro-batch the gradients do not exist yet while the activations peak (the step before set them to
+    # None; backward makes them as it frees the activations); with more, the earlier micro-batches' are there
+    act_over_grads = act if m > 1 else np.maximum(0.0, act - grads)
+    if shard == "fsdp" and dp > 1:
+        # FSDP2: every block's parameters are gathered (current + prefetched) and its unsharded gradients made
+        # during its backward; the root unit (the parameters outside the blocks) stays gathered through forward
+        # and backward (``fully_shard`` does not reshard the root after forward), and its reduce-scatter runs
+        # last, once the activations are freed: the unsharded gradients copied into the reduce-scatter input,
+        # and the output shard (a new buffer added to the accumulated shard when earlier micro-batches left one)
+        blocks_ws = (FSDP_PREFETCH_BLOCKS + 1) * st["unit"]
+        root_g = st["root_train"] * pr.elem
+        root_rs = root_g * (1 + 1 / dp) + (root_g / dp if m > 1 else 0.0)
+        gather = st["root"] + np.maximum(blocks_ws, root_rs - act_over_grads)
+    else:
+        gather = st["zero"]
     cats = {
         "params": st["params"] / div_p,
-        "grads": st["trainable"] * (pr.elem / div_g),
+        "grads": grads,
         "optimizer": st["trainable"] * (opt_bytes / div_o),
-        # one part at a time is recomputed (a checkpointed block's full activations) or holds the gradients of
-        # its saved tensors: the larger of the two transients, not both
-        "activations": st["saved"] * in_flight + np.maximum(st["full"], BACKWARD_WORKSET * st["largest"]),
-        "fsdp_gather": (FSDP_PREFETCH_BLOCKS + 1) * st["unit"] if shard == "fsdp" and dp > 1 else st["zero"],
+        "activations": act_over_grads,
+        "fsdp_gather": gather,
+        # DDP's reducer copies every gradient into its flat buckets (``gradient_as_bucket_view=False``, the
+        # default, as ``train.parallel.wrap_ddp`` builds it): one more gradient-sized buffer per rank, held from
+        # the first backward on (``torch.nn.parallel.DistributedDataParallel`` docs); ZeRO-1 all-reduces
+        # through the same DDP reducer (``torch.distributed.optim.ZeroRedundancyOptimizer`` over DDP)
+        "ddp_buckets": st["trainable"] * pr.elem if dp > 1 and shard in ("none", "zero1") else st["zero"],
+        # torch.distributed.pipelining's last stage keeps every micro-batch's output until the step returns
+        # them merged (``PipelineScheduleSingle._step_microbatches``: ``output_chunks``)
+        "pp_outputs": np.where(np.arange(pp) == pp - 1, m * b * prof.post.output_bytes, 0.0)
+        if pp > 1
+        else st["zero"],
     }
-    # the optimizer step runs after the activations are freed: its temporaries count where they exceed them
-    cats["optimizer_step"] = np.maximum(
-        0.0, ADAM_TEMPORARIES * 4 * st["big_param"] / div_o - cats["activations"]
-    )
+    # the optimizer step runs after the activations and gathered parameters are freed: its temporaries count
+    # where they exceed them;
+    # FSDP steps each rank's shard of every tensor, ZeRO-1/2 whole tensors of the rank's partition
+    temps = ADAM_TEMPORARIES * 4 * st["big_param"] / (dp if shard == "fsdp" else 1)
+    cats["optimizer_step"] = np.maximum(0.0, temps - cats["activations"] - cats["fsdp_gather"])
     cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
     total = sum(cats.values())
     busiest = int(np.argmax(st["time"]))

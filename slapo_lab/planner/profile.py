@@ -85,7 +85,8 @@ class PartProfile:
         recompute_all / recompute_selective: ``(k, 3)`` rows of the forward ops a full / selective checkpoint
             runs again in backward.
         comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
-        output_bytes: the part's output (the activation a pipeline boundary after it sends).
+        output_bytes: the part's output (the activation a pipeline boundary after it sends); for ``"post"``, the
+            model's outputs but the scalar loss (a causal LM's logits).
         largest_param_elems: elements of the part's largest trainable tensor.
     """
 
@@ -523,6 +524,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
     inputs = _example_inputs(model, seq_len)
     modes = [(m, m.training) for m in model.modules()]
     model.train()
+    outputs = {"bytes": 0}
 
     def run() -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -539,6 +541,8 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, fake_state, (), dict(inputs))
             loss = _loss(out)
+            # the model's outputs but the scalar loss (a causal LM's logits): what a pipeline's last stage returns
+            outputs["bytes"] = sum(t.numel() * t.element_size() for t in _tensors(out) if t.dim() > 0)
             loss.backward()
 
     try:
@@ -557,7 +561,9 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             m.training = mode
         for p in model.parameters():
             p.grad = None
-    return _collect(model, block_paths, rec.rows, saved, io, comm, rec.created)
+    parts = _collect(model, block_paths, rec.rows, saved, io, comm, rec.created)
+    parts["post"].output_bytes = outputs["bytes"]
+    return parts
 
 
 def _loss(out) -> torch.Tensor:

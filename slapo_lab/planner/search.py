@@ -112,8 +112,8 @@ def auto_plan(
     tp: list[int] | None = None,
     pp: list[int] | None = None,
     shards: tuple = ("none", "fsdp", "zero1", "zero2"),
-    checkpoints: tuple = ("none", "all", "selective", 2, 3, 4, 6, 8),
-    micro_batch_sizes: tuple = (1, 2, 4, 8, 16),
+    checkpoints: tuple = ("none", "all", "selective", *range(2, 17)),
+    micro_batch_sizes: tuple = (1, 2, 4, 8, 16, 32),
     pp_schedules: tuple = ("1F1B", "GPipe", "interleaved"),
     sequence_parallel: tuple = (False, True),
 ) -> Plan:
