@@ -1,0 +1,92 @@
+"""Vision blocks' splits read from their structure (issue 23's vision families).
+
+A patch-merging linear (Swin's / Donut-Swin's ``downsample.reduction``: ``LayerNorm(4C)`` then
+``Linear(4C, 2C)`` between stages) reaches no attention head and no row-parallel partner: the Megatron preset
+makes it column parallel with its output gathered (:mod:`slapo_lab.sharding.lone_linears`), on tiny real HF
+models built from their config classes; the numeric check on 2 simulated ranks passes, and fails without the
+gather. :func:`~slapo_lab.sharding.lone_linears.lone_linear_kind` keeps a router, a low-rank projection, a
+projection of an attention with a shared projection and a linear that did not run out of it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.numeric import numeric_check
+from slapo_lab.preset_check import layer_regions
+from slapo_lab.sharding.infer import BlockSplit
+from slapo_lab.sharding.lone_linears import lone_linear_kind
+
+SWIN = {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2]}
+SWIN.update(window_size=4, num_labels=3)
+FAMILIES = {
+    "swin": ("SwinConfig", "SwinForImageClassification", "swin"),
+    "donut-swin": ("DonutSwinConfig", "DonutSwinForImageClassification", "donut"),
+}
+
+
+def _build(family: str):
+    cfg_cls, model_cls, base = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**SWIN)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norm weights of ones would hide a wrongly gathered feature order less well
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+    return model, inputs, f"{base}.encoder.layers.0"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_patch_merging_linear_is_column_parallel_with_its_output_gathered(family):
+    model, inputs, block = _build(family)
+    sch = sl.create_schedule(copy.deepcopy(model), world_size=2)
+    red = f"{block}.downsample.reduction"
+    assert (red, "column_gather") in presets.block_layers(sch, block)
+    calls = presets.megatron_tp(sch, vocab_parallel=False)
+    assert not any(n.startswith("Kept whole: in every") for n in calls.notes), calls.notes
+    w = sch[red].mod.weight
+    assert w.shard_axis == 0 and w.shape[0] * 2 == w.orig_shape[0]
+    gather = [
+        c
+        for c in sch.record.calls
+        if c.path == red and c.primitive == "sync" and "all_gather" in c.kwargs.values()
+    ]
+    assert len(gather) == 1 and gather[0].kwargs["mode"] == "fwd_post", gather
+    assert "downsample.reduction" not in (presets.replicated_dense(sch) or "")
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+    # the gather is what makes it right: without it the next stage sees half the merged features
+    report = numeric_check(model, [c for c in sch.record.calls if c not in gather], 2, inputs)
+    assert not report.passed
+
+
+def test_only_a_linear_nothing_keeps_whole_gets_the_gathered_column_split():
+    split = BlockSplit(
+        roles={"attn.q": "q", "attn.o": "o"},
+        whole={"mlp.router": "a router"},
+        attention={"attn": (4, 4)},
+        ran={"attn.q", "attn.o", "mlp.router", "downsample.reduction", "attn.extra"},
+    )
+    assert lone_linear_kind(split, "downsample.reduction") == "column_gather"
+    assert lone_linear_kind(split, "attn.extra") == "column_gather"
+    assert lone_linear_kind(split, "mlp.router") is None  # kept whole for a reason
+    assert lone_linear_kind(split, "attn.q") is None  # has a role
+    assert lone_linear_kind(split, "never.ran") is None  # the forward did not run it: no kind
+    split.shared = {"attn.kv_a"}  # an attention with a projection shared by its heads: f is on its input
+    assert lone_linear_kind(split, "attn.extra") is None
+    assert lone_linear_kind(split, "downsample.reduction") == "column_gather"
+
+
+def test_a_gathered_column_linear_is_a_region_of_its_own():
+    layers = [("attn.q", "column"), ("attn.o", "row"), ("reduction", "column_gather")]
+    regions = layer_regions("Stage", layers)
+    assert [paths for _r, paths in regions] == [["attn.q", "attn.o"], ["reduction"]]
