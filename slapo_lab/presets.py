@@ -319,7 +319,7 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
                 # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
                 # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
                 # -- or, where nothing keeps it whole, column parallel with its output gathered (lone_linears.py)
-                kind = lone_linear_kind(split, rel)
+                kind = lone_linear_kind(split, rel, mod, node.parent.mod if node.parent is not None else None)
             else:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:

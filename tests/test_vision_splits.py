@@ -81,6 +81,13 @@ def test_only_a_linear_nothing_keeps_whole_gets_the_gathered_column_split():
     assert lone_linear_kind(split, "mlp.router") is None  # kept whole for a reason
     assert lone_linear_kind(split, "attn.q") is None  # has a role
     assert lone_linear_kind(split, "never.ran") is None  # the forward did not run it: no kind
+    moe = torch.nn.Module()  # a router the dataflow did not see: one logit per expert of a sibling bank
+    moe.router, moe.experts = (
+        torch.nn.Linear(8, 4),
+        torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4)),
+    )
+    assert lone_linear_kind(split, "downsample.reduction", moe.router, moe) is None
+    assert lone_linear_kind(split, "downsample.reduction", torch.nn.Linear(8, 6), moe) == "column_gather"
     split.shared = {"attn.kv_a"}  # an attention with a projection shared by its heads: f is on its input
     assert lone_linear_kind(split, "attn.extra") is None
     assert lone_linear_kind(split, "downsample.reduction") == "column_gather"
@@ -90,3 +97,84 @@ def test_a_gathered_column_linear_is_a_region_of_its_own():
     layers = [("attn.q", "column"), ("attn.o", "row"), ("reduction", "column_gather")]
     regions = layer_regions("Stage", layers)
     assert [paths for _r, paths in regions] == [["attn.q", "attn.o"], ["reduction"]]
+
+
+LEVIT = {
+    "image_size": 32,
+    "hidden_sizes": [16, 32, 48],
+    "num_attention_heads": [4, 4, 4],
+    "depths": [2, 2, 2],
+    "key_dim": [16, 16, 16],
+    "mlp_ratio": [2, 2, 2],
+    "attention_ratio": [2, 2, 2],
+    "num_labels": 2,
+}
+
+
+def test_levit_attention_around_its_wrapped_projections_is_split_by_heads():
+    """LeViT's ``LevitAttention`` runs the score matmuls; its fused ``queries_keys_values.linear`` and its
+    ``projection.linear`` each sit in an ``MLPLayerWithBN`` (linear + batch norm) that its MLPs use too. The
+    attention module is the one that ran the attention (attention_site.py), the shard rules see the
+    projections under it, its head count and ``out_dim_projection`` become per rank, its per-head
+    ``attention_biases`` are split, and the biases it cached from an earlier eval forward are dropped."""
+    from slapo_lab.preset_check import set_reference
+    from slapo_lab.sharding import infer
+    from slapo_lab.utils import meta_copy
+
+    torch.manual_seed(0)
+    model = transformers.LevitForImageClassification(transformers.LevitConfig(**LEVIT)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "attention_biases" in name or "batch_norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+    with torch.no_grad():
+        model(**inputs)  # fills LevitAttention.attention_bias_cache with every head's biases
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    from slapo_lab.call_order import set_example_inputs
+
+    set_example_inputs(sch, inputs)
+    set_reference(sch, model)
+    block = "levit.encoder.stages.2.layers.0"
+    split = infer.block_split(sch, block)
+    assert split.attention == {"module": (4, 4)}
+    assert split.roles == {"module.queries_keys_values.linear": "qkv", "module.projection.linear": "o"}
+    calls = presets.megatron_tp(sch, vocab_parallel=False)
+    assert not any(n.startswith("Kept whole: in every") for n in calls.notes), calls.notes
+    attn = sch[f"{block}.module"].mod
+    assert (attn.num_attention_heads, attn.out_dim_projection) == (2, 64)
+    assert attn.attention_biases.shape[0] == 2
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message
+
+
+def test_hiera_mask_unit_attention_reads_its_heads_beside_a_windows_axis():
+    """Hiera's ``HieraMaskUnitAttention`` holds q / k / v as ``(batch, heads, windows, tokens, head_dim)`` and
+    pools its queries with ``max`` over tokens at a stage's first layer: the heads are read from the axis
+    that splits the features apart (head_axes.py), its fused ``qkv`` is split in 3 blocks of heads, ``proj``
+    is row parallel, ``hidden_size_output`` becomes per rank, and the stage-transition ``proj`` is column
+    parallel with its output gathered."""
+    from slapo_lab.sharding import infer
+
+    torch.manual_seed(0)
+    cfg = transformers.HieraConfig(
+        embed_dim=16, num_heads=[2, 2], depths=[1, 1], image_size=[32, 32], num_labels=2,
+        masked_unit_size=[4, 4], query_stride=[2, 2], num_query_pool=1,
+    )  # fmt: skip
+    model = transformers.HieraForImageClassification(cfg).eval()
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
+    sch = sl.create_schedule(copy.deepcopy(model), world_size=2)
+    for stage in ("hiera.encoder.stages.0", "hiera.encoder.stages.1"):
+        split = infer.block_split(sch, stage)
+        assert split.attention == {"layers.0.attn": (2, 2)}, (stage, split.attention)
+        assert split.roles["layers.0.attn.qkv"] == "qkv" and split.roles["layers.0.attn.proj"] == "o"
+        assert split.layouts["layers.0.attn.qkv"].stride == 3
+    kinds = dict(presets.block_layers(sch, "hiera.encoder.stages.1"))
+    assert kinds["hiera.encoder.stages.1.layers.0.proj"] == "column_gather"
+    calls = presets.megatron_tp(sch, vocab_parallel=False)
+    assert not any(n.startswith("Kept whole: in every") for n in calls.notes), calls.notes
+    attn = sch["hiera.encoder.stages.1.layers.0.attn"].mod
+    assert (attn.num_heads, attn.hidden_size_output) == (1, 16)
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message

@@ -20,7 +20,8 @@ A linear the dataflow keeps whole for a reason stays whole: a router (its logits
 "a" of an ``a -> norm -> b`` chain, a projection shared by every head (:attr:`~slapo_lab.sharding.infer.BlockSplit.whole`),
 and every linear of an attention whose heads are split with a projection shared by all of them
 (:attr:`~slapo_lab.sharding.infer.BlockSplit.shared`: Megatron's *f* sits on that attention module's input,
-so a second input-gradient sum would count it twice). A linear the recorded forward did not run keeps no kind.
+so a second input-gradient sum would count it twice). A mixture-of-experts router recognised by its shape (:mod:`slapo_lab.sharding.router`) stays whole too. A linear
+the recorded forward did not run keeps no kind.
 
 Sources: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``ColumnParallelLinear(gather_output=True)``,
 ``gather_from_tensor_model_parallel_region``); transformers' ``colwise_gather_output`` tensor-parallel style.
@@ -28,12 +29,22 @@ Sources: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``ColumnParall
 
 from __future__ import annotations
 
+from torch import nn
 
-def lone_linear_kind(split, rel: str) -> str | None:
+from .router import router_experts
+
+
+def lone_linear_kind(
+    split, rel: str, mod: nn.Module | None = None, parent: nn.Module | None = None
+) -> str | None:
     """``"column_gather"`` for the linear ``rel`` (path relative to its block) of ``split`` (a
     :class:`~slapo_lab.sharding.infer.BlockSplit`) that the recorded forward ran, that has no role and that
-    nothing keeps whole (see the module docstring); None otherwise."""
+    nothing keeps whole (see the module docstring); None otherwise. ``mod`` / ``parent`` (the linear and the
+    module holding it), where given, also keep a mixture-of-experts router whole when the dataflow did not
+    see its top-k (:func:`slapo_lab.sharding.router.router_experts`: one logit per expert of a sibling bank)."""
     if split is None or rel in split.whole or rel not in split.ran or split.roles.get(rel) is not None:
+        return None
+    if mod is not None and router_experts(mod, parent) is not None:
         return None
     parent = rel.rpartition(".")[0]
     if split.shared and any(not a or parent == a or parent.startswith(a + ".") for a in split.attention):
