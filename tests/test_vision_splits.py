@@ -178,3 +178,25 @@ def test_hiera_mask_unit_attention_reads_its_heads_beside_a_windows_axis():
     assert (attn.num_heads, attn.hidden_size_output) == (1, 16)
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.passed, report.message
+
+
+def test_a_stage_of_convolution_blocks_beside_an_attention_block_is_recorded():
+    """SwiftFormer's stage is an ``nn.ModuleList`` of convolution-only encoders and one attention block: the
+    dataflow of the attention block is recorded (the convolution blocks, with no dense layer, are skipped), so
+    the preset is no longer refused for want of a recorded dataflow; what stays whole says why."""
+    from slapo_lab.sharding import infer
+
+    torch.manual_seed(0)
+    cfg = transformers.SwiftFormerConfig(
+        image_size=32, depths=[2, 2, 2, 2], embed_dims=[16, 16, 32, 32], num_labels=2
+    )
+    model = transformers.SwiftFormerForImageClassification(cfg).eval()
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
+    sch = sl.create_schedule(copy.deepcopy(model), world_size=2)
+    blocks = presets.find_blocks(sch)
+    attn_block = next(b for b in blocks if hasattr(model.get_submodule(b), "attn"))  # a stage's second block
+    split = infer.block_split(sch, attn_block)
+    assert split is not None and {"attn.to_query", "attn.to_key", "attn.proj", "attn.final"} <= split.ran
+    presets.megatron_tp(sch, vocab_parallel=False)  # not refused
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.passed, report.message

@@ -1268,15 +1268,15 @@ def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]
         if mixed:
             if len(kids) < 2 or len({type(k) for k in kids}) < 2:
                 continue
-            if not all(any(_is_dense(x) for x in k.modules()) for k in kids):
-                continue
+            if not any(any(_is_dense(x) for x in k.modules()) for k in kids):
+                continue  # (a list beside convolution-only blocks, SwiftFormer's stages, is taken: those are skipped)
         elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
             continue
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
         for j, kid in enumerate(kids):
             sig = _signature(kid)
-            if sig in seen:
+            if sig in seen or (mixed and not any(_is_dense(x) for x in kid.modules())):
                 continue
             if any(kid is not b and _inside(kid, b) for _, b in out):
                 continue
