@@ -113,7 +113,8 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
     Each row-parallel layer closes one region: every column-parallel layer (``"column"``, ``"column_shard"``)
     joins the row layer it shares the deepest module with (an attention's q/k/v its output projection, in
     whatever order the module registers them; Phi-3 registers ``o_proj`` first), on a tie the first row
-    after it, else the last before it; columns with no row stand alone. ``"experts"`` is a region of its own;
+    after it, else the last before it; columns with no row stand alone. ``"experts"`` and ``"column_gather"``
+    (a column-parallel linear whose output is gathered) are regions of their own;
     any other kind (a per-head norm or table, a norm under sequence parallelism) joins the region with the
     deepest owning module around it (the common parent of the region's projections), or stands alone.
 
@@ -134,7 +135,7 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
             ties = [r for r in rows if _depth(rel, r) == best]
             after = [r for r in ties if order[r] > order[rel]]
             groups[after[0] if after else ties[-1]].append(rel)
-        elif kind == "experts":
+        elif kind in ("experts", "column_gather"):  # a column-parallel linear with its output gathered
             alone.append([rel])
         elif kind != "row":
             extras.append(rel)

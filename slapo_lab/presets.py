@@ -44,6 +44,7 @@ from .atomic import atomic
 from .blocks import _BLOCK_CLASSES, FAMILIES, detect_family, find_blocks, is_conv1d
 from .errors import ScheduleError
 from .record import Call
+from .sharding.lone_linears import lone_linear_kind
 from .sharding.rules import head_dim, is_norm
 
 # Projections by their attribute name (last path component) or path suffix inside a block.
@@ -317,7 +318,8 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
             ):
                 # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
                 # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
-                kind = None
+                # -- or, where nothing keeps it whole, column parallel with its output gathered (lone_linears.py)
+                kind = lone_linear_kind(split, rel, mod, node.parent.mod if node.parent is not None else None)
             else:
                 kind = _classify(rel)  # names are hints where the dataflow says nothing
             if kind:
@@ -725,6 +727,11 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
             name, axis = one.split(":")
             _ensure_shard(sch[path], name, int(axis))
         _shard_running_stats(sch[path])
+    elif kind == "column_gather":
+        # a linear whose features reach no head and no row-parallel partner (Swin's patch-merging
+        # downsample.reduction): column parallel, its output gathered; see slapo_lab/sharding/lone_linears.py
+        column_parallel(sch, path)
+        _ensure_sync(sch[path], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
     elif kind == "gather_linear":
         # a mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
         # input channels gathered, its output features split, its output gathered (the gathers' backward

@@ -177,13 +177,13 @@ def test_recurrent_gemma_rg_lru_and_rwkv_time_decay():
     assert _preset_and_check(model, inputs, sch) is None
     # RWKV: key / value / receptance -> output is an MLP pair to the index maps, but time_decay and time_first
     # hold one entry per channel: they split with it (the feed-forward's receptance gate, applied after the
-    # row-parallel value, stays whole)
+    # row-parallel value, pairs with nothing: column parallel with its output gathered, sharding/lone_linears.py)
     model, inputs, sch = _schedule("rwkv", "RwkvForCausalLM")
     block = presets.find_blocks(sch)[0]
     kinds = dict(presets.block_layers(sch, block))
     assert kinds[f"{block}.attention"] == "channel_params:time_decay=0,time_first=0"
-    note = _preset_and_check(model, inputs, sch)
-    assert note is not None and "feed_forward.receptance" in note and "attention." not in note
+    assert kinds[f"{block}.feed_forward.receptance"] == "column_gather"
+    assert _preset_and_check(model, inputs, sch) is None  # every projection sharded
 
 
 def test_xlstm_reads_its_head_count_from_a_per_rank_config():

@@ -13,10 +13,12 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
+from ..sharding import attention_site as _attention_site
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
 from ..sharding import feature_stats as _feature_stats  # noqa: F401 - registers the feature-axis norm rule
 from ..sharding import infer as _infer
 from ..sharding import sync_ops
+from ..sharding import train_caches as _train_caches
 from ..sharding.router import router_experts
 from ..sharding.rules import (
     ShardSite,
@@ -76,6 +78,7 @@ def _sites(sch, t: torch.Tensor, tensor_name: str) -> list[ShardSite]:
             parent, cname, path = (sch.parent.mod if sch.parent is not None else None), sch.name, sch.path
         else:
             parent, cname, path = parents.get(id(mod), (None, "", ""))
+        parent, cname = _attention_site.lift(top, path, parent, cname)  # a projection in a wrapper (LeViT)
         sites.append(ShardSite(mod, name or tensor_name, parent, cname, path, getattr(sch, "tp", None)))
     return sites
 
@@ -269,6 +272,8 @@ class ShardPrimitive(Primitive):
             if getattr(rule, "needs_group", False):  # a rule whose forward communicates (feature_stats)
                 module_meta(mod)["tp_group"] = sch.tp
             rule.apply(mod, name, axis, ws, rank)
+            # a value the module cached from the unsharded parameter for eval (LeViT's attention biases)
+            _train_caches.drop(mod)
             if replicas > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
                 _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
             block_reps = block_replicas(stride, int(stride), ws) if ws > 1 else ()

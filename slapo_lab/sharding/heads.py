@@ -61,6 +61,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta, peek_meta
+from . import attention_site as _attention_site
 
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 """Attribute names that hold the number of attention (query) heads."""
@@ -333,6 +334,7 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
         for a in read_attrs
         if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
     )
+    wanted += _attention_site.width_attrs(attn, read_attrs, wanted)  # LeViT's out_dim_projection
     compared = runtime_compared(cls) or frozenset()
     head_dim = next(
         (

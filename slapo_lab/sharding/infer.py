@@ -66,8 +66,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import attention_site as _attention_site
 from . import channel_heads as _channel_heads
 from . import fanout as _fanout
+from . import head_axes as _head_axes
 from . import head_buffers as _head_buffers
 from . import post_gates as _post_gates
 from . import score_terms as _score_terms
@@ -385,12 +387,19 @@ class _Recorder(TorchFunctionMode):
                 and isinstance(out, torch.Tensor)
                 and out.dim() >= 3
             ):
+                h = _head_axes.heads_axis(a, mm[0])  # heads not at -3 (Hiera's windows axis): head_axes.py
+                if h is not None:
+                    mm = _head_axes.canonical_scores(self, mm[0], mm[1], h)
                 self.set(out, _Info({}, src, ((mm[0], mm[1]),)))
                 return
             if a is not None and a.scores is not None and b is not None and _linear_maps(b):
-                q, k = a.scores[0]
+                q, k, moved = _head_axes.scores_of(self, *a.scores[0])
                 extras = [mm[0]]
-                self.attention(q, k, mm[1], extras, out, src, a.scores[1:])
+                h, axes = _head_axes.heads_axis(b, mm[1]) if moved else None, None
+                if h is not None and isinstance(out, torch.Tensor):
+                    axes = (h + out.dim() - mm[1].dim(), out.dim() - 1)
+                    mm = (mm[0], _head_axes.canonical(self, mm[1], h))
+                self.attention(q, k, mm[1], extras, out, src, a.scores[1:], axes)
                 return
             if _score_terms.param_matmul(self, mm, a, b, out, src):  # a weight over the features (Inkling)
                 return
@@ -416,6 +425,9 @@ class _Recorder(TorchFunctionMode):
         if name in _COMPLEX_OPS and len(outs) == 1 and ins[0][0] is args[0]:
             self.set(outs[0], _Info(_complex_maps(name, ins[0][1].maps, outs[0]), src, scores))
             return
+        _head_axes.note_softmax(self, name, ins)
+        if _head_axes.reduce_maps(self, name, args, kwargs, out):
+            return  # pooling over tokens that hold the same features (Hiera's query pooling): head_axes.py
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
             maps: dict = {}
             for t, i in ins:
@@ -644,6 +656,7 @@ class _Recorder(TorchFunctionMode):
             "v": (v, self.get(v)),
             "extras": [],
             "pairs": pairs,
+            "where": _attention_site.current(self),  # the module running the op (attention_site.py)
         }
         for a, b in pairs:
             ev.setdefault("infos", {})[id(a)] = self.get(a)
@@ -909,7 +922,9 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             ev["extras"], roles, n, dense, rec.linear_in, token_routers | rec.routers
         )  # score terms
         kv = kv or n
-        attn_mod = _common_parent([parent_of.get(p, "") for p in roles if p in dense])
+        attn_mod = _attention_site.owner(
+            _common_parent([parent_of.get(p, "") for p in roles if p in dense]), ev.get("where")
+        )
         o_path = next(
             (p for p, inf in rec.linear_in.items() if f"@attn{i}" in inf.maps),
             None,
@@ -1267,15 +1282,15 @@ def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]
         if mixed:
             if len(kids) < 2 or len({type(k) for k in kids}) < 2:
                 continue
-            if not all(any(_is_dense(x) for x in k.modules()) for k in kids):
-                continue
+            if not any(any(_is_dense(x) for x in k.modules()) for k in kids):
+                continue  # (a list beside convolution-only blocks, SwiftFormer's stages, is taken: those are skipped)
         elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
             continue
         if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
             continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
         for j, kid in enumerate(kids):
             sig = _signature(kid)
-            if sig in seen:
+            if sig in seen or (mixed and not any(_is_dense(x) for x in kid.modules())):
                 continue
             if any(kid is not b and _inside(kid, b) for _, b in out):
                 continue
@@ -1454,6 +1469,7 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
         handles.append(block.register_forward_hook(post, with_kwargs=True))
         handles.extend(_mixers.capture(block, mixer_args.setdefault(bpath, {})))
         handles.extend(_feature_inputs.capture(block, r))  # per-feature block arguments
+        handles.extend(_attention_site.capture(bpath, block, r))  # where attention runs
         for rel, m in dense.items():
 
             def lin_pre(_m, args, rel=rel):
@@ -1680,6 +1696,7 @@ def _register(model: nn.Module, result: dict) -> None:
         for apath, counts in split.attention.items():
             attn = block.get_submodule(apath) if apath else block
             _HEADS[(type(attn).__name__, _config_digest(getattr(attn, "config", None)))] = counts
+        _attention_site.register(block, split, _REGISTRY, _config_digest)  # a wrapped projection (LeViT)
         for hi in split.head_inputs:
             attn = block.get_submodule(hi.module) if hi.module else block
             key = (type(attn).__name__, _config_digest(getattr(attn, "config", None)))
