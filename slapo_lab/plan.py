@@ -62,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 from .blocks import block_stack
 from .errors import ScheduleError
 from .module_state import peek_meta
+from .random import observe_selective_saves
 from .utils import human_bytes, meta_copy, to_meta
 
 __all__ = [
@@ -441,7 +442,8 @@ def saved_activations(model: nn.Module, example_inputs: Any, cancelled=None) -> 
     The forward runs with gradients enabled, in training mode, under
     ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor's storage is counted once
     (views of one storage share it; storages of parameters and buffers are not activations). A
-    checkpointed module saves only its inputs, exactly as in a real run, so this matches what
+    checkpointed module saves only its inputs (and, under ``checkpoint(policy="selective")``, the outputs its policy
+    keeps, told by :func:`slapo_lab.random.observe_selective_saves`), exactly as in a real run, so this matches what
     ``saved_tensors_hooks`` measures on real tensors (the engine benchmark checks it on BERT-base).
     Costs one meta forward with autograd recording (slower than :func:`estimate_activations`, and
     checkpoint changes need a new pass).
@@ -486,6 +488,7 @@ def saved_activations(model: nn.Module, example_inputs: Any, cancelled=None) -> 
         grad_ctx = contextlib.ExitStack()
         grad_ctx.enter_context(torch.enable_grad())
         grad_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        grad_ctx.enter_context(observe_selective_saves(pack))  # what checkpoint(policy="selective") keeps
         prof.seconds = _hooked_pass(model, inputs, pre, post, fake, grad_ctx, cancelled)
         return prof
 
@@ -601,8 +604,15 @@ def profile_for_cache(sch, example_inputs, lock, mode: str = "autograd", cancell
 def _activation_per_stage(
     sch, prof: ActivationProfile, assign: StageAssignment, act_scale: float, elem_bytes: int | None
 ) -> list[int]:
-    """Sum saved bytes per stage: leaf outputs outside checkpoints + inputs of outermost checkpoints."""
-    ckpt = [p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint")]
+    """Sum saved bytes per stage: leaf outputs outside checkpoints + inputs of outermost checkpoints. A selective
+    checkpoint (``checkpoint(policy="selective")``) counts as none here, an upper bound: which leaf outputs its
+    policy keeps is known only per aten op, which the ``"autograd"`` pass sees."""
+    ckpt = [
+        p
+        for p, node in sch.named_schedules()
+        if (meta := peek_meta(node.mod) or {}).get("checkpoint")
+        and meta.get("checkpoint_policy") != "selective"
+    ]
     ckpt_set = set(ckpt)
 
     def outer_ckpt(path: str) -> str | None:

@@ -212,6 +212,22 @@ SELECTIVE_SAVE = frozenset(
 MATMULS = frozenset(op for op in (aten.mm.default, aten.addmm.default))
 
 
+#: Callables told of every tensor selective checkpointing keeps in a forward (:func:`observe_selective_saves`).
+_SAC_OBSERVERS: list = []
+
+
+@contextlib.contextmanager
+def observe_selective_saves(fn):
+    """Call ``fn(tensor)`` for every output :func:`selective_policy` keeps in a forward while the context is open
+    (what the memory plan counts: those outputs live in the checkpoint's own cache, where autograd's
+    ``saved_tensors_hooks`` do not see them)."""
+    _SAC_OBSERVERS.append(fn)
+    try:
+        yield
+    finally:
+        _SAC_OBSERVERS.remove(fn)
+
+
 def selective_policy():
     """A fresh ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` policy for one checkpointed call:
     keep the outputs of :data:`SELECTIVE_SAVE` but every second matmul's, recompute the rest.
@@ -228,6 +244,12 @@ def selective_policy():
         if func in MATMULS:
             count[ctx.is_recompute] += 1
         if func in SELECTIVE_SAVE and not (func in MATMULS and count[ctx.is_recompute] % 2 == 0):
+            if _SAC_OBSERVERS and not ctx.is_recompute:
+                out = getattr(ctx, "op_output", None)
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        for fn in _SAC_OBSERVERS:
+                            fn(t)
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
