@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "utils",
             "random",
             "inputs",
+            "multimodal_inputs",
             "parallel_dims",
             "module_state",
             "call_order",

@@ -71,7 +71,6 @@ from . import channel_heads as _channel_heads
 from . import fanout as _fanout
 from . import head_axes as _head_axes
 from . import head_buffers as _head_buffers
-from . import post_gates as _post_gates
 from . import score_terms as _score_terms
 
 _SHAPE_OPS = frozenset(
@@ -336,7 +335,6 @@ class _Recorder(TorchFunctionMode):
             return
         src = frozenset().union(*(i.src for _, i in ins))
         if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
-            _post_gates.note_meet(self, name, ins)  # a gate on a row-parallel output (post_gates.py)
             for t, i in ins:
                 for u in (p for p in i.maps if p.startswith("param:") and p[6:] not in self.buffer_keys):
                     prods = {
@@ -1123,7 +1121,6 @@ def _analyse(rec: _Recorder, block: nn.Module, dense: dict[str, nn.Module]) -> B
             taken.add(p)
         taken.add(r_path)
     split.ran = set(rec.ran)
-    _post_gates.resolve(split, rec, dense)
     _feature_params(split, rec, block)
     # replicated parameters applied to a column-parallel layer's (partitioned) output see this rank's features
     # only (XIELU's alpha in Apertus' MLP, a per-head q/k norm): their gradients are partial sums
@@ -1452,7 +1449,6 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.input_shapes, r.input_of, r.input_aliases = {}, {}, {}
             r.aligned, r.mixed = {}, set()
             r.channel_groups = {}
-            r.gate_meets = []
             r.topk_src, r.out_src = set(), set()
 
         def post(_m, _args, _kwargs, _out):
@@ -1597,7 +1593,6 @@ class _Snapshot:
         self.aligned = dict(r.aligned)
         self.meets, self.buffer_keys = list(r.meets), set(r.buffer_keys)
         self.channel_groups = dict(getattr(r, "channel_groups", {}))
-        self.gate_meets = list(getattr(r, "gate_meets", []))
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
