@@ -36,17 +36,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from plan_memory_cpu import CONFIG  # the one-process benchmark's model: the same Llama
 
-CONFIG = {
-    "hidden_size": 512,
-    "intermediate_size": 1376,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
 WORLD = 2
 STEPS = 2
 

@@ -211,20 +211,8 @@ class ScheduleEditor(EditorState, W.VBox):
         return len(opts)
 
     def verify(self, device: str = "cuda", timeout: float = 600.0, wait: bool = False):
-        """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button).
-
-        Exports the script with the export form's options to a temporary folder and runs it with
-        ``--verify --steps 1`` on ``tp x pp x dp`` ranks (FSDP as chosen; a ZeRO stage is left out: it
-        changes neither outputs nor gradients, and the run needs no DeepSpeed); output streams into the
-        editor's log. The form's model path and data are used when they exist on this machine, else seeded
-        random weights and synthetic data, and the message says which in one sentence; checkpoints, the
-        save-HF directory and validation data are left out. Without enough GPUs it says so in one sentence
-        and verifies on the CPU with gloo. A crash, hang (past ``timeout`` seconds) or Cancel ends the
-        subprocess tree, never the kernel.
-
-        Returns:
-            The :class:`VerifyResult` if ``wait`` (None if it could not start), else the runner.
-        """
+        """Run the schedule under Verify in a torchrun subprocess (the "Verify on GPU" button): see
+        :meth:`slapo_lab.editor.verify_panel.VerifyPanel.run`, which documents the arguments and the result."""
         return self._verify.run(device, timeout, wait)
 
     def cancel_verify(self) -> bool:
