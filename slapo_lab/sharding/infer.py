@@ -208,6 +208,9 @@ class BlockSplit:
     # column-parallel output, or over the attention output / MLP features a row-parallel layer takes):
     # its parameters are sharded on their last axis and its statistics summed over the ranks (feature_stats)
     feature_params: dict = field(default_factory=dict)
+    # the linears of a channel mixer kept whole because no per-rank split of its channels exists (mixers.py): they
+    # pair with nothing, and each may still be column parallel with its output gathered (lone_linears.py)
+    unpaired: set = field(default_factory=set)
 
 
 class _Done(Exception):
@@ -1798,6 +1801,7 @@ def _sub_split(split: BlockSplit, prefix: str) -> BlockSplit:
             for k, v in split.feature_params.items()
             if k.startswith(pre)
         },
+        unpaired={k[len(pre) :] for k in split.unpaired if k.startswith(pre)},
     )
 
 
@@ -1821,6 +1825,7 @@ def _prefixed(split: BlockSplit, prefix: str) -> BlockSplit:
         {pre + k for k in split.ran},
         head_inputs=[HeadParam(pre + hi.module, hi.name, hi.axis, hi.heads) for hi in split.head_inputs],
         feature_params={pre + k: {pre + x for x in v} for k, v in split.feature_params.items()},
+        unpaired={pre + k for k in split.unpaired},
     )
 
 

@@ -16,7 +16,10 @@ share of the (replicated) output gradient; the input gradient is a partial sum, 
 ``fwd_post all_gather(axis=-1, tensor_parallel_output_grad=False)``), a region of its own for the numeric gate
 (:func:`slapo_lab.preset_check.layer_regions`), so a wrong split of it is kept whole alone.
 
-A linear the dataflow keeps whole for a reason stays whole: a router (its logits reach ``topk``), the low-rank
+A channel mixer's linears that :mod:`slapo_lab.sharding.mixers` keeps whole because no per-rank split of its
+channels exists (SwiftFormer's additive attention: the query contracted with a learned vector over all features)
+pair with nothing either, and are gathered the same way. A linear the dataflow keeps whole for another reason stays
+whole: a router (its logits reach ``topk``), the low-rank
 "a" of an ``a -> norm -> b`` chain, a projection shared by every head (:attr:`~slapo_lab.sharding.infer.BlockSplit.whole`),
 and every linear of an attention whose heads are split with a projection shared by all of them
 (:attr:`~slapo_lab.sharding.infer.BlockSplit.shared`: Megatron's *f* sits on that attention module's input,
@@ -42,7 +45,9 @@ def lone_linear_kind(
     nothing keeps whole (see the module docstring); None otherwise. ``mod`` / ``parent`` (the linear and the
     module holding it), where given, also keep a mixture-of-experts router whole when the dataflow did not
     see its top-k (:func:`slapo_lab.sharding.router.router_experts`: one logit per expert of a sibling bank)."""
-    if split is None or rel in split.whole or rel not in split.ran or split.roles.get(rel) is not None:
+    if split is None or rel not in split.ran or split.roles.get(rel) is not None:
+        return None
+    if rel in split.whole and rel not in split.unpaired:
         return None
     if mod is not None and router_experts(mod, parent) is not None:
         return None

@@ -233,6 +233,7 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         found[rel] = deps
         if p2.reason or deps.attrs is None:
             for k in [*deps.outs, deps.row]:
+                split.unpaired.add(f"{rel}.{k}")
                 split.whole[f"{rel}.{k}"] = p2.reason or (
                     f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
                     "rank, so the mixer stays whole"
