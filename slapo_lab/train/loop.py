@@ -609,6 +609,11 @@ class Run:
             }
         return _to(batch, self.device)
 
+    def _kwargs(self, batch: dict) -> dict:
+        """The keyword arguments of a forward on ``batch``: :attr:`forward_extras` (``use_cache=False``), then the
+        batch itself, whose own values win (an example input may already say ``use_cache``)."""
+        return {**self.forward_extras, **batch}
+
     def _verify_scheduled(self, batch: dict) -> tuple[float, Any]:
         if self.pipeline:
             inputs, target = _split_target(batch, 1, self.device)
@@ -616,7 +621,7 @@ class Run:
             self.layout.average_ignored_grads()
             return float(loss), None
         self.module.eval()
-        out = self.module(**batch, **self.forward_extras)
+        out = self.module(**self._kwargs(batch))
         loss = model_loss(out, self.cfg.data.seed)
         loss.backward()
         self.layout.average_ignored_grads()
@@ -626,7 +631,7 @@ class Run:
     def _verify_reference(self, model: nn.Module, batch: dict) -> tuple[float, Any]:
         model.eval()
         if not self.pipeline:
-            out = model(**batch, **self.forward_extras)
+            out = model(**self._kwargs(batch))
             loss = model_loss(out, self.cfg.data.seed)
             loss.backward()
             return float(loss.detach()), out
@@ -638,7 +643,7 @@ class Run:
             chunk = {
                 k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()
             }
-            loss = loss_fn(first_tensor(model(**chunk, **self.forward_extras)), target.chunk(n)[i]) / n
+            loss = loss_fn(first_tensor(model(**self._kwargs(chunk))), target.chunk(n)[i]) / n
             loss.backward()
             total += float(loss.detach())
         return total, None
@@ -711,7 +716,7 @@ class Run:
                 self.module.set_requires_gradient_sync(last)
             with sync:
                 with self._autocast():
-                    out = self.model(**_to(mb, self.device), **self.forward_extras)
+                    out = self.model(**self._kwargs(_to(mb, self.device)))
                     loss = model_loss(out, self.cfg.data.seed) / n
                 loss.backward()
             total += loss.detach().float()
@@ -791,7 +796,7 @@ class Run:
                 for mb, counted in batches:
                     inputs, labels = _split_target(_to(mb, self.device), 1, self.device)
                     with self._autocast():
-                        logits = first_tensor(self.model(**inputs, **self.forward_extras))
+                        logits = first_tensor(self.model(**self._kwargs(inputs)))
                     if counted:
                         total += token_losses(logits, labels, objective).double().sum().cpu()
                         tokens += labelled_tokens(labels, objective)
