@@ -267,30 +267,7 @@ def checkpoint_selective(function, *args, **kwargs):
     ``selective_ac_option="op"``). Like :func:`checkpoint`, it restores the tensor-parallel RNG tracker's states
     around the recomputation, except under ``torch.compile``, which takes the selective policy alone.
     """
-    if not _TRACKER.states or torch.compiler.is_compiling():
-        return _torch_ckpt.checkpoint(
-            function,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=_selective_contexts,
-            **kwargs,
-        )
-    ctx = _TrackerStateContext()
-
-    def context_fn():
-        forward, recompute = _selective_contexts()
-
-        @contextlib.contextmanager
-        def both():  # the states are set outside the recompute mode, which must see only the forward's ops
-            with ctx.restore(), recompute:
-                yield
-
-        return forward, both()
-
-    return _torch_ckpt.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
-    )
+    return _checkpoint(function, args, kwargs, False, _selective_contexts)
 
 
 def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
@@ -306,14 +283,31 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     recomputes a random op (its output is saved), and no Python runs again in backward, so there is nothing to
     restore. (Dynamo accepts only selective-checkpoint policies as ``context_fn``.)
     """
+    return _checkpoint(function, args, kwargs, use_reentrant, None)
+
+
+def _checkpoint(function, args, kwargs, use_reentrant: bool, contexts):
+    """:func:`checkpoint` (``contexts`` None) and :func:`checkpoint_selective` (``contexts`` gives the selective
+    ``(forward, recompute)`` context pair): with tracker states, the recomputation runs with them restored, set
+    outside the recompute context (torch's selective recompute mode must see only the forward's ops)."""
     if not _TRACKER.states or torch.compiler.is_compiling():
+        extra = {} if contexts is None else {"context_fn": contexts}
         return _torch_ckpt.checkpoint(
-            function, *args, use_reentrant=use_reentrant, preserve_rng_state=True, **kwargs
+            function, *args, use_reentrant=use_reentrant, preserve_rng_state=True, **extra, **kwargs
         )
     ctx = _TrackerStateContext()
 
     def context_fn():
-        return contextlib.nullcontext(), ctx.restore()
+        if contexts is None:
+            return contextlib.nullcontext(), ctx.restore()
+        forward, recompute = contexts()
+
+        @contextlib.contextmanager
+        def both():
+            with ctx.restore(), recompute:
+                yield
+
+        return forward, both()
 
     return _torch_ckpt.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
