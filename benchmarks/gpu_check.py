@@ -50,7 +50,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "calibrate", "model", "plan", "script", "hand", "script_compile", "script_selective")
+STEPS = (
+    "env",
+    "calibrate",
+    "model",
+    "plan",
+    "script",
+    "hand",
+    "script_compile",
+    "script_selective_eager",
+    "script_selective",
+)
 #: TinyLlama-1.1B's config.json (hub id TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), and a 10-layer one
 #: for the CPU run of the suite.
 SIZES = {
@@ -241,6 +251,7 @@ def _metrics(log_dir: Path, warmup: int) -> dict:
 RUNS = {
     "script": ("script", False, True, "none"),
     "script_compile": ("script", True, False, "none"),
+    "script_selective_eager": ("script_selective", False, False, "selective"),
     "script_selective": ("script_selective", True, False, "selective"),
 }
 
@@ -310,6 +321,10 @@ def step_script(args, out: Path) -> dict:
 
 def step_script_compile(args, out: Path) -> dict:
     return _run_script(args, out, "script_compile")
+
+
+def step_script_selective_eager(args, out: Path) -> dict:
+    return _run_script(args, out, "script_selective_eager")
 
 
 def step_script_selective(args, out: Path) -> dict:
@@ -465,6 +480,7 @@ def report(args, out: Path, status: dict) -> str:
     labels = {
         "script": "exported script",
         "script_compile": "exported script --compile",
+        "script_selective_eager": "exported script, selective checkpointing",
         "script_selective": "exported script --compile, selective checkpointing",
     }
     for name, label in labels.items():
@@ -493,7 +509,7 @@ def report(args, out: Path, status: dict) -> str:
         for name, p in plan.items():
             for pred, run, what in (
                 (p, "script", "no checkpointing"),
-                (p["selective"], "script_selective", "selective"),
+                (p["selective"], "script_selective_eager", "selective"),
             ):
                 measured = _load(out, run) or {}
                 lines.append(
