@@ -50,7 +50,7 @@ def test_the_editor_plans_for_nodes_times_gpus_and_says_the_three_degrees():
     assert ed.apply("cut_pipeline_stage", path="transformer.h.0") is None, ed.message
     assert "tensor parallel 4 · pipeline 2 stages · data parallel 1 = 8 GPUs" in ed._header.value
     assert ed.set_cluster(4, 8) is None
-    assert ed._f_dp.value == "4" and ed.last_plan.dp == 4
+    assert ed._f_dp.value == "4" and ed.memory_plan.dp == 4
     assert "tensor parallel 4 · pipeline 2 stages · data parallel 4 = 32 GPUs" in ed._header.value
     assert "4 nodes × 8 GPUs" in ed._cluster_info.value
     assert ed.set_cluster(3, 4) == ed.message  # 12 GPUs for replicas of 8: one sentence, dp 1

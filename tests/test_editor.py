@@ -252,15 +252,15 @@ def test_presets_record_calls_and_undo(editor):
 
 
 def test_costs_update_live(editor):
-    before = editor.last_plan.per_stage[0]["param_bytes"]
+    before = editor.memory_plan.per_stage[0]["param_bytes"]
     assert "Busiest rank needs" in editor._costs_text.value and "<svg" in editor._costs.value
     editor.apply("shard", "weight", axis=0, path="encoder.layer.0.intermediate.dense")
     assert "activations not estimated" in editor._costs_text.value  # the bias is not sharded yet
     editor.apply("shard", "bias", axis=0, path="encoder.layer.0.intermediate.dense")
     editor.apply("shard", "weight", axis=1, path="encoder.layer.0.output.dense")  # the row-parallel partner
-    after = editor.last_plan.per_stage[0]["param_bytes"]
+    after = editor.memory_plan.per_stage[0]["param_bytes"]
     assert before - after == ((128 * 64 + 128) // 2 + 64 * 128 // 2) * 4
-    assert editor.last_plan.per_stage[0]["activation_bytes"] > 0
+    assert editor.memory_plan.per_stage[0]["activation_bytes"] > 0
     editor._gpu.value = 141e9
     assert "141 GB" in editor._costs.value
 
@@ -357,7 +357,7 @@ def test_export_form_bakes_options_into_the_script(
     ed._f_save_hf.value = "trained"
     ed._export_path.value = "train_tiny.py"
     # the memory view follows dp and FSDP
-    assert ed.last_plan.dp == 2 and ed.last_plan.shard == "fsdp"
+    assert ed.memory_plan.dp == 2 and ed.memory_plan.shard == "fsdp"
     assert "TP 2 × DP 2, FSDP = 4 GPUs" in ed._costs_text.value
     ed._btn_export.click()
     assert ed.message.startswith(
@@ -385,9 +385,9 @@ def test_export_form_bakes_options_into_the_script(
     # deepspeed: a ZeRO stage instead of FSDP, and the deepspeed launch
     ed._f_launcher.value = "deepspeed"
     assert ed._f_fsdp.layout.display == "none" and ed._f_zero.layout.display != "none"
-    assert ed.last_plan.shard is None
+    assert ed.memory_plan.shard is None
     ed._f_zero.value = 2
-    assert ed.last_plan.shard == "zero2" and "ZeRO-2" in ed._costs_text.value
+    assert ed.memory_plan.shard == "zero2" and "ZeRO-2" in ed._costs_text.value
     ed._btn_export.click()
     assert "deepspeed --num_gpus 4 train_tiny.py --device cuda" in ed.message, ed.message
     defaults = _defaults_of(folder / "train_tiny.py")
@@ -474,7 +474,7 @@ def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_pat
         1,
         "train_ds.py",
     )
-    assert ed.last_plan.dp == 2 and ed.last_plan.shard == "zero1"
+    assert ed.memory_plan.dp == 2 and ed.memory_plan.shard == "zero1"
     for bad, match in [
         ({"zero": 1}, "needs the deepspeed launcher"),
         ({"shards": 2}, "not an export option"),
@@ -496,7 +496,7 @@ def test_export_from_python_remembers_options_in_the_schedule_file(bert, tmp_pat
         1,
         "0",
     )
-    assert again.last_plan.shard == "zero1"
+    assert again.memory_plan.shard == "zero1"
 
 
 def test_verify_uses_local_model_and_data_or_says_synthetic(editor, tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ def test_memory_line_when_the_plan_fails_is_one_sentence_and_the_view_works(edit
         "Memory plan unavailable: the plan could not be computed because of an unexpected "
         "RuntimeError; the details are in the log."
     )
-    assert editor.last_plan is None and editor._costs.value == ""
+    assert editor.memory_plan is None and editor._costs.value == ""
     # the rest of the view keeps working
     assert 'sch["encoder.layer.0"].checkpoint()' in _text(editor._code.value)
     assert editor.select("encoder.layer.1") is None
@@ -91,7 +91,9 @@ def test_memory_line_for_a_failed_activation_pass_via_plan(editor, monkeypatch):
         raise ValueError("weird internal state 0x7f")
 
     monkeypatch.setattr(target, "forward", types.MethodType(boom, target))
-    plan_module._PROFILE_CACHE.clear()  # the start-up pass was cached
+    importlib.import_module(
+        "slapo_lab.activation_cache"
+    )._PROFILE_CACHE.clear()  # the start-up pass was cached
     editor._refresh_costs()
     line = _text(editor._costs_text.value)
     assert (
@@ -245,14 +247,15 @@ def test_folding_a_long_unfoldable_record_tries_only_candidate_blocks(monkeypatc
 
 
 def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_view_follows():
-    """In a kernel the activation pass (a meta forward of every layer, seconds at 70B) runs in a background
-    thread; the memory line says so, then shows the figure without a click."""
+    """In a kernel a whole-model activation pass (a meta forward of every layer, here 70B-wide layers; a model of
+    two blocks is not composed from distinct blocks) runs in a background thread; the memory line says so, then
+    shows the figure without a click."""
     import asyncio
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        num_hidden_layers=4,
+        num_hidden_layers=2,
         hidden_size=8192,
         num_attention_heads=64,
         num_key_value_heads=8,
@@ -272,7 +275,9 @@ def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_vi
     finally:
         loop.close()
     assert "activations: being estimated" in ed._costs_text.value
-    assert ed.last_plan.activation_method is None
+    assert ed.memory_plan.activation_method is None
     assert ed.wait_background(120)
     assert "being estimated" not in ed._costs_text.value and "flash-attention SDPA" in ed._costs_text.value
-    assert ed.last_plan.activation_method == "autograd" and ed.last_plan.per_stage[0]["activation_bytes"] > 0
+    assert (
+        ed.memory_plan.activation_method == "autograd" and ed.memory_plan.per_stage[0]["activation_bytes"] > 0
+    )

@@ -507,7 +507,7 @@ def _llama_gqa():
 def test_the_activation_pass_counts_attention_as_flash_attention_saves_it():
     """On meta tensors SDPA takes the math path and saves two batch x heads x seq x seq matrices that a real
     (flash) kernel never holds; the pass runs it as the flash kernel: equal to a real run's saved bytes."""
-    from slapo_lab.plan import ATTENTION_KERNEL
+    from slapo_lab.activations import ATTENTION_KERNEL
 
     model = _llama_gqa()
     ids = torch.randint(0, 256, (2, 512))

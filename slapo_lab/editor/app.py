@@ -26,10 +26,11 @@ from ..utils import to_meta
 from .export_panel import ExportPanel
 from .form_button import FormButton
 from .graph_widget import GraphWidget
-from .memory_panel import ACTIVATIONS, MemoryPanel, set_silently
+from .memory_panel import MemoryPanel, set_silently
 from .persistence import serialized
 from .schedule_panel import SchedulePanel
 from .state import (
+    ACTIVATIONS,
     EditorState,
     _running_loop,
 )
@@ -114,7 +115,6 @@ class ScheduleEditor(EditorState, W.VBox):
         schedule: the :class:`~slapo_lab.Schedule` on the meta copy; type primitives on it freely.
         code: the recorded calls as Python text.
         export_options: the last export's launcher, script and options (see :meth:`export`), or None.
-        last_plan: the memory view's :class:`~slapo_lab.plan.Plan` (for the export form's dp / FSDP / ZeRO).
 
     Raises:
         ScheduleError: if ``model`` is not an ``nn.Module`` or ``world_size`` is invalid.
@@ -400,7 +400,6 @@ class ScheduleEditor(EditorState, W.VBox):
         self._file_bar.add_class("slapo-file-bar")
         self._inspector.add_class("slapo-inspector")
         self._tree.add_class("slapo-tree")
-        self.last_plan = None
         self._export = f = ExportPanel(self)
         # the form's widgets under their old names on the editor (the tests and the panel view read them)
         self._export_box, self._export_path, self._btn_export, self._export_info = (
@@ -962,8 +961,8 @@ class ScheduleEditor(EditorState, W.VBox):
     def _background(
         self, gen: int, calls: list, cancel: threading.Event, kernel: bool, numeric: bool
     ) -> None:
+        from ..activation_cache import profile_for_cache
         from ..call_order import record_for_cache
-        from ..plan import profile_for_cache
 
         try:
             if kernel and record_for_cache(self.schedule, self._lock, cancel):

@@ -14,18 +14,14 @@ from collections.abc import Callable
 
 import ipywidgets as W
 
-from ..errors import ScheduleError
 from .cluster import data_parallel, degrees_text, tp_choices
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .plan_panel import PlanPanel
 from .state import _running_loop
 
-__all__ = ["ACTIVATIONS", "MemoryPanel", "set_silently"]
+__all__ = ["MemoryPanel", "set_silently"]
 
 _log = logging.getLogger("slapo_lab.editor")
-
-# What the memory view counts as activations: what autograd saves, SDPA as flash attention (plan.ATTENTION_KERNEL).
-ACTIVATIONS = "autograd"
 
 
 def set_silently(widget, handler, **traits) -> None:
@@ -44,7 +40,7 @@ class MemoryPanel:
 
     Args:
         editor: the editor (its state: ``schedule``, ``cluster``, ``world_size``, ``set_cluster``, ``set_tp``,
-            ``example_inputs``, ``last_plan``, the lock).
+            ``example_inputs``, ``price_memory`` and ``memory_plan``, the lock).
         layout: returns ``(dp, shard, note)`` from the Export form (``note``: HTML saying when dp is unreadable).
         set_dp: puts the data-parallel degree the cluster shape gives into the Export form.
         on_apply: the Plan pane's Apply hands the plan's Export options to it.
@@ -146,45 +142,30 @@ class MemoryPanel:
 
     # ------------------------------------------------------------------ the memory view
     def refresh_costs(self) -> None:
-        """The memory line and chart, for the dp / FSDP / ZeRO chosen in the export form. A failure shows
-        one sentence (what failed, where, why), never an exception's text (that goes to the log); the rest of
-        the view is unaffected."""
-        # looked up at each call (not bound at import), as the memory view always did: tests replace plan.plan
-        from ..plan import has_cached_profile, plan
-
+        """The memory line and chart of the state's :attr:`~slapo_lab.editor.state.EditorState.memory_plan`, priced
+        here for the dp / FSDP / ZeRO chosen in the export form. A failure shows one sentence (what failed, where,
+        why), never an exception's text (that goes to the log); the rest of the view is unaffected."""
         ed = self.editor
-        dp, shard, note = self.layout()
-        inputs = ed.example_inputs or None
-        mode = ACTIVATIONS
+        _, _, note = self.layout()
+        kernel = _running_loop() is not None
+        pl = ed.price_memory(defer_whole_pass=kernel)
         if (
-            inputs is not None
-            and _running_loop() is not None
-            and not has_cached_profile(ed.schedule, inputs, mode)
-        ):  # a meta forward of every layer (3.5 s at 70B): the background work runs it in a kernel, so that no
-            # click waits for it, and redraws this view when it is done (outside a kernel it runs here)
-            inputs = None
+            ed.memory_pending
+        ):  # a whole meta forward (a model without a stack of blocks): the background runs it
             note += " <i>(activations: being estimated…)</i>"
-        elif inputs is not None:
+        elif ed.memory_problem and pl is not None:
+            note = f" <i>— {html.escape(ed.memory_problem)}</i>"
+        elif ed.example_inputs:
             note += " <small>(activations: what autograd saves, attention as flash-attention SDPA)</small>"
+        if pl is None:
+            self.costs.value = ""
+            self.costs_text.value = html.escape(ed.memory_problem or "Memory plan unavailable.")
+            return
         try:
-            try:
-                pl = plan(
-                    ed.schedule,
-                    example_inputs=inputs,
-                    activation=mode if inputs is not None else None,
-                    dp=dp,
-                    shard=shard,
-                )
-            except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: forward fails
-                _log.info("activation estimate failed: %s", err)
-                pl = plan(ed.schedule, activation=None, dp=dp, shard=shard)
-                note = f" <i>— {html.escape(memory_failure(err, 'activations not estimated'))}</i>"
-            ed.last_plan = pl
             gpu = float(self.gpu.value)
             self.costs_text.value = html.escape(cost_summary(pl, gpu)) + note
             self.costs.value = cost_chart_svg(pl, gpu)
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            _log.warning("memory plan failed", exc_info=True)
-            ed.last_plan = None
+            _log.warning("memory view failed", exc_info=True)
             self.costs.value = ""
             self.costs_text.value = html.escape(memory_failure(err, "Memory plan unavailable"))

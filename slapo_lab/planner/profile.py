@@ -444,7 +444,7 @@ def _heads(sch, stacks) -> tuple[int | None, int | None]:
 
 def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
     """One forward + backward of the cut-down ``model``; a :class:`PartProfile` per block path, "pre", "post"."""
-    from ..plan import FlashSDPA
+    from ..activations import FlashSDPA
 
     block_paths = [f"{p}.{i}" if p else str(i) for p, kept, _ in stacks for i in kept]
     mods = dict(model.named_modules())

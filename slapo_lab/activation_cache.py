@@ -1,0 +1,499 @@
+"""Activation passes cached per schedule state, and composed from the distinct blocks of a deep model.
+
+:func:`slapo_lab.plan.plan` counts activations with one meta forward (:mod:`slapo_lab.activations`). For a deep
+model that pass grows with the depth (126 layers of a 405B Llama: seconds), and the editor's memory view needs it
+after every click. So the ``"autograd"`` pass is **composed**: every stack of repeated blocks
+(:func:`slapo_lab.blocks.find_blocks`) is cut down to the blocks that stand for every distinct *context* of a block,
+the cut-down model runs one pass, and the saved bytes of the whole model are put back together:
+
+* what the model saves outside its blocks (embeddings, rotary tables, the head, the loss) is counted as measured;
+* a block saves what the kept block of its context saved. A block's context is its signature (below), the previous
+  block's signature (which decides whether this block's input, the previous block's output, is saved already)
+  and whether it is the first block of its signature (the first to save a tensor made before the stack for its
+  kind: a rotary table, a mask). The cut-down keeps the first block of each context and the block before it, in
+  model order, so each measured block sees in the cut-down what it sees in the model.
+
+A block's signature is everything that changes what it saves: its recorded calls (relative to the block), its
+submodules' classes and schedule state (checkpoint and its policy, a replaced forward), its parameters' per-rank
+shapes, and the plain attributes in which blocks of the stack differ (a sliding-window flag), except counters that
+differ in every block (``layer_idx``). A checkpoint click on block 7 makes block 7's signature new: the next pass
+runs a few blocks per distinct context, whatever the depth, and a cut-down seen before is answered from the cache.
+
+The composed pass equals the whole-model pass when blocks of one signature behave alike given the same inputs
+(``tests/test_activation_cache.py`` checks it per stage on several families against the whole pass); a model whose forward cannot run
+cut down (it indexes its blocks by the config's layer count) falls back to the whole pass, and so does a model whose
+cut-down would run every block anyway. The ``"estimate"`` pass does not depend on checkpoints and stays one cached whole pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .activations import ActivationProfile, SavedProfile, estimate_activations, saved_activations
+from .blocks import find_blocks
+from .module_state import peek_meta
+from .record import Call, format_call
+from .utils import meta_copy
+
+__all__ = ["cached_profile", "has_cached_profile", "profile_for_cache"]
+
+#: model -> {key: profile}; a few states per model (an undo returns to one of them)
+_PROFILE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_KEEP = 8
+#: calls the activation passes do not depend on: cuts only place modules in stages, annotate tags parameters
+_SKIP_AUTOGRAD = ("cut_pipeline_stage", "annotate")
+_SKIP_ESTIMATE = ("checkpoint", *_SKIP_AUTOGRAD)
+#: the plain attribute types a block signature compares
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _input_signature(x: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), str(x.dtype))
+    if isinstance(x, dict):
+        return tuple((k, _input_signature(v)) for k, v in x.items())
+    if isinstance(x, (tuple, list)):
+        return tuple(_input_signature(v) for v in x)
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+_FORMATTED: dict[int, tuple[weakref.ref, str, str]] = {}
+
+
+def _formatted(call: Call, rel: str) -> str:
+    """``format_call`` of ``call`` at path ``rel``, memoised per call object (a record of 10^4 calls is formatted
+    once, not after every click)."""
+    hit = _FORMATTED.get(id(call))
+    if hit is not None and hit[0]() is call and hit[1] == rel:
+        return hit[2]
+    text = format_call(Call(rel, call.primitive, call.args, call.kwargs))
+    if len(_FORMATTED) > 200_000:
+        _FORMATTED.clear()
+    _FORMATTED[id(call)] = (weakref.ref(call), rel, text)
+    return text
+
+
+def _whole_key(sch, example_inputs, mode: str) -> tuple:
+    """The cache key of a whole-model pass of ``mode`` for the schedule's current state."""
+    skip = _SKIP_ESTIMATE if mode == "estimate" else _SKIP_AUTOGRAD
+    calls = tuple(_formatted(c, c.path) for c in sch.record.calls if c.primitive not in skip)
+    shapes = tuple((n, tuple(p.shape), p.requires_grad) for n, p in sch.mod.named_parameters())
+    ckpt = (
+        ()
+        if mode == "estimate"
+        else tuple(p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint"))
+    )
+    return mode, calls, shapes, ckpt, _input_signature(example_inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# the composition
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Stack:
+    """One stack of blocks: the ``ModuleList`` at ``path``, every block's signature and context (see
+    :func:`_contexts`), the blocks the cut-down keeps (positions in ``indices``, model order) and, per context,
+    the kept position whose measured items every block of that context takes."""
+
+    path: str
+    indices: list[int]
+    signatures: list[tuple]
+    contexts: list[tuple] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    source: dict[tuple, int] = field(default_factory=dict)
+
+
+def _contexts(sigs: list[tuple]) -> list[tuple]:
+    """Per block, what its saved bytes depend on besides itself: ``(its signature, the previous block's signature
+    or None, whether it is the first block of its signature)``. The previous block decides whether this block's
+    input is already saved (a block whose last op saves its output: the next block's saving of its input adds
+    nothing); being the first of its kind decides whether it is the first to save a tensor made before the stack
+    for blocks of its kind (a rotary table, a sliding-window mask)."""
+    seen: set[tuple] = set()
+    out = []
+    for k, sig in enumerate(sigs):
+        out.append((sig, sigs[k - 1] if k else None, sig not in seen))
+        seen.add(sig)
+    return out
+
+
+def _keep(contexts: list[tuple]) -> tuple[list[int], dict[tuple, int]]:
+    """The blocks the cut-down runs: the first block of every distinct context and the block just before it (so
+    that in the cut-down it follows a block of the same signature as in the model). Returns the kept positions and,
+    per context, the position among the kept ones of the block that measures it. The first block of each signature
+    is kept (its context is new), so a kept block is the first of its kind in the cut-down exactly when it is in
+    the model, and a tensor made before the stack is first saved by the same kind of block in both."""
+    first: dict[tuple, int] = {}
+    for k, ctx in enumerate(contexts):
+        first.setdefault(ctx, k)
+    kept = sorted({k for v in first.values() for k in (v - 1, v) if k >= 0})
+    where = {k: j for j, k in enumerate(kept)}
+    return kept, {ctx: where[k] for ctx, k in first.items()}
+
+
+@dataclass
+class _Composition:
+    stacks: list[_Stack]
+    key: tuple
+
+
+@dataclass
+class _Parts:
+    """What the cut-down pass saved: ``outside`` items with their model paths; ``blocks[(stack, j)]`` the items of
+    the ``j``-th kept block with paths relative to the block ("" the block itself)."""
+
+    outside: list[tuple[str, int, int, bool]]
+    blocks: dict[tuple[int, int], list[tuple[str, int, int, bool]]]
+    batch: int | None
+    seconds: float
+    fake: bool
+
+
+def _stacks(top) -> list[tuple[str, list[int]]]:
+    """``[(ModuleList path, block indices)]`` of every stack of :func:`find_blocks` whose blocks are numbered
+    children of one list."""
+    out: dict[str, list[int]] = {}
+    for path in find_blocks(top):
+        parent, _, idx = path.rpartition(".")
+        if idx.isdigit() and parent:
+            out.setdefault(parent, []).append(int(idx))
+    return list(out.items())
+
+
+def _module_state(mod: nn.Module) -> tuple:
+    meta = peek_meta(mod)
+    if not meta:
+        return ()
+    return (
+        bool(meta.get("checkpoint")),
+        meta.get("checkpoint_policy"),
+        meta.get("impl") is not None,
+        bool(meta.get("fork_rng")),
+        tuple(meta.get("syncs") or ()),
+    )
+
+
+def _block_facts(block: nn.Module) -> tuple[list[tuple], list[tuple]]:
+    """``(structure, plain attributes)`` of one block: per submodule its relative path, class, schedule state and
+    parameters' shapes; and ``(relative path, attribute, value)`` of every plain public attribute."""
+    structure, plain = [], []
+    for rel, m in block.named_modules():
+        params = tuple(
+            (n, tuple(p.shape), p.requires_grad, getattr(p, "shard_axis", None))
+            for n, p in m._parameters.items()
+            if p is not None
+        )
+        structure.append((rel, type(m).__qualname__, _module_state(m), params))
+        for k, v in vars(m).items():
+            if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN):
+                plain.append((rel, k, v))
+    return structure, plain
+
+
+_FACTS: dict[int, tuple[weakref.ref, tuple, tuple]] = {}
+_STACKS: dict[int, tuple[weakref.ref, tuple, list]] = {}
+
+
+def _memo_facts(block: nn.Module, stamp: tuple) -> tuple[list[tuple], list[tuple]]:
+    """:func:`_block_facts`, recomputed only when the block object or ``stamp`` (its recorded calls and the number
+    of calls outside every block: what can change it) differs from the last time."""
+    hit = _FACTS.get(id(block))
+    if hit is not None and hit[0]() is block and hit[1] == stamp:
+        return hit[2]
+    facts = _block_facts(block)
+    if len(_FACTS) > 100_000:
+        _FACTS.clear()
+    _FACTS[id(block)] = (weakref.ref(block), stamp, facts)
+    return facts
+
+
+def _memo_stacks(top) -> list[tuple[str, list[int]]]:
+    """:func:`_stacks`, recomputed only when the model object or its record's length and last call differ (the
+    module tree changes only through recorded calls, and an undo rebuilds the model)."""
+    calls = top.record.calls
+    stamp = (len(calls), id(calls[-1]) if calls else None)
+    hit = _STACKS.get(id(top.mod))
+    if hit is not None and hit[0]() is top.mod and hit[1] == stamp:
+        return hit[2]
+    found = _stacks(top)
+    if len(_STACKS) > 1_000:
+        _STACKS.clear()
+    _STACKS[id(top.mod)] = (weakref.ref(top.mod), stamp, found)
+    return found
+
+
+def _outside_params(mod: nn.Module, stacks: set[int], prefix: str = "") -> list[tuple]:
+    """``(name, shape, requires_grad)`` of the parameters outside the stacks of blocks (their ids in ``stacks``)."""
+    out = [(prefix + n, tuple(p.shape), p.requires_grad) for n, p in mod._parameters.items() if p is not None]
+    for name, child in mod._modules.items():
+        if child is not None and id(child) not in stacks:
+            out.extend(_outside_params(child, stacks, f"{prefix}{name}."))
+    return out
+
+
+def _composition(top, example_inputs) -> _Composition | None:
+    """The cut-down of ``top`` for a composed ``"autograd"`` pass, or None when it would run every block anyway."""
+    found = _memo_stacks(top)
+    if not found:
+        return None
+    stacks: list[_Stack] = []
+    saving = False
+    prefixes: dict[str, tuple[int, dict[int, int]]] = {}
+    for s, (path, indices) in enumerate(found):
+        prefixes[path + "."] = (s, {i: k for k, i in enumerate(indices)})
+    rel_calls: list[list[list[str]]] = [[[] for _ in idx] for _, idx in found]
+    outside: list[str] = []
+    for c in top.record.calls:
+        if c.primitive in _SKIP_AUTOGRAD:
+            continue
+        where = None
+        for prefix, (s, pos) in prefixes.items():
+            if c.path.startswith(prefix):
+                head, _, tail = c.path[len(prefix) :].partition(".")
+                if head.isdigit() and int(head) in pos:
+                    where = (s, pos[int(head)], tail)
+                break
+        if where is None:
+            outside.append(_formatted(c, c.path))
+        else:
+            rel_calls[where[0]][where[1]].append(_formatted(c, where[2]))
+    lists = {path: top.mod.get_submodule(path) for path, _ in found}
+    for s, (path, indices) in enumerate(found):
+        facts = [
+            _memo_facts(lists[path][i], (tuple(rel_calls[s][k]), len(outside))) for k, i in enumerate(indices)
+        ]
+        values: dict[tuple[str, str], set] = {}
+        for _, plain in facts:
+            for rel, k, v in plain:
+                values.setdefault((rel, k), set()).add((type(v), v))
+        # a plain attribute that differs between blocks marks a kind of block (a sliding-window layer), unless
+        # it differs in every block: a counter (layer_idx), which no forward reads for its activations' sizes
+        n = len(indices)
+        kinds_of = {key for key, vals in values.items() if len(vals) > 1 and not (n > 2 and len(vals) == n)}
+        sigs = []
+        for k, (structure, plain) in enumerate(facts):
+            kinds = tuple((rel, a, v) for rel, a, v in plain if (rel, a) in kinds_of)
+            sigs.append((tuple(structure), kinds, tuple(rel_calls[s][k])))
+        ctxs = _contexts(sigs)
+        kept, source = _keep(ctxs)
+        saving = saving or (n >= 3 and len(kept) < n)
+        stacks.append(_Stack(path, indices, sigs, ctxs, kept, source))
+    if not saving:
+        return None
+    key = (
+        "composed",
+        tuple(outside),
+        tuple(_outside_params(top.mod, {id(m) for m in lists.values()})),
+        tuple((st.path, tuple(st.signatures[k] for k in st.kept)) for st in stacks),  # the cut-down model
+        _input_signature(example_inputs),
+    )
+    return _Composition(stacks, key)
+
+
+def _cut_down_copy(top, comp: _Composition) -> nn.Module:
+    """A meta copy of ``top.mod`` whose stacks hold only their kept blocks, renumbered ``0 .. k-1`` (the model is
+    restored before this returns)."""
+    saved = []
+    try:
+        for st in comp.stacks:
+            lst = top.mod.get_submodule(st.path)
+            mods = dict(lst._modules)
+            saved.append((lst, mods))
+            lst._modules.clear()
+            for j, k in enumerate(st.kept):
+                lst._modules[str(j)] = mods[str(st.indices[k])]
+        return meta_copy(top.mod)
+    finally:
+        for lst, mods in saved:
+            lst._modules.clear()
+            lst._modules.update(mods)
+
+
+def _run_composed(top, comp: _Composition, example_inputs, cancelled=None) -> _Parts:
+    """The composed pass of ``top`` (its cut-down copy, then :func:`_run_cut_down`)."""
+    return _run_cut_down(_cut_down_copy(top, comp), comp, example_inputs, cancelled)
+
+
+def _run_cut_down(model: nn.Module, comp: _Composition, example_inputs, cancelled=None) -> _Parts:
+    """One ``saved_activations`` pass of the cut-down copy ``model``, its items split into outside and per kept
+    block."""
+    heads = {f"{st.path}.{j}": (s, j) for s, st in enumerate(comp.stacks) for j in range(len(st.kept))}
+
+    def after(path: str) -> str:
+        # a tensor saved after a whole block returned belongs to the loop around the blocks: counted once
+        return path + "#after" if path in heads else path
+
+    prof = saved_activations(model, example_inputs, cancelled=cancelled, after=after)
+    outside: list[tuple[str, int, int, bool]] = []
+    blocks: dict[tuple[int, int], list[tuple[str, int, int, bool]]] = {}
+    for path, nbytes, esize, is_float in prof.items:
+        if path.endswith("#after"):
+            outside.append((path, nbytes, esize, is_float))
+            continue
+        hit, rel = _owner(path, heads)
+        if hit is None:
+            outside.append((path, nbytes, esize, is_float))
+        else:
+            blocks.setdefault(hit, []).append((rel, nbytes, esize, is_float))
+    return _Parts(outside, blocks, prof.batch, prof.seconds, prof.fake)
+
+
+def _owner(path: str, heads: dict[str, tuple[int, int]]) -> tuple[tuple[int, int] | None, str]:
+    """The kept block ``(stack, j)`` holding module ``path`` (or None) and ``path`` relative to it."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        hit = heads.get(".".join(parts[:i]))
+        if hit is not None:
+            rest = ".".join(parts[i:])
+            return hit, ("." + rest) if rest else ""
+    return None, path
+
+
+def _expand(parts: _Parts, comp: _Composition) -> SavedProfile:
+    """The whole model's saved items from the cut-down pass (see the module docstring)."""
+    items = []
+    for path, nbytes, esize, is_float in parts.outside:
+        if path.endswith("#after"):  # "<stack>.<j>#after": the loop after kept block j, at its model path
+            head, _, j = path[: -len("#after")].rpartition(".")
+            st = next((st for st in comp.stacks if st.path == head), None)
+            if st is not None and j.isdigit():
+                path = f"{head}.{st.indices[st.kept[int(j)]]}"
+        items.append((path, nbytes, esize, is_float))
+    for s, st in enumerate(comp.stacks):
+        for k, i in enumerate(st.indices):
+            j = st.source[st.contexts[k]]
+            base = f"{st.path}.{i}"
+            items.extend((base + rel, nb, es, fl) for rel, nb, es, fl in parts.blocks.get((s, j), ()))
+    return SavedProfile(items=items, batch=parts.batch, seconds=parts.seconds, fake=parts.fake)
+
+
+# --------------------------------------------------------------------------------------------------
+# the cache
+# --------------------------------------------------------------------------------------------------
+_ENTRIES: dict[int, tuple[weakref.ref, tuple, tuple, _Composition | None]] = {}
+
+
+def _entry(top, example_inputs, mode: str) -> tuple[tuple, _Composition | None]:
+    """``(cache key, composition or None)`` of the pass of ``mode`` for the schedule's state, remembered per model
+    object and record (its length and last call: the state changes only through recorded calls, and an undo
+    rebuilds the model), so the view's checks and the plan that follows share one computation."""
+    calls = top.record.calls
+    stamp = (mode, len(calls), id(calls[-1]) if calls else None, _input_signature(example_inputs))
+    hit = _ENTRIES.get(id(top.mod))
+    if hit is not None and hit[0]() is top.mod and hit[1] == stamp:
+        return hit[2], hit[3]
+    comp = _composition(top, example_inputs) if mode == "autograd" else None
+    key = comp.key if comp is not None else _whole_key(top, example_inputs, mode)
+    if len(_ENTRIES) > 1_000:
+        _ENTRIES.clear()
+    _ENTRIES[id(top.mod)] = (weakref.ref(top.mod), stamp, key, comp)
+    return key, comp
+
+
+def _compute(top, model: nn.Module | None, example_inputs, mode: str, comp, cancelled=None):
+    """The pass itself: composed (``comp``) or whole (on ``model``: the schedule's module or a copy of it). A
+    composed pass that fails falls back to the whole pass, whose error is the one raised."""
+    if comp is not None:
+        try:
+            return _run_composed(top, comp, example_inputs, cancelled)
+        except Exception:  # e.g. a forward that indexes its blocks by the config's depth: the whole pass
+            if cancelled is not None and cancelled.is_set():
+                raise
+    fn = estimate_activations if mode == "estimate" else saved_activations
+    return fn(model if model is not None else top.mod, example_inputs, cancelled=cancelled)
+
+
+def _result(value, comp: _Composition | None):
+    return _expand(value, comp) if isinstance(value, _Parts) and comp is not None else value
+
+
+def _store(per_model: dict, key: tuple, value) -> None:
+    if len(per_model) >= _KEEP:
+        per_model.pop(next(iter(per_model)))
+    per_model[key] = value
+
+
+def cached_profile(
+    sch, example_inputs, cache: bool, mode: str = "estimate"
+) -> tuple[ActivationProfile | SavedProfile, bool]:
+    """The activation pass of ``mode`` ("estimate" or "autograd") for the schedule's current state, and whether
+    it came from the cache. The ``"autograd"`` pass is composed from the distinct blocks where the model has a
+    stack of them (see the module docstring).
+
+    Raises:
+        ScheduleError: when the forward pass fails (one sentence, :mod:`slapo_lab.activations`).
+    """
+    top = sch.get_top_schedule()
+    key, comp = _entry(top, example_inputs, mode)
+    per_model = _PROFILE_CACHE.setdefault(top.mod, {})
+    if cache and key in per_model:
+        return _result(per_model[key], comp), True
+    if comp is None and not cache:
+        fn = estimate_activations if mode == "estimate" else saved_activations
+        return fn(top.mod, example_inputs), False
+    value = _compute(top, None, example_inputs, mode, comp)
+    if cache:
+        _store(per_model, key, value)
+    return _result(value, comp), False
+
+
+def has_cached_profile(sch, example_inputs, mode: str = "autograd") -> bool:
+    """Whether :func:`slapo_lab.plan.plan` has the activation pass of ``mode`` for this schedule state cached
+    (answers without running the model)."""
+    top = sch.get_top_schedule()
+    per_model = _PROFILE_CACHE.get(top.mod)
+    return per_model is not None and _entry(top, example_inputs, mode)[0] in per_model
+
+
+def is_composed(sch, example_inputs, mode: str = "autograd") -> bool:
+    """Whether the pass of ``mode`` for this state is composed from distinct blocks (a few blocks' forward,
+    whatever the depth), so a view may run it at once instead of in the background."""
+    return mode == "autograd" and _entry(sch.get_top_schedule(), example_inputs, mode)[1] is not None
+
+
+def profile_for_cache(sch, example_inputs, lock, mode: str = "autograd", cancelled=None) -> bool:
+    """Run :func:`slapo_lab.plan.plan`'s activation pass (``mode``: "estimate" or "autograd") and cache it, for a
+    background thread: the schedule's state is read under ``lock``; the model (or, for a composed pass, its
+    cut-down) is copied (:func:`slapo_lab.utils.meta_copy`, its hooks and forwards included) under it, and the
+    pass runs on the copy without it, so no click waits; the profile is cached only if the schedule is still in
+    the state read (a copy a click changed is dropped).
+
+    Args:
+        cancelled: a ``threading.Event``; once set, the pass stops at the next module.
+
+    Returns:
+        True when a new profile was cached (False: cached already, cancelled, failed or stale).
+    """
+    with lock:
+        top = sch.get_top_schedule()
+        key, comp = _entry(top, example_inputs, mode)
+        per_model = _PROFILE_CACHE.setdefault(top.mod, {})
+        if key in per_model:
+            return False
+        try:
+            snapshot = _cut_down_copy(top, comp) if comp is not None else meta_copy(top.mod)
+        except Exception:  # noqa: BLE001 - the view runs the pass itself and says why it failed
+            return False
+    try:  # the pass without the lock, so that no click waits: a state a click changed is dropped below
+        if comp is not None:
+            value = _run_cut_down(snapshot, comp, example_inputs, cancelled)
+        else:
+            fn = estimate_activations if mode == "estimate" else saved_activations
+            value = fn(snapshot, example_inputs, cancelled=cancelled)
+    except Exception:  # noqa: BLE001 - cancelled, or the view runs the pass itself and says why it failed
+        return False
+    with lock:
+        if _entry(top, example_inputs, mode)[0] != key:
+            return False
+        _store(per_model, key, value)
+    return True
