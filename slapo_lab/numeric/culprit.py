@@ -3,11 +3,11 @@
 :class:`_Trace` puts hooks on every module of one copy (the reference, or a rank's scheduled copy): each
 module's first tensor output in completion order, the modules still running when a forward raised, and each
 module's gradient for its own input in the order autograd produces them. From two traces:
-:func:`first_differing_module` (the first module whose output differs while every enclosing module's does too),
-:func:`first_reshaped_module` (an output of another shape), :func:`first_differing_input_grad` (a partial
-gradient no all-reduce completed: tolerances :data:`GRAD_RTOL`, :data:`GRAD_ATOL`, :data:`GRAD_NOISE`).
-:func:`_rank_run` is what one simulated rank runs: replay the schedule on its copy, then forward and backward
-against the reference (:func:`slapo_lab.verify_models`).
+:func:`first_differing_module` (the first module whose output differs while every enclosing module's does
+too), :func:`first_reshaped_module` (an output of another shape), :func:`first_differing_input_grad` (a
+partial gradient no all-reduce completed: tolerances :data:`GRAD_RTOL`, :data:`GRAD_ATOL`,
+:data:`GRAD_NOISE`). :func:`_rank_run` is what one simulated rank runs: replay the schedule on its copy, then
+forward and backward against the reference (:func:`slapo_lab.verify_models`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Simulated tensor-parallel ranks for the numeric check: one thread per rank in one process, joined by
-PyTorch's threaded process group (``torch.testing._internal.distributed.multi_threaded_pg``, PyTorch 2.13: real
-``torch.distributed`` collectives between threads).
+PyTorch's threaded process group (``torch.testing._internal.distributed.multi_threaded_pg``, PyTorch 2.13:
+real ``torch.distributed`` collectives between threads).
 
 :func:`run_threaded_ranks` runs a function on every rank and returns the results in rank order; a rank that
-raises tells the others to leave (:func:`check_stop`, :class:`RanksStopped`) instead of leaving them blocked in
-a collective. The check itself is described in :mod:`slapo_lab.numeric` (step 2).
+raises tells the others to leave (:func:`check_stop`, :class:`RanksStopped`) instead of leaving them blocked
+in a collective. The check itself is described in :mod:`slapo_lab.numeric` (step 2).
 """
 
 from __future__ import annotations

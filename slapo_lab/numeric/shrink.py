@@ -3,9 +3,10 @@
 * Which blocks are kept: each stack of blocks (:func:`slapo_lab.blocks.find_blocks`) keeps the shortest prefix
   that holds one block of every distinct schedule (:func:`_plan_blocks`); the calls on later blocks are mapped
   onto the kept block with the same schedule (:func:`_map_calls`).
-* A Hugging Face config rebuilt small (:func:`_shrink_config`): the same head and key/value head counts, a head
-  dimension of :data:`SMALL_HEAD_DIM`, widths and a vocabulary that divide the tensor-parallel degree exactly
-  when the original's do; the layer counts of every stack set to the kept blocks (:func:`_set_layer_counts`).
+* A Hugging Face config rebuilt small (:func:`_shrink_config`): the same head and key/value head counts, a
+  head dimension of :data:`SMALL_HEAD_DIM`, widths and a vocabulary that divide the tensor-parallel degree
+  exactly when the original's do; the layer counts of every stack set to the kept blocks
+  (:func:`_set_layer_counts`).
 * The copy's hygiene: every dropout off (:func:`dropout_off`), and a forward that draws from Python's
   ``random`` found before anything runs (:func:`python_random_draw`).
 * The inputs (:func:`shrunk_inputs`, :func:`remembered_inputs`): the example inputs folded into the shrunk
