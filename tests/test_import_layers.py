@@ -47,7 +47,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework_dialect",
         ),
     ),
-    ("analysis: checks and the memory plan", ("check", "numeric", "plan", "verify", "tune")),
+    (
+        "analysis: checks and the memory plan",
+        ("check", "numeric", "plan", "activations", "activation_cache", "verify", "tune"),
+    ),
     ("presets and pipeline", ("presets", "preset_check", "pipeline", "build", "init", "spec", "planner")),
     ("export and train", ("export", "train")),
     ("editor and command line", ("editor", "cli", "tools", "labextension", "__init__")),
@@ -71,6 +74,7 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
 #: layer, and ``docs/ARCHITECTURE.md`` points here. A new one must be added on purpose.
 EDITOR_MAY_USE = frozenset(
     {
+        "activation_cache",
         "call_order",
         "check",
         "errors",
