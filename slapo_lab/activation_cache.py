@@ -10,14 +10,16 @@ the cut-down model runs one pass, and the saved bytes of the whole model are put
 * a block saves what the kept block of its context saved. A block's context is its signature (below), the previous
   block's signature (which decides whether this block's input, the previous block's output, is saved already)
   and whether it is the first block of its signature (the first to save a tensor made before the stack for its
-  kind: a rotary table, a mask). The cut-down keeps the first block of each context and the block before it, in
-  model order, so each measured block sees in the cut-down what it sees in the model.
+  kind: a rotary table, a mask). The cut-down keeps the first block of each context and the block before it, and
+  the last block, in model order, so each measured block, and what runs after the stack, sees in the cut-down what
+  it sees in the model. Measured contexts are cached per state outside the blocks and gathered over passes, so a
+  click whose contexts were all seen before (checkpointing one more block of a run) needs no pass.
 
 A block's signature is everything that changes what it saves: its recorded calls (relative to the block), its
 submodules' classes and schedule state (checkpoint and its policy, a replaced forward), its parameters' per-rank
 shapes, and the plain attributes in which blocks of the stack differ (a sliding-window flag), except counters that
 differ in every block (``layer_idx``). A checkpoint click on block 7 makes block 7's signature new: the next pass
-runs a few blocks per distinct context, whatever the depth, and a cut-down seen before is answered from the cache.
+runs a few blocks per distinct context, whatever the depth.
 
 The composed pass equals the whole-model pass when blocks of one signature behave alike given the same inputs
 (``tests/test_activation_cache.py`` checks it per stage on several families against the whole pass); a model whose forward cannot run
@@ -107,36 +109,37 @@ class _Stack:
 
     path: str
     indices: list[int]
-    signatures: list[tuple]
+    signatures: list[int]
     contexts: list[tuple] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     source: dict[tuple, int] = field(default_factory=dict)
 
 
-def _contexts(sigs: list[tuple]) -> list[tuple]:
-    """Per block, what its saved bytes depend on besides itself: ``(its signature, the previous block's signature
-    or None, whether it is the first block of its signature)``. The previous block decides whether this block's
-    input is already saved (a block whose last op saves its output: the next block's saving of its input adds
-    nothing); being the first of its kind decides whether it is the first to save a tensor made before the stack
-    for blocks of its kind (a rotary table, a sliding-window mask)."""
-    seen: set[tuple] = set()
+def _contexts(sigs: list[int]) -> list[tuple]:
+    """Per block, what its saved bytes depend on: ``(its signature, the previous block's signature or None, the
+    signatures seen before it if it is the first of its own, else None)``. The previous block decides whether this
+    block's input (the previous block's output) is saved already; the first block of a kind is the first to save a
+    tensor made before the stack for blocks of its kind (a rotary table, a sliding-window mask), unless a block of
+    a kind seen before saved it."""
+    seen: set[int] = set()
     out = []
     for k, sig in enumerate(sigs):
-        out.append((sig, sigs[k - 1] if k else None, sig not in seen))
+        prev = sigs[k - 1] if k else None
+        out.append((sig, prev, None if sig in seen else frozenset(seen)))
         seen.add(sig)
     return out
 
 
 def _keep(contexts: list[tuple]) -> tuple[list[int], dict[tuple, int]]:
     """The blocks the cut-down runs: the first block of every distinct context and the block just before it (so
-    that in the cut-down it follows a block of the same signature as in the model). Returns the kept positions and,
-    per context, the position among the kept ones of the block that measures it. The first block of each signature
-    is kept (its context is new), so a kept block is the first of its kind in the cut-down exactly when it is in
-    the model, and a tensor made before the stack is first saved by the same kind of block in both."""
+    that in the cut-down it follows a block of the same signature as in the model), and the last block (what runs
+    after the stack sees an output of the same kind). Returns the kept positions and, per context, the position
+    among the kept ones of the block that measures it. The first block of each signature is kept (its context is
+    new), so every kept first-of-its-kind block has the same kinds before it in the cut-down as in the model."""
     first: dict[tuple, int] = {}
     for k, ctx in enumerate(contexts):
         first.setdefault(ctx, k)
-    kept = sorted({k for v in first.values() for k in (v - 1, v) if k >= 0})
+    kept = sorted({k for v in first.values() for k in (v - 1, v) if k >= 0} | {len(contexts) - 1})
     where = {k: j for j, k in enumerate(kept)}
     return kept, {ctx: where[k] for ctx, k in first.items()}
 
@@ -150,13 +153,30 @@ class _Composition:
 @dataclass
 class _Parts:
     """What the cut-down pass saved: ``outside`` items with their model paths; ``blocks[(stack, j)]`` the items of
-    the ``j``-th kept block with paths relative to the block ("" the block itself)."""
+    the ``j``-th kept block with paths relative to the block ("" the block itself, and what the loop around the
+    blocks saves right after it)."""
 
     outside: list[tuple[str, int, int, bool]]
     blocks: dict[tuple[int, int], list[tuple[str, int, int, bool]]]
     batch: int | None
     seconds: float
     fake: bool
+
+
+@dataclass
+class _Composed:
+    """The cache of composed passes for one state outside the blocks: what the model saves outside them, and the
+    items of every block context measured so far (``(stack path, context) -> items``), merged over passes."""
+
+    outside: list[tuple[str, int, int, bool]]
+    contexts: dict[tuple, list[tuple[str, int, int, bool]]]
+    batch: int | None
+    seconds: float
+    fake: bool
+
+    def covers(self, comp: _Composition) -> bool:
+        """Whether every block context of ``comp`` was measured."""
+        return all((st.path, ctx) in self.contexts for st in comp.stacks for ctx in st.source)
 
 
 def _stacks(top) -> list[tuple[str, list[int]]]:
@@ -201,6 +221,8 @@ def _block_facts(block: nn.Module) -> tuple[list[tuple], list[tuple]]:
 
 
 _FACTS: dict[int, tuple[weakref.ref, tuple, tuple]] = {}
+#: block signature -> its number, for the life of the process (the cached contexts name signatures by number)
+_SIG_IDS: dict[tuple, int] = {}
 _STACKS: dict[int, tuple[weakref.ref, tuple, list]] = {}
 
 
@@ -283,18 +305,19 @@ def _composition(top, example_inputs) -> _Composition | None:
         sigs = []
         for k, (structure, plain) in enumerate(facts):
             kinds = tuple((rel, a, v) for rel, a, v in plain if (rel, a) in kinds_of)
-            sigs.append((tuple(structure), kinds, tuple(rel_calls[s][k])))
+            sig = (tuple(structure), kinds, tuple(rel_calls[s][k]))
+            sigs.append(_SIG_IDS.setdefault(sig, len(_SIG_IDS)))  # a small int: contexts hash it many times
         ctxs = _contexts(sigs)
         kept, source = _keep(ctxs)
         saving = saving or (n >= 3 and len(kept) < n)
         stacks.append(_Stack(path, indices, sigs, ctxs, kept, source))
     if not saving:
         return None
-    key = (
+    key = (  # the state outside the blocks; what runs after a stack depends on its last block's kind
         "composed",
         tuple(outside),
         tuple(_outside_params(top.mod, {id(m) for m in lists.values()})),
-        tuple((st.path, tuple(st.signatures[k] for k in st.kept)) for st in stacks),  # the cut-down model
+        tuple((st.path, st.signatures[-1]) for st in stacks),
         _input_signature(example_inputs),
     )
     return _Composition(stacks, key)
@@ -337,10 +360,7 @@ def _run_cut_down(model: nn.Module, comp: _Composition, example_inputs, cancelle
     outside: list[tuple[str, int, int, bool]] = []
     blocks: dict[tuple[int, int], list[tuple[str, int, int, bool]]] = {}
     for path, nbytes, esize, is_float in prof.items:
-        if path.endswith("#after"):
-            outside.append((path, nbytes, esize, is_float))
-            continue
-        hit, rel = _owner(path, heads)
+        hit, rel = _owner(path.removesuffix("#after"), heads)
         if hit is None:
             outside.append((path, nbytes, esize, is_float))
         else:
@@ -359,22 +379,27 @@ def _owner(path: str, heads: dict[str, tuple[int, int]]) -> tuple[tuple[int, int
     return None, path
 
 
-def _expand(parts: _Parts, comp: _Composition) -> SavedProfile:
-    """The whole model's saved items from the cut-down pass (see the module docstring)."""
-    items = []
-    for path, nbytes, esize, is_float in parts.outside:
-        if path.endswith("#after"):  # "<stack>.<j>#after": the loop after kept block j, at its model path
-            head, _, j = path[: -len("#after")].rpartition(".")
-            st = next((st for st in comp.stacks if st.path == head), None)
-            if st is not None and j.isdigit():
-                path = f"{head}.{st.indices[st.kept[int(j)]]}"
-        items.append((path, nbytes, esize, is_float))
+def _absorb(value: _Composed | None, parts: _Parts, comp: _Composition) -> _Composed:
+    """``value`` (None: a new one) with the contexts the cut-down pass ``parts`` measured."""
+    if value is None:
+        value = _Composed(parts.outside, {}, parts.batch, parts.seconds, parts.fake)
+    value.outside, value.seconds, value.fake = parts.outside, parts.seconds, value.fake or parts.fake
     for s, st in enumerate(comp.stacks):
+        for ctx, j in st.source.items():
+            value.contexts[(st.path, ctx)] = parts.blocks.get((s, j), [])
+    return value
+
+
+def _expand(value: _Composed, comp: _Composition) -> SavedProfile:
+    """The whole model's saved items from the measured contexts (see the module docstring)."""
+    items = list(value.outside)
+    for st in comp.stacks:
         for k, i in enumerate(st.indices):
-            j = st.source[st.contexts[k]]
             base = f"{st.path}.{i}"
-            items.extend((base + rel, nb, es, fl) for rel, nb, es, fl in parts.blocks.get((s, j), ()))
-    return SavedProfile(items=items, batch=parts.batch, seconds=parts.seconds, fake=parts.fake)
+            items.extend(
+                (base + rel, nb, es, fl) for rel, nb, es, fl in value.contexts[(st.path, st.contexts[k])]
+            )
+    return SavedProfile(items=items, batch=value.batch, seconds=value.seconds, fake=value.fake)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,13 +411,16 @@ _ENTRIES: dict[int, tuple[weakref.ref, tuple, tuple, _Composition | None]] = {}
 def _entry(top, example_inputs, mode: str) -> tuple[tuple, _Composition | None]:
     """``(cache key, composition or None)`` of the pass of ``mode`` for the schedule's state, remembered per model
     object and record (its length and last call: the state changes only through recorded calls, and an undo
-    rebuilds the model), so the view's checks and the plan that follows share one computation."""
+    rebuilds the model), so the view's checks and the plan that follows share one computation. A composed pass's
+    key is the state outside the blocks; its value, a :class:`_Composed`, gathers block contexts over passes."""
     calls = top.record.calls
     stamp = (mode, len(calls), id(calls[-1]) if calls else None, _input_signature(example_inputs))
     hit = _ENTRIES.get(id(top.mod))
     if hit is not None and hit[0]() is top.mod and hit[1] == stamp:
         return hit[2], hit[3]
     comp = _composition(top, example_inputs) if mode == "autograd" else None
+    if comp is not None and _PROFILE_CACHE.get(top.mod, {}).get(("no cut-down", comp.key)):
+        comp = None  # its forward failed cut down before: the whole pass
     key = comp.key if comp is not None else _whole_key(top, example_inputs, mode)
     if len(_ENTRIES) > 1_000:
         _ENTRIES.clear()
@@ -400,35 +428,26 @@ def _entry(top, example_inputs, mode: str) -> tuple[tuple, _Composition | None]:
     return key, comp
 
 
-def _compute(top, model: nn.Module | None, example_inputs, mode: str, comp, cancelled=None):
-    """The pass itself: composed (``comp``) or whole (on ``model``: the schedule's module or a copy of it). A
-    composed pass that fails falls back to the whole pass, whose error is the one raised."""
-    if comp is not None:
-        try:
-            return _run_composed(top, comp, example_inputs, cancelled)
-        except Exception:  # e.g. a forward that indexes its blocks by the config's depth: the whole pass
-            if cancelled is not None and cancelled.is_set():
-                raise
-    fn = estimate_activations if mode == "estimate" else saved_activations
-    return fn(model if model is not None else top.mod, example_inputs, cancelled=cancelled)
-
-
-def _result(value, comp: _Composition | None):
-    return _expand(value, comp) if isinstance(value, _Parts) and comp is not None else value
-
-
 def _store(per_model: dict, key: tuple, value) -> None:
-    if len(per_model) >= _KEEP:
+    if key not in per_model and len(per_model) >= _KEEP:
         per_model.pop(next(iter(per_model)))
     per_model[key] = value
+
+
+def _hit(per_model: dict, key: tuple, comp: _Composition | None) -> bool:
+    value = per_model.get(key)
+    if value is None:
+        return False
+    return comp is None or (isinstance(value, _Composed) and value.covers(comp))
 
 
 def cached_profile(
     sch, example_inputs, cache: bool, mode: str = "estimate"
 ) -> tuple[ActivationProfile | SavedProfile, bool]:
     """The activation pass of ``mode`` ("estimate" or "autograd") for the schedule's current state, and whether
-    it came from the cache. The ``"autograd"`` pass is composed from the distinct blocks where the model has a
-    stack of them (see the module docstring).
+    it came from the cache. The ``"autograd"`` pass is composed from the distinct block contexts where the model
+    has a stack of blocks (see the module docstring); a forward that fails cut down runs whole (and stays whole
+    for that state outside the blocks).
 
     Raises:
         ScheduleError: when the forward pass fails (one sentence, :mod:`slapo_lab.activations`).
@@ -436,23 +455,33 @@ def cached_profile(
     top = sch.get_top_schedule()
     key, comp = _entry(top, example_inputs, mode)
     per_model = _PROFILE_CACHE.setdefault(top.mod, {})
-    if cache and key in per_model:
-        return _result(per_model[key], comp), True
-    if comp is None and not cache:
-        fn = estimate_activations if mode == "estimate" else saved_activations
-        return fn(top.mod, example_inputs), False
-    value = _compute(top, None, example_inputs, mode, comp)
+    if cache and _hit(per_model, key, comp):
+        value = per_model[key]
+        return (_expand(value, comp) if comp is not None else value), True
+    fn = estimate_activations if mode == "estimate" else saved_activations
+    if comp is not None:
+        try:
+            parts = _run_composed(top, comp, example_inputs)
+        except Exception:  # noqa: BLE001 - e.g. a forward that indexes its blocks by its depth: the whole pass
+            per_model[("no cut-down", comp.key)] = True
+            _ENTRIES.pop(id(top.mod), None)
+            return cached_profile(sch, example_inputs, cache, mode)
+        value = _absorb(per_model.get(key) if cache else None, parts, comp)
+        if cache:
+            _store(per_model, key, value)
+        return _expand(value, comp), False
+    prof = fn(top.mod, example_inputs)
     if cache:
-        _store(per_model, key, value)
-    return _result(value, comp), False
+        _store(per_model, key, prof)
+    return prof, False
 
 
 def has_cached_profile(sch, example_inputs, mode: str = "autograd") -> bool:
     """Whether :func:`slapo_lab.plan.plan` has the activation pass of ``mode`` for this schedule state cached
     (answers without running the model)."""
     top = sch.get_top_schedule()
-    per_model = _PROFILE_CACHE.get(top.mod)
-    return per_model is not None and _entry(top, example_inputs, mode)[0] in per_model
+    key, comp = _entry(top, example_inputs, mode)
+    return _hit(_PROFILE_CACHE.get(top.mod) or {}, key, comp)
 
 
 def is_composed(sch, example_inputs, mode: str = "autograd") -> bool:
@@ -478,7 +507,7 @@ def profile_for_cache(sch, example_inputs, lock, mode: str = "autograd", cancell
         top = sch.get_top_schedule()
         key, comp = _entry(top, example_inputs, mode)
         per_model = _PROFILE_CACHE.setdefault(top.mod, {})
-        if key in per_model:
+        if _hit(per_model, key, comp):
             return False
         try:
             snapshot = _cut_down_copy(top, comp) if comp is not None else meta_copy(top.mod)
@@ -495,5 +524,7 @@ def profile_for_cache(sch, example_inputs, lock, mode: str = "autograd", cancell
     with lock:
         if _entry(top, example_inputs, mode)[0] != key:
             return False
+        if isinstance(value, _Parts):
+            value = _absorb(per_model.get(key), value, comp)
         _store(per_model, key, value)
     return True

@@ -13,6 +13,8 @@ Presets (:mod:`slapo_lab.presets`), the numeric check's shrunk copy (:mod:`slapo
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 FAMILIES = ("bert", "gpt2", "llama")
@@ -40,8 +42,12 @@ def detect_family(sch) -> str | None:
     return None
 
 
+_FOUND: dict[int, tuple[weakref.ref, tuple, list[str]]] = {}
+
+
 def find_blocks(sch) -> list[str]:
-    """Paths (relative to ``sch``) of the repeated transformer blocks, in order.
+    """Paths (relative to ``sch``) of the repeated transformer blocks, in order (remembered per module and the
+    schedule's record: the module tree changes only through recorded calls, and an undo rebuilds the model).
 
     The blocks of a known family by class (``BertLayer``, ``GPT2Block``, ``LlamaDecoderLayer``); otherwise
     the children of every stack of blocks: the largest ``nn.ModuleList`` whose children all share one class
@@ -51,6 +57,19 @@ def find_blocks(sch) -> list[str]:
     module order; where there is none, a hybrid list of several block classes (:func:`_mixed_blocks`), then the
     longest ``nn.Sequential`` of one block class (:func:`_sequential_blocks`).
     """
+    calls = sch.get_top_schedule().record.calls
+    stamp = (sch.path, len(calls), id(calls[-1]) if calls else None)
+    hit = _FOUND.get(id(sch.mod))
+    if hit is not None and hit[0]() is sch.mod and hit[1] == stamp:
+        return list(hit[2])
+    found = _find_blocks(sch)
+    if len(_FOUND) > 10_000:
+        _FOUND.clear()
+    _FOUND[id(sch.mod)] = (weakref.ref(sch.mod), stamp, found)
+    return list(found)
+
+
+def _find_blocks(sch) -> list[str]:
     fam = detect_family(sch)
     if fam is not None:
         classes = _BLOCK_CLASSES[fam]
