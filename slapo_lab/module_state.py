@@ -1,11 +1,11 @@
 """Per-module schedule state and the composed forward that realises it.
 
 Primitives never wrap or move a module (paths stay what the user typed); instead they record their
-effect in ``mod._slapo_meta`` and install :func:`slapo_forward` as the instance's ``forward``. That
-forward runs, inside out: the module's own ``forward`` (or a sharded implementation such as a
-row-parallel linear), then the optional parameter-gradient all-reduce (``sync(..., param_grads=True)``),
-then the optional RNG fork, then the optional activation checkpoint. Sync hooks are ordinary forward
-(pre-)hooks and so run outside the checkpoint.
+effect in the module's :class:`ModuleMeta` (``mod._slapo_meta``, one typed field per piece of state) and
+install :func:`slapo_forward` as the instance's ``forward``. That forward runs, inside out: the module's
+own ``forward`` (or a sharded implementation such as a row-parallel linear), then the optional
+parameter-gradient all-reduce (``sync(..., param_grads=True)``), then the optional RNG fork, then the optional
+activation checkpoint. Sync hooks are ordinary forward (pre-)hooks and so run outside the checkpoint.
 
 Everything here is written to trace under ``torch.compile(block, fullgraph=True)`` (the runtime's
 ``--compile``, as torchtitan compiles each transformer block): no Python-side state changes inside an
@@ -41,8 +41,9 @@ class ModuleMeta:
     read by the composed forward (:func:`slapo_forward`), the schedule check (:mod:`slapo_lab.check`), the
     memory plan, the pipeline partitioner and the exports. Every field has its default until a primitive sets
     it, so a reader never asks whether a key exists. Equality is field by field, as the dict it replaces
-    (hook handles and groups by identity). A ``copy.deepcopy`` of the module copies it with the module; :class:`slapo_lab.atomic.Snapshot` copies its
-    containers (:meth:`copy_containers`) so that a failed preset puts them back.
+    (hook handles and groups by identity). A ``copy.deepcopy`` of the module copies it with the module;
+    :class:`slapo_lab.atomic.Snapshot` copies its containers (:meth:`copy_containers`) so that a failed preset
+    puts them back. Reading a field that does not exist raises ``AttributeError``.
     """
 
     sharded: dict[str, int] = field(default_factory=dict)
@@ -90,7 +91,7 @@ class ModuleMeta:
     """Names of the parameters sharded with replicas (key/value heads on more ranks than heads)."""
     grad_replica_group: TPGroup | None = None
     """The replica sub-group their gradients are summed over; None without replicas."""
-    grad_block_replicas: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    grad_block_replicas: dict[str, tuple[int, list[int], tuple[int, ...]]] = field(default_factory=dict)
     """``{parameter name: (axis, local block sizes, replicas per block)}`` of a shard whose blocks are partly
     replicated (a fused multi-query projection); a dotted name is a child's parameter the forward reads."""
     grad_block_group: TPGroup | None = None
@@ -256,7 +257,7 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     checkpoint (``checkpoint``, only while gradients are enabled). Every step but the RNG fork traces under
     ``torch.compile(fullgraph=True)`` without a graph break.
     """
-    meta = self.__dict__[META_ATTR]
+    meta: ModuleMeta = self.__dict__[META_ATTR]
     impl = meta.impl
     fn = functools.partial(impl, self) if impl is not None else type(self).forward.__get__(self)
     group = meta.grad_allreduce_group
