@@ -41,7 +41,7 @@ class ModuleMeta:
     read by the composed forward (:func:`slapo_forward`), the schedule check (:mod:`slapo_lab.check`), the
     memory plan, the pipeline partitioner and the exports. Every field has its default until a primitive sets
     it, so a reader never asks whether a key exists. Equality is field by field, as the dict it replaces
-    (hook handles and groups by identity). A ``copy.deepcopy`` of the module copies it with the module;
+    (hook handles by identity). A ``copy.deepcopy`` of the module copies it with the module;
     :class:`slapo_lab.atomic.Snapshot` copies its containers (:meth:`copy_containers`) so that a failed preset
     puts them back. Reading a field that does not exist raises ``AttributeError``.
     """
