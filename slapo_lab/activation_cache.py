@@ -93,7 +93,9 @@ def _whole_key(sch, example_inputs, mode: str) -> tuple:
     ckpt = (
         ()
         if mode == "estimate"
-        else tuple(p for p, node in sch.named_schedules() if (peek_meta(node.mod) or {}).get("checkpoint"))
+        else tuple(
+            p for p, node in sch.named_schedules() if (meta := peek_meta(node.mod)) and meta.checkpoint
+        )
     )
     return mode, calls, shapes, ckpt, _input_signature(example_inputs)
 
@@ -195,11 +197,11 @@ def _module_state(mod: nn.Module) -> tuple:
     if not meta:
         return ()
     return (
-        bool(meta.get("checkpoint")),
-        meta.get("checkpoint_policy"),
-        meta.get("impl") is not None,
-        bool(meta.get("fork_rng")),
-        tuple(meta.get("syncs") or ()),
+        meta.checkpoint,
+        meta.checkpoint_policy,
+        meta.impl is not None,
+        meta.fork_rng,
+        tuple(meta.syncs),
     )
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 
+from .module_state import ModuleMeta
+
 
 def _copy_containers(v, depth: int = 0):
-    """``v`` with its dicts / lists / sets copied (recursively); tensors, modules, functions and hook
-    handles are shared: the state a primitive changes in place is the containers, never those objects."""
+    """``v`` with its dicts / lists / sets copied (recursively, a
+    :class:`~slapo_lab.module_state.ModuleMeta`'s fields too); tensors, modules, functions and hook handles are
+    shared: the state a primitive changes in place is the containers, never those objects."""
     if depth > 8:
         return v
     if type(v) in (dict, OrderedDict):
@@ -23,6 +26,8 @@ def _copy_containers(v, depth: int = 0):
         return [_copy_containers(x, depth + 1) for x in v]
     if type(v) is set:
         return set(v)
+    if type(v) is ModuleMeta:  # a module's schedule state: its containers, as those of a dict
+        return v.copy_containers(lambda x: _copy_containers(x, depth + 1))
     return v
 
 

@@ -28,7 +28,7 @@ looks at the whole schedule and names each open item in one sentence, with the c
 * **a column-parallel bias left whole** — the layer's output is this rank's slice, its bias the whole
   vector (the forward fails on the shape).
 
-It reads only the schedule's own state (``_slapo_meta`` of each module); no forward runs, so it costs
+It reads only the schedule's own state (each module's :class:`~slapo_lab.module_state.ModuleMeta`); no forward runs, so it costs
 a walk of the module tree (10 to 20 ms for an 80-layer 70B model on meta after the Megatron preset).
 A clean check is not a proof: :class:`slapo_lab.Verify` is (it compares outputs and gradients with the
 original model).
@@ -89,7 +89,7 @@ class Finding:
 
 def _syncs(mod: nn.Module) -> list[tuple[str, str]]:
     meta = peek_meta(mod)
-    return list(meta["syncs"]) if meta else []
+    return list(meta.syncs) if meta else []
 
 
 def _has_sync(chain: list[nn.Module], pairs: set[tuple[str, str]]) -> bool:
@@ -193,7 +193,7 @@ def _structural(top) -> list[Finding]:
 
     def walk(mod: nn.Module, path: str, chain: list[nn.Module]) -> None:
         meta = peek_meta(mod)
-        if meta is not None and (meta["sharded"] or meta["output_type"]):
+        if meta is not None and (meta.sharded or meta.output_type):
             _check_module(mod, path, chain, meta)
         for name, child in mod.named_children():
             walk(child, f"{path}.{name}" if path else name, [*chain, mod])
@@ -201,7 +201,7 @@ def _structural(top) -> list[Finding]:
     def _check_module(mod, path, chain, meta) -> None:
         parent = chain[-1] if chain else None
         here = [*chain, mod]
-        out = meta["output_type"]
+        out = meta.output_type
         if out == "partial" and not _has_sync(
             here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}
         ):
@@ -240,9 +240,9 @@ def _structural(top) -> list[Finding]:
             )
         if (
             isinstance(rule, DenseRule)
-            and meta["sharded"].get("weight") == rule.out_axis
+            and meta.sharded.get("weight") == rule.out_axis
             and getattr(mod, "bias", None) is not None
-            and "bias" not in meta["sharded"]
+            and "bias" not in meta.sharded
         ):
             fix = _shard(path, "bias", 0)
             findings.append(
@@ -307,7 +307,7 @@ def _structural(top) -> list[Finding]:
             return
         split, whole = [], []
         for label, path, mod, rule, role in _projections(attn, apath, outer, opath):
-            axis = (peek_meta(mod) or {"sharded": {}})["sharded"].get("weight")
+            axis = meta.sharded.get("weight") if (meta := peek_meta(mod)) else None
             want = rule.in_axis if role == "o" else rule.out_axis
             (split if axis == want else whole).append((label, path, want, role))
         if split:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import ScheduleError
+from .module_state import ModuleMeta, peek_meta
 
 __all__ = ["consolidate_model", "init_empty_weights", "param_seed"]
 
@@ -123,7 +124,7 @@ def _copy_module(mod: nn.Module) -> nn.Module:
     return sh
 
 
-def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | None) -> nn.Module:
+def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: ModuleMeta | None) -> nn.Module:
     """A shallow copy of ``mod`` whose tensors in ``own`` are full-size CPU tensors (sentinel-filled) and
     whose other tensors (and children's) are full-size meta tensors, so that an init function can run
     on it without touching the real module."""
@@ -145,15 +146,15 @@ def _shadow(mod: nn.Module, own: dict[str, torch.Tensor], meta_state: dict | Non
             sh._buffers[name] = new
     sh._modules = {k: _meta_shadow(c) for k, c in mod._modules.items()}
     if meta_state:  # undo what shard rules changed on the module so init sees the full layer
-        if "orig_padding_idx" in meta_state and isinstance(mod, nn.Embedding):
-            sh.padding_idx = meta_state["orig_padding_idx"]
+        if meta_state.orig_padding_idx is not None and isinstance(mod, nn.Embedding):
+            sh.padding_idx = meta_state.orig_padding_idx
         for attr, name, axis in (
             ("out_features", "weight", 0),
             ("in_features", "weight", 1),
             ("num_embeddings", "weight", 0),
             ("embedding_dim", "weight", 1),
         ):
-            if hasattr(sh, attr) and meta_state["sharded"].get(name) == axis:
+            if hasattr(sh, attr) and meta_state.sharded.get(name) == axis:
                 setattr(sh, attr, _full_shape(mod._parameters[name])[axis])
     sh.__dict__.pop("forward", None)
     return sh
@@ -354,8 +355,6 @@ def _init_ancestors(node, sh: nn.Module, hf: Callable[[nn.Module], None]) -> Non
 
 def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> dict[str, torch.Tensor]:
     """Full-size CPU values for the tensors in ``own`` of ``node.mod`` (see :func:`consolidate_model`)."""
-    from .module_state import peek_meta
-
     mod = node.mod
     meta_state = peek_meta(mod)
     hf = None

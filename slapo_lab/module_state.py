@@ -1,11 +1,11 @@
 """Per-module schedule state and the composed forward that realises it.
 
 Primitives never wrap or move a module (paths stay what the user typed); instead they record their
-effect in ``mod._slapo_meta`` and install :func:`slapo_forward` as the instance's ``forward``. That
-forward runs, inside out: the module's own ``forward`` (or a sharded implementation such as a
-row-parallel linear), then the optional parameter-gradient all-reduce (``sync(..., param_grads=True)``),
-then the optional RNG fork, then the optional activation checkpoint. Sync hooks are ordinary forward
-(pre-)hooks and so run outside the checkpoint.
+effect in the module's :class:`ModuleMeta` (``mod._slapo_meta``, one typed field per piece of state) and
+install :func:`slapo_forward` as the instance's ``forward``. That forward runs, inside out: the module's
+own ``forward`` (or a sharded implementation such as a row-parallel linear), then the optional
+parameter-gradient all-reduce (``sync(..., param_grads=True)``), then the optional RNG fork, then the optional
+activation checkpoint. Sync hooks are ordinary forward (pre-)hooks and so run outside the checkpoint.
 
 Everything here is written to trace under ``torch.compile(block, fullgraph=True)`` (the runtime's
 ``--compile``, as torchtitan compiles each transformer block): no Python-side state changes inside an
@@ -18,50 +18,134 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .sharding.sync_ops import TPGroup
+
 META_ATTR = "_slapo_meta"
 
 
-def module_meta(mod: nn.Module) -> dict[str, Any]:
-    """The module's schedule state dict, created empty on first use.
+@dataclass(slots=False)
+class ModuleMeta:
+    """The schedule state of one module, kept in ``mod.__dict__[META_ATTR]`` (``mod._slapo_meta``).
 
-    Keys: ``sharded`` {tensor name: axis}, ``output_type`` ("partition" | "partial" | None),
-    ``output_axis`` (int, for "partition"), ``syncs`` [(mode, op name)], ``checkpoint`` (bool),
-    ``checkpoint_policy`` ("full" | "selective", with ``checkpoint``),
-    ``fork_rng`` (bool), ``cut`` (bool), ``impl`` (callable replacing the class forward or None),
-    ``partial_reducers`` [callable] (run on a partial-sum output before a bias is added),
-    ``hooks`` [RemovableHandle]; after ``sync(..., param_grads=True)`` also ``grad_allreduce_params`` [name]
-    and ``grad_allreduce_group`` (the :class:`~slapo_lab.sharding.sync_ops.TPGroup` to sum over); after a
-    shard with replicas (key/value heads on more ranks than heads) ``grad_replica_params`` [name] and
-    ``grad_replica_group`` (the replica sub-group); after a shard whose blocks are partly replicated (a fused
-    multi-query projection) ``grad_block_replicas`` {name: (axis, local block sizes, replicas per block)} and
-    ``grad_block_group``.
+    Written by the primitives (:mod:`slapo_lab.primitives`) and the shard rules (:mod:`slapo_lab.sharding`),
+    read by the composed forward (:func:`slapo_forward`), the schedule check (:mod:`slapo_lab.check`), the
+    memory plan, the pipeline partitioner and the exports. Every field has its default until a primitive sets
+    it, so a reader never asks whether a key exists. Equality is field by field, as the dict it replaces
+    (hook handles by identity). A ``copy.deepcopy`` of the module copies it with the module;
+    :class:`slapo_lab.atomic.Snapshot` copies its containers (:meth:`copy_containers`) so that a failed preset
+    puts them back. Reading a field that does not exist raises ``AttributeError``.
     """
+
+    sharded: dict[str, int] = field(default_factory=dict)
+    """``{tensor name: axis}`` of this module's sharded parameters and buffers (``shard``)."""
+    output_type: str | None = None
+    """How the output is split across the tensor-parallel ranks: ``"partition"`` (each rank holds a slice along
+    :attr:`output_axis`), ``"partial"`` (each rank holds a partial sum) or None (replicated)."""
+    output_axis: int | None = None
+    """The axis of a ``"partition"`` output; None otherwise."""
+    syncs: list[tuple[str, str]] = field(default_factory=list)
+    """``[(mode, op name)]`` of the ``sync`` calls, in order: mode ``"fwd_pre"`` | ``"fwd_post"`` |
+    ``"bwd_post"``, op ``"all_reduce"``, ``"all_gather"`` ..., ``"all_reduce_param_grads"`` or a function's
+    name."""
+    output_synced: bool = False
+    """A forward ``sync`` (``fwd_post``) made the output whole again (the numeric check's culprit search)."""
+    replicated_input: bool = False
+    """The module's input is replicated on every rank although its output is partial (a tensor-parallel experts
+    module that holds both halves of the MLP): a backward ``sync`` on it is not needed."""
+    checkpoint: bool = False
+    """The forward runs under activation checkpointing (``checkpoint``)."""
+    checkpoint_policy: str = "full"
+    """``"full"`` (recompute everything) or ``"selective"`` (keep matmul outputs), with :attr:`checkpoint`."""
+    order_args_fn: Callable[..., Any] | None = None
+    """``checkpoint(order_args_fn=...)``: maps the call's ``(*args, **kwargs)`` to the positional arguments the
+    checkpoint passes on; None to pass them as called."""
+    fork_rng: bool = False
+    """The forward runs in the tensor-parallel RNG tracker's fork (``fork_rng``)."""
+    cut: bool = False
+    """A pipeline stage starts after this module (``cut_pipeline_stage``)."""
+    impl: Callable[..., Any] | None = None
+    """A function ``(module, *args, **kwargs)`` run instead of the class ``forward`` (a row-parallel linear, a
+    vocab-parallel embedding ...); None for the class ``forward``."""
+    partial_reducers: list[Callable[..., Any]] = field(default_factory=list)
+    """Functions an :attr:`impl` runs on its partial-sum output before it adds a bias (a ``fwd_post`` all-reduce
+    of a row-parallel layer)."""
+    hooks: list[RemovableHandle] = field(default_factory=list)
+    """Handles of the forward (pre-)hooks primitives installed (syncs, head and feature input slicers)."""
+    tp_group: TPGroup | None = None
+    """The tensor-parallel group a shard was made for (the global feature statistics of a sharded norm)."""
+    grad_allreduce_params: list[str] = field(default_factory=list)
+    """Names of the replicated parameters whose gradients ``sync(..., param_grads=True)`` sums."""
+    grad_allreduce_group: TPGroup | None = None
+    """The group those gradients are summed over; None without ``sync(..., param_grads=True)``."""
+    grad_replica_params: list[str] = field(default_factory=list)
+    """Names of the parameters sharded with replicas (key/value heads on more ranks than heads)."""
+    grad_replica_group: TPGroup | None = None
+    """The replica sub-group their gradients are summed over; None without replicas."""
+    grad_block_replicas: dict[str, tuple[int, list[int], tuple[int, ...]]] = field(default_factory=dict)
+    """``{parameter name: (axis, local block sizes, replicas per block)}`` of a shard whose blocks are partly
+    replicated (a fused multi-query projection); a dotted name is a child's parameter the forward reads."""
+    grad_block_group: TPGroup | None = None
+    """The group the replicated blocks' gradients are summed over."""
+    bias_rank: int = 0
+    """The rank that adds the bias of a partial-sum experts module (:mod:`slapo_lab.sharding.experts`)."""
+    vocab_start: int | None = None
+    """The first vocabulary row this rank holds, of a vocab-parallel embedding; None otherwise."""
+    orig_padding_idx: int | None = None
+    """The embedding's ``padding_idx`` before a vocab-parallel shard (the full layer's, for init); None
+    otherwise or when it had none."""
+    feature_local: int | None = None
+    """Of a norm whose features are sharded (:mod:`slapo_lab.sharding.feature_stats`): the features this rank
+    holds; None otherwise."""
+    feature_factor: int | None = None
+    """Of the same norm: full features / local features."""
+    mixer_attrs: dict[str, list[int]] | None = None
+    """``{attribute: [global, local]}`` of a channel mixer's width attributes divided by the world size
+    (:mod:`slapo_lab.sharding.mixers`); None until they are."""
+    attention_heads: dict[str, Any] | None = None
+    """The record of an attention module's head attributes rewritten to this rank's share
+    (:func:`slapo_lab.sharding.heads.localise_heads`): ``{"heads", "kv_heads", "world_size", "attrs":
+    {attribute: [global, local]}}`` and, where they apply, ``"config"``, ``"width"`` and ``"inputs"``; None
+    until then."""
+    feature_inputs: list[str] = field(default_factory=list)
+    """The per-feature arguments this module's input slicer cuts to the rank's features
+    (:mod:`slapo_lab.sharding.feature_inputs`)."""
+
+    def copy_containers(self, copy_value: Callable[[Any], Any]) -> ModuleMeta:
+        """A new state whose fields are ``copy_value`` of these (the containers a primitive changes in place)."""
+        new = object.__new__(ModuleMeta)
+        new.__dict__.update({k: copy_value(v) for k, v in self.__dict__.items()})
+        return new
+
+    # Read-only dict-style access for the readers not converted yet (editor/style.py, editor/app.py,
+    # graph/dataflow.py): ``meta["syncs"]`` and ``meta.get("syncs", ())`` read the field.
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+def module_meta(mod: nn.Module) -> ModuleMeta:
+    """The module's :class:`ModuleMeta`, created with every field at its default on first use."""
     meta = mod.__dict__.get(META_ATTR)
     if meta is None:
-        meta = {
-            "sharded": {},
-            "output_type": None,
-            "output_axis": None,
-            "syncs": [],
-            "checkpoint": False,
-            "checkpoint_policy": "full",
-            "fork_rng": False,
-            "cut": False,
-            "impl": None,
-            "partial_reducers": [],
-            "hooks": [],
-        }
+        meta = ModuleMeta()
         mod.__dict__[META_ATTR] = meta
     return meta
 
 
-def peek_meta(mod: nn.Module) -> dict[str, Any] | None:
-    """The module's schedule state, or None if no primitive touched it (no side effect)."""
+def peek_meta(mod: nn.Module) -> ModuleMeta | None:
+    """The module's :class:`ModuleMeta`, or None if no primitive touched it (no side effect)."""
     return mod.__dict__.get(META_ATTR)
 
 
@@ -173,18 +257,18 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     checkpoint (``checkpoint``, only while gradients are enabled). Every step but the RNG fork traces under
     ``torch.compile(fullgraph=True)`` without a graph break.
     """
-    meta = self.__dict__[META_ATTR]
-    impl = meta["impl"]
+    meta: ModuleMeta = self.__dict__[META_ATTR]
+    impl = meta.impl
     fn = functools.partial(impl, self) if impl is not None else type(self).forward.__get__(self)
-    group = meta.get("grad_allreduce_group")
+    group = meta.grad_allreduce_group
     if group is not None:
-        fn = _with_param_grad_all_reduce(self, fn, meta["grad_allreduce_params"], group)
-    group = meta.get("grad_replica_group")
+        fn = _with_param_grad_all_reduce(self, fn, meta.grad_allreduce_params, group)
+    group = meta.grad_replica_group
     if group is not None:
-        fn = _with_param_grad_all_reduce(self, fn, meta["grad_replica_params"], group, sharded=True)
-    if meta.get("grad_block_replicas"):
-        fn = _with_block_grad_all_reduce(self, fn, meta["grad_block_replicas"], meta["grad_block_group"])
-    if meta["fork_rng"]:
+        fn = _with_param_grad_all_reduce(self, fn, meta.grad_replica_params, group, sharded=True)
+    if meta.grad_block_replicas:
+        fn = _with_block_grad_all_reduce(self, fn, meta.grad_block_replicas, meta.grad_block_group)
+    if meta.fork_rng:
         from .random import get_cuda_rng_tracker
 
         inner = fn
@@ -193,13 +277,13 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
             with get_cuda_rng_tracker().fork():
                 return inner(*a, **k)
 
-    if meta["checkpoint"] and torch.is_grad_enabled():
+    if meta.checkpoint and torch.is_grad_enabled():
         from .random import checkpoint, checkpoint_selective
 
-        _ckpt = checkpoint_selective if meta.get("checkpoint_policy") == "selective" else checkpoint
+        _ckpt = checkpoint_selective if meta.checkpoint_policy == "selective" else checkpoint
 
         args, kwargs = without_kv_cache(args, kwargs)
-        order = meta.get("order_args_fn")
+        order = meta.order_args_fn
         if order is not None:
             args, kwargs = tuple(order(*args, **kwargs)), {}
         return _ckpt(fn, *args, **kwargs)

@@ -215,8 +215,7 @@ def _activation_per_stage(
     ckpt = [
         p
         for p, node in sch.named_schedules()
-        if (meta := peek_meta(node.mod) or {}).get("checkpoint")
-        and meta.get("checkpoint_policy") != "selective"
+        if (meta := peek_meta(node.mod)) and meta.checkpoint and meta.checkpoint_policy != "selective"
     ]
     ckpt_set = set(ckpt)
 

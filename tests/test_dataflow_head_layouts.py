@@ -63,7 +63,7 @@ def test_mpt_alibi_position_bias_is_a_per_head_input_cut_to_each_ranks_heads():
     assert split.head_inputs == [infer.HeadParam("attn", "position_bias", 0, 4)]
     _preset_is_full_and_right(model, inputs, sch)
     attn = sch["transformer.blocks.0.attn"].mod
-    assert sl.module_state(attn)["attention_heads"]["inputs"] == ["position_bias"]
+    assert sl.module_state(attn).attention_heads["inputs"] == ["position_bias"]
 
 
 def test_llama4_complex_rotary_and_transposed_experts_are_read():

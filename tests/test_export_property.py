@@ -127,6 +127,8 @@ def _state(sch):
 
 def _plain(x):
     """A module state as comparable data: hook handles counted, functions by name."""
+    if isinstance(x, sl.ModuleMeta):
+        x = vars(x)
     if isinstance(x, dict):
         return {k: len(v) if k == "hooks" else _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -77,7 +77,7 @@ def test_opt_preset_rewrites_head_counts():
         attn = layer.self_attn
         assert (attn.num_heads, attn.embed_dim, attn.head_dim) == (2, 16, 8)
         assert attn.q_proj.weight.shape == (16, 32) and attn.out_proj.weight.shape == (32, 16)
-        rec = sl.module_state(attn)["attention_heads"]
+        rec = sl.module_state(attn).attention_heads
         assert rec["heads"] == 4 and rec["attrs"] == {"num_heads": [4, 2], "embed_dim": [32, 16]}
     assert model.config.num_attention_heads == 4  # the shared config keeps the global count
 
@@ -153,7 +153,7 @@ def test_roberta_is_detected_and_keeps_its_reshape_attributes():
     attn = model.roberta.encoder.layer[0].attention.self
     # RobertaSelfAttention reshapes with -1 heads and never reads its head count after __init__
     assert (attn.num_attention_heads, attn.attention_head_size) == (4, 8)
-    assert sl.module_state(attn)["attention_heads"]["attrs"] == {}
+    assert sl.module_state(attn).attention_heads["attrs"] == {}
     assert attn.query.weight.shape == (16, 32)
 
 
@@ -165,7 +165,7 @@ def test_replay_reproduces_the_rewrite():
     for (p, a), (_, b) in zip(model.named_modules(), fresh.named_modules(), strict=False):
         if type(a).__name__ == "T5Attention":
             assert (b.n_heads, b.inner_dim) == (a.n_heads, a.inner_dim) == (2, 16), p
-            assert sl.module_state(b)["attention_heads"] == sl.module_state(a)["attention_heads"]
+            assert sl.module_state(b).attention_heads == sl.module_state(a).attention_heads
     assert sch2.record.code() == sch.record.code()
 
 
@@ -313,7 +313,7 @@ def test_config_head_count_read_at_run_time_gets_a_per_rank_config():
         attn.config is not shared and attn.config.num_attention_heads == 2
     )  # its own copy, found by parsing
     assert shared.num_attention_heads == 4  # the shared config stays global
-    assert module_meta(attn)["attention_heads"]["config"] == {"num_attention_heads": [4, 2]}
+    assert module_meta(attn).attention_heads["config"] == {"num_attention_heads": [4, 2]}
     x = torch.randn(2, 5, 16)
     with torch.no_grad():  # rank 1 (simulated, no reduce) computes heads 2 and 3 of the reference
         b, s, _ = x.shape
@@ -441,7 +441,7 @@ def test_register_attention_heads():
         presets.column_parallel(sch, f"{i}.q_proj")
     assert (model[0].num_heads, model[0].inner_dim) == (4, 16)  # not read at run time: left as built
     assert (model[1].num_heads, model[1].inner_dim) == (2, 8)  # registered: per rank
-    assert sl.module_state(model[1])["attention_heads"]["attrs"] == {
+    assert sl.module_state(model[1]).attention_heads["attrs"] == {
         "num_heads": [4, 2],
         "inner_dim": [16, 8],
     }

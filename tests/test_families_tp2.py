@@ -157,7 +157,7 @@ def test_mixtral_experts_are_tensor_parallel_and_the_router_replicated():
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 128, 64) and experts.gate_up_proj.shard_stride == 2  # [gate; up]
     assert experts.down_proj.shape == (4, 64, 64) and experts.down_proj.shard_axis == 2
-    assert sl.module_state(experts)["output_type"] == "partial"
+    assert sl.module_state(experts).output_type == "partial"
     assert model.model.layers[0].mlp.gate.weight.shape == (4, 64)
     assert getattr(model.model.layers[0].mlp.gate.weight, "shard_axis", None) is None
     syncs = [

@@ -118,7 +118,7 @@ def test_falcon_new_architecture_is_sharded_by_key_value_groups():
     assert attn.query_key_value.weight.shard_stride == 1
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
     assert attn.dense.weight.shape == (64, 32)
-    assert sl.module_state(attn)["attention_heads"]["attrs"]["num_kv_heads"] == [2, 1]
+    assert sl.module_state(attn).attention_heads["attrs"]["num_kv_heads"] == [2, 1]
 
 
 def test_falcon_groups_that_do_not_divide_are_refused_in_one_sentence():
@@ -139,7 +139,7 @@ def test_falcon_multi_query_attention_splits_its_query_heads_and_replicates_its_
     assert (w.shard_stride.sizes, w.shard_stride.groups) == ((64, 16, 16), (0, 1, 1))
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1) and attn.dense.weight.shape == (64, 32)
     # the key/value blocks' gradient is summed over the ranks sharing them
-    assert sl.module_state(attn.query_key_value)["grad_block_replicas"]["weight"] == (
+    assert sl.module_state(attn.query_key_value).grad_block_replicas["weight"] == (
         0,
         [32, 16, 16],
         (1, 2, 2),
@@ -154,7 +154,7 @@ def test_bloom_attention_takes_its_own_heads_alibi_slopes():
     model, _sch, _ = _scheduled(_bloom, 2)
     attn = model.transformer.h[0].self_attention
     assert attn.query_key_value.weight.shape == (96, 64) and attn.query_key_value.bias.shape == (96,)
-    rec = sl.module_state(attn)["attention_heads"]
+    rec = sl.module_state(attn).attention_heads
     assert rec["inputs"] == ["alibi"] and attn.num_heads == 2
     # the hook keeps rows (batch x heads) of this rank's heads: rank 0 heads 0, 1 of 4
     full_alibi = torch.arange(2 * 4, dtype=torch.float32).reshape(8, 1, 1).expand(8, 1, 5).contiguous()
@@ -192,7 +192,7 @@ def test_phi3_gqa_qkv_is_an_unequal_block_shard_with_a_per_module_config():
     assert (attn.config.num_attention_heads, attn.config.num_key_value_heads) == (2, 1)
     assert attn.config is not model.config and model.config.num_attention_heads == 4
     assert attn.num_key_value_heads == 1 and attn.num_key_value_groups == 2
-    rec = sl.module_state(attn)["attention_heads"]
+    rec = sl.module_state(attn).attention_heads
     assert rec["config"] == {"num_attention_heads": [4, 2], "num_key_value_heads": [2, 1]}
     lay = layout_of(w, 2, 0)
     assert lay.tp_block_sizes == (64, 32, 32) and lay.local_shape == (64, 64)

@@ -59,7 +59,7 @@ def test_codegen_keeps_its_group_width_and_splits_qkv_by_whole_groups(monkeypatc
     assert not any(n.startswith("Kept whole: in every") for n in calls.notes), calls.notes
     attn = sch["transformer.h.0.attn"].mod
     assert attn.embed_dim == model.transformer.h[0].attn.embed_dim
-    rec = peek_meta(attn)["attention_heads"]
+    rec = peek_meta(attn).attention_heads
     assert rec["heads"] == 4 and rec["world_size"] == 2 and "embed_dim" not in rec["attrs"]
     report = numeric_check(model, sch.record.calls, 2, inputs)
     assert report.passed, report.message

@@ -96,13 +96,13 @@ def test_k_and_v_hold_one_replicated_head(ws):
     k = attn.k_proj.weight
     assert k.shape == (8, 64) and k.orig_shape == (16, 64) and k.shard_replicas == ws // 2
     assert not hasattr(attn.q_proj.weight, "shard_replicas") and attn.q_proj.weight.shape == (64 // ws, 64)
-    rec = sl.module_state(attn)["attention_heads"]
+    rec = sl.module_state(attn).attention_heads
     assert (rec["heads"], rec["kv_heads"]) == (8, 2)
     assert attn.num_key_value_groups == 8 // ws  # one kv head per rank serves its 8/ws query heads
     assert rec["attrs"]["num_key_value_groups"] == [4, 8 // ws]
     meta = sl.module_state(attn.k_proj)
-    assert meta["grad_replica_params"] == ["weight"] and meta["grad_replica_group"].world_size == ws // 2
-    assert meta["grad_replica_group"].rank == (ws - 1) % (ws // 2)
+    assert meta.grad_replica_params == ["weight"] and meta.grad_replica_group.world_size == ws // 2
+    assert meta.grad_replica_group.rank == (ws - 1) % (ws // 2)
 
 
 def test_kv_heads_that_do_not_divide_the_degree_are_refused_in_one_sentence():

@@ -73,7 +73,7 @@ def test_the_embedding_scale_dropped_by_a_vocab_parallel_lookup_is_caught(monkey
 
     def lookup_only(self, ids):
         meta = rules.module_meta(self)
-        start = meta["vocab_start"]
+        start = meta.vocab_start
         outside = (ids < start) | (ids >= start + self.weight.shape[0])
         out = F.embedding((ids - start).masked_fill(outside, 0), self.weight, self.padding_idx)
         return rules._reduce_partial(self, out.masked_fill(outside.unsqueeze(-1), 0.0))

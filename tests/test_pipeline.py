@@ -81,7 +81,7 @@ def test_hf_t5_nested_cuts():
         assert len(part.tied) == 1 and sorted(part.tied[0]) == ([0, 2, 3] if n == 4 else [0, 1, 2])
         torch.testing.assert_close(part.pipe(**inputs)[0], model(**inputs).logits, rtol=0, atol=0)
         for c in cuts:  # let the next schedule cut the same modules again
-            sl.module_state(model.get_submodule(c))["cut"] = False
+            sl.module_state(model.get_submodule(c)).cut = False
 
 
 def _cut(sch, cuts):

@@ -368,7 +368,7 @@ def test_decompose_then_shard_bias(ids):
     sch[path].shard("bias", axis=0)
     assert new.weight.shape == (64, 64) and new.bias.shape == (64,) and new.out_features == 64
     torch.testing.assert_close(new(x), full[..., 64:])  # rank 1's column slice, bias added
-    assert sl.module_state(new)["output_type"] == "partition"
+    assert sl.module_state(new).output_type == "partition"
 
     with pytest.raises(sl.ScheduleError, match=r"already decomposed") as info:
         sch[path].decompose()

@@ -97,7 +97,7 @@ def test_the_call_records_replays_and_exports():
     assert call.kwargs == {"policy": "selective"}
     fresh = sl.create_schedule(copy.deepcopy(model))
     replay(fresh, json.loads(dumps(sch.record.calls))["calls"])
-    assert fresh["model.layers.0"].mod._slapo_meta["checkpoint_policy"] == "selective"
+    assert fresh["model.layers.0"].mod._slapo_meta.checkpoint_policy == "selective"
     from slapo_lab.export import input_spec, model_spec, render_script
 
     text = render_script(

@@ -273,7 +273,7 @@ def test_gpt_oss_experts_add_their_output_bias_once():
     presets.megatron_tp(sch)
     experts = sch["model.layers.0.mlp.experts"].mod
     assert experts.gate_up_proj.shard_stride == 1 and experts.down_proj_bias.shape == (4, 64)
-    assert ("bwd_post", "all_reduce_param_grads") in sl.module_state(experts)["syncs"]
+    assert ("bwd_post", "all_reduce_param_grads") in sl.module_state(experts).syncs
 
 
 # -- transformers' base_model_tp_plan as a cross-check ----------------------------------------------------------

@@ -177,7 +177,7 @@ def test_an_attention_reshaping_to_its_input_width_gets_this_ranks_width():
     notes = presets.megatron_tp(sch, vocab_parallel=False).notes
     assert not any("self_attn" in n for n in notes), notes
     attn = sch["model.decoder.layers.0.self_attn"].mod
-    assert sl.module_state(attn)["attention_heads"]["width"] == [64, 32]
+    assert sl.module_state(attn).attention_heads["width"] == [64, 32]
     report = numeric_check(_build("trocr"), sch.record.calls, 2, inputs)
     assert report.passed, report.message
     # FSMT asserts ``embed_dim == self.embed_dim`` (the input's width): that attribute stays global

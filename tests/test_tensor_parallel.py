@@ -165,8 +165,8 @@ def test_gpt2_megatron_shapes_and_tied_head(ws, device):
     assert m.transformer.wte.weight.shape == (V // ws, 32) and m.lm_head.out_features == V // ws
     assert m.transformer.wte.weight.orig_shape == (V, 32)
     assert sch.metadata.tie_weights[m.transformer.wte.weight] == [m.transformer.wte, m.lm_head]
-    assert sl.module_state(m.lm_head)["output_type"] == "partition"
-    assert ("fwd_post", "all_gather") in sl.module_state(m.lm_head)["syncs"]
+    assert sl.module_state(m.lm_head).output_type == "partition"
+    assert ("fwd_post", "all_gather") in sl.module_state(m.lm_head).syncs
     h = m.transformer.h[1]
     assert h.mlp.c_fc.weight.shape == (32, 128 // ws) and h.mlp.c_proj.weight.shape == (128 // ws, 32)
     assert h.attn.c_proj.weight.shape == (32 // ws, 32) and h.attn.c_proj.bias.shape == (32,)
@@ -402,8 +402,8 @@ def test_tied_weights_stay_tied(ws):
     w = m.transformer.wte.weight
     assert m.lm_head.weight is w and w.shard_axis == 0 and w.shard_stride == 1
     assert torch.equal(w, full.chunk(ws)[ws - 1])
-    assert sl.module_state(m.transformer.wte)["sharded"] == {"weight": 0}
-    assert sl.module_state(m.lm_head)["sharded"] == {"weight": 0}
+    assert sl.module_state(m.transformer.wte).sharded == {"weight": 0}
+    assert sl.module_state(m.lm_head).sharded == {"weight": 0}
     # the head's tensor is the same one: sharding it again is refused
     assert_unchanged(sch, lambda: sch["lm_head"].shard("weight", axis=0), "already sharded")
     assert_unchanged(sch, lambda: sch["lm_head"].shard("weight", axis=1), "already sharded")
@@ -469,7 +469,7 @@ def test_param_grads_sync_rules():
         "no replicated trainable",
     )
     ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
-    assert ("bwd_post", "all_reduce_param_grads") in sl.module_state(ln.mod)["syncs"]
+    assert ("bwd_post", "all_reduce_param_grads") in sl.module_state(ln.mod).syncs
     assert_unchanged(
         sch,
         lambda: ln.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True),
@@ -481,7 +481,7 @@ def test_param_grads_sync_rules():
     cp.shard("weight", axis=0)
     cp.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)
     cp.sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)
-    assert peek_meta(cp.mod)["grad_allreduce_params"] == ["bias"]
+    assert peek_meta(cp.mod).grad_allreduce_params == ["bias"]
 
 
 def test_param_grads_sync_is_exact_in_one_process_and_survives_deepcopy():

@@ -185,7 +185,7 @@ def test_export_fallback_bert_layer_keeps_hierarchy_leaves_and_state(ids):
     assert model.encoder.layer[0] is um
     assert paths(sch) == before_paths  # hierarchy preserved (unflatten)
     assert sch["encoder.layer.0.attention.self.query"].mod is query  # leaves are the original objects
-    assert peek_meta(sch["encoder.layer.0.attention.self.query"].mod)["checkpoint"]
+    assert peek_meta(sch["encoder.layer.0.attention.self.query"].mod).checkpoint
     assert type(sch["encoder.layer.0.attention.self"].mod).__name__ == "BertSelfAttention"
     assert params_by_id(model) == before  # unflatten's clones were replaced
     torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref)

@@ -164,13 +164,7 @@ def first_differing_module(ref: _Trace, sch: _Trace, atol: float = 1e-5, rtol: f
             mod = sch.modules.get(name)
             meta = peek_meta(mod) if mod is not None else None
             sliced = sch.in_shapes.get(name) != ref.in_shapes.get(name)
-            if (
-                name
-                and sliced
-                and meta
-                and meta.get("output_synced")
-                and meta.get("output_type") == "partial"
-            ):
+            if name and sliced and meta and meta.output_synced and meta.output_type == "partial":
                 return _parent(name)
             return name
     return None
@@ -219,12 +213,12 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     def sums_children(name: str) -> bool:  # a bwd_post all-reduce on it sums its children's input gradients
         mod = sch.modules.get(name)
         meta = peek_meta(mod) if mod is not None else None
-        return bool(meta) and ("bwd_post", "all_reduce") in meta.get("syncs", ())
+        return bool(meta) and ("bwd_post", "all_reduce") in meta.syncs
 
     def reduces_partial(name: str) -> bool:  # its output is a partial sum it reduces itself (vocab parallel)
         mod = sch.modules.get(name)
         meta = peek_meta(mod) if mod is not None else None
-        return bool(meta) and meta.get("output_type") == "partial"
+        return bool(meta) and meta.output_type == "partial"
 
     def gathers_for(name: str, outer: str) -> bool:  # a module inside ``outer`` (not around ``name``) gathers
         # its output over the ranks (fwd_post all_gather: Mamba's x_proj in a channel-parallel mixer); every rank
@@ -236,7 +230,7 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
             full = f"{outer}.{rel}" if outer and rel else outer or rel
             if (
                 meta
-                and ("fwd_post", "all_gather") in meta.get("syncs", ())
+                and ("fwd_post", "all_gather") in meta.syncs
                 and not (name == full or name.startswith(full + "."))
             ):
                 return True
@@ -271,7 +265,7 @@ def _failed_at(err: BaseException, ref: _Trace, sch: _Trace) -> str:
     ]
     for n in reversed(inside):
         meta = peek_meta(sch.modules[n]) if n in sch.modules else None
-        if meta and any(mode == "fwd_post" for mode, _op in meta.get("syncs", ())):
+        if meta and any(mode == "fwd_post" for mode, _op in meta.syncs):
             return n
     return raised
 

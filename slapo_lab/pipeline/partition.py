@@ -626,7 +626,7 @@ def _checkpointed_paths(model: nn.Module) -> list[str]:
     out = []
     for qn, m in model.named_modules():
         meta = peek_meta(m)
-        if qn and meta and meta.get("checkpoint"):
+        if qn and meta and meta.checkpoint:
             out.append(qn)
     return out
 

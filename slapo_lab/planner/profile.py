@@ -16,7 +16,7 @@ the first block: embeddings, rotary tables), each block class, ``"post"`` (final
   (:data:`slapo_lab.random.SELECTIVE_SAVE`: the outputs of every other matmul and of attention, torchtitan's
   ``selective_ac_option="op"`` policy in ``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``);
 * parameter elements and bytes per tensor-parallel rank;
-* collectives with their byte volumes: the schedule's syncs (``_slapo_meta["syncs"]``: ``fwd_post`` moves the
+* collectives with their byte volumes: the schedule's syncs (``ModuleMeta.syncs``: ``fwd_post`` moves the
   module's output, ``fwd_pre`` its input, ``bwd_post`` its input's gradient) and the part's output (a pipeline
   stage boundary's send/recv). FSDP, ZeRO and DP volumes follow from the parameter bytes (``model.py``).
 
@@ -515,10 +515,10 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             handles.append(mod.register_forward_pre_hook(block_pre, with_kwargs=True))
             handles.append(mod.register_forward_hook(block_post, with_kwargs=True))
         meta = peek_meta(mod)
-        if meta and meta.get("syncs"):
+        if meta and meta.syncs:
             syncs = [
                 (s[0], s[1] if isinstance(s[1], str) else getattr(s[1], "__name__", "custom"))
-                for s in meta["syncs"]
+                for s in meta.syncs
             ]
             handles.append(mod.register_forward_hook(sync_hook(path, syncs), with_kwargs=True))
     inputs = _example_inputs(model, seq_len)

@@ -367,7 +367,7 @@ def _checkpoint_regions(sch, blocks, every, ratio, skip, policy="full"):
         )
         owned[b] = region
         meta = peek_meta(sch[b].mod)
-        if i % every == 0 and not (meta and meta["checkpoint"]) and region.key not in skip:
+        if i % every == 0 and not (meta and meta.checkpoint) and region.key not in skip:
             if policy == "full":
                 sch[b].checkpoint()  # recorded as before: schedules without a policy stay Slapo's calls
             else:

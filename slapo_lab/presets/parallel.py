@@ -140,7 +140,7 @@ def _ensure_shard(node, name: str, axis: int) -> None:
     t = getattr(node.mod, name)
     axis %= max(t.dim(), 1)
     meta = peek_meta(node.mod)
-    have = meta["sharded"].get(name) if meta else None
+    have = meta.sharded.get(name) if meta else None
     if have is None:
         have = getattr(t, "shard_axis", None)
     if have is None:
@@ -157,7 +157,7 @@ def _ensure_sync(node, mode: str, op: str, **kwargs) -> None:
     """``node.sync(mode=mode, sync_op_or_fn=op, **kwargs)``, unless the module already has that sync."""
     meta = peek_meta(node.mod)
     key = (mode, PARAM_GRADS_OP if kwargs.get("param_grads") else op)
-    if not (meta and key in meta["syncs"]):
+    if not (meta and key in meta.syncs):
         node.sync(mode=mode, sync_op_or_fn=op, **kwargs)
 
 

@@ -281,7 +281,7 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
         if not (isinstance(mod, nn.Linear) or is_conv1d(mod)) or getattr(mod, "weight", None) is None:
             continue
         meta = peek_meta(mod)
-        if (meta and meta["sharded"]) or getattr(mod.weight, "shard_axis", None) is not None:
+        if (meta and meta.sharded) or getattr(mod.weight, "shard_axis", None) is not None:
             continue
         if exclude_noted and path in kept:
             continue

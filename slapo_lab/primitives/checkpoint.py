@@ -55,7 +55,7 @@ class CheckpointPrimitive(Primitive):
                 "checkpoint its blocks (e.g. each encoder layer) instead."
             )
         meta = peek_meta(sch.mod)
-        if meta and meta["checkpoint"]:
+        if meta and meta.checkpoint:
             raise ScheduleError(f"{sch.path} is already checkpointed.")
         if subgraph is not None:
             raise ScheduleError(
@@ -73,7 +73,7 @@ class CheckpointPrimitive(Primitive):
     def apply(sch, subgraph=None, order_args_fn=None, policy="full"):
         CheckpointPrimitive.check(sch, subgraph, order_args_fn, policy)
         meta = module_meta(sch.mod)
-        meta["checkpoint"] = True
-        meta["checkpoint_policy"] = policy
-        meta["order_args_fn"] = order_args_fn
+        meta.checkpoint = True
+        meta.checkpoint_policy = policy
+        meta.order_args_fn = order_args_fn
         install_forward(sch.mod)

@@ -41,7 +41,7 @@ class CutPipelineStagePrimitive(Primitive):
                 "Cannot cut a pipeline stage at the root module: cut after one of its submodules."
             )
         meta = peek_meta(sch.mod)
-        if meta and meta["cut"]:
+        if meta and meta.cut:
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
         if sch.path in sch.metadata.primitives["cut_pipeline_stage"]:
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
@@ -52,5 +52,5 @@ class CutPipelineStagePrimitive(Primitive):
     @staticmethod
     def apply(sch):
         CutPipelineStagePrimitive.check(sch)
-        module_meta(sch.mod)["cut"] = True
+        module_meta(sch.mod).cut = True
         sch.metadata.primitives["cut_pipeline_stage"].append(sch.path)

@@ -203,8 +203,8 @@ def swap_module(sch, new: nn.Module) -> nn.Module:
                     if k in p.__dict__ and k not in q.__dict__:
                         setattr(q, k, p.__dict__[k])
     meta = peek_meta(old)
-    if meta and meta.get("cut"):
-        module_meta(new)["cut"] = True
+    if meta and meta.cut:
+        module_meta(new).cut = True
     new.train(old.training)
     if sch.parent is not None:
         set_child(sch.parent.mod, sch.name, new)
@@ -821,7 +821,7 @@ class DecomposePrimitive(Primitive):
         if mod.bias is None:
             raise ScheduleError(f"{where} has no bias to separate.")
         meta = peek_meta(mod)
-        sharded = (meta or {}).get("sharded") or {}
+        sharded = meta.sharded if meta else {}
         if (
             sharded
             or getattr(mod.weight, "shard_axis", None) is not None

@@ -138,15 +138,15 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
         )
     axis = axis % t.dim()
     meta = peek_meta(sch.mod)
-    if meta and tensor_name in meta["sharded"]:
+    if meta and tensor_name in meta.sharded:
         raise ScheduleError(
-            f"{full} is already sharded on axis {meta['sharded'][tensor_name]}; shard each tensor once."
+            f"{full} is already sharded on axis {meta.sharded[tensor_name]}; shard each tensor once."
         )
     if getattr(t, "shard_axis", None) is not None:
         raise ScheduleError(
             f"{full} is already sharded on axis {t.shard_axis} (it is tied to a sharded tensor)."
         )
-    if meta and tensor_name in meta.get("grad_allreduce_params", ()):
+    if meta and tensor_name in meta.grad_allreduce_params:
         raise ScheduleError(
             f"{full} has its gradient all-reduced by sync(param_grads=True) (a replicated parameter under "
             "sequence parallelism), so it must stay replicated."
@@ -267,10 +267,10 @@ class ShardPrimitive(Primitive):
                 mod._parameters[name] = new
             else:
                 mod._buffers[name] = new
-            module_meta(mod)["sharded"][name] = axis
+            module_meta(mod).sharded[name] = axis
             rule = get_shard_rule(mod)
             if getattr(rule, "needs_group", False):  # a rule whose forward communicates (feature_stats)
-                module_meta(mod)["tp_group"] = sch.tp
+                module_meta(mod).tp_group = sch.tp
             rule.apply(mod, name, axis, ws, rank)
             # a value the module cached from the unsharded parameter for eval (LeViT's attention biases)
             _train_caches.drop(mod)
@@ -335,7 +335,7 @@ def _op_fn(op: str, sch, kw: dict):
 def _has_shard_below(mod: nn.Module) -> bool:
     for m in mod.modules():
         meta = peek_meta(m)
-        if meta and meta["sharded"]:
+        if meta and meta.sharded:
             return True
     return False
 
@@ -346,7 +346,7 @@ _OP_KWARGS = {
     "reduce_scatter": {"axis"},
     "scatter": {"axis"},
 }
-PARAM_GRADS_OP = "all_reduce_param_grads"  # the label of sync(..., param_grads=True) in _slapo_meta["syncs"]
+PARAM_GRADS_OP = "all_reduce_param_grads"  # the label of sync(..., param_grads=True) in ModuleMeta.syncs
 
 
 def _replicated_params(mod: nn.Module) -> list[str]:
@@ -368,7 +368,7 @@ def _check_param_grads(sch, mode, value) -> None:
             f"not {mode!r}."
         )
     meta = peek_meta(sch.mod)
-    if meta and ("bwd_post", PARAM_GRADS_OP) in meta["syncs"]:
+    if meta and ("bwd_post", PARAM_GRADS_OP) in meta.syncs:
         raise ScheduleError(
             f"{where} already all-reduces its parameter gradients; a second one would apply it twice."
         )
@@ -402,9 +402,9 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
     if mode == "bwd_post" and op != "all_reduce":
         raise ScheduleError(f"bwd_post supports only all_reduce (got {op}).")
     meta = peek_meta(sch.mod)
-    if meta and (mode, op) in meta["syncs"]:
+    if meta and (mode, op) in meta.syncs:
         raise ScheduleError(f"{where} already has a {mode} {op}; a second one would apply it twice.")
-    out_type = meta["output_type"] if meta else None
+    out_type = meta.output_type if meta else None
     sharded_inside = _has_shard_below(sch.mod)
     if op == "all_reduce" and not sharded_inside:
         raise ScheduleError(
@@ -422,7 +422,7 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
             f"{where} produces partial sums (row parallel), so its output needs all_reduce or reduce_scatter, "
             f"not {op}."
         )
-    if mode == "bwd_post" and out_type == "partial" and not meta.get("replicated_input"):
+    if mode == "bwd_post" and out_type == "partial" and not meta.replicated_input:
         raise ScheduleError(
             f"{where} is row parallel: its input is already split, so its input gradient must not be "
             "all-reduced; put bwd_post all_reduce on the column-parallel layer before it."
@@ -476,8 +476,8 @@ class SyncPrimitive(Primitive):
                 h = mod.register_forward_hook(fn)
             else:
                 h = mod.register_full_backward_hook(fn)
-            meta["hooks"].append(h)
-            meta["syncs"].append((mode, getattr(fn, "__name__", "custom")))
+            meta.hooks.append(h)
+            meta.syncs.append((mode, getattr(fn, "__name__", "custom")))
             return
         op = sync_op_or_fn
         g = sch.tp
@@ -494,7 +494,7 @@ class SyncPrimitive(Primitive):
                 )
                 return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
 
-            meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            meta.hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         elif mode == "fwd_pre":
             fn = _op_fn(op, sch, kwargs)
 
@@ -509,20 +509,20 @@ class SyncPrimitive(Primitive):
                     kw[idx[1]] = fn(kw[idx[1]])
                 return args, kw
 
-            meta["hooks"].append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            meta.hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         else:
             fn = _op_fn(op, sch, kwargs)
             if (
-                meta["output_type"] == "partial"
-                and meta["impl"] is not None
+                meta.output_type == "partial"
+                and meta.impl is not None
                 and op in ("all_reduce", "reduce_scatter")
             ):
-                meta["partial_reducers"].append(fn)  # reduce before the bias add
+                meta.partial_reducers.append(fn)  # reduce before the bias add
             else:
-                meta["hooks"].append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))
-        meta["syncs"].append((mode, op))
+                meta.hooks.append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))
+        meta.syncs.append((mode, op))
         if mode == "fwd_post" and op in ("all_reduce", "all_gather"):
-            meta["output_synced"] = True
+            meta.output_synced = True
 
 
 def _install_param_grad_all_reduce(mod: nn.Module, g) -> None:
@@ -538,12 +538,12 @@ def _install_param_grad_all_reduce(mod: nn.Module, g) -> None:
     """
     meta = module_meta(mod)
     names = _replicated_params(mod)
-    meta["grad_allreduce_params"] = list(names)
-    meta["grad_allreduce_group"] = g
+    meta.grad_allreduce_params = list(names)
+    meta.grad_allreduce_group = g
     for n in names:
         mod._parameters[n].sequence_parallel = True
     install_forward(mod)
-    meta["syncs"].append(("bwd_post", PARAM_GRADS_OP))
+    meta.syncs.append(("bwd_post", PARAM_GRADS_OP))
 
 
 def _install_replica_grad_all_reduce(mod: nn.Module, name: str, g) -> None:
@@ -559,10 +559,10 @@ def _install_replica_grad_all_reduce(mod: nn.Module, name: str, g) -> None:
     sums the input gradient over all tensor-parallel ranks, each contributing its own query heads' part.
     """
     meta = module_meta(mod)
-    names = meta.setdefault("grad_replica_params", [])
+    names = meta.grad_replica_params
     if name not in names:
         names.append(name)
-    meta["grad_replica_group"] = g
+    meta.grad_replica_group = g
     install_forward(mod)
 
 
@@ -579,12 +579,12 @@ def _install_block_replica_grad_all_reduce(mod: nn.Module, name: str, axis: int,
     sizes = block_sizes(int(sum(stride.sizes)), stride)
     reps = block_replicas(stride, len(sizes), ws)
     meta = module_meta(mod)
-    meta.setdefault("grad_block_replicas", {})[name] = (
+    meta.grad_block_replicas[name] = (
         axis,
         [s * r // ws for s, r in zip(sizes, reps, strict=False)],
         reps,
     )
-    meta["grad_block_group"] = g
+    meta.grad_block_group = g
     install_forward(mod)
 
 
@@ -604,7 +604,7 @@ class ForkRNGPrimitive(Primitive):
     @staticmethod
     def apply(sch):
         meta = peek_meta(sch.mod)
-        if meta and meta["fork_rng"]:
+        if meta and meta.fork_rng:
             raise ScheduleError(f"{_where(sch)} already runs under fork_rng().")
-        module_meta(sch.mod)["fork_rng"] = True
+        module_meta(sch.mod).fork_rng = True
         install_forward(sch.mod)

@@ -92,13 +92,13 @@ def _experts_bias_once(self, *args, **kwargs):
     ``fwd_post all_reduce`` sync registers its reducer here, as for a row-parallel linear)."""
     meta = module_meta(self)
     b = self._parameters["down_proj_bias"]
-    if meta.get("bias_rank", 0) != 0:
+    if meta.bias_rank != 0:
         self._parameters["down_proj_bias"] = b * 0.0
     try:
         y = type(self).forward(self, *args, **kwargs)
     finally:
         self._parameters["down_proj_bias"] = b
-    for fn in meta["partial_reducers"]:
+    for fn in meta.partial_reducers:
         y = fn(y)
     return y
 
@@ -107,7 +107,7 @@ class ExpertsRule(ShardRule):
     """Tensor-parallel experts: ``gate_up_proj`` / ``up_proj`` column-like, ``down_proj`` row-like (see module doc).
 
     Output type after ``down_proj`` is sharded: ``"partial"`` (the experts' sum needs an all-reduce). The
-    module also gets ``_slapo_meta["replicated_input"] = True``: it holds both halves of the MLP, so unlike
+    module also gets ``ModuleMeta.replicated_input = True``: it holds both halves of the MLP, so unlike
     a row-parallel linear its input is replicated and ``bwd_post all_reduce`` on it is right.
     """
 
@@ -138,18 +138,18 @@ class ExpertsRule(ShardRule):
 
     def apply(self, mod, name, axis, world_size, rank):
         meta = module_meta(mod)
-        meta["replicated_input"] = True
+        meta.replicated_input = True
         if name == DOWN_NAME:
-            meta["output_type"] = "partial"
-            meta["output_axis"] = None
+            meta.output_type = "partial"
+            meta.output_axis = None
             if isinstance(getattr(mod, "intermediate_dim", None), int):
                 mod.intermediate_dim = mod.down_proj.shape[axis]
             if mod._parameters.get("down_proj_bias") is not None and world_size > 1:
                 # the output bias is added once over the ranks (Megatron's RowParallelLinear adds it after the
                 # reduce): rank 0 adds it, the others add it times 0 (so its gradient, summed over the ranks by
                 # sync(param_grads=True), reaches every rank and each rank runs the same collectives)
-                meta["bias_rank"] = rank
-                meta["impl"] = _experts_bias_once
+                meta.bias_rank = rank
+                meta.impl = _experts_bias_once
                 install_forward(mod)
 
 

@@ -24,7 +24,7 @@ is not noted, and the numeric gate of the preset keeps a wrong split whole.
 **Applying it** (:func:`install`, called by the dense shard rule's ``apply_site`` when the row linear is
 sharded): a forward pre-hook on the parent narrows the argument to this rank's ``[r F/ws, (r+1) F/ws)`` on that
 axis, reading it through an all-reduce in backward (each rank's gradient covers its own features; the full
-gradient is their sum). The hook is recorded in the parent's ``_slapo_meta`` (``"feature_inputs"``), so undo,
+gradient is their sum). The hook is recorded in the parent's ``ModuleMeta.feature_inputs``, so undo,
 replay and exported scripts reproduce it. Sources: transformers ``models/gemma4/modeling_gemma4.py``
 (``Gemma4TextDecoderLayer.forward``), ``models/gemma3n/modeling_gemma3n.py``; Megatron-LM
 ``RowParallelLinear`` (``input_is_parallel``).
@@ -149,11 +149,11 @@ def install(site, side: str | None, world_size: int, rank: int) -> None:
     from .heads import _install_input_slicer
 
     meta = module_meta(site.parent)
-    done = meta.setdefault("feature_inputs", [])
+    done = meta.feature_inputs
     for name, axis, feats in found:
         if name in done or feats % world_size:
             continue
-        meta["hooks"].append(
+        meta.hooks.append(
             _install_input_slicer(site.parent, ((name, axis),), feats, world_size, rank, site.tp)
         )
         done.append(name)

@@ -127,8 +127,8 @@ class GlobalFeatureStats(TorchFunctionMode):
 def _feature_forward(self: nn.Module, *args, **kwargs):
     """The class forward with its reductions over the (sharded) feature axis made global."""
     meta = module_meta(self)
-    local, factor = meta["feature_local"], meta["feature_factor"]
-    with GlobalFeatureStats(meta.get("tp_group"), local, factor):
+    local, factor = meta.feature_local, meta.feature_factor
+    with GlobalFeatureStats(meta.tp_group, local, factor):
         return type(self).forward(self, *args, **kwargs)
 
 
@@ -173,14 +173,14 @@ class FeatureStatsRule(NormRule):
             return
         meta = module_meta(mod)
         full = getattr(t, "orig_shape", t.shape)[-1]
-        meta["feature_local"], meta["feature_factor"] = t.shape[-1], max(full // max(t.shape[-1], 1), 1)
+        meta.feature_local, meta.feature_factor = t.shape[-1], max(full // max(t.shape[-1], 1), 1)
         for attr in ("normalized_shape",):
             shape = getattr(mod, attr, None)
             if isinstance(shape, tuple) and len(shape) == 1:
                 setattr(mod, attr, (t.shape[-1],))
-        meta["impl"] = _feature_forward
+        meta.impl = _feature_forward
         install_forward(mod)
-        meta["output_type"], meta["output_axis"] = "partition", -1
+        meta.output_type, meta.output_axis = "partition", -1
 
 
 class DepthwiseConvRule(ShardRule):
@@ -204,7 +204,7 @@ class DepthwiseConvRule(ShardRule):
         if name == "weight":
             mod.in_channels = mod.out_channels = mod.groups = mod.weight.shape[0]
         meta = module_meta(mod)
-        meta["output_type"], meta["output_axis"] = "partition", 1
+        meta.output_type, meta.output_axis = "partition", 1
 
 
 register_shard_rule(FeatureStatsRule())

@@ -39,7 +39,7 @@ folds it into a ``(batch, heads, queries, keys)`` attention mask and passes ``(b
 arguments (:data:`PER_HEAD_INPUTS`) are cut to this rank's heads by a forward pre-hook on the attention
 module, so each rank adds its own heads' slopes.
 
-The rewrite is recorded in the attention module's ``_slapo_meta["attention_heads"]`` (``{"heads",
+The rewrite is recorded in the attention module's ``ModuleMeta.attention_heads`` (``{"heads",
 "kv_heads", "world_size", "attrs": {name: [global, local]}}``, plus ``"config": {key: [global, local]}``
 and ``"inputs": [argument names]`` when those apply) and happens inside the ``shard`` primitive, so replay,
 undo and exported scripts reproduce it.
@@ -550,7 +550,7 @@ def _install_width_scope(attn: nn.Module, width: int, local: int) -> list:
 def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
     """The global ``(heads, kv heads)`` recorded when ``attn``'s head attributes were rewritten, or None."""
     meta = peek_meta(attn) if attn is not None else None
-    rec = meta.get("attention_heads") if meta else None
+    rec = meta.attention_heads if meta else None
     return (rec["heads"], rec["kv_heads"]) if rec else None
 
 
@@ -562,13 +562,13 @@ def localise_heads(
     Also gives the module a per-rank config copy (:data:`CONFIG_HEADS`) and cuts the per-head arguments
     the model builds for all heads to this rank's (``rank``; :data:`PER_HEAD_INPUTS`).
 
-    Returns the record stored in ``attn._slapo_meta["attention_heads"]``.
+    Returns the record stored in ``module_meta(attn).attention_heads``.
 
     Raises:
         ValueError: when :func:`plan_local_heads` refuses (callers check first, so nothing is half done).
     """
     meta = module_meta(attn)
-    rec = meta.get("attention_heads")
+    rec = meta.attention_heads
     if rec is not None:
         return rec
     plan, reason = plan_local_heads(attn, heads, kv_heads, world_size)
@@ -600,14 +600,14 @@ def localise_heads(
     )
     if head_dim and world_size > 1 and heads % world_size == 0 and reshapes_to_a_local_width(type(attn)):
         width = heads * head_dim
-        meta["hooks"].extend(_install_width_scope(attn, width, width // world_size))
+        meta.hooks.extend(_install_width_scope(attn, width, width // world_size))
         rec["width"] = [width, width // world_size]
     from . import infer as _infer
 
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
     inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
-        meta["hooks"].append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
+        meta.hooks.append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
         rec["inputs"] = [n for n, _ in inputs]
-    meta["attention_heads"] = rec
+    meta.attention_heads = rec
     return rec

@@ -349,7 +349,7 @@ class MixerRule(ShardRule):
     """The shard rule of a mixer's own parameters and of its channel-wise children (a depthwise ``nn.Conv1d``,
     a gated norm), for the tensors :func:`complete` registered: their stride comes from the plan, a depthwise
     convolution's channel and group counts follow its weight, and the mixer's per-rank attributes are divided
-    by the world size once (recorded in ``_slapo_meta["mixer_attrs"]`` as ``{name: [global, local]}``)."""
+    by the world size once (recorded in ``ModuleMeta.mixer_attrs`` as ``{name: [global, local]}``)."""
 
     def _layout(self, site, axis: int, ws: int):
         mod = site.mod
@@ -426,7 +426,7 @@ class MixerRule(ShardRule):
             _move_block_grads(site.mod, site.child_name, mixer)
         attrs = _ATTRS.get((type(mixer).__name__, _shape_sig(mixer)))
         meta = module_meta(mixer)
-        if not attrs or "mixer_attrs" in meta:
+        if not attrs or meta.mixer_attrs is not None:
             return
         done = {}
         local = _ATTR_LOCAL.get((type(mixer).__name__, _shape_sig(mixer)), {}).get(world_size, {})
@@ -434,7 +434,7 @@ class MixerRule(ShardRule):
             if _get_attr(mixer, k) == v:
                 _set_attr(mixer, k, local.get(v, v // world_size))
             done[k] = [v, local.get(v, v // world_size)]
-        meta["mixer_attrs"] = done
+        meta.mixer_attrs = done
 
 
 def _move_block_grads(child: nn.Module, child_name: str, mixer: nn.Module) -> None:
@@ -442,13 +442,13 @@ def _move_block_grads(child: nn.Module, child_name: str, mixer: nn.Module) -> No
     by ``mixer``'s forward instead: the mixer reads ``child``'s weights without calling it (Mamba-2's ``conv1d``
     through ``causal_conv1d_fn``), so a sum installed on ``child``'s forward would never run."""
     meta = peek_meta(child)
-    blocks = (meta or {}).get("grad_block_replicas")
+    blocks = meta.grad_block_replicas if meta else None
     if not blocks:
         return
     target = module_meta(mixer)
     for name, spec in list(blocks.items()):
-        target.setdefault("grad_block_replicas", {})[f"{child_name}.{name}"] = spec
-        target["grad_block_group"] = meta["grad_block_group"]
+        target.grad_block_replicas[f"{child_name}.{name}"] = spec
+        target.grad_block_group = meta.grad_block_group
         del blocks[name]
     install_forward(mixer)
 

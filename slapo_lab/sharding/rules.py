@@ -111,12 +111,12 @@ class ShardRule:
 
 def _set_output(mod: nn.Module, kind: str, axis: int | None = None) -> None:
     meta = module_meta(mod)
-    meta["output_type"] = kind
-    meta["output_axis"] = axis
+    meta.output_type = kind
+    meta.output_axis = axis
 
 
 def _reduce_partial(mod: nn.Module, y: torch.Tensor) -> torch.Tensor:
-    for fn in module_meta(mod)["partial_reducers"]:
+    for fn in module_meta(mod).partial_reducers:
         y = fn(y)
     return y
 
@@ -140,7 +140,7 @@ def _row_parallel_conv2d(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 def _vocab_parallel_embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     meta = module_meta(self)
-    start = meta["vocab_start"]
+    start = meta.vocab_start
     end = start + self.weight.shape[0]
     outside = (ids < start) | (ids >= end)
     local = (ids - start).masked_fill(outside, 0)
@@ -183,12 +183,12 @@ class DenseRule(ShardRule):
         if name == "bias":
             if axis != 0:
                 return f"a {self.kind} bias has a single axis, 0"
-            if meta["sharded"].get("weight") == self.in_axis:
+            if meta.sharded.get("weight") == self.in_axis:
                 return (
                     f"the weight is sharded on axis {self.in_axis} (row parallel), so the bias must stay "
                     "replicated: it is added once, after the all_reduce"
                 )
-        if name == "weight" and axis == self.in_axis and "bias" in meta["sharded"]:
+        if name == "weight" and axis == self.in_axis and "bias" in meta.sharded:
             return (
                 f"the bias is sharded, which only fits a column-parallel {self.kind} weight "
                 f"(axis {self.out_axis})"
@@ -236,7 +236,7 @@ class DenseRule(ShardRule):
         else:
             self.set_features(mod, in_features=mod.weight.shape[self.in_axis])
             _set_output(mod, "partial")
-            module_meta(mod)["impl"] = type(self).row_forward
+            module_meta(mod).impl = type(self).row_forward
             install_forward(mod)
 
 
@@ -330,12 +330,12 @@ class EmbeddingRule(ShardRule):
     def apply(self, mod, name, axis, world_size, rank):
         if axis == 0:
             meta = module_meta(mod)
-            meta["vocab_start"] = rank * mod.weight.shape[0]
-            meta["orig_padding_idx"] = pad = mod.padding_idx
-            start, rows = meta["vocab_start"], mod.weight.shape[0]
+            meta.vocab_start = rank * mod.weight.shape[0]
+            meta.orig_padding_idx = pad = mod.padding_idx
+            start, rows = meta.vocab_start, mod.weight.shape[0]
             mod.num_embeddings = rows
             mod.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
-            meta["impl"] = _vocab_parallel_embedding
+            meta.impl = _vocab_parallel_embedding
             install_forward(mod)
             _set_output(mod, "partial")
         else:
@@ -352,7 +352,7 @@ class Conv2dRule(ShardRule):
     def check(self, mod, name, axis):
         if name == "weight" and axis > 1:
             return "only the channel axes 0 (output) and 1 (input) of a Conv2d weight can be sharded"
-        if name == "bias" and module_meta(mod)["sharded"].get("weight") == 1:
+        if name == "bias" and module_meta(mod).sharded.get("weight") == 1:
             return "the weight is sharded on its input channels, so the bias must stay replicated"
         if mod.groups != 1:  # a depthwise one is slapo_lab/sharding/feature_stats.py's DepthwiseConvRule
             return "grouped convolutions cannot be sharded by channel"
@@ -367,7 +367,7 @@ class Conv2dRule(ShardRule):
         else:
             mod.in_channels = mod.weight.shape[1]
             _set_output(mod, "partial")
-            module_meta(mod)["impl"] = _row_parallel_conv2d
+            module_meta(mod).impl = _row_parallel_conv2d
             install_forward(mod)
 
 

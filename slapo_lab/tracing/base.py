@@ -115,16 +115,20 @@ def _is_builtin(mod: nn.Module) -> bool:
     )
 
 
-_CALL_STATE = ("syncs", "hooks", "checkpoint", "fork_rng", "partial_reducers")
-
-
 def needs_call(mod: nn.Module) -> list[str]:
     """Schedule state of ``mod`` that only works when the module itself is called (hooks, a wrapped forward)."""
     meta = peek_meta(mod)
     if not meta:
         return []
-    found = [k for k in _CALL_STATE if meta.get(k)]
-    if meta.get("impl") is not None:
+    state = {
+        "syncs": meta.syncs,
+        "hooks": meta.hooks,
+        "checkpoint": meta.checkpoint,
+        "fork_rng": meta.fork_rng,
+        "partial_reducers": meta.partial_reducers,
+    }
+    found = [k for k, v in state.items() if v]
+    if meta.impl is not None:
         found.append("a sharded forward")
     return found
 
