@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -76,18 +77,36 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def main() -> None:
+    import dataclasses
+    import json
+
     import slapo_lab as sl
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout and round")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over the layouts")
+    ap.add_argument("--json", default=None, help="write the calibrated profile and the measured times here")
+    ap.add_argument("--replay", default=None, help="price again a --json file's profile and times (no run)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    dev = sl.calibrate()
+    saved = json.loads(Path(args.replay).read_text()) if args.replay else None
+    if saved:
+        prof = saved["profile"]
+        prof["memory_curve"] = tuple(tuple(x) for x in prof["memory_curve"])
+        prof["collective_scale"] = tuple(tuple(x) for x in prof["collective_scale"])
+        dev = sl.DeviceProfile(**prof)
+        args.seq = saved["seq"]
+    else:
+        dev = sl.calibrate()
+    curve = ", ".join(f"{n >> 10} KiB {v / 1e9:.0f}" for n, v in dev.memory_curve)
+    scale = ", ".join(f"{k} {v:.1f}x" for k, v in dev.collective_scale)
     print(
-        f"calibrated (1 thread): fp32 {dev.fp32_flops / 1e9:.1f} GFLOP/s, memory {dev.hbm_bandwidth / 1e9:.1f} GB/s, "
-        f"gloo {dev.intra_bandwidth / 1e9:.2f} GB/s + {dev.intra_latency * 1e6:.0f} us ({time.perf_counter() - t0:.0f} s)"
+        f"calibrated (1 thread): fp32 {dev.fp32_flops / 1e9:.1f} GFLOP/s, memory {dev.hbm_bandwidth / 1e9:.1f} GB/s "
+        f"(by working set, GB/s: {curve}), op {dev.op_overhead * 1e6:.1f} us, gloo {dev.intra_bandwidth / 1e9:.2f} "
+        f"GB/s + {dev.intra_latency * 1e6:.0f} us ({scale} a ring), overlap {dev.comm_overlap:.2f} "
+        f"({time.perf_counter() - t0:.0f} s)"
     )
     cluster = sl.Cluster(nodes=1, gpus_per_node=pm.WORLD, gpu=dev)
     with torch.device("meta"):
@@ -98,9 +117,38 @@ def main() -> None:
         ests[c.name] = sl.estimate(
             ref, c.layout(), cluster=cluster, seq_len=args.seq, global_batch_size=GLOBAL_BATCH, dtype="fp32"
         )
-    res = pm.spawn(CASES, args.seq, {k: e.stage_blocks for k, e in ests.items()}, timed=args.steps)
-    print(f"{'case':<18} {'layout':<60} {'pred s':>8} {'meas s':>8} {'ratio':>6}")
-    pred, meas, names = [], [], []
+    if saved:
+        res, load0, load1 = saved["results"], saved["load"][0], saved["load"][1]
+    else:
+        # round-robin: every round builds and times each layout once, so that load drifts hit all layouts alike
+        runs = [replace(c, name=f"{c.name}@{r}") for r in range(args.rounds) for c in CASES]
+        blocks = {c.name: ests[c.name.split("@")[0]].stage_blocks for c in runs}
+        load0 = Path("/proc/loadavg").read_text().split()[:3]
+        got = pm.spawn(runs, args.seq, blocks, timed=args.steps)
+        load1 = Path("/proc/loadavg").read_text().split()[:3]
+        res = {c.name: [] for c in CASES}
+        for c in runs:
+            base = res[c.name.split("@")[0]]
+            for rank, row in enumerate(got[c.name]):
+                if len(base) <= rank:
+                    base.append({"times": []})
+                if "error" in row:
+                    base[rank]["error"] = row["error"]
+                base[rank]["times"] += row.get("times", [])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "profile": dataclasses.asdict(dev),
+                        "seq": args.seq,
+                        "results": res,
+                        "load": [load0, load1],
+                    },
+                    f,
+                    indent=1,
+                )
+    print(f"{'case':<18} {'layout':<60} {'pred s':>8} {'meas s':>8} {'ratio':>6} {'min s':>6}")
+    pred, meas, low, names = [], [], [], []
     for c in CASES:
         rows = res[c.name]
         err = next((r["error"] for r in rows if "error" in r), None)
@@ -113,15 +161,20 @@ def main() -> None:
         names.append(c.name)
         pred.append(p)
         meas.append(m)
+        low.append(min(steps))
         parts = ", ".join(f"{k} {v:.2f}" for k, v in ests[c.name].time_parts.items() if v)
-        print(f"{c.name:<18} {c.layout().describe():<60} {p:>8.3f} {m:>8.3f} {p / m:>6.2f}  {parts}")
+        print(
+            f"{c.name:<18} {c.layout().describe():<60} {p:>8.3f} {m:>8.3f} {p / m:>6.2f} {min(steps):>6.3f}  {parts}"
+        )
     rho = spearman(pred, meas)
     pick = min(range(len(pred)), key=lambda i: pred[i])
     best = min(range(len(meas)), key=lambda i: meas[i])
     print(
-        f"\n{len(names)} layouts, global batch {GLOBAL_BATCH} x seq {args.seq}: Spearman {rho:.2f} (goal >= 0.7); "
-        f"planner's pick {names[pick]} measured {meas[pick]:.3f} s = {meas[pick] / meas[best]:.2f}x the best measured "
-        f"({names[best]}, {meas[best]:.3f} s; goal <= 1.15); {time.perf_counter() - t0:.0f} s"
+        f"\n{len(names)} layouts, global batch {GLOBAL_BATCH} x seq {args.seq}, {len(steps)} steps each: Spearman "
+        f"{rho:.2f} (goal >= 0.7; against each layout's fastest step {spearman(pred, low):.2f}); planner's pick "
+        f"{names[pick]} measured {meas[pick]:.3f} s = {meas[pick] / meas[best]:.2f}x the best measured "
+        f"({names[best]}, {meas[best]:.3f} s; goal <= 1.15); {time.perf_counter() - t0:.0f} s; "
+        f"load average {' '.join(load0)} before, {' '.join(load1)} after"
     )
 
 

@@ -173,14 +173,17 @@ def test_sharding_divides_what_it_should(tiny):
 
 
 def test_bubble_formula_and_in_flight_micro_batches(tiny):
-    """1F1B and GPipe: bubble = (pp - 1) / (m + pp - 1) of the pipeline time (Narayanan et al., 2021)."""
+    """1F1B and GPipe: the bubble is the other stages' micro-batch times (fill and drain), at most the
+    (pp - 1) / (m + pp - 1) of the pipeline time of equal stages (Narayanan et al., 2021)."""
     cl = _small_cluster()
     for sched in ("1F1B", "GPipe"):
         est = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1, pp_schedule=sched), cluster=cl, seq_len=SEQ,
                           global_batch_size=8, dtype="fp32")  # fmt: skip
-        t = est.time_parts
+        t, st = est.time_parts, est.stage_micro_batch_s
+        assert len(st) == 3 and min(st) > 0
+        assert t["bubble"] == pytest.approx(sum(st) - max(st))
         pipeline = t["compute"] + t["recompute"] + t["exposed_comm"] + t["bubble"]
-        assert t["bubble"] / pipeline == pytest.approx((3 - 1) / (8 + 3 - 1))
+        assert 0 < t["bubble"] / pipeline <= (3 - 1) / (8 + 3 - 1) + 1e-9
     gpipe = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1, pp_schedule="GPipe"), cluster=cl, seq_len=SEQ,
                         global_batch_size=8, dtype="fp32").memory  # fmt: skip
     f1b = sl.estimate(tiny, sl.Layout(tp=1, pp=3, dp=1), cluster=cl, seq_len=SEQ, global_batch_size=8,
