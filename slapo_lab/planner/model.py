@@ -55,7 +55,11 @@ Step time (seconds), the busiest stage:
   all-reduce / reduce-scatter the gradients during the last micro-batch's backward, ZeRO all-gathers the updated
   parameters after the step, FSDP all-gathers parameters (forward and backward, bf16) and reduce-scatters
   gradients (fp32: torchtitan's ``mixed_precision_reduce`` default) each micro-batch behind that micro-batch's
-  compute. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``, all-gather and reduce-scatter
+  compute, one collective per block (each its latency), and copies the gathered bytes into the parameters and the
+  gradients into the reduce-scatter's input (read + write, at the memory bandwidth). The device's
+  ``comm_overlap`` is the fraction of data-parallel traffic compute hides (1 for NCCL; measured for gloo, which
+  on a CPU competes with the ranks' compute), and its ``collective_scale`` what the backend's all-gather and
+  reduce-scatter cost against a ring. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``, all-gather and reduce-scatter
   ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
   a group inside one node uses the node's links, any other the per-GPU network bandwidth;
 * bubble: the pipeline's fill and drain, every stage's micro-batch time but the busiest one's, ``/ v``, for GPipe
@@ -788,10 +792,18 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
             ag = pr.collective("all_gather", params, dp, within_node_dp)
             dp_exposed = rs - ov * min(rs, bwd_last) + ag
         else:  # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed
-            ag = pr.collective("all_gather", params, dp, within_node_dp)
-            rs = pr.collective("reduce_scatter", trainable * 4, dp, within_node_dp)
+            units = max(
+                1, nparts
+            )  # one all-gather / reduce-scatter per fully_shard unit (a block), each its latency
+            ag = units * pr.collective("all_gather", params / units, dp, within_node_dp)
+            rs = units * pr.collective("reduce_scatter", trainable * 4 / units, dp, within_node_dp)
             traffic = 2 * ag + rs
-            dp_exposed = m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / max(1, nparts))
+            # FSDP2 copies each all-gather's output into the parameters and the gradients into the reduce-scatter
+            # input (``_fsdp_collectives.py``: ``split_with_sizes_copy``, ``chunk_cat``): read + write of the
+            # unsharded bytes, on the compute stream
+            copied = 2 * (2 * params + trainable * 4)
+            copy_t = copied / float(pr.bandwidth(np.array([2 * params / units]))[0])
+            dp_exposed = m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
     optimizer = pr.optimizer_time(trainable / div_o, float(st["tensors"][busiest]) / div_o)
     # pipeline fill and drain: each other stage's micro-batch time once (1F1B and GPipe alike, Narayanan et al.
     # 2021, section 2.2, with the stages' own times instead of the busiest one's), over v chunks when interleaved
