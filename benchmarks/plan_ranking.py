@@ -4,20 +4,50 @@ layouts of one model on 2 gloo ranks, the same global batch, predicted step time
 The model and the way each layout is built are ``benchmarks/plan_memory_ranks.py``'s (a 56 M Llama, fp32 AdamW,
 the project's schedule, Megatron preset, ``build_pipeline``, DDP / FSDP2 / ZeRO-1). Each rank runs on one thread
 (``torch.set_num_threads(1)``), and the calibration runs on one thread too, so the device profile is one rank's.
-Measured: one warm-up step, then ``--steps`` steps, each timed between two barriers; the median per layout (the
-slower rank). Predicted: :func:`slapo_lab.estimate`'s ``step_time_s`` on a cluster of one node of 2 calibrated
-devices. Prints each layout's predicted and measured seconds and their ratio, the Spearman rank correlation
-(computed here from the ranks: no scipy), and the planner's pick (the fastest predicted) against the fastest
-measured. Goal: Spearman >= 0.7, pick within 15 % of the best.
+Measured: the layouts run round-robin, ``--rounds`` passes over all of them (each pass builds every layout
+afresh, one warm-up step, then ``--steps`` steps, each timed between two barriers), so that the load of a
+shared machine drifts over all layouts alike; the median per layout over the passes (each step: the slower
+rank), and beside it the fastest step. DDP skips its all-reduce on all but the last micro-batch (``no_sync``),
+as ``slapo_lab.train``'s loop runs it. Predicted: :func:`slapo_lab.estimate`'s ``step_time_s`` on a cluster of
+one node of 2 calibrated devices. Prints each layout's predicted and measured seconds and their ratio, the
+Spearman rank correlation (computed here from the ranks: no scipy), the planner's pick (the fastest predicted)
+against the fastest measured, and the load average before and after. Goal: Spearman >= 0.7, pick within 15 %.
 
-Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 3]``.
+What the calibrated profile brings to the step time (``slapo_lab/planner/devices.py``, ``model.py``): the host's
+time per dispatched aten op (a loop of tiny ``torch.add``), added per op on a CPU; achieved bandwidth by working
+set (``clone`` at 256 KiB to 64 MiB: the caches make small ops several times faster than the 256 MiB copy);
+gloo's all-gather and reduce-scatter against a ring (gloo builds them from other collectives: 2-5x); and how
+much of an asynchronous all-reduce a matmul loop hides (0-0.25 here: two ranks on two cores leave gloo no core).
+The profile counts weight gradients at their own size (not times the micro-batch), the optimizer is priced from
+eager AdamW's own op sequence, FSDP pays a latency per unit and FSDP2's copy-in/out, and the pipeline's bubble
+is the other stages' own micro-batch times.
 
-NOT MET yet (2026-11-26, two shared cores, load average 6-15): Spearman -0.49, the pick (fsdp, mbs 2) 2.32x the
-best measured (pp 2 1F1B, 4 micro-batches). The predictions are 1.0-3.5x the measured steps and dominated by the
-memory-bound roofline term: the calibrated bandwidth (a 256 MiB clone on one thread: 1.9 GB/s) prices every
-elementwise op as if it left the cache, so layouts that move more activation bytes per rank (TP's replicated
-norms and logits, PP's extra micro-batches) rank slowest while they measure fastest; and DDP's gradient
-all-reduce is priced as hidden behind backward, which gloo on one CPU thread does not do.
+Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--json F]``;
+``--replay F`` prices a saved run's profile and times again (no run; for changes to the model).
+
+NOT MET (2026-11-27, two cores shared with four other agents): the measurements are dominated by the machine's
+load (load average 5-30 over a run; the same layout's steps differ up to 2x between passes, and the order of the
+layouts changes from run to run), and so is the calibration (the 256 MiB copy measured 0.6-4.1 GB/s, the 4 MiB
+point 4-28 GB/s, in runs minutes apart). Runs of this benchmark (10 layouts, 6 steps each, 3 rounds):
+
+* 02:44, load 8 -> 29: Spearman 0.33, pick ddp mbs 2 1.40x the best (GPipe 2 x 2); replayed with the FSDP
+  terms of the next commit: Spearman 0.48, pick 1.40x;
+* 02:58, load 10 -> 14 (calibration under load: copy 0.6 GB/s): Spearman -0.31, pick ddp mbs 2 1.46x the best
+  (GPipe 2 x 2);
+* 03:09, load 7 -> 11 (gloo's latency fitted as 0): Spearman -0.02, pick TP mbs 1 x 4 1.36x the best (GPipe
+  2 x 2).
+
+Across the runs the pipelines measure fastest (each rank holds half the model: half the optimizer, no
+gradient all-reduce) and FSDP slowest (gloo's all-gather / reduce-scatter); the predictions put FSDP last too but
+price the pipelines among the slowest, because of the phantom traffic below, which weighs on the head's stage.
+
+Before this work (2026-11-26): Spearman -0.49, pick 2.32x. What is left, found on the way: the profile counts
+``prim.device`` (a metadata query the fake-tensor pass dispatches, no kernel) as an op that moves its input's
+bytes, several logits-sized phantom passes per sequence. Without them (three lines in ``profile._Recorder``:
+no row for an op that returns no tensor) the two runs above replay at Spearman 0.64 / 0.56 and picks 1.24x /
+1.00x; but the GPU figures then move (torchtitan's row 1.02x -> 1.50x tok/s, outside +-25 %; ``gpu_check``'s
+H200 1B prediction 39,200 -> 63,700 tok/s against 36,740 measured eager): those matched partly thanks to the
+phantom traffic, so that change waits for the GPU costs it uncovers (attention kernels' efficiency, ...).
 """
 
 from __future__ import annotations
@@ -93,10 +123,7 @@ def main() -> None:
     torch.set_num_threads(1)
     saved = json.loads(Path(args.replay).read_text()) if args.replay else None
     if saved:
-        prof = saved["profile"]
-        prof["memory_curve"] = tuple(tuple(x) for x in prof["memory_curve"])
-        prof["collective_scale"] = tuple(tuple(x) for x in prof["collective_scale"])
-        dev = sl.DeviceProfile(**prof)
+        dev = sl.DeviceProfile(**saved["profile"])
         args.seq = saved["seq"]
     else:
         dev = sl.calibrate()

@@ -116,6 +116,11 @@ class DeviceProfile:
     comm_overlap: float = 1.0
     collective_scale: tuple = ()
 
+    def __post_init__(self) -> None:
+        # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
+        for name in ("memory_curve", "collective_scale"):
+            object.__setattr__(self, name, tuple(tuple(x) for x in getattr(self, name)))
+
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``"bf16"``, ``"fp16"`` use the bf16 figure; ``"fp32"`` the fp32 one)."""
         return self.fp32_flops if dtype == "fp32" else self.bf16_flops
