@@ -46,8 +46,10 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
 Step time (seconds), the busiest stage:
 
 * compute: every aten op of the stage's parts as a roofline, ``max(FLOPs / (peak x matmul_efficiency), bytes /
-  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources), forward and
-  backward, ``m`` times;
+  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources; a calibrated
+  profile's ``memory_curve`` gives the bandwidth at the op's own working set instead), plus the host's
+  ``op_overhead`` per dispatched op (views included) where the host runs the kernels (a CPU), or as a floor per
+  kernel where it queues them ahead (a GPU), forward and backward, ``m`` times;
 * recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
   outputs are not kept);
 * exposed communication: tensor-parallel syncs (not overlapped), pipeline sends of the boundary activation
@@ -59,15 +61,17 @@ Step time (seconds), the busiest stage:
   gradients into the reduce-scatter's input (read + write, at the memory bandwidth). The device's
   ``comm_overlap`` is the fraction of data-parallel traffic compute hides (1 for NCCL; measured for gloo, which
   on a CPU competes with the ranks' compute), and its ``collective_scale`` what the backend's all-gather and
-  reduce-scatter cost against a ring. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``, all-gather and reduce-scatter
-  ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
+  reduce-scatter cost against a ring. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``,
+  all-gather and reduce-scatter ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
   a group inside one node uses the node's links, any other the per-GPU network bandwidth;
 * bubble: the pipeline's fill and drain, every stage's micro-batch time but the busiest one's, ``/ v``, for GPipe
   and 1F1B (``v = 1``) and interleaved 1F1B: with equal stages ``(pp - 1) / v`` stage-times, the fraction
   ``(pp - 1) / (m v + pp - 1)`` of the step (Narayanan et al., 2021, section 2.2); unequal stages (the head's
   stage is heavier) fill and drain with their own, shorter times;
-* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound:
-  :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency).
+* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound: on a GPU
+  one fused pass, :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency); on a
+  CPU the eager single-tensor update, its ops per tensor and bytes per element counted from AdamW itself
+  (:func:`adam_op_costs`), plus ``op_overhead`` per op.
 
 MFU: model FLOPs (``FlopCounterMode``'s forward + backward, no recompute, attention counted in full) per step
 over ``GPUs x peak x step time``.
