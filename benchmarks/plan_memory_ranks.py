@@ -27,6 +27,7 @@ gloo on 127.0.0.1; the 16 layouts took 474 s on two shared cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -143,7 +144,8 @@ def _loss(logits, target):
 def measure(case: Case, seq: int, stage_blocks: list[int], timed: int = 0) -> dict:
     """This rank's MemTracker peak (bytes, by category) for two AdamW steps of ``case`` (inside the process
     group of ``WORLD`` ranks); with ``timed``, instead one warm-up step and ``timed`` steps without the tracker,
-    their wall times in ``"times"`` (seconds, each between two barriers)."""
+    their wall times in ``"times"`` (seconds, each between two barriers), DDP's all-reduce skipped on all but the
+    last micro-batch (``no_sync``, as ``slapo_lab.train``'s loop runs it)."""
     import torch.distributed as dist
 
     import slapo_lab as sl
@@ -214,12 +216,16 @@ def measure(case: Case, seq: int, stage_blocks: list[int], timed: int = 0) -> di
             opt = make_opt(list(mod.parameters()))
         tracked = run_mod
 
+        # timed, DDP all-reduces on the last micro-batch only (``no_sync`` before), as slapo_lab.train's loop does
+        ddp = bool(timed) and hasattr(run_mod, "no_sync")
+
         def step():
             for i in range(m):
                 x = ids[i * mbs : (i + 1) * mbs]
-                out = run_mod(input_ids=x, use_cache=False)
-                loss = _loss(out.logits, x) / m
-                loss.backward()
+                with run_mod.no_sync() if ddp and i < m - 1 else contextlib.nullcontext():
+                    out = run_mod(input_ids=x, use_cache=False)
+                    loss = _loss(out.logits, x) / m
+                    loss.backward()
                 del out, loss
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -37,6 +37,26 @@ datasheet HBM bandwidth a large copy reaches (an assumption of the usual order o
 measured here). Link latencies are per collective step: 10 us inside a node and 20 us between nodes, orders of
 magnitude of NCCL's small-message times (nccl-tests), also an assumption. None of these constants is fitted to a
 training run.
+
+What the cost model needs beyond the datasheet, and the built-in GPU values of it:
+
+* ``op_overhead``: host seconds to dispatch one aten op in eager mode. GPU profiles: 4 us, the order of a CUDA
+  kernel launch from PyTorch ("a few microseconds", PyTorch blog "Accelerating PyTorch with CUDA Graphs", 2021;
+  an assumption, not measured here). ``launch_async`` (True on GPUs: the host queues kernels ahead of the
+  device) makes an op cost ``max(kernel, overhead)``; on a CPU (False) the host runs the kernel itself, so an op
+  costs ``kernel + overhead``.
+* ``memory_curve``: achieved bytes/s by an op's working set, ``((bytes, bytes/s), ...)`` ascending; an op
+  moving ``n`` bytes gets the bandwidth interpolated at ``log n`` (caches make small working sets faster;
+  beyond the last point the memory bandwidth holds). GPU profiles: empty (every op priced at HBM bandwidth,
+  the conservative default: an H100's 50 MB L2 is left out).
+* ``comm_overlap``: the fraction of a data-parallel collective that runs under compute. GPU profiles: 1.0 (NCCL
+  runs on its own CUDA stream while backward computes: Li et al., 2020, "PyTorch Distributed: Experiences on
+  Accelerating Data Parallel Training", VLDB, section 3.2.3). On a CPU :func:`calibrate` measures it (gloo's
+  all-reduce issued asynchronously while the same process multiplies matrices).
+* ``collective_scale``: how much slower than a ring the backend's all-gather and reduce-scatter run. GPU
+  profiles: empty (1: NCCL runs them as rings, the model of nccl-tests' ``doc/PERFORMANCE.md``). gloo on a CPU
+  builds them from other collectives and :func:`calibrate` measures it (2026-11-27, 2 ranks, 32 MiB: all-reduce
+  94 ms, all-gather 161 ms, reduce-scatter 165 ms, where a ring takes half the all-reduce).
 """
 
 from __future__ import annotations
@@ -67,6 +87,15 @@ class DeviceProfile:
         matmul_efficiency: achieved / peak FLOP/s for a large matmul (see the module docstring for sources).
         memory_efficiency: achieved / peak bytes/s for memory-bound kernels.
         source: where the figures come from, in words.
+        op_overhead: host seconds per dispatched aten op (eager mode).
+        launch_async: True where the host queues kernels ahead of the device (GPUs): an op costs
+            ``max(kernel, op_overhead)``; False (a CPU): ``kernel + op_overhead``.
+        memory_curve: ``((working-set bytes, achieved bytes/s), ...)`` ascending, measured by :func:`calibrate`
+            on a CPU; empty: ``hbm_bandwidth x memory_efficiency`` for every size.
+        comm_overlap: the fraction (0..1) of a data-parallel collective that overlaps compute on this backend.
+        collective_scale: ``(("all_gather", x), ("reduce_scatter", y))``: measured time over the ring model's for
+            those collectives on this backend (empty: 1, a native ring).
+        (Built-in values and their sources: the module docstring.)
     """
 
     name: str
@@ -81,6 +110,16 @@ class DeviceProfile:
     matmul_efficiency: float = 0.8
     memory_efficiency: float = 0.9
     source: str = ""
+    op_overhead: float = 4e-6
+    launch_async: bool = True
+    memory_curve: tuple = ()
+    comm_overlap: float = 1.0
+    collective_scale: tuple = ()
+
+    def __post_init__(self) -> None:
+        # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
+        for name in ("memory_curve", "collective_scale"):
+            object.__setattr__(self, name, tuple(tuple(x) for x in getattr(self, name)))
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``"bf16"``, ``"fp16"`` use the bf16 figure; ``"fp32"`` the fp32 one)."""
@@ -141,15 +180,15 @@ def device_profile(gpu) -> DeviceProfile:
 # calibration
 # --------------------------------------------------------------------------------------------------
 def _time(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    """The fastest seconds of ``fn()`` over ``repeats`` runs after one warm-up: on a machine shared with other
+    work, the least disturbed run is the one that shows what the hardware does."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return min(times)
 
 
 def matmul_flops(sizes=(256, 512, 1024, 2048), dtype=None, device=None, repeats: int = 5) -> dict[int, float]:
@@ -177,10 +216,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _matmul_loop(seconds: float):
+    """A callable multiplying 256 x 256 fp32 matrices for about ``seconds`` (count set on first call)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    one = _time(lambda: a @ a, 5)
+    n = max(1, int(seconds / max(one, 1e-7)))
+
+    def run():
+        for _ in range(n):
+            a @ a
+
+    return run
+
+
 def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # one rank per core, as the ranks of a CPU run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         times = {}
@@ -188,17 +243,44 @@ def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, qu
             t = torch.ones(n // 4, dtype=torch.float32)
             dist.barrier()
             times[n] = _time(lambda t=t: dist.all_reduce(t), repeats)
+        # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
+        big = torch.ones(max(sizes) // 4, dtype=torch.float32)
+        half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
+        dist.barrier()
+        times["all_gather"] = _time(lambda: dist.all_gather_single(big, half), repeats)
+        dist.barrier()
+        times["reduce_scatter"] = _time(lambda: dist.reduce_scatter_single(half, big), repeats)
+        # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
+        # matrices for about as long as the all-reduce alone takes
+        big = torch.ones(max(sizes) // 4, dtype=torch.float32)
+        work = _matmul_loop(times[max(sizes)])
+        dist.barrier()
+        t_comp = _time(work, repeats)
+
+        def both():
+            h = dist.all_reduce(big, async_op=True)
+            work()
+            h.wait()
+
+        dist.barrier()
+        t_both = _time(both, repeats)
+        t_comm = times[max(sizes)]
+        times["size"] = max(sizes)
+        overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
         if rank == 0:
-            queue.put(times)
+            queue.put((times, min(1.0, max(0.0, overlap))))
     finally:
         dist.destroy_process_group()
 
 
 def collective_times(
     sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5
-) -> dict[int, float]:
-    """Median seconds of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
-    (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``), for each ``n`` in ``sizes``."""
+) -> tuple[dict[int, float], float]:
+    """Seconds (the fastest of ``repeats``) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
+    (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``, one thread each), for each ``n`` in ``sizes`` (and under
+    the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the
+    fraction of the largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none,
+    1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -220,6 +302,39 @@ def collective_times(
     return queue.get()
 
 
+def op_overhead(device=None, n: int = 2000) -> float:
+    """Seconds per eager ``torch.add`` of two 4-element tensors (the host's dispatch cost of one aten op, the
+    kernel itself negligible), the fastest of 5 loops of ``n``."""
+    import torch
+
+    a = torch.ones(4, device=device)
+    b = torch.ones(4, device=device)
+
+    def loop():
+        for _ in range(n):
+            torch.add(a, b)
+
+    return _time(loop, 5) / n
+
+
+def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
+    """Bytes/s of ``clone`` (read + write; a fresh output, as every op makes one) of an fp32 CPU tensor of ``n``
+    bytes, for each ``n`` in ``sizes``; repeated enough that every size runs for about the same time."""
+    import torch
+
+    out = {}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        k = max(1, (64 << 20) // n)
+
+        def run(x=x, k=k):
+            for _ in range(k):
+                x.clone()
+
+        out[n] = 2 * n * k / _time(run, repeats)
+    return out
+
+
 def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of a ring all-reduce fitted to ``times`` (bytes -> seconds):
     ``t = 2 (w - 1) latency + 2 (w - 1) / w * bytes / bandwidth`` by least squares over the sizes."""
@@ -239,11 +354,15 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     """Measure this machine and return its :class:`DeviceProfile`.
 
     Matmul FLOP/s: the best of ``torch.matmul`` on square fp32 (and bf16) matrices of 256 to 2048 (4096 unless
-    ``quick``); memory bandwidth: a 256 MiB ``clone`` (read + write); links: a gloo ``all_reduce`` between two
-    local processes of 1 KiB to 8 MiB, fitted as a ring (:func:`fit_link`) -- on one machine the "intra" and
-    "inter" links are the same loopback, so both get the fitted figures. ``matmul_efficiency`` is 1 (the
-    measured rate is what a matmul reaches) and the memory size is the machine's RAM (``os.sysconf``). On a CUDA
-    machine the matmuls run on the GPU and the memory is the GPU's.
+    ``quick``); memory bandwidth: a 256 MiB ``clone`` (read + write); on a CPU also the cache: ``clone`` at working
+    sets of 256 KiB to 64 MiB (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add``
+    (:func:`op_overhead`); links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, fitted as
+    a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
+    (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the module docstring) -- on one machine the
+    "intra" and "inter" links are the same loopback, so both get the fitted figures. ``matmul_efficiency`` is 1
+    (the measured rate is what a matmul reaches) and the memory size is the machine's RAM (``os.sysconf``). On a
+    CUDA machine the matmuls run on the GPU and the memory is the GPU's. It runs on the calling process's
+    threads (``torch.get_num_threads()``): set them as the ranks will have them.
 
     Returns:
         DeviceProfile named ``"calibrated <cpu|gpu name>"``.
@@ -266,11 +385,21 @@ def calibrate(quick: bool = True) -> DeviceProfile:
             torch.cuda.synchronize()
 
     copy = 2 * x.numel() * 4 / _time(clone, 3)
-    bw, lat = fit_link(collective_times())
+    curve = () if cuda else tuple(sorted(copy_bandwidth([1 << k for k in range(18, 27, 2)]).items()))
+    times, overlap = collective_times()
+    size = times.pop("size")
+    slow = {op: times.pop(op) for op in ("all_gather", "reduce_scatter")}
+    bw, lat = fit_link(times)
+    # what the backend's all-gather / reduce-scatter take against the ring model of the fitted link (half an
+    # all-reduce's bytes, half its steps, for 2 ranks)
+    ring = size / 2 / bw + lat
+    scale = () if cuda else tuple((op, max(1.0, t / ring)) for op, t in slow.items())
     if cuda:
         name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
+        overhead, overlap = 4e-6, 1.0  # launches queue ahead of the GPU; NCCL overlaps (module docstring)
     else:
         name, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        overhead = op_overhead()
     return DeviceProfile(
         name=f"calibrated {name}",
         bf16_flops=bf16,
@@ -284,6 +413,11 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         source=f"sl.calibrate() on this machine ({time.strftime('%Y-%m-%d %H:%M')})",
+        op_overhead=overhead,
+        launch_async=cuda,
+        memory_curve=tuple((int(n), float(v)) for n, v in curve),
+        comm_overlap=float(overlap),
+        collective_scale=scale,
     )
 
 

@@ -46,8 +46,10 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
 Step time (seconds), the busiest stage:
 
 * compute: every aten op of the stage's parts as a roofline, ``max(FLOPs / (peak x matmul_efficiency), bytes /
-  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources), forward and
-  backward, ``m`` times;
+  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources; a calibrated
+  profile's ``memory_curve`` gives the bandwidth at the op's own working set instead), plus the host's
+  ``op_overhead`` per dispatched op (views included) where the host runs the kernels (a CPU), or as a floor per
+  kernel where it queues them ahead (a GPU), forward and backward, ``m`` times;
 * recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
   outputs are not kept);
 * exposed communication: tensor-parallel syncs (not overlapped), pipeline sends of the boundary activation
@@ -55,13 +57,21 @@ Step time (seconds), the busiest stage:
   all-reduce / reduce-scatter the gradients during the last micro-batch's backward, ZeRO all-gathers the updated
   parameters after the step, FSDP all-gathers parameters (forward and backward, bf16) and reduce-scatters
   gradients (fp32: torchtitan's ``mixed_precision_reduce`` default) each micro-batch behind that micro-batch's
-  compute. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``, all-gather and reduce-scatter
-  ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
+  compute, one collective per block (each its latency), and copies the gathered bytes into the parameters and the
+  gradients into the reduce-scatter's input (read + write, at the memory bandwidth). The device's
+  ``comm_overlap`` is the fraction of data-parallel traffic compute hides (1 for NCCL; measured for gloo, which
+  on a CPU competes with the ranks' compute), and its ``collective_scale`` what the backend's all-gather and
+  reduce-scatter cost against a ring. Ring collectives: all-reduce ``2 (n - 1) / n x bytes / bandwidth``,
+  all-gather and reduce-scatter ``(n - 1) / n x bytes / bandwidth``, plus ``2 log2(n)`` latencies (NCCL's tree for the latency term);
   a group inside one node uses the node's links, any other the per-GPU network bandwidth;
-* bubble: ``(pp - 1) / v`` stage-times of one micro-batch for GPipe and 1F1B (``v = 1``) and interleaved 1F1B,
-  i.e. the fraction ``(pp - 1) / (m v + pp - 1)`` of the step (Narayanan et al., 2021, section 2.2);
-* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound:
-  :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency).
+* bubble: the pipeline's fill and drain, every stage's micro-batch time but the busiest one's, ``/ v``, for GPipe
+  and 1F1B (``v = 1``) and interleaved 1F1B: with equal stages ``(pp - 1) / v`` stage-times, the fraction
+  ``(pp - 1) / (m v + pp - 1)`` of the step (Narayanan et al., 2021, section 2.2); unequal stages (the head's
+  stage is heavier) fill and drain with their own, shorter times;
+* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound: on a GPU
+  one fused pass, :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency); on a
+  CPU the eager single-tensor update, its ops per tensor and bytes per element counted from AdamW itself
+  (:func:`adam_op_costs`), plus ``op_overhead`` per op.
 
 MFU: model FLOPs (``FlopCounterMode``'s forward + backward, no recompute, attention counted in full) per step
 over ``GPUs x peak x step time``.
@@ -76,7 +86,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -233,6 +243,8 @@ class Estimate:
         micro_batches: micro-batches per step and replica.
         stage_blocks: blocks per pipeline stage (the balanced cuts).
         fits: ``peak_memory_bytes`` <= the device's memory.
+        stage_micro_batch_s: seconds of one micro-batch (forward, backward, recompute, tensor-parallel and
+            pipeline communication) on each stage; the bubble is their sum less the busiest one's (over ``v``).
     """
 
     layout: Layout
@@ -246,6 +258,7 @@ class Estimate:
     micro_batches: int
     stage_blocks: list
     fits: bool
+    stage_micro_batch_s: list = field(default_factory=list)
 
     @property
     def memory(self) -> dict:
@@ -345,6 +358,13 @@ class _Pricer:
         self.elem = _ELEM[dtype]
         self.peak = self.dev.flops(dtype) * self.dev.matmul_efficiency
         self.bw = self.dev.hbm_bandwidth * self.dev.memory_efficiency
+        self._scale = dict(self.dev.collective_scale)
+        curve = self.dev.memory_curve
+        self._curve = (
+            (np.log2([float(n) for n, _ in curve] + [1e15]), np.array([v for _, v in curve] + [self.bw]))
+            if curve
+            else None
+        )
         self._profiles: dict = {}
         self._op_time: dict = {}
         self._stage_cache: dict = {}
@@ -376,19 +396,51 @@ class _Pricer:
         return got
 
     # -- time of op rows for b sequences
-    def ops_time(self, rows: np.ndarray, b: int) -> float:
-        key = (id(rows), b)
+    def bandwidth(self, nbytes: np.ndarray) -> np.ndarray:
+        """Achieved bytes/s of ops moving ``nbytes`` each: the profile's ``memory_curve`` interpolated at
+        ``log2(bytes)`` (the memory bandwidth beyond its last point), or the memory bandwidth without a curve."""
+        if self._curve is None:
+            return np.full(np.shape(nbytes), self.bw)
+        xs, ys = self._curve
+        return np.interp(np.log2(np.maximum(nbytes, 1.0)), xs, ys)
+
+    def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None) -> float:
+        """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / peak, bytes / bandwidth
+        at its working set)``, plus the host's ``op_overhead`` per dispatched op (``n_ops``, views included;
+        default one per row): added where the host runs the kernels (a CPU), a floor per kernel where it queues
+        them ahead (``launch_async``)."""
+        key = (id(rows), b, n_ops)
         t = self._op_time.get(key)
         if t is None:
             if rows.size == 0:
                 t = 0.0
             else:
-                t = float(
-                    np.maximum(b * rows[:, 0] / self.peak, (b * rows[:, 1] + rows[:, 2]) / self.bw).sum()
-                )
+                nbytes = b * rows[:, 1] + rows[:, 2]
+                roof = np.maximum(b * rows[:, 0] / self.peak, nbytes / self.bandwidth(nbytes))
+                oh = self.dev.op_overhead
+                if self.dev.launch_async:
+                    t = float(np.maximum(roof, oh).sum())
+                else:
+                    t = float(roof.sum()) + (len(rows) if n_ops is None else n_ops) * oh
             self._op_time[key] = (t, rows)  # keep rows alive so the id stays theirs
             return t
         return t[0]
+
+    def optimizer_time(self, elems: float, tensors: float) -> float:
+        """Seconds of AdamW's step over ``elems`` trainable elements in ``tensors`` tensors: on a GPU
+        (``launch_async``) one fused pass of :data:`ADAM_BYTES_PER_ELEMENT` per element (torchtitan's default
+        ``implementation="fused"``, a floor of one ``op_overhead`` per tensor); on a CPU the eager single-tensor
+        update ``torch.optim.AdamW(foreach=False)`` runs, priced from its own op sequence
+        (:func:`adam_op_costs`: ops per tensor, bytes per element) at the memory bandwidth of the tensors'
+        working set plus ``op_overhead`` per op."""
+        if elems <= 0:
+            return 0.0
+        if self.dev.launch_async:
+            return max(elems * ADAM_BYTES_PER_ELEMENT / self.bw, tensors * self.dev.op_overhead)
+        ops, per_elem = adam_op_costs(self.elem)
+        each = elems / max(tensors, 1.0)  # the mean tensor's working set sets the bandwidth
+        bw = float(self.bandwidth(np.array([each * per_elem / max(ops, 1)]))[0])
+        return elems * per_elem / bw + tensors * ops * self.dev.op_overhead
 
     def link(self, n: int, within_node: bool) -> tuple[float, float]:
         if within_node:
@@ -401,7 +453,8 @@ class _Pricer:
         bw, lat = self.link(n, within_node)
         steps = 2 * math.log2(n)
         factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        return factor * nbytes / bw + steps * lat
+        # the backend's own all-gather / reduce-scatter against a ring (``DeviceProfile.collective_scale``)
+        return (factor * nbytes / bw + steps * lat) * self._scale.get(op, 1.0)
 
     # -- one part at micro-batch b under a checkpoint flag
     def part_cost(self, part: PartProfile, tp: int, b: int, ckpt: str) -> tuple[float, float, float, float]:
@@ -410,17 +463,54 @@ class _Pricer:
         hit = self._stage_cache.get(key)
         if hit is not None:
             return hit
-        compute = self.ops_time(part.fwd, b) + self.ops_time(part.bwd, b)
+        fwd_ops = part.fwd_ops or len(part.fwd)
+        compute = self.ops_time(part.fwd, b, fwd_ops) + self.ops_time(
+            part.bwd, b, part.bwd_ops or len(part.bwd)
+        )
         if ckpt == "all":
-            recompute, saved = self.ops_time(part.recompute_all, b), part.input_bytes * b
+            recompute, saved = self.ops_time(part.recompute_all, b, fwd_ops), part.input_bytes * b
         elif ckpt == "selective":
-            recompute, saved = self.ops_time(part.recompute_selective, b), part.selective_bytes * b
+            # the selectively recomputed ops' share of the forward's dispatches
+            n = round(fwd_ops * len(part.recompute_selective) / max(len(part.fwd), 1))
+            recompute, saved = self.ops_time(part.recompute_selective, b, n), part.selective_bytes * b
         else:
             recompute, saved = 0.0, part.saved_bytes * b
         comm = sum(self.collective(op, nbytes * b, tp, True) for op, _phase, nbytes in part.comm)
         out = (compute, recompute, comm, saved)
         self._stage_cache[key] = out
         return out
+
+
+@lru_cache(maxsize=4)
+def adam_op_costs(elem: int = 4) -> tuple[int, float]:
+    """``(aten ops per tensor, bytes moved per element)`` of one eager ``torch.optim.AdamW(foreach=False)`` step,
+    counted, not assumed: a second step (the first makes the state) on one 4096-element parameter of
+    ``elem`` bytes per element, under a dispatch mode that counts every op and sums the bytes of its tensor
+    inputs and outputs (scalar step counters included)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .profile import _tensors
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}.get(elem, torch.float32)
+    n = 4096
+    p = torch.nn.Parameter(torch.ones(n, dtype=dtype))
+    p.grad = torch.full((n,), 0.1, dtype=dtype)
+    opt = torch.optim.AdamW([p], lr=1e-4, foreach=False)
+    opt.step()
+
+    class Count(TorchDispatchMode):
+        ops, nbytes = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.ops += 1
+            Count.nbytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+            return out
+
+    with Count():
+        opt.step()
+    return Count.ops, Count.nbytes / n
 
 
 def _checkpointed(i: int, checkpoint) -> str:
@@ -481,7 +571,7 @@ class _Blocks:
         seq = [p for p in prof.blocks for _ in range(p.count)]
         rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
         cost: dict = {}
-        compute, recompute, comm, saved, full, largest, params, train, big = ([] for _ in range(9))
+        compute, recompute, comm, saved, full, largest, params, train, big, tens = ([] for _ in range(10))
         for p, ck in rows:
             key = (id(p), ck)
             if key not in cost:
@@ -496,10 +586,12 @@ class _Blocks:
             params.append(p.param_bytes)
             train.append(p.trainable_elems)
             big.append(p.largest_param_elems)
+            tens.append(p.param_tensors)
         self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm, strict=False)]
         self.full, self.largest, self.params, self.big = full, largest, params, big
         self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
         self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
+        self.p_tensors = _acc(tens)
         self.n = len(seq)
 
 
@@ -520,6 +612,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
         "big_param",
         "root",
         "root_train",
+        "tensors",
     )
     cols = {k: [] for k in names}
     for s in range(pp):
@@ -538,6 +631,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
             "root": 0.0,
             "root_train": 0.0,
+            "tensors": sum(blk.p_tensors[e] - blk.p_tensors[a] for a, e in ranges),
         }
         ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
         for part, (c, r, cm, sv) in ends:
@@ -550,6 +644,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             row["trainable"] += part.trainable_elems
             row["root"] += part.param_bytes
             row["root_train"] += part.trainable_elems
+            row["tensors"] += part.param_tensors
             row["largest"] = max(row["largest"], part.saved_bytes * b)
             row["big_param"] = max(row["big_param"], part.largest_param_elems)
             if not row["unit"]:
@@ -683,27 +778,46 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     comm_mb = float(st["comm"][busiest]) + p2p
     params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
     nparts = int(st["nparts"][busiest])
-    # data-parallel traffic of the busiest stage
+    # data-parallel traffic of the busiest stage: the device's ``comm_overlap`` of it hides under compute
+    ov = dev.comm_overlap
     dp_exposed = 0.0
     if dp > 1:
         bwd_last = compute * 2 / 3  # backward is about two thirds of a micro-batch's compute
-        if shard == "none":
+        if shard in (
+            "none",
+            "zero1",
+        ):  # ZeRO-1 all-reduces through DDP's reducer, then gathers the partitions
             t = pr.collective("all_reduce", trainable * pr.elem, dp, within_node_dp)
-            dp_exposed = max(0.0, t - bwd_last)
-        elif shard in ("zero1", "zero2"):
+            dp_exposed = t - ov * min(t, bwd_last)
+            if shard == "zero1":
+                dp_exposed += pr.collective("all_gather", params, dp, within_node_dp)
+        elif shard == "zero2":
             rs = pr.collective("reduce_scatter", trainable * pr.elem, dp, within_node_dp)
             ag = pr.collective("all_gather", params, dp, within_node_dp)
-            dp_exposed = max(0.0, rs - bwd_last) + ag
+            dp_exposed = rs - ov * min(rs, bwd_last) + ag
         else:  # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed
-            ag = pr.collective("all_gather", params, dp, within_node_dp)
-            rs = pr.collective("reduce_scatter", trainable * 4, dp, within_node_dp)
-            dp_exposed = m * (max(0.0, 2 * ag + rs - compute - recompute) + 2 * ag / max(1, nparts))
-    optimizer = trainable / div_o * ADAM_BYTES_PER_ELEMENT / pr.bw
+            units = max(
+                1, nparts
+            )  # one all-gather / reduce-scatter per fully_shard unit (a block), each its latency
+            ag = units * pr.collective("all_gather", params / units, dp, within_node_dp)
+            rs = units * pr.collective("reduce_scatter", trainable * 4 / units, dp, within_node_dp)
+            traffic = 2 * ag + rs
+            # FSDP2 copies each all-gather's output into the parameters and the gradients into the reduce-scatter
+            # input (``_fsdp_collectives.py``: ``split_with_sizes_copy``, ``chunk_cat``): read + write of the
+            # unsharded bytes, on the compute stream
+            copied = 2 * (2 * params + trainable * 4)
+            copy_t = copied / float(pr.bandwidth(np.array([2 * params / units]))[0])
+            dp_exposed = m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
+    optimizer = pr.optimizer_time(trainable / div_o, float(st["tensors"][busiest]) / div_o)
+    # pipeline fill and drain: each other stage's micro-batch time once (1F1B and GPipe alike, Narayanan et al.
+    # 2021, section 2.2, with the stages' own times instead of the busiest one's), over v chunks when interleaved
+    stage_t = st["time"] + p2p
+    bubble = (float(stage_t.sum()) - t_mb) / v if pp > 1 else 0.0
     parts_t = {
         "compute": m * compute,
         "recompute": m * recompute,
         "exposed_comm": m * comm_mb + dp_exposed,
-        "bubble": (pp - 1) / v * t_mb,
+        "bubble": bubble,
         "optimizer": optimizer,
     }
     step = sum(parts_t.values())
@@ -721,6 +835,7 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         micro_batches=m,
         stage_blocks=[int(x) for x in st["nparts"]],
         fits=peak <= dev.hbm_bytes,
+        stage_micro_batch_s=[float(x) for x in stage_t],
     )
 
 

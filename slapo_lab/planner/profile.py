@@ -9,7 +9,8 @@ the first block: embeddings, rotary tables), each block class, ``"post"`` (final
 
 * every aten op's FLOPs (``torch.utils.flop_counter``'s formulas, the ones ``FlopCounterMode`` uses; CPU's
   flash attention mapped to the SDPA formula), its bytes read and written (activations and weights apart;
-  views move nothing), forward and backward apart (backward ops are attributed with
+  views move nothing; a tensor shaped like a >= 2-d parameter, such as a weight's gradient, counts as weight
+  bytes, which do not grow with the micro-batch), forward and backward apart (backward ops are attributed with
   ``torch.utils.module_tracker.ModuleTracker``);
 * the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``, one count per storage,
   parameters excluded), the residual input a full checkpoint keeps, and what selective checkpointing keeps
@@ -88,6 +89,10 @@ class PartProfile:
         output_bytes: the part's output (the activation a pipeline boundary after it sends); for ``"post"``, the
             model's outputs but the scalar loss (a causal LM's logits).
         largest_param_elems: elements of the part's largest trainable tensor.
+        param_tensors: how many trainable tensors the part holds (an eager optimizer step dispatches its ops
+            per tensor).
+        fwd_ops / bwd_ops: every aten op dispatched in the part's forward / backward, views and in-place ops
+            included (each pays the host's per-op dispatch time, ``DeviceProfile.op_overhead``).
     """
 
     name: str
@@ -107,6 +112,9 @@ class PartProfile:
     comm: list = field(default_factory=list)
     output_bytes: int = 0
     largest_param_elems: int = 0
+    param_tensors: int = 0
+    fwd_ops: int = 0
+    bwd_ops: int = 0
 
 
 @dataclass
@@ -179,11 +187,17 @@ class _Recorder(TorchDispatchMode):
         self.mm_count: dict[str, int] = {}
         self.created: dict[int, str] = {}  # storage -> the part whose op made it
         self.alive: list = []
+        self.ops: dict[tuple[str, str], int] = {}  # (part, phase) -> aten ops dispatched, views included
+        self.param_shapes: set[tuple] = set()  # shapes of the >= 2-d parameters (their gradients have them)
+
+    def _weight_shaped(self, t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and tuple(t.shape) in self.param_shapes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         part, phase = self.part_of()
+        self.ops[(part, phase)] = self.ops.get((part, phase), 0) + 1
         packet = func._overloadpacket
         ins = list(_tensors((args, kwargs)))
         outs = list(_tensors(out))
@@ -208,12 +222,17 @@ class _Recorder(TorchDispatchMode):
         act = wgt = 0
         for t in ins:
             nbytes = t.numel() * t.element_size()
-            if _key(t) in self.weights:
+            if _key(t) in self.weights or self._weight_shaped(t):
                 wgt += nbytes
             else:
                 act += nbytes
         out_bytes = sum(t.numel() * t.element_size() for t in outs)
-        act += out_bytes
+        for t in outs:  # a weight's gradient (its shape) does not grow with the micro-batch
+            nbytes = t.numel() * t.element_size()
+            if self._weight_shaped(t):
+                wgt += nbytes
+            else:
+                act += nbytes
         kept = False
         if phase == "fwd" and func in SELECTIVE_SAVE:
             kept = True
@@ -537,6 +556,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
         fake_state = {name: mode.from_tensor(t) for name, t in state_dict.items()}
         weights.clear()
         weights.update(_key(t) for t in fake_state.values())
+        rec.param_shapes = {tuple(t.shape) for t in fake_state.values() if t.dim() >= 2}
         with mode, tracker, rec, FlashSDPA():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, fake_state, (), dict(inputs))
@@ -561,7 +581,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             m.training = mode
         for p in model.parameters():
             p.grad = None
-    parts = _collect(model, block_paths, rec.rows, saved, io, comm, rec.created)
+    parts = _collect(model, block_paths, rec.rows, saved, io, comm, rec.created, rec.ops)
     parts["post"].output_bytes = outputs["bytes"]
     return parts
 
@@ -574,7 +594,7 @@ def _loss(out) -> torch.Tensor:
     return t.float().sum()
 
 
-def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, PartProfile]:
+def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> dict[str, PartProfile]:
     parts = {name: PartProfile(name) for name in ("pre", "post")}
     mods = dict(model.named_modules())
     for p in block_paths:
@@ -648,6 +668,11 @@ def _collect(model, block_paths, rows, saved, io, comm, created) -> dict[str, Pa
     parts["pre"].output_bytes = max((t.numel() * t.element_size() for t in pre_out), default=0)
     for part, op, phase, nbytes in comm:
         parts[part].comm.append((op, phase, nbytes))
+    for (part, phase), n in (ops or {}).items():
+        if phase == "fwd":
+            parts[part].fwd_ops += n
+        else:
+            parts[part].bwd_ops += n
     return parts
 
 
@@ -656,6 +681,7 @@ def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
     prof.param_bytes += t.numel() * t.element_size()
     if t.requires_grad:
         prof.trainable_elems += t.numel()
+        prof.param_tensors += 1
         prof.largest_param_elems = max(prof.largest_param_elems, t.numel())
 
 
