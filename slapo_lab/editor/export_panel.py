@@ -16,8 +16,8 @@ from typing import Any
 import ipywidgets as W
 
 from ..train.config import option_fields
+from .export_form import _INT_OPTIONS, _LABELS, _PATH_OPTIONS, _SCRIPT_STEPS, _export_error
 from .form_button import FormButton
-from .state import _INT_OPTIONS, _LABELS, _PATH_OPTIONS, _SCRIPT_STEPS, _export_error
 
 __all__ = ["FIELDS", "ExportPanel"]
 

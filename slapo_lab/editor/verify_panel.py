@@ -17,7 +17,7 @@ import time
 import ipywidgets as W
 
 from ..train.phases import PHASES
-from .state import _has_tokenizer, _path_kind
+from .export_form import _has_tokenizer, _path_kind
 from .verify_runner import LogFilter, VerifyRunner, cpu_verify_too_big, plan_device
 
 __all__ = ["VerifyPanel"]
