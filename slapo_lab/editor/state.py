@@ -40,6 +40,7 @@ from .export_form import ExportForm
 from .persistence import SchedulePersistence, serialized
 from .planning import PlanController
 from .similar import similar_gate, similar_paths
+from .verify_controller import VerifyController
 
 __all__ = ["ACTIVATIONS", "EditorState", "similar_gate"]
 
@@ -91,6 +92,10 @@ class EditorState(SchedulePersistence):
             holds no activations until it is done).
         planner: the Plan pane's :class:`~slapo_lab.editor.planning.PlanController` (``planner.run(...)``,
             ``planner.apply(i)``, ``planner.export_kwargs()``).
+        background, export_form, verifier: the widget-free controllers: the debounced work after each change
+            (:class:`~slapo_lab.editor.background.BackgroundChecks`), the export options' checks
+            (:class:`~slapo_lab.editor.export_form.ExportForm`), what Verify runs
+            (:class:`~slapo_lab.editor.verify_controller.VerifyController`).
         apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets),
             all or nothing, and gated like a preset (:func:`similar_gate`).
         resolve_label: the label of the action that resolves the last refusal ("" when none), run by
@@ -153,6 +158,7 @@ class EditorState(SchedulePersistence):
         self._cluster_set = False  # dp follows the cluster only once the user sets its shape
         self.background = BackgroundChecks(self, ACTIVATIONS)  # the debounced thread after each change
         self.export_form = ExportForm(self)  # the export options' reading and checks (no widgets)
+        self.verifier = VerifyController(self)  # what Verify runs: options, script, ranks and device
         self.planner = PlanController(self)  # the Plan pane's controller: auto_plan, the chosen layout, Apply
         self.memory_plan = None  # the per-rank memory of the current schedule (price_memory)
         self.memory_problem: str | None = None
