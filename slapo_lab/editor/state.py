@@ -23,15 +23,15 @@ from typing import Any
 
 from torch import nn
 
+from .. import check as check_module
 from .. import check_primitive, create_schedule, presets
 from ..activation_cache import has_cached_profile, is_composed
 from ..call_order import set_example_inputs
-from ..check import check_schedule, close_open_items
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from ..pipeline import suggest_cuts
 from ..preset_check import set_reference
-from ..record import Action, format_call, gc_paused, replay
+from ..record import Action, format_call, gc_paused
 from ..utils import meta_copy
 from .background import BackgroundChecks
 from .cluster import ClusterShape, data_parallel
@@ -553,6 +553,8 @@ class EditorState(SchedulePersistence):
         The action stays on the redo stack until it has been applied whole; a failure leaves the
         schedule as it was.
         """
+        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
+
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
         if not self._redo:
@@ -592,6 +594,8 @@ class EditorState(SchedulePersistence):
         ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
         KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
         earlier stays valid."""
+        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
+
         old = self.schedule
         meta = self._take_spare()
         sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
@@ -743,7 +747,7 @@ class EditorState(SchedulePersistence):
         """The schedule check's open items (:func:`slapo_lab.check_schedule`): what the tensor parallelism
         still lacks before the model equals the original, each a :class:`slapo_lab.Finding` with one
         sentence naming the call that closes it. Empty when nothing is open."""
-        return check_schedule(self.schedule)
+        return check_module.check_schedule(self.schedule)  # looked up at each call (tests replace it)
 
     @serialized
     def close_open_items(self) -> str | None:
@@ -754,7 +758,7 @@ class EditorState(SchedulePersistence):
             return self._error("Still applying the previous action; try again in a moment.")
         try:  # close_open_items records its calls as one action itself
             calls = self._run_action(
-                None, lambda: close_open_items(self.schedule), working="closing the open items"
+                None, lambda: check_module.close_open_items(self.schedule), working="closing the open items"
             )
         except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
