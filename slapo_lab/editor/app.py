@@ -30,6 +30,7 @@ from ..record import gc_deferred
 from .export_panel import ExportPanel
 from .graph_panel import GraphPanel
 from .inspector_panel import SYNC_CHOICES, InspectorPanel
+from .layout import panel_layout
 from .memory_panel import MemoryPanel
 from .persistence import serialized
 from .schedule_panel import SchedulePanel
@@ -569,74 +570,8 @@ class ScheduleEditor(EditorState, W.VBox):
         and legend panes in an Accordion (collapsed). ``editor.open()`` shows it in JupyterLab.
         """
         panel = getattr(self, "_panel", None)
-        if panel is not None:
-            return panel
-        left, center, right = self._body.children[:3]
-        presets = (self._preset, self._preset_k, self._btn_preset)
-        inspector = W.VBox(
-            [
-                c
-                for c in right.children
-                if all(c is not p for p in presets) and not (isinstance(c, W.HTML) and "Presets" in c.value)
-            ]
-        )
-        graph_column = W.VBox([c for c in center.children if c is not self._legend])  # the legend is a pane
-        body = W.HBox([left, graph_column, inspector], layout=W.Layout(width="100%"))
-        body.add_class("slapo-panel-body")
-        hint = W.HTML(
-            "<span title='keyboard shortcuts (click the graph or the tree first)'><kbd>?</kbd> keys</span>"
-        )
-        hint.add_class("slapo-keys-hint")
-        # Export in the toolbar opens the Export pane (its form and its own Export button): one Export button,
-        # shown once, and the options it writes are in sight when it is pressed
-        to_export = W.Button(
-            description="Export…",
-            icon="download",
-            tooltip="open the Export pane: the script's options (model, data, parallelism, steps) and its Export",
-        )
-        to_export.add_class("slapo-to-export")
-        toolbar = W.HBox(
-            [
-                self._btn_undo,
-                self._btn_redo,
-                self._preset,
-                self._preset_k,
-                self._btn_preset,
-                to_export,
-                self._btn_verify,
-                self._btn_cancel,
-                self._progress,
-                self._phase,
-                hint,
-            ],
-            layout=W.Layout(width="100%"),
-        )
-        toolbar.add_class("slapo-toolbar")
-        status = W.VBox([self._message_row, self._numeric_box, self._file_bar])
-        status.add_class("slapo-panel-status")
-        panes = W.Accordion(
-            children=[
-                W.VBox([self._check, self._coverage, self._btn_fix, self._code]),
-                self._costs_box,
-                self._export_box,
-                W.VBox([self._log]),
-                self._legend,
-            ],
-            titles=(
-                "Schedule (recorded calls)",
-                "Memory per rank",
-                "Export a training run",
-                "Verify log",
-                "Legend",
-            ),
-            selected_index=None,
-        )
-        panes.add_class("slapo-panes")
-        to_export.on_click(lambda _: setattr(panes, "selected_index", 2))
-        panel = W.VBox([self._header, toolbar, status, body, panes], layout=W.Layout(width="100%"))
-        panel.add_class("slapo-editor")
-        panel.add_class("slapo-panel")
-        self._panel = panel
+        if panel is None:
+            self._panel = panel = panel_layout(self)
         return panel
 
     def _on_panel_answer(self, opened: bool, reason: str) -> None:
