@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import html
+import os
 from typing import Any
 
 import ipywidgets as W
 
 from ..train.config import option_fields
+from .export_form import _INT_OPTIONS, _LABELS, _PATH_OPTIONS, _SCRIPT_STEPS, _export_error
 from .form_button import FormButton
-from .state import _INT_OPTIONS, _LABELS, _PATH_OPTIONS, _SCRIPT_STEPS, _export_error
 
 __all__ = ["FIELDS", "ExportPanel"]
 
@@ -161,8 +162,6 @@ class ExportPanel:
     def form_defaults(self) -> dict:
         """The form's values before any export: the script's defaults, the model path of a model that
         ``from_pretrained`` read from a local directory."""
-        import os
-
         batch, seq = self.editor._example_sizes()
         name = getattr(getattr(self.editor.model, "config", None), "_name_or_path", "")
         model_path = name if isinstance(name, str) and name and os.path.isdir(name) else ""

@@ -8,8 +8,14 @@ and the editor's tests drive them without a browser. :func:`serialized` is the e
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import time
+from pathlib import Path
 
 from ..errors import ScheduleError
+from ..export import load_schedule, save_schedule
+from ..record import Action
 
 __all__ = ["SchedulePersistence", "serialized"]
 
@@ -35,8 +41,6 @@ def _file_actions(sf, path) -> list:
     """The calls of a loaded schedule file grouped into the editor's actions (``meta.editor_actions``,
     ``[[label, number of calls], ...]``); one action for the whole file when that entry is missing or
     does not add up."""
-    from ..record import Action
-
     calls = list(sf.calls)
     spec = (sf.meta or {}).get("editor_actions")
     ok = (
@@ -64,9 +68,6 @@ def _file_actions(sf, path) -> list:
 def _file_stamp(path) -> tuple | None:
     """What identifies the content of the file at ``path``: ``(mtime_ns, size, sha256 hex)``, or None
     when there is no file. Raises OSError for a file that exists but cannot be read."""
-    import hashlib
-    import os
-
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -86,9 +87,6 @@ def _same_file(a: tuple | None, b: tuple | None) -> bool:
 
 def _mine_name(path) -> str:
     """``bert.schedule.json`` → ``bert.schedule.mine-20261124-093015.json`` (next to it, a name not yet taken)."""
-    import time
-    from pathlib import Path
-
     src = Path(path)
     stem = src.name.removesuffix(".json")
     base = f"{stem}.mine-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -110,8 +108,6 @@ class SchedulePersistence:
         Raises:
             ExportError: (a ValueError) with one sentence if the file cannot be written.
         """
-        from ..export import save_schedule
-
         rec = self.schedule.record
         actions = [[a.label, len(a.calls)] for a in rec.actions()]  # undo per action after a restore
         save_schedule(
@@ -137,8 +133,6 @@ class SchedulePersistence:
         self._show_file_bar(False)
 
     def _is_schedule_file(self, path) -> bool:
-        import os
-
         return self.schedule_file is not None and os.path.abspath(os.path.expanduser(str(path))) == (
             os.path.abspath(os.path.expanduser(self.schedule_file))
         )
@@ -161,8 +155,6 @@ class SchedulePersistence:
 
         Returns None on success, else the one-sentence reason (the current schedule is kept).
         """
-        from ..export import load_schedule
-
         own = self._is_schedule_file(path)
         try:
             stamp = _file_stamp(path) if own else None

@@ -17,25 +17,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from typing import Any
 
 from torch import nn
 
-from .. import check_primitive, create_schedule
+from .. import check as check_module
+from .. import check_primitive, create_schedule, presets
+from ..activation_cache import has_cached_profile, is_composed
+from ..call_order import set_example_inputs
 from ..errors import ScheduleError
-from ..export.script import EXPORT_OPTIONS
 from ..parallel_dims import ParallelDims
+from ..pipeline import suggest_cuts
 from ..preset_check import set_reference
-from ..record import format_call, gc_paused
-from ..train.config import BatchOptions, option_fields, option_type
+from ..record import Action, format_call, gc_paused
 from ..utils import meta_copy
-from .cluster import data_parallel
+from .background import BackgroundChecks
+from .cluster import ClusterShape, data_parallel
 from .costs import memory_failure
+from .export_form import ExportForm
 from .persistence import SchedulePersistence, serialized
 from .planning import PlanController
+from .similar import similar_gate, similar_paths
+from .verify_controller import VerifyController
 
-__all__ = ["ACTIVATIONS", "EditorState"]
+__all__ = ["ACTIVATIONS", "EditorState", "similar_gate"]
 
 _log = logging.getLogger("slapo_lab.editor")
 
@@ -57,50 +64,6 @@ def _describe(action) -> str:
     """``shard on a.b`` / ``preset megatron (1125 calls)``."""
     n = len(action.calls)
     return action.label + (f" ({n} calls)" if n > 1 else "")
-
-
-# ---------------------------------------------------------------------------------------- export options
-# what the Export form checks, read off the options' fields (slapo_lab.train.config): the script's own --steps
-# default, the options that are paths (metavar DIR / PATH), the whole-number options and their smallest value,
-# and each option's noun in a sentence ("The global batch size must be ...")
-_SCRIPT_STEPS = BatchOptions().steps
-_PATH_OPTIONS = tuple(
-    k for k in EXPORT_OPTIONS if option_fields()[k][1].metadata["metavar"] in ("DIR", "PATH")
-)
-_INT_OPTIONS = {
-    k: option_fields()[k][1].metadata["min"] or 0 for k in EXPORT_OPTIONS if option_type(k) is int
-}
-_LABELS = {k: option_fields()[k][1].metadata["noun"] for k in EXPORT_OPTIONS}
-
-
-def _export_error(text: str):
-    from ..export import ExportError
-
-    return ExportError(text)
-
-
-def _path_kind(path: str) -> str:
-    """``"dir"``, ``"file"`` or ``"missing"`` (relative paths: from the kernel's working directory)."""
-    import os
-
-    return "dir" if os.path.isdir(path) else "file" if os.path.exists(path) else "missing"
-
-
-def _has_tokenizer(folder: str) -> bool:
-    """Whether ``folder`` holds a vocabulary ``AutoTokenizer.from_pretrained`` reads (the exported script's
-    launch check, :func:`slapo_lab.train.preflight.has_tokenizer`)."""
-    from ..train.preflight import has_tokenizer
-
-    return has_tokenizer(folder)
-
-
-def _shown_path(path) -> str:
-    """``path`` as a command line shows it: relative to the working directory when inside it, quoted."""
-    import os
-    import shlex
-
-    rel = os.path.relpath(path)
-    return shlex.quote(str(path) if rel.startswith("..") else rel)
 
 
 class EditorState(SchedulePersistence):
@@ -129,6 +92,10 @@ class EditorState(SchedulePersistence):
             holds no activations until it is done).
         planner: the Plan pane's :class:`~slapo_lab.editor.planning.PlanController` (``planner.run(...)``,
             ``planner.apply(i)``, ``planner.export_kwargs()``).
+        background, export_form, verifier: the widget-free controllers: the debounced work after each change
+            (:class:`~slapo_lab.editor.background.BackgroundChecks`), the export options' checks
+            (:class:`~slapo_lab.editor.export_form.ExportForm`), what Verify runs
+            (:class:`~slapo_lab.editor.verify_controller.VerifyController`).
         apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets),
             all or nothing, and gated like a preset (:func:`similar_gate`).
         resolve_label: the label of the action that resolves the last refusal ("" when none), run by
@@ -139,6 +106,11 @@ class EditorState(SchedulePersistence):
     """
 
     apply_to_similar = False
+    #: seconds of quiet after a change before the background work starts (a burst of clicks runs it once)
+    BACKGROUND_DEBOUNCE = 0.6
+    NUMERIC_DEBOUNCE = BACKGROUND_DEBOUNCE
+    #: run the live numeric check in the background after each change (the widget editor's ``live_check``)
+    live_check = False
 
     @gc_paused()  # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all for nothing
     def __init__(
@@ -155,8 +127,6 @@ class EditorState(SchedulePersistence):
 
     def _setup(self, model, example_inputs, world_size: int, rank: int, factory) -> None:
         """The state before anything is shown: the meta copy, its schedule, an empty history."""
-        from .cluster import ClusterShape
-
         if not isinstance(model, nn.Module):
             raise ScheduleError(f"ScheduleEditor needs a torch.nn.Module, not a {type(model).__name__}.")
         self.model = model
@@ -186,6 +156,9 @@ class EditorState(SchedulePersistence):
         self.numeric_report = None  # the live numeric check's report of the current schedule (the widget's)
         self._cluster = ClusterShape(1, max(1, world_size))  # one node of one replica: dp 1, as the form
         self._cluster_set = False  # dp follows the cluster only once the user sets its shape
+        self.background = BackgroundChecks(self, ACTIVATIONS)  # the debounced thread after each change
+        self.export_form = ExportForm(self)  # the export options' reading and checks (no widgets)
+        self.verifier = VerifyController(self)  # what Verify runs: options, script, ranks and device
         self.planner = PlanController(self)  # the Plan pane's controller: auto_plan, the chosen layout, Apply
         self.memory_plan = None  # the per-rank memory of the current schedule (price_memory)
         self.memory_problem: str | None = None
@@ -194,8 +167,6 @@ class EditorState(SchedulePersistence):
     def _open_file(self, schedule_file: str | None) -> None:
         """Restore ``schedule_file`` when it exists (else start empty and create it at the first change), then
         show everything for the first time."""
-        import os
-
         self.schedule_file = schedule_file
         self._disk = None  # _file_stamp of schedule_file as this editor last read or wrote it
         self._file_problem: str | None = None  # a failed write or an outside change, shown with every message
@@ -220,6 +191,33 @@ class EditorState(SchedulePersistence):
 
     def _refresh_history(self) -> None:
         """Hook: the undo / redo stacks changed."""
+
+    def _refresh_reasons(self) -> None:
+        """Hook: the call order is known: redraw the action buttons' reasons (the cut button's)."""
+
+    def _refresh_check(self) -> None:
+        """Hook: the live numeric check finished: redraw the schedule check's open items."""
+
+    def _show_numeric(self, phase: str, report=None) -> None:
+        """Hook: the live numeric check's line: ``phase`` is ``"off"``, ``"waiting"`` (for the clicks to settle),
+        ``"running"`` or ``"done"`` (with its :class:`~slapo_lab.numeric.NumericReport` ``report``)."""
+
+    def numeric_check(self):
+        """Run the numeric check now, in this thread, on the current schedule (what the live check shows):
+        the recorded calls replayed on a shrunk copy of the model over ``world_size`` simulated ranks and
+        compared with the unsharded copy (:func:`slapo_lab.numeric.numeric_check`,
+        :meth:`BackgroundChecks.check_now <slapo_lab.editor.background.BackgroundChecks.check_now>`).
+
+        Returns:
+            The :class:`~slapo_lab.numeric.NumericReport` (also :attr:`numeric_report`, shown under the message
+            line, and a failure is listed with the open items).
+        """
+        return self.background.check_now()
+
+    def wait_background(self, timeout: float = 120.0) -> bool:
+        """Wait until the background work after the last change is done (for scripts, tests and benchmarks);
+        returns whether it finished within ``timeout`` seconds."""
+        return self.background.wait(timeout)
 
     def _refresh_costs(self) -> None:
         """Hook: the plan's inputs (cluster shape, GPU) changed: redraw the memory view. Here: price
@@ -251,7 +249,6 @@ class EditorState(SchedulePersistence):
             The :class:`~slapo_lab.plan.Plan`, or None when even the parameter count failed.
         """
         # looked up at each call, as the memory view always did: tests replace plan.plan
-        from ..activation_cache import has_cached_profile, is_composed
         from ..plan import plan
 
         dp, shard, _ = self._plan_layout()
@@ -288,8 +285,6 @@ class EditorState(SchedulePersistence):
     def _refresh_cluster(self) -> str | None:
         """Hook: the degrees or the cluster shape changed. Returns the sentence saying why the shape does not
         fit (data parallelism is then the largest that fits), or None."""
-        from .cluster import data_parallel
-
         return data_parallel(self._cluster, self.world_size, self.dims().pp)[1]
 
     def _show_message(self, text: str, error: bool) -> None:
@@ -467,27 +462,10 @@ class EditorState(SchedulePersistence):
             raise
 
     def similar(self, path: str) -> list[str]:
-        """``path`` and the modules of the same type at the same relative path in every repeated block.
-
-        E.g. ``encoder.layer.0.attention.self.query`` → the ``query`` of every ``encoder.layer.i``.
-        The block index is the first numeric path component whose container holds more than one child.
-        """
-        parts = path.split(".")
-        typ = type(self.schedule[path].mod)
-        for i, part in enumerate(parts):
-            if not part.isdigit():
-                continue
-            container = ".".join(parts[:i])
-            siblings = self.schedule[container].child if container in self.schedule else {}
-            if len(siblings) < 2:
-                continue
-            out = []
-            for name in siblings:
-                cand = ".".join(parts[:i] + [name] + parts[i + 1 :])
-                if cand in self.schedule and type(self.schedule[cand].mod) is typ:
-                    out.append(cand)
-            return out
-        return [path]
+        """``path`` and the modules of the same type at the same relative path in every repeated block
+        (:func:`slapo_lab.editor.similar.similar_paths`): e.g. ``encoder.layer.0.attention.self.query`` → the
+        ``query`` of every ``encoder.layer.i``."""
+        return similar_paths(self.schedule, path)
 
     @serialized
     def apply_preset(self, name: str, k: int = 1) -> str | None:
@@ -521,8 +499,6 @@ class EditorState(SchedulePersistence):
 
     def _run_preset(self, name: str, k: int) -> list[str]:
         """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
-        from .. import presets
-
         if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
             return presets.megatron_tp(
                 self.schedule,
@@ -532,8 +508,6 @@ class EditorState(SchedulePersistence):
         if name == "checkpoint":
             return presets.checkpoint_blocks(self.schedule, every=int(k)).notes
         elif name == "stages":
-            from ..pipeline import suggest_cuts
-
             cuts = self.schedule.metadata.primitives.get("cut_pipeline_stage") or []
             if cuts:
                 raise ScheduleError(
@@ -579,7 +553,7 @@ class EditorState(SchedulePersistence):
         The action stays on the redo stack until it has been applied whole; a failure leaves the
         schedule as it was.
         """
-        from .. import replay
+        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
 
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
@@ -620,8 +594,7 @@ class EditorState(SchedulePersistence):
         ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
         KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
         earlier stays valid."""
-        from .. import replay
-        from ..record import Action
+        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
 
         old = self.schedule
         meta = self._take_spare()
@@ -663,8 +636,6 @@ class EditorState(SchedulePersistence):
         if not self.example_inputs:
             return
         try:
-            from ..call_order import set_example_inputs
-
             set_example_inputs(sch, self.example_inputs)
         except Exception as err:  # noqa: BLE001 - the cut check then happens at build time
             _log.warning("example inputs not usable for cut checks: %s", err)
@@ -776,22 +747,18 @@ class EditorState(SchedulePersistence):
         """The schedule check's open items (:func:`slapo_lab.check_schedule`): what the tensor parallelism
         still lacks before the model equals the original, each a :class:`slapo_lab.Finding` with one
         sentence naming the call that closes it. Empty when nothing is open."""
-        from ..check import check_schedule
-
-        return check_schedule(self.schedule)
+        return check_module.check_schedule(self.schedule)  # looked up at each call (tests replace it)
 
     @serialized
     def close_open_items(self) -> str | None:
         """Apply the calls the schedule check names until nothing is open (the "close open items" button):
         one action, all or nothing (:func:`slapo_lab.close_open_items`). Returns None or the one-sentence
         reason nothing changed."""
-        from ..check import close_open_items
-
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
         try:  # close_open_items records its calls as one action itself
             calls = self._run_action(
-                None, lambda: close_open_items(self.schedule), working="closing the open items"
+                None, lambda: check_module.close_open_items(self.schedule), working="closing the open items"
             )
         except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
             msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
@@ -818,8 +785,6 @@ class EditorState(SchedulePersistence):
         Returns:
             None, or the one sentence saying why the shape does not fit (it is kept, dp the largest that fits).
         """
-        from .cluster import ClusterShape
-
         try:
             shape = ClusterShape(nodes, gpus_per_node)
         except ValueError as err:
@@ -909,260 +874,25 @@ class EditorState(SchedulePersistence):
         self._show_export(out, cmd)
         return str(out)
 
+    # the Export form's reading, on the state under its old names (Verify, the Plan pane and the tests use them)
     def _write_script(self, path, launcher: str, defaults: dict, force: bool = False):
-        from ..export import export_script
-
-        report = self.numeric_report  # None whenever the schedule changed after the live check
-        return export_script(
-            path,
-            self.model,
-            self.schedule.record.calls,
-            self.example_inputs,
-            world_size=self.world_size,
-            launcher=launcher,
-            factory=self.factory,
-            defaults=defaults,
-            force=force,
-            report=report if report is not None and report.status != "skipped" else None,
-        )
+        return self.export_form.write_script(path, launcher, defaults, force)
 
     def _launch_command(self, script, launcher: str, dp: int, gpus: int | None = None) -> str:
-        """The one-node launch of ``script`` for ``tp x pp x dp`` processes on this machine
-        (:func:`slapo_lab.export.script.launch_here`)."""
-        from ..export.script import launch_here
-
-        return launch_here(self.dims(dp).world_size, _shown_path(script), launcher, gpus)
+        """The one-node launch of ``script`` for ``tp x pp x dp`` processes (:meth:`ExportForm.launch_command`)."""
+        return self.export_form.launch_command(script, launcher, dp, gpus)
 
     def _example_sizes(self) -> tuple[int | None, int | None]:
         """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
-        if not hasattr(self, "_sizes"):
-            try:
-                from ..spec import input_spec
-                from ..train.preflight import example_sizes
-
-                vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-                self._sizes = example_sizes(
-                    input_spec(self.example_inputs, vocab if isinstance(vocab, int) else None)
-                )
-            except (ValueError, TypeError):  # inputs export refuses: it says so itself at export time
-                self._sizes = (None, None)
-        return self._sizes
+        return self.export_form.example_sizes()
 
     def _model_dir_problem(self, path: str) -> str | None:
         """None if ``path`` is a Hugging Face directory this model can load its weights from, else why not."""
-        import json
-        import os
-
-        kind = _path_kind(path)
-        if kind == "missing":
-            return (
-                f"The model path {path} does not exist; give a Hugging Face directory (written by save_pretrained) "
-                "or leave it empty for seeded random weights."
-            )
-        if kind == "file":
-            return (
-                f"The model path {path} is a file; give the directory that holds config.json and the weights."
-            )
-        cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
-            return f"The model path {path} has no config.json; give a directory written by save_pretrained."
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            return (
-                f"The model path {path} has no *.safetensors weights; save the model with save_pretrained "
-                "(safetensors is its default)."
-            )
-        want = getattr(getattr(self.model, "config", None), "model_type", None)
-        try:
-            with open(cfg, encoding="utf-8") as f:
-                got = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            return f"The config.json in {path} could not be read as a JSON object."
-        if want and got and got != want:
-            return f"The model path {path} holds a {got!r} model, but this editor schedules a {want!r} model."
-        return None
+        return self.export_form.model_dir_problem(path)
 
     def _check_export_options(self, launcher: str, options: dict, local: bool = True) -> tuple[dict, dict]:
-        """Check export options; returns ``(options, defaults)``: the options normalised (paths stripped and
-        ``~`` expanded, empty ones dropped) and the ones to bake into the script (those that differ from its
-        own defaults). ``local=False`` skips the checks that the model / tokenizer / data paths exist.
-
-        Raises:
-            ExportError: the first problem, in one sentence.
-        """
-        import math
-        import os
-
-        from ..export import LAUNCHERS
-
-        if launcher not in LAUNCHERS:
-            raise _export_error(f"The launcher {launcher!r} is not supported; use torchrun or deepspeed.")
-        for key in options:
-            if key not in EXPORT_OPTIONS:
-                raise _export_error(
-                    f"{key!r} is not an export option; use one of {', '.join(EXPORT_OPTIONS)}."
-                )
-        o: dict[str, Any] = {}
-        for key, v in options.items():
-            if v is None:
-                continue
-            if key in _PATH_OPTIONS:
-                if not isinstance(v, (str, os.PathLike)):
-                    raise _export_error(f"The {_LABELS[key]} must be a path, not {v!r}.")
-                v = os.path.expanduser(os.fspath(v).strip())
-                if not v:
-                    continue
-            elif key in _INT_OPTIONS:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise _export_error(f"The {_LABELS[key]} must be a whole number, not {v!r}.")
-                low = _INT_OPTIONS[key]
-                if v < low:
-                    raise _export_error(
-                        f"The {_LABELS[key]} must be {'positive' if low else 'zero or more'}, not {v}."
-                    )
-            elif key in ("fsdp", "bf16"):
-                if not isinstance(v, bool):
-                    raise _export_error(f"{key} must be True or False, not {v!r}.")
-            elif key == "lr":
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise _export_error(f"The learning rate must be a number of zero or more, not {v!r}.")
-                v = float(v)
-            o[key] = v
-        if o.get("data") == "synthetic":
-            del o["data"]
-        zero, dp = o.get("zero", 0), o.get("dp", 1)
-        if zero not in (0, 1, 2):
-            raise _export_error(f"The ZeRO stage must be 0, 1 or 2, not {zero}.")
-        if zero and launcher != "deepspeed":
-            raise _export_error(
-                "A ZeRO stage needs the deepspeed launcher; with torchrun, shard over dp with FSDP."
-            )
-        if zero and o.get("fsdp"):
-            raise _export_error("FSDP and ZeRO both shard over the data-parallel replicas; choose one.")
-        batch_default, seq_default = self._example_sizes()
-        batch = o.get("global_batch_size", batch_default or 1)
-        stages = self.dims().pp
-        # the runtime's micro-batch (slapo_lab.train.loop): given, or the global batch / (dp x pipeline stages)
-        micro = ParallelDims(dp=dp).micro_batches(batch, o.get("micro_batch_size"), stages)[0]
-        if batch % dp or batch % (micro * dp):
-            if "micro_batch_size" in o:
-                raise _export_error(
-                    f"The global batch size {batch} is not divisible by micro batch {micro} x dp {dp}: "
-                    "every replica takes the same number of micro-batches per step."
-                )
-            if batch % dp == 0:
-                raise _export_error(
-                    f"The global batch size {batch} does not split into equal micro-batches over dp "
-                    f"{dp} and {stages} pipeline stages; choose a multiple of {dp * stages}."
-                )
-            raise _export_error(
-                f"The global batch size {batch} is not divisible by dp {dp}: every replica takes the "
-                "same number of sequences per step."
-            )
-        if o.get("checkpoint_every") and "checkpoint_dir" not in o:
-            raise _export_error(
-                f"A checkpoint every {o['checkpoint_every']} steps needs a checkpoint directory."
-            )
-        for key in ("checkpoint_dir", "save_hf", "log_dir"):
-            if key in o and _path_kind(o[key]) == "file":
-                raise _export_error(
-                    f"The {_LABELS[key]} {o[key]} is a file; give a folder (it is created if missing)."
-                )
-        if local:
-            if "model_path" in o:
-                why = self._model_dir_problem(o["model_path"])
-                if why:
-                    raise _export_error(why)
-            if "tokenizer" in o and _path_kind(o["tokenizer"]) != "dir":
-                raise _export_error(
-                    f"The tokenizer directory {o['tokenizer']} does not exist; give a directory "
-                    "written by tokenizer.save_pretrained, or leave it empty to use the model path."
-                )
-            if (
-                ("data" in o or "eval_data" in o)
-                and "tokenizer" not in o
-                and "model_path" in o
-                and not _has_tokenizer(o["model_path"])
-            ):
-                raise _export_error(
-                    f"The model path {o['model_path']} holds no tokenizer files; fill in the "
-                    "tokenizer directory."
-                )
-            for key in ("data", "eval_data"):
-                if key in o and _path_kind(o[key]) == "missing":
-                    raise _export_error(
-                        f"The {_LABELS[key]} {o[key]} does not exist; give a .txt, .jsonl or .parquet "
-                        "file or a folder of them, or 'synthetic' (a path that exists only where "
-                        "the run is launched can be passed there with --data)."
-                    )
-        text = "data" in o or "eval_data" in o
-        if text:
-            from ..train.data import objective_of
-
-            name = type(self.model).__name__
-            if objective_of(name) is None:
-                raise _export_error(
-                    f"{name} has no language-model head, so it cannot train on text; schedule a "
-                    "*ForCausalLM or *ForMaskedLM model, or use synthetic data."
-                )
-            if "tokenizer" not in o and "model_path" not in o:
-                raise _export_error(
-                    "Training on text needs a tokenizer; fill in the tokenizer directory (or a "
-                    "model path that holds the tokenizer files)."
-                )
-            if "seq_len" not in o and seq_default is None:
-                raise _export_error("Training on text needs a sequence length (tokens per sequence).")
-        script = {
-            "data": None,
-            "dp": 1,
-            "fsdp": False,
-            "zero": 0,
-            "checkpoint_every": 0,
-            "bf16": False,
-            "steps": _SCRIPT_STEPS,
-            "global_batch_size": batch_default or 1,
-            "seq_len": seq_default,
-        }
-        defaults = {}
-        for key in EXPORT_OPTIONS:
-            if key not in o:
-                continue
-            # training on text: say the sequence length explicitly
-            if (key == "seq_len" and text) or key not in script or o[key] != script[key]:
-                defaults[key] = o[key]
-        if text and "seq_len" not in defaults:
-            defaults["seq_len"] = seq_default
-        return o, defaults
+        """``(options, defaults)`` checked and normalised (:meth:`ExportForm.check`); raises ExportError."""
+        return self.export_form.check(launcher, options, local)
 
     def _show_export(self, out, cmd: str) -> None:
         """Hook: show the written script and its launch command (the widget's export panel)."""
-
-
-def similar_gate(state, target: str, n: int, earlier: list, calls: list, one: list) -> str | None:
-    """The gate of "apply to all similar" (as :mod:`slapo_lab.preset_check` gates presets): None, or the one
-    sentence refusing it when the calls on all ``n`` similar modules fail the numeric check
-    (:func:`slapo_lab.numeric.numeric_check` on ``state.model`` with ``state.example_inputs``) while the same
-    click on ``target`` alone passes -- spreading it is then what breaks the model.
-
-    A schedule that already fails with the click on ``target`` alone is the user's work in progress (a
-    column-parallel layer waits for its row-parallel partner): the action goes through and the live check shows
-    ✗. Without example inputs nothing is checked.
-
-    Args:
-        earlier: the recorded calls before the action; calls: the action's calls on every similar module;
-            one: the action's calls on ``target`` alone.
-    """
-    from ..numeric import numeric_check
-
-    if not state.example_inputs:
-        return None
-    report = numeric_check(state.model, [*earlier, *calls], state.world_size, state.example_inputs)
-    if report.status not in ("failed", "error"):
-        return None
-    alone = numeric_check(state.model, [*earlier, *one], state.world_size, state.example_inputs)
-    if alone.status != "passed":
-        return None
-    why = report.message.rstrip(".")
-    return (
-        f"Not applied to the {n} similar modules: on {target} alone the schedule passes the numeric check, but "
-        f"on all of them it fails ({why[:1].lower() + why[1:]})."
-    )

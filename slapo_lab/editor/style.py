@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..graph import legend_svg
 from ..graph.render import (
     CHECKPOINT_COLOUR,
     COLUMN_COLOUR,
@@ -102,8 +103,6 @@ def folded_style(sch, members: list[str], stage_of: dict[str, int] | None) -> di
 
 def legend_html(stage_of: dict[str, int] | None) -> str:
     """The legend: one swatch per channel (and per stage, at most 8), the badges explained; light and dark."""
-    from ..graph import legend_svg
-
     entries = [
         ("column parallel (partitioned output): TP col", COLUMN_COLOUR),
         ("row parallel (partial sums): TP row", ROW_COLOUR),

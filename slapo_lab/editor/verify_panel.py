@@ -10,15 +10,12 @@ it in a subprocess (:class:`~slapo_lab.editor.verify_runner.VerifyRunner`); the 
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 import time
 
 import ipywidgets as W
 
 from ..train.phases import PHASES
-from .state import _has_tokenizer, _path_kind
-from .verify_runner import LogFilter, VerifyRunner, cpu_verify_too_big, plan_device
+from .verify_runner import LogFilter, VerifyRunner
 
 __all__ = ["VerifyPanel"]
 
@@ -86,26 +83,16 @@ class VerifyPanel:
         self.show_phase(self.t0)
         try:
             launcher, _, options = self.editor._form_options()
-            options, used = self.verify_options(launcher, options)
-            options, defaults = self.editor._check_export_options("torchrun", options)
-            folder = tempfile.mkdtemp(prefix="slapo-verify-")
-            script = str(
-                self.editor._write_script(
-                    f"{folder}/verify_{type(self.editor.model).__name__.lower()}.py", "torchrun", defaults
-                )
-            )
+            script, options, used = self.editor.verifier.write(launcher, options)
         except Exception as err:  # noqa: BLE001 - reported, never raised past this point
             self.hide_progress()
             self.editor._error(f"Verify could not start: {err}")
             return None
-        nproc = self.editor.dims(options.get("dp", 1)).world_size
-        dev, note = plan_device(nproc, device)
-        if dev == "cpu":
-            too_big = cpu_verify_too_big(sum(p.numel() for p in self.editor.model.parameters()), nproc)
-            if too_big:
-                self.hide_progress()
-                self.editor._error(too_big)
-                return None
+        nproc, dev, note, too_big = self.editor.verifier.plan(options, device)
+        if too_big:
+            self.hide_progress()
+            self.editor._error(too_big)
+            return None
         note = (note + " " if note else "") + used
         self.log_lines = []
         self.log.value = ""
@@ -130,50 +117,9 @@ class VerifyPanel:
         return self.runner
 
     def verify_options(self, launcher: str, options: dict) -> tuple[dict, str]:
-        """The form's options for a Verify run, and the sentence saying which weights and data it uses.
-
-        The model path and the data (and the tokenizer) are kept, as absolute paths (the run's working
-        directory is a temporary folder), when they exist here; otherwise Verify uses seeded random weights
-        / synthetic data. Checkpoints, save-HF, logs, validation data, steps and the ZeRO stage are dropped.
-        """
-        o = {
-            k: v
-            for k, v in options.items()
-            if k
-            not in ("checkpoint_dir", "checkpoint_every", "save_hf", "log_dir", "eval_data", "steps", "zero")
-        }
-        o = {k: v for k, v in o.items() if not (isinstance(v, str) and not v.strip())}
-        missing = []
-        model = o.pop("model_path", None)
-        if model is not None:
-            model = os.path.expanduser(model)
-            if self.editor._model_dir_problem(model) is None:
-                o["model_path"] = os.path.abspath(model)
-            else:
-                missing.append(f"the model path {model}")
-        data = o.pop("data", "synthetic")
-        tokenizer = o.pop("tokenizer", None)
-        if data != "synthetic":
-            data = os.path.expanduser(data)
-            tok = os.path.expanduser(tokenizer) if tokenizer else o.get("model_path")
-            if _path_kind(data) == "missing":
-                missing.append(f"the data path {data}")
-            elif tok is None or _path_kind(tok) != "dir" or not _has_tokenizer(tok):
-                missing.append(f"the tokenizer directory {tok or tokenizer or '(none)'}")
-            else:
-                o["data"] = os.path.abspath(data)
-                if tokenizer:
-                    o["tokenizer"] = os.path.abspath(tok)
-        weights = f"the weights in {o['model_path']}" if "model_path" in o else "seeded random weights"
-        text = f"the data in {o['data']}" if "data" in o else "synthetic data"
-        used = f"Verify uses {weights} and {text}"
-        if missing:
-            used += (
-                f", because {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist here"
-            )
-        if launcher == "deepspeed" and options.get("zero"):
-            used += f" (ZeRO-{options['zero']} is left out: it changes neither outputs nor gradients)"
-        return o, used + "."
+        """The form's options for a Verify run and the sentence on what it uses (:meth:`VerifyController.options
+        <slapo_lab.editor.verify_controller.VerifyController.options>`)."""
+        return self.editor.verifier.options(launcher, options)
 
     def cancel(self) -> bool:
         """Cancel a running Verify; returns whether one was running."""

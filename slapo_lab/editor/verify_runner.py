@@ -23,10 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
+import torch
+
+from ..train.phases import parse_phase
 
 MAX_LINE_CHARS = 10_000  # longer output lines are cut (with a note saying how much)
 MAX_LOG_CHARS = 2_000_000  # the kept log (VerifyResult.lines) drops its oldest lines beyond this
@@ -49,8 +53,6 @@ def free_port() -> int:
 
 def plan_device(nproc: int, want: str = "cuda") -> tuple[str, str]:
     """Choose where Verify runs: ``("cuda", "")`` or ``("cpu", the one-sentence reason)``."""
-    import torch
-
     if want == "cpu":
         return "cpu", "Verify runs on the CPU with gloo, as asked."
     if not torch.cuda.is_available():
@@ -76,8 +78,6 @@ def cpu_verify_too_big(n_params: int, nproc: int, available: int | None = None) 
     The estimate is :data:`VERIFY_BYTES_PER_PARAM` per parameter over all ranks together.
     """
     if available is None:
-        import psutil
-
         available = psutil.virtual_memory().available
     need = n_params * VERIFY_BYTES_PER_PARAM
     if need <= available:
@@ -142,8 +142,6 @@ class LogFilter:
 
     def visible(self, line: str) -> bool:
         """Whether ``line`` belongs in the visible log (call once per line, in order)."""
-        from ..train.phases import parse_phase
-
         if parse_phase(line) is not None:
             return False
         if _WARNING.match(line):
@@ -243,8 +241,6 @@ class VerifyRunner:
         self._seen = {}
         self.result = None
         cmd = self.command(script, nproc, device, extra)
-        import uuid
-
         self._token = uuid.uuid4().hex  # inherited by every descendant: found even once orphaned
         env = dict(
             os.environ,
@@ -407,8 +403,6 @@ class VerifyRunner:
         size = dropped = 0
         diffs: list[float] = []
         passed = failed = timed_out = False
-
-        from ..train.phases import parse_phase
 
         def emit(line: str) -> None:
             nonlocal size, dropped, passed, failed
