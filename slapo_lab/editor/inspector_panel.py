@@ -207,13 +207,13 @@ class InspectorPanel:
                     )
             except Exception:  # noqa: BLE001 - reported, never raised past this point
                 flow = ""
-        meta = module_state(mod) or {}
+        meta = module_state(mod)
         state = []
-        if meta.get("checkpoint"):
+        if meta and meta.checkpoint:
             state.append("checkpointed")
-        if meta.get("cut"):
+        if meta and meta.cut:
             state.append("ends a pipeline stage")
-        for mode, op in meta.get("syncs", []):
+        for mode, op in meta.syncs if meta else ():
             state.append(f"sync {mode} {op}")
         self.inspector.value = (
             f"<div><b>{html.escape(ed.selected or '(model)')}</b><br>{html.escape(type(mod).__name__)} · "

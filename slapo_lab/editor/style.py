@@ -20,7 +20,7 @@ from ..graph.render import (
     STAGE_COLOURS,
     TP_INSIDE_COLOUR,
 )
-from ..module_state import peek_meta
+from ..module_state import ModuleMeta, peek_meta
 
 __all__ = ["folded_style", "legend_html", "module_style"]
 
@@ -29,7 +29,7 @@ OPS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "scatter"
 
 
 def _sharded_inside(mod) -> bool:
-    return any((peek_meta(m) or {}).get("sharded") for m in mod.modules())
+    return any((meta := peek_meta(m)) and meta.sharded for m in mod.modules())
 
 
 def module_style(sch, path: str, stage_of: dict[str, int] | None = None) -> dict[str, Any]:
@@ -39,23 +39,23 @@ def module_style(sch, path: str, stage_of: dict[str, int] | None = None) -> dict
     if path not in sch:
         return {}
     mod = sch[path].mod
-    meta = peek_meta(mod) or {}
+    meta = peek_meta(mod) or ModuleMeta()
     badges, fill = [], None
-    if meta.get("sharded"):
-        partial = meta.get("output_type") == "partial"
+    if meta.sharded:
+        partial = meta.output_type == "partial"
         badges.append("TP row" if partial else "TP col")
         fill = ROW_COLOUR if partial else COLUMN_COLOUR
     elif _sharded_inside(mod):
         fill = TP_INSIDE_COLOUR
         badges.append("TP inside")
-    for mode, op in meta.get("syncs", []):
+    for mode, op in meta.syncs:
         op_name = op if isinstance(op, str) else getattr(op, "__name__", "fn")
         badges.append(f"{OPS.get(op_name, op_name)} {str(mode).split('_')[0]}")
     style: dict[str, Any] = {}
-    if meta.get("checkpoint"):
+    if meta.checkpoint:
         badges.append("ckpt")
         style["dashed"] = True
-    if meta.get("cut"):
+    if meta.cut:
         badges.append("cut")
         style["cut"] = True
     if stage_of is not None and path in stage_of:  # last: the band shows it when badges overflow
@@ -75,19 +75,19 @@ def folded_style(sch, members: list[str], stage_of: dict[str, int] | None) -> di
     if not members:
         return {}
     style = {k: v for k, v in module_style(sch, members[0], stage_of).items() if k in ("fill", "band")}
-    metas = [peek_meta(sch[m].mod) or {} for m in members]
-    if any(m.get("checkpoint") for m in metas):
+    metas = [peek_meta(sch[m].mod) or ModuleMeta() for m in members]
+    if any(m.checkpoint for m in metas):
         style["dashed"] = True
-    if metas[-1].get("cut"):
+    if metas[-1].cut:
         style["cut"] = True
     badges = []
     n_tp = sum(_sharded_inside(sch[m].mod) for m in members)
     if n_tp:
         badges.append(f"TP {n_tp}/{len(members)}")
-    n_ck = sum(bool(m.get("checkpoint")) for m in metas)
+    n_ck = sum(m.checkpoint for m in metas)
     if n_ck:
         badges.append(f"ckpt {n_ck}/{len(members)}")
-    n_cut = sum(bool(m.get("cut")) for m in metas)
+    n_cut = sum(m.cut for m in metas)
     if n_cut:
         badges.append(f"{n_cut} cut{'s' if n_cut > 1 else ''}")
     if stage_of is not None:

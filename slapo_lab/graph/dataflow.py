@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import torch
@@ -11,6 +12,9 @@ from torch import nn
 
 from ._record import PASSTHROUGH, Call, Recorder
 from .tree import count_params, join, snapshot
+
+if TYPE_CHECKING:
+    from ..module_state import ModuleMeta
 
 INPUT_PREFIX = ".input:"
 OUTPUT_NODE = ".output"
@@ -658,10 +662,10 @@ class Dataflow:
         return G
 
 
-def _fwd_ops(meta: dict) -> set:
+def _fwd_ops(meta: ModuleMeta | None) -> set:
     return {
         op if isinstance(op, str) else getattr(op, "__name__", "fn")
-        for mode, op in meta.get("syncs", ())
+        for mode, op in (meta.syncs if meta else ())
         if str(mode).startswith("fwd_post")
     }
 
@@ -670,20 +674,21 @@ def output_split(mod: nn.Module, state_of) -> tuple[str, int] | None:
     """How one rank holds the output of ``mod`` after sharding: ``("partition", axis)`` (a slice
     along ``axis``), ``("partial", -1)`` (partial sums, all-reduce pending) or None (whole).
 
-    ``state_of(module)`` returns the module's schedule state (``slapo_lab.module_state``: a dict
-    with ``output_type``, ``output_axis``, ``syncs``) or None.  Rules (Megatron's column / row
+    ``state_of(module)`` returns the module's schedule state (``slapo_lab.module_state``: a
+    :class:`~slapo_lab.module_state.ModuleMeta`, of which ``output_type``, ``output_axis`` and ``syncs`` are read)
+    or None.  Rules (Megatron's column / row
     parallel pairs): the module's own ``output_type`` unless a ``fwd_post`` all-reduce / all-gather
     makes it whole again; a module that is not sharded itself but contains column-parallel modules
     and no row-parallel or gathering one (an attention block's q/k/v, an MLP's up projection)
     outputs a slice on the last axis; one that contains both (a transformer layer) outputs whole.
     """
-    meta = state_of(mod) or {}
+    meta = state_of(mod)
     ops = _fwd_ops(meta)
     if ops & {"all_reduce", "all_gather"}:
         return None
-    kind = meta.get("output_type")
+    kind = meta.output_type if meta else None
     if kind == "partition":
-        axis = meta.get("output_axis")
+        axis = meta.output_axis
         return ("partition", -1 if axis is None else int(axis))
     if kind == "partial":
         return ("partial", -1)
@@ -691,10 +696,11 @@ def output_split(mod: nn.Module, state_of) -> tuple[str, int] | None:
     for sub in mod.modules():
         if sub is mod:
             continue
-        m = state_of(sub) or {}
-        if m.get("output_type") == "partial" or _fwd_ops(m) & {"all_reduce", "all_gather"}:
+        m = state_of(sub)
+        sub_kind = m.output_type if m else None
+        if sub_kind == "partial" or _fwd_ops(m) & {"all_reduce", "all_gather"}:
             whole = True
-        elif m.get("output_type") == "partition":
+        elif sub_kind == "partition":
             col = True
     return ("partition", -1) if col and not whole else None
 
@@ -707,7 +713,7 @@ def per_rank_edges(G: nx.DiGraph, world_size: int, module_of, state_of) -> nx.Di
         ``"8×128×768"``); changed in place and returned.
       world_size: ranks the tensor-parallel dimension is split over (nothing changes when 1).
       module_of: ``path -> nn.Module`` (or None when the path is unknown).
-      state_of: ``module -> dict | None``, e.g. ``slapo_lab.module_state``.
+      state_of: ``module -> ModuleMeta | None``, e.g. ``slapo_lab.module_state``.
 
     An edge leaving a node whose output is split (see :func:`output_split`; a folded run uses its
     last member) is labelled with the split dimension as ``whole→per rank``, e.g. ``8×128×768→384``
