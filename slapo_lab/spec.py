@@ -82,6 +82,22 @@ def transformers_class(name: Any, base_name: str):
     return cls if isinstance(cls, type) and issubclass(cls, base) else None
 
 
+def objective_of(model_class_name: str) -> str | None:
+    """The training objective of a Hugging Face model class, by its name (a fact of the model spec's
+    ``class``, read by the export's checks and the training data).
+
+    Returns:
+        ``"causal_lm"`` for ``*ForCausalLM`` and ``*LMHeadModel`` (GPT-2), ``"masked_lm"`` for
+        ``*ForMaskedLM``, else ``None`` (a class whose forward takes no token ``labels``: train it on
+        synthetic data).
+    """
+    if model_class_name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    if model_class_name.endswith("ForMaskedLM"):
+        return "masked_lm"
+    return None
+
+
 def model_spec(model: nn.Module, factory: str | None = None) -> dict:
     """How an exported script rebuilds ``model`` (same architecture, fresh seeded weights).
 
