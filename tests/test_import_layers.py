@@ -202,9 +202,12 @@ def test_export_and_train_form_no_folder_cycle():
 
 
 #: Import cycles between the modules of ``train/`` that are allowed, each with why (an import inside a function,
-#: marked ``# noqa: PLC0415`` on its line).
+#: marked with a noqa for PLC0415 and the reason on its line).
 TRAIN_CYCLES: dict[tuple[str, str], str] = {
-    ("train.config", "train.args"): "TrainConfig.from_args parses with the parser args builds from TrainConfig",
+    (
+        "train.config",
+        "train.args",
+    ): "TrainConfig.from_args parses with the parser args builds from TrainConfig",
 }
 
 
@@ -236,5 +239,7 @@ def test_train_modules_form_no_import_cycle():
                 graph.add_edge(me, target)
     cycles = sorted(nx.simple_cycles(graph))
     assert not cycles, f"import cycles in train/: {cycles}"
-    assert graph.has_edge("train.deepspeed", "train.losses") and graph.has_edge("train.run", "train.deepspeed")
+    assert graph.has_edge("train.deepspeed", "train.losses") and graph.has_edge(
+        "train.run", "train.deepspeed"
+    )
     assert not graph.has_edge("train.deepspeed", "train.loop")
