@@ -25,8 +25,8 @@ from .. import __version__
 from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
 from ..spec import (
     ExportError,
-    _check_json,
     check_factory,
+    check_json,
     input_spec,
     model_spec,
     validate_calls,
@@ -99,7 +99,7 @@ def save_schedule(
         out["world_size"] = _check_world_size(world_size)
     out.setdefault("slapo_lab", __version__)
     try:
-        _check_json("The schedule's meta", out)
+        check_json("The schedule's meta", out)
         text = dumps(calls, out)
     except RecursionError:
         raise ExportError("The schedule's meta is nested too deeply to be saved.") from None

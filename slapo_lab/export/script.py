@@ -37,8 +37,8 @@ from ..pipeline.coupling import (
 )
 from ..spec import (
     ExportError,
-    _build_hf,
-    _check_json,
+    build_hf,
+    check_json,
     input_spec,
     model_spec,
     objective_of,
@@ -93,7 +93,7 @@ def _check_defaults(defaults: dict | None, launcher: str) -> dict:
             )
         if key == "zero" and launcher != "deepspeed":
             raise ExportError('zero= (a DeepSpeed ZeRO stage) needs launcher="deepspeed".')
-        _check_json(f"The export option {key}", value)
+        check_json(f"The export option {key}", value)
     return {k: v for k, v in defaults.items() if v is not None}
 
 
@@ -160,7 +160,7 @@ def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict,
         if stages <= 1 or spec["kind"] != "hf":
             return
         try:
-            model = _build_hf(spec, "meta")
+            model = build_hf(spec, "meta")
         except Exception:  # noqa: BLE001 - the run reports a model it cannot build
             return
     # the script rebuilds a transformers model in training mode, and a run without stages trains every module
