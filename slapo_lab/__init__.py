@@ -6,6 +6,8 @@ of lower layers that ``tests/test_import_layers.py`` lists (``EDITOR_MAY_USE``; 
 
 import importlib
 import importlib.metadata
+import json
+import os
 import sys
 import types
 
@@ -15,10 +17,26 @@ from .train import lifeline as _lifeline
 
 _lifeline.arm()
 
-try:  # the one home of the version is pyproject.toml; the installed distribution's metadata carries it
-    __version__ = importlib.metadata.version("slapo-lab")
-except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
+
+def _version() -> str:
+    """The version: the installed distribution's metadata (the wheel takes it from package.json, the one home of
+    the version, through pyproject's ``[tool.hatch.version] source = "nodejs"``); a source checkout never installed
+    reads package.json itself; "0+unknown" without either."""
+    try:
+        return importlib.metadata.version("slapo-lab")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with open(
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "package.json")
+        ) as f:
+            version = json.load(f).get("version")
+    except (OSError, ValueError, AttributeError):
+        version = None
+    return version if isinstance(version, str) and version else "0+unknown"
+
+
+__version__ = _version()
 
 # The public names and the module each comes from. They are imported on first use (PEP 562), all at once, in
 # this order: ``import slapo_lab.train.preflight`` (an exported script's launch checks) must not pay for torch,

@@ -82,6 +82,22 @@ def transformers_class(name: Any, base_name: str):
     return cls if isinstance(cls, type) and issubclass(cls, base) else None
 
 
+def objective_of(model_class_name: str) -> str | None:
+    """The training objective of a Hugging Face model class, by its name (a fact of the model spec's
+    ``class``, read by the export's checks and the training data).
+
+    Returns:
+        ``"causal_lm"`` for ``*ForCausalLM`` and ``*LMHeadModel`` (GPT-2), ``"masked_lm"`` for
+        ``*ForMaskedLM``, else ``None`` (a class whose forward takes no token ``labels``: train it on
+        synthetic data).
+    """
+    if model_class_name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    if model_class_name.endswith("ForMaskedLM"):
+        return "masked_lm"
+    return None
+
+
 def model_spec(model: nn.Module, factory: str | None = None) -> dict:
     """How an exported script rebuilds ``model`` (same architecture, fresh seeded weights).
 
@@ -132,7 +148,9 @@ def model_spec(model: nn.Module, factory: str | None = None) -> dict:
     return spec
 
 
-def _build_hf(spec: dict, device: str = "meta") -> nn.Module:
+def build_hf(spec: dict, device: str = "meta") -> nn.Module:
+    """The transformers model of a validated ``"hf"`` spec, built from its config class and config on ``device``
+    (``"meta"``: no storage). Raises what transformers raises for a config it cannot build."""
     cls = transformers_class(spec["class"], "PreTrainedModel")
     config_cls = transformers_class(spec["config_class"], "PretrainedConfig")
     kwargs = {"attn_implementation": spec["attn_implementation"]} if "attn_implementation" in spec else {}
@@ -304,7 +322,7 @@ def build_from_spec(
     """
     if not (isinstance(spec, dict) and spec.get("kind") == "factory"):
         try:
-            return _build_hf(spec, device)
+            return build_hf(spec, device)
         except Exception as err:  # noqa: BLE001 - any failure to build is one sentence
             raise _not_built(device, err) from None
     factory = spec.get("factory")
@@ -354,7 +372,7 @@ def _check_rebuilds(model: nn.Module, spec: dict) -> None:
     """Build the spec on the meta device and compare parameter names and full shapes with ``model``."""
     name = spec["class"]
     try:
-        rebuilt = _build_hf(spec)
+        rebuilt = build_hf(spec)
     except Exception as err:  # noqa: BLE001 - any failure means the script would fail the same way
         raise ExportError(
             f"{name} could not be rebuilt from its config ({type(err).__name__}: {err}); {FACTORY_HINT}."
@@ -433,7 +451,7 @@ def validate_model_spec(spec: Any) -> dict:
         )
     if not isinstance(spec.get("config"), dict):
         raise ExportError("The model spec's config must be a JSON object.")
-    _check_json("the model config", spec["config"])
+    check_json("the model config", spec["config"])
     attn = spec.get("attn_implementation")
     if attn is not None and not (isinstance(attn, str) and re.fullmatch(r"[A-Za-z0-9_.\-/]+", attn)):
         raise ExportError(f"The model spec's attn_implementation {attn!r} is not a plain name.")
@@ -529,7 +547,7 @@ def validate_input_spec(spec: Any) -> dict:
         where = f"The input spec of {name!r}"
         if not isinstance(name, str) or not isinstance(e, dict):
             raise ExportError(f"{where} must be a dict under a string name.")
-        _check_json(where, e)
+        check_json(where, e)
         if "value" in e:
             continue
         if e.get("dtype") not in INPUT_DTYPES:
@@ -555,7 +573,7 @@ def validate_input_spec(spec: Any) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- calls
-def _check_json(where: str, v: Any) -> None:
+def check_json(where: str, v: Any) -> None:
     """Raise ExportError unless ``v`` is JSON data that ``repr`` writes as a valid Python literal."""
     if v is None or isinstance(v, (bool, int, str)):
         return
@@ -568,13 +586,13 @@ def _check_json(where: str, v: Any) -> None:
         return
     if isinstance(v, (list, tuple)):
         for x in v:
-            _check_json(where, x)
+            check_json(where, x)
         return
     if isinstance(v, dict):
         for k, x in v.items():
             if not isinstance(k, str):
                 raise ExportError(f"{where} has a non-string key {k!r}.")
-            _check_json(where, x)
+            check_json(where, x)
         return
     if isinstance(v, nn.Module):
         raise ExportError(
@@ -628,8 +646,8 @@ def validate_calls(calls: Any) -> list[Call]:
         for k in c.kwargs:
             if not is_identifier(k):
                 raise ExportError(f"{where} has the keyword {k!r}, which is not a Python name.")
-        _check_json(where, list(c.args))
-        _check_json(where, dict(c.kwargs))
+        check_json(where, list(c.args))
+        check_json(where, dict(c.kwargs))
         try:
             get_primitive(c.primitive).bind(*c.args, **c.kwargs)
         except ScheduleError as err:

@@ -1058,10 +1058,10 @@ def _fake_mesh(monkeypatch):
     """make_layout without process groups: its mesh is a stand-in (only the sizes are checked)."""
     import types
 
-    import slapo_lab.pipeline
+    import slapo_lab.train.parallel
 
     monkeypatch.setattr(
-        slapo_lab.pipeline, "make_mesh", lambda **k: types.SimpleNamespace(mesh={("dp", "tp"): k})
+        slapo_lab.train.parallel, "make_mesh", lambda **k: types.SimpleNamespace(mesh={("dp", "tp"): k})
     )
 
 
@@ -1475,7 +1475,7 @@ def test_training_step_makes_no_per_step_host_round_trips():
     )  # the same objective as before
     source = inspect.getsource(loop.Run._forward_backward)
     loop_body = source[
-        source.index("for i, mb in enumerate(micro_batches)") : source.rindex("return self._dp_mean")
+        source.index("for i, mb in enumerate(micro_batches)") : source.rindex("return self.dp_mean")
     ]
     assert ".item()" not in loop_body and not re.search(r"(?<![.\w])(float|int)\(", loop_body), loop_body
     assert "total += loss.detach()" in loop_body

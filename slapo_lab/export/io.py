@@ -21,11 +21,12 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from .. import __version__
 from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
 from ..spec import (
     ExportError,
-    _check_json,
     check_factory,
+    check_json,
     input_spec,
     model_spec,
     validate_calls,
@@ -96,11 +97,9 @@ def save_schedule(
         out["inputs"] = input_spec(example_inputs, vocab if isinstance(vocab, int) else None)
     if world_size is not None:
         out["world_size"] = _check_world_size(world_size)
-    from .. import __version__
-
     out.setdefault("slapo_lab", __version__)
     try:
-        _check_json("The schedule's meta", out)
+        check_json("The schedule's meta", out)
         text = dumps(calls, out)
     except RecursionError:
         raise ExportError("The schedule's meta is nested too deeply to be saved.") from None

@@ -26,13 +26,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import __version__, numeric
+from ..module_state import peek_meta
 from ..parallel_dims import ParallelDims
+from ..pipeline.coupling import (
+    batchnorm_single_value,
+    coupling_refusal,
+    export_batchnorm_refusal,
+    single_value_refusal,
+)
 from ..spec import (
     ExportError,
-    _build_hf,
-    _check_json,
+    build_hf,
+    check_json,
     input_spec,
     model_spec,
+    objective_of,
     validate_calls,
     validate_input_spec,
     validate_model_spec,
@@ -84,7 +93,7 @@ def _check_defaults(defaults: dict | None, launcher: str) -> dict:
             )
         if key == "zero" and launcher != "deepspeed":
             raise ExportError('zero= (a DeepSpeed ZeRO stage) needs launcher="deepspeed".')
-        _check_json(f"The export option {key}", value)
+        check_json(f"The export option {key}", value)
     return {k: v for k, v in defaults.items() if v is not None}
 
 
@@ -108,7 +117,8 @@ def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict
         f"  one node with {n} GPU(s) ({layout}):",
         f"    torchrun --nproc_per_node={n} {name} --device cuda{model}{data}",
     ]
-    if 32 % unit == 0:
+    cluster = ParallelDims.for_world(32, tp, stages)  # 4 nodes x 8 GPUs, when replicas of tp x pp fill them
+    if cluster is not None:
         lines += [
             f"  4 nodes x 8 GPUs: data parallelism over the rest (dp = 32 / {unit}), FSDP2, resumable:",
             (
@@ -116,7 +126,7 @@ def _launch_lines(name: str, tp: int, stages: int, launcher: str, defaults: dict
                 f"{name} \\"
             ),
             (
-                f"      --device cuda --bf16{model}{data} --dp {32 // unit} --fsdp --checkpoint-dir CKPT_DIR "
+                f"      --device cuda --bf16{model}{data} --dp {cluster.dp} --fsdp --checkpoint-dir CKPT_DIR "
                 "--checkpoint-every 500"
             ),
         ]
@@ -146,18 +156,11 @@ def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict,
     (CLIP, SigLIP). Always (when the model is known): a micro-batch that leaves a training
     BatchNorm one value per channel. Without ``model`` only a transformers spec is checked, on meta.
     """
-    from ..pipeline.coupling import (
-        batchnorm_single_value,
-        coupling_refusal,
-        export_batchnorm_refusal,
-        single_value_refusal,
-    )
-
     if model is None:
         if stages <= 1 or spec["kind"] != "hf":
             return
         try:
-            model = _build_hf(spec, "meta")
+            model = build_hf(spec, "meta")
         except Exception:  # noqa: BLE001 - the run reports a model it cannot build
             return
     # the script rebuilds a transformers model in training mode, and a run without stages trains every module
@@ -168,7 +171,10 @@ def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict,
         if refusal:
             raise ExportError(refusal)
         g = int(defaults.get("global_batch_size") or example_sizes(inputs)[0] or 1)
-        one = f"export with micro_batch_size={max(1, g // int(defaults.get('dp') or 1))}"
+        whole = ParallelDims(dp=int(defaults.get("dp") or 1)).micro_batches(g)[
+            0
+        ]  # one micro-batch per replica
+        one = f"export with micro_batch_size={whole}"
         refusal = coupling_refusal(model, n, one, all_batchnorms=all_bn)
         if refusal:
             raise ExportError(refusal)
@@ -235,8 +241,6 @@ def render_script(
     defaults = _check_defaults(defaults, launcher)
     data = defaults.get("data", "synthetic")
     if data != "synthetic":
-        from ..train.data import objective_of
-
         cls = spec["class"] if spec["kind"] == "hf" else spec["factory"]
         if spec["kind"] != "hf" or objective_of(cls) is None:
             raise ExportError(
@@ -258,8 +262,6 @@ def render_script(
         )
     _check_batch_coupling(spec, inputs, stages, defaults, model)
     config = export_config(inputs, defaults)
-    from .. import __version__
-
     name = script_name if isinstance(script_name, str) and _SAFE_NAME.match(script_name) else "train.py"
     what = spec["class"] if spec["kind"] == "hf" else spec["factory"].split(":")[1]
     parts = [f"{world_size}-way tensor parallelism"] if world_size > 1 else []
@@ -349,8 +351,9 @@ def pipeline_stages(calls) -> int:
 
 
 def processes(calls, world_size: int) -> int:
-    """Processes one replica of the schedule needs: tensor-parallel width x pipeline stages."""
-    return world_size * pipeline_stages(calls)
+    """Processes one replica of the schedule needs: tensor-parallel width x pipeline stages
+    (:attr:`ParallelDims.replica <slapo_lab.parallel_dims.ParallelDims.replica>`)."""
+    return ParallelDims(world_size, pipeline_stages(calls)).replica
 
 
 def launch_command(
@@ -450,17 +453,14 @@ def refuse_failing_schedule(model: nn.Module, calls, example_inputs: dict, world
     Raises:
         ExportError: the check fails: "Not exported: <where and how it differs>; pass force=True ...".
     """
-    from ..module_state import peek_meta
-    from ..numeric import NumericReport, numeric_check
-
     if report is None:
         scheduled = any(peek_meta(m) for m in model.modules())
         has_config = hasattr(getattr(model, "config", None), "to_dict")
         if scheduled and not has_config:
-            return NumericReport(
+            return numeric.NumericReport(
                 "skipped", "The model is already scheduled and has no config to rebuild from."
             )
-        report = numeric_check(model, list(calls), world_size, example_inputs, from_config=scheduled)
+        report = numeric.numeric_check(model, list(calls), world_size, example_inputs, from_config=scheduled)
     if report.status in ("failed", "error"):
         raise ExportError(
             f"Not exported: {report.message[:1].lower()}{report.message[1:].rstrip('.')}; fix the schedule (the live check and "

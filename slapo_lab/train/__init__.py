@@ -16,7 +16,13 @@ call into :func:`slapo_lab.train.main`; everything else lives here, as importabl
 * ``optim``      -- AdamW / SGD, ``torch.optim.lr_scheduler`` schedules, clipping by the global norm;
 * ``checkpoint`` -- ``torch.distributed.checkpoint`` save / resume at any layout, Hugging Face directories out;
 * ``verify``     -- the scheduled model against the unscheduled one on a small batch;
-* ``loop``       -- the training loop of each target (torchrun: plain or pipeline; DeepSpeed).
+* ``loop``       -- :func:`~slapo_lab.train.loop.main`, the run from the process group to the exit status;
+* ``process``    -- the device, the backend and the process group of a rank; ``RunError``;
+* ``assemble``   -- a run's layout, data and this rank's part of the model;
+* ``run``        -- ``Run``: the training loop, and the torchrun target's optimizer step (``TorchStepper``);
+* ``deepspeed``  -- the DeepSpeed target (its engine steps the optimizer);
+* ``losses``     -- the model's loss, the probe objective, token cross entropy, the pipeline's loss, batch helpers;
+* ``evaluate``   -- the validation loss.
 
 The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placements` (DTensor views).
 """
@@ -29,15 +35,15 @@ def main(**kwargs) -> int:
     A rank that a launcher started ends there once the run has destroyed its process group
     (:func:`slapo_lab.train.lifeline.finish`); a caller whose own group outlives the run (a harness running
     several scripts in one launch) gets the exit status back."""
-    from .preflight import preflight
+    from .preflight import preflight  # noqa: PLC0415 - import slapo_lab.train (lifeline) stays stdlib only
 
     checked = preflight(**kwargs)
     if isinstance(checked, int):
         return checked
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 - torch loads only after the launch checks pass (a bad input fails in a second)
 
-    from .lifeline import finish
-    from .loop import main as _main
+    from .lifeline import finish  # noqa: PLC0415 - torch loads only after the launch checks pass (a bad input fails in a second)
+    from .loop import main as _main  # noqa: PLC0415 - torch loads only after the launch checks pass (a bad input fails in a second)
 
     code = _main(**kwargs, checked=checked)
     if dist.is_available() and dist.is_initialized():

@@ -27,9 +27,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
+from ..spec import transformers_class
+from .lifeline import check
 from .preflight import RUN_INFO, STEP_DIR, latest_checkpoint, step_dir
+from .weights import copy_hf_extras
 
 _STEP_DIR = STEP_DIR
 
@@ -89,7 +101,6 @@ class Checkpointer:
     def _optim_state(self) -> tuple[dict[str, Any], list]:
         """(views by ``<param name>.<state>`` / ``param_groups.*``, the originals to set back after a load:
         ``[(module, flat state dict, {view key: original key})]``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         views: dict[str, Any] = {}
@@ -128,9 +139,6 @@ class Checkpointer:
     # ------------------------------------------------------------------------------ save / load
     def save(self, step: int, train_state: dict[str, Any]) -> Path:
         """Save everything at ``step``; returns the complete directory. Every rank calls it."""
-        import torch.distributed.checkpoint as dcp
-
-        from .lifeline import check
 
         check()  # a rank whose launcher died never writes: a relaunch may own this directory now
         final = step_dir(self.folder, step)
@@ -182,9 +190,6 @@ class Checkpointer:
 
         RNG states come back when the checkpoint was saved at this layout (else the caller reseeds).
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         model = self._model_state()
         optim, originals = self._optim_state() if self.optimizer is not None else ({}, [])
@@ -245,8 +250,6 @@ def save_hf(
         mesh: the ``(dp, tp)`` DeviceMesh.
         dtype: the dtype written.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     folder = Path(folder)
     rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
@@ -312,10 +315,6 @@ def convert_to_hf(
     Raises:
         ConvertError: not a complete checkpoint of this runtime (one sentence).
     """
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(checkpoint)
     if path.is_dir() and not (path / ".metadata").is_file():
@@ -386,9 +385,6 @@ def convert_to_hf(
             json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
         )
     if spec.get("kind") == "hf":
-        from ..spec import transformers_class
-        from .weights import copy_hf_extras
-
         config_cls = transformers_class(spec.get("config_class"), "PretrainedConfig")
         if config_cls is None:
             raise ConvertError(

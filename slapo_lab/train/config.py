@@ -3,7 +3,7 @@
 One home for each option's name, type, default, help text, form label and limits. The command line of an
 exported script (:mod:`slapo_lab.train.args`) is generated from these fields, an exported script renders its
 defaults as a ``TrainConfig(...)`` literal (:mod:`slapo_lab.export.script`), and the runtime
-(:mod:`slapo_lab.train.loop` and its helpers) reads typed fields (``cfg.optimizer.lr``), never an argparse
+(:mod:`slapo_lab.train.run` and its helpers) reads typed fields (``cfg.optimizer.lr``), never an argparse
 ``Namespace``. The parallel degrees themselves live in :class:`slapo_lab.parallel_dims.ParallelDims`;
 :meth:`ParallelOptions.dims` yields one.
 
@@ -30,6 +30,7 @@ Raises (everywhere here): :class:`ConfigError`, one sentence naming the option (
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import types
 import typing
@@ -579,7 +580,7 @@ class TrainConfig:
     ) -> TrainConfig:
         """Parse a command line of an exported script's flags (:func:`slapo_lab.train.args.build_parser`; a bad
         value exits with status 2 and one sentence, as argparse does)."""
-        from .args import build_parser, parse_args
+        from .args import build_parser, parse_args  # noqa: PLC0415 - a cycle: args builds its parser from this module
 
         return parse_args(build_parser(launcher=launcher, pipeline=pipeline), argv)
 
@@ -643,8 +644,6 @@ class TrainConfig:
         Raises:
             ConfigError: any other expression, or a bad value.
         """
-        import ast
-
         node = ast.parse(source.strip(), mode="eval").body
         sections = {s.name: s.default_factory for s in dataclasses.fields(cls)}
 

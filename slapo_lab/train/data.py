@@ -56,7 +56,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
+from ..spec import objective_of  # noqa: F401 (re-exported: its home is the spec)
 from .preflight import DATA_HINT as _DATA_HINT  # noqa: F401 (re-exported)
 from .preflight import FILE_BUILDERS, DataError, data_files
 
@@ -77,21 +79,6 @@ def _mix_seed(*parts: Any) -> int:
 
 def _generator(*parts: Any) -> torch.Generator:
     return torch.Generator().manual_seed(_mix_seed(*parts))
-
-
-def objective_of(model_class_name: str) -> str | None:
-    """The training objective of a Hugging Face model class, by its name.
-
-    Returns:
-        ``"causal_lm"`` for ``*ForCausalLM`` and ``*LMHeadModel`` (GPT-2), ``"masked_lm"`` for
-        ``*ForMaskedLM``, else ``None`` (a class whose forward takes no token ``labels``: train it on
-        synthetic data).
-    """
-    if model_class_name.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal_lm"
-    if model_class_name.endswith("ForMaskedLM"):
-        return "masked_lm"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,7 +116,7 @@ def _check_text_field(f: Path) -> None:
                 'per line with the document in "text", e.g. {"text": "..."}.'
             )
     elif kind == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
         try:
             names = pq.read_schema(f).names
@@ -147,7 +134,7 @@ def _check_text_field(f: Path) -> None:
 
 def _load_files(files: list[Path], builder: str, cache_dir):
     """One ``load_dataset`` call on ``files`` (one builder): a Dataset with one string column ``text``."""
-    import datasets
+    import datasets  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
     kwargs = {"columns": ["text"]} if builder == "parquet" else {}
     # builder is a packaged builder of FILE_BUILDERS (text/json/parquet), never a dataset script or hub name
@@ -194,7 +181,7 @@ def load_corpus(files: list[Path], cache_dir=None):
 
     Returns None when every file is empty.
     """
-    import datasets
+    import datasets  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
     files = [f for f in files if f.stat().st_size > 0]
     if not files:
@@ -229,7 +216,6 @@ def load_tokenizer(tokenizer_dir):
             f"The tokenizer directory {d} does not exist; pass --tokenizer a directory written by "
             "tokenizer.save_pretrained(DIR)."
         )
-    from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -272,7 +258,7 @@ def _cache_file(ds, name: str) -> str | None:
 def tokenize_documents(corpus, tokenizer, sep_id: int, tokenizer_key: str):
     """Tokenise ``corpus`` (column ``text``) in a batched, cached map: one row per non-blank document with
     ``input_ids`` (int32, the document's ids without special tokens, then ``sep_id``) and ``length``."""
-    import datasets
+    import datasets  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
     def tokenize(batch):
         texts = [t for t in batch["text"] if t is not None and t.strip()]
@@ -280,7 +266,7 @@ def tokenize_documents(corpus, tokenizer, sep_id: int, tokenizer_key: str):
         ids = [x + [sep_id] for x in ids if x]
         return {"input_ids": ids, "length": [len(x) for x in ids]}
 
-    from datasets.fingerprint import Hasher
+    from datasets.fingerprint import Hasher  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
     fp = Hasher.hash([_FORMAT_VERSION, "tokenize", corpus._fingerprint, tokenizer_key, sep_id])
     features = datasets.Features(
@@ -304,9 +290,9 @@ def pack_sequences(docs, seq_len: int):
         ``(packed, num_tokens)``: a Dataset with one column ``input_ids`` of fixed length ``seq_len``
         (int32), and the number of tokens of the stream (separators included).
     """
-    import datasets
-    import pyarrow.compute as pc
-    from datasets.fingerprint import Hasher
+    import datasets  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
+    import pyarrow.compute as pc  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
+    from datasets.fingerprint import Hasher  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
 
     table = docs.with_format("arrow")
     ends = np.cumsum(table[:]["length"].to_numpy().astype(np.int64))  # arrow column: no per-row formatting
@@ -385,8 +371,6 @@ class TokenData:
         self.tokenizer_dir = str(tokenizer_dir)
         self._collator = None
         if objective == "masked_lm":
-            from transformers import DataCollatorForLanguageModeling
-
             self._collator = DataCollatorForLanguageModeling(
                 tokenizer, mlm=True, mlm_probability=MLM_PROBABILITY
             )

@@ -18,12 +18,20 @@ Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (the parameter attribute
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from ..pipeline.runtime import deepspeed_from
 from .config import TrainConfig
+from .lifeline import check
+from .losses import model_loss, split_target, to_device
+from .optim import make_optimizer, make_scheduler
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
 def ds_config(cfg: TrainConfig, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
@@ -100,22 +108,17 @@ def mark_model_parallel(targets) -> int:
 class DeepSpeedStepper:
     """The DeepSpeed target's optimizer step and checkpoints (see the module docstring)."""
 
-    def __init__(self, run) -> None:
-        import deepspeed
-
-        from .optim import make_scheduler
+    def __init__(self, run: Run) -> None:
+        import deepspeed  # noqa: PLC0415 - optional and heavy: only a run under the DeepSpeed launcher needs it
 
         cfg, lay = run.cfg, run.layout
         self.run = run
         self.zero = cfg.parallel.zero
         if run.pm is not None:  # the same stages on DeepSpeed's pipeline engine
-            from ..pipeline.runtime import deepspeed_from
-            from .optim import make_optimizer
-
             # DeepSpeed counts a parameter in its clipping norm on model-parallel rank 0 only unless it is marked
             # model parallel, and its pipeline grid puts the stages into the model-parallel group: every stage's
             # own parameters are distinct, so all are marked (a tied copy on a later stage is not)
-            owners = {id(t.param) for t in run._norm_targets()}
+            owners = {id(t.param) for t in run.norm_targets()}
             for t in run.targets:
                 t.param.model_parallel = t.param.tensor_model_parallel = id(t.param) in owners
             run.pm = deepspeed_from(
@@ -132,7 +135,7 @@ class DeepSpeedStepper:
         else:
             mark_model_parallel(run.targets)
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-            optimizer = run._optimizer()
+            optimizer = run.new_optimizer()
             scheduler = make_scheduler(
                 optimizer, cfg.lr_schedule.lr_schedule, cfg.lr_schedule.warmup_steps, run.steps
             )
@@ -148,7 +151,7 @@ class DeepSpeedStepper:
         self.norm = None
         if self.zero == 0:  # ZeRO-0 clips without keeping the norm: read it off the reduced gradients first
             clip = self.engine.clip_fp32_gradients
-            norm_targets = run._norm_targets()
+            norm_targets = run.norm_targets()
 
             def clip_and_keep_norm():
                 self.norm = float(run.grad_norm(norm_targets))
@@ -161,8 +164,6 @@ class DeepSpeedStepper:
         run = self.run
         if not run.cfg.checkpoint.checkpoint_dir or run.cfg.checkpoint.no_resume:
             return 0
-        from pathlib import Path
-
         if not (Path(run.cfg.checkpoint.checkpoint_dir) / "latest").is_file():
             return 0
         path, state = self.engine.load_checkpoint(run.cfg.checkpoint.checkpoint_dir)
@@ -181,31 +182,25 @@ class DeepSpeedStepper:
         lr = self.engine.get_lr()[0]
         self.norm = None
         if run.pm is not None:
-            from .loop import _split_target, _to
-
-            inputs, target = _split_target(_to(run._replica_batch(step), run.device), 1, run.device)
-            loss = run._dp_mean(torch.tensor(run.pm.train_step(**inputs, target=target), dtype=torch.float64))
+            inputs, target = split_target(to_device(run.replica_batch(step), run.device), 1, run.device)
+            loss = run.dp_mean(torch.tensor(run.pm.train_step(**inputs, target=target), dtype=torch.float64))
         else:
-            from .loop import _to, model_loss
-
             micro_batches = run.plan.micro_batches(run.data, step)
             total = torch.zeros((), device=run.device)
             for mb in micro_batches:
-                loss = model_loss(self.engine(**_to(mb, run.device)), run.cfg.data.seed)
+                loss = model_loss(self.engine(**to_device(mb, run.device)), run.cfg.data.seed)
                 self.engine.backward(
                     loss
                 )  # scaled by 1 / gradient_accumulation_steps, averaged over replicas
                 self.engine.step()  # steps the optimizer (and the scheduler) after the last micro-batch
                 total += loss.detach().float() / len(micro_batches)
-            loss = run._dp_mean(total)
+            loss = run.dp_mean(total)
         norm = self.norm if self.norm is not None else self.engine.get_global_grad_norm()
         return loss, float(norm) if norm is not None else float("nan"), lr
 
-    def save(self, step: int, state: dict):
-        from pathlib import Path
-
-        from .lifeline import check
-
+    def save(self, step: int, state: dict) -> Path:
+        """Save DeepSpeed's checkpoint of ``step`` (tag ``step-<step>``) with ``state`` and the layout; returns
+        its folder."""
         check()  # a rank whose launcher died never writes (slapo_lab/train/lifeline.py)
         tag = f"step-{step:08d}"
         self.engine.save_checkpoint(

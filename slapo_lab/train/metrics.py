@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -219,8 +220,6 @@ class MetricsLogger:
                 torch.cuda.get_device_name(self.device), precision
             )
         if progress == "on" or (progress == "auto" and sys.stderr.isatty()):
-            from tqdm import tqdm
-
             self.bar = tqdm(
                 total=self.total_steps,
                 initial=self.start_step,
@@ -232,7 +231,7 @@ class MetricsLogger:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._open_csv()
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - tensorboard loads only with --log-dir
 
             purge = self.start_step + 1 if self.start_step > 0 else None
             self._writer = SummaryWriter(str(self.log_dir), purge_step=purge)

@@ -10,11 +10,13 @@ Tied copies of one parameter on several stages count once.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.optim import lr_scheduler as S
 
 from .config import OptimizerOptions
 
@@ -42,7 +44,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
     (``CosineAnnealingLR`` down to 0 at ``total``), chained with ``SequentialLR``. Call ``step()``
     after every optimizer step.
     """
-    from torch.optim import lr_scheduler as S
 
     rest = max(1, total - warmup)
     if schedule == "linear":
@@ -71,7 +72,6 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group=None) -> torch.Tens
     if grads:
         # DTensor logs a warning that reducing a scalar over both mesh dims takes two all-reduces: it does, and
         # for one scalar per step that is fine
-        import logging
 
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         # one norm per device mesh (replicated key/value heads live on the (dp, kv, r) mesh, the rest on

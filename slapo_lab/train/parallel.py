@@ -21,10 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel_dims import ParallelDims
+from ..pipeline import make_mesh
 from ..sharding.placements import fsdp_dim_for
 from .preflight import layout_problem
+from .weights import Target
 
 
 class LayoutError(ValueError):
@@ -112,7 +117,6 @@ def make_layout(
             given ``dp``, or the stages do not divide by ``stages_per_rank`` (one sentence with the
             launch that fits).
     """
-    from ..pipeline import make_mesh
 
     problem = layout_problem(tp, stages, world, dp, stages_per_rank, launch_hint)
     if problem:
@@ -144,10 +148,6 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], targets: list, layout
     Returns:
         New targets, in the same order.
     """
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
-
-    from .weights import Target
 
     dims = {id(t.param): fsdp_dim_for(t.layout, layout.dp) for t in targets}
     ignored = {t.param for t in targets if dims[id(t.param)] is None}
@@ -181,7 +181,6 @@ def wrap_ddp(model: nn.Module, layout: Layout, device: str, find_unused: bool) -
     """``DistributedDataParallel`` over the ``dp`` group (the model itself when ``dp`` is 1)."""
     if layout.dp == 1:
         return model
-    from torch.nn.parallel import DistributedDataParallel
 
     ids = [torch.device(device).index] if device.startswith("cuda") else None
     return DistributedDataParallel(

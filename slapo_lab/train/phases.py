@@ -8,6 +8,8 @@ launching torchrun and importing torch on every rank).
 
 from __future__ import annotations
 
+import sys
+
 PREFIX = "slapo-lab phase: "
 
 #: Every phase of a Verify run, in order, with the words the editor shows. ``export`` and ``launch`` happen
@@ -30,11 +32,10 @@ def say_phase(name: str) -> None:
     Raises:
         KeyError: an unknown phase.
     """
-    import torch.distributed as dist
-
     if name not in PHASES:  # one home for the names: an unknown one is a bug here, not a silent line
         raise KeyError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group (this module needs no torch)
+    if dist is None or not dist.is_initialized() or dist.get_rank() == 0:
         print(PREFIX + name, flush=True)
 
 

@@ -19,7 +19,8 @@ on this path; ``slapo_lab/__init__.py`` loads its public names on first use for 
 
 A failed check prints ``error: <one sentence>`` on the node's local rank 0 (the only line that rank writes for
 it; the other ranks print nothing) and the run exits with status 2, without a traceback. Checks that need torch
-(whether CUDA is there, the model's build, the schedule's calls) stay in :mod:`slapo_lab.train.loop`.
+(whether CUDA is there, the model's build, the schedule's calls) stay in :mod:`slapo_lab.train.loop` and
+:mod:`slapo_lab.train.assemble`.
 """
 
 from __future__ import annotations
@@ -285,7 +286,8 @@ def layout_problem(
     unit = ParallelDims(tp, pp).replica
     dims = ParallelDims.for_world(world, tp, pp) if world >= 1 else None
     if dims is None or (dp is not None and dp != dims.dp):
-        want = ParallelDims(tp, pp, dp or (dims.dp if dims else max(world // unit, 1))).world_size
+        fit = dims or ParallelDims.filling(max(world, 1), tp, pp)[0]  # the replicas that fit (at least one)
+        want = ParallelDims(tp, pp, dp or fit.dp).world_size
         need = f"--dp {dp} x {unit} = {want}" if dp else f"a multiple of {unit}"
         return (
             f"This schedule runs tp={tp} (tensor parallel) x pp={pp} (pipeline) x dp processes, so the "

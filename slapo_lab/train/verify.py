@@ -15,22 +15,39 @@ Verify compares
 within ``atol + rtol * |reference|`` (1e-5 each). Reference tensors are gathered one parameter at a
 time (``DTensor.full_tensor``). The report is :class:`slapo_lab.VerifyReport`; its last line is
 ``Verify: PASSED`` or ``Verify: FAILED``.
+
+:func:`verify_run` is the Verify of a launched run (:meth:`slapo_lab.train.run.Run.verify`): its batch, the
+scheduled model's step and the reference's, dropout off and bf16 autocast off around them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
+from ..blocks import find_blocks
+from ..schedule import create_schedule
 from ..sharding.placements import ShardLayout
 from ..verify import Comparison, VerifyReport, flatten_outputs
-from .weights import Target
+from . import metrics
+from .data import BatchPlan
+from .losses import cat_batches, first_tensor, model_loss, pipeline_loss_fn, split_target, to_device
+from .phases import say_phase
+from .process import say
+from .weights import Target, build_meta_model, init_random, load_hf
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -64,12 +81,6 @@ class Reference:
     def __init__(
         self, build: Callable[[], nn.Module], fill: Callable[[Any, list[Target], Any], None], device: str
     ) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from ..blocks import find_blocks
-        from ..schedule import create_schedule
-
         world = dist.get_world_size()
         rank = dist.get_rank()
         self.mesh = init_device_mesh(torch.device(device).type, (world, 1), mesh_dim_names=("dp", "tp"))
@@ -138,8 +149,6 @@ def run_verify(
             weights.append(Comparison(name, a, 0.0, ok and a == 0.0))
         del full
     # 2. forward and backward of both
-    from .phases import say_phase
-
     say_phase("compare")
     loss, out = run_scheduled()
     ref_loss, ref_out = run_reference(reference.model)
@@ -225,9 +234,6 @@ def release(reference: Reference, device: str) -> None:
 def trim_heap() -> None:
     """Hand the memory the CPU allocator freed back to the system (glibc's ``malloc_trim``; a no-op elsewhere):
     glibc keeps freed heap pages, so the reference's memory would stay in the process's resident set."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -235,3 +241,139 @@ def trim_heap() -> None:
         libc = None
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def verify_run(run: Run) -> bool:
+    """Run Verify on ``run`` (see the module docstring); prints the report on rank 0; True if it passed."""
+    say_phase("reference")
+    cfg = run.cfg
+    batch = _verify_batch(run)
+    rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+    seq = next((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 1), None)
+
+    def fill(ref_sch, targets, mesh):
+        if cfg.model.model_path:
+            load_hf(cfg.model.model_path, targets, mesh)
+        else:
+            init_random(ref_sch, targets, cfg.data.seed)
+
+    ref = Reference(lambda: build_meta_model(run.spec, cfg.model.model_path), fill, run.device)
+    note = (
+        f"one forward and backward of {rows} sequence(s)"
+        + (f" of {seq} tokens" if seq else "")
+        + f" ({'synthetic inputs' if cfg.data.data == 'synthetic' else 'from --data'}, fp32, dropout off) against "
+        f"the unscheduled model sharded by FSDP2 over all {dist.get_world_size()} rank(s); layout "
+        f"{run.layout.describe()}"
+    )
+    dropouts = dropout_off([run.module, ref.model])
+    if run.pm is not None:  # dropout traced into the stage graphs
+        run.pm.set_dropout(False)
+    autocast = [m for m in run.module.modules() if getattr(m, "autocast_bf16", False)]
+    for m in autocast:  # Verify compares in float32
+        m.autocast_bf16 = False
+    try:
+        report = run_verify(
+            ref,
+            run.targets,
+            lambda: _scheduled_step(run, batch),
+            lambda m: _reference_step(run, m, batch),
+            device=run.device,
+            note=note,
+        )
+    finally:
+        dropout_restore(dropouts)
+        if run.pm is not None:
+            run.pm.set_dropout(True)
+        for m in autocast:
+            m.autocast_bf16 = True
+        release(ref, run.device)
+        for t in run.targets:
+            t.param.grad = None
+
+    report.note += f"; Verify's peak memory {metrics.peak_memory_mib(run.device):.0f} MiB on rank 0"
+    say(report.summary())
+    metrics.reset_peak_memory(run.device)  # the step lines' peak is training's own
+    return report.passed
+
+
+def _verify_batch(run: Run) -> dict:
+    """Verify's batch on this rank's device: ``--verify-batch-size`` rows of ``--verify-seq-len`` tokens (a
+    pipeline: one step's batch of replica 0)."""
+    cfg = run.cfg
+    if run.pipeline:  # its shapes are fixed: one step's batch, replica 0's on every replica
+        first = BatchPlan(
+            run.data.num_samples,
+            cfg.batch.global_batch_size,
+            run.micro,
+            run.layout.dp,
+            0,
+            cfg.data.seed,
+        )
+        return to_device(cat_batches(first.micro_batches(run.data, 0)), run.device)
+    rows = cfg.verify.verify_batch_size or 2
+    batch = run.data.batch(list(range(rows)), 0)
+    length = cfg.verify.verify_seq_len or (min(run.seq_len, 64) if run.seq_len else None)
+    if length is not None and run.seq_len:
+        batch = {
+            k: v[:, :length]
+            if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == run.seq_len
+            else v
+            for k, v in batch.items()
+        }
+    return to_device(batch, run.device)
+
+
+def _scheduled_step(run: Run, batch: dict) -> tuple[float, Any]:
+    """The scheduled model's forward and backward on ``batch``: ``(loss, outputs or None)``."""
+    if run.pipeline:
+        inputs, target = split_target(batch, 1, run.device)
+        loss = run.pm.train_step(**inputs, target=target)
+        run.layout.average_ignored_grads()
+        return float(loss), None
+    run.module.eval()
+    out = run.module(**run.forward_kwargs(batch))
+    loss = model_loss(out, run.cfg.data.seed)
+    loss.backward()
+    run.layout.average_ignored_grads()
+    run.unused_params = any(t.param.requires_grad and t.param.grad is None for t in run.targets)
+    return float(loss.detach()), out
+
+
+def _reference_step(run: Run, model: nn.Module, batch: dict) -> tuple[float, Any]:
+    """The reference's forward and backward on ``batch`` (a pipeline's micro-batches, as its schedule cuts
+    them): ``(loss, outputs or None)``."""
+    model.eval()
+    if not run.pipeline:
+        out = model(**run.forward_kwargs(batch))
+        loss = model_loss(out, run.cfg.data.seed)
+        loss.backward()
+        return float(loss.detach()), out
+    n = run.plan.accumulation  # the pipeline's micro-batches: the same means, summed the same way
+    loss_fn = pipeline_loss_fn(run.objective, run.cfg.data.seed)
+    inputs, target = split_target(batch, n, run.device)
+    total = 0.0
+    for i in range(n):
+        chunk = {
+            k: v.chunk(n)[i] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()
+        }
+        loss = loss_fn(first_tensor(model(**run.forward_kwargs(chunk))), target.chunk(n)[i]) / n
+        loss.backward()
+        total += float(loss.detach())
+    return total, None
+
+
+def dropout_off(models: list[nn.Module]) -> list[tuple[nn.Module, float]]:
+    """Set every dropout rate of ``models`` to 0; returns ``[(module, rate)]`` to put back."""
+    saved = []
+    for m in models:
+        for mod in m.modules():
+            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
+                saved.append((mod, mod.p))
+                mod.p = 0.0
+    return saved
+
+
+def dropout_restore(saved: list[tuple[nn.Module, float]]) -> None:
+    """Put back the dropout rates :func:`dropout_off` returned."""
+    for mod, p in saved:
+        mod.p = p

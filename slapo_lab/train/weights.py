@@ -22,9 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import _getdtype
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from transformers import AutoTokenizer
 
+from ..init import _init_full, init_empty_weights, param_seed
 from ..sharding.placements import ShardLayout
+from ..spec import build_from_spec
+from .preflight import PreflightError, read_model_config
 
 
 class WeightsError(ValueError):
@@ -63,12 +72,8 @@ def build_meta_model(spec: dict, model_path: str | None = None) -> nn.Module:
         WeightsError: the directory has no readable config.json, or its model type differs from the spec's.
         ExportError: the model cannot be built (one sentence).
     """
-    from ..init import init_empty_weights
-    from ..spec import build_from_spec
 
     if model_path is not None and spec.get("kind") == "hf":
-        from .preflight import PreflightError, read_model_config
-
         try:  # the same check as the launch's preflight
             config = read_model_config(spec, model_path)
         except PreflightError as err:
@@ -104,7 +109,6 @@ def allocate(
     ``torch.export``-ed pipeline stage) is replaced by a new one in every slot of ``module`` and every
     value of the ``tables`` (dicts) that held it, and in its target.
     """
-    from torch._subclasses.fake_tensor import is_fake
 
     for t in targets:
         p = t.param
@@ -144,7 +148,6 @@ def init_random(sch, targets: list[Target], seed: int) -> None:
         targets: this rank's tensors (allocated); several objects may share one name (tied copies).
         seed: the base seed.
     """
-    from ..init import _init_full, param_seed
 
     by_name: dict[str, list[Target]] = {}
     for t in targets:
@@ -180,8 +183,6 @@ def hf_index(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     Raises:
         WeightsError: the directory is missing or holds no ``*.safetensors`` file.
     """
-    from safetensors import safe_open
-    from safetensors.torch import _getdtype
 
     folder = Path(model_path)
     if not folder.is_dir():
@@ -214,8 +215,6 @@ def load_hf(model_path: str, targets: list[Target], mesh) -> None:
         WeightsError: a tensor the model needs is missing from the files or has another shape (one
             sentence naming it and the directory).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     index = hf_index(model_path)
     first: dict[str, Target] = {}
@@ -261,6 +260,4 @@ def copy_hf_extras(model_path: str | None, tokenizer_dir: str | None, out: str |
             (Path(model_path) / "generation_config.json").read_bytes()
         )
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-        from transformers import AutoTokenizer
-
         AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
