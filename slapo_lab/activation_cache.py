@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from .activations import ActivationProfile, SavedProfile, estimate_activations, saved_activations
@@ -54,8 +55,6 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _input_signature(x: Any) -> Any:
-    import torch
-
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), str(x.dtype))
     if isinstance(x, dict):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from .errors import ScheduleError
@@ -151,8 +152,6 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context, 
         t0 = time.perf_counter()
         with context, FlashSDPA():
             if fake:
-                from torch._subclasses.fake_tensor import FakeTensorMode
-
                 with FakeTensorMode(allow_non_fake_inputs=True):
                     _call_model(model, inputs)
             else:

@@ -126,14 +126,6 @@ class ModuleMeta:
         new.__dict__.update({k: copy_value(v) for k, v in self.__dict__.items()})
         return new
 
-    # Read-only dict-style access for the readers not converted yet (editor/style.py, editor/app.py,
-    # graph/dataflow.py): ``meta["syncs"]`` and ``meta.get("syncs", ())`` read the field.
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
 
 def module_meta(mod: nn.Module) -> ModuleMeta:
     """The module's :class:`ModuleMeta`, created with every field at its default on first use."""

@@ -48,6 +48,7 @@ Sources: Adam state sizes and the 16-bytes-per-parameter mixed-precision rule fo
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,8 +196,6 @@ def stage_assignment(sch, forward_order=None) -> StageAssignment:
         stage_of[path] = s
     fo = forward_order
     if fo is not None and fo.ok and cuts and all(fo.count(c) == 1 for c in cuts):
-        import bisect
-
         exits = sorted(fo.exit_point(c)[0] for c in cuts)
         for path in stage_of:
             calls = fo.calls.get(path)

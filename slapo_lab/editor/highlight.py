@@ -22,9 +22,9 @@ _CSS = """<style>
 def _pygments():
     """``(highlight, lexer, formatter)``, made once (a new formatter per line tripled the cost), or None."""
     try:
-        from pygments import highlight
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
+        from pygments import highlight  # noqa: PLC0415 - optional dependency
+        from pygments.formatters import HtmlFormatter  # noqa: PLC0415 - optional dependency
+        from pygments.lexers import PythonLexer  # noqa: PLC0415 - optional dependency
     except ImportError:  # pragma: no cover
         return None
     return highlight, PythonLexer(), HtmlFormatter(nowrap=True)

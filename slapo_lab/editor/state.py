@@ -248,8 +248,7 @@ class EditorState(SchedulePersistence):
         Returns:
             The :class:`~slapo_lab.plan.Plan`, or None when even the parameter count failed.
         """
-        # looked up at each call, as the memory view always did: tests replace plan.plan
-        from ..plan import plan
+        from ..plan import plan  # noqa: PLC0415 - looked up at each call: tests replace plan.plan
 
         dp, shard, _ = self._plan_layout()
         inputs = self.example_inputs or None
@@ -553,7 +552,7 @@ class EditorState(SchedulePersistence):
         The action stays on the redo stack until it has been applied whole; a failure leaves the
         schedule as it was.
         """
-        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
+        from .. import replay  # noqa: PLC0415 - looked up at each call: tests replace slapo_lab.replay
 
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
@@ -594,7 +593,7 @@ class EditorState(SchedulePersistence):
         ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
         KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
         earlier stays valid."""
-        from .. import replay  # looked up at each call: tests replace slapo_lab.replay
+        from .. import replay  # noqa: PLC0415 - looked up at each call: tests replace slapo_lab.replay
 
         old = self.schedule
         meta = self._take_spare()

@@ -454,7 +454,7 @@ def refuse_failing_schedule(model: nn.Module, calls, example_inputs: dict, world
         ExportError: the check fails: "Not exported: <where and how it differs>; pass force=True ...".
     """
     if report is None:
-        scheduled = any(peek_meta(m) for m in model.modules())
+        scheduled = any(peek_meta(m) is not None for m in model.modules())
         has_config = hasattr(getattr(model, "config", None), "to_dict")
         if scheduled and not has_config:
             return numeric.NumericReport(

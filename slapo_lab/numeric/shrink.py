@@ -125,7 +125,7 @@ def _map_calls(
 
 def _configs(cfg) -> list:
     """``cfg`` and its sub-configs (CLIP's text / vision, encoder / decoder configs)."""
-    from transformers import PretrainedConfig  # kept local (PLC0415): heavy, 0.7 s; only an HF model needs it
+    from transformers import PretrainedConfig  # noqa: PLC0415 - heavy (0.7 s); only an HF model needs it
 
     out, todo = [], [cfg]
     while todo:
@@ -329,7 +329,7 @@ def dropout_off(model: nn.Module) -> nn.Module:
     GPT-2's ``resid_pdrop``, a stochastic depth's ``drop_prob``, LayerDrop's ``layerdrop``) and in the same
     fields of the model's configs, which are first copied (a forward that reads ``self.config.attention_dropout``
     at run time reads 0.0; the user's config is left as it is). Returns ``model``."""
-    from transformers import PretrainedConfig  # kept local (PLC0415): heavy, 0.7 s; only an HF model needs it
+    from transformers import PretrainedConfig  # noqa: PLC0415 - heavy (0.7 s); only an HF model needs it
 
     memo: dict[int, Any] = {}
     for m in model.modules():
