@@ -42,7 +42,7 @@ from .module_state import peek_meta
 from .record import Call, format_call
 from .utils import meta_copy
 
-__all__ = ["cached_profile", "has_cached_profile", "profile_for_cache"]
+__all__ = ["cached_profile", "has_cached_profile", "is_composed", "profile_for_cache"]
 
 #: model -> {key: profile}; a few states per model (an undo returns to one of them)
 _PROFILE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()

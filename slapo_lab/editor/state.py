@@ -240,7 +240,7 @@ class EditorState(SchedulePersistence):
         """Price :attr:`memory_plan`: the per-rank memory of the schedule as it is now, for the dp and sharding of
         :meth:`_plan_layout` (:func:`slapo_lab.plan.plan`, activations as :data:`ACTIVATIONS` for the example
         inputs). A deep model's activation pass is composed from its distinct blocks and cached per block
-        signature, so a change prices in tens of milliseconds at 405B dims; a model without a stack of blocks
+        context, so a change prices in tens of milliseconds at 405B dims; a model without a stack of blocks
         runs a whole meta forward, which ``defer_whole_pass`` (a kernel) leaves to the background work
         (:attr:`memory_pending`, the plan then without activations). A failed activation pass prices the rest and
         says why in :attr:`memory_problem`; nothing raises.
