@@ -149,9 +149,8 @@ class MemoryPanel:
         _, _, note = self.layout()
         kernel = _running_loop() is not None
         pl = ed.price_memory(defer_whole_pass=kernel)
-        if (
-            ed.memory_pending
-        ):  # a whole meta forward (a model without a stack of blocks): the background runs it
+        # a model without a stack of blocks needs a whole meta forward: in a kernel the background runs it
+        if ed.memory_pending:
             note += " <i>(activations: being estimated…)</i>"
         elif ed.memory_problem and pl is not None:
             note = f" <i>— {html.escape(ed.memory_problem)}</i>"
