@@ -45,14 +45,6 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
         def __init__(self, i: int) -> None:
             self.i = i
 
-    def replace_uses(node: fx.Node, value: Any) -> None:
-        if isinstance(value, fx.Node):
-            node.replace_all_uses_with(value)
-            return
-        for user in list(node.users):
-            user.args = fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
-            user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
-
     def plain(x: Any) -> bool:  # a builtin container of leaves: can be written as a graph argument
         if isinstance(x, _Leaf) or x is None:
             return True
@@ -80,11 +72,11 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
             except (KeyError, IndexError, TypeError):
                 continue
             if isinstance(sub, _Leaf):
-                replace_uses(user, flat[sub.i])
+                _replace_uses(user, flat[sub.i])
             else:
                 resolve(user, sub, flat)
                 if user.users and plain(sub):
-                    replace_uses(user, build(sub, flat))
+                    _replace_uses(user, build(sub, flat))
 
     changed = False
     for node in list(graph.nodes):
