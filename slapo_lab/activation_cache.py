@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .activations import ActivationProfile, SavedProfile, estimate_activations, saved_activations
-from .blocks import find_blocks
+from .blocks import block_lists
 from .module_state import peek_meta
 from .record import Call, format_call
 from .utils import meta_copy
@@ -180,17 +180,6 @@ class _Composed:
         return all((st.path, ctx) in self.contexts for st in comp.stacks for ctx in st.source)
 
 
-def _stacks(top) -> list[tuple[str, list[int]]]:
-    """``[(ModuleList path, block indices)]`` of every stack of :func:`find_blocks` whose blocks are numbered
-    children of one list."""
-    out: dict[str, list[int]] = {}
-    for path in find_blocks(top):
-        parent, _, idx = path.rpartition(".")
-        if idx.isdigit() and parent:
-            out.setdefault(parent, []).append(int(idx))
-    return list(out.items())
-
-
 def _module_state(mod: nn.Module) -> tuple:
     meta = peek_meta(mod)
     if not meta:
@@ -224,7 +213,6 @@ def _block_facts(block: nn.Module) -> tuple[list[tuple], list[tuple]]:
 _FACTS: dict[int, tuple[weakref.ref, tuple, tuple]] = {}
 #: block signature -> its number, for the life of the process (the cached contexts name signatures by number)
 _SIG_IDS: dict[tuple, int] = {}
-_STACKS: dict[int, tuple[weakref.ref, tuple, list]] = {}
 
 
 def _memo_facts(block: nn.Module, stamp: tuple) -> tuple[list[tuple], list[tuple]]:
@@ -240,21 +228,6 @@ def _memo_facts(block: nn.Module, stamp: tuple) -> tuple[list[tuple], list[tuple
     return facts
 
 
-def _memo_stacks(top) -> list[tuple[str, list[int]]]:
-    """:func:`_stacks`, recomputed only when the model object or its record's length and last call differ (the
-    module tree changes only through recorded calls, and an undo rebuilds the model)."""
-    calls = top.record.calls
-    stamp = (len(calls), id(calls[-1]) if calls else None)
-    hit = _STACKS.get(id(top.mod))
-    if hit is not None and hit[0]() is top.mod and hit[1] == stamp:
-        return hit[2]
-    found = _stacks(top)
-    if len(_STACKS) > 1_000:
-        _STACKS.clear()
-    _STACKS[id(top.mod)] = (weakref.ref(top.mod), stamp, found)
-    return found
-
-
 def _outside_params(mod: nn.Module, stacks: set[int], prefix: str = "") -> list[tuple]:
     """``(name, shape, requires_grad)`` of the parameters outside the stacks of blocks (their ids in ``stacks``)."""
     out = [(prefix + n, tuple(p.shape), p.requires_grad) for n, p in mod._parameters.items() if p is not None]
@@ -266,7 +239,7 @@ def _outside_params(mod: nn.Module, stacks: set[int], prefix: str = "") -> list[
 
 def _composition(top, example_inputs) -> _Composition | None:
     """The cut-down of ``top`` for a composed ``"autograd"`` pass, or None when it would run every block anyway."""
-    found = _memo_stacks(top)
+    found = [(path, idx) for path, idx in block_lists(top) if path]  # a list inside the model
     if not found:
         return None
     stacks: list[_Stack] = []

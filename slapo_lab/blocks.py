@@ -147,6 +147,17 @@ def _sequential_blocks(sch) -> list[str]:
     return best[1] if best else []
 
 
+def block_lists(sch) -> list[tuple[str, list[int]]]:
+    """``[(path of the list, indices of its blocks)]`` for every stack of :func:`find_blocks` whose blocks are numbered
+    children of one ``nn.ModuleList`` (the path is "" when ``sch`` itself is the list), in model order."""
+    out: dict[str, list[int]] = {}
+    for path in find_blocks(sch):
+        parent, _, idx = path.rpartition(".")
+        if idx.isdigit():
+            out.setdefault(parent, []).append(int(idx))
+    return list(out.items())
+
+
 def block_stack(sch) -> tuple[str | None, int]:
     """``(path of the stack holding the most blocks, its number of blocks)`` among :func:`find_blocks`'s (the
     first of equal stacks), or ``(None, 0)`` for a model without repeated blocks."""

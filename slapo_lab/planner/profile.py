@@ -259,16 +259,10 @@ def _is_causal(args, kwargs) -> bool:
 # --------------------------------------------------------------------------------------------------
 def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
     """``[(ModuleList path, indices kept, count of each kept index's class)]`` for every stack of blocks."""
-    from ..blocks import find_blocks
+    from ..blocks import block_lists
 
-    stacks: dict[str, list[int]] = {}
-    for path in find_blocks(sch):
-        parent, _, idx = path.rpartition(".")
-        if not idx.isdigit():
-            continue
-        stacks.setdefault(parent, []).append(int(idx))
     out = []
-    for parent, idxs in stacks.items():
+    for parent, idxs in block_lists(sch):
         lst = sch.mod.get_submodule(parent) if parent else sch.mod
         first: dict[type, int] = {}
         counts: dict[type, int] = {}
