@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -420,3 +421,50 @@ def test_adam_op_costs_are_counted_from_adamw_itself():
     # eager single-tensor AdamW: several passes per tensor (decay, lerp, mul + addcmul, sqrt, div/add, addcdiv),
     # each reading and writing fp32: more bytes than the one fused pass the GPU profiles price
     assert ops >= 6 and per_elem > ADAM_BYTES_PER_ELEMENT
+
+
+def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
+    from slapo_lab.planner.model import _Pricer
+
+    sdpa = _tiny(eager=False)  # the fused kernel (its CPU flash variant here)
+    prof = profile_model(sdpa, 1, SEQ, "fp32")
+    block = prof.blocks[0]
+    # one attention kernel in the forward, one in the backward, and nothing else flagged
+    assert block.fwd.shape[1] == 4 and block.fwd[:, 3].sum() == 1 and block.bwd[:, 3].sum() == 1
+    assert prof.pre.fwd[:, 3].sum() == prof.post.fwd[:, 3].sum() == 0
+    attn = block.fwd[block.fwd[:, 3] > 0]
+    fast_memory = {"hbm_bandwidth": 1e18}  # compute-bound: the FLOP rate alone sets the time
+    cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(**fast_memory))
+    as_matmul = _Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
+    cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(attention_efficiency=0.25, **fast_memory))
+    slow = _Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
+    assert as_matmul == pytest.approx(attn[0, 0] / 1e11) and slow == pytest.approx(4 * as_matmul, rel=1e-6)
+
+
+def test_matmul_curve_prices_small_matmuls_slower():
+    from slapo_lab.planner.model import _Pricer
+
+    rows = np.array([[2e6, 0.0, 0.0, 0.0], [2e12, 0.0, 0.0, 0.0]])  # a small and a large matmul, no bytes
+    curve = ((2e6, 0.25), (2e9, 1.0))  # a quarter of the peak at 2 MFLOP, all of it from 2 GFLOP
+    cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(matmul_curve=curve))
+    pr = _Pricer(_tiny(1), cl, SEQ, "fp32")
+    assert pr.ops_time(rows[:1], 1) == pytest.approx(2e6 / (0.25 * 1e11))
+    assert pr.ops_time(rows[1:], 1) == pytest.approx(2e12 / 1e11)  # beyond the last point: its fraction
+    mid = pr.flop_rate(np.array([2e6 * 1000**0.5]), np.zeros(1))[0]  # halfway in log FLOPs
+    assert mid == pytest.approx(0.625 * 1e11)
+
+
+def test_an_op_that_returns_no_tensor_moves_no_bytes():
+    from slapo_lab.planner.profile import _Recorder
+
+    x = torch.ones(1024, 1024)
+    rec = _Recorder(lambda: ("pre", "fwd"), set())
+    with rec:
+        torch.ops.prim.device.default(x)  # a metadata query: no kernel, no traffic
+        y = x * 2
+    assert len(rec.rows) == 1 and rec.rows[0][3] == 2 * x.numel() * 4 and y.shape == x.shape
+
+
+def test_calibrated_attention_and_matmul_by_size_are_measured():
+    rate = devices.attention_flops(torch.float32, repeats=1)
+    assert 1e6 < rate < 1e14

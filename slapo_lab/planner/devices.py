@@ -42,9 +42,9 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
 
 * ``op_overhead``: host seconds to dispatch one aten op in eager mode. GPU profiles: 4 us, the order of a CUDA
   kernel launch from PyTorch ("a few microseconds", PyTorch blog "Accelerating PyTorch with CUDA Graphs", 2021;
-  an assumption, not measured here). ``launch_async`` (True on GPUs: the host queues kernels ahead of the
-  device) makes an op cost ``max(kernel, overhead)``; on a CPU (False) the host runs the kernel itself, so an op
-  costs ``kernel + overhead``.
+  an assumption; :func:`calibrate` measures it, host-side, for a tiny CUDA op). ``launch_async`` (True on GPUs:
+  the host queues kernels ahead of the device) makes an op cost ``max(kernel, overhead)``; on a CPU (False) the
+  host runs the kernel itself, so an op costs ``kernel + overhead``.
 * ``memory_curve``: achieved bytes/s by an op's working set, ``((bytes, bytes/s), ...)`` ascending; an op
   moving ``n`` bytes gets the bandwidth interpolated at ``log n`` (caches make small working sets faster;
   beyond the last point the memory bandwidth holds). GPU profiles: empty (every op priced at HBM bandwidth,
@@ -53,6 +53,18 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   runs on its own CUDA stream while backward computes: Li et al., 2020, "PyTorch Distributed: Experiences on
   Accelerating Data Parallel Training", VLDB, section 3.2.3). On a CPU :func:`calibrate` measures it (gloo's
   all-reduce issued asynchronously while the same process multiplies matrices).
+* ``attention_efficiency``: the fraction of the datasheet peak a fused attention kernel (``scaled_dot_product_
+  attention``'s flash backend, FlashAttention-2) reaches, forward and backward together; attention is priced at
+  it, not at ``matmul_efficiency``. Hopper (H100, H200): 0.35, "FlashAttention-2 achieves only 35% utilization
+  on H100" (Shah et al., 2024, "FlashAttention-3", abstract). A100: 0.50, the low end of "50-73% of the
+  theoretical maximum FLOPs/s on A100" (Dao, 2023, "FlashAttention-2", abstract; the backward pass is the slower
+  one). B200 and MI300X: 0.35, the Hopper figure (an assumption: no published FlashAttention-2 figure for them
+  was found). :func:`calibrate` measures it (a causal SDPA forward + backward).
+* ``matmul_curve``: achieved matmul FLOP/s by size, ``((FLOPs of one matmul, fraction of the dtype's peak),
+  ...)`` ascending; a matmul of ``f`` FLOPs gets the fraction interpolated at ``log f`` (small matmuls do not
+  fill the machine), the last point's beyond it. GPU profiles: empty (every matmul at ``matmul_efficiency``).
+  :func:`calibrate` measures it with square matmuls of 64 to 2048 (4096) in the device's training dtype (fp32
+  on a CPU, bf16 on a GPU), each as a fraction of the best.
 * ``collective_scale``: how much slower than a ring the backend's all-gather and reduce-scatter run. GPU
   profiles: empty (1: NCCL runs them as rings, the model of nccl-tests' ``doc/PERFORMANCE.md``). gloo on a CPU
   builds them from other collectives and :func:`calibrate` measures it (2026-11-27, 2 ranks, 32 MiB: all-reduce
@@ -95,6 +107,10 @@ class DeviceProfile:
         comm_overlap: the fraction (0..1) of a data-parallel collective that overlaps compute on this backend.
         collective_scale: ``(("all_gather", x), ("reduce_scatter", y))``: measured time over the ring model's for
             those collectives on this backend (empty: 1, a native ring).
+        attention_efficiency: achieved / peak FLOP/s of a fused attention kernel, forward and backward (None:
+            priced as a matmul of its FLOPs).
+        matmul_curve: ``((FLOPs of one matmul, fraction of peak), ...)`` ascending (empty: ``matmul_efficiency``
+            for every size).
         (Built-in values and their sources: the module docstring.)
     """
 
@@ -115,10 +131,12 @@ class DeviceProfile:
     memory_curve: tuple = ()
     comm_overlap: float = 1.0
     collective_scale: tuple = ()
+    attention_efficiency: float | None = None
+    matmul_curve: tuple = ()
 
     def __post_init__(self) -> None:
         # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
-        for name in ("memory_curve", "collective_scale"):
+        for name in ("memory_curve", "collective_scale", "matmul_curve"):
             object.__setattr__(self, name, tuple(tuple(x) for x in getattr(self, name)))
 
     def flops(self, dtype: str) -> float:
@@ -126,7 +144,7 @@ class DeviceProfile:
         return self.fp32_flops if dtype == "fp32" else self.bf16_flops
 
 
-def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, source):
+def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, attn, source):
     return DeviceProfile(
         name=name,
         bf16_flops=bf16 * 1e12,
@@ -138,6 +156,7 @@ def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, source):
         inter_bandwidth=ib * 1e9,
         inter_latency=20e-6,
         matmul_efficiency=eff,
+        attention_efficiency=attn,
         source=source,
     )
 
@@ -145,13 +164,19 @@ def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, source):
 #: Built-in profiles by name (figures and sources in the module docstring). Memory sizes are the datasheets'
 #: "GB" read as GiB, as ``nvidia-smi`` shows them (an 80 GB H100 reports about 80 GiB less what the driver keeps).
 DEVICES: dict[str, DeviceProfile] = {
-    "A100-40GB": _nv("A100-40GB", 312, 19.5, 40, 1.555, 300, 25, 0.859, "NVIDIA A100 datasheet; DGX A100"),
-    "A100-80GB": _nv("A100-80GB", 312, 19.5, 80, 2.039, 300, 25, 0.859, "NVIDIA A100 datasheet; DGX A100"),
-    "H100-SXM": _nv("H100-SXM", 989, 67, 80, 3.35, 450, 50, 0.801, "NVIDIA H100 datasheet (SXM5); DGX H100"),
-    "H100-PCIe": _nv("H100-PCIe", 756, 51, 80, 2.0, 64, 50, 0.801, "NVIDIA H100 datasheet (PCIe)"),
-    "H200": _nv("H200", 989, 67, 141, 4.8, 450, 50, 0.801, "NVIDIA H200 datasheet; DGX H200"),
-    "B200": _nv("B200", 2250, 80, 180, 8.0, 900, 50, 0.801, "NVIDIA DGX B200 datasheet"),
-    "MI300X": _nv("MI300X", 1307.4, 163.4, 192, 5.3, 448, 50, 0.601, "AMD Instinct MI300X datasheet"),
+    "A100-40GB": _nv(
+        "A100-40GB", 312, 19.5, 40, 1.555, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"
+    ),
+    "A100-80GB": _nv(
+        "A100-80GB", 312, 19.5, 80, 2.039, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"
+    ),
+    "H100-SXM": _nv(
+        "H100-SXM", 989, 67, 80, 3.35, 450, 50, 0.801, 0.35, "NVIDIA H100 datasheet (SXM5); DGX H100"
+    ),
+    "H100-PCIe": _nv("H100-PCIe", 756, 51, 80, 2.0, 64, 50, 0.801, 0.35, "NVIDIA H100 datasheet (PCIe)"),
+    "H200": _nv("H200", 989, 67, 141, 4.8, 450, 50, 0.801, 0.35, "NVIDIA H200 datasheet; DGX H200"),
+    "B200": _nv("B200", 2250, 80, 180, 8.0, 900, 50, 0.801, 0.35, "NVIDIA DGX B200 datasheet"),
+    "MI300X": _nv("MI300X", 1307.4, 163.4, 192, 5.3, 448, 50, 0.601, 0.35, "AMD Instinct MI300X datasheet"),
 }
 _ALIASES = {"H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-SXM5": "H100-SXM", "A100": "A100-80GB",
             "H200-141GB": "H200", "H200-SXM": "H200", "MI300": "MI300X"}  # fmt: skip
@@ -208,6 +233,33 @@ def matmul_flops(sizes=(256, 512, 1024, 2048), dtype=None, device=None, repeats:
 
         out[n] = 2 * n**3 / _time(run, repeats)
     return out
+
+
+def attention_flops(dtype=None, device=None, repeats: int = 3) -> float:
+    """Achieved FLOP/s of a causal ``torch.nn.functional.scaled_dot_product_attention`` forward + backward.
+
+    The shape is a mid-sized LLM's attention (batch 1, 8 heads of 64, 1,024 tokens on a CPU; batch 4, 16 heads of
+    128, 2,048 tokens on a GPU). FLOPs are ``torch.utils.flop_counter``'s formulas (``sdpa_flop_count`` and
+    ``sdpa_backward_flop_count``), halved for the causal mask as the planner's profile counts them (the kernel
+    skips the masked blocks).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    dtype = dtype or torch.float32
+    cuda = device is not None and str(device).startswith("cuda")
+    b, h, s, d = (4, 16, 2048, 128) if cuda else (1, 8, 1024, 64)
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+
+    shape = (b, h, s, d)
+    flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    return flops / 2 / _time(run, repeats)
 
 
 def _free_port() -> int:
@@ -354,7 +406,9 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     """Measure this machine and return its :class:`DeviceProfile`.
 
     Matmul FLOP/s: the best of ``torch.matmul`` on square fp32 (and bf16) matrices of 256 to 2048 (4096 unless
-    ``quick``); memory bandwidth: a 256 MiB ``clone`` (read + write); on a CPU also the cache: ``clone`` at working
+    ``quick``), and in the device's training dtype (fp32 on a CPU, bf16 on a GPU) from 64 up, each size's rate
+    as a fraction of the best (``matmul_curve``); attention: a causal SDPA forward + backward
+    (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB ``clone`` (read + write); on a CPU also the cache: ``clone`` at working
     sets of 256 KiB to 64 MiB (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add``
     (:func:`op_overhead`); links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, fitted as
     a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
@@ -375,8 +429,16 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     sizes = (256, 512, 1024, 2048) if quick else (256, 512, 1024, 2048, 4096)
-    fp32 = max(matmul_flops(sizes, torch.float32, device).values())
-    bf16 = max(matmul_flops(sizes, torch.bfloat16, device).values())
+    # by size in the dtype this device trains in (fp32 on a CPU, bf16 on a GPU), small sizes included
+    train_dtype = torch.bfloat16 if cuda else torch.float32
+    by_size = matmul_flops((64, 128, *sizes), train_dtype, device)
+    other = matmul_flops(sizes, torch.float32 if cuda else torch.bfloat16, device)
+    fp32, bf16 = (
+        (max(other.values()), max(by_size.values())) if cuda else (max(by_size.values()), max(other.values()))
+    )
+    best = max(by_size.values())
+    matmul_curve = tuple((2.0 * n**3, rate / best) for n, rate in sorted(by_size.items()))
+    attention = attention_flops(train_dtype, device) / best
     x = torch.empty(64 << 20, dtype=torch.float32, device=device)
 
     def clone():  # CUDA runs it asynchronously: time it to its end
@@ -396,7 +458,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     scale = () if cuda else tuple((op, max(1.0, t / ring)) for op, t in slow.items())
     if cuda:
         name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
-        overhead, overlap = 4e-6, 1.0  # launches queue ahead of the GPU; NCCL overlaps (module docstring)
+        # the host's time to dispatch and launch one tiny kernel (it queues ahead of the GPU); NCCL overlaps
+        overhead, overlap = op_overhead("cuda"), 1.0
     else:
         name, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         overhead = op_overhead()
@@ -418,6 +481,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         memory_curve=tuple((int(n), float(v)) for n, v in curve),
         comm_overlap=float(overlap),
         collective_scale=scale,
+        attention_efficiency=float(min(attention, 1.0)),
+        matmul_curve=matmul_curve,
     )
 
 

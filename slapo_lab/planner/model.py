@@ -357,6 +357,17 @@ class _Pricer:
         self.dtype = dtype
         self.elem = _ELEM[dtype]
         self.peak = self.dev.flops(dtype) * self.dev.matmul_efficiency
+        attention = self.dev.attention_efficiency
+        self.attention_peak = None if attention is None else self.dev.flops(dtype) * attention
+        mm = self.dev.matmul_curve
+        self._mm_curve = (
+            (
+                np.log2([float(f) for f, _ in mm]),
+                self.dev.flops(dtype) * np.array([x for _, x in mm], dtype=float),
+            )
+            if mm
+            else None
+        )
         self.bw = self.dev.hbm_bandwidth * self.dev.memory_efficiency
         self._scale = dict(self.dev.collective_scale)
         curve = self.dev.memory_curve
@@ -404,11 +415,24 @@ class _Pricer:
         xs, ys = self._curve
         return np.interp(np.log2(np.maximum(nbytes, 1.0)), xs, ys)
 
+    def flop_rate(self, flops: np.ndarray, attention: np.ndarray) -> np.ndarray:
+        """Achieved FLOP/s of ops doing ``flops`` each: an attention kernel (``attention`` true) at the profile's
+        ``attention_efficiency`` of peak, a matmul at its ``matmul_curve`` interpolated at ``log2(FLOPs)`` (or
+        at ``matmul_efficiency`` of peak without a curve)."""
+        if self._mm_curve is None:
+            rate = np.full(np.shape(flops), self.peak)
+        else:
+            xs, ys = self._mm_curve
+            rate = np.interp(np.log2(np.maximum(flops, 1.0)), xs, ys)
+        if self.attention_peak is None:
+            return rate
+        return np.where(attention > 0, self.attention_peak, rate)
+
     def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None) -> float:
-        """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / peak, bytes / bandwidth
-        at its working set)``, plus the host's ``op_overhead`` per dispatched op (``n_ops``, views included;
-        default one per row): added where the host runs the kernels (a CPU), a floor per kernel where it queues
-        them ahead (``launch_async``)."""
+        """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / FLOP rate, bytes /
+        bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), plus the host's ``op_overhead``
+        per dispatched op (``n_ops``, views included; default one per row): added where the host runs the kernels
+        (a CPU), a floor per kernel where it queues them ahead (``launch_async``)."""
         key = (id(rows), b, n_ops)
         t = self._op_time.get(key)
         if t is None:
@@ -416,7 +440,13 @@ class _Pricer:
                 t = 0.0
             else:
                 nbytes = b * rows[:, 1] + rows[:, 2]
-                roof = np.maximum(b * rows[:, 0] / self.peak, nbytes / self.bandwidth(nbytes))
+                flops = b * rows[:, 0]
+                attention = rows[:, 3] if rows.shape[1] > 3 else np.zeros(len(rows))
+                rate = self.flop_rate(flops, attention)
+                roof = np.maximum(
+                    np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0),
+                    nbytes / self.bandwidth(nbytes),
+                )
                 oh = self.dev.op_overhead
                 if self.dev.launch_async:
                     t = float(np.maximum(roof, oh).sum())

@@ -76,14 +76,14 @@ class PartProfile:
         count: how many of it the model holds (1 for pre/post).
         param_elems / param_bytes: parameters per tensor-parallel rank (elements, bytes), each tensor once.
         trainable_elems: the elements of those that require grad.
-        fwd / bwd: ``(k, 3)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
-            moved, weight bytes moved); causal attention counts half its FLOPs (the kernel skips the masked
+        fwd / bwd: ``(k, 4)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
+            moved, weight bytes moved, 1.0 for a fused attention kernel else 0.0); causal attention counts half its FLOPs (the kernel skips the masked
             blocks: Dao, "FlashAttention-2", 2023, section 3.1).
         fwd_flops / bwd_flops: model FLOPs (``FlopCounterMode``'s count, causal attention in full) for MFU.
         saved_bytes: bytes autograd keeps for backward without checkpointing.
         input_bytes: the residual input (same shape as the output) a full checkpoint keeps.
         selective_bytes: what selective checkpointing keeps (``input_bytes`` + the kept op outputs).
-        recompute_all / recompute_selective: ``(k, 3)`` rows of the forward ops a full / selective checkpoint
+        recompute_all / recompute_selective: ``(k, 4)`` rows of the forward ops a full / selective checkpoint
             runs again in backward.
         comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
         output_bytes: the part's output (the activation a pipeline boundary after it sends); for ``"post"``, the
@@ -100,15 +100,15 @@ class PartProfile:
     param_elems: int = 0
     param_bytes: int = 0
     trainable_elems: int = 0
-    fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
-    bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
+    bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     saved_bytes: int = 0
     input_bytes: int = 0
     selective_bytes: int = 0
-    recompute_all: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
-    recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    recompute_all: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
+    recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
     comm: list = field(default_factory=list)
     output_bytes: int = 0
     largest_param_elems: int = 0
@@ -202,8 +202,10 @@ class _Recorder(TorchDispatchMode):
         ins = list(_tensors((args, kwargs)))
         outs = list(_tensors(out))
         in_keys = {_key(t) for t in ins}
-        if outs and all(_key(t) in in_keys for t in outs) and packet not in flop_registry:
-            return out  # a view or an in-place op on its input: no kernel of its own worth counting
+        if packet not in flop_registry and (not outs or all(_key(t) in in_keys for t in outs)):
+            # a view or an in-place op on its input, or a query that returns no tensor (``prim.device``, a size):
+            # no kernel of its own worth counting
+            return out
         fn = flop_registry.get(_SDPA_CPU.get(packet, packet))
         flops = model_flops = 0.0
         if fn is not None:
@@ -243,7 +245,10 @@ class _Recorder(TorchDispatchMode):
             if _key(t) not in self.created:
                 self.created[_key(t)] = part
                 self.alive.append(t)  # fake tensors (no data): kept so that no later storage reuses the key
-        self.rows.append((part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else ()))
+        attention = float(_SDPA_CPU.get(packet, packet) in _ATTENTION)
+        self.rows.append(
+            (part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else (), attention)
+        )
         return out
 
 
@@ -616,8 +621,8 @@ def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> di
     # ops
     by: dict[tuple[str, str], list] = {}
     kept_out: dict[str, dict[int, int]] = {}
-    for part, phase, flops, act, wgt, kept, _out_bytes, mflops, outs in rows:
-        by.setdefault((part, phase), []).append((flops, act, wgt, kept))
+    for part, phase, flops, act, wgt, kept, _out_bytes, mflops, outs, attention in rows:
+        by.setdefault((part, phase), []).append((flops, act, wgt, attention, kept))
         prof = parts[part]
         if phase == "fwd":
             prof.fwd_flops += mflops
@@ -628,10 +633,10 @@ def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> di
                 kept_out.setdefault(part, {})[_key(t)] = t.untyped_storage().nbytes()
     for name, prof in parts.items():
         fwd = by.get((name, "fwd"), [])
-        prof.fwd = np.array([r[:3] for r in fwd], dtype=float).reshape(-1, 3)
-        prof.bwd = np.array([r[:3] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 3)
+        prof.fwd = np.array([r[:4] for r in fwd], dtype=float).reshape(-1, 4)
+        prof.bwd = np.array([r[:4] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 4)
         prof.recompute_all = prof.fwd
-        prof.recompute_selective = np.array([r[:3] for r in fwd if not r[3]], dtype=float).reshape(-1, 3)
+        prof.recompute_selective = np.array([r[:4] for r in fwd if not r[4]], dtype=float).reshape(-1, 4)
     # a tensor every block is given (rotary cos/sin, masks) is made once, outside the blocks: a block that saves
     # it shares it with the others, so it counts once, in the part that made it; a block's residual input (the
     # previous block's output) is its own
