@@ -46,8 +46,10 @@ Memory per rank (bytes), stage ``s`` of ``pp``, micro-batch ``b``, ``m`` micro-b
 Step time (seconds), the busiest stage:
 
 * compute: every aten op of the stage's parts as a roofline, ``max(FLOPs / (peak x matmul_efficiency), bytes /
-  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources; a calibrated
-  profile's ``memory_curve`` gives the bandwidth at the op's own working set instead), plus the host's
+  (HBM bandwidth x memory_efficiency))`` (``devices.py`` gives the efficiencies and their sources; a fused
+  attention kernel runs at ``attention_efficiency`` of peak instead; a calibrated profile's ``matmul_curve``
+  gives a matmul's rate at its own size, and its ``memory_curve`` the bandwidth at the op's own working set),
+  plus the host's
   ``op_overhead`` per dispatched op (views included) where the host runs the kernels (a CPU), or as a floor per
   kernel where it queues them ahead (a GPU), forward and backward, ``m`` times;
 * recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
