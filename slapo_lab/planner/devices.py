@@ -79,6 +79,12 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
 __all__ = ["DEVICES", "DeviceProfile", "calibrate", "device_profile"]
 
 GiB = 1 << 30
@@ -218,7 +224,6 @@ def _time(fn, repeats: int) -> float:
 
 def matmul_flops(sizes=(256, 512, 1024, 2048), dtype=None, device=None, repeats: int = 5) -> dict[int, float]:
     """Achieved FLOP/s of an ``n x n @ n x n`` ``torch.matmul`` (``2 n^3`` FLOPs) for each ``n`` in ``sizes``."""
-    import torch
 
     dtype = dtype or torch.float32
     out = {}
@@ -243,9 +248,6 @@ def attention_flops(dtype=None, device=None, repeats: int = 3) -> float:
     ``sdpa_backward_flop_count``), halved for the causal mask as the planner's profile counts them (the kernel
     skips the masked blocks).
     """
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     dtype = dtype or torch.float32
     cuda = device is not None and str(device).startswith("cuda")
@@ -270,7 +272,6 @@ def _free_port() -> int:
 
 def _matmul_loop(seconds: float):
     """A callable multiplying 256 x 256 fp32 matrices for about ``seconds`` (count set on first call)."""
-    import torch
 
     a = torch.randn(256, 256)
     one = _time(lambda: a @ a, 5)
@@ -284,8 +285,6 @@ def _matmul_loop(seconds: float):
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # one rank per core, as the ranks of a CPU run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -333,7 +332,6 @@ def collective_times(
     the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the
     fraction of the largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none,
     1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1."""
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -357,7 +355,6 @@ def collective_times(
 def op_overhead(device=None, n: int = 2000) -> float:
     """Seconds per eager ``torch.add`` of two 4-element tensors (the host's dispatch cost of one aten op, the
     kernel itself negligible), the fastest of 5 loops of ``n``."""
-    import torch
 
     a = torch.ones(4, device=device)
     b = torch.ones(4, device=device)
@@ -372,7 +369,6 @@ def op_overhead(device=None, n: int = 2000) -> float:
 def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
     """Bytes/s of ``clone`` (read + write; a fresh output, as every op makes one) of an fp32 CPU tensor of ``n``
     bytes, for each ``n`` in ``sizes``; repeated enough that every size runs for about the same time."""
-    import torch
 
     out = {}
     for n in sizes:
@@ -424,7 +420,6 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     Raises:
         RuntimeError: a collective process failed (one sentence).
     """
-    import torch
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

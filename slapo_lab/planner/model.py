@@ -92,11 +92,14 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import presets
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from .devices import DeviceProfile, GiB, device_profile
-from .profile import ModelProfile, PartProfile, profile_model
+from .profile import ModelProfile, PartProfile, _tensors, profile_model
 
 __all__ = [
     "ADAM_BYTES_PER_ELEMENT",
@@ -308,7 +311,6 @@ class Estimate:
             ScheduleError: ``sch`` is not for ``tp`` ranks, the plan interleaves stages (not a schedule option
                 yet), or a primitive refuses (one sentence; nothing recorded).
         """
-        from .. import presets
 
         lay = self.layout
         if sch.world_size != lay.tp:
@@ -519,10 +521,6 @@ def adam_op_costs(elem: int = 4) -> tuple[int, float]:
     counted, not assumed: a second step (the first makes the state) on one 4096-element parameter of
     ``elem`` bytes per element, under a dispatch mode that counts every op and sums the bytes of its tensor
     inputs and outputs (scalar step counters included)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .profile import _tensors
 
     dtype = {2: torch.bfloat16, 4: torch.float32}.get(elem, torch.float32)
     n = 4096

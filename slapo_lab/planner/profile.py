@@ -32,20 +32,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from .. import presets
+from ..activations import FlashSDPA
+from ..blocks import block_lists
 from ..errors import ScheduleError
+from ..inputs import inputs_from_config
 from ..module_state import peek_meta
 from ..random import MATMULS as _MATMULS
 from ..random import SELECTIVE_SAVE, selective_policy
+from ..schedule import Schedule, create_schedule
+from ..sharding import infer
+from ..utils import human_bytes, meta_copy
 
 __all__ = ["SELECTIVE_SAVE", "ModelProfile", "PartProfile", "profile_model", "selective_policy"]
 
@@ -264,7 +273,6 @@ def _is_causal(args, kwargs) -> bool:
 # --------------------------------------------------------------------------------------------------
 def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
     """``[(ModuleList path, indices kept, count of each kept index's class)]`` for every stack of blocks."""
-    from ..blocks import block_lists
 
     out = []
     for parent, idxs in block_lists(sch):
@@ -305,7 +313,6 @@ def _example_inputs(model: nn.Module, seq_len: int):
     if cfg is not None and getattr(cfg, "vocab_size", None):
         ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
         return {"input_ids": ids, "labels": ids, "use_cache": False}
-    from ..inputs import inputs_from_config
 
     inputs = inputs_from_config(model)
     if inputs is None:
@@ -351,7 +358,6 @@ def profile_model(
         ScheduleError: no repeated blocks, a preset that refuses this ``tp``, or a forward that fails (one
             sentence naming the model or module).
     """
-    from ..schedule import Schedule
 
     sch = model_or_schedule if isinstance(model_or_schedule, Schedule) else None
     model = sch.mod if sch is not None else model_or_schedule
@@ -376,11 +382,6 @@ def profile_model(
 
 
 def _profile(model, sch, tp, seq_len, dtype, sp) -> ModelProfile:
-    import time
-
-    from .. import presets
-    from ..schedule import create_schedule
-    from ..utils import meta_copy
 
     t0 = time.perf_counter()
     base = sch if sch is not None else create_schedule(model)
@@ -446,7 +447,6 @@ def _all_meta(model: nn.Module) -> bool:
 def _heads(sch, stacks) -> tuple[int | None, int | None]:
     """(heads, key/value heads) of the first block's attention, read from its dataflow
     (:func:`slapo_lab.sharding.infer.block_split`); (None, None) when none was found."""
-    from ..sharding import infer
 
     parent, kept, _ = stacks[0]
     path = f"{parent}.{kept[0]}" if parent else str(kept[0])
@@ -462,7 +462,6 @@ def _heads(sch, stacks) -> tuple[int | None, int | None]:
 
 def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
     """One forward + backward of the cut-down ``model``; a :class:`PartProfile` per block path, "pre", "post"."""
-    from ..activations import FlashSDPA
 
     block_paths = [f"{p}.{i}" if p else str(i) for p, kept, _ in stacks for i in kept]
     mods = dict(model.named_modules())
@@ -545,7 +544,6 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
     outputs = {"bytes": 0}
 
     def run() -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         # the parameters as fake tensors, passed in by functional_call: autograd's saved weights and the ops'
@@ -686,7 +684,6 @@ def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
 
 def describe(prof: ModelProfile) -> str:
     """A few lines: per part, parameters, FLOPs and saved bytes per sequence."""
-    from ..utils import human_bytes
 
     lines = [f"profile at tp {prof.tp}, seq {prof.seq_len}, {prof.dtype} ({prof.seconds:.2f} s):"]
     for p in prof.parts:

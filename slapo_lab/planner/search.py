@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ScheduleError
+from ..schedule import Schedule
 from ..utils import human_bytes
 from .devices import GiB
 from .model import CHECKPOINTS, Cluster, Estimate, Layout, _price, _pricer_for
@@ -134,7 +135,6 @@ def auto_plan(
     Raises:
         ScheduleError: a model that cannot be profiled at TP 1 (one sentence).
     """
-    from ..schedule import Schedule
 
     t0 = time.perf_counter()
     cluster = cluster or Cluster()
