@@ -202,6 +202,28 @@ class _Recorder(TorchDispatchMode):
     def _weight_shaped(self, t: torch.Tensor) -> bool:
         return t.dim() >= 2 and tuple(t.shape) in self.param_shapes
 
+    def _bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
+        """(activation bytes, weight bytes) an op reads and writes: a parameter, or a tensor of a parameter's
+        shape (its gradient, which does not grow with the micro-batch), counts as weight."""
+        act = wgt = 0
+        for t, is_input in [(t, True) for t in ins] + [(t, False) for t in outs]:
+            nbytes = t.numel() * t.element_size()
+            if self._weight_shaped(t) or (is_input and _key(t) in self.weights):
+                wgt += nbytes
+            else:
+                act += nbytes
+        return act, wgt
+
+    def _kept(self, func, part: str) -> bool:
+        """Whether selective checkpointing keeps this forward op's output (``random.SELECTIVE_SAVE``: every other
+        matmul of a part, and the ops it always keeps)."""
+        if func not in SELECTIVE_SAVE:
+            return False
+        if func in _MATMULS:
+            n = self.mm_count[part] = self.mm_count.get(part, 0) + 1
+            return n % 2 == 1
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -215,41 +237,10 @@ class _Recorder(TorchDispatchMode):
             # a view or an in-place op on its input, or a query that returns no tensor (``prim.device``, a size):
             # no kernel of its own worth counting
             return out
-        fn = flop_registry.get(_SDPA_CPU.get(packet, packet))
-        flops = model_flops = 0.0
-        if fn is not None:
-            try:
-                model_flops = float(fn(*args, **kwargs, out_val=out))
-            except (
-                TypeError,
-                ValueError,
-                RuntimeError,
-                IndexError,
-            ):  # a formula that does not take these args
-                model_flops = 0.0
-            flops = model_flops
-            if _SDPA_CPU.get(packet, packet) in _ATTENTION and _is_causal(args, kwargs):
-                flops = model_flops / 2
-        act = wgt = 0
-        for t in ins:
-            nbytes = t.numel() * t.element_size()
-            if _key(t) in self.weights or self._weight_shaped(t):
-                wgt += nbytes
-            else:
-                act += nbytes
+        flops, model_flops = _kernel_flops(packet, args, kwargs, out)
+        act, wgt = self._bytes(ins, outs)
         out_bytes = sum(t.numel() * t.element_size() for t in outs)
-        for t in outs:  # a weight's gradient (its shape) does not grow with the micro-batch
-            nbytes = t.numel() * t.element_size()
-            if self._weight_shaped(t):
-                wgt += nbytes
-            else:
-                act += nbytes
-        kept = False
-        if phase == "fwd" and func in SELECTIVE_SAVE:
-            kept = True
-            if func in _MATMULS:
-                n = self.mm_count[part] = self.mm_count.get(part, 0) + 1
-                kept = n % 2 == 1
+        kept = phase == "fwd" and self._kept(func, part)
         for t in outs:
             if _key(t) not in self.created:
                 self.created[_key(t)] = part
@@ -259,6 +250,22 @@ class _Recorder(TorchDispatchMode):
             (part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else (), attention)
         )
         return out
+
+
+def _kernel_flops(packet, args, kwargs, out) -> tuple[float, float]:
+    """(FLOPs the kernel does, model FLOPs) of one op by ``torch.utils.flop_counter``'s formulas (0 for an op it
+    has none for): a causal attention kernel does half its model FLOPs (it skips the masked blocks)."""
+    packet = _SDPA_CPU.get(packet, packet)
+    fn = flop_registry.get(packet)
+    if fn is None:
+        return 0.0, 0.0
+    try:
+        model_flops = float(fn(*args, **kwargs, out_val=out))
+    except (TypeError, ValueError, RuntimeError, IndexError):  # a formula that does not take these args
+        return 0.0, 0.0
+    if packet in _ATTENTION and _is_causal(args, kwargs):
+        return model_flops / 2, model_flops
+    return model_flops, model_flops
 
 
 def _is_causal(args, kwargs) -> bool:
@@ -460,110 +467,122 @@ def _heads(sch, stacks) -> tuple[int | None, int | None]:
     return heads, kv
 
 
-def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
-    """One forward + backward of the cut-down ``model``; a :class:`PartProfile` per block path, "pre", "post"."""
+class _Pass:
+    """One forward + backward of a cut-down model on fake tensors, recording per part (block path, "pre",
+    "post"): each aten op (:class:`_Recorder`), what autograd saves, each block's inputs and outputs, and the
+    schedule's syncs with their volumes."""
 
-    block_paths = [f"{p}.{i}" if p else str(i) for p, kept, _ in stacks for i in kept]
-    mods = dict(model.named_modules())
-    blocks = {id(mods[p]): p for p in block_paths}
-    tracker = ModuleTracker()
-    fqn_of_block = {}  # ModuleTracker's names: "<RootClass>.<path>"
-    root = type(model).__name__
-    for p in block_paths:
-        fqn_of_block[f"{root}.{p}"] = p
-    state = {"fwd_seen": False, "bwd_seen": False, "in_bwd": False}
+    def __init__(self, model: nn.Module, block_paths: list[str]):
+        self.model = model
+        mods = dict(model.named_modules())
+        self.blocks = {id(mods[p]): p for p in block_paths}
+        self.tracker = ModuleTracker()
+        root = type(model).__name__  # ModuleTracker's names: "<RootClass>.<path>"
+        self.fqn_of_block = {f"{root}.{p}": p for p in block_paths}
+        self.seen = {"fwd": False, "bwd": False}
+        self.weights: set[int] = set()
+        self.rec = _Recorder(self.part_of, self.weights)
+        self.saved: dict[int, tuple[str, int]] = {}  # storage -> (part that saved it first, bytes)
+        self.keep: list = []
+        self.io: dict[str, dict] = {}
+        self.comm: list[tuple[str, str, str, int]] = []  # (part, op, phase, bytes)
+        self.output_bytes = 0
 
-    def part_of() -> tuple[str, str]:
-        phase = "bwd" if tracker.is_bw else "fwd"
-        for fqn in tracker.parents:
-            p = fqn_of_block.get(fqn)
+    def part_of(self) -> tuple[str, str]:
+        """The running (part, phase): the innermost block on the module stack, else "pre" before the first block
+        ran ("post" after it; the other way round in backward)."""
+        phase = "bwd" if self.tracker.is_bw else "fwd"
+        for fqn in self.tracker.parents:
+            p = self.fqn_of_block.get(fqn)
             if p is not None:
-                state["fwd_seen" if phase == "fwd" else "bwd_seen"] = True
+                self.seen[phase] = True
                 return p, phase
         if phase == "fwd":
-            return ("post" if state["fwd_seen"] else "pre"), phase
-        return ("pre" if state["bwd_seen"] else "post"), phase
+            return ("post" if self.seen["fwd"] else "pre"), phase
+        return ("pre" if self.seen["bwd"] else "post"), phase
 
-    weights: set[int] = set()
-    rec = _Recorder(part_of, weights)
-    saved: dict[int, tuple[str, int]] = {}
-    keep: list = []
-
-    def pack(t):
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks``' pack: note each saved storage once, with the part that saved it."""
         k = _key(t)
-        if k in weights:
+        if k in self.weights:
             return t
         nbytes = t.untyped_storage().nbytes()
-        if k not in saved:
-            saved[k] = (part_of()[0], nbytes)
-            keep.append(t)
-        elif nbytes > saved[k][1]:
-            saved[k] = (saved[k][0], nbytes)
+        if k not in self.saved:
+            self.saved[k] = (self.part_of()[0], nbytes)
+            self.keep.append(t)
+        elif nbytes > self.saved[k][1]:
+            self.saved[k] = (self.saved[k][0], nbytes)
         return t
 
-    io: dict[str, dict] = {}
-    handles = []
+    def _block_pre(self, mod, args, kwargs) -> None:
+        self.io.setdefault(self.blocks[id(mod)], {})["in"] = list(_tensors((args, kwargs)))
 
-    def block_pre(mod, args, kwargs):
-        io.setdefault(blocks[id(mod)], {})["in"] = list(_tensors((args, kwargs)))
+    def _block_post(self, mod, args, kwargs, out) -> None:
+        self.io.setdefault(self.blocks[id(mod)], {})["out"] = list(_tensors(out))
 
-    def block_post(mod, args, kwargs, out):
-        io.setdefault(blocks[id(mod)], {})["out"] = list(_tensors(out))
-
-    comm: list[tuple[str, str, str, int]] = []  # (part, op, phase, bytes)
-
-    def sync_hook(path, syncs):
+    def _sync_hook(self, syncs: list[tuple[str, str]]):
         def hook(mod, args, kwargs, out):
-            part = part_of()[0]
+            part = self.part_of()[0]
             nin = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) if t.is_floating_point())
             nout = sum(t.numel() * t.element_size() for t in _tensors(out) if t.is_floating_point())
+            where = {"fwd_post": ("fwd", nout), "fwd_pre": ("fwd", nin), "bwd_post": ("bwd", nin)}
             for mode, op in syncs:
-                if mode == "fwd_post":
-                    comm.append((part, op, "fwd", nout))
-                elif mode == "fwd_pre":
-                    comm.append((part, op, "fwd", nin))
-                elif mode == "bwd_post":
-                    comm.append((part, op, "bwd", nin))
+                if mode in where:
+                    self.comm.append((part, op, *where[mode]))
 
         return hook
 
-    for path, mod in model.named_modules():
-        if id(mod) in blocks:
-            handles.append(mod.register_forward_pre_hook(block_pre, with_kwargs=True))
-            handles.append(mod.register_forward_hook(block_post, with_kwargs=True))
-        meta = peek_meta(mod)
-        if meta and meta.syncs:
-            syncs = [
-                (s[0], s[1] if isinstance(s[1], str) else getattr(s[1], "__name__", "custom"))
-                for s in meta.syncs
-            ]
-            handles.append(mod.register_forward_hook(sync_hook(path, syncs), with_kwargs=True))
-    inputs = _example_inputs(model, seq_len)
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    outputs = {"bytes": 0}
+    def hooks(self) -> list:
+        """Install the block and sync hooks; returns their handles."""
+        handles = []
+        for mod in self.model.modules():
+            if id(mod) in self.blocks:
+                handles.append(mod.register_forward_pre_hook(self._block_pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(self._block_post, with_kwargs=True))
+            meta = peek_meta(mod)
+            if meta and meta.syncs:
+                syncs = [
+                    (s[0], s[1] if isinstance(s[1], str) else getattr(s[1], "__name__", "custom"))
+                    for s in meta.syncs
+                ]
+                handles.append(mod.register_forward_hook(self._sync_hook(syncs), with_kwargs=True))
+        return handles
 
-    def run() -> None:
-
+    def run(self, inputs: dict) -> None:
+        """The forward + backward, on fake tensors: HF models read tensor values (packed-sequence checks) that
+        fake tensors answer."""
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         # the parameters as fake tensors, passed in by functional_call: autograd's saved weights and the ops'
         # weight operands are then these tensors, whose storages ``weights`` holds
-        state_dict = dict(model.named_parameters())
-        state_dict.update(model.named_buffers())
+        state_dict = dict(self.model.named_parameters())
+        state_dict.update(self.model.named_buffers())
         fake_state = {name: mode.from_tensor(t) for name, t in state_dict.items()}
-        weights.clear()
-        weights.update(_key(t) for t in fake_state.values())
-        rec.param_shapes = {tuple(t.shape) for t in fake_state.values() if t.dim() >= 2}
-        with mode, tracker, rec, FlashSDPA():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = torch.func.functional_call(model, fake_state, (), dict(inputs))
+        self.weights.clear()
+        self.weights.update(_key(t) for t in fake_state.values())
+        self.rec.param_shapes = {tuple(t.shape) for t in fake_state.values() if t.dim() >= 2}
+        with mode, self.tracker, self.rec, FlashSDPA():
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                out = torch.func.functional_call(self.model, fake_state, (), dict(inputs))
             loss = _loss(out)
             # the model's outputs but the scalar loss (a causal LM's logits): what a pipeline's last stage returns
-            outputs["bytes"] = sum(t.numel() * t.element_size() for t in _tensors(out) if t.dim() > 0)
+            self.output_bytes = sum(t.numel() * t.element_size() for t in _tensors(out) if t.dim() > 0)
             loss.backward()
 
+
+def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
+    """One forward + backward of the cut-down ``model``; a :class:`PartProfile` per block path, "pre", "post".
+
+    Raises:
+        ScheduleError: the pass failed (one sentence naming the model and the error).
+    """
+    block_paths = [f"{p}.{i}" if p else str(i) for p, kept, _ in stacks for i in kept]
+    ps = _Pass(model, block_paths)
+    handles = ps.hooks()
+    inputs = _example_inputs(model, seq_len)
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
     try:
-        run()  # on fake tensors: HF models read tensor values (packed-sequence checks) that fake tensors answer
+        ps.run(inputs)
     except ScheduleError:
         raise
     except Exception as err:
@@ -578,9 +597,7 @@ def _measure(model: nn.Module, stacks, seq_len: int) -> dict[str, PartProfile]:
             m.training = mode
         for p in model.parameters():
             p.grad = None
-    parts = _collect(model, block_paths, rec.rows, saved, io, comm, rec.created, rec.ops)
-    parts["post"].output_bytes = outputs["bytes"]
-    return parts
+    return _collect(model, block_paths, ps)
 
 
 def _loss(out) -> torch.Tensor:
@@ -591,32 +608,52 @@ def _loss(out) -> torch.Tensor:
     return t.float().sum()
 
 
-def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> dict[str, PartProfile]:
-    parts = {name: PartProfile(name) for name in ("pre", "post")}
+def _collect(model: nn.Module, block_paths: list[str], ps: _Pass) -> dict[str, PartProfile]:
+    """The :class:`PartProfile` of each part ("pre", "post", each block path) from a finished :class:`_Pass`."""
     mods = dict(model.named_modules())
-    for p in block_paths:
-        parts[p] = PartProfile(type(mods[p]).__name__)
-    # parameters: each tensor once, in the part whose module owns it first (blocks own theirs; pre/post by
-    # whether its module ran before the first block)
+    parts = {name: PartProfile(name) for name in ("pre", "post")}
+    parts.update({p: PartProfile(type(mods[p]).__name__) for p in block_paths})
+    _collect_params(model, mods, block_paths, parts)
+    kept_out = _collect_ops(parts, ps.rec.rows)
+    _collect_saved(parts, block_paths, ps.saved, ps.io, ps.rec.created)
+    _collect_io(parts, block_paths, ps.io, kept_out)
+    for part, op, phase, nbytes in ps.comm:
+        parts[part].comm.append((op, phase, nbytes))
+    for (part, phase), n in ps.rec.ops.items():
+        if phase == "fwd":
+            parts[part].fwd_ops += n
+        else:
+            parts[part].bwd_ops += n
+    parts["post"].output_bytes = ps.output_bytes
+    return parts
+
+
+def _collect_params(
+    model: nn.Module, mods: dict, block_paths: list[str], parts: dict[str, PartProfile]
+) -> None:
+    """Each parameter once, in the part whose module owns it first: blocks own theirs; the rest go to "pre" or
+    "post" by whether their module comes before the first block."""
     owned: set[int] = set()
     for p in block_paths:
         for t in mods[p].parameters():
             owned.add(id(t))
             _add_param(parts[p], t)
     first_block = mods[block_paths[0]]
-    order = [m for m in model.modules()]
     before = set()
-    for m in order:
+    for m in model.modules():
         if m is first_block:
             break
         before.add(id(m))
     for m in model.modules():
         for t in m.parameters(recurse=False):
-            if id(t) in owned:
-                continue
-            owned.add(id(t))
-            _add_param(parts["pre" if id(m) in before else "post"], t)
-    # ops
+            if id(t) not in owned:
+                owned.add(id(t))
+                _add_param(parts["pre" if id(m) in before else "post"], t)
+
+
+def _collect_ops(parts: dict[str, PartProfile], rows: list[tuple]) -> dict[str, dict[int, int]]:
+    """The op rows of each part and phase (``fwd``, ``bwd``, the recomputed ones) and the model FLOPs; returns
+    the outputs selective checkpointing keeps, per part (storage -> bytes)."""
     by: dict[tuple[str, str], list] = {}
     kept_out: dict[str, dict[int, int]] = {}
     for part, phase, flops, act, wgt, kept, _out_bytes, mflops, outs, attention in rows:
@@ -635,9 +672,15 @@ def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> di
         prof.bwd = np.array([r[:4] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 4)
         prof.recompute_all = prof.fwd
         prof.recompute_selective = np.array([r[:4] for r in fwd if not r[4]], dtype=float).reshape(-1, 4)
-    # a tensor every block is given (rotary cos/sin, masks) is made once, outside the blocks: a block that saves
-    # it shares it with the others, so it counts once, in the part that made it; a block's residual input (the
-    # previous block's output) is its own
+    return kept_out
+
+
+def _collect_saved(
+    parts: dict[str, PartProfile], block_paths: list[str], saved: dict, io: dict, created: dict
+) -> None:
+    """What autograd saved, per part. A tensor every block is given (rotary cos/sin, masks) is made once, outside
+    the blocks: a block that saves it shares it with the others, so it counts once, in the part that made it; a
+    block's residual input (the previous block's output) is its own."""
     residual = {
         p: {
             _key(t)
@@ -651,6 +694,11 @@ def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> di
         if part in residual and maker is not None and maker != part and key not in residual[part]:
             part = maker
         parts[part].saved_bytes += nbytes
+
+
+def _collect_io(parts: dict[str, PartProfile], block_paths: list[str], io: dict, kept_out: dict) -> None:
+    """Each block's output and residual input bytes, what selective checkpointing keeps of it, and what "pre"
+    hands the first block."""
     for p in block_paths:
         prof = parts[p]
         outs = io.get(p, {}).get("out", [])
@@ -663,14 +711,6 @@ def _collect(model, block_paths, rows, saved, io, comm, created, ops=None) -> di
         prof.selective_bytes = prof.input_bytes + sum(kept_out.get(p, {}).values())
     pre_out = io.get(block_paths[0], {}).get("in", [])
     parts["pre"].output_bytes = max((t.numel() * t.element_size() for t in pre_out), default=0)
-    for part, op, phase, nbytes in comm:
-        parts[part].comm.append((op, phase, nbytes))
-    for (part, phase), n in (ops or {}).items():
-        if phase == "fwd":
-            parts[part].fwd_ops += n
-        else:
-            parts[part].bwd_ops += n
-    return parts
 
 
 def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
