@@ -687,9 +687,14 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
     return out
 
 
-def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
-    """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence)."""
-    cl, dev = pr.cluster, pr.dev
+def _check_layout(pr: _Pricer, layout: Layout, global_batch_size: int) -> tuple[ModelProfile, int, int]:
+    """``(profile, micro-batches, virtual stages)`` of a layout the cluster and model can run.
+
+    Raises:
+        ScheduleError: the one sentence that rejects it (too many GPUs, TP beyond a node, a batch that does not
+            divide, heads TP does not divide, more stages than blocks, interleaving without whole rounds).
+    """
+    cl = pr.cluster
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
     if tp * pp * dp > cl.gpus:
         raise ScheduleError(f"{layout.dims.describe()} needs {tp * pp * dp} GPUs; the cluster has {cl.gpus}.")
@@ -700,26 +705,37 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
             f"the global batch of {global_batch_size} does not divide into dp {dp} x micro-batch {b}."
         )
     m = global_batch_size // (dp * b)
-    sp = layout.sequence_parallel
-    prof = pr.profile(tp, sp)
+    prof = pr.profile(tp, layout.sequence_parallel)
     if tp > 1 and prof.kv_heads and prof.kv_heads % tp:
         raise ScheduleError(f"TP {tp} does not divide {prof.kv_heads} KV heads.")
     if tp > 1 and prof.heads and prof.heads % tp:
         raise ScheduleError(f"TP {tp} does not divide {prof.heads} heads.")
     v = VIRTUAL_STAGES if layout.pp_schedule == "interleaved" and pp > 1 else 1
-    nblocks = prof.num_blocks
-    if pp * v > nblocks:
-        raise ScheduleError(f"PP {pp} x {v} chunk(s) exceeds the {nblocks} blocks.")
+    if pp * v > prof.num_blocks:
+        raise ScheduleError(f"PP {pp} x {v} chunk(s) exceeds the {prof.num_blocks} blocks.")
     if v > 1 and m % pp:
         raise ScheduleError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of PP {pp}.")
-    ck = layout.checkpoint
-    key = (tp, sp, b, ck)
-    blk = pr.blocks.get(key)
+    return prof, m, v
+
+
+def _stages(pr: _Pricer, prof: ModelProfile, layout: Layout, v: int) -> dict:
+    """The stage table (:func:`_stage_table`) of a layout: its blocks cut into ``pp x v`` chunks balanced on
+    micro-batch-1 costs (the micro-batch scales every block alike); each piece cached on the pricer."""
+    tp, pp, b, ck, sp = (
+        layout.tp,
+        layout.pp,
+        layout.micro_batch_size,
+        layout.checkpoint,
+        layout.sequence_parallel,
+    )
+    st = pr.stages.get((tp, sp, b, ck, pp, v))
+    if st is not None:
+        return st
+    blk = pr.blocks.get((tp, sp, b, ck))
     if blk is None:
-        blk = pr.blocks[key] = _Blocks(pr, prof, tp, b, ck)
+        blk = pr.blocks[(tp, sp, b, ck)] = _Blocks(pr, prof, tp, b, ck)
     pre = pr.part_cost(prof.pre, tp, b, "none")
     post = pr.part_cost(prof.post, tp, b, "none")
-    # balanced cuts on micro-batch-1 costs (the micro-batch scales every block alike)
     pkey = (tp, sp, ck, pp * v)
     chunks = pr.cuts.get(pkey)
     if chunks is None:
@@ -729,29 +745,31 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
         costs = list(one.time)
         costs[0] += sum(pr.part_cost(prof.pre, tp, 1, "none")[:3])
         costs[-1] += sum(pr.part_cost(prof.post, tp, 1, "none")[:3])
-        chunks = pr.cuts[pkey] = _partition(costs, pp * v) if pp * v > 1 else [nblocks]
-    st = pr.stages.get((tp, sp, b, ck, pp, v))
-    if st is None:
-        st = pr.stages[(tp, sp, b, ck, pp, v)] = _stage_table(blk, chunks, pp, prof, pre, post, b)
-    shard = layout.shard
+        chunks = pr.cuts[pkey] = _partition(costs, pp * v) if pp * v > 1 else [prof.num_blocks]
+    st = pr.stages[(tp, sp, b, ck, pp, v)] = _stage_table(blk, chunks, pp, prof, pre, post, b)
+    return st
+
+
+def _in_flight(layout: Layout, m: int, v: int):
+    """Micro-batches whose activations a stage holds at its peak: 1 without a pipeline, all ``m`` under GPipe,
+    ``min(m, pp - stage)`` under 1F1B (more by ``(pp - 1) / (pp v)`` interleaved)."""
+    pp = layout.pp
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "GPipe":
+        return float(m)
+    in_flight = np.minimum(m, pp - np.arange(pp)).astype(float)
+    return in_flight * (1 + (pp - 1) / (pp * v)) if v > 1 else in_flight
+
+
+def _memory(pr: _Pricer, prof: ModelProfile, st: dict, layout: Layout, m: int, v: int) -> dict:
+    """Per-stage bytes by category (arrays over the stages; see the module docstring)."""
+    pp, dp, b, shard = layout.pp, layout.dp, layout.micro_batch_size, layout.shard
     div_p = dp if shard == "fsdp" else 1
     div_g = dp if shard in ("fsdp", "zero2") else 1
     div_o = dp if shard != "none" else 1
     opt_bytes = 12 if pr.dtype != "fp32" else 8
-    within_node_dp = tp * pp * dp <= cl.gpus_per_node
-    p2p = 0.0
-    if pp > 1:
-        boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
-        bw, lat = pr.link(2, tp * pp <= cl.gpus_per_node)
-        p2p = 2 * (boundary / bw + lat) * v
-    if pp == 1:
-        in_flight = 1.0
-    elif layout.pp_schedule == "GPipe":
-        in_flight = float(m)
-    else:
-        in_flight = np.minimum(m, pp - np.arange(pp)).astype(float)
-        if v > 1:
-            in_flight = in_flight * (1 + (pp - 1) / (pp * v))
+    in_flight = _in_flight(layout, m, v)
     grads = st["trainable"] * (pr.elem / div_g)
     # the model's output (a causal LM's logits, ``post.output_bytes``) on the last stage: held by the caller
     # through backward (one micro-batch's; a pipeline keeps every micro-batch's: ``pp_outputs``), and its
@@ -801,44 +819,63 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     temps = ADAM_TEMPORARIES * 4 * st["big_param"] / (dp if shard == "fsdp" else 1)
     cats["optimizer_step"] = np.maximum(0.0, temps - cats["activations"] - cats["fsdp_gather"])
     cats["headroom"] = ALLOCATOR_HEADROOM * sum(cats.values())
+    return cats
+
+
+def _dp_exposed(pr: _Pricer, layout: Layout, st: dict, busiest: int, m: int) -> float:
+    """Seconds of the busiest stage's data-parallel traffic that compute does not hide (the device's
+    ``comm_overlap`` of it runs under compute)."""
+    dp, shard = layout.dp, layout.shard
+    if dp == 1:
+        return 0.0
+    within_node_dp = layout.tp * layout.pp * dp <= pr.cluster.gpus_per_node
+    compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
+    params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
+    ov = pr.dev.comm_overlap
+    bwd_last = compute * 2 / 3  # backward is about two thirds of a micro-batch's compute
+    if shard in ("none", "zero1"):  # ZeRO-1 all-reduces through DDP's reducer, then gathers the partitions
+        t = pr.collective("all_reduce", trainable * pr.elem, dp, within_node_dp)
+        gather = pr.collective("all_gather", params, dp, within_node_dp) if shard == "zero1" else 0.0
+        return t - ov * min(t, bwd_last) + gather
+    if shard == "zero2":
+        rs = pr.collective("reduce_scatter", trainable * pr.elem, dp, within_node_dp)
+        ag = pr.collective("all_gather", params, dp, within_node_dp)
+        return rs - ov * min(rs, bwd_last) + ag
+    # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed; one all-gather /
+    # reduce-scatter per fully_shard unit (a block), each its latency
+    units = max(1, int(st["nparts"][busiest]))
+    ag = units * pr.collective("all_gather", params / units, dp, within_node_dp)
+    rs = units * pr.collective("reduce_scatter", trainable * 4 / units, dp, within_node_dp)
+    traffic = 2 * ag + rs
+    # FSDP2 copies each all-gather's output into the parameters and the gradients into the reduce-scatter
+    # input (``_fsdp_collectives.py``: ``split_with_sizes_copy``, ``chunk_cat``): read + write of the
+    # unsharded bytes, on the compute stream
+    copied = 2 * (2 * params + trainable * 4)
+    copy_t = copied / float(pr.bandwidth(np.array([2 * params / units]))[0])
+    return m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
+
+
+def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
+    """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence)."""
+    cl, dev = pr.cluster, pr.dev
+    tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    prof, m, v = _check_layout(pr, layout, global_batch_size)
+    st = _stages(pr, prof, layout, v)
+    cats = _memory(pr, prof, st, layout, m, v)
     total = sum(cats.values())
+    p2p = 0.0
+    if pp > 1:
+        boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
+        bw, lat = pr.link(2, tp * pp <= cl.gpus_per_node)
+        p2p = 2 * (boundary / bw + lat) * v
     busiest = int(np.argmax(st["time"]))
     t_mb = float(st["time"][busiest]) + p2p
     compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
     comm_mb = float(st["comm"][busiest]) + p2p
-    params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
-    nparts = int(st["nparts"][busiest])
-    # data-parallel traffic of the busiest stage: the device's ``comm_overlap`` of it hides under compute
-    ov = dev.comm_overlap
-    dp_exposed = 0.0
-    if dp > 1:
-        bwd_last = compute * 2 / 3  # backward is about two thirds of a micro-batch's compute
-        if shard in (
-            "none",
-            "zero1",
-        ):  # ZeRO-1 all-reduces through DDP's reducer, then gathers the partitions
-            t = pr.collective("all_reduce", trainable * pr.elem, dp, within_node_dp)
-            dp_exposed = t - ov * min(t, bwd_last)
-            if shard == "zero1":
-                dp_exposed += pr.collective("all_gather", params, dp, within_node_dp)
-        elif shard == "zero2":
-            rs = pr.collective("reduce_scatter", trainable * pr.elem, dp, within_node_dp)
-            ag = pr.collective("all_gather", params, dp, within_node_dp)
-            dp_exposed = rs - ov * min(rs, bwd_last) + ag
-        else:  # fsdp: per micro-batch, behind its compute; the first all-gather of each pass is exposed
-            units = max(
-                1, nparts
-            )  # one all-gather / reduce-scatter per fully_shard unit (a block), each its latency
-            ag = units * pr.collective("all_gather", params / units, dp, within_node_dp)
-            rs = units * pr.collective("reduce_scatter", trainable * 4 / units, dp, within_node_dp)
-            traffic = 2 * ag + rs
-            # FSDP2 copies each all-gather's output into the parameters and the gradients into the reduce-scatter
-            # input (``_fsdp_collectives.py``: ``split_with_sizes_copy``, ``chunk_cat``): read + write of the
-            # unsharded bytes, on the compute stream
-            copied = 2 * (2 * params + trainable * 4)
-            copy_t = copied / float(pr.bandwidth(np.array([2 * params / units]))[0])
-            dp_exposed = m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
-    optimizer = pr.optimizer_time(trainable / div_o, float(st["tensors"][busiest]) / div_o)
+    div_o = dp if layout.shard != "none" else 1
+    optimizer = pr.optimizer_time(
+        float(st["trainable"][busiest]) / div_o, float(st["tensors"][busiest]) / div_o
+    )
     # pipeline fill and drain: each other stage's micro-batch time once (1F1B and GPipe alike, Narayanan et al.
     # 2021, section 2.2, with the stages' own times instead of the busiest one's), over v chunks when interleaved
     stage_t = st["time"] + p2p
@@ -846,7 +883,7 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     parts_t = {
         "compute": m * compute,
         "recompute": m * recompute,
-        "exposed_comm": m * comm_mb + dp_exposed,
+        "exposed_comm": m * comm_mb + _dp_exposed(pr, layout, st, busiest, m),
         "bubble": bubble,
         "optimizer": optimizer,
     }
