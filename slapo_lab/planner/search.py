@@ -102,6 +102,55 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+class _Search:
+    """The candidates priced so far: those that fit, and the rejected grouped by their sentence."""
+
+    def __init__(self, pr, global_batch_size: int):
+        self.pr = pr
+        self.global_batch_size = global_batch_size
+        self.fits: list[Estimate] = []
+        self.groups: dict[str, Rejection] = {}
+        self.priced = self.costed = 0
+
+    def reject(self, layout: Layout | None, sentence: str, over: float = 0.0) -> None:
+        """Count a rejected layout in its group (the sentence with its numbers blanked; every "does not fit" in
+        one group, which says the closest miss)."""
+        key = "fit" if over else re.sub(r"\d+(\.\d+)?", "N", sentence)
+        g = self.groups.setdefault(key, Rejection(sentence))
+        g.count += 1
+        if len(g.layouts) < 3:
+            g.layouts.append(layout)
+        if over and over < g._closest:
+            g._closest, g.sentence = over, sentence
+
+    def price(self, *fields) -> None:
+        """Price the :class:`Layout` of ``fields`` and keep it, or say why not."""
+        self.priced += 1
+        try:
+            layout = Layout(*fields)
+        except ScheduleError as err:
+            self.reject(None, str(err))
+            return
+        try:
+            est = _price(self.pr, layout, self.global_batch_size)
+        except ScheduleError as err:
+            self.reject(layout, str(err))
+            return
+        self.costed += 1
+        hbm = self.pr.cluster.device.hbm_bytes
+        if not est.fits:
+            over_b = est.peak_memory_bytes - hbm
+            busiest = int(np.argmax(sum(est.stage_memory.values())))
+            self.reject(
+                layout,
+                f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
+                f"{busiest} of {human_bytes(hbm)}; closest: {layout.describe()}).",
+                over_b / GiB,
+            )
+            return
+        self.fits.append(est)
+
+
 def auto_plan(
     model_or_schedule,
     cluster: Cluster | None = None,
@@ -148,22 +197,9 @@ def auto_plan(
     base = pr.profile(tps[0] if isinstance(model_or_schedule, Schedule) else 1, False)
     nblocks = base.num_blocks
     checkpoints = tuple(c for c in checkpoints if c in CHECKPOINTS or (isinstance(c, int) and c < nblocks))
-    fits: list[Estimate] = []
-    groups: dict[str, Rejection] = {}
-    priced = costed = fitted = 0
-
-    def reject(layout: Layout, sentence: str, over: float = 0.0) -> None:
-        key = "fit" if over else re.sub(r"\d+(\.\d+)?", "N", sentence)
-        g = groups.setdefault(key, Rejection(sentence))
-        g.count += 1
-        if len(g.layouts) < 3:
-            g.layouts.append(layout)
-        if over and over < g._closest:
-            g._closest, g.sentence = over, sentence
-
+    search = _Search(pr, global_batch_size)
     for t in tps:
-        pps = pp or _divisors(n // t if n % t == 0 else 1, nblocks)
-        for p in pps:
+        for p in pp or _divisors(n // t if n % t == 0 else 1, nblocks):
             if n % (t * p):
                 continue
             d = n // (t * p)
@@ -171,30 +207,8 @@ def auto_plan(
             shs = shards if d > 1 else ("none",)
             sps = sequence_parallel if t > 1 else (False,)
             for sched, sh, ck, mbs, sp in itertools.product(scheds, shs, checkpoints, micro_batch_sizes, sps):
-                priced += 1
-                try:
-                    layout = Layout(t, p, d, sh, mbs, ck, sched, sp)
-                except ScheduleError as err:
-                    reject(None, str(err))
-                    continue
-                try:
-                    est = _price(pr, layout, global_batch_size)
-                except ScheduleError as err:
-                    reject(layout, str(err))
-                    continue
-                costed += 1
-                if not est.fits:
-                    over_b = est.peak_memory_bytes - cluster.device.hbm_bytes
-                    busiest = int(np.argmax(sum(est.stage_memory.values())))
-                    reject(
-                        layout,
-                        f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
-                        f"{busiest} of {human_bytes(cluster.device.hbm_bytes)}; closest: {layout.describe()}).",
-                        over_b / GiB,
-                    )
-                    continue
-                fitted += 1
-                fits.append(est)
-    fits.sort(key=lambda e: -e.tokens_per_s_per_gpu)
-    rejected = sorted(groups.values(), key=lambda g: -g.count)
+                search.price(t, p, d, sh, mbs, ck, sched, sp)
+    fits = sorted(search.fits, key=lambda e: -e.tokens_per_s_per_gpu)
+    rejected = sorted(search.groups.values(), key=lambda g: -g.count)
+    priced, costed, fitted = search.priced, search.costed, len(fits)
     return Plan(fits[:top_k], rejected, priced, time.perf_counter() - t0, costed, fitted)
