@@ -471,6 +471,13 @@ def report(args, out: Path, status: dict) -> str:
             f"Calibrated: bf16 matmul {p['bf16_flops'] / 1e12:,.0f} TFLOP/s, fp32 {p['fp32_flops'] / 1e12:,.1f} "
             f"TFLOP/s, copy {p['hbm_bandwidth'] / 1e9:,.0f} GB/s ({cal['seconds']:.0f} s)."
         )
+        curve = ", ".join(f"{(f / 2) ** (1 / 3):,.0f}: {x:.2f}" for f, x in p.get("matmul_curve") or ())
+        attention = p.get("attention_efficiency")
+        lines.append(
+            f"Calibrated matmul by size (n x n, fraction of the best): {curve or 'not measured'}; causal SDPA "
+            f"forward + backward at {attention if attention is None else f'{attention:.2f}'} of the best matmul "
+            f"rate; host launch {p.get('op_overhead', 0) * 1e6:.1f} us per op."
+        )
     lines += [
         "",
         "| run | tokens/s | MFU | peak allocated (GiB) | vs hand loop (tokens/s) |",
