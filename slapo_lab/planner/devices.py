@@ -385,15 +385,19 @@ def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
 
 def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of a ring all-reduce fitted to ``times`` (bytes -> seconds):
-    ``t = 2 (w - 1) latency + 2 (w - 1) / w * bytes / bandwidth`` by least squares over the sizes."""
+    ``t = 2 (w - 1) latency + 2 (w - 1) / w * bytes / bandwidth`` by least squares over the sizes, each weighted
+    by ``1 / t^2`` (relative errors: the sizes span four orders of magnitude, and an unweighted fit lets the
+    largest size's noise decide the latency, which the small sizes measure)."""
     steps = 2 * (world - 1)
     xs = [steps / world * n for n in times]
     ys = list(times.values())
-    k = len(xs)
-    mx, my = sum(xs) / k, sum(ys) / k
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / var if var else 0.0
-    slope = max(slope, 1e-15)
+    ws = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+    var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    cov = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+    slope = max(cov / var if var else 0.0, 1e-15)
     latency = max((my - slope * mx) / steps, 1e-7)
     return 1.0 / slope, latency
 
