@@ -468,3 +468,13 @@ def test_an_op_that_returns_no_tensor_moves_no_bytes():
 def test_calibrated_attention_and_matmul_by_size_are_measured():
     rate = devices.attention_flops(torch.float32, repeats=1)
     assert 1e6 < rate < 1e14
+
+
+def test_a_cpu_calibration_keeps_the_slowest_ranks_figures():
+    fast = {"by_size": {64: 4e9, 128: 8e9}, "other": 2e9, "attention": 1e9, "copy": 8e9,
+            "curve": {1 << 18: 5e10}, "overhead": 1e-6}  # fmt: skip
+    slow = {"by_size": {64: 3e9, 128: 9e9}, "other": 1e9, "attention": 2e9, "copy": 4e9,
+            "curve": {1 << 18: 6e10}, "overhead": 3e-6}  # fmt: skip
+    got = devices._slowest([fast, slow])
+    assert got == {"by_size": {64: 3e9, 128: 8e9}, "other": 1e9, "attention": 1e9, "copy": 4e9,
+                   "curve": {1 << 18: 5e10}, "overhead": 3e-6}  # fmt: skip

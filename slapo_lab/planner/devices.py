@@ -284,11 +284,58 @@ def _matmul_loop(seconds: float):
     return run
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
+def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
+    """What one process achieves on ``device`` (None: the CPU), as :func:`calibrate` records it.
 
-    torch.set_num_threads(1)  # one rank per core, as the ranks of a CPU run
+    Returns:
+        dict: ``"by_size"`` (matmul FLOP/s by ``n`` for ``n`` in 64, 128 and ``sizes``, in the device's training
+        dtype: bf16 on CUDA, fp32 on a CPU), ``"other"`` (the other dtype's best matmul FLOP/s), ``"attention"``
+        (:func:`attention_flops` in the training dtype), ``"copy"`` (bytes/s of a 256 MiB ``clone``),
+        ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA) and ``"overhead"``
+        (:func:`op_overhead`, seconds per op).
+    """
+    cuda = device is not None and str(device).startswith("cuda")
+    train_dtype = torch.bfloat16 if cuda else torch.float32
+    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
+
+    def clone():  # CUDA runs it asynchronously: time it to its end
+        x.clone()
+        if cuda:
+            torch.cuda.synchronize()
+
+    return {
+        "by_size": matmul_flops((64, 128, *sizes), train_dtype, device),
+        "other": max(matmul_flops(sizes, torch.float32 if cuda else torch.bfloat16, device).values()),
+        "attention": attention_flops(train_dtype, device),
+        "copy": 2 * x.numel() * 4 / _time(clone, 3),
+        "curve": {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
+        "overhead": op_overhead(device),
+    }
+
+
+def _slowest(rates: list[dict]) -> dict:
+    """Per figure, the slowest rank's: the least FLOP/s and bytes/s, the most seconds per op (a step waits for
+    the slowest rank)."""
+    first = rates[0]
+    return {
+        "by_size": {n: min(r["by_size"][n] for r in rates) for n in first["by_size"]},
+        "other": min(r["other"] for r in rates),
+        "attention": min(r["attention"] for r in rates),
+        "copy": min(r["copy"] for r in rates),
+        "curve": {n: min(r["curve"][n] for r in rates) for n in first["curve"]},
+        "overhead": max(r["overhead"] for r in rates),
+    }
+
+
+def _collective_worker(
+    rank: int, world: int, port: int, sizes, repeats: int, queue, threads: int = 1, host: tuple | None = None
+) -> None:
+    torch.set_num_threads(threads)  # as the ranks of a CPU run will have them
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        if host is not None:  # every rank measures at once, sharing the host as a run's ranks do
+            dist.barrier()
+            queue.put(("host", rank, host_rates(host)))
         times = {}
         for n in sizes:
             t = torch.ones(n // 4, dtype=torch.float32)
@@ -319,25 +366,31 @@ def _collective_worker(rank: int, world: int, port: int, sizes, repeats: int, qu
         times["size"] = max(sizes)
         overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
         if rank == 0:
-            queue.put((times, min(1.0, max(0.0, overlap))))
+            queue.put(("links", rank, (times, min(1.0, max(0.0, overlap)))))
     finally:
         dist.destroy_process_group()
 
 
 def collective_times(
-    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5
-) -> tuple[dict[int, float], float]:
+    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5, host: tuple | None = None
+) -> tuple[dict[int, float], float] | tuple[dict[int, float], float, dict]:
     """Seconds (the fastest of ``repeats``) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
     (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``, one thread each), for each ``n`` in ``sizes`` (and under
     the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the
     fraction of the largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none,
-    1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1."""
+    1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1. The processes
+    run on the caller's ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of
+    :func:`host_rates`), every process first measures :func:`host_rates` at the same time, and a third item is
+    returned: the slowest rank's figures (:func:`_slowest`)."""
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_collective_worker, args=(r, world, port, tuple(sizes), repeats, queue))
+        ctx.Process(
+            target=_collective_worker,
+            args=(r, world, port, tuple(sizes), repeats, queue, torch.get_num_threads(), host),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -349,7 +402,14 @@ def collective_times(
             if p.is_alive():
                 p.kill()
         raise RuntimeError("calibrate(): a gloo collective process failed; see its stderr.")
-    return queue.get()
+    got: dict = {"host": [], "links": []}
+    while not queue.empty():
+        kind, _rank, value = queue.get()
+        got[kind].append(value)
+    times, overlap = got["links"][0]
+    if host is None:
+        return times, overlap
+    return times, overlap, _slowest(got["host"])
 
 
 def op_overhead(device=None, n: int = 2000) -> float:
@@ -406,17 +466,22 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     """Measure this machine and return its :class:`DeviceProfile`.
 
     Matmul FLOP/s: the best of ``torch.matmul`` on square fp32 (and bf16) matrices of 256 to 2048 (4096 unless
-    ``quick``), and in the device's training dtype (fp32 on a CPU, bf16 on a GPU) from 64 up, each size's rate
-    as a fraction of the best (``matmul_curve``); attention: a causal SDPA forward + backward
-    (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB ``clone`` (read + write); on a CPU also the cache: ``clone`` at working
-    sets of 256 KiB to 64 MiB (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add``
-    (:func:`op_overhead`); links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, fitted as
-    a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
+    ``quick``), and in the device's training dtype (fp32 on a CPU, bf16 on a GPU) from 64 up, each size's rate as
+    a fraction of the best (``matmul_curve``); attention: a causal SDPA forward + backward
+    (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB
+    ``clone`` (read + write); on a CPU also the cache: ``clone`` at working sets of 256 KiB to 64 MiB
+    (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`) -- all of
+    them :func:`host_rates`. Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, fitted
+    as a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
     (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the module docstring) -- on one machine the
-    "intra" and "inter" links are the same loopback, so both get the fitted figures. ``matmul_efficiency`` is 1
-    (the measured rate is what a matmul reaches) and the memory size is the machine's RAM (``os.sysconf``). On a
-    CUDA machine the matmuls run on the GPU and the memory is the GPU's. It runs on the calling process's
-    threads (``torch.get_num_threads()``): set them as the ranks will have them.
+    "intra" and "inter" links are the same loopback, so both get the fitted figures.
+
+    On a CPU the ranks of a run share the machine (its cores, caches and memory bandwidth), so the two gloo
+    processes measure :func:`host_rates` at the same time, and the profile keeps the slower one's figures. On a
+    CUDA machine the calling process measures its GPU (each rank has its own). ``matmul_efficiency`` is 1 (the
+    measured rate is what a matmul reaches) and the memory size is the machine's RAM (``os.sysconf``; the GPU's
+    on CUDA). Every process runs on the calling process's threads (``torch.get_num_threads()``): set them as
+    the ranks will have them (torchrun gives each rank one thread unless ``OMP_NUM_THREADS`` says otherwise).
 
     Returns:
         DeviceProfile named ``"calibrated <cpu|gpu name>"``.
@@ -428,26 +493,18 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     sizes = (256, 512, 1024, 2048) if quick else (256, 512, 1024, 2048, 4096)
-    # by size in the dtype this device trains in (fp32 on a CPU, bf16 on a GPU), small sizes included
-    train_dtype = torch.bfloat16 if cuda else torch.float32
-    by_size = matmul_flops((64, 128, *sizes), train_dtype, device)
-    other = matmul_flops(sizes, torch.float32 if cuda else torch.bfloat16, device)
-    fp32, bf16 = (
-        (max(other.values()), max(by_size.values())) if cuda else (max(by_size.values()), max(other.values()))
-    )
+    if cuda:
+        rates = host_rates(sizes, device)
+        times, overlap = collective_times()
+    else:  # a CPU's ranks share it: each rank's figures measured while the others run too
+        times, overlap, rates = collective_times(host=sizes)
+    by_size = rates["by_size"]
     best = max(by_size.values())
+    fp32, bf16 = (rates["other"], best) if cuda else (best, rates["other"])
     matmul_curve = tuple((2.0 * n**3, rate / best) for n, rate in sorted(by_size.items()))
-    attention = attention_flops(train_dtype, device) / best
-    x = torch.empty(64 << 20, dtype=torch.float32, device=device)
-
-    def clone():  # CUDA runs it asynchronously: time it to its end
-        x.clone()
-        if cuda:
-            torch.cuda.synchronize()
-
-    copy = 2 * x.numel() * 4 / _time(clone, 3)
-    curve = () if cuda else tuple(sorted(copy_bandwidth([1 << k for k in range(18, 27, 2)]).items()))
-    times, overlap = collective_times()
+    attention = rates["attention"] / best
+    copy = rates["copy"]
+    curve = tuple(sorted(rates["curve"].items()))
     size = times.pop("size")
     slow = {op: times.pop(op) for op in ("all_gather", "reduce_scatter")}
     bw, lat = fit_link(times)
@@ -457,11 +514,11 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     scale = () if cuda else tuple((op, max(1.0, t / ring)) for op, t in slow.items())
     if cuda:
         name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
-        # the host's time to dispatch and launch one tiny kernel (it queues ahead of the GPU); NCCL overlaps
-        overhead, overlap = op_overhead("cuda"), 1.0
+        overlap = 1.0  # NCCL runs on its own stream (module docstring)
     else:
         name, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        overhead = op_overhead()
+    # on CUDA the host's time to dispatch and launch one tiny kernel (it queues ahead of the GPU)
+    overhead = rates["overhead"]
     return DeviceProfile(
         name=f"calibrated {name}",
         bf16_flops=bf16,
