@@ -11,7 +11,8 @@ Run: ``.venv/bin/python benchmarks/plan_sanity.py``. Goal (issue 26): within +-2
 memory. No constant is fitted to this row; the constants and their sources are listed in
 ``slapo_lab/planner/model.py`` (``ALLOCATOR_HEADROOM``, ``BACKWARD_WORKSET``, ``ADAM_BYTES_PER_ELEMENT``,
 ``FSDP_PREFETCH_BLOCKS``) and ``slapo_lab/planner/devices.py`` (datasheet figures, ``matmul_efficiency`` from
-mamf-finder measurements, ``memory_efficiency``, link latencies).
+mamf-finder measurements, ``attention_efficiency`` from the FlashAttention-2 and -3 papers, ``memory_efficiency``,
+link latencies).
 
 The model is Hugging Face's ``LlamaForCausalLM`` built on the meta device from Llama 3.1 8B's published
 dimensions (not torchtitan's own Llama module: HF's RMSNorm computes in fp32, which saves more activations).
