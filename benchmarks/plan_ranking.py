@@ -129,8 +129,11 @@ def main() -> None:
         dev = sl.calibrate()
     curve = ", ".join(f"{n >> 10} KiB {v / 1e9:.0f}" for n, v in dev.memory_curve)
     scale = ", ".join(f"{k} {v:.1f}x" for k, v in dev.collective_scale)
+    mm = ", ".join(f"{round((f / 2) ** (1 / 3))} {x:.2f}" for f, x in dev.matmul_curve)
+    attn = "-" if dev.attention_efficiency is None else f"{dev.attention_efficiency:.2f}"
     print(
-        f"calibrated (1 thread): fp32 {dev.fp32_flops / 1e9:.1f} GFLOP/s, memory {dev.hbm_bandwidth / 1e9:.1f} GB/s "
+        f"calibrated (1 thread): fp32 {dev.fp32_flops / 1e9:.1f} GFLOP/s (by size n x n, fraction: {mm}; "
+        f"attention {attn}), memory {dev.hbm_bandwidth / 1e9:.1f} GB/s "
         f"(by working set, GB/s: {curve}), op {dev.op_overhead * 1e6:.1f} us, gloo {dev.intra_bandwidth / 1e9:.2f} "
         f"GB/s + {dev.intra_latency * 1e6:.0f} us ({scale} a ring), overlap {dev.comm_overlap:.2f} "
         f"({time.perf_counter() - t0:.0f} s)"
