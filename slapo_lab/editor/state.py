@@ -132,6 +132,7 @@ class EditorState(SchedulePersistence):
         self.rank = rank
         self._meta_model = meta_copy(model)
         self._lock = threading.RLock()  # see serialized: clicks arrive on another thread than cells
+        self.history = History(self)  # undo / redo / clear and the rebuild they share (read by _on_record)
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
         self._remember_inputs(self.schedule)
         self.schedule.record.add_listener(self._on_record)
@@ -155,7 +156,6 @@ class EditorState(SchedulePersistence):
         self.verifier = VerifyController(self)  # what Verify runs: options, script, ranks and device
         self.planner = PlanController(self)  # the Plan pane's controller: auto_plan, the chosen layout, Apply
         self.memory = MemoryPricer(self)  # the per-rank memory of the current schedule (price_memory)
-        self.history = History(self)  # undo / redo / clear and the rebuild they share
         self.actions = Actions(self)  # the click actions: a primitive, all similar, a preset, the open items
 
     def _open_file(self, schedule_file: str | None) -> None:
