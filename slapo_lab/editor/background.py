@@ -114,7 +114,7 @@ class BackgroundChecks:
             self.run_numeric(gen, calls, cancel)
         if kernel and not cancel.is_set():
             try:  # last: the next undo replays onto it instead of copying the model first
-                st._make_spare()
+                st.history.make_spare()
             except Exception as err:  # noqa: BLE001 - the rebuild then copies the model itself
                 _log.warning("no spare copy for undo: %s: %s", type(err).__name__, err)
 

@@ -162,7 +162,7 @@ class ExportPanel:
     def form_defaults(self) -> dict:
         """The form's values before any export: the script's defaults, the model path of a model that
         ``from_pretrained`` read from a local directory."""
-        batch, seq = self.editor._example_sizes()
+        batch, seq = self.editor.export_form.example_sizes()
         name = getattr(getattr(self.editor.model, "config", None), "_name_or_path", "")
         model_path = name if isinstance(name, str) and name and os.path.isdir(name) else ""
         return {

@@ -221,45 +221,57 @@ class GraphPanel:
         methods as the editor's buttons; anything that does not apply is one sentence in the message line."""
         ed = self.editor
         try:
-            if action == "undo":
-                ed.undo()
-            elif action == "redo":
-                ed.redo()
-            elif action == "panel":
-                ed.open_panel()
-            elif action == "up":
-                self.go_up()
+            view = {"undo": ed.undo, "redo": ed.redo, "panel": ed.open_panel, "up": self.go_up}.get(action)
+            if view is not None:
+                view()
             elif action == "open":
-                if path is not None:
-                    ed._on_node_dblclick(path)
-                elif not ed.schedule[ed.selected].child:
-                    ed._error(f"{ed.selected or 'The root module'} has no submodules to open.")
-                else:
-                    ed.open_level(ed.selected)
-            else:
-                if path is not None:
-                    target = self.resolve_node(path)
-                    if target is None:
-                        ed._error(f"{path} is not a module: there is nothing to {action} there.")
-                        return
-                    if target != ed.selected:
-                        ed.select(target)
-                if action == "select":
-                    return
-                if action == "similar":
-                    ed._inspector_panel.select_similar()
-                elif action == "checkpoint":
-                    ed.apply("checkpoint")
-                elif action == "cut":
-                    ed.apply("cut_pipeline_stage")
-                elif action == "shard":
-                    ed._inspector_panel.on_shard()
-                elif action == "sync":
-                    sync = ed._inspector_panel.sync.value
-                    ed.apply("sync", mode=sync[0], sync_op_or_fn=sync[1])
+                self._open_from_browser(path)
+            elif self._select_from_browser(action, path) and action != "select":
+                self._act_on_selected(action)
         except Exception as err:  # noqa: BLE001 - a key press must never break the kernel
             _log.exception("browser action failed")
             ed._error(f"The {action} action failed ({type(err).__name__}: {err}); the schedule is unchanged.")
+
+    def _open_from_browser(self, path: str | None) -> None:
+        """Open the level of the node ``path`` (as a double click does), else of the selected module."""
+        ed = self.editor
+        if path is not None:
+            ed._on_node_dblclick(path)
+        elif not ed.schedule[ed.selected].child:
+            ed._error(f"{ed.selected or 'The root module'} has no submodules to open.")
+        else:
+            ed.open_level(ed.selected)
+
+    def _select_from_browser(self, action: str, path: str | None) -> bool:
+        """Select the module of the node ``path`` the browser action names (None: the selection stays); False,
+        with the sentence shown, when ``path`` is not a module."""
+        ed = self.editor
+        if path is None:
+            return True
+        target = self.resolve_node(path)
+        if target is None:
+            ed._error(f"{path} is not a module: there is nothing to {action} there.")
+            return False
+        if target != ed.selected:
+            ed.select(target)
+        return True
+
+    def _act_on_selected(self, action: str) -> None:
+        """Run the inspector's ``action`` (similar, checkpoint, cut, shard, sync) on the selected module; any other
+        name does nothing."""
+        ed = self.editor
+        inspector = ed._inspector_panel
+        if action == "similar":
+            inspector.select_similar()
+        elif action == "checkpoint":
+            ed.apply("checkpoint")
+        elif action == "cut":
+            ed.apply("cut_pipeline_stage")
+        elif action == "shard":
+            inspector.on_shard()
+        elif action == "sync":
+            sync = inspector.sync.value
+            ed.apply("sync", mode=sync[0], sync_op_or_fn=sync[1])
 
     def on_panel_answer(self, opened: bool, reason: str) -> None:
         if opened:

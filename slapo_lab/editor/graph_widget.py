@@ -104,6 +104,21 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _event_problem(content: Any) -> str | None:
+    """Why a browser message is not one this widget handles (not a JSON object, no or an unknown
+    ``event``), or None."""
+    if not isinstance(content, dict):
+        return f"Ignored a graph message that is not a JSON object (got {type(content).__name__})."
+    if "event" not in content:
+        return "Ignored a graph message without an 'event' field; expected 'click', 'dblclick' or 'action'."
+    if content["event"] not in _EVENTS:
+        return (
+            f"Ignored a graph message with unknown event {_short(content['event'])}; "
+            "expected 'click', 'dblclick' or 'action'."
+        )
+    return None
+
+
 class GraphWidget(widgets.DOMWidget):
     """An interactive graphviz graph.
 
@@ -327,65 +342,80 @@ class GraphWidget(widgets.DOMWidget):
             self._report(problem)
 
     def _dispatch(self, content: Any) -> str | None:
-        if not isinstance(content, dict):
-            return f"Ignored a graph message that is not a JSON object (got {type(content).__name__})."
-        event = content.get("event")
-        if event not in _EVENTS:
-            if "event" not in content:
-                return "Ignored a graph message without an 'event' field; expected 'click', 'dblclick' or 'action'."
-            return (
-                f"Ignored a graph message with unknown event {_short(event)}; "
-                "expected 'click', 'dblclick' or 'action'."
-            )
+        """Hand one browser message to its handlers; returns why it was ignored (one sentence), or None."""
+        why = _event_problem(content)
+        if why is not None:
+            return why
+        event = content["event"]
         if event == "panel":
             return self._dispatch_panel(content)
-        what = f"'{event}'"
-        action = None
         if event == "action":
-            if "action" not in content:
-                return "Ignored an 'action' message without an 'action' field."
-            action = content["action"]
-            if not isinstance(action, str) or action not in ACTIONS:
-                return (
-                    f"Ignored an 'action' message with unknown action {_short(action)}; expected one of "
-                    f"{', '.join(ACTIONS)}."
-                )
-            what = f"'{action}' action"
-            if "node" not in content or content["node"] is None:
-                if action == "select":
-                    return "Ignored a 'select' action without a 'node' field."
-                self._action_handlers(action, None, None)
-                return None
-        if "node" not in content:
-            return f"Ignored a {what} message without a 'node' field."
-        token = content["node"]
-        if not isinstance(token, str):
-            return f"Ignored a {what} message whose node is not a string (got {type(token).__name__})."
-        if "render" in content:
-            rid = content["render"]
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                return (
-                    f"Ignored a {what} message whose render id is not an integer (got {type(rid).__name__})."
-                )
-            if rid != self.render_id:
-                return (
-                    f"Ignored a {what} on the graph as drawn before the last redraw (drawing {rid}, "
-                    f"now {self.render_id}); click the node again."
-                )
-        if token not in self.node_ids:
-            drawn = _DRAWN_TOKEN.fullmatch(token)
-            if drawn is not None and int(drawn.group(1)) != self.render_id:
-                return (
-                    f"Ignored a {what} on node {_short(token)} of drawing {drawn.group(1)}, not of the graph "
-                    f"shown now (drawing {self.render_id}); click the node again."
-                )
-            return f"Ignored a {what} on node {_short(token)}, which is not in the current graph."
-        if action is not None:
-            self._action_handlers(action, token, self.node_ids[token])
-            return None
+            return self._dispatch_action(content)
+        token, why = self._node_token(content, f"'{event}'")
+        if why is not None:
+            return why
         handlers = self._click_handlers if event == "click" else self._dblclick_handlers
         handlers(token, self.node_ids[token])
         return None
+
+    def _dispatch_action(self, content: dict) -> str | None:
+        """An ``action`` message (a key, the context menu, the palette): on its node, or on the selection
+        when it names none (``select`` needs one)."""
+        if "action" not in content:
+            return "Ignored an 'action' message without an 'action' field."
+        action = content["action"]
+        if not isinstance(action, str) or action not in ACTIONS:
+            return (
+                f"Ignored an 'action' message with unknown action {_short(action)}; expected one of "
+                f"{', '.join(ACTIONS)}."
+            )
+        if content.get("node") is None:
+            if action == "select":
+                return "Ignored a 'select' action without a 'node' field."
+            self._action_handlers(action, None, None)
+            return None
+        token, why = self._node_token(content, f"'{action}' action")
+        if why is not None:
+            return why
+        self._action_handlers(action, token, self.node_ids[token])
+        return None
+
+    def _node_token(self, content: dict, what: str) -> tuple[Any, str | None]:
+        """``(token, None)`` for a message's node of the graph drawn now, else ``(None, why it was ignored)``
+        (``what`` names the message in that sentence)."""
+        if "node" not in content:
+            return None, f"Ignored a {what} message without a 'node' field."
+        token = content["node"]
+        if not isinstance(token, str):
+            return None, f"Ignored a {what} message whose node is not a string (got {type(token).__name__})."
+        why = self._render_problem(content, what)
+        if why is None and token not in self.node_ids:
+            why = self._unknown_node(token, what)
+        return (None, why) if why is not None else (token, None)
+
+    def _render_problem(self, content: dict, what: str) -> str | None:
+        """Why a message's ``render`` id (the drawing it was sent from) is not the one shown now, or None."""
+        if "render" not in content:
+            return None
+        rid = content["render"]
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            return f"Ignored a {what} message whose render id is not an integer (got {type(rid).__name__})."
+        if rid != self.render_id:
+            return (
+                f"Ignored a {what} on the graph as drawn before the last redraw (drawing {rid}, "
+                f"now {self.render_id}); click the node again."
+            )
+        return None
+
+    def _unknown_node(self, token: str, what: str) -> str:
+        """The sentence for a node token not in the current graph: of an earlier drawing, or unknown."""
+        drawn = _DRAWN_TOKEN.fullmatch(token)
+        if drawn is not None and int(drawn.group(1)) != self.render_id:
+            return (
+                f"Ignored a {what} on node {_short(token)} of drawing {drawn.group(1)}, not of the graph "
+                f"shown now (drawing {self.render_id}); click the node again."
+            )
+        return f"Ignored a {what} on node {_short(token)}, which is not in the current graph."
 
     def _dispatch_panel(self, content: dict) -> str | None:
         opened = content.get("opened")

@@ -169,7 +169,7 @@ class SchedulePersistence:
                 self._rebuild(_file_actions(sf, path), autosave=not own)  # the file already holds it
             if own:
                 self._in_sync(stamp)
-            self._redo = []
+            self.history.redo_stack.clear()
             self._refresh_history()
             remembered = (sf.meta or {}).get("export_options")
             if isinstance(remembered, dict) and isinstance(remembered.get("options", {}), dict):

@@ -86,7 +86,7 @@ class PlanController:
         and batch (2048 and 8 without them), H100-SXM, bf16."""
         if self.request is not None:
             return self.request
-        batch, seq = self.state._example_sizes()
+        batch, seq = self.state.export_form.example_sizes()
         shape = self.state.cluster
         return PlanRequest(shape.nodes, shape.gpus_per_node, "H100-SXM", seq or 2048, batch or 8)
 

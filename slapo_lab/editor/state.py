@@ -5,7 +5,10 @@ browser: select / open a level, apply a primitive or a preset as one action (all
 clear, the cluster shape and the TP degree, the schedule check, :meth:`EditorState.export` (the training script),
 and the schedule file (:class:`~slapo_lab.editor.persistence.SchedulePersistence`). It imports no ipywidgets: a script, a test or
 another front end drives it by calls and reads :attr:`EditorState.message`. The widget class subclasses it and
-overrides the *hooks* (the methods documented "hook"), which draw what changed; here they do nothing.
+overrides the *hooks* (the methods documented "hook"), which draw what changed; here they do nothing. The work of
+its actions is done by plain controllers it owns: :class:`~slapo_lab.editor.actions.Actions`,
+:class:`~slapo_lab.editor.history.History`, :class:`~slapo_lab.editor.memory_pricer.MemoryPricer`, and the Export,
+Verify, Plan and background controllers.
 
 Data flows one way: an action calls public primitives on :attr:`EditorState.schedule` (exactly what a person
 would type), the recorder notifies the state (:meth:`EditorState._on_record`), and the state asks its view to
@@ -24,19 +27,19 @@ from typing import Any
 from torch import nn
 
 from .. import check as check_module
-from .. import check_primitive, create_schedule, presets
-from ..activation_cache import has_cached_profile, is_composed
+from .. import create_schedule
 from ..call_order import set_example_inputs
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
-from ..pipeline import suggest_cuts
 from ..preset_check import set_reference
-from ..record import Action, format_call, gc_paused
+from ..record import format_call, gc_paused
 from ..utils import meta_copy
+from .actions import Actions
 from .background import BackgroundChecks
 from .cluster import ClusterShape, data_parallel
-from .costs import memory_failure
 from .export_form import ExportForm
+from .history import History
+from .memory_pricer import ACTIVATIONS, MemoryPricer
 from .persistence import SchedulePersistence, serialized
 from .planning import PlanController
 from .similar import similar_gate, similar_paths
@@ -46,11 +49,6 @@ __all__ = ["ACTIVATIONS", "EditorState", "similar_gate"]
 
 _log = logging.getLogger("slapo_lab.editor")
 
-#: What the memory plan counts as activations: what autograd saves, SDPA as flash attention
-#: (:data:`slapo_lab.activations.ATTENTION_KERNEL`), composed from the distinct blocks of a deep model
-#: (:mod:`slapo_lab.activation_cache`).
-ACTIVATIONS = "autograd"
-
 
 def _running_loop():
     """The asyncio loop running this thread (a Jupyter kernel's), or None (a script, a test)."""
@@ -58,12 +56,6 @@ def _running_loop():
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _describe(action) -> str:
-    """``shard on a.b`` / ``preset megatron (1125 calls)``."""
-    n = len(action.calls)
-    return action.label + (f" ({n} calls)" if n > 1 else "")
 
 
 class EditorState(SchedulePersistence):
@@ -96,6 +88,10 @@ class EditorState(SchedulePersistence):
             (:class:`~slapo_lab.editor.background.BackgroundChecks`), the export options' checks
             (:class:`~slapo_lab.editor.export_form.ExportForm`), what Verify runs
             (:class:`~slapo_lab.editor.verify_controller.VerifyController`).
+        actions, history, memory: the controllers this state's methods delegate to: the click actions
+            (:class:`~slapo_lab.editor.actions.Actions`), undo / redo / clear and the rebuild
+            (:class:`~slapo_lab.editor.history.History`), the memory plan
+            (:class:`~slapo_lab.editor.memory_pricer.MemoryPricer`).
         apply_to_similar: the next :meth:`apply` without ``path`` applies to every similar module (then resets),
             all or nothing, and gated like a preset (:func:`similar_gate`).
         resolve_label: the label of the action that resolves the last refusal ("" when none), run by
@@ -135,8 +131,8 @@ class EditorState(SchedulePersistence):
         self.world_size = world_size
         self.rank = rank
         self._meta_model = meta_copy(model)
-        self._spare = None  # a meta copy made ahead for the next rebuild (see _take_spare)
         self._lock = threading.RLock()  # see serialized: clicks arrive on another thread than cells
+        self.history = History(self)  # undo / redo / clear and the rebuild they share (read by _on_record)
         self.schedule = create_schedule(self._meta_model, world_size=world_size, rank=rank)
         self._remember_inputs(self.schedule)
         self.schedule.record.add_listener(self._on_record)
@@ -144,7 +140,6 @@ class EditorState(SchedulePersistence):
         self.selected = ""  # selected module path
         self.expanded: set[str] = set()
         self._busy = False
-        self._redo: list = []
         self._pending = False
         self._flush_scheduled = False
         self._batch_depth = 0
@@ -160,9 +155,8 @@ class EditorState(SchedulePersistence):
         self.export_form = ExportForm(self)  # the export options' reading and checks (no widgets)
         self.verifier = VerifyController(self)  # what Verify runs: options, script, ranks and device
         self.planner = PlanController(self)  # the Plan pane's controller: auto_plan, the chosen layout, Apply
-        self.memory_plan = None  # the per-rank memory of the current schedule (price_memory)
-        self.memory_problem: str | None = None
-        self.memory_pending = False
+        self.memory = MemoryPricer(self)  # the per-rank memory of the current schedule (price_memory)
+        self.actions = Actions(self)  # the click actions: a primitive, all similar, a preset, the open items
 
     def _open_file(self, schedule_file: str | None) -> None:
         """Restore ``schedule_file`` when it exists (else start empty and create it at the first change), then
@@ -226,15 +220,9 @@ class EditorState(SchedulePersistence):
 
     def _plan_layout(self) -> tuple[int, str | None, str]:
         """Hook: ``(dp, shard, note)`` the memory plan prices. Without a form: dp fills the cluster shape once it
-        is set (:meth:`set_cluster`), else 1; the last export's options say FSDP or a ZeRO stage."""
-        dp = data_parallel(self._cluster, self.world_size, self.dims().pp)[0] if self._cluster_set else 1
-        exported = self.export_options or {}
-        opts = exported.get("options") or {}
-        if exported.get("launcher") == "deepspeed":
-            shard = {1: "zero1", 2: "zero2"}.get(opts.get("zero"))
-        else:
-            shard = "fsdp" if opts.get("fsdp") else None
-        return dp, shard, ""
+        is set (:meth:`set_cluster`), else 1; the last export's options say FSDP or a ZeRO stage
+        (:meth:`MemoryPricer.default_layout <slapo_lab.editor.memory_pricer.MemoryPricer.default_layout>`)."""
+        return self.memory.default_layout()
 
     def price_memory(self, defer_whole_pass: bool = False):
         """Price :attr:`memory_plan`: the per-rank memory of the schedule as it is now, for the dp and sharding of
@@ -243,43 +231,28 @@ class EditorState(SchedulePersistence):
         context, so a change prices in tens of milliseconds at 405B dims; a model without a stack of blocks
         runs a whole meta forward, which ``defer_whole_pass`` (a kernel) leaves to the background work
         (:attr:`memory_pending`, the plan then without activations). A failed activation pass prices the rest and
-        says why in :attr:`memory_problem`; nothing raises.
+        says why in :attr:`memory_problem`; nothing raises (:meth:`MemoryPricer.price
+        <slapo_lab.editor.memory_pricer.MemoryPricer.price>`).
 
         Returns:
             The :class:`~slapo_lab.plan.Plan`, or None when even the parameter count failed.
         """
-        from ..plan import plan  # noqa: PLC0415 - looked up at each call: tests replace plan.plan
+        return self.memory.price(defer_whole_pass)
 
-        dp, shard, _ = self._plan_layout()
-        inputs = self.example_inputs or None
-        self.memory_pending = bool(
-            inputs is not None
-            and defer_whole_pass
-            and not has_cached_profile(self.schedule, inputs, ACTIVATIONS)
-            and not is_composed(self.schedule, inputs, ACTIVATIONS)
-        )
-        if self.memory_pending:
-            inputs = None
-        self.memory_problem = None
-        try:
-            try:
-                pl = plan(
-                    self.schedule,
-                    example_inputs=inputs,
-                    activation=ACTIVATIONS if inputs is not None else None,
-                    dp=dp,
-                    shard=shard,
-                )
-            except ScheduleError as err:  # e.g. a weight sharded but not yet its bias: the forward fails
-                _log.info("activation estimate failed: %s", err)
-                pl = plan(self.schedule, activation=None, dp=dp, shard=shard)
-                self.memory_problem = memory_failure(err, "activations not estimated")
-        except Exception as err:  # noqa: BLE001 - said in one sentence, never raised past this point
-            _log.warning("memory plan failed", exc_info=True)
-            pl = None
-            self.memory_problem = memory_failure(err, "Memory plan unavailable")
-        self.memory_plan = pl
-        return pl
+    @property
+    def memory_plan(self):
+        """The :class:`~slapo_lab.plan.Plan` of the last :meth:`price_memory` (see the class's attributes)."""
+        return self.memory.plan
+
+    @property
+    def memory_problem(self) -> str | None:
+        """One sentence when the plan or its activation pass failed, else None."""
+        return self.memory.problem
+
+    @property
+    def memory_pending(self) -> bool:
+        """True while a whole-model activation pass runs in a kernel's background work."""
+        return self.memory.pending
 
     def _refresh_cluster(self) -> str | None:
         """Hook: the degrees or the cluster shape changed. Returns the sentence saying why the shape does not
@@ -390,75 +363,20 @@ class EditorState(SchedulePersistence):
 
     @serialized
     def apply(self, primitive: str, *args, path: str | None = None, **kwargs) -> str | None:
-        """Apply ``primitive`` to the selected module (or ``path``), as a click does.
+        """Apply ``primitive`` to the selected module (or ``path``), as a click does; with
+        :attr:`apply_to_similar` and no ``path``, to every similar module, all or nothing
+        (:meth:`Actions.apply <slapo_lab.editor.actions.Actions.apply>`).
 
         Returns:
             None on success (the call is recorded), else the one-sentence reason shown in the editor.
         """
-        target = self.selected if path is None else path
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        if not isinstance(target, str) or target not in self.schedule:
-            return self._error(f"There is no module {target!r} in this model.")
-        if not isinstance(primitive, str):
-            return self._error(f"Unknown action {primitive!r}.")
-        targets = [target]
-        if path is None and self.apply_to_similar:
-            self.apply_to_similar = False  # one action only: never carried over to the next click
-            targets = self.similar(target)
-            for t in targets:  # all or nothing: check every target first
-                why = check_primitive(self.schedule[t], primitive, *args, **kwargs)
-                if why:
-                    return self._error(f"Not applied to any of the {len(targets)} similar modules: {why}")
-        label = f"{primitive} on {target}" + (
-            f" and {len(targets) - 1} similar modules" if len(targets) > 1 else ""
-        )
-        n0 = len(self.schedule.record.calls)
-
-        def run():
-            ends = []
-            for t in targets:
-                getattr(self.schedule[t], primitive)(*args, **kwargs)
-                ends.append(len(self.schedule.record.calls))
-            if len(targets) > 1:  # raising here takes the whole action back (_run_action)
-                calls = self.schedule.record.calls
-                i = targets.index(target) if target in targets else 0
-                one = calls[(ends[i - 1] if i else n0) : ends[i]]
-                why = similar_gate(self, target, len(targets), calls[:n0], calls[n0:], one)
-                if why:
-                    raise ScheduleError(why)
-
-        try:
-            self._run_action(label, run)
-        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            if isinstance(err, (ScheduleError, AttributeError)):
-                return self._error(str(err))
-            _log.exception("primitive failed")
-            return self._error(
-                f"{primitive} failed unexpectedly ({type(err).__name__}: {err}); the schedule is unchanged."
-            )
-        if len(targets) > 1:  # say what the one action did, not only its last call
-            n = len(self.schedule.record.calls) - n0
-            self._info(
-                f"Applied {primitive} to {len(targets)} similar modules, {targets[0]} to {targets[-1]} ({n} calls)."
-            )
-        return None
+        return self.actions.apply(primitive, args, kwargs, path)
 
     def _run_action(self, label: str | None, fn, working: str | None = None):
-        """Run ``fn()`` as one user action: the busy state ("Working: …", buttons off), one redraw at the end,
-        recorded as one action named ``label`` (one Undo removes it; None: ``fn`` records its own), all or
-        nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
-        caller says it in one sentence). Returns what ``fn`` returns."""
-        before = self.schedule.record.actions()
-        n0 = len(self.schedule.record.calls)
-        recording = self.schedule.record.action(label) if label is not None else contextlib.nullcontext()
-        try:
-            with self._working(working or label or "working"), self._batch(), recording:
-                return fn()
-        except BaseException:
-            if len(self.schedule.record.calls) != n0:  # part of it applied: undo that part
-                self._rebuild(before)
-            raise
+        """Run ``fn()`` as one user action, all or nothing (:meth:`Actions.run <slapo_lab.editor.actions.Actions.run>`)."""
+        return self.actions.run(label, fn, working)
 
     def similar(self, path: str) -> list[str]:
         """``path`` and the modules of the same type at the same relative path in every repeated block
@@ -475,48 +393,9 @@ class EditorState(SchedulePersistence):
         ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
         pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
         """
-
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        n0 = len(self.schedule.record.calls)
-        try:
-            notes = self._run_action(f"preset {name}", lambda: self._run_preset(name, k))
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            conflict = "already sharded" in msg or "already cuts" in msg  # an earlier action is in the way
-            return self._error(
-                f"The {name} preset was not applied: {msg}", self._undo_offer() if conflict else None
-            )
-        n = len(self.schedule.record.calls) - n0
-        done = (
-            f"Preset {name} recorded {n} calls."
-            if n
-            else f"Preset {name} added nothing: the schedule has it all."
-        )
-        self._info(" ".join([done, *notes]))
-        return None
-
-    def _run_preset(self, name: str, k: int) -> list[str]:
-        """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
-        if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
-            return presets.megatron_tp(
-                self.schedule,
-                use_hf_plan=name == "hf_plan",
-                vocab_parallel=presets.has_vocab_embedding(self.schedule),
-            ).notes
-        if name == "checkpoint":
-            return presets.checkpoint_blocks(self.schedule, every=int(k)).notes
-        elif name == "stages":
-            cuts = self.schedule.metadata.primitives.get("cut_pipeline_stage") or []
-            if cuts:
-                raise ScheduleError(
-                    f"it places every cut itself, and the schedule already cuts after {', '.join(cuts)}; press "
-                    "Undo until those cuts are gone (or editor.clear() to start over), then apply it again"
-                )
-            suggest_cuts(self.schedule, int(k), by="params", apply=True)
-        else:
-            raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
-        return []
+        return self.actions.apply_preset(name, k)
 
     @serialized
     def undo(self) -> str | None:
@@ -528,22 +407,7 @@ class EditorState(SchedulePersistence):
         """
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        actions = self.schedule.record.actions()
-        if not actions:
-            return self._error("Nothing to undo: the schedule is empty.")
-        last = actions[-1]
-        try:
-            with self._working(f"undoing {last.label}"):
-                self._rebuild(actions[:-1])
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            _log.exception("undo failed")
-            return self._error(
-                f"Could not undo {last.label} ({type(err).__name__}: {err}); the schedule is unchanged."
-            )
-        self._redo.append(last)
-        self._refresh_history()
-        self._info(f"Undid {_describe(last)}.")
-        return None
+        return self.history.undo()
 
     @serialized
     def redo(self) -> str | None:
@@ -552,80 +416,29 @@ class EditorState(SchedulePersistence):
         The action stays on the redo stack until it has been applied whole; a failure leaves the
         schedule as it was.
         """
-        from .. import replay  # noqa: PLC0415 - looked up at each call: tests replace slapo_lab.replay
-
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        if not self._redo:
-            return self._error("Nothing to redo.")
-        act = self._redo[-1]
-        self._replaying = True  # the recorder's listener must not clear the redo stack
-        try:
-            self._run_action(
-                act.label, lambda: replay(self.schedule, act.calls), working=f"redoing {act.label}"
-            )
-        except Exception as err:  # noqa: BLE001 - reported, never raised past this point
-            return self._error(
-                f"Could not redo {act.label}: {str(err).rstrip('.')}; the schedule is unchanged."
-            )
-        finally:
-            self._replaying = False
-        self._redo.pop()
-        self._refresh_history()
-        self._info(f"Redid {_describe(act)}.")
-        return None
+        return self.history.redo()
 
     @serialized
     def clear(self) -> None:
         """Forget every recorded call (redo brings the actions back, one per redo)."""
-        actions = self.schedule.record.actions()
-        n = len(self.schedule.record.calls)
-        with self._working("clearing the schedule"):
-            self._rebuild([])
-        self._redo.extend(reversed(actions))
-        self._refresh_history()
-        self._info(f"Cleared {n} recorded calls.")
+        self.history.clear()
 
-    @gc_paused()  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap
     def _rebuild(self, actions, autosave: bool = True) -> None:
-        """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or
-        plain calls: one action each). Only once every call has replayed does the root object
-        ``self.schedule`` adopt the new tree (:meth:`~slapo_lab.Schedule.adopt_tree`), so an error or a
-        KeyboardInterrupt part-way leaves the schedule as it was, and ``sch = editor.schedule`` taken
-        earlier stays valid."""
-        from .. import replay  # noqa: PLC0415 - looked up at each call: tests replace slapo_lab.replay
+        """Rebuild the schedule from a fresh meta copy, replaying ``actions``, all or nothing
+        (:meth:`History.rebuild <slapo_lab.editor.history.History.rebuild>`)."""
+        self.history.rebuild(actions, autosave)
 
-        old = self.schedule
-        meta = self._take_spare()
-        sch = create_schedule(meta, world_size=self.world_size, rank=self.rank)
-        self._remember_inputs(sch)
-        for act in actions:
-            if not isinstance(act, Action):
-                act = Action(format_call(act), (act,))
-            with sch.record.action(act.label):
-                replay(sch, act.calls)
-        old.record.remove_listener(self._on_record)
-        old.adopt_tree(sch)  # `sch = editor.schedule` taken before stays valid; older sub-nodes are refused
-        self._meta_model = meta
-        old.record.add_listener(self._on_record)
-        for path in (self.selected, self.level):
-            if path not in sch:
-                self.selected = self.level = ""
-        self._refresh_all()
-        if autosave:
-            self._autosave()
+    @property
+    def _redo(self) -> list:
+        """The undone actions, the next redo last (:attr:`History.redo_stack`)."""
+        return self.history.redo_stack
 
-    def _take_spare(self):
-        """A fresh meta copy of the model for a rebuild: the spare one made ahead (:meth:`_make_spare`, in a
-        kernel's background work) when there is one, else one made now (0.1-0.3 s at 70B: a third of an undo)."""
-        spare, self._spare = self._spare, None
-        return spare if spare is not None else meta_copy(self.model)
-
-    def _make_spare(self) -> None:
-        """Make the meta copy the next undo, clear or TP change starts from, unless one is ready (run it off the
-        click path: the copy reads only the user's model, which the editor never changes)."""
-        if self._spare is None:
-            self._spare = meta_copy(self.model)
+    @property
+    def _spare(self):
+        """The meta copy made ahead for the next rebuild, or None (:attr:`History.spare`)."""
+        return self.history.spare
 
     def _remember_inputs(self, sch) -> None:
         """Give a new schedule of this editor its lock (typed calls wait for a click's action: see
@@ -641,7 +454,7 @@ class EditorState(SchedulePersistence):
 
     def _on_record(self, _rec) -> None:
         """A call was recorded (clicked or typed): redraw once the current cell / click / preset is done."""
-        if not getattr(self, "_replaying", False):
+        if not self.history.replaying:
             self._redo.clear()
         self._pending = True
         if self._batch_depth:
@@ -725,11 +538,6 @@ class EditorState(SchedulePersistence):
         if action is not None:
             action()
 
-    def _undo_offer(self) -> tuple[str, Any] | None:
-        """``("Undo: <the last action>", undo)``, or None with nothing to undo."""
-        actions = self.schedule.record.actions()
-        return (f"Undo: {_describe(actions[-1])}", self.undo) if actions else None
-
     def _clear_stale_error(self) -> None:
         """After the user moved on (selected or opened another module), an earlier error no longer
         applies: clear it, or show the schedule file's problem, which stays until it is resolved."""
@@ -755,18 +563,7 @@ class EditorState(SchedulePersistence):
         reason nothing changed."""
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        try:  # close_open_items records its calls as one action itself
-            calls = self._run_action(
-                None, lambda: check_module.close_open_items(self.schedule), working="closing the open items"
-            )
-        except Exception as err:  # noqa: BLE001 - never let a click kill the kernel or lose the record
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            return self._error(f"The open items were not closed: {msg}")
-        self._info(
-            f"Closed the open items with {len(calls)} call{'s' if len(calls) != 1 else ''}"
-            + (" (one Undo removes them)." if calls else "; nothing was open.")
-        )
-        return None
+        return self.actions.close_open_items()
 
     def _open_count(self) -> int:
         """How many open items the schedule check lists (0 if the check itself fails: it is advice)."""
@@ -797,7 +594,7 @@ class EditorState(SchedulePersistence):
     def set_tp(self, degree: int) -> str | None:
         """Change the tensor-parallel degree: every recorded action replays at ``degree`` ranks (presets'
         choices included, as recorded), or, when one cannot, the schedule stays at its degree and the reason
-        is said in one sentence (returned).
+        is said in one sentence (returned; :meth:`History.replay_at <slapo_lab.editor.history.History.replay_at>`).
         """
         if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
             return self._error(f"The tensor-parallel degree must be a positive whole number, not {degree!r}.")
@@ -806,20 +603,7 @@ class EditorState(SchedulePersistence):
             return None
         if self._busy:
             return self._error("Still applying the previous action; try again in a moment.")
-        n = len(self.schedule.record.calls)
-        old_rank = self.rank
-        self.world_size = degree
-        self.rank = self.rank if self.rank < degree else 0
-        try:
-            with self._working(f"replaying {n} calls at TP {degree}"):
-                self._rebuild(self.schedule.record.actions())
-        except Exception as err:  # noqa: BLE001 - the schedule stays whole at its degree
-            self.world_size, self.rank = old, old_rank
-            self._refresh_cluster()
-            msg = str(err) if isinstance(err, ScheduleError) else f"{type(err).__name__}: {err}"
-            return self._error(f"The schedule stays at TP {old}: at TP {degree} {msg[:1].lower() + msg[1:]}")
-        self._info(f"Replayed {n} recorded call{'s' if n != 1 else ''} at TP {degree} (was TP {old}).")
-        return None
+        return self.history.replay_at(degree)
 
     # ------------------------------------------------------------------ export
     @serialized
@@ -856,42 +640,11 @@ class EditorState(SchedulePersistence):
                 without deepspeed, a read-only folder, a model that cannot be rebuilt, a schedule the numeric
                 check marks ✗ (without ``force``) ...
         """
-        options, defaults = self._check_export_options(launcher, options)
-        out = self._write_script(path, launcher, defaults, force)
-        cmd = self._launch_command(out, launcher, options.get("dp") or 1)
-        self.export_options = {"launcher": launcher, "script": str(path), "options": options}
-        self._set_form(self.export_options)
-        self._autosave()
-        open_items = self._open_count()
-        warn = (
-            f" — the schedule check has {open_items} open item{'s' if open_items > 1 else ''} (listed above the "
-            "code): --verify will fail until they are closed"
-            if open_items
-            else ""
-        )
-        self._info(f"Exported {out} — launch: {cmd}{warn}")
-        self._show_export(out, cmd)
-        return str(out)
-
-    # the Export form's reading, on the state under its old names (Verify, the Plan pane and the tests use them)
-    def _write_script(self, path, launcher: str, defaults: dict, force: bool = False):
-        return self.export_form.write_script(path, launcher, defaults, force)
+        return self.export_form.export(path, launcher, force, options)
 
     def _launch_command(self, script, launcher: str, dp: int, gpus: int | None = None) -> str:
         """The one-node launch of ``script`` for ``tp x pp x dp`` processes (:meth:`ExportForm.launch_command`)."""
         return self.export_form.launch_command(script, launcher, dp, gpus)
-
-    def _example_sizes(self) -> tuple[int | None, int | None]:
-        """``(batch, seq)`` of the example inputs as the exported script reads them (None when unknown)."""
-        return self.export_form.example_sizes()
-
-    def _model_dir_problem(self, path: str) -> str | None:
-        """None if ``path`` is a Hugging Face directory this model can load its weights from, else why not."""
-        return self.export_form.model_dir_problem(path)
-
-    def _check_export_options(self, launcher: str, options: dict, local: bool = True) -> tuple[dict, dict]:
-        """``(options, defaults)`` checked and normalised (:meth:`ExportForm.check`); raises ExportError."""
-        return self.export_form.check(launcher, options, local)
 
     def _show_export(self, out, cmd: str) -> None:
         """Hook: show the written script and its launch command (the widget's export panel)."""

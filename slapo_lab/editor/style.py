@@ -80,6 +80,20 @@ def folded_style(sch, members: list[str], stage_of: dict[str, int] | None) -> di
         style["dashed"] = True
     if metas[-1].cut:
         style["cut"] = True
+    badges = _count_badges(sch, members, metas)
+    stages = sorted({stage_of[m] for m in members if m in stage_of}) if stage_of is not None else []
+    if stages:
+        badges.append(f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}")
+        if len(stages) > 1:
+            style.pop("band", None)
+    if badges:
+        style["badges"] = badges
+    return style
+
+
+def _count_badges(sch, members: list[str], metas: list[ModuleMeta]) -> list[str]:
+    """The badges that count over a folded run's ``members``: how many are sharded inside (``TP 3/8``),
+    checkpointed (``ckpt 4/8``) and end a pipeline stage (``2 cuts``); none for a count of 0."""
     badges = []
     n_tp = sum(_sharded_inside(sch[m].mod) for m in members)
     if n_tp:
@@ -90,15 +104,7 @@ def folded_style(sch, members: list[str], stage_of: dict[str, int] | None) -> di
     n_cut = sum(m.cut for m in metas)
     if n_cut:
         badges.append(f"{n_cut} cut{'s' if n_cut > 1 else ''}")
-    if stage_of is not None:
-        stages = sorted({stage_of[m] for m in members if m in stage_of})
-        if stages:
-            badges.append(f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}–{stages[-1]}")
-            if len(stages) > 1:
-                style.pop("band", None)
-    if badges:
-        style["badges"] = badges
-    return style
+    return badges
 
 
 def legend_html(stage_of: dict[str, int] | None) -> str:

@@ -49,7 +49,7 @@ class VerifyController:
         model = o.pop("model_path", None)
         if model is not None:
             model = os.path.expanduser(model)
-            if self.state._model_dir_problem(model) is None:
+            if self.state.export_form.model_dir_problem(model) is None:
                 o["model_path"] = os.path.abspath(model)
             else:
                 missing.append(f"the model path {model}")
@@ -87,10 +87,10 @@ class VerifyController:
             ExportError: (a ValueError) the first problem with the options or the schedule, in one sentence.
         """
         options, used = self.options(launcher, options)
-        options, defaults = self.state._check_export_options("torchrun", options)
+        options, defaults = self.state.export_form.check("torchrun", options)
         folder = tempfile.mkdtemp(prefix="slapo-verify-")
         name = f"{folder}/verify_{type(self.state.model).__name__.lower()}.py"
-        return str(self.state._write_script(name, "torchrun", defaults)), options, used
+        return str(self.state.export_form.write_script(name, "torchrun", defaults)), options, used
 
     def plan(self, options: dict, device: str) -> tuple[int, str, str, str | None]:
         """``(ranks, device, note, refusal)`` of a run with ``options``: ``tp x pp x dp`` ranks, ``"cuda"`` or

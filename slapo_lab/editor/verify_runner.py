@@ -14,6 +14,7 @@ its own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import select
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -154,6 +155,123 @@ class LogFilter:
             return False
         self._in_warning = False
         return True
+
+
+def _reap_group(proc: subprocess.Popen) -> None:
+    """SIGKILL anything left in torchrun's own process group, then reap torchrun (5 s at most)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _stop_reader(reader: threading.Thread, give_up: threading.Event, proc: subprocess.Popen) -> None:
+    """Let the reader drain the pipe (5 s), then tell it to give up; close the pipe once the reader is gone
+    (never an fd a reader could still select on)."""
+    reader.join(5)
+    give_up.set()
+    reader.join(2)
+    if not reader.is_alive():
+        with contextlib.suppress(OSError):
+            proc.stdout.close()
+
+
+def _chunks(fd: int, give_up: threading.Event) -> Iterator[bytes]:
+    """The chunks read from pipe ``fd`` (64 KiB at most each) until its end, a read error, or ``give_up`` set
+    while nothing is ready."""
+    while True:
+        try:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+        except (OSError, ValueError):
+            return
+        if not ready:
+            if give_up.is_set():
+                return
+            continue
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return
+        yield chunk
+
+
+class _LineCutter:
+    """Bytes in, lines out: each line handed to ``emit`` cut at :data:`MAX_LINE_CHARS`, with a note of how
+    many bytes of it were not kept."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.buf = bytearray()
+        self.cut = 0
+
+    def feed(self, chunk: bytes) -> None:
+        """Add ``chunk``: emit each line it completes."""
+        start = 0
+        while start < len(chunk):
+            nl = chunk.find(b"\n", start)
+            piece = chunk[start:] if nl < 0 else chunk[start:nl]
+            room = MAX_LINE_CHARS - len(self.buf)
+            if room > 0:
+                self.buf += piece[:room]
+            self.cut += max(0, len(piece) - max(room, 0))
+            if nl < 0:
+                break
+            self.flush()
+            start = nl + 1
+
+    def flush(self) -> None:
+        """Emit the line gathered so far (with the count of its bytes cut) and start the next."""
+        text = bytes(self.buf).decode("utf-8", errors="replace").rstrip("\r")
+        if self.cut:
+            text += f" … [{self.cut:,} more bytes of this line not shown]"
+        self.buf, self.cut = bytearray(), 0
+        self.emit(text)
+
+    def close(self) -> None:
+        """Emit the last line when the output did not end with a newline."""
+        if self.buf or self.cut:
+            self.flush()
+
+
+class _RunLog:
+    """The kept log of one run (its last :data:`MAX_LOG_CHARS` characters), the max abs diffs its ``Verify:``
+    lines report, and whether one said PASSED or FAILED."""
+
+    def __init__(self) -> None:
+        self.kept: collections.deque[str] = collections.deque()
+        self.size = self.dropped = 0
+        self.diffs: list[float] = []
+        self.passed = self.failed = False
+
+    def add(self, line: str) -> None:
+        """Keep ``line`` (dropping the oldest beyond the bound); read a ``Verify:`` line's verdict and diffs."""
+        if line.startswith("Verify:"):
+            if len(self.diffs) < 100_000:
+                self.diffs.extend(float(x) for x in _DIFF.findall(line))
+            self.passed = self.passed or "Verify: PASSED" in line
+            self.failed = self.failed or "Verify: FAILED" in line
+        self.kept.append(line)
+        self.size += len(line)
+        while self.size > MAX_LOG_CHARS and len(self.kept) > 1:
+            self.size -= len(self.kept.popleft())
+            self.dropped += 1
+
+    def lines(self) -> list[str]:
+        """The kept lines, after a note of how many earlier ones were dropped."""
+        lines = list(self.kept)
+        if self.dropped:
+            lines.insert(0, f"[{self.dropped:,} earlier lines not kept]")
+        return lines
+
+    def status(self, returncode: int | None, timed_out: bool) -> str:
+        """``"timeout"``, ``"passed"`` (exit 0, PASSED said), ``"failed"`` (FAILED said) or ``"crashed"``."""
+        if timed_out:
+            return "timeout"
+        if returncode == 0 and self.passed:
+            return "passed"
+        return "failed" if self.failed else "crashed"
 
 
 class VerifyRunner:
@@ -322,149 +440,83 @@ class VerifyRunner:
     def _kill_tree(self, proc: subprocess.Popen) -> None:
         """SIGTERM every live process of the tree, SIGKILL what is left after ``grace`` seconds."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            self._remember(proc.pid)
-            self._remember_marked()
-            alive = self._alive()
-            if not alive:
+            if not self._signal_alive(proc, sig):
                 break
-            for p in alive:
-                try:
-                    p.send_signal(sig)
-                except psutil.Error:
-                    pass
-            deadline = time.monotonic() + (self.grace if sig == signal.SIGTERM else 5.0)
-            while time.monotonic() < deadline:
-                if proc.poll() is None:
-                    try:
-                        proc.wait(0.1)
-                    except subprocess.TimeoutExpired:
-                        pass
-                else:
-                    time.sleep(0.1)
-                self._remember(proc.pid)
-                if not self._alive():
-                    break
-        try:  # anything left in torchrun's own group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+            self._wait_gone(proc, self.grace if sig == signal.SIGTERM else 5.0)
+        _reap_group(proc)
+
+    def _signal_alive(self, proc: subprocess.Popen, sig: int) -> bool:
+        """Send ``sig`` to every live process of the tree (its descendants found again first); False when none
+        is alive."""
+        self._remember(proc.pid)
+        self._remember_marked()
+        alive = self._alive()
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        return bool(alive)
+
+    def _wait_gone(self, proc: subprocess.Popen, seconds: float) -> None:
+        """Wait up to ``seconds`` for every process of the tree to end, reaping torchrun meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.1)
+            else:
+                time.sleep(0.1)
+            self._remember(proc.pid)
+            if not self._alive():
+                break
 
     # ------------------------------------------------------------------ output
     def _read(self, fd: int, emit: Callable[[str], None], give_up: threading.Event) -> None:
         """Read the pipe in chunks; emit each line cut at MAX_LINE_CHARS (the rest is counted, not kept)."""
-        buf = bytearray()
-        cut = 0
-
-        def flush():
-            nonlocal buf, cut
-            text = bytes(buf).decode("utf-8", errors="replace").rstrip("\r")
-            if cut:
-                text += f" … [{cut:,} more bytes of this line not shown]"
-            buf, cut = bytearray(), 0
-            emit(text)
-
-        while True:
-            try:
-                ready, _, _ = select.select([fd], [], [], 0.2)
-            except (OSError, ValueError):
-                break
-            if not ready:
-                if give_up.is_set():
-                    break
-                continue
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                break
-            if not chunk:
-                break
-            start = 0
-            while start < len(chunk):
-                nl = chunk.find(b"\n", start)
-                piece = chunk[start:] if nl < 0 else chunk[start:nl]
-                room = MAX_LINE_CHARS - len(buf)
-                if room > 0:
-                    buf += piece[:room]
-                cut += max(0, len(piece) - max(room, 0))
-                if nl < 0:
-                    break
-                flush()
-                start = nl + 1
-        if buf or cut:
-            flush()
+        lines = _LineCutter(emit)
+        for chunk in _chunks(fd, give_up):
+            lines.feed(chunk)
+        lines.close()
 
     def _watch(self, proc: subprocess.Popen, timeout: float, device: str, note: str) -> None:
+        """Stream ``proc``'s output until it ends, ``timeout`` seconds pass or Cancel; then end its tree and
+        keep the :class:`VerifyResult` (``self.result``, handed to ``on_done``)."""
         t0 = time.monotonic()
-        kept: collections.deque[str] = collections.deque()
-        size = dropped = 0
-        diffs: list[float] = []
-        passed = failed = timed_out = False
+        log = _RunLog()
 
         def emit(line: str) -> None:
-            nonlocal size, dropped, passed, failed
             phase = parse_phase(line)
             if phase is not None:
                 self._phase(phase)
-            if line.startswith("Verify:"):
-                if len(diffs) < 100_000:
-                    diffs.extend(float(x) for x in _DIFF.findall(line))
-                passed = passed or "Verify: PASSED" in line
-                failed = failed or "Verify: FAILED" in line
-            kept.append(line)
-            size += len(line)
-            while size > MAX_LOG_CHARS and len(kept) > 1:
-                size -= len(kept.popleft())
-                dropped += 1
-            try:
+            log.add(line)
+            with contextlib.suppress(Exception):  # a view must never stop the run's bookkeeping
                 self.on_line(line)
-            except Exception:  # noqa: BLE001, S110 - a view must never stop the run's bookkeeping
-                pass
 
         self._phase("launch")
         give_up = threading.Event()
         reader = threading.Thread(target=self._read, args=(proc.stdout.fileno(), emit, give_up), daemon=True)
         reader.start()
+        timed_out = False
         try:
-            while proc.poll() is None:
-                self._remember(proc.pid)
-                if self._stop.wait(0.5):
-                    break
-                if time.monotonic() - t0 > timeout:
-                    timed_out = True
-                    break
+            timed_out = self._wait_run(proc, t0, timeout)
         finally:
             try:
                 self._kill_tree(proc)  # also ends workers left behind by a torchrun that exited
             finally:
-                reader.join(5)
-                give_up.set()
-                reader.join(2)
-                if not reader.is_alive():  # never close an fd a reader could still select on
-                    try:
-                        proc.stdout.close()
-                    except OSError:
-                        pass
-                lines = list(kept)
-                if dropped:
-                    lines.insert(0, f"[{dropped:,} earlier lines not kept]")
-                if self._cancelled:
-                    status = "cancelled"
-                elif timed_out:
-                    status = "timeout"
-                elif proc.returncode == 0 and passed:
-                    status = "passed"
-                elif failed:
-                    status = "failed"
-                else:
-                    status = "crashed"
+                _stop_reader(reader, give_up, proc)
+                status = "cancelled" if self._cancelled else log.status(proc.returncode, timed_out)
                 self.result = VerifyResult(
-                    status, proc.returncode, time.monotonic() - t0, diffs, lines, device, note
+                    status, proc.returncode, time.monotonic() - t0, log.diffs, log.lines(), device, note
                 )
-                try:
+                with contextlib.suppress(Exception):  # the result is kept on self.result either way
                     self.on_done(self.result)
-                except Exception:  # noqa: BLE001, S110 - the result is kept on self.result either way
-                    pass
+
+    def _wait_run(self, proc: subprocess.Popen, t0: float, timeout: float) -> bool:
+        """Wait while ``proc`` runs, remembering its descendants; True when ``timeout`` seconds since ``t0``
+        passed first, False when it ended or was cancelled."""
+        while proc.poll() is None:
+            self._remember(proc.pid)
+            if self._stop.wait(0.5):
+                return False
+            if time.monotonic() - t0 > timeout:
+                return True
+        return False
