@@ -28,8 +28,9 @@ import inspect
 import keyword
 import operator
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from torch import fx, nn
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
 from ..tracing import (
+    _EXAMPLES_KEY,
     HOOK_DICTS,
     edit_graph,
     is_traced,
@@ -48,6 +50,17 @@ from ..tracing import (
     set_child,
 )
 from .base import Primitive, own_copy, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+#: What ``find()`` returns and ``target_ops=`` takes: a ``(path, node)`` pair, one subgraph (a list of pairs)
+#: or a list of subgraphs.
+TargetOps: TypeAlias = (
+    tuple[str, fx.Node] | Sequence[tuple[str, fx.Node]] | Sequence[Sequence[tuple[str, fx.Node]]]
+)
+#: Which hooks of which module move to a fusing module: ``[(module, kinds)]`` (see :func:`check_fusion_hooks`).
+HookMoves: TypeAlias = list[tuple[nn.Module, list[str]]]
 
 
 class LinearWithSeparateBias(nn.Linear):
@@ -112,8 +125,6 @@ def _check_module_signature(sch, new: nn.Module) -> None:
     new_sig = _forward_signature(new)
     if new_sig is None:
         return
-    from ..tracing import _EXAMPLES_KEY
-
     recorded = sch._top.extra.get(_EXAMPLES_KEY, {}).get(sch.path)
     old_sig = _forward_signature(old)
     old_txt = _sig_text(f"{orig_class(old).__name__}.forward", old_sig)
@@ -154,7 +165,7 @@ def _graph_calls(sch):
 # ------------------------------------------------------------------------------------------------
 # Whole-module replacement
 # ------------------------------------------------------------------------------------------------
-def check_module_swap(sch, new: Any) -> None:
+def check_module_swap(sch: Schedule, new: Any) -> None:
     """Validate replacing ``sch.mod`` by module ``new`` (raises ScheduleError)."""
     where = _where(sch)
     if isinstance(new, type):
@@ -184,7 +195,7 @@ def check_module_swap(sch, new: Any) -> None:
     _check_module_signature(sch, new)
 
 
-def swap_module(sch, new: nn.Module) -> nn.Module:
+def swap_module(sch: Schedule, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``sch``'s path (no checks, no record): move plain hooks, keep parameter tags
     and the pipeline cut, re-mirror the children."""
     old = sch.mod
@@ -220,7 +231,7 @@ def _is_pair(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], fx.Node)
 
 
-def as_subgraphs(target_ops) -> list[list[tuple[str, fx.Node]]]:
+def as_subgraphs(target_ops: TargetOps) -> list[list[tuple[str, fx.Node]]]:
     """Normalise what ``find()`` returns: a pair, one subgraph (a list of pairs) or a list of subgraphs."""
     if _is_pair(target_ops):
         return [[target_ops]]
@@ -246,7 +257,7 @@ class SubgraphPlan:
     anchor: tuple[str, fx.Node]
 
 
-def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
+def plan_subgraphs(sch: Schedule, target_ops: TargetOps) -> SubgraphPlan:
     """Validate found subgraphs for replacement by one call (raises ScheduleError)."""
     subs = as_subgraphs(target_ops)
     nodes = [n for sub in subs for _, n in sub]
@@ -351,7 +362,7 @@ def _has(mod: nn.Module, attrs) -> bool:
     return any(getattr(mod, a, None) for a in attrs if not a.endswith(("_with_kwargs", "_always_called")))
 
 
-def move_hooks(moves, new: nn.Module) -> None:
+def move_hooks(moves: HookMoves, new: nn.Module) -> None:
     """Copy the hooks :func:`check_fusion_hooks` picked onto ``new`` (the old modules keep theirs)."""
     for old, kinds in moves:
         for kind in kinds:
@@ -363,7 +374,7 @@ def move_hooks(moves, new: nn.Module) -> None:
             new._is_full_backward_hook = old._is_full_backward_hook
 
 
-def check_fusion_hooks(owner: nn.Module, target_ops) -> list[tuple[nn.Module, list[str]]]:
+def check_fusion_hooks(owner: nn.Module, target_ops: TargetOps) -> HookMoves:
     """Which plain hooks of the modules a replaced subgraph calls move to the new module (Slapo's
     ``transfer_hooks_for_fusion``, Slapo 0.0.3 ``slapo/utils/common.py``): ``[(module, kinds)]`` with kinds
     among ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_post"``.
@@ -427,7 +438,13 @@ def _check_name(name: Any) -> None:
         raise ScheduleError(f"A module name must be a Python identifier without dots, not {name!r}.")
 
 
-def apply_subgraphs(sch, plan: SubgraphPlan, new, name: str | None, concrete_args) -> fx.Node:
+def apply_subgraphs(
+    sch: Schedule,
+    plan: SubgraphPlan,
+    new: nn.Module | Callable[..., Any],
+    name: str | None,
+    concrete_args: dict[str, Any] | None,
+) -> fx.Node:
     """Replace the planned subgraphs by one ``call_module(name)`` (``new`` a module) or
     ``call_function(new)`` node; prune what became unused; refresh code and schedule."""
     owner, graph = plan.owner, edit_graph(plan.owner)
@@ -582,7 +599,14 @@ class ReplacePrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+    def check(
+        cls,
+        sch: Schedule,
+        new_mod_or_func: nn.Module | Callable[..., Any],
+        target_ops: TargetOps | None = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> SubgraphPlan | None:
         if concrete_args is not None and (
             not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args)
         ):
@@ -641,7 +665,13 @@ class ReplacePrimitive(Primitive):
         return plan
 
     @staticmethod
-    def apply(sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+    def apply(
+        sch: Schedule,
+        new_mod_or_func: nn.Module | Callable[..., Any],
+        target_ops: TargetOps | None = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> nn.Module | fx.Node:
         plan = ReplacePrimitive.check(sch, new_mod_or_func, target_ops, name, concrete_args)
         subs = as_subgraphs(target_ops) if plan is not None else None
         # the model gets its own copies: later primitives must not change the user's objects
@@ -698,7 +728,12 @@ class ReplaceAllPrimitive(Primitive):
         return found
 
     @classmethod
-    def check(cls, sch, target_type, make_mod_fn):
+    def check(
+        cls,
+        sch: Schedule,
+        target_type: type[nn.Module] | tuple[type[nn.Module], ...],
+        make_mod_fn: Callable[[str, nn.Module], nn.Module],
+    ) -> list[tuple[str, Schedule]]:
         types_ = target_type if isinstance(target_type, tuple) else (target_type,)
         if not types_ or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types_):
             raise ScheduleError(
@@ -713,7 +748,11 @@ class ReplaceAllPrimitive(Primitive):
         return targets
 
     @staticmethod
-    def apply(sch, target_type, make_mod_fn):
+    def apply(
+        sch: Schedule,
+        target_type: type[nn.Module] | tuple[type[nn.Module], ...],
+        make_mod_fn: Callable[[str, nn.Module], nn.Module],
+    ) -> list[str]:
         targets = ReplaceAllPrimitive.check(sch, target_type, make_mod_fn)
         news = []
         for rel, sub in targets:
@@ -765,7 +804,13 @@ class FusePrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, subgraph, compiler="torch.compile", name="FusedModule"):
+    def check(
+        cls,
+        sch: Schedule,
+        subgraph: TargetOps,
+        compiler: str | None = "torch.compile",
+        name: str = "FusedModule",
+    ) -> SubgraphPlan:
         if compiler not in _COMPILERS:
             raise ScheduleError(f"Unknown compiler {compiler!r}; use 'torch.compile' or None.")
         _check_name(name)
@@ -778,7 +823,9 @@ class FusePrimitive(Primitive):
         return plan_subgraphs(sch, subgraph)
 
     @staticmethod
-    def apply(sch, subgraph, compiler="torch.compile", name="FusedModule"):
+    def apply(
+        sch: Schedule, subgraph: TargetOps, compiler: str | None = "torch.compile", name: str = "FusedModule"
+    ) -> fx.GraphModule:
         plan = FusePrimitive.check(sch, subgraph, compiler, name)
         if compiler == "TorchScript":
             warnings.warn(
@@ -810,7 +857,7 @@ class DecomposePrimitive(Primitive):
     positional = 0
 
     @classmethod
-    def check(cls, sch):
+    def check(cls, sch: Schedule) -> None:
         mod, where = sch.mod, _where(sch)
         if isinstance(mod, LinearWithSeparateBias):
             raise ScheduleError(f"{where} is already decomposed.")
@@ -835,7 +882,7 @@ class DecomposePrimitive(Primitive):
             )
 
     @staticmethod
-    def apply(sch):
+    def apply(sch: Schedule) -> nn.Module:
         DecomposePrimitive.check(sch)
         old = sch.mod
         with torch.device("meta"):

@@ -6,7 +6,8 @@ Megatron-LM's communication pairs (see :mod:`slapo_lab.sharding.sync_ops`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from ..sharding.rules import (
     stride_key,
 )
 from .base import Primitive, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
@@ -115,7 +119,7 @@ def _replicas(sites: list[ShardSite], axis: int, ws: int, full: str) -> int:
     return found.pop()
 
 
-def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
+def check_shard(sch: Schedule, tensor_name: str, axis: int) -> tuple[torch.Tensor, int]:
     """Validate a shard call; return the tensor and the normalised axis (raises ScheduleError)."""
     t = _tensor(sch, tensor_name)
     full = f"{sch.path + '.' if sch.path else ''}{tensor_name}"
@@ -235,11 +239,11 @@ class ShardPrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, tensor_name: str, axis: int) -> None:
+    def check(cls, sch: Schedule, tensor_name: str, axis: int) -> None:
         check_shard(sch, tensor_name, axis)
 
     @staticmethod
-    def apply(sch, tensor_name: str, axis: int):
+    def apply(sch: Schedule, tensor_name: str, axis: int) -> torch.Tensor:
         t, axis = check_shard(sch, tensor_name, axis)
         ws, rank = sch.world_size, sch.rank
         owners = _owners(sch, t)
@@ -379,7 +383,9 @@ def _check_param_grads(sch, mode, value) -> None:
         )
 
 
-def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
+def check_sync(
+    sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
     """Validate a sync call (raises ScheduleError with one sentence)."""
     where = _where(sch)
     if mode not in SYNC_MODES:
@@ -460,11 +466,11 @@ class SyncPrimitive(Primitive):
     positional = 0
 
     @classmethod
-    def check(cls, sch, mode: str, sync_op_or_fn: Any, **kwargs) -> None:
+    def check(cls, sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         check_sync(sch, mode, sync_op_or_fn, kwargs)
 
     @staticmethod
-    def apply(sch, mode: str, sync_op_or_fn: Any, **kwargs):
+    def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         check_sync(sch, mode, sync_op_or_fn, kwargs)
         mod = sch.mod
         meta = module_meta(mod)
@@ -602,7 +608,7 @@ class ForkRNGPrimitive(Primitive):
     name = "fork_rng"
 
     @staticmethod
-    def apply(sch):
+    def apply(sch: Schedule) -> None:
         meta = peek_meta(sch.mod)
         if meta and meta.fork_rng:
             raise ScheduleError(f"{_where(sch)} already runs under fork_rng().")
