@@ -20,6 +20,8 @@ from torch import nn
 
 from .errors import ScheduleError
 from .module_state import ModuleMeta, peek_meta
+from .plan import stage_assignment
+from .sharding.rules import local_shard
 
 __all__ = ["consolidate_model", "init_empty_weights", "param_seed"]
 
@@ -246,8 +248,6 @@ def consolidate_model(
     ws, rank = top.world_size, top.rank
     stage_of = None
     if stage is not None:
-        from .plan import stage_assignment
-
         assign = stage_assignment(top)
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < assign.num_stages:
             raise ScheduleError(f"stage must be an integer in [0, {assign.num_stages}), not {stage!r}.")
@@ -289,8 +289,6 @@ def consolidate_model(
             value = full[name]
             axis = getattr(t, "shard_axis", None)
             if axis is not None and ws > 1:
-                from .sharding.rules import local_shard
-
                 value = local_shard(
                     value, axis, ws, rank, getattr(t, "shard_stride", 1), getattr(t, "shard_replicas", 1)
                 )

@@ -35,6 +35,7 @@ from torch import nn
 from .atomic import Snapshot
 from .call_order import REFERENCE_KEY
 from .errors import ScheduleError
+from .numeric import numeric_check, remembered_inputs
 from .record import Call
 
 __all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]
@@ -189,8 +190,6 @@ def _reference(sch, earlier_calls: int):
 
 def _inputs(sch, model: nn.Module) -> dict | None:
     """The example inputs for the gate's check (:func:`slapo_lab.numeric.remembered_inputs`), or None."""
-    from .numeric import remembered_inputs
-
     try:
         return remembered_inputs(sch, model)
     except ScheduleError:
@@ -325,8 +324,6 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
     Raises:
         ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails).
     """
-    from .numeric import numeric_check
-
     ref, from_config, undo = _reference(sch, len(earlier))
     if ref is None:
         return from_config

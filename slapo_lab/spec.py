@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import ScheduleError
+from .primitives import get_primitive, list_primitives
 from .record import Call
 
 
@@ -72,7 +74,7 @@ def transformers_class(name: Any, base_name: str):
     """The class ``transformers.<name>`` if it exists and subclasses ``transformers.<base_name>``."""
     if not is_identifier(name):
         return None
-    import transformers
+    import transformers  # noqa: PLC0415 - heavy (seconds): loaded only when a file names a model class
 
     try:  # a file's name: an identifier, looked up in transformers only, kept only if a subclass of base
         cls = getattr(transformers, name)
@@ -623,9 +625,6 @@ def validate_calls(calls: Any) -> list[Call]:
     Raises:
         ExportError: naming the first bad call (by position and path).
     """
-    from .errors import ScheduleError
-    from .primitives import get_primitive, list_primitives
-
     calls = getattr(calls, "calls", calls)  # a Recorder
     if not isinstance(calls, (list, tuple)):
         raise ExportError("The recorded calls must be a list.")

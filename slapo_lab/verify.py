@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharding.rules import local_shard, merge_shards
 from .sharding.sync_ops import TPGroup
 
 
@@ -46,8 +47,6 @@ def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tenso
     Raises:
         RuntimeError: if the tensor is sharded but there is no process group to gather over.
     """
-    from .sharding.rules import merge_shards
-
     axis = getattr(like, "shard_axis", None)
     if axis is None or tp.world_size == 1:
         return t
@@ -208,8 +207,6 @@ def verify_models(
     Returns:
         VerifyReport (``.passed``, ``.summary()``).
     """
-    from .sharding.rules import local_shard
-
     report = VerifyReport(atol=atol, rtol=rtol, device=device)
     reference = reference.to(device)
     scheduled = scheduled.to(device)

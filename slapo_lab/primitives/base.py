@@ -189,6 +189,22 @@ def get_primitive(name: str) -> type[Primitive] | None:
     return _PRIMITIVES.get(name)
 
 
+def check_primitive(sch: Schedule, primitive: str, *args: Any, **kwargs: Any) -> str | None:
+    """Whether ``sch.<primitive>(*args, **kwargs)`` would apply: None if yes, else the error sentence.
+
+    Nothing is changed or recorded.
+    """
+    prim = get_primitive(primitive)
+    if prim is None:
+        return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
+    try:
+        bound = prim.bind(*args, **kwargs)
+        prim.check(sch, *bound.args, **bound.kwargs)
+    except ScheduleError as err:
+        return str(named_refusal(err, sch, primitive))
+    return None
+
+
 #: Module copies made by :meth:`slapo_lab.record.Call.replay_args` that no user holds: id -> the copy (held
 #: weakly).
 _FRESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
