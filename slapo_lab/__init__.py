@@ -67,6 +67,7 @@ _NAMES = {
     "Plan": ".plan",
     "plan": ".plan",
     "Primitive": ".primitives",
+    "check_primitive": ".primitives.base",
     "list_primitives": ".primitives",
     "register_primitive": ".primitives",
     "LinearWithSeparateBias": ".primitives.replace",
@@ -121,27 +122,6 @@ def _load() -> None:
         src, attr = where if isinstance(where, tuple) else (where, name)
         setattr(module, name, getattr(importlib.import_module(src, __name__), attr))
     _loaded = True
-
-
-def check_primitive(sch, primitive: str, *args, **kwargs) -> str | None:
-    """Whether ``sch.<primitive>(*args, **kwargs)`` would apply: None if yes, else the error sentence.
-
-    Nothing is changed or recorded.
-    """
-    from .errors import ScheduleError
-    from .primitives import get_primitive, list_primitives
-
-    prim = get_primitive(primitive)
-    if prim is None:
-        return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
-    from .primitives.base import named_refusal
-
-    try:
-        bound = prim.bind(*args, **kwargs)
-        prim.check(sch, *bound.args, **bound.kwargs)
-    except ScheduleError as err:
-        return str(named_refusal(err, sch, primitive))
-    return None
 
 
 __all__ = [
@@ -211,7 +191,7 @@ def __getattr__(name: str):
     # The editor pulls in ipywidgets, and Slapo's ops and dialects are for Slapo's own code: import them only
     # when asked for (a kernel opening the editor does not pay for them).
     if name == "ScheduleEditor":
-        from .editor import ScheduleEditor
+        from .editor import ScheduleEditor  # noqa: PLC0415 - ipywidgets: loaded only for the editor
 
         return ScheduleEditor
     if name in ("op", "framework_dialect", "pattern"):

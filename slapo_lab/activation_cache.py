@@ -244,46 +244,13 @@ def _composition(top, example_inputs) -> _Composition | None:
         return None
     stacks: list[_Stack] = []
     saving = False
-    prefixes: dict[str, tuple[int, dict[int, int]]] = {}
-    for s, (path, indices) in enumerate(found):
-        prefixes[path + "."] = (s, {i: k for k, i in enumerate(indices)})
-    rel_calls: list[list[list[str]]] = [[[] for _ in idx] for _, idx in found]
-    outside: list[str] = []
-    for c in top.record.calls:
-        if c.primitive in _SKIP_AUTOGRAD:
-            continue
-        where = None
-        for prefix, (s, pos) in prefixes.items():
-            if c.path.startswith(prefix):
-                head, _, tail = c.path[len(prefix) :].partition(".")
-                if head.isdigit() and int(head) in pos:
-                    where = (s, pos[int(head)], tail)
-                break
-        if where is None:
-            outside.append(_formatted(c, c.path))
-        else:
-            rel_calls[where[0]][where[1]].append(_formatted(c, where[2]))
+    rel_calls, outside = _calls_by_block(top, found)
     lists = {path: top.mod.get_submodule(path) for path, _ in found}
     for s, (path, indices) in enumerate(found):
-        facts = [
-            _memo_facts(lists[path][i], (tuple(rel_calls[s][k]), len(outside))) for k, i in enumerate(indices)
-        ]
-        values: dict[tuple[str, str], set] = {}
-        for _, plain in facts:
-            for rel, k, v in plain:
-                values.setdefault((rel, k), set()).add((type(v), v))
-        # a plain attribute that differs between blocks marks a kind of block (a sliding-window layer), unless
-        # it differs in every block: a counter (layer_idx), which no forward reads for its activations' sizes
-        n = len(indices)
-        kinds_of = {key for key, vals in values.items() if len(vals) > 1 and not (n > 2 and len(vals) == n)}
-        sigs = []
-        for k, (structure, plain) in enumerate(facts):
-            kinds = tuple((rel, a, v) for rel, a, v in plain if (rel, a) in kinds_of)
-            sig = (tuple(structure), kinds, tuple(rel_calls[s][k]))
-            sigs.append(_SIG_IDS.setdefault(sig, len(_SIG_IDS)))  # a small int: contexts hash it many times
+        sigs = _block_signatures(lists[path], indices, rel_calls[s], len(outside))
         ctxs = _contexts(sigs)
         kept, source = _keep(ctxs)
-        saving = saving or (n >= 3 and len(kept) < n)
+        saving = saving or (len(indices) >= 3 and len(kept) < len(indices))
         stacks.append(_Stack(path, indices, sigs, ctxs, kept, source))
     if not saving:
         return None
@@ -295,6 +262,59 @@ def _composition(top, example_inputs) -> _Composition | None:
         _input_signature(example_inputs),
     )
     return _Composition(stacks, key)
+
+
+def _calls_by_block(top: Any, found: list[tuple[str, list[int]]]) -> tuple[list[list[list[str]]], list[str]]:
+    """``(calls[stack][block], calls outside)``: the recorded calls (but those the ``"autograd"`` pass skips),
+    formatted relative to the block of a stack of ``found`` they are in, or whole outside every block."""
+    prefixes: dict[str, tuple[int, dict[int, int]]] = {}
+    for s, (path, indices) in enumerate(found):
+        prefixes[path + "."] = (s, {i: k for k, i in enumerate(indices)})
+    rel_calls: list[list[list[str]]] = [[[] for _ in idx] for _, idx in found]
+    outside: list[str] = []
+    for c in top.record.calls:
+        if c.primitive in _SKIP_AUTOGRAD:
+            continue
+        where = _block_of(c.path, prefixes)
+        if where is None:
+            outside.append(_formatted(c, c.path))
+        else:
+            rel_calls[where[0]][where[1]].append(_formatted(c, where[2]))
+    return rel_calls, outside
+
+
+def _block_of(path: str, prefixes: dict[str, tuple[int, dict[int, int]]]) -> tuple[int, int, str] | None:
+    """``(stack, block position, path inside the block)`` of ``path``, or None outside every block (the first
+    stack whose prefix it has decides)."""
+    for prefix, (s, pos) in prefixes.items():
+        if path.startswith(prefix):
+            head, _, tail = path[len(prefix) :].partition(".")
+            if head.isdigit() and int(head) in pos:
+                return s, pos[int(head)], tail
+            return None
+    return None
+
+
+def _block_signatures(
+    lst: nn.Module, indices: list[int], rel_calls: list[list[str]], n_outside: int
+) -> list[int]:
+    """One small int per block of the list ``lst`` (at ``indices``): blocks of equal structure, kind and
+    calls share it."""
+    facts = [_memo_facts(lst[i], (tuple(rel_calls[k]), n_outside)) for k, i in enumerate(indices)]
+    values: dict[tuple[str, str], set] = {}
+    for _, plain in facts:
+        for rel, k, v in plain:
+            values.setdefault((rel, k), set()).add((type(v), v))
+    # a plain attribute that differs between blocks marks a kind of block (a sliding-window layer), unless
+    # it differs in every block: a counter (layer_idx), which no forward reads for its activations' sizes
+    n = len(indices)
+    kinds_of = {key for key, vals in values.items() if len(vals) > 1 and not (n > 2 and len(vals) == n)}
+    sigs = []
+    for k, (structure, plain) in enumerate(facts):
+        kinds = tuple((rel, a, v) for rel, a, v in plain if (rel, a) in kinds_of)
+        sig = (tuple(structure), kinds, tuple(rel_calls[k]))
+        sigs.append(_SIG_IDS.setdefault(sig, len(_SIG_IDS)))  # a small int: contexts hash it many times
+    return sigs
 
 
 def _cut_down_copy(top, comp: _Composition) -> nn.Module:

@@ -123,10 +123,32 @@ class FlashSDPA(TorchFunctionMode):
         )[0]
 
 
+def _hook_every_module(model: nn.Module, enter: Any, leave: Any, handles: list, modes: list) -> None:
+    """Put every module of ``model`` (once each) in training mode and hook ``enter`` / ``leave`` around its
+    forward; the hook handles and the former modes go to ``handles`` and ``modes`` as they are made (so a
+    failure half-way leaves nothing to restore unknown)."""
+    seen: set[int] = set()
+    for m in model.modules():
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modes.append((m, m.training))
+        m.training = True
+        handles.append(m.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(m.register_forward_hook(leave, with_kwargs=True))
+
+
+def _note_failed_module(err: BaseException, model: nn.Module, mod: nn.Module) -> None:
+    """Note on ``err`` the path of ``mod`` (the innermost module whose forward was open when it was raised)."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    with contextlib.suppress(AttributeError):  # exceptions without a __dict__
+        err._slapo_failed_in = names.get(id(mod), "")
+
+
 def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context, cancelled=None) -> float:
     """One forward in training mode with ``pre``/``post`` hooks on every module, inside ``context``
     (and ``FakeTensorMode`` if ``fake``); hooks and modes are restored. Returns seconds."""
-    handles, modes, seen = [], [], set()
+    handles, modes = [], []
     running: list[nn.Module] = []  # modules whose forward is open: the last one is where a failure is
 
     def enter(mod, args, kwargs):
@@ -141,27 +163,18 @@ def _hooked_pass(model: nn.Module, inputs: Any, pre, post, fake: bool, context, 
         return post(mod, args, kwargs, out)
 
     try:
-        for m in model.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            modes.append((m, m.training))
-            m.training = True
-            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
-            handles.append(m.register_forward_hook(leave, with_kwargs=True))
+        _hook_every_module(model, enter, leave, handles, modes)
         t0 = time.perf_counter()
-        with context, FlashSDPA():
-            if fake:
-                with FakeTensorMode(allow_non_fake_inputs=True):
-                    _call_model(model, inputs)
-            else:
-                _call_model(model, inputs)
+        with (
+            context,
+            FlashSDPA(),
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+        ):
+            _call_model(model, inputs)
         return time.perf_counter() - t0
     except Exception as err:
         if running:
-            names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-            with contextlib.suppress(AttributeError):  # exceptions without a __dict__
-                err._slapo_failed_in = names.get(id(running[-1]), "")
+            _note_failed_module(err, model, running[-1])
         raise
     finally:
         for h in handles:

@@ -13,6 +13,9 @@ from typing import Any
 
 from torch import nn
 
+from .errors import ScheduleError
+from .pipeline import build_pipeline
+
 TARGETS = (None, "torch", "deepspeed")
 
 
@@ -39,9 +42,6 @@ def build(sch, target: str | None = None, **kwargs: Any) -> tuple[nn.Module, Any
         raise ValueError(f'Unknown build target {target!r}; use None, "torch" or "deepspeed".')
     cuts = top.metadata.primitives.get("cut_pipeline_stage", [])
     if cuts or target == "deepspeed":
-        from .errors import ScheduleError
-        from .pipeline import build_pipeline
-
         missing = [k for k in ("example_inputs", "loss_fn") if k not in kwargs]
         if missing:
             why = f"{len(cuts)} pipeline cut(s)" if cuts else "the DeepSpeed target"

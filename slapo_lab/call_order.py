@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import ScheduleError
 from .module_state import META_ATTR
+from .utils import meta_copy, to_meta
 
 _CACHE_KEY = "pipeline_call_order"
 _INPUTS_KEY = "example_inputs"
@@ -177,8 +178,6 @@ def record_call_order(
     next module once set (the order then has an error). Never raises for a model that fails on meta tensors:
     the failure is returned in ``.error``.
     """
-    from .utils import meta_copy, to_meta
-
     order = CallOrder()
     try:
         if example_inputs is not None:
@@ -227,8 +226,6 @@ def set_example_inputs(sch, example_inputs) -> None:
 
     They are used to record the forward call order that ``cut_pipeline_stage`` checks against.
     """
-    from .utils import to_meta
-
     _split_inputs(example_inputs)  # type check
     top = sch._top
     top.extra[_INPUTS_KEY] = to_meta(example_inputs)
@@ -266,8 +263,6 @@ def record_for_cache(sch, lock, cancelled=None) -> bool:
     Returns:
         True when a new order was cached (False: cached already, no inputs to run, cancelled, or stale).
     """
-    from .utils import meta_copy
-
     with lock:
         if cached_call_order(sch) is not None:
             return False

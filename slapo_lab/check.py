@@ -37,12 +37,14 @@ original model).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch import nn
 
 from .atomic import atomic
 from .errors import ScheduleError
-from .module_state import peek_meta
+from .module_state import ModuleMeta, peek_meta
+from .numeric import numeric_check, remembered_inputs
 from .primitives.tensor_parallel import PARAM_GRADS_OP
 from .record import Call, format_call
 from .sharding.rules import (
@@ -148,7 +150,7 @@ def check_schedule(
 def coverage_findings(sch) -> list[Finding]:
     """The ``"replicated"`` finding of a schedule that shards some parameter but keeps dense layers whole
     (one sentence naming them and why), or none."""
-    from .presets import replicated_dense
+    from .presets import replicated_dense  # noqa: PLC0415 - presets: a layer above (KNOWN_UPWARD)
 
     top = sch.get_top_schedule() if hasattr(sch, "get_top_schedule") else sch
     if getattr(top, "world_size", 1) <= 1 or not any(
@@ -160,8 +162,6 @@ def coverage_findings(sch) -> list[Finding]:
 
 
 def _numeric(top, reference, example_inputs) -> list[Finding]:
-    from .numeric import numeric_check, remembered_inputs
-
     if reference is None:
         if getattr(top.mod, "config", None) is None:
             raise ScheduleError(
@@ -185,124 +185,160 @@ def _numeric(top, reference, example_inputs) -> list[Finding]:
 def _structural(top) -> list[Finding]:
     if getattr(top, "world_size", 1) <= 1:
         return []
-    root: nn.Module = top.mod
-    all_syncs = {op for m in root.modules() for _, op in _syncs(m)}
-    sequence_parallel = "reduce_scatter" in all_syncs
-    findings: list[Finding] = []
-    seen_attn: set[int] = set()
+    return _StructuralCheck(top.mod).run(getattr(top, "path", "") or "")
 
-    def walk(mod: nn.Module, path: str, chain: list[nn.Module]) -> None:
+
+def _dense(mod: nn.Module | None) -> DenseRule | None:
+    """``mod``'s shard rule when it is a dense layer with a weight parameter, else None."""
+    if mod is None or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+        return None
+    rule = get_shard_rule(mod)
+    return rule if isinstance(rule, DenseRule) else None
+
+
+def _projections(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str) -> list[tuple]:
+    """``[(label, path, module, rule, role)]``: the attention's q/k/v (or fused) projections and its output
+    projection, which BERT-style models keep outside it (``<outer>.output.dense``) and ALBERT names
+    ``dense``."""
+
+    def full(name: str) -> str:
+        return f"{apath}.{name}" if apath else name
+
+    parts = []
+    for name, child in attn.named_children():
+        rule = _dense(child)
+        role = attention_role(ShardSite(child, "weight", attn, name)) if rule else None
+        if role:
+            parts.append((name, full(name), child, rule, role))
+    if parts and not any(p[4] == "o" for p in parts):
+        dense = getattr(attn, "dense", None)
+        out = getattr(outer, "output", None) if outer is not None else None
+        out_dense = getattr(out, "dense", None) if out is not None and out is not attn else None
+        if (rule := _dense(dense)) is not None:
+            parts.append(("dense", full("dense"), dense, rule, "o"))
+        elif (rule := _dense(out_dense)) is not None:
+            path = f"{opath}.output.dense" if opath else "output.dense"
+            parts.append((path, path, out_dense, rule, "o"))
+    return parts
+
+
+class _StructuralCheck:
+    """One walk of a tensor-parallel model's module tree for the structural findings of
+    :func:`check_schedule`: partial sums nothing reduces, input gradients nothing all-reduces, a whole bias
+    beside a split weight, attention heads split in some projections only, per-head norms whose gradients
+    are partial sums."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.sequence_parallel = "reduce_scatter" in {op for m in root.modules() for _, op in _syncs(m)}
+        self.findings: list[Finding] = []
+        self.seen_attn: set[int] = set()
+
+    def run(self, path: str) -> list[Finding]:
+        """The findings under the root (whose path is ``path``), in module order."""
+        self.walk(self.root, path, [])
+        return self.findings
+
+    def walk(self, mod: nn.Module, path: str, chain: list[nn.Module]) -> None:
+        """Check ``mod`` (reached through its ancestors ``chain``) if it is sharded, then its children."""
         meta = peek_meta(mod)
         if meta is not None and (meta.sharded or meta.output_type):
-            _check_module(mod, path, chain, meta)
+            self.check_module(mod, path, chain, meta)
         for name, child in mod.named_children():
-            walk(child, f"{path}.{name}" if path else name, [*chain, mod])
+            self.walk(child, f"{path}.{name}" if path else name, [*chain, mod])
 
-    def _check_module(mod, path, chain, meta) -> None:
-        parent = chain[-1] if chain else None
+    def check_module(self, mod: nn.Module, path: str, chain: list[nn.Module], meta: ModuleMeta) -> None:
+        """The findings of one sharded module, then of the attention it belongs to."""
         here = [*chain, mod]
-        out = meta.output_type
-        if out == "partial" and not _has_sync(
+        rule = get_shard_rule(mod)
+        self.check_partial_sums(here, path, meta)
+        self.check_input_grad(here, path, meta, rule)
+        self.check_bias(mod, path, meta, rule)
+        self.check_attention_around(path, chain)
+
+    def check_partial_sums(self, here: list[nn.Module], path: str, meta: ModuleMeta) -> None:
+        if meta.output_type != "partial" or _has_sync(
             here, {("fwd_post", "all_reduce"), ("fwd_post", "reduce_scatter")}
         ):
-            fix = _sync(path, "fwd_post")
-            findings.append(
-                Finding(
-                    path,
-                    "unreduced_partial",
-                    (
-                        f"{path} produces partial sums (row or vocab parallel) but nothing all-reduces them, so every later layer "
-                        f"computes on a fraction of the activation; add {format_call(fix)}."
-                    ),
-                    (fix,),
-                )
+            return
+        fix = _sync(path, "fwd_post")
+        self.findings.append(
+            Finding(
+                path,
+                "unreduced_partial",
+                (
+                    f"{path} produces partial sums (row or vocab parallel) but nothing all-reduces them, so every later layer "
+                    f"computes on a fraction of the activation; add {format_call(fix)}."
+                ),
+                (fix,),
             )
-        rule = get_shard_rule(mod)
+        )
+
+    def check_input_grad(self, here: list[nn.Module], path: str, meta: ModuleMeta, rule: Any) -> None:
         if (
-            out == "partition"
-            and isinstance(rule, DenseRule)
-            and not sequence_parallel
-            and not _has_sync(
+            meta.output_type != "partition"
+            or not isinstance(rule, DenseRule)
+            or self.sequence_parallel
+            or _has_sync(
                 here, {("bwd_post", "all_reduce"), ("fwd_pre", "all_gather"), ("fwd_pre", "scatter")}
             )
         ):
-            fix = _sync(path, "bwd_post")
-            findings.append(
-                Finding(
-                    path,
-                    "unreduced_input_grad",
-                    (
-                        f"{path} is column parallel but its input gradient is never all-reduced, so the layers before it "
-                        f"train on one rank's partial gradient; add {format_call(fix)}."
-                    ),
-                    (fix,),
-                )
+            return
+        fix = _sync(path, "bwd_post")
+        self.findings.append(
+            Finding(
+                path,
+                "unreduced_input_grad",
+                (
+                    f"{path} is column parallel but its input gradient is never all-reduced, so the layers before it "
+                    f"train on one rank's partial gradient; add {format_call(fix)}."
+                ),
+                (fix,),
             )
-        if (
+        )
+
+    def check_bias(self, mod: nn.Module, path: str, meta: ModuleMeta, rule: Any) -> None:
+        if not (
             isinstance(rule, DenseRule)
             and meta.sharded.get("weight") == rule.out_axis
             and getattr(mod, "bias", None) is not None
             and "bias" not in meta.sharded
         ):
-            fix = _shard(path, "bias", 0)
-            findings.append(
-                Finding(
-                    path,
-                    "whole_bias",
-                    (
-                        f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
-                        f"on the shape; add {format_call(fix)}."
-                    ),
-                    (fix,),
-                )
+            return
+        fix = _shard(path, "bias", 0)
+        self.findings.append(
+            Finding(
+                path,
+                "whole_bias",
+                (
+                    f"{path}'s weight is split on its output features but its bias is whole, so the forward fails "
+                    f"on the shape; add {format_call(fix)}."
+                ),
+                (fix,),
             )
+        )
+
+    def check_attention_around(self, path: str, chain: list[nn.Module]) -> None:
+        """Check the attention a module at ``path`` may be a projection of: its parent, or for BERT / ViT's
+        ``output.dense`` its grandparent's attention child."""
+        parent = chain[-1] if chain else None
         parent_path = path.rpartition(".")[0]
         grand = chain[-2] if len(chain) > 1 else None
         gpath = parent_path.rpartition(".")[0]
         if parent is not None:
-            _check_attention(parent, parent_path, grand, gpath)
+            self.check_attention(parent, parent_path, grand, gpath)
         if (
             path.endswith("output.dense") and grand is not None
         ):  # BERT / ViT: the output projection's attention
             for cname, cand in grand.named_children():
                 if cand is not parent and attention_heads(cand) is not None:
-                    _check_attention(cand, f"{gpath}.{cname}" if gpath else cname, grand, gpath)
+                    self.check_attention(cand, f"{gpath}.{cname}" if gpath else cname, grand, gpath)
 
-    def _dense(mod: nn.Module | None) -> DenseRule | None:
-        if mod is None or not isinstance(getattr(mod, "weight", None), nn.Parameter):
-            return None
-        rule = get_shard_rule(mod)
-        return rule if isinstance(rule, DenseRule) else None
-
-    def _projections(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str):
-        """``[(label, path, module, rule, role)]``: the attention's q/k/v (or fused) projections and its output
-        projection, which BERT-style models keep outside it (``<outer>.output.dense``) and ALBERT names
-        ``dense``."""
-
-        def full(name: str) -> str:
-            return f"{apath}.{name}" if apath else name
-
-        parts = []
-        for name, child in attn.named_children():
-            rule = _dense(child)
-            role = attention_role(ShardSite(child, "weight", attn, name)) if rule else None
-            if role:
-                parts.append((name, full(name), child, rule, role))
-        if parts and not any(p[4] == "o" for p in parts):
-            dense = getattr(attn, "dense", None)
-            out = getattr(outer, "output", None) if outer is not None else None
-            out_dense = getattr(out, "dense", None) if out is not None and out is not attn else None
-            if (rule := _dense(dense)) is not None:
-                parts.append(("dense", full("dense"), dense, rule, "o"))
-            elif (rule := _dense(out_dense)) is not None:
-                path = f"{opath}.output.dense" if opath else "output.dense"
-                parts.append((path, path, out_dense, rule, "o"))
-        return parts
-
-    def _check_attention(attn: nn.Module, apath: str, outer: nn.Module | None, opath: str) -> None:
-        if id(attn) in seen_attn:
+    def check_attention(self, attn: nn.Module, apath: str, outer: nn.Module | None, opath: str) -> None:
+        """Once per attention module: its heads split in every projection or in none."""
+        if id(attn) in self.seen_attn:
             return
-        seen_attn.add(id(attn))
+        self.seen_attn.add(id(attn))
         if attention_heads(attn) is None:
             return
         split, whole = [], []
@@ -311,28 +347,31 @@ def _structural(top) -> list[Finding]:
             want = rule.in_axis if role == "o" else rule.out_axis
             (split if axis == want else whole).append((label, path, want, role))
         if split:
-            _check_head_norms(attn, apath)
-        if split and whole:
-            names = ", ".join(w[0] for w in whole)
-            calls = tuple(_shard(path, "weight", axis) for _, path, axis, _ in whole)
-            why = (
-                "each rank would pair its query heads with other heads' keys and values"
-                if any(w[3] != "o" for w in whole)
-                else "the output projection would receive this rank's heads but expect all of them"
+            self.check_head_norms(attn, apath)
+        if not (split and whole):
+            return
+        names = ", ".join(w[0] for w in whole)
+        calls = tuple(_shard(path, "weight", axis) for _, path, axis, _ in whole)
+        why = (
+            "each rank would pair its query heads with other heads' keys and values"
+            if any(w[3] != "o" for w in whole)
+            else "the output projection would receive this rank's heads but expect all of them"
+        )
+        self.findings.append(
+            Finding(
+                apath,
+                "partial_heads",
+                (
+                    f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
+                    f"shard them too: {'; '.join(format_call(c) for c in calls)}."
+                ),
+                calls,
             )
-            findings.append(
-                Finding(
-                    apath,
-                    "partial_heads",
-                    (
-                        f"{apath} splits its heads in {', '.join(w[0] for w in split)} but not in {names}, so {why}; "
-                        f"shard them too: {'; '.join(format_call(c) for c in calls)}."
-                    ),
-                    calls,
-                )
-            )
+        )
 
-    def _check_head_norms(attn: nn.Module, apath: str) -> None:
+    def check_head_norms(self, attn: nn.Module, apath: str) -> None:
+        """Per-head norms (one weight shared by every head) of an attention whose heads are split: their
+        gradients need an all-reduce."""
         hd = head_dim(attn)
         for name, child in attn.named_children():
             params = [
@@ -348,7 +387,7 @@ def _structural(top) -> list[Finding]:
             fix = Call(
                 path, "sync", (), {"mode": "bwd_post", "sync_op_or_fn": "all_reduce", "param_grads": True}
             )
-            findings.append(
+            self.findings.append(
                 Finding(
                     path,
                     "unreduced_param_grads",
@@ -359,9 +398,6 @@ def _structural(top) -> list[Finding]:
                     (fix,),
                 )
             )
-
-    walk(root, getattr(top, "path", "") or "", [])
-    return findings
 
 
 def close_open_items(sch, max_rounds: int = 4) -> list[Call]:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ScheduleError
 from .module_state import ModuleMeta, peek_meta
+from .plan import stage_assignment
+from .sharding.rules import local_shard
 
 __all__ = ["consolidate_model", "init_empty_weights", "param_seed"]
 
@@ -244,79 +247,23 @@ def consolidate_model(
         raise ScheduleError(f"Unknown target {target!r}; consolidate_model takes None or 'deepspeed'.")
     top = sch.get_top_schedule()
     ws, rank = top.world_size, top.rank
-    stage_of = None
-    if stage is not None:
-        from .plan import stage_assignment
-
-        assign = stage_assignment(top)
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < assign.num_stages:
-            raise ScheduleError(f"stage must be an integer in [0, {assign.num_stages}), not {stage!r}.")
-        stage_of = assign.stage_of
-
-    # Every (module, name) holding each tensor, in module order (tied weights have several owners).
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    stage_of = _stage_of(top, stage)
     nodes = list(top.named_schedules())
-    for _, node in nodes:
-        for name, t in list(node.mod._parameters.items()) + list(node.mod._buffers.items()):
-            if t is not None:
-                lst = owners.setdefault(id(t), [])
-                if not any(m is node.mod and n == name for m, n in lst):
-                    lst.append((node.mod, name))
+    owners = _tensor_owners(nodes)
     done: set[int] = set()
     replaced: dict[int, torch.Tensor] = {}
     for path, node in nodes:
         if stage_of is not None and stage_of.get(path) != stage:
             continue
         mod = node.mod
-        own: dict[str, torch.Tensor] = {}
-        for name, t in mod._parameters.items():
-            if t is not None and id(t) not in done:
-                own[name] = t
-        for name, t in mod._buffers.items():
-            if t is not None and id(t) not in done and t.is_meta:
-                own[name] = t
-        if not own:
-            for name, t in mod._buffers.items():  # real buffers: only move them
-                if t is not None and id(t) not in done:
-                    done.add(id(t))
-                    if device is not None:
-                        new = t.to(device)
-                        _assign(owners[id(t)], name, new, replaced, old=t)
-                        done.add(id(new))
-            continue
-        full = _init_full(node, own, param_init_fn, param_seed(seed, path))
-        for name, t in own.items():
-            value = full[name]
-            axis = getattr(t, "shard_axis", None)
-            if axis is not None and ws > 1:
-                from .sharding.rules import local_shard
-
-                value = local_shard(
-                    value, axis, ws, rank, getattr(t, "shard_stride", 1), getattr(t, "shard_replicas", 1)
-                )
-            dev = device if device is not None else ("cpu" if t.is_meta else t.device)
-            value = value.to(dev).contiguous()
-            if isinstance(t, nn.Parameter):
-                try:
-                    new = type(t)(value, requires_grad=t.requires_grad)
-                except TypeError:  # a Parameter subclass with another constructor
-                    new = nn.Parameter(value, requires_grad=t.requires_grad)
-                for k, v in t.__dict__.items():
-                    new.__dict__.setdefault(k, v)
-            else:
-                new = value
-                for k in ("orig_shape", "shard_axis", "shard_stride", "shard_replicas"):
-                    if hasattr(t, k):
-                        setattr(new, k, getattr(t, k))
-            _assign(owners[id(t)], name, new, replaced, old=t)
-            done.update((id(t), id(new)))
-        for name, t in mod._buffers.items():
-            if t is not None and id(t) not in done and name not in own:
-                done.add(id(t))
-                if device is not None:
-                    new = t.to(device)
-                    _assign(owners[id(t)], name, new, replaced, old=t)
-                    done.add(id(new))
+        own = _to_materialise(mod, done)
+        if own:
+            full = _init_full(node, own, param_init_fn, param_seed(seed, path))
+            for name, t in own.items():
+                new = _rank_tensor(t, full[name], ws, rank, device)
+                _assign(owners[id(t)], name, new, replaced, old=t)
+                done.update((id(t), id(new)))
+        _move_buffers(mod, own, done, owners, device, replaced)  # real buffers: only moved
     # keep the schedule's tie table pointing at the live tensors
     ties = top.metadata.tie_weights
     for old_key in list(ties):
@@ -324,6 +271,88 @@ def consolidate_model(
         if new is not None:
             ties[new] = ties.pop(old_key)
     return top.mod
+
+
+def _stage_of(top: Any, stage: int | None) -> dict[str, int] | None:
+    """Path -> pipeline stage of every module of ``top`` when only ``stage`` is to be materialised, else None.
+
+    Raises:
+        ScheduleError: for a ``stage`` that is not one of the schedule's stages.
+    """
+    if stage is None:
+        return None
+    assign = stage_assignment(top)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < assign.num_stages:
+        raise ScheduleError(f"stage must be an integer in [0, {assign.num_stages}), not {stage!r}.")
+    return assign.stage_of
+
+
+def _tensor_owners(nodes: list[tuple[str, Any]]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every ``(module, name)`` holding each parameter or buffer (by id), in module order (tied weights have
+    several owners)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, node in nodes:
+        for name, t in list(node.mod._parameters.items()) + list(node.mod._buffers.items()):
+            if t is not None:
+                lst = owners.setdefault(id(t), [])
+                if not any(m is node.mod and n == name for m, n in lst):
+                    lst.append((node.mod, name))
+    return owners
+
+
+def _to_materialise(mod: nn.Module, done: set[int]) -> dict[str, torch.Tensor]:
+    """``mod``'s own parameters and meta buffers not materialised yet (by an earlier owner of a tied one)."""
+    own = {name: t for name, t in mod._parameters.items() if t is not None and id(t) not in done}
+    for name, t in mod._buffers.items():
+        if t is not None and id(t) not in done and t.is_meta:
+            own[name] = t
+    return own
+
+
+def _rank_tensor(
+    t: torch.Tensor, value: torch.Tensor, ws: int, rank: int, device: str | torch.device | None
+) -> torch.Tensor:
+    """The tensor that replaces ``t``: this rank's slice of its full-size ``value`` when ``t`` is sharded, on
+    ``device`` (default: ``t``'s, or the CPU for a meta tensor), as a parameter of ``t``'s class with ``t``'s
+    attributes when ``t`` is one, else a tensor with ``t``'s shard attributes."""
+    axis = getattr(t, "shard_axis", None)
+    if axis is not None and ws > 1:
+        value = local_shard(
+            value, axis, ws, rank, getattr(t, "shard_stride", 1), getattr(t, "shard_replicas", 1)
+        )
+    dev = device if device is not None else ("cpu" if t.is_meta else t.device)
+    value = value.to(dev).contiguous()
+    if not isinstance(t, nn.Parameter):
+        for k in ("orig_shape", "shard_axis", "shard_stride", "shard_replicas"):
+            if hasattr(t, k):
+                setattr(value, k, getattr(t, k))
+        return value
+    try:
+        new = type(t)(value, requires_grad=t.requires_grad)
+    except TypeError:  # a Parameter subclass with another constructor
+        new = nn.Parameter(value, requires_grad=t.requires_grad)
+    for k, v in t.__dict__.items():
+        new.__dict__.setdefault(k, v)
+    return new
+
+
+def _move_buffers(
+    mod: nn.Module,
+    own: dict[str, torch.Tensor],
+    done: set[int],
+    owners: dict[int, list[tuple[nn.Module, str]]],
+    device: str | torch.device | None,
+    replaced: dict[int, torch.Tensor],
+) -> None:
+    """Move ``mod``'s real buffers (those not in ``own`` nor done) to ``device``, when given, keeping their
+    values."""
+    for name, t in mod._buffers.items():
+        if t is not None and id(t) not in done and name not in own:
+            done.add(id(t))
+            if device is not None:
+                new = t.to(device)
+                _assign(owners[id(t)], name, new, replaced, old=t)
+                done.add(id(new))
 
 
 def _assign(owner_list, name, new, replaced, old=None) -> None:
@@ -357,18 +386,7 @@ def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> 
     """Full-size CPU values for the tensors in ``own`` of ``node.mod`` (see :func:`consolidate_model`)."""
     mod = node.mod
     meta_state = peek_meta(mod)
-    hf = None
-    steps: list[Callable[[nn.Module], None]] = []
-    if param_init_fn is not None:
-        steps.append(param_init_fn)
-    else:
-        hf = _hf_init_owner(node)
-        if hf is not None:
-            steps.append(hf)
-        for attr in ("reset_parameters", "_reset_parameters"):
-            if callable(getattr(mod, attr, None)):
-                steps.append(lambda m, a=attr: getattr(m, a)())
-                break
+    steps, hf = _init_steps(node, param_init_fn)
     values: dict[str, torch.Tensor] = {}
     missing = dict(own)
     for step in steps:
@@ -386,6 +404,34 @@ def _init_full(node, own: dict[str, torch.Tensor], param_init_fn, seed: int) -> 
             if t is not None and not t.is_meta and _is_filled(t):
                 values[name] = t.detach()
                 del missing[name]
+    values.update(_default_values(node, missing, seed))
+    return values
+
+
+def _init_steps(node: Any, param_init_fn: Callable[[nn.Module], None] | None) -> tuple[list, Any]:
+    """``(init functions to try in order, the Hugging Face one or None)`` for ``node.mod``: ``param_init_fn``
+    alone, or the nearest Hugging Face ``_init_weights`` then the module's ``reset_parameters``."""
+    if param_init_fn is not None:
+        return [param_init_fn], None
+    steps: list[Callable[[nn.Module], None]] = []
+    hf = _hf_init_owner(node)
+    if hf is not None:
+        steps.append(hf)
+    for attr in ("reset_parameters", "_reset_parameters"):
+        if callable(getattr(node.mod, attr, None)):
+            steps.append(lambda m, a=attr: getattr(m, a)())
+            break
+    return steps, hf
+
+
+def _default_values(node: Any, missing: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Full-size values from :func:`_default_init` for the parameters no init function set.
+
+    Raises:
+        ScheduleError: for a meta buffer among them (nothing can rebuild its value).
+    """
+    mod = node.mod
+    values: dict[str, torch.Tensor] = {}
     for name, t in missing.items():
         if name in mod._buffers:
             raise ScheduleError(

@@ -11,6 +11,7 @@ numeric check draws them (token ids inside the vocabulary).
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +50,30 @@ def _image(cfg) -> torch.Tensor | None:
     return torch.empty(BATCH, ch, h, w, device="meta")
 
 
+def _takes_token_ids(params: Any, main: str) -> bool:
+    """Whether a forward with parameters ``params`` and main input ``main`` gets token ids: a text model's, or
+    an image-text model's beside its pixels."""
+    return "input_ids" in params and (
+        main == "input_ids" or (main == "pixel_values" and "pixel_values" in params)
+    )
+
+
+def _takes_pixels(cfg: Any, params: Any, main: str, has_token_ids: bool) -> bool:
+    """Whether the forward gets pixels: a vision model's, or an image-text model's beside its token ids when
+    its config gives an image size."""
+    return main == "pixel_values" or ("pixel_values" in params and has_token_ids and _image(cfg) is not None)
+
+
+def _audio_features(cfg: Any) -> torch.Tensor | None:
+    """Meta log-mel features ``(BATCH, mel bins, 2 * max_source_positions)`` of a speech encoder's config, or
+    None when it does not give both sizes."""
+    mels = _cfg_get(cfg, "num_mel_bins", "feature_size")
+    frames = _cfg_get(cfg, "max_source_positions")
+    if mels is None or frames is None:
+        return None
+    return torch.empty(BATCH, mels, 2 * frames, device="meta")
+
+
 def inputs_from_config(model: nn.Module) -> dict | None:
     """Meta-device keyword inputs for one forward of Hugging Face ``model``, or None when unknown.
 
@@ -67,25 +92,18 @@ def inputs_from_config(model: nn.Module) -> dict | None:
         return None
     main = getattr(model, "main_input_name", "input_ids")
     out: dict[str, torch.Tensor] = {}
-    if "input_ids" in params and (
-        main == "input_ids" or (main == "pixel_values" and "pixel_values" in params)
-    ):
+    if _takes_token_ids(params, main):
         out["input_ids"] = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
-    if main == "pixel_values" or (
-        "pixel_values" in params and "input_ids" in out and _image(cfg) is not None
-    ):
+    if _takes_pixels(cfg, params, main, "input_ids" in out):
         img = _image(cfg)
         if img is None:
             return None
         out["pixel_values"] = img
-    if main == "input_features":
-        mels = _cfg_get(cfg, "num_mel_bins", "feature_size")
-        frames = _cfg_get(cfg, "max_source_positions")
-        if mels is None or frames is None:
+    if main in ("input_features", "input_values"):
+        audio = _audio_features(cfg) if main == "input_features" else torch.empty(BATCH, 4000, device="meta")
+        if audio is None:
             return None
-        out["input_features"] = torch.empty(BATCH, mels, 2 * frames, device="meta")
-    if main == "input_values":
-        out["input_values"] = torch.empty(BATCH, 4000, device="meta")
+        out[main] = audio
     if not out:
         return None
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:

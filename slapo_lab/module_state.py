@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .random import checkpoint, checkpoint_selective, get_cuda_rng_tracker
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -189,9 +192,7 @@ def _with_param_grad_all_reduce(self: nn.Module, fn, names: list[str], g, sharde
     ``sharded``: the parameters are replicated shards (``shard_replicas``, key/value heads held by several
     ranks) and ``g`` is their replica group; otherwise they are the module's unsharded parameters.
     """
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    from .sharding.sync_ops import all_reduce_backward
+    from .sharding.sync_ops import all_reduce_backward  # noqa: PLC0415 - sharding imports module_state
 
     def call(*a, **k):
         params = self._parameters
@@ -219,9 +220,7 @@ def _with_block_grad_all_reduce(self: nn.Module, fn, blocks: dict, g):
     :func:`~slapo_lab.sharding.sync_ops.all_reduce_backward` on ``g`` (their gradients summed over the ranks
     sharing them: the key/value heads of a fused multi-query projection); swapped as in
     :func:`_with_param_grad_all_reduce`."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    from .sharding.sync_ops import all_reduce_backward
+    from .sharding.sync_ops import all_reduce_backward  # noqa: PLC0415 - sharding imports module_state
 
     def call(*a, **k):
         swap = {}
@@ -261,8 +260,6 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
     if meta.grad_block_replicas:
         fn = _with_block_grad_all_reduce(self, fn, meta.grad_block_replicas, meta.grad_block_group)
     if meta.fork_rng:
-        from .random import get_cuda_rng_tracker
-
         inner = fn
 
         def fn(*a, **k):  # deliberate rebinding
@@ -270,8 +267,6 @@ def slapo_forward(self: nn.Module, *args, **kwargs):
                 return inner(*a, **k)
 
     if meta.checkpoint and torch.is_grad_enabled():
-        from .random import checkpoint, checkpoint_selective
-
         _ckpt = checkpoint_selective if meta.checkpoint_policy == "selective" else checkpoint
 
         args, kwargs = without_kv_cache(args, kwargs)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,32 +104,43 @@ def _words(name: str) -> set[str]:
     return {w.removesuffix("s") for w in name.split("_")} - {w.removesuffix("s") for w in _COMMON_WORDS}
 
 
+def _image_shapes(cfg: Any, batch: int) -> list[tuple[int, ...]]:
+    """Candidate pixel shapes from the vision config's image size and channels: one image per sample, or a
+    list of images per sample (Idefics 3, ModernVBert); none without an image size."""
+    size = _first(cfg, ("image_size",), ("vision", "image"))
+    if size is None:
+        return []
+    chans = _first(cfg, ("num_channels",), ("vision", "image"))
+    c = chans[1] if chans is not None else 3
+    return [(batch, c, size[1], size[1]), (batch, 1, c, size[1], size[1])]
+
+
+def _feature_shapes(cfg: Any, batch: int) -> list[tuple[int, ...]]:
+    """Candidate audio feature shapes ``(batch, mel bins, frames)``: frames from the audio config's window
+    fields (twice and once each), then a few short lengths; none without a mel-bin count."""
+    mels = _first(cfg, ("num_mel_bins", "feature_size", "input_feat_per_channel"), ("audio", "speech"))
+    if mels is None:
+        return []
+    sub = mels[0]
+    frames: list[int] = []
+    for field in ("max_source_positions", "n_window", "chunk_size", "max_audio_length"):
+        v = _int(getattr(sub, field, None))
+        if v is not None:
+            frames += [2 * v, v]
+    frames += [100, 64, 32]
+    return [(batch, mels[1], f) for f in dict.fromkeys(x for x in frames if x <= 3000)]
+
+
 def _variants(model: nn.Module, name: str, params, batch: int, g: torch.Generator) -> Iterator[dict]:
     """Candidate tensors for tower input ``name`` (and its masks), most likely first."""
     kind = _TOWER.search(name).group(1)
     cfg = model.config
-    shapes: list[tuple[int, ...]] = []
     if kind == "pixel_values":
-        size = _first(cfg, ("image_size",), ("vision", "image"))
-        chans = _first(cfg, ("num_channels",), ("vision", "image"))
-        if size is not None:
-            c = chans[1] if chans is not None else 3
-            shapes.append((batch, c, size[1], size[1]))
-            shapes.append((batch, 1, c, size[1], size[1]))  # images per sample (Idefics 3, ModernVBert)
+        shapes = _image_shapes(cfg, batch)
     elif kind == "input_features":
-        mels = _first(cfg, ("num_mel_bins", "feature_size", "input_feat_per_channel"), ("audio", "speech"))
-        if mels is not None:
-            sub = mels[0]
-            frames: list[int] = []
-            for field in ("max_source_positions", "n_window", "chunk_size", "max_audio_length"):
-                v = _int(getattr(sub, field, None))
-                if v is not None:
-                    frames += [2 * v, v]
-            frames += [100, 64, 32]
-            for f in dict.fromkeys(x for x in frames if x <= 3000):
-                shapes.append((batch, mels[1], f))
+        shapes = _feature_shapes(cfg, batch)
     else:
-        shapes.append((batch, SAMPLES))
+        shapes = [(batch, SAMPLES)]
     masks = [
         p
         for p in params

@@ -125,6 +125,6 @@ class ParallelDims:
         """The 3-D ``torch.distributed.device_mesh.DeviceMesh`` of shape ``(dp, pp, tp)``, dims named
         ``("dp", "pp", "tp")`` (``init_device_mesh``; the default process group must be initialised with
         ``world_size`` ranks)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - torch: launch checks import this
 
         return init_device_mesh(device, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp"))

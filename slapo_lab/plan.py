@@ -150,6 +150,36 @@ class StageAssignment:
     nodes: dict = field(default_factory=dict, repr=False, compare=False)
 
 
+def _depth_first(sch: Any) -> tuple[list[str], dict[str, int], dict[str, Any]]:
+    """``(paths in depth-first registration order, path -> index of its subtree's last path, path -> node)``
+    of the schedule tree under ``sch`` (the root's path is ``""``)."""
+    order: list[str] = []
+    end: dict[str, int] = {}
+    nodes: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        order.append(path)
+        nodes[path] = node
+        for name, c in node.child.items():
+            walk(c, f"{path}.{name}" if path else name)
+        end[path] = len(order) - 1
+
+    walk(sch, "")
+    return order, end, nodes
+
+
+def _place_by_forward(stage_of: dict[str, int], cuts: list[str], fo: Any) -> None:
+    """Move every module that runs to the stage in which it first runs (after how many cuts' exits), when the
+    forward order ``fo`` is known and runs each cut once; in place."""
+    if not (fo.ok and cuts and all(fo.count(c) == 1 for c in cuts)):
+        return
+    exits = sorted(fo.exit_point(c)[0] for c in cuts)
+    for path in stage_of:
+        calls = fo.calls.get(path)
+        if calls:
+            stage_of[path] = bisect.bisect_right(exits, calls[0][0])
+
+
 def stage_assignment(sch, forward_order=None) -> StageAssignment:
     """Assign every module of ``sch`` to a pipeline stage from the recorded cuts.
 
@@ -163,18 +193,7 @@ def stage_assignment(sch, forward_order=None) -> StageAssignment:
     Raises:
         ScheduleError: if a recorded cut names a module that is no longer in the schedule.
     """
-    order: list[str] = []
-    end: dict[str, int] = {}
-    nodes: dict = {}
-
-    def walk(node, path):
-        order.append(path)
-        nodes[path] = node
-        for name, c in node.child.items():
-            walk(c, f"{path}.{name}" if path else name)
-        end[path] = len(order) - 1
-
-    walk(sch, "")
+    order, end, nodes = _depth_first(sch)
     cuts = list(sch.metadata.primitives.get("cut_pipeline_stage", []) or [])
     for c in cuts:
         if c not in end:
@@ -194,15 +213,32 @@ def stage_assignment(sch, forward_order=None) -> StageAssignment:
         while s < len(boundaries) and boundaries[s] < i:
             s += 1
         stage_of[path] = s
-    fo = forward_order
-    if fo is not None and fo.ok and cuts and all(fo.count(c) == 1 for c in cuts):
-        exits = sorted(fo.exit_point(c)[0] for c in cuts)
-        for path in stage_of:
-            calls = fo.calls.get(path)
-            if calls:
-                stage_of[path] = bisect.bisect_right(exits, calls[0][0])
+    if forward_order is not None:
+        _place_by_forward(stage_of, cuts, forward_order)
     blocks, n_blocks = block_stack(sch)
     return StageAssignment(len(boundaries) + 1, cuts, stage_of, order, blocks, n_blocks, merged, nodes)
+
+
+def _outermost_checkpoint(path: str, ckpt_set: set[str]) -> str | None:
+    """The outermost checkpointed ancestor-or-self of ``path`` (among ``ckpt_set``), or None."""
+    parts = path.split(".") if path else []
+    for i in range(1, len(parts) + 1):
+        q = ".".join(parts[:i])
+        if q in ckpt_set:
+            return q
+    return None
+
+
+def _new_bytes(its: Any, counted: set[int], elem_bytes: int | None) -> int:
+    """The bytes of the tensors ``its`` (``(id, numel, element size, is floating)``) not in ``counted`` yet
+    (they are added to it), floating ones at ``elem_bytes`` each when given."""
+    total = 0
+    for tid, numel, esize, is_float in its:
+        if tid in counted:
+            continue
+        counted.add(tid)
+        total += numel * (elem_bytes if (is_float and elem_bytes is not None) else esize)
+    return total
 
 
 def _activation_per_stage(
@@ -217,31 +253,17 @@ def _activation_per_stage(
         if (meta := peek_meta(node.mod)) and meta.checkpoint and meta.checkpoint_policy != "selective"
     ]
     ckpt_set = set(ckpt)
-
-    def outer_ckpt(path: str) -> str | None:
-        # the outermost checkpointed ancestor-or-self of path
-        parts = path.split(".") if path else []
-        for i in range(1, len(parts) + 1):
-            q = ".".join(parts[:i])
-            if q in ckpt_set:
-                return q
-        return None
-
     counted: list[set[int]] = [set() for _ in range(assign.num_stages)]
     totals = [0] * assign.num_stages
 
-    def add(stage: int, its):
-        for tid, numel, esize, is_float in its:
-            if tid in counted[stage]:
-                continue
-            counted[stage].add(tid)
-            totals[stage] += numel * (elem_bytes if (is_float and elem_bytes is not None) else esize)
+    def add(stage: int, its: Any) -> None:
+        totals[stage] += _new_bytes(its, counted[stage], elem_bytes)
 
     for path, its in prof.leaf_out.items():
-        if outer_ckpt(path) is None:
+        if _outermost_checkpoint(path, ckpt_set) is None:
             add(assign.stage_of.get(path, 0), its)
     for c in ckpt:
-        if outer_ckpt(c) == c:
+        if _outermost_checkpoint(c, ckpt_set) == c:
             add(assign.stage_of.get(c, 0), prof.mod_in.get(c, []))
     return [round(t * act_scale) for t in totals]
 
@@ -480,6 +502,46 @@ def plan(
     gbytes = _elem_bytes(grad_dtype, "grad_dtype")
     abytes = _elem_bytes(activation_dtype, "activation_dtype")
     states = _optimizer_states(optimizer)
+    _check_plan_options(dp, shard, micro_batch_size, activation)
+
+    assign = stage_assignment(top)
+    n = assign.num_stages
+    ws = top.world_size
+    opt_bytes = states * _FP32 + (_FP32 if master_weights else 0)  # per trainable element
+    tallies = _tally_stages(assign, pbytes, gbytes, opt_bytes)
+
+    notes: list[str] = [
+        f"The cut at {c} ends where an outer cut already ends a stage, so it adds no stage."
+        for c in assign.merged
+    ]
+    act, act_mode, act_seconds = _plan_activations(
+        top, assign, tallies, activation, example_inputs, cache, micro_batch_size, abytes, notes
+    )
+    for s, cut in enumerate(assign.cuts):  # a cut module is the last module of its stage
+        tallies[s].last = cut
+    if shard is not None and dp == 1:
+        notes.append(
+            f"{_SHARD_NAMES[shard]} with one data-parallel replica shards nothing, so the plan is unsharded."
+        )
+    elif shard is not None:
+        notes.append(_shard_sentence(shard, dp))
+    divide = SHARDINGS[shard if dp > 1 else None]
+    per_stage = [_stage_row(s, tallies[s], act[s], ws, dp, divide, assign) for s in range(n)]
+    notes.extend(
+        f"Stage {s} holds no parameters; check the cuts."
+        for s in range(n)
+        if n > 1 and not tallies[s].num_params
+    )
+    settings = _plan_settings(
+        optimizer, param_dtype, grad_dtype, master_weights, micro_batch_size, activation_dtype, dp, shard
+    )
+    method = activation if activation in ("estimate", "autograd") and act_mode != "skipped" else None
+    return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method, dp, shard)
+
+
+def _check_plan_options(dp: Any, shard: Any, micro_batch_size: Any, activation: Any) -> None:
+    """Raise ScheduleError (one sentence) for a bad ``dp``, ``shard``, ``micro_batch_size`` or ``activation``
+    of :func:`plan`."""
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ScheduleError(f"dp (data-parallel replicas) must be a positive integer, not {dp!r}.")
     if shard not in SHARDINGS:
@@ -498,165 +560,233 @@ def plan(
             f"activation must be 'estimate', 'autograd', None or a number of bytes, not {activation!r}."
         )
 
-    assign = stage_assignment(top)
-    n = assign.num_stages
-    ws = top.world_size
-    stats = [
-        {
-            "num_params": 0,
-            "sharded_params": 0,
-            "replicated_params": 0,
-            "param_bytes": 0,
-            "grad_bytes": 0,
-            "optimizer_bytes": 0,
-            "buffer_bytes": 0,
-        }
-        for _ in range(n)
-    ]
-    seen: list[set[int]] = [set() for _ in range(n)]
-    first: list[str | None] = [None] * n
-    last: list[str | None] = [None] * n
-    blk_lo: list[int | None] = [None] * n
-    blk_hi: list[int | None] = [None] * n
+
+@dataclass
+class _StageTally:
+    """What one rank of one pipeline stage holds, counted module by module (element counts for the
+    ``*_params`` fields, bytes for the others)."""
+
+    num_params: int = 0
+    sharded_params: int = 0
+    replicated_params: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    buffer_bytes: int = 0
+    #: ids of the tensors counted (a tied weight counts once per stage)
+    seen: set[int] = field(default_factory=set)
+    #: the stage's first and last module paths
+    first: str | None = None
+    last: str | None = None
+    #: the range of repeated-block indices in the stage
+    blk_lo: int | None = None
+    blk_hi: int | None = None
+    #: block name -> [parameter bytes, gradient bytes] of one rank, for FSDP's all-gather working set
+    block_bytes: dict[str, list[int]] = field(default_factory=dict)
+
+    def stats(self) -> dict[str, int]:
+        """The counts a plan's stage row shows, by name."""
+        return {k: getattr(self, k) for k in _STAT_KEYS}
+
+    def note_path(self, path: str) -> None:
+        """Extend the stage's first..last module range with ``path`` (the root, ``""``, is not one)."""
+        if path:
+            if self.first is None:
+                self.first = path
+            self.last = path
+
+    def note_block(self, idx: int) -> None:
+        """Extend the stage's range of repeated blocks with block ``idx``."""
+        self.blk_lo = idx if self.blk_lo is None else min(self.blk_lo, idx)
+        self.blk_hi = idx if self.blk_hi is None else max(self.blk_hi, idx)
+
+    def add_parameter(
+        self, p: torch.Tensor, pbytes: int | None, gbytes: int | None, opt_bytes: int, blk: list[int] | None
+    ) -> None:
+        """Count parameter ``p`` at ``pbytes`` per element (None: its own), its gradient at ``gbytes``
+        (None: as the parameter) and ``opt_bytes`` of optimizer state per trainable element; ``blk``
+        collects the bytes of the repeated block it is in."""
+        numel = p.numel()
+        eb = pbytes if pbytes is not None else p.element_size()
+        self.num_params += numel
+        if getattr(p, "shard_axis", None) is not None:
+            self.sharded_params += numel
+        else:
+            self.replicated_params += numel
+        self.param_bytes += numel * eb
+        grad = numel * (gbytes if gbytes is not None else eb) if p.requires_grad else 0
+        if p.requires_grad:
+            self.grad_bytes += grad
+            self.optimizer_bytes += numel * opt_bytes
+        if blk is not None:
+            blk[0] += numel * eb
+            blk[1] += grad
+
+
+_STAT_KEYS = (
+    "num_params",
+    "sharded_params",
+    "replicated_params",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "buffer_bytes",
+)
+
+
+def _tally_stages(
+    assign: StageAssignment, pbytes: int | None, gbytes: int | None, opt_bytes: int
+) -> list[_StageTally]:
+    """One :class:`_StageTally` per stage of ``assign``: every module's own parameters and buffers, counted in
+    the stage the module is in."""
+    tallies = [_StageTally() for _ in range(assign.num_stages)]
     bprefix = (assign.blocks + ".") if assign.blocks else None
-    block_index = (
-        {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)} if assign.blocks else {}
-    )
-    # (stage, block name) -> [parameter bytes, gradient bytes] of one rank, for FSDP's all-gather working set
-    block_bytes: dict[tuple[int, str], list[int]] = {}
+    block_index = _block_index(assign)
     for path in assign.order:
         node = assign.nodes[path]
-        s = assign.stage_of[path]
-        mod = node.mod
-        if path:
-            if first[s] is None:
-                first[s] = path
-            last[s] = path
-        if bprefix is not None and path.startswith(bprefix) and "." not in path[len(bprefix) :]:
-            idx = block_index.get(node.name, 0)
-            blk_lo[s] = idx if blk_lo[s] is None else min(blk_lo[s], idx)
-            blk_hi[s] = idx if blk_hi[s] is None else max(blk_hi[s], idx)
-        st = stats[s]
+        tally = tallies[assign.stage_of[path]]
+        tally.note_path(path)
         blk = None
         if bprefix is not None and path.startswith(bprefix):
-            blk = block_bytes.setdefault((s, path[len(bprefix) :].split(".", 1)[0]), [0, 0])
-        for p in mod._parameters.values():
-            if p is None or id(p) in seen[s]:
-                continue
-            seen[s].add(id(p))
-            numel = p.numel()
-            eb = pbytes if pbytes is not None else p.element_size()
-            st["num_params"] += numel
-            if getattr(p, "shard_axis", None) is not None:
-                st["sharded_params"] += numel
-            else:
-                st["replicated_params"] += numel
-            st["param_bytes"] += numel * eb
-            grad = numel * (gbytes if gbytes is not None else eb) if p.requires_grad else 0
-            if p.requires_grad:
-                st["grad_bytes"] += grad
-                st["optimizer_bytes"] += numel * (states * _FP32 + (_FP32 if master_weights else 0))
-            if blk is not None:
-                blk[0] += numel * eb
-                blk[1] += grad
-        for b in mod._buffers.values():
-            if b is None or id(b) in seen[s]:
-                continue
-            seen[s].add(id(b))
-            st["buffer_bytes"] += b.numel() * b.element_size()
+            rest = path[len(bprefix) :]
+            if "." not in rest:
+                tally.note_block(block_index.get(node.name, 0))
+            blk = tally.block_bytes.setdefault(rest.split(".", 1)[0], [0, 0])
+        for p in node.mod._parameters.values():
+            if p is not None and id(p) not in tally.seen:
+                tally.seen.add(id(p))
+                tally.add_parameter(p, pbytes, gbytes, opt_bytes, blk)
+        for b in node.mod._buffers.values():
+            if b is not None and id(b) not in tally.seen:
+                tally.seen.add(id(b))
+                tally.buffer_bytes += b.numel() * b.element_size()
+    return tallies
 
-    notes: list[str] = []
-    for c in assign.merged:
-        notes.append(f"The cut at {c} ends where an outer cut already ends a stage, so it adds no stage.")
-    act: list[int | None] = [None] * n
-    act_mode, act_seconds = "skipped", 0.0
+
+def _block_index(assign: StageAssignment) -> dict[str, int]:
+    """Repeated block name -> its index in the block list (none without a block list)."""
+    if not assign.blocks:
+        return {}
+    return {name: i for i, name in enumerate(assign.nodes[assign.blocks].child)}
+
+
+def _plan_activations(
+    top: Any,
+    assign: StageAssignment,
+    tallies: list[_StageTally],
+    activation: Any,
+    example_inputs: Any,
+    cache: bool,
+    micro_batch_size: int | None,
+    abytes: int | None,
+    notes: list[str],
+) -> tuple[list[int | None], str, float]:
+    """``(bytes per stage or None, mode, seconds)`` of one micro-batch's activations, as :func:`plan`'s
+    ``activation`` asks; a note on why they were skipped, or how they were found, goes to ``notes``."""
+    n = assign.num_stages
     if isinstance(activation, (int, float)) and not isinstance(activation, bool):
-        total_p = sum(st["num_params"] for st in stats) or 1
-        act = [round(activation * st["num_params"] / total_p) for st in stats]
-        act_mode = "given"
-    elif activation in ("estimate", "autograd"):
-        if example_inputs is None:
-            notes.append("No example_inputs were given, so activations were not estimated.")
-        else:
-            prof, hit = cached_profile(top, example_inputs, cache, activation)
-            scale = 1.0
-            if micro_batch_size is not None:
-                if not prof.batch:
-                    raise ScheduleError(
-                        "micro_batch_size needs example inputs whose first tensor has a batch "
-                        "dimension (dim 0)."
-                    )
-                scale = micro_batch_size / prof.batch
-            if activation == "estimate":
-                act = _activation_per_stage(top, prof, assign, scale, abytes)
-            else:
-                act = _saved_per_stage(prof, assign, scale, abytes)
-            act_mode = "cached" if hit else "estimated"
-            act_seconds = 0.0 if hit else prof.seconds
-            if prof.fake:
-                notes.append(
-                    "The activation pass ran under FakeTensorMode (the forward reads tensor values)."
-                )
+        total_p = sum(t.num_params for t in tallies) or 1
+        return [round(activation * t.num_params / total_p) for t in tallies], "given", 0.0
+    if activation not in ("estimate", "autograd"):
+        return [None] * n, "skipped", 0.0
+    if example_inputs is None:
+        notes.append("No example_inputs were given, so activations were not estimated.")
+        return [None] * n, "skipped", 0.0
+    prof, hit = cached_profile(top, example_inputs, cache, activation)
+    scale = 1.0
+    if micro_batch_size is not None:
+        if not prof.batch:
+            raise ScheduleError(
+                "micro_batch_size needs example inputs whose first tensor has a batch dimension (dim 0)."
+            )
+        scale = micro_batch_size / prof.batch
+    if activation == "estimate":
+        act = _activation_per_stage(top, prof, assign, scale, abytes)
+    else:
+        act = _saved_per_stage(prof, assign, scale, abytes)
+    if prof.fake:
+        notes.append("The activation pass ran under FakeTensorMode (the forward reads tensor values).")
+    return list(act), "cached" if hit else "estimated", 0.0 if hit else prof.seconds
 
-    for s, cut in enumerate(assign.cuts):  # a cut module is the last module of its stage
-        last[s] = cut
-    if shard is not None and dp == 1:
-        notes.append(
-            f"{_SHARD_NAMES[shard]} with one data-parallel replica shards nothing, so the plan is unsharded."
-        )
-    elif shard is not None:
-        notes.append(_shard_sentence(shard, dp))
-    div_params, div_grads, div_states = SHARDINGS[shard if dp > 1 else None]
-    per_stage = []
-    for s in range(n):
-        st = dict(stats[s])
-        gather, gather_block = 0, None
-        if div_params:  # FSDP: one block's full-size parameters and gradients while it computes
-            mine = [(sum(v), name) for (stage, name), v in block_bytes.items() if stage == s]
-            if mine:
-                gather, name = max(mine, key=lambda x: (x[0], -block_index.get(x[1], 0)))
-                gather_block = f"{assign.blocks}.{name}"
-            else:  # no repeated block in the stage: FSDP gathers the stage as one unit
-                gather = st["param_bytes"] + st["grad_bytes"]
-            st["param_bytes"] = -(-st["param_bytes"] // dp)
-        if div_grads:
-            st["grad_bytes"] = -(-st["grad_bytes"] // dp)
-        if div_states:
-            st["optimizer_bytes"] = -(-st["optimizer_bytes"] // dp)
-        total = (
-            st["param_bytes"]
-            + st["grad_bytes"]
-            + st["optimizer_bytes"]
-            + st["buffer_bytes"]
-            + gather
-            + (act[s] or 0)
-        )
-        blocks = [blk_lo[s], blk_hi[s]] if blk_lo[s] is not None else None
-        per_stage.append(
-            {
-                "stage": s,
-                "ranks": [s * ws, (s + 1) * ws - 1],
-                "first": first[s],
-                "last": last[s],
-                "blocks": blocks,
-                **st,
-                "activation_bytes": act[s],
-                "gather_bytes": gather,
-                "gather_block": gather_block,
-                "total_bytes": total,
-            }
-        )
-        if st["num_params"] == 0 and n > 1:
-            notes.append(f"Stage {s} holds no parameters; check the cuts.")
-    settings = {
+
+def _fsdp_gather(s: int, tally: _StageTally, assign: StageAssignment) -> tuple[int, str | None]:
+    """FSDP's all-gather working set of stage ``s``: ``(bytes, block path)`` of its largest repeated block's
+    full-size parameters and gradients (the first such block on a tie), or the whole stage's with no block
+    (``None``)."""
+    block_index = _block_index(assign)
+    mine = [(sum(v), name) for name, v in tally.block_bytes.items()]
+    if not mine:  # no repeated block in the stage: FSDP gathers the stage as one unit
+        return tally.param_bytes + tally.grad_bytes, None
+    gather, name = max(mine, key=lambda x: (x[0], -block_index.get(x[1], 0)))
+    return gather, f"{assign.blocks}.{name}"
+
+
+def _stage_row(
+    s: int,
+    tally: _StageTally,
+    act: int | None,
+    ws: int,
+    dp: int,
+    divide: tuple[bool, bool, bool],
+    assign: StageAssignment,
+) -> dict[str, Any]:
+    """Stage ``s``'s row of :attr:`Plan.per_stage`: its tally with what the data-parallel replicas shard
+    divided by ``dp`` (``divide``: parameters, gradients, optimizer states; rounded up), plus activations,
+    FSDP's gather and the total."""
+    st = tally.stats()
+    div_params, div_grads, div_states = divide
+    gather, gather_block = 0, None
+    if div_params:  # FSDP: one block's full-size parameters and gradients while it computes
+        gather, gather_block = _fsdp_gather(s, tally, assign)
+        st["param_bytes"] = -(-st["param_bytes"] // dp)
+    if div_grads:
+        st["grad_bytes"] = -(-st["grad_bytes"] // dp)
+    if div_states:
+        st["optimizer_bytes"] = -(-st["optimizer_bytes"] // dp)
+    total = (
+        st["param_bytes"]
+        + st["grad_bytes"]
+        + st["optimizer_bytes"]
+        + st["buffer_bytes"]
+        + gather
+        + (act or 0)
+    )
+    return {
+        "stage": s,
+        "ranks": [s * ws, (s + 1) * ws - 1],
+        "first": tally.first,
+        "last": tally.last,
+        "blocks": [tally.blk_lo, tally.blk_hi] if tally.blk_lo is not None else None,
+        **st,
+        "activation_bytes": act,
+        "gather_bytes": gather,
+        "gather_block": gather_block,
+        "total_bytes": total,
+    }
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return str(dtype) if dtype is not None else None
+
+
+def _plan_settings(
+    optimizer: Any,
+    param_dtype: Any,
+    grad_dtype: Any,
+    master_weights: bool,
+    micro_batch_size: int | None,
+    activation_dtype: Any,
+    dp: int,
+    shard: str | None,
+) -> dict[str, Any]:
+    """:attr:`Plan.settings`: the options :func:`plan` ran with, JSON-able."""
+    return {
         "optimizer": optimizer.__name__ if isinstance(optimizer, type) else optimizer,
-        "param_dtype": str(param_dtype) if param_dtype is not None else None,
-        "grad_dtype": str(grad_dtype) if grad_dtype is not None else None,
+        "param_dtype": _dtype_name(param_dtype),
+        "grad_dtype": _dtype_name(grad_dtype),
         "master_weights": bool(master_weights),
         "micro_batch_size": micro_batch_size,
-        "activation_dtype": str(activation_dtype) if activation_dtype is not None else None,
+        "activation_dtype": _dtype_name(activation_dtype),
         "dp": dp,
         "shard": shard,
     }
-    method = activation if activation in ("estimate", "autograd") and act_mode != "skipped" else None
-    return Plan(ws, n, per_stage, settings, assign.blocks, act_mode, act_seconds, notes, method, dp, shard)

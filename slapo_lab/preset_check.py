@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from .atomic import Snapshot
 from .call_order import REFERENCE_KEY
 from .errors import ScheduleError
+from .numeric import numeric_check, remembered_inputs
 from .record import Call
 
 __all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]
@@ -189,8 +191,6 @@ def _reference(sch, earlier_calls: int):
 
 def _inputs(sch, model: nn.Module) -> dict | None:
     """The example inputs for the gate's check (:func:`slapo_lab.numeric.remembered_inputs`), or None."""
-    from .numeric import remembered_inputs
-
     try:
         return remembered_inputs(sch, model)
     except ScheduleError:
@@ -288,18 +288,28 @@ def gate(
             "No part of the preset can be applied right, so nothing is applied: "
             + "; ".join(f"in {labels[k].where} {labels[k].label} {_lower(v)}" for k, v in skip.items())
         )
+    _note_kept_whole(sch, applied, skip)
+    return applied.calls, list(applied.notes) + _kept_whole_notes(skip, labels) + not_checked
+
+
+def _note_kept_whole(sch: Any, applied: Applied, skip: dict[tuple, str]) -> None:
+    """Note on the schedule, path by path, why the preset kept a module whole (``KEPT_WHOLE_KEY``)."""
     kept = sch.get_top_schedule()._top.extra.setdefault(KEPT_WHOLE_KEY, {})
     for path, region in applied.owned.items():
         if region.key in skip:
             kept[path] = _lower(skip[region.key])
-    notes = list(applied.notes)
+
+
+def _kept_whole_notes(skip: dict[tuple, str], labels: dict[tuple, Region]) -> list[str]:
+    """One sentence per reason regions were kept whole, naming them."""
     by_reason: dict[tuple[str, str], list[Region]] = {}
     for key, reason in skip.items():
         by_reason.setdefault((labels[key].kept, reason), []).append(labels[key])
+    notes = []
     for (kept_as, reason), regions in by_reason.items():
         what = "; ".join(f"in {r.where} {r.label}" if r.key[0] else r.label for r in regions)
         notes.append(f"{kept_as}: {what}, because {_lower(reason)}")
-    return applied.calls, notes + not_checked
+    return notes
 
 
 def _lower(sentence: str) -> str:
@@ -307,6 +317,42 @@ def _lower(sentence: str) -> str:
     if len(s) > 1 and s[0].isupper() and not s[1].isupper():
         s = s[0].lower() + s[1:]
     return s if s.endswith(".") else s + "."
+
+
+def _regions_to_drop(
+    report: Any, run: Callable[[set], Any], order: list[Region], earlier: bool, applied: Applied
+) -> list[tuple[Region, str]] | str:
+    """Leave out, one by one, the region the failing check names (or, when it names a block or the root, the
+    first region whose removal alone passes, else the first left) until the check passes: ``[(region,
+    reason)]`` in that order; or a sentence when the check cannot judge (it skips, or fails with no call).
+
+    Raises:
+        ScheduleError: when the calls made before the preset (``earlier``) fail on their own.
+    """
+    dropped: set = set()
+    out: list[tuple[Region, str]] = []
+    while report.status != "passed":
+        if report.status == "skipped":
+            return report.message
+        left = [r for r in order if r.key not in dropped]
+        if not left and not earlier:  # no call at all fails: the check cannot judge this model
+            return f"with no call at all the check already reports a difference ({_lower(report.message)})"
+        if not left:  # the calls made before the preset fail on their own
+            raise ScheduleError(
+                f"The schedule fails the numeric check before the preset ({_lower(report.message).rstrip('.')}); "
+                "undo or fix that first, then apply the preset."
+            )
+        culprit = _region_of(report.module, applied.owned)
+        if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first
+            alone = next((r for r in left if run(dropped | {r.key}).status == "passed"), None)
+            if alone is not None:
+                out.append((alone, f"it fails the numeric check when {alone.done}: {_lower(report.message)}"))
+                return out
+            culprit = left[0]
+        out.append((culprit, f"it fails the numeric check when {culprit.done}: {_lower(report.message)}"))
+        dropped.add(culprit.key)
+        report = run(dropped)
+    return out
 
 
 class RegionRefused(Exception):
@@ -325,8 +371,6 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
     Raises:
         ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails).
     """
-    from .numeric import numeric_check
-
     ref, from_config, undo = _reference(sch, len(earlier))
     if ref is None:
         return from_config
@@ -351,33 +395,7 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
         if report.status == "skipped":
             return report.message
         order = list(dict.fromkeys(r for _, r in pairs))
-        dropped: set = set()
-        out: list[tuple[Region, str]] = []
-        while report.status != "passed":
-            if report.status == "skipped":
-                return report.message
-            left = [r for r in order if r.key not in dropped]
-            if not left and not earlier:  # no call at all fails: the check cannot judge this model
-                return (
-                    f"with no call at all the check already reports a difference ({_lower(report.message)})"
-                )
-            if not left:  # the calls made before the preset fail on their own
-                raise ScheduleError(
-                    f"The schedule fails the numeric check before the preset ({_lower(report.message).rstrip('.')}); "
-                    "undo or fix that first, then apply the preset."
-                )
-            culprit = _region_of(report.module, applied.owned)
-            if culprit is None or culprit.key in dropped:  # a block or the root: try each region alone first
-                for r in left:
-                    trial = run(dropped | {r.key})
-                    if trial.status == "passed":
-                        out.append((r, f"it fails the numeric check when {r.done}: {_lower(report.message)}"))
-                        return out
-                culprit = left[0]
-            out.append((culprit, f"it fails the numeric check when {culprit.done}: {_lower(report.message)}"))
-            dropped.add(culprit.key)
-            report = run(dropped)
-        return out
+        return _regions_to_drop(report, run, order, bool(earlier), applied)
     finally:
         if undo:
             after.restore()

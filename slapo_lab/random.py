@@ -10,10 +10,17 @@ draws the same masks twice.
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as _torch_ckpt
+from torch.utils.checkpoint import CheckpointPolicy
+
+try:  # not a dependency of its own: torch runs without it
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 _SEED_SET = False
@@ -144,8 +151,6 @@ def set_random_seed(
     Returns:
         int: the seed used for the default generator of this rank.
     """
-    import random
-
     global _SEED_SET
     if pp_rank is not None:
         seed += 100 * pp_rank
@@ -155,12 +160,8 @@ def set_random_seed(
     if always_enable_tp_seed and tp_rank is not None:
         seed = tp_seed
     random.seed(seed)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % (2**32))
-    except ImportError:  # pragma: no cover
-        pass
     torch.manual_seed(seed)
     _TRACKER.reset()
     if tp_rank is not None:
@@ -236,8 +237,6 @@ def selective_policy():
     ``_get_custom_policy``), so that both make the same choice for the same op: the recomputation takes a kept
     output from the cache in the order the forward stored it.
     """
-    from torch.utils.checkpoint import CheckpointPolicy
-
     count = {False: 0, True: 0}  # is_recompute -> matmuls seen
 
     def policy(ctx, func, *args, **kwargs):

@@ -13,17 +13,27 @@ import gc
 import json
 import logging
 import threading
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from torch import nn
+
+from .errors import ScheduleError
+from .primitives import get_primitive, list_primitives
+from .primitives.base import register_fresh
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .schedule import Schedule
 
 SCHEMA = "slapo-lab/schedule"
 SCHEMA_VERSION = 1
 
 
 @contextlib.contextmanager
-def gc_paused():
+def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for a ``with`` block or, as ``@gc_paused()``, a function.
 
     Loading a schedule allocates a few containers per call (parsed JSON, :class:`Call` objects, bound
@@ -43,7 +53,7 @@ def gc_paused():
 
 
 @contextlib.contextmanager
-def gc_deferred(loop, delay: float = 1.0):
+def gc_deferred(loop: asyncio.AbstractEventLoop | None, delay: float = 1.0) -> Iterator[None]:
     """As :func:`gc_paused`, but inside a running asyncio ``loop`` (a Jupyter kernel's) the collector stays off
     after the block and is turned back on, with one full collection, ``delay`` seconds later (by a timer thread).
 
@@ -122,7 +132,8 @@ class Call:
         """``(args, kwargs)`` to replay this call with: fresh copies of the pristine module arguments.
 
         The copies belong to whoever replays them: a primitive handed one adopts it as is instead of
-        copying it once more (see :func:`take_fresh`; primitives copy every other module argument).
+        copying it once more (see :func:`slapo_lab.primitives.base.take_fresh`; primitives copy every other
+        module argument).
         """
         pristine = self.__dict__.get("_pristine")
         if pristine is None:
@@ -137,8 +148,6 @@ _SCALARS = frozenset({type(None), bool, int, float, str})
 def _is_module(v: Any) -> bool:
     if type(v) in _SCALARS:  # the usual argument: no torch look-up
         return False
-    from torch import nn
-
     return isinstance(v, nn.Module)
 
 
@@ -153,23 +162,10 @@ def _has_module(v: Any, depth: int = 0) -> bool:
     return _is_module(v)
 
 
-#: Module copies made by :meth:`Call.replay_args` that no user holds: id -> the copy (weakly held).
-_FRESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def take_fresh(obj: Any) -> bool:
-    """Whether ``obj`` is a copy :meth:`Call.replay_args` just made (then it is forgotten: the caller,
-    a primitive putting it into a model, owns it and need not copy it again)."""
-    if _FRESH.get(id(obj)) is obj:
-        del _FRESH[id(obj)]
-        return True
-    return False
-
-
 def _copy_modules(v: Any, depth: int = 0, fresh: bool = False) -> Any:
     """``v`` with every ``nn.Module`` inside (lists, tuples, dicts) deep-copied; other values shared.
 
-    ``fresh=True`` registers the copies for :func:`take_fresh`.
+    ``fresh=True`` registers the copies for :func:`slapo_lab.primitives.base.take_fresh`.
     """
     if depth > 50:
         return v
@@ -183,7 +179,7 @@ def _copy_modules(v: Any, depth: int = 0, fresh: bool = False) -> Any:
         return v
     c = copy.deepcopy(v)
     if fresh:
-        _FRESH[id(c)] = c
+        register_fresh(c)
     return c
 
 
@@ -246,7 +242,7 @@ class Recorder:
         self._open_started = False  # the outermost open block has recorded a call
 
     @contextlib.contextmanager
-    def action(self, label: str):
+    def action(self, label: str) -> Iterator[None]:
         """Group the calls recorded inside the block into one action (undo/redo pop whole actions).
 
         Nested blocks join the outermost one. A call recorded outside any block is an action of its
@@ -306,7 +302,7 @@ class Recorder:
         """Call ``fn(recorder)`` after every change (listener errors are swallowed and logged)."""
         self._listeners.append(fn)
 
-    def remove_listener(self, fn) -> None:
+    def remove_listener(self, fn: Callable[[Recorder], None]) -> None:
         """Stop calling ``fn`` (no error if it was not registered)."""
         if fn in self._listeners:
             self._listeners.remove(fn)
@@ -352,7 +348,7 @@ def dumps(calls: list[Call], meta: dict | None = None) -> str:
     )
 
 
-def replay(sch, calls) -> None:
+def replay(sch: Schedule, calls: Iterable[Call | dict]) -> None:
     """Apply ``calls`` (Call objects or their JSON dicts) to schedule ``sch`` in order.
 
     Only registered primitives are called (like :func:`slapo_lab.load_schedule`): every call is
@@ -364,9 +360,6 @@ def replay(sch, calls) -> None:
         ScheduleError: a malformed call or an unknown primitive (nothing applied), or the error of
             the first call that fails (earlier calls stay applied).
     """
-    from .errors import ScheduleError
-    from .primitives import get_primitive, list_primitives
-
     checked = []
     for n, c in enumerate(calls, 1):
         if isinstance(c, dict):

@@ -9,6 +9,7 @@ them (see :mod:`slapo_lab.record`). API and semantics follow Slapo's ``slapo.sch
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from torch import nn
 
 from .errors import ScheduleError
 from .primitives import get_primitive, list_primitives
-from .primitives.base import named_refusal
+from .primitives.base import Primitive, named_refusal
 from .record import Call, Recorder
 from .sharding.sync_ops import TPGroup
 from .tracing import TracingMixin, hides_children
@@ -95,7 +96,7 @@ class Schedule(TracingMixin):
         name: str = "",
         path: str = "",
         parent: Schedule | None = None,
-        group=None,
+        group: dist.ProcessGroup | None = None,
         _top: _TopState | None = None,
         world_size: int | None = None,
         rank: int | None = None,
@@ -117,7 +118,7 @@ class Schedule(TracingMixin):
 
     # --- shared state -------------------------------------------------------------------------
     @property
-    def group(self):
+    def group(self) -> dist.ProcessGroup | None:
         """The process group (None when simulated)."""
         return self._top.group
 
@@ -197,7 +198,7 @@ class Schedule(TracingMixin):
             node = node.parent
         return node
 
-    def serialize_with(self, lock) -> None:
+    def serialize_with(self, lock: contextlib.AbstractContextManager | None) -> None:
         """Run every primitive call on this schedule tree under ``lock`` (or none, with None).
 
         For a UI that applies calls from another thread than the user's code: JupyterLab 4.4+ with
@@ -353,9 +354,7 @@ class ScheduleKeyError(ScheduleError, KeyError):
         return self.args[0]
 
 
-def _canonical_call(path: str, prim, bound) -> Call:
-    import inspect
-
+def _canonical_call(path: str, prim: type[Primitive], bound: inspect.BoundArguments) -> Call:
     args, kwargs = [], {}
     for i, (pname, param) in enumerate(prim.signature().parameters.items()):
         if pname not in bound.arguments:
@@ -373,7 +372,12 @@ def _canonical_call(path: str, prim, bound) -> Call:
 
 
 def create_schedule(
-    root: nn.Module, name: str = "", path: str = "", parent: Schedule | None = None, group=None, **kwargs
+    root: nn.Module,
+    name: str = "",
+    path: str = "",
+    parent: Schedule | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: int | None,
 ) -> Schedule:
     """Create a schedule for ``root`` that preserves the module hierarchy.
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import ScheduleError
+from .primitives import get_primitive, list_primitives
 from .record import Call
 
 
@@ -72,7 +74,7 @@ def transformers_class(name: Any, base_name: str):
     """The class ``transformers.<name>`` if it exists and subclasses ``transformers.<base_name>``."""
     if not is_identifier(name):
         return None
-    import transformers
+    import transformers  # noqa: PLC0415 - heavy (seconds): loaded only when a file names a model class
 
     try:  # a file's name: an identifier, looked up in transformers only, kept only if a subclass of base
         cls = getattr(transformers, name)
@@ -281,14 +283,23 @@ def _locate_in_project(top: str, folder: Path) -> tuple[Path | None, str]:
         return None, f"{top} is {how}, not a module in the project {folder}"
     roots = _python_roots()
     for loc in map(_realpath, where):
-        if not _inside(loc, folder):
-            return None, f"{top} resolves to {loc}, outside the project {folder}"
-        for what, root in roots:
-            if _inside(loc, root) and not _inside(folder, root):  # e.g. a venv inside the project
-                return None, f"{top} resolves to {loc}, inside {what} {root}"
-        if {"site-packages", "dist-packages"} & set(loc.relative_to(folder).parts):
-            return None, f"{top} resolves to {loc}, inside a site-packages folder"
+        why = _outside_project(top, loc, folder, roots)
+        if why:
+            return None, why
     return _realpath(where[0]), ""
+
+
+def _outside_project(top: str, loc: Path, folder: Path, roots: Any) -> str:
+    """Why module ``top``'s location ``loc`` is not a module of the project ``folder`` (outside it, inside a
+    Python installation ``roots`` gives, e.g. a venv inside the project, or a site-packages folder), or ""."""
+    if not _inside(loc, folder):
+        return f"{top} resolves to {loc}, outside the project {folder}"
+    for what, root in roots:
+        if _inside(loc, root) and not _inside(folder, root):  # e.g. a venv inside the project
+            return f"{top} resolves to {loc}, inside {what} {root}"
+    if {"site-packages", "dist-packages"} & set(loc.relative_to(folder).parts):
+        return f"{top} resolves to {loc}, inside a site-packages folder"
+    return ""
 
 
 def build_from_spec(
@@ -559,17 +570,22 @@ def validate_input_spec(spec: Any) -> dict:
             raise ExportError(f'{where} needs dims: a list of sizes, "batch" or "seq".')
         if not isinstance(e.get("shape", dims), list) or len(e.get("shape", dims)) != len(dims):
             raise ExportError(f"{where} has a shape that does not match its dims.")
-        if e["dtype"].startswith(("float", "bfloat")):
-            continue
-        if "fill" in e:
-            if not isinstance(e["fill"], (int, bool)):
-                raise ExportError(f"{where} has a non-integer fill value.")
-        elif (
-            not all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool) for k in ("low", "high"))
-            or e["low"] >= e["high"]
-        ):
-            raise ExportError(f"{where} needs integer bounds low < high (or a fill value).")
+        if not e["dtype"].startswith(("float", "bfloat")):
+            _check_integer_values(where, e)
     return spec
+
+
+def _check_integer_values(where: str, e: dict) -> None:
+    """Raise ExportError unless an integer input's description gives an integer ``fill`` or bounds
+    ``low < high``."""
+    if "fill" in e:
+        if not isinstance(e["fill"], (int, bool)):
+            raise ExportError(f"{where} has a non-integer fill value.")
+    elif (
+        not all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool) for k in ("low", "high"))
+        or e["low"] >= e["high"]
+    ):
+        raise ExportError(f"{where} needs integer bounds low < high (or a fill value).")
 
 
 # ------------------------------------------------------------------------------------------- calls
@@ -594,8 +610,14 @@ def check_json(where: str, v: Any) -> None:
                 raise ExportError(f"{where} has a non-string key {k!r}.")
             check_json(where, x)
         return
+    raise _not_json(where, v)
+
+
+def _not_json(where: str, v: Any) -> ExportError:
+    """The error for a value that is no JSON data: a module, a function (a named sync op is the way for a
+    sync), or another object."""
     if isinstance(v, nn.Module):
-        raise ExportError(
+        return ExportError(
             f"{where} passes a {type(v).__name__} module object, which cannot be written into a "
             "script; only JSON values (strings, numbers, lists, dicts) can be exported."
         )
@@ -606,10 +628,20 @@ def check_json(where: str, v: Any) -> None:
             if ".sync" in where
             else "only JSON values can be exported"
         )
-        raise ExportError(
+        return ExportError(
             f"{where} passes the Python function {name}, which cannot be written into a script; {hint}."
         )
-    raise ExportError(f"{where} has an argument of type {type(v).__name__}, which cannot be exported.")
+    return ExportError(f"{where} has an argument of type {type(v).__name__}, which cannot be exported.")
+
+
+def _call_from_json(n: int, d: dict) -> Call:
+    """Call ``n``'s JSON dict as a :class:`Call` (raises ExportError for a malformed one)."""
+    if not isinstance(d.get("args", []), list) or not isinstance(d.get("kwargs", {}), dict):
+        raise ExportError(f"Call {n} has malformed args or kwargs.")
+    try:
+        return Call.from_json(d)
+    except (KeyError, TypeError):
+        raise ExportError(f"Call {n} is not a {{path, primitive, args, kwargs}} object.") from None
 
 
 def validate_calls(calls: Any) -> list[Call]:
@@ -623,21 +655,13 @@ def validate_calls(calls: Any) -> list[Call]:
     Raises:
         ExportError: naming the first bad call (by position and path).
     """
-    from .errors import ScheduleError
-    from .primitives import get_primitive, list_primitives
-
     calls = getattr(calls, "calls", calls)  # a Recorder
     if not isinstance(calls, (list, tuple)):
         raise ExportError("The recorded calls must be a list.")
     out = []
     for n, c in enumerate(calls, 1):
         if isinstance(c, dict):
-            if not isinstance(c.get("args", []), list) or not isinstance(c.get("kwargs", {}), dict):
-                raise ExportError(f"Call {n} has malformed args or kwargs.")
-            try:
-                c = Call.from_json(c)
-            except (KeyError, TypeError):
-                raise ExportError(f"Call {n} is not a {{path, primitive, args, kwargs}} object.") from None
+            c = _call_from_json(n, c)
         if not isinstance(c, Call) or not isinstance(c.path, str):
             raise ExportError(f"Call {n} is not a recorded call with a string path.")
         where = f"Call {n} (sch[{c.path!r}].{c.primitive if isinstance(c.primitive, str) else '?'})"

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharding.rules import local_shard, merge_shards
 from .sharding.sync_ops import TPGroup
 
 
@@ -46,8 +47,6 @@ def gather_full(t: torch.Tensor, like: torch.Tensor, tp: TPGroup) -> torch.Tenso
     Raises:
         RuntimeError: if the tensor is sharded but there is no process group to gather over.
     """
-    from .sharding.rules import merge_shards
-
     axis = getattr(like, "shard_axis", None)
     if axis is None or tp.world_size == 1:
         return t
@@ -208,14 +207,54 @@ def verify_models(
     Returns:
         VerifyReport (``.passed``, ``.summary()``).
     """
-    from .sharding.rules import local_shard
-
     report = VerifyReport(atol=atol, rtol=rtol, device=device)
     reference = reference.to(device)
     scheduled = scheduled.to(device)
     inputs = _move_inputs(example_inputs, device)
     ref_params = dict(reference.named_parameters())
     # 1. weights: the shard must be this rank's slice of the reference.
+    report.weights.extend(_compare_weights(scheduled, ref_params, tp))
+    # 2. forward + backward, same seed for both; the reference's pass ends (its autograd graph freed)
+    # before the scheduled model's begins, so only one model's activations are alive at a time.
+    for m in (reference, scheduled):
+        m.train(not eval_mode)
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out_ref = flatten_outputs(_call(reference, inputs))
+    gen = torch.Generator().manual_seed(seed)
+    projections = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device) for _, t in out_ref]
+    ref_loss = _projected_loss(out_ref, projections)
+    if isinstance(ref_loss, torch.Tensor):
+        ref_loss.backward()
+    out_ref = [(name, t.detach()) for name, t in out_ref]
+    del ref_loss
+    torch.manual_seed(seed)
+    out_sch = flatten_outputs(_call(scheduled, inputs))
+    sch_by_name = dict(out_sch)
+    report.outputs.extend(_compare_outputs(out_ref, sch_by_name, atol, rtol))
+    sch_loss = _projected_loss([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref], projections)
+    if isinstance(sch_loss, torch.Tensor):
+        sch_loss.backward()
+    del out_sch, sch_by_name, sch_loss
+    report.grads.extend(_compare_grads(scheduled, ref_params, tp, atol, rtol))
+    # 3. agree across ranks: report the worst figures everywhere.
+    for items in (report.outputs, report.grads, report.weights):
+        vals = _reduce_max(
+            [c.max_abs for c in items] + [c.max_rel for c in items] + [0.0 if c.ok else 1.0 for c in items],
+            tp,
+            device,
+        )
+        n = len(items)
+        for i, c in enumerate(items):
+            c.max_abs, c.max_rel, c.ok = vals[i], vals[n + i], vals[2 * n + i] == 0.0
+    return report
+
+
+def _compare_weights(
+    scheduled: nn.Module, ref_params: dict[str, nn.Parameter], tp: TPGroup
+) -> list[Comparison]:
+    """Each scheduled parameter against this rank's slice of the reference's (exactly equal or not)."""
+    out = []
     for name, p in scheduled.named_parameters():
         r = ref_params.get(name)
         if r is None:
@@ -234,38 +273,29 @@ def verify_models(
             else r
         )
         a, _, same, _, _ = _diff(p, want)
-        report.weights.append(Comparison(name, a, 0.0, same and a == 0.0))
-    # 2. forward + backward, same seed for both; the reference's pass ends (its autograd graph freed)
-    # before the scheduled model's begins, so only one model's activations are alive at a time.
-    for m in (reference, scheduled):
-        m.train(not eval_mode)
-        m.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out_ref = flatten_outputs(_call(reference, inputs))
-    gen = torch.Generator().manual_seed(seed)
-    projections = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device) for _, t in out_ref]
+        out.append(Comparison(name, a, 0.0, same and a == 0.0))
+    return out
 
-    def loss_of(outs):
-        total = 0.0
-        for (_name, t), proj in zip(outs, projections, strict=False):
-            if t.requires_grad and t.shape == proj.shape:
-                total = total + (t.float() * proj).sum() / t.numel()
-        return total
 
-    ref_loss = loss_of(out_ref)
-    if isinstance(ref_loss, torch.Tensor):
-        ref_loss.backward()
-    out_ref = [(name, t.detach()) for name, t in out_ref]
-    del ref_loss
-    torch.manual_seed(seed)
-    out_sch = flatten_outputs(_call(scheduled, inputs))
-    sch_by_name = dict(out_sch)
-    for (name, a_ref), _proj in zip(out_ref, projections, strict=False):
+def _projected_loss(outs: list[tuple[str, torch.Tensor]], projections: list[torch.Tensor]) -> Any:
+    """``sum_i <output_i, R_i> / numel_i`` over the outputs that need a gradient (0.0 when none does)."""
+    total = 0.0
+    for (_name, t), proj in zip(outs, projections, strict=False):
+        if t.requires_grad and t.shape == proj.shape:
+            total = total + (t.float() * proj).sum() / t.numel()
+    return total
+
+
+def _compare_outputs(
+    out_ref: list[tuple[str, torch.Tensor]], sch_by_name: dict[str, torch.Tensor], atol: float, rtol: float
+) -> list[Comparison]:
+    """Each reference output against the scheduled one of its name (missing, of another shape, or within the
+    tolerance)."""
+    out = []
+    for name, a_ref in out_ref:
         a = sch_by_name.get(name)
         if a is None:
-            report.outputs.append(
-                Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)")
-            )
+            out.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
             continue
         max_abs, max_rel, same_shape, _, _ = _diff(a, a_ref)
         ok = same_shape and (
@@ -274,11 +304,16 @@ def verify_models(
         note = (
             "" if same_shape else f"(shape {tuple(a.shape)} vs {tuple(a_ref.shape)}: a missing all_gather?)"
         )
-        report.outputs.append(Comparison(name, max_abs, max_rel, ok, note))
-    sch_loss = loss_of([(n, sch_by_name.get(n, torch.zeros(0))) for n, _ in out_ref])
-    if isinstance(sch_loss, torch.Tensor):
-        sch_loss.backward()
-    del out_sch, sch_by_name, sch_loss
+        out.append(Comparison(name, max_abs, max_rel, ok, note))
+    return out
+
+
+def _compare_grads(
+    scheduled: nn.Module, ref_params: dict[str, nn.Parameter], tp: TPGroup, atol: float, rtol: float
+) -> list[Comparison]:
+    """Each trainable scheduled parameter's gradient, gathered whole, against the reference's (a missing one
+    counts as zeros; parameters neither model has a gradient for are skipped)."""
+    out = []
     for name, p in scheduled.named_parameters():
         r = ref_params.get(name)
         if r is None or not p.requires_grad:
@@ -292,18 +327,8 @@ def verify_models(
         ok = same_shape and (
             max_rel <= rtol or torch.allclose(full.double(), rg.double(), atol=atol, rtol=rtol)
         )
-        report.grads.append(Comparison(name, max_abs, max_rel, ok))
-    # 3. agree across ranks: report the worst figures everywhere.
-    for items in (report.outputs, report.grads, report.weights):
-        vals = _reduce_max(
-            [c.max_abs for c in items] + [c.max_rel for c in items] + [0.0 if c.ok else 1.0 for c in items],
-            tp,
-            device,
-        )
-        n = len(items)
-        for i, c in enumerate(items):
-            c.max_abs, c.max_rel, c.ok = vals[i], vals[n + i], vals[2 * n + i] == 0.0
-    return report
+        out.append(Comparison(name, max_abs, max_rel, ok))
+    return out
 
 
 def resolve_device(device: str) -> tuple[str, str]:

@@ -247,3 +247,25 @@ def test_train_modules_form_no_import_cycle():
         "train.run", "train.deepspeed"
     )
     assert not graph.has_edge("train.deepspeed", "train.loop")
+
+
+def test_record_and_primitives_form_no_import_cycle():
+    """``record.py`` and ``primitives/`` imported each other inside functions (issue 25: ``replay`` needs the
+    registry, ``own_copy`` needed ``take_fresh``); the registry of fresh copies now lives in ``primitives.base``, so
+    the record sits above the primitives. Neither ``schedule``, ``record`` nor a module of ``primitives/`` reaches
+    itself again through the imports it runs (``TYPE_CHECKING`` imports, for annotations only, aside)."""
+    import networkx as nx
+
+    engine = ("schedule", "record", "primitives")
+    paths = [ROOT / "schedule.py", ROOT / "record.py", *sorted((ROOT / "primitives").rglob("*.py"))]
+    graph = nx.DiGraph()
+    for path in paths:
+        me = _module_name(path)
+        for target, _line in _runtime_imports(path):
+            if target != me and any(target == m or target.startswith(m + ".") for m in engine):
+                graph.add_edge(me, target)
+    cycles = sorted(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles between schedule, record and primitives/: {cycles}"
+    assert graph.has_edge("record", "primitives.base") and graph.has_edge("schedule", "record")
+    back = [(a, b) for a, b in graph.edges if a.startswith("primitives") and b == "record"]
+    assert not back, f"primitives import the record again: {back}"

@@ -258,30 +258,19 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
     except ScheduleError as err:
         return "error", "", math.inf, f"The pipeline cannot be built from this schedule: {err}"
     except Exception as err:  # noqa: BLE001 - any failure of the split is said, never raised
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return (
             "error",
             "",
             math.inf,
-            f"The pipeline cannot be built from this schedule ({type(err).__name__}: {text}).",
+            f"The pipeline cannot be built from this schedule ({type(err).__name__}: {_first_line(err)}).",
         )
     for st in part.stages:
         set_graph_dropout(st.module, False)
-    env = dict(zip(part.input_names, part.flat_inputs((), inputs), strict=False))
     try:
-        for st in part.stages:
-            res = st.module(*[env[n] for n in st.inputs])
-            env.update(zip(st.outputs, res if isinstance(res, (tuple, list)) else (res,), strict=False))
+        out = _run_stages(part, inputs)
     except Exception as err:  # noqa: BLE001 - a stage that fails is said in one sentence
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return "error", "", math.inf, f"A pipeline stage fails ({type(err).__name__}: {text})."
-    out = env[part.stages[-1].outputs[0]]
-    reference.train(True)
-    for m in reference.modules():  # as the stages run: dropout off (modules, and attention's own rate)
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
+        return "error", "", math.inf, f"A pipeline stage fails ({type(err).__name__}: {_first_line(err)})."
+    _dropout_off(reference)
     ref_out = default_output_fn(reference(**inputs))
     if out.shape != ref_out.shape or not torch.allclose(out.double(), ref_out.double(), atol=1e-5, rtol=1e-5):
         worst = (
@@ -296,9 +285,34 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
     proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out * proj).sum().backward()
     (ref_out * proj).sum().backward()
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    return _compare_stage_grads(part, dict(reference.named_parameters(remove_duplicate=False)))
+
+
+def _run_stages(part: Any, inputs: dict) -> torch.Tensor:
+    """The pipeline's output: the stages of ``part`` run one after the other on ``inputs`` (raises what a stage
+    raises)."""
+    env = dict(zip(part.input_names, part.flat_inputs((), inputs), strict=False))
+    for st in part.stages:
+        res = st.module(*[env[n] for n in st.inputs])
+        env.update(zip(st.outputs, res if isinstance(res, (tuple, list)) else (res,), strict=False))
+    return env[part.stages[-1].outputs[0]]
+
+
+def _dropout_off(reference: nn.Module) -> None:
+    """Train mode with dropout off (modules, and attention's own rate), as the stages run."""
+    reference.train(True)
+    for m in reference.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
+def _summed_tied_grads(part: Any) -> dict[tuple, torch.Tensor]:
+    """``(stage, id(parameter)) -> gradient`` summed over the copies of one parameter across stages (what the
+    runtimes all-reduce)."""
     summed: dict[tuple, torch.Tensor] = {}
-    for group in part.tied:  # what the runtimes all-reduce: the copies of one parameter across stages
+    for group in part.tied:
         g = sum(
             part.stages[i].params[name].grad
             for i, name in group.items()
@@ -306,7 +320,13 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
         )
         for i, name in group.items():  # by tensor: a stage's aliases of it (T5's tied lm_head) share the sum
             summed[(i, id(part.stages[i].params[name]))] = g
-    worst = 0.0
+    return summed
+
+
+def _compare_stage_grads(part: Any, ref_params: dict[str, nn.Parameter]):
+    """None when every stage parameter's gradient (tied copies summed) equals the unsharded model's, else
+    ``(status, module, worst, one sentence)`` for the first that does not."""
+    summed = _summed_tied_grads(part)
     for st in part.stages:
         for name, p in st.params.items():
             r = ref_params.get(name)
@@ -322,7 +342,6 @@ def _pipeline_check(base: nn.Module, calls: list[Call], inputs: dict):
             if g is None or rg is None:
                 continue
             diff = float((g.double() - rg.double()).abs().max()) if g.shape == rg.shape else math.inf
-            worst = max(worst, diff)
             if g.shape != rg.shape or not torch.allclose(g.double(), rg.double(), atol=1e-5, rtol=1e-4):
                 return (
                     "failed",
@@ -381,13 +400,64 @@ def numeric_check(
     except ScheduleError as err:
         return done("skipped", str(err))
     except Exception as err:  # noqa: BLE001 - the copy cannot be made: said, never raised
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return done(
             "skipped",
             f"The numeric check skipped: it could not make a small copy of {type(reference).__name__} to run "
-            f"({type(err).__name__}: {text}).",
+            f"({type(err).__name__}: {_first_line(err)}).",
         )
     n_params = _n_params(base)
+    kw = {"blocks": kept, "params": n_params}
+    verdict = _before_ranks(base, mapped, inputs, cancelled)
+    if verdict is not None:
+        return done(verdict[0], verdict[1], **verdict[2], **kw)
+
+    failures: dict[int, Any] = {}
+    try:
+        results, errors, stopped = run_threaded_ranks(
+            functools.partial(_rank_run, base, mapped, inputs, failures), world_size, timeout, cancelled
+        )
+    except ScheduleError as err:
+        return done("skipped", str(err), **kw)
+    verdict = _ranks_stopped(stopped, cancelled, timeout, failures, errors, len(results), world_size)
+    if verdict is None:
+        report, first_module, reshaped, grad_at, unjudged = results[0]
+        worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
+        if report.passed:
+            verdict = _passed_verdict(
+                grad_at, worst, unjudged, world_size, kept, n_params, base, with_cuts, inputs, cancelled
+            )
+        else:
+            verdict = _failed_verdict(report, first_module, reshaped, grad_at, worst, world_size)
+    return done(verdict[0], verdict[1], **verdict[2], **kw)
+
+
+#: ``(status, message, NumericReport's other fields)``: what :func:`numeric_check` reports.
+_Verdict = tuple[str, str, dict[str, Any]]
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s text ("" when it has none)."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
+
+
+def _ranks_word(world_size: int) -> str:
+    return f"{world_size} simulated rank{'s' if world_size > 1 else ''}"
+
+
+def _before_ranks(
+    base: nn.Module, mapped: list[Call], inputs: dict, cancelled: threading.Event | None
+) -> _Verdict | None:
+    """What to report without running the ranks (a checkpoint around Python's random generator, a failing
+    unscheduled copy, a cancelled check), or None."""
+    verdict = _random_in_checkpoint(base, mapped) or _unscheduled_fails(base, inputs)
+    if verdict is None and cancelled is not None and cancelled.is_set():
+        verdict = "skipped", "The numeric check was cancelled.", {}
+    return verdict
+
+
+def _random_in_checkpoint(base: nn.Module, mapped: list[Call]) -> _Verdict | None:
+    """A failure when a checkpointed module of the copy draws from Python's or NumPy's random generator, whose
+    state activation checkpointing does not restore; else None."""
     for c in mapped:
         if c.primitive != "checkpoint":
             continue
@@ -396,44 +466,52 @@ def numeric_check(
         except AttributeError:
             continue
         if drawn is not None:
-            return done(
+            return (
                 "failed",
-                f"{c.path or 'The model root'} is checkpointed, but {drawn} draws from Python's (or NumPy's) "
-                "random generator, whose state activation checkpointing does not restore, so the recompute in "
-                "the backward can take another branch (a skipped layer) than the forward did; draw with torch "
-                f"(torch.rand, restored by checkpointing) or leave {c.path or 'it'} unchecked.",
-                module=c.path,
-                worst=math.nan,
-                blocks=kept,
-                params=n_params,
+                (
+                    f"{c.path or 'The model root'} is checkpointed, but {drawn} draws from Python's (or NumPy's) "
+                    "random generator, whose state activation checkpointing does not restore, so the recompute in "
+                    "the backward can take another branch (a skipped layer) than the forward did; draw with torch "
+                    f"(torch.rand, restored by checkpointing) or leave {c.path or 'it'} unchecked."
+                ),
+                {"module": c.path, "worst": math.nan},
             )
+    return None
+
+
+def _unscheduled_fails(base: nn.Module, inputs: dict) -> _Verdict | None:
+    """A skip when the unscheduled copy's own forward fails on the inputs (the check cannot judge the
+    schedule then); else None."""
     try:  # on a copy: a forward may leave non-leaf tensors on the modules (RecurrentGemma's state), which
         copy.deepcopy(base)(**inputs)  # the ranks' copies of ``base`` could then not deep-copy
     except Exception as err:  # noqa: BLE001 - the unscheduled copy itself: the check cannot judge the schedule
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return done(
+        return (
             "skipped",
-            f"The numeric check skipped: the unscheduled copy's forward fails on the example inputs "
-            f"({type(err).__name__}: {text}).",
-            blocks=kept,
-            params=n_params,
+            (
+                f"The numeric check skipped: the unscheduled copy's forward fails on the example inputs "
+                f"({type(err).__name__}: {_first_line(err)})."
+            ),
+            {},
         )
-    if cancelled is not None and cancelled.is_set():
-        return done("skipped", "The numeric check was cancelled.", blocks=kept, params=n_params)
+    return None
 
-    failures: dict[int, Any] = {}
-    try:
-        results, errors, stopped = run_threaded_ranks(
-            functools.partial(_rank_run, base, mapped, inputs, failures), world_size, timeout, cancelled
-        )
-    except ScheduleError as err:
-        return done("skipped", str(err), blocks=kept, params=n_params)
-    kw = {"blocks": kept, "params": n_params}
+
+def _ranks_stopped(
+    stopped: Any,
+    cancelled: threading.Event | None,
+    timeout: float,
+    failures: dict[int, Any],
+    errors: dict[int, BaseException],
+    n_results: int,
+    world_size: int,
+) -> _Verdict | None:
+    """What to report when the simulated ranks did not all finish (cancelled, timed out, a rank failed or
+    left); None when they did."""
     if stopped == "cancelled" or (cancelled is not None and cancelled.is_set()):
-        return done("skipped", "The numeric check was cancelled.", **kw)
+        return "skipped", "The numeric check was cancelled.", {}
     if stopped == "timeout":
         phase = next((f[0] for f in failures.values()), "running")
-        return done("error", f"The numeric check stopped after {timeout:.0f} s while {phase}.", **kw)
+        return "error", f"The numeric check stopped after {timeout:.0f} s while {phase}.", {}
     real = [
         failures.get(r, ("starting the rank", "", e))
         for r, e in sorted(errors.items())
@@ -445,58 +523,79 @@ def numeric_check(
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not isinstance(exc, ScheduleError):
             text = f"{type(exc).__name__}: {text}"
-        return done(
+        return (
             "error",
-            f"The scheduled model fails{at} while {phase} on {world_size} simulated rank"
-            f"{'s' if world_size > 1 else ''}: {text}",
-            module=module,
-            worst=math.inf,
-            **kw,
+            f"The scheduled model fails{at} while {phase} on {_ranks_word(world_size)}: {text}",
+            {"module": module, "worst": math.inf},
         )
-    if len(results) < world_size:  # only told to leave, with no rank failing: nothing to judge by
-        return done("error", "The numeric check's simulated ranks stopped before they finished.", **kw)
-    report, first_module, reshaped, grad_at, unjudged = results[0]
-    worst = max([c.max_abs for c in report.outputs + report.grads] or [0.0])
-    if report.passed and grad_at is not None:  # below verify's tolerance, but a partial sum nobody reduced
-        return done(
+    if n_results < world_size:  # only told to leave, with no rank failing: nothing to judge by
+        return "error", "The numeric check's simulated ranks stopped before they finished.", {}
+    return None
+
+
+def _passed_verdict(
+    grad_at: tuple[str, float] | None,
+    worst: float,
+    unjudged: list[str],
+    world_size: int,
+    kept: tuple[int, int],
+    n_params: int,
+    base: nn.Module,
+    with_cuts: list[Call],
+    inputs: dict,
+    cancelled: threading.Event | None,
+) -> _Verdict:
+    """The verdict when the ranks' outputs and gradients are within verify's tolerance: failed still for an
+    input gradient nobody reduced, or for the pipeline part; else passed, saying which modules went
+    unjudged."""
+    if grad_at is not None:  # below verify's tolerance, but a partial sum nobody reduced
+        return (
             "failed",
-            f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
-            f"{grad_at[0]} sends back to its input (off by {grad_at[1]:.0%} of its largest value; the "
-            f"parameters' gradients differ by only {worst:.3g} with these weights, more with trained ones) on "
-            f"{world_size} simulated rank{'s' if world_size > 1 else ''}.",
-            module=grad_at[0],
-            worst=worst,
-            **kw,
+            (
+                f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
+                f"{grad_at[0]} sends back to its input (off by {grad_at[1]:.0%} of its largest value; the "
+                f"parameters' gradients differ by only {worst:.3g} with these weights, more with trained ones) on "
+                f"{_ranks_word(world_size)}."
+            ),
+            {"module": grad_at[0], "worst": worst},
         )
-    if report.passed and any(c.primitive == "cut_pipeline_stage" for c in with_cuts):
+    stages = sum(c.primitive == "cut_pipeline_stage" for c in with_cuts) + 1
+    if stages > 1:
         if cancelled is not None and cancelled.is_set():
-            return done("skipped", "The numeric check was cancelled.", **kw)
+            return "skipped", "The numeric check was cancelled.", {}
         pp = _pipeline_check(base, with_cuts, inputs)
         if pp is not None:
             status, module, pp_worst, text = pp
-            return done(status, text, module=module, worst=pp_worst, **kw)
-    if report.passed:
-        stages = sum(c.primitive == "cut_pipeline_stage" for c in with_cuts) + 1
-        caveat = ""
-        if unjudged:
-            caveat = (
-                f" {len(unjudged)} module{'s' if len(unjudged) > 1 else ''} holding a sharded tensor never ran on "
-                f"the example inputs ({', '.join(unjudged[:2])}{' ...' if len(unjudged) > 2 else ''}), so the "
-                "check did not judge their split; give inputs that reach them to check it (for a vision or audio "
-                "tower, slapo_lab.multimodal_inputs.multimodal_inputs(model, inputs) adds them)."
-            )
-        return done(
-            "passed",
-            f"Numerically equal to the unsharded model on {world_size} simulated rank"
-            f"{'s' if world_size > 1 else ''}"
-            + (f" and as {stages} pipeline stages" if stages > 1 else "")
-            + f" (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, {n_params / 1e6:.1f} M parameters)."
-            + caveat,
-            worst=worst,
-            unjudged=tuple(unjudged),
-            **kw,
+            return status, text, {"module": module, "worst": pp_worst}
+    caveat = ""
+    if unjudged:
+        caveat = (
+            f" {len(unjudged)} module{'s' if len(unjudged) > 1 else ''} holding a sharded tensor never ran on "
+            f"the example inputs ({', '.join(unjudged[:2])}{' ...' if len(unjudged) > 2 else ''}), so the "
+            "check did not judge their split; give inputs that reach them to check it (for a vision or audio "
+            "tower, slapo_lab.multimodal_inputs.multimodal_inputs(model, inputs) adds them)."
         )
-    ranks = f"on {world_size} simulated rank{'s' if world_size > 1 else ''}"
+    return (
+        "passed",
+        f"Numerically equal to the unsharded model on {_ranks_word(world_size)}"
+        + (f" and as {stages} pipeline stages" if stages > 1 else "")
+        + f" (worst difference {worst:.1e}; {kept[0]} of {kept[1]} blocks, {n_params / 1e6:.1f} M parameters)."
+        + caveat,
+        {"worst": worst, "unjudged": tuple(unjudged)},
+    )
+
+
+def _failed_verdict(
+    report: Any,
+    first_module: str | None,
+    reshaped: tuple | None,
+    grad_at: tuple[str, float] | None,
+    worst: float,
+    world_size: int,
+) -> _Verdict:
+    """The verdict when verify's comparison failed: what differs first (weights, an output's shape, an
+    output, an input gradient, a parameter's gradient) and where."""
+    ranks = f"on {_ranks_word(world_size)}"
     bad_w = [c for c in report.weights if not c.ok]
     bad_g = [c for c in report.grads if not c.ok]
     bad_shape = next((c for c in report.outputs if c.max_abs >= 1e300), None)  # inf, as verify reduces it
@@ -504,39 +603,39 @@ def numeric_check(
         what, first = "the weights differ first", _module_of(bad_w[0].name)
     elif bad_shape is not None and reshaped is not None:
         first, got, want = reshaped
-        return done(
+        return (
             "failed",
-            f"The scheduled model's output {bad_shape.name} has another shape than the unsharded one's: "
-            f"{first or 'the model root'} returns {_shape(got)} where the unsharded model returns "
-            f"{_shape(want)} ({ranks}).",
-            module=first,
-            worst=math.inf,
-            **kw,
+            (
+                f"The scheduled model's output {bad_shape.name} has another shape than the unsharded one's: "
+                f"{first or 'the model root'} returns {_shape(got)} where the unsharded model returns "
+                f"{_shape(want)} ({ranks})."
+            ),
+            {"module": first, "worst": math.inf},
         )
     elif first_module is not None:
         what, first = "outputs first differ", first_module
     elif grad_at is not None:
         first = grad_at[0]
-        return done(
+        return (
             "failed",
-            f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
-            f"{first} sends back to its input (off by {grad_at[1]:.0%} of its largest value; worst difference "
-            f"{worst:.3g} {ranks}).",
-            module=first,
-            worst=worst,
-            **kw,
+            (
+                f"The scheduled model differs from the unsharded one: only gradients differ, first the gradient "
+                f"{first} sends back to its input (off by {grad_at[1]:.0%} of its largest value; worst difference "
+                f"{worst:.3g} {ranks})."
+            ),
+            {"module": first, "worst": worst},
         )
     elif bad_g:
         what, first = "only gradients differ, first", _module_of(bad_g[0].name)
     else:
         what, first = "outputs differ", next((c.name for c in report.outputs if not c.ok), "")
-    return done(
+    return (
         "failed",
-        f"The scheduled model differs from the unsharded one: {what} at {first or 'the model root'} "
-        f"(worst difference {worst:.3g} {ranks}).",
-        module=first,
-        worst=worst,
-        **kw,
+        (
+            f"The scheduled model differs from the unsharded one: {what} at {first or 'the model root'} "
+            f"(worst difference {worst:.3g} {ranks})."
+        ),
+        {"module": first, "worst": worst},
     )
 
 

@@ -194,6 +194,28 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     :data:`GRAD_NOISE`), nor the partial gradient a gathered output's consumer receives inside a module whose
     input gradient agrees, the gather's backward summing the ranks' parts (Mamba's ``x_proj``). Gradients of another shape (a row-parallel layer's slice of its input) are not
     compared."""
+    rel = _relative_grad_differences(ref, sch)
+    worst: dict[str, float] = {}
+    for (name, _call, _where), r in rel.items():
+        worst[name] = max(worst.get(name, 0.0), r)
+    for key, r in rel.items():
+        name = key[0]
+        # a child's partial input gradient is no fault where an enclosing module with a bwd_post all-reduce
+        # receives the right one (its sync sums its children's parts), nor inside a module whose output is a
+        # partial sum reduced at its own boundary (a norm in a vocab-parallel embedding's forward, Inkling's
+        # embed_norm, sees this rank's rows only, as its forward outputs are partial: parameters are compared)
+        if r > GRAD_RTOL and not any(
+            ((_sums_children(sch, a) or _gathers_for(sch, name, a)) and worst.get(a, 1.0) <= GRAD_NOISE)
+            or _reduces_partial(sch, a)
+            for a in _ancestors(name)
+        ):
+            return name, r
+    return None
+
+
+def _relative_grad_differences(ref: _Trace, sch: _Trace) -> dict[tuple, float]:
+    """Input-gradient key -> its largest difference from the reference's, relative to the reference's scale
+    (gradients of another shape are left out), in the order autograd produced them."""
     diffs: dict[tuple, tuple[float, float]] = {}
     for key in sch.grad_order:
         a, b = sch.grads[key], ref.grads.get(key)
@@ -205,50 +227,39 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     # are all equal, as with identical tokens) holds only that noise, which is no fault however large a part
     # of its own tiny scale it is
     floor = GRAD_NOISE * max((scale for _d, scale in diffs.values()), default=0.0)
-    rel = {key: d / (scale + max(GRAD_ATOL, floor)) for key, (d, scale) in diffs.items()}
-    worst: dict[str, float] = {}
-    for (name, _call, _where), r in rel.items():
-        worst[name] = max(worst.get(name, 0.0), r)
+    return {key: d / (scale + max(GRAD_ATOL, floor)) for key, (d, scale) in diffs.items()}
 
-    def sums_children(name: str) -> bool:  # a bwd_post all-reduce on it sums its children's input gradients
-        mod = sch.modules.get(name)
-        meta = peek_meta(mod) if mod is not None else None
-        return bool(meta) and ("bwd_post", "all_reduce") in meta.syncs
 
-    def reduces_partial(name: str) -> bool:  # its output is a partial sum it reduces itself (vocab parallel)
-        mod = sch.modules.get(name)
-        meta = peek_meta(mod) if mod is not None else None
-        return bool(meta) and meta.output_type == "partial"
+def _sums_children(sch: _Trace, name: str) -> bool:
+    """Whether a bwd_post all-reduce on module ``name`` sums its children's input gradients."""
+    mod = sch.modules.get(name)
+    meta = peek_meta(mod) if mod is not None else None
+    return bool(meta) and ("bwd_post", "all_reduce") in meta.syncs
 
-    def gathers_for(name: str, outer: str) -> bool:  # a module inside ``outer`` (not around ``name``) gathers
-        # its output over the ranks (fwd_post all_gather: Mamba's x_proj in a channel-parallel mixer); every rank
-        # then holds the whole output, its consumers (FalconMamba's b/c/dt_layernorm) receive this rank's part
-        # of its gradient, and the gather's backward sums those parts (reduce-scatter)
-        mod = sch.modules.get(outer)
-        for rel, m in mod.named_modules() if mod is not None else ():
-            meta = peek_meta(m)
-            full = f"{outer}.{rel}" if outer and rel else outer or rel
-            if (
-                meta
-                and ("fwd_post", "all_gather") in meta.syncs
-                and not (name == full or name.startswith(full + "."))
-            ):
-                return True
-        return False
 
-    for key, r in rel.items():
-        name = key[0]
-        # a child's partial input gradient is no fault where an enclosing module with a bwd_post all-reduce
-        # receives the right one (its sync sums its children's parts), nor inside a module whose output is a
-        # partial sum reduced at its own boundary (a norm in a vocab-parallel embedding's forward, Inkling's
-        # embed_norm, sees this rank's rows only, as its forward outputs are partial: parameters are compared)
-        if r > GRAD_RTOL and not any(
-            ((sums_children(a) or gathers_for(name, a)) and worst.get(a, 1.0) <= GRAD_NOISE)
-            or reduces_partial(a)
-            for a in _ancestors(name)
+def _reduces_partial(sch: _Trace, name: str) -> bool:
+    """Whether module ``name``'s output is a partial sum it reduces itself (vocab parallel)."""
+    mod = sch.modules.get(name)
+    meta = peek_meta(mod) if mod is not None else None
+    return bool(meta) and meta.output_type == "partial"
+
+
+def _gathers_for(sch: _Trace, name: str, outer: str) -> bool:
+    """Whether a module inside ``outer`` (not around ``name``) gathers its output over the ranks (fwd_post
+    all_gather: Mamba's x_proj in a channel-parallel mixer); every rank then holds the whole output, its
+    consumers (FalconMamba's b/c/dt_layernorm) receive this rank's part of its gradient, and the gather's
+    backward sums those parts (reduce-scatter)."""
+    mod = sch.modules.get(outer)
+    for rel, m in mod.named_modules() if mod is not None else ():
+        meta = peek_meta(m)
+        full = f"{outer}.{rel}" if outer and rel else outer or rel
+        if (
+            meta
+            and ("fwd_post", "all_gather") in meta.syncs
+            and not (name == full or name.startswith(full + "."))
         ):
-            return name, r
-    return None
+            return True
+    return False
 
 
 def _failed_at(err: BaseException, ref: _Trace, sch: _Trace) -> str:

@@ -162,36 +162,8 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
     changed: dict[str, Any] = {}
     vocab_new = None
     for c in _configs(cfg):
-        heads_key = next((k for k in _HEADS if isinstance(getattr(c, k, None), int)), None)
-        hidden_key = next((k for k in _HIDDEN if isinstance(getattr(c, k, None), int)), None)
-        if heads_key is None or hidden_key is None:
+        if not _shrink_widths(c, ws, changed):
             continue
-        heads, hidden = getattr(c, heads_key), getattr(c, hidden_key)
-        new_hidden = _keep_remainder(heads * SMALL_HEAD_DIM, hidden, ws)
-        if new_hidden >= hidden:
-            continue
-        swap = {hidden: new_hidden}
-        for k in _HEAD_DIM:
-            v = getattr(c, k, None)
-            if isinstance(v, int) and v > 0:
-                setattr(c, k, SMALL_HEAD_DIM)
-                changed[k] = (v, SMALL_HEAD_DIM)
-        for k in _INTERMEDIATE:
-            v = getattr(c, k, None)
-            if isinstance(v, int) and v > 0:
-                new = _keep_remainder(2 * new_hidden, v, ws)
-                swap.setdefault(v, new)
-        for k, v in list(vars(c).items()):
-            if (
-                isinstance(v, int)
-                and not isinstance(v, bool)
-                and v in swap
-                and k not in _HEADS
-                and k not in _INPUT_SIZES
-                and "layer" not in k
-            ):
-                setattr(c, k, swap[v])
-                changed[k] = (v, swap[v])
         vocab = getattr(c, "vocab_size", None)
         if isinstance(vocab, int) and vocab > 64 * ws:
             vocab_new = _keep_remainder(32 * ws, vocab, ws)
@@ -201,25 +173,67 @@ def _shrink_config(cfg, ws: int) -> dict[str, Any]:
                 t = getattr(c, k, None)
                 if isinstance(t, int) and t >= vocab_new:
                     setattr(c, k, vocab_new - 1)
-    if vocab_new is not None:  # placeholder tokens (image_token_id, audio_token_index ...) of any sub-config:
-        # distinct ids inside the copy's vocabulary, below the special ones (shrunk_inputs maps the inputs alike)
-        taken: set = set()
-        for c in _configs(cfg):
-            for k in _TOKEN_IDS:
-                v = getattr(c, k, None)
-                taken.update(v if isinstance(v, (list, tuple)) else [v])
-        moved: dict[int, int] = {}
-        for c in _configs(cfg):
-            for k, t in list(vars(c).items()):
-                folded = k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_IDS
-                if folded and isinstance(t, int) and not isinstance(t, bool) and t >= vocab_new:
-                    if t not in moved:
-                        new = next(i for i in range(vocab_new - 1, -1, -1) if i not in taken)
-                        taken.add(new)
-                        moved[t] = new
-                    setattr(c, k, moved[t])
-                    changed[k] = (t, moved[t])
+    if vocab_new is not None:
+        _move_placeholder_tokens(cfg, vocab_new, changed)
     return changed
+
+
+def _shrink_widths(c: Any, ws: int, changed: dict[str, Any]) -> bool:
+    """Give the (sub-)config ``c`` small heads (:data:`SMALL_HEAD_DIM`) and the widths that go with them (hidden,
+    intermediate, and every field equal to one of them), in place, noting each in ``changed``; whether it
+    shrank (a config without heads and a hidden width, or already small, does not)."""
+    heads_key = next((k for k in _HEADS if isinstance(getattr(c, k, None), int)), None)
+    hidden_key = next((k for k in _HIDDEN if isinstance(getattr(c, k, None), int)), None)
+    if heads_key is None or hidden_key is None:
+        return False
+    heads, hidden = getattr(c, heads_key), getattr(c, hidden_key)
+    new_hidden = _keep_remainder(heads * SMALL_HEAD_DIM, hidden, ws)
+    if new_hidden >= hidden:
+        return False
+    swap = {hidden: new_hidden}
+    for k in _HEAD_DIM:
+        v = getattr(c, k, None)
+        if isinstance(v, int) and v > 0:
+            setattr(c, k, SMALL_HEAD_DIM)
+            changed[k] = (v, SMALL_HEAD_DIM)
+    for k in _INTERMEDIATE:
+        v = getattr(c, k, None)
+        if isinstance(v, int) and v > 0:
+            swap.setdefault(v, _keep_remainder(2 * new_hidden, v, ws))
+    for k, v in list(vars(c).items()):
+        if (
+            isinstance(v, int)
+            and not isinstance(v, bool)
+            and v in swap
+            and k not in _HEADS
+            and k not in _INPUT_SIZES
+            and "layer" not in k
+        ):
+            setattr(c, k, swap[v])
+            changed[k] = (v, swap[v])
+    return True
+
+
+def _move_placeholder_tokens(cfg: Any, vocab_new: int, changed: dict[str, Any]) -> None:
+    """Give the placeholder tokens (``image_token_id``, ``audio_token_index`` ...) of any sub-config that fall
+    outside the shrunk vocabulary distinct ids inside it, below the special ones, in place (``shrunk_inputs``
+    maps the inputs alike)."""
+    taken: set = set()
+    for c in _configs(cfg):
+        for k in _TOKEN_IDS:
+            v = getattr(c, k, None)
+            taken.update(v if isinstance(v, (list, tuple)) else [v])
+    moved: dict[int, int] = {}
+    for c in _configs(cfg):
+        for k, t in list(vars(c).items()):
+            folded = k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_IDS
+            if folded and isinstance(t, int) and not isinstance(t, bool) and t >= vocab_new:
+                if t not in moved:
+                    new = next(i for i in range(vocab_new - 1, -1, -1) if i not in taken)
+                    taken.add(new)
+                    moved[t] = new
+                setattr(c, k, moved[t])
+                changed[k] = (t, moved[t])
 
 
 #: Words that tie a config's layer count to one stack: in the field's name, its config class's name, and the
@@ -390,50 +404,16 @@ def shrunk_inputs(
     (``image_token_id`` ...) map to the copy's and no other token lands on one (:func:`_fold_tokens`)."""
     gen = torch.Generator().manual_seed(seed)
     placeholders = _placeholder_map(reference, model)
-    vocab = None
     cfg = getattr(model, "config", None)
-    if cfg is not None:
-        vocab = getattr(cfg, "vocab_size", None) or getattr(
-            getattr(cfg, "text_config", None), "vocab_size", None
-        )
-    if vocab is None:
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        vocab = emb.num_embeddings if emb is not None else None
-    seqs = (
-        {
-            t.shape[-1]
-            for k, t in inputs.items()
-            if isinstance(t, torch.Tensor)
-            and t.dim() == 2
-            and not t.is_floating_point()
-            and k.endswith("input_ids")
-        }
-        or {  # without token ids, every 2-D integer input; with them, those as long (an audio frame mask is not)
-            t.shape[-1]
-            for t in inputs.values()
-            if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
-        }
-    )
+    vocab = _vocab_size(model, cfg)
+    seqs = _token_lengths(inputs)
     out: dict[str, Any] = {}
     for k, t in inputs.items():
         if not isinstance(t, torch.Tensor):
             out[k] = t
             continue
         if t.is_meta:
-            if t.is_floating_point():
-                t = torch.randn(t.shape, generator=gen, dtype=t.dtype)
-            elif t.dtype == torch.bool:
-                t = torch.ones(t.shape, dtype=torch.bool)
-            elif "mask" in k:
-                t = torch.ones(t.shape, dtype=t.dtype)
-            elif k.endswith("position_ids") and seqs:  # positions of tokens (LUKE's entity_position_ids)
-                t = torch.randint(0, max(seqs), t.shape, generator=gen, dtype=t.dtype)
-            elif k.endswith("_ids") and isinstance(own := getattr(cfg, f"{k[:-4]}_vocab_size", None), int):
-                t = torch.randint(
-                    0, own, t.shape, generator=gen, dtype=t.dtype
-                )  # its own vocabulary (entities)
-            else:
-                t = torch.randint(0, vocab or 2, t.shape, generator=gen, dtype=t.dtype)
+            t = _drawn_input(k, t, gen, cfg, seqs, vocab)
         t = t[:2] if t.dim() >= 1 and t.shape[0] > 2 else t
         if t.dim() == 2 and not t.is_floating_point() and t.shape[-1] in seqs and t.shape[-1] > MAX_SEQ:
             t = t[:, :MAX_SEQ]
@@ -445,6 +425,54 @@ def shrunk_inputs(
             )
         out[k] = t.clone()
     return out
+
+
+def _vocab_size(model: nn.Module, cfg: Any) -> int | None:
+    """The token vocabulary of ``model``: its config's (or its text config's), else its first embedding's."""
+    vocab = None
+    if cfg is not None:
+        vocab = getattr(cfg, "vocab_size", None) or getattr(
+            getattr(cfg, "text_config", None), "vocab_size", None
+        )
+    if vocab is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        vocab = emb.num_embeddings if emb is not None else None
+    return vocab
+
+
+def _token_lengths(inputs: dict) -> set[int]:
+    """The sequence lengths of the token inputs: of the 2-D integer ``*input_ids``, or without them of every
+    2-D integer input (with them, those as long are token inputs too; an audio frame mask is not)."""
+    return {
+        t.shape[-1]
+        for k, t in inputs.items()
+        if isinstance(t, torch.Tensor)
+        and t.dim() == 2
+        and not t.is_floating_point()
+        and k.endswith("input_ids")
+    } or {
+        t.shape[-1]
+        for t in inputs.values()
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+    }
+
+
+def _drawn_input(
+    k: str, t: torch.Tensor, gen: torch.Generator, cfg: Any, seqs: set[int], vocab: int | None
+) -> torch.Tensor:
+    """A real value for the meta input ``k``: random floats, true booleans and masks, positions among the
+    token positions, ids within their own vocabulary (LUKE's entities) or the model's."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=torch.bool)
+    if "mask" in k:
+        return torch.ones(t.shape, dtype=t.dtype)
+    if k.endswith("position_ids") and seqs:  # positions of tokens (LUKE's entity_position_ids)
+        return torch.randint(0, max(seqs), t.shape, generator=gen, dtype=t.dtype)
+    if k.endswith("_ids") and isinstance(own := getattr(cfg, f"{k[:-4]}_vocab_size", None), int):
+        return torch.randint(0, own, t.shape, generator=gen, dtype=t.dtype)  # its own vocabulary (entities)
+    return torch.randint(0, vocab or 2, t.shape, generator=gen, dtype=t.dtype)
 
 
 def _placeholder_map(reference: nn.Module | None, copy: nn.Module) -> dict[int, int]:

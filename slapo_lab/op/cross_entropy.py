@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ScheduleError
+from ..sharding import reduce_forward_output
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, group=None):
@@ -37,7 +38,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     rank = dist.get_rank(group) if live else 0
     ws = dist.get_world_size(group) if live else 1
     if live and ws > 1:
-        from ..sharding import reduce_forward_output as all_reduce
+        all_reduce = reduce_forward_output
     else:
 
         def all_reduce(x, _group):

@@ -8,13 +8,16 @@ same-named parameter of the new module (or keep the very same parameter object).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import ScheduleError
 from .base import Primitive, own_copy, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 #: attributes that primitives set themselves and that an annotation must not overwrite
 RESERVED = frozenset({"orig_shape", "shard_axis", "shard_stride", "shard_replicas", "sequence_parallel"})
@@ -35,7 +38,7 @@ def _param(sch, param_name: Any) -> nn.Parameter:
 _GOOD_KEYS: set[str] = set()  # keys that passed the checks below (a long schedule repeats a few keys)
 
 
-def check_annotate(sch, param_name, key) -> nn.Parameter:
+def check_annotate(sch: Schedule, param_name: str, key: str) -> nn.Parameter:
     """Validate an annotate call; return the parameter (raises ScheduleError)."""
     p = _param(sch, param_name)
     if type(key) is str and key in _GOOD_KEYS:
@@ -67,11 +70,11 @@ class AnnotatePrimitive(Primitive):
     positional = 3
 
     @classmethod
-    def check(cls, sch, param_name: str, key: str, value: Any) -> None:
+    def check(cls, sch: Schedule, param_name: str, key: str, value: Any) -> None:
         check_annotate(sch, param_name, key)
 
     @staticmethod
-    def apply(sch, param_name: str, key: str, value: Any):
+    def apply(sch: Schedule, param_name: str, key: str, value: Any) -> nn.Parameter:
         p = check_annotate(sch, param_name, key)
         setattr(p, key, own_copy(sch, value, "annotate()"))
         sch.metadata.param_tags.add(key)

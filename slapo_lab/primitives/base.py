@@ -8,12 +8,22 @@ applies and records them.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
+import sys
+import warnings
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import torch
+from torch import nn
 
 from ..errors import ScheduleError
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 _PRIMITIVES: dict[str, type[Primitive]] = {}
 # apply function -> (its signature without ``sch``, the plan of :func:`_fast_bind` or None)
@@ -97,11 +107,11 @@ class Primitive:
     recordable: bool = True
 
     @staticmethod
-    def apply(sch, *args, **kwargs) -> Any:  # pragma: no cover - abstract
+    def apply(sch: Schedule, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
     @classmethod
-    def check(cls, sch, *args, **kwargs) -> None:
+    def check(cls, sch: Schedule, *args: Any, **kwargs: Any) -> None:
         """Raise ScheduleError if ``apply`` with these arguments would fail; default: no checks."""
         return
 
@@ -115,7 +125,7 @@ class Primitive:
         return _signature_entry(cls.apply)[0]
 
     @classmethod
-    def bind(cls, *args, **kwargs) -> inspect.BoundArguments:
+    def bind(cls, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
         """Bind a call's arguments to the signature; a wrong call raises ScheduleError."""
         sig, plan = _signature_entry(cls.apply)
         if plan is not None:
@@ -129,7 +139,7 @@ class Primitive:
         return bound
 
 
-def named_refusal(err: ScheduleError, sch, primitive: str) -> ScheduleError:
+def named_refusal(err: ScheduleError, sch: Schedule, primitive: str) -> ScheduleError:
     """``err`` as a sentence that names the module it refuses: a refusal whose text does not name the node's
     path (``"bwd_post supports only all_reduce (got all_gather)."``) becomes ``"sync() on
     model.layers.0.self_attn.q_proj: bwd_post supports only all_reduce (got all_gather)."``; one that names it
@@ -163,7 +173,11 @@ def register_primitive() -> Callable[[type[Primitive]], type[Primitive]]:
     return deco
 
 
-def list_primitives(name_only: bool = True):
+@overload
+def list_primitives(name_only: Literal[True] = ...) -> list[str]: ...
+@overload
+def list_primitives(name_only: Literal[False]) -> dict[str, type[Primitive]]: ...
+def list_primitives(name_only: bool = True) -> list[str] | dict[str, type[Primitive]]:
     """All registered primitives: a sorted list of names, or ``{name: class}`` if not ``name_only``."""
     if name_only:
         return sorted(_PRIMITIVES)
@@ -175,7 +189,43 @@ def get_primitive(name: str) -> type[Primitive] | None:
     return _PRIMITIVES.get(name)
 
 
-def _model_memo(sch) -> dict:
+def check_primitive(sch: Schedule, primitive: str, *args: Any, **kwargs: Any) -> str | None:
+    """Whether ``sch.<primitive>(*args, **kwargs)`` would apply: None if yes, else the error sentence.
+
+    Nothing is changed or recorded.
+    """
+    prim = get_primitive(primitive)
+    if prim is None:
+        return f"Unknown primitive {primitive!r}; primitives: {', '.join(list_primitives())}."
+    try:
+        bound = prim.bind(*args, **kwargs)
+        prim.check(sch, *bound.args, **bound.kwargs)
+    except ScheduleError as err:
+        return str(named_refusal(err, sch, primitive))
+    return None
+
+
+#: Module copies made by :meth:`slapo_lab.record.Call.replay_args` that no user holds: id -> the copy (held
+#: weakly).
+_FRESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def register_fresh(obj: Any) -> None:
+    """Note ``obj`` as a copy that no user holds (:meth:`slapo_lab.record.Call.replay_args` made it for a
+    replay), so the primitive it is handed to adopts it as is (:func:`take_fresh`); held weakly."""
+    _FRESH[id(obj)] = obj
+
+
+def take_fresh(obj: Any) -> bool:
+    """Whether ``obj`` is a copy :func:`register_fresh` noted (then it is forgotten: the caller, a primitive
+    putting it into a model, owns it and need not copy it again)."""
+    if _FRESH.get(id(obj)) is obj:
+        del _FRESH[id(obj)]
+        return True
+    return False
+
+
+def _model_memo(sch: Schedule) -> dict:
     """A ``copy.deepcopy`` memo that maps every module, parameter and buffer of ``sch``'s model to
     itself, so a copy shares what is already in the model instead of duplicating it."""
     top = sch.get_top_schedule().mod
@@ -191,15 +241,13 @@ def _model_memo(sch) -> dict:
 def _user_stacklevel() -> int:
     """``stacklevel`` for ``warnings.warn`` called by this module's caller: the first frame outside
     ``slapo_lab`` (the user's line that called the primitive)."""
-    import sys
-
     frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith("slapo_lab"):
         frame, level = frame.f_back, level + 1
     return level
 
 
-def own_copy(sch, value: Any, what: str) -> Any:
+def own_copy(sch: Schedule, value: Any, what: str) -> Any:
     """``value`` with every ``nn.Module`` and ``torch.Tensor`` in it deep-copied (also inside plain
     lists, tuples and dicts, which are rebuilt only when they hold one), for a primitive to put into
     the model of ``sch``: later primitives change what is in the model in place (``shard`` slices a
@@ -215,14 +263,6 @@ def own_copy(sch, value: Any, what: str) -> Any:
     """
     if value is None or type(value) in (bool, int, float, str):  # the usual argument: nothing to do
         return value
-    import copy
-    import warnings
-
-    import torch
-    from torch import nn
-
-    from ..record import take_fresh
-
     memo: dict | None = None
 
     def leaf(v: Any) -> Any:

@@ -23,9 +23,15 @@ Under ``torch.no_grad()`` (generation) nothing is checkpointed or changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from ..errors import ScheduleError
 from ..module_state import install_forward, module_meta, peek_meta
 from .base import Primitive, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 #: ``checkpoint(policy=...)``: recompute everything but the inputs, or keep what selective checkpointing keeps.
 POLICIES = ("full", "selective")
@@ -48,7 +54,13 @@ class CheckpointPrimitive(Primitive):
     name = "checkpoint"
 
     @classmethod
-    def check(cls, sch, subgraph=None, order_args_fn=None, policy="full") -> None:
+    def check(
+        cls,
+        sch: Schedule,
+        subgraph: Any = None,
+        order_args_fn: Callable[..., Any] | None = None,
+        policy: str = "full",
+    ) -> None:
         if sch.parent is None:
             raise ScheduleError(
                 "Cannot checkpoint the root module: nothing outside it would keep fewer activations; "
@@ -70,7 +82,12 @@ class CheckpointPrimitive(Primitive):
             )
 
     @staticmethod
-    def apply(sch, subgraph=None, order_args_fn=None, policy="full"):
+    def apply(
+        sch: Schedule,
+        subgraph: Any = None,
+        order_args_fn: Callable[..., Any] | None = None,
+        policy: str = "full",
+    ) -> None:
         CheckpointPrimitive.check(sch, subgraph, order_args_fn, policy)
         meta = module_meta(sch.mod)
         meta.checkpoint = True

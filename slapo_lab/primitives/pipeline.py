@@ -15,9 +15,15 @@ cannot run on meta tensors, only the static checks apply and ``build_pipeline`` 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ..call_order import check_cut
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
 from .base import Primitive, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 
 @register_primitive()
@@ -35,7 +41,7 @@ class CutPipelineStagePrimitive(Primitive):
     name = "cut_pipeline_stage"
 
     @classmethod
-    def check(cls, sch) -> None:
+    def check(cls, sch: Schedule) -> None:
         if sch.parent is None:
             raise ScheduleError(
                 "Cannot cut a pipeline stage at the root module: cut after one of its submodules."
@@ -45,12 +51,10 @@ class CutPipelineStagePrimitive(Primitive):
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
         if sch.path in sch.metadata.primitives["cut_pipeline_stage"]:
             raise ScheduleError(f"{sch.path} already ends a pipeline stage.")
-        from ..call_order import check_cut
-
         check_cut(sch)
 
     @staticmethod
-    def apply(sch):
+    def apply(sch: Schedule) -> None:
         CutPipelineStagePrimitive.check(sch)
         module_meta(sch.mod).cut = True
         sch.metadata.primitives["cut_pipeline_stage"].append(sch.path)

@@ -28,8 +28,9 @@ import inspect
 import keyword
 import operator
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from torch import fx, nn
 from ..errors import ScheduleError
 from ..module_state import module_meta, peek_meta
 from ..tracing import (
+    _EXAMPLES_KEY,
     HOOK_DICTS,
     edit_graph,
     is_traced,
@@ -48,6 +50,17 @@ from ..tracing import (
     set_child,
 )
 from .base import Primitive, own_copy, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+#: What ``find()`` returns and ``target_ops=`` takes: a ``(path, node)`` pair, one subgraph (a list of pairs)
+#: or a list of subgraphs.
+TargetOps: TypeAlias = (
+    tuple[str, fx.Node] | Sequence[tuple[str, fx.Node]] | Sequence[Sequence[tuple[str, fx.Node]]]
+)
+#: Which hooks of which module move to a fusing module: ``[(module, kinds)]`` (see :func:`check_fusion_hooks`).
+HookMoves: TypeAlias = list[tuple[nn.Module, list[str]]]
 
 
 class LinearWithSeparateBias(nn.Linear):
@@ -112,8 +125,6 @@ def _check_module_signature(sch, new: nn.Module) -> None:
     new_sig = _forward_signature(new)
     if new_sig is None:
         return
-    from ..tracing import _EXAMPLES_KEY
-
     recorded = sch._top.extra.get(_EXAMPLES_KEY, {}).get(sch.path)
     old_sig = _forward_signature(old)
     old_txt = _sig_text(f"{orig_class(old).__name__}.forward", old_sig)
@@ -154,7 +165,7 @@ def _graph_calls(sch):
 # ------------------------------------------------------------------------------------------------
 # Whole-module replacement
 # ------------------------------------------------------------------------------------------------
-def check_module_swap(sch, new: Any) -> None:
+def check_module_swap(sch: Schedule, new: Any) -> None:
     """Validate replacing ``sch.mod`` by module ``new`` (raises ScheduleError)."""
     where = _where(sch)
     if isinstance(new, type):
@@ -184,7 +195,7 @@ def check_module_swap(sch, new: Any) -> None:
     _check_module_signature(sch, new)
 
 
-def swap_module(sch, new: nn.Module) -> nn.Module:
+def swap_module(sch: Schedule, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``sch``'s path (no checks, no record): move plain hooks, keep parameter tags
     and the pipeline cut, re-mirror the children."""
     old = sch.mod
@@ -220,7 +231,7 @@ def _is_pair(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], fx.Node)
 
 
-def as_subgraphs(target_ops) -> list[list[tuple[str, fx.Node]]]:
+def as_subgraphs(target_ops: TargetOps) -> list[list[tuple[str, fx.Node]]]:
     """Normalise what ``find()`` returns: a pair, one subgraph (a list of pairs) or a list of subgraphs."""
     if _is_pair(target_ops):
         return [[target_ops]]
@@ -246,7 +257,7 @@ class SubgraphPlan:
     anchor: tuple[str, fx.Node]
 
 
-def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
+def plan_subgraphs(sch: Schedule, target_ops: TargetOps) -> SubgraphPlan:
     """Validate found subgraphs for replacement by one call (raises ScheduleError)."""
     subs = as_subgraphs(target_ops)
     nodes = [n for sub in subs for _, n in sub]
@@ -259,16 +270,7 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
         raise ScheduleError(
             "Some nodes in target_ops were removed by an earlier replacement; call find() again."
         )
-    owner_path = owner = None
-    for qn, m in sch.mod.named_modules():
-        if getattr(m, "graph", None) is graph and is_traced(m):
-            owner_path, owner = qn, m
-            break
-    if owner is None:
-        raise ScheduleError(
-            f"The nodes in target_ops are not in a traced graph under {_where(sch)}; call replace() on the "
-            "schedule you called find() on (or on an ancestor)."
-        )
+    owner_path, owner = _graph_owner(sch, graph)
     if len(set(nodes)) != len(nodes):
         raise ScheduleError("A node appears twice in target_ops; subgraphs must not overlap.")
     for n in nodes:
@@ -279,29 +281,74 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
     groups, outs, inputs = [], [], []
     for sub in subs:
         group = sorted((n for _, n in sub), key=order.__getitem__)
-        members = set(group)
-        out = [n for n in group if any(u not in members for u in n.users)]
-        if not out:
-            raise ScheduleError(
-                f"The subgraph {', '.join(n.name for n in group)} has no result used outside it."
-            )
-        if len(out) > 1:
-            raise ScheduleError(
-                f"The subgraph {', '.join(n.name for n in group)} has {len(out)} results used outside it "
-                f"({', '.join(n.name for n in out)}); one call can stand for one result per subgraph."
-            )
-        for n in group:
-            for a in n.all_input_nodes:
-                if a in members:
-                    continue
-                if a in all_nodes:
-                    raise ScheduleError(
-                        f"Subgraphs that feed each other ({a.name} -> {n.name}) cannot be fused horizontally."
-                    )
-                if a not in inputs:
-                    inputs.append(a)
+        outs.append(_subgraph_result(group))
+        _collect_inputs(group, all_nodes, inputs)
         groups.append(group)
-        outs.append(out[0])
+    anchor = _anchor(all_nodes, inputs, outs, order)
+    return SubgraphPlan(owner_path, owner, groups, outs, inputs, order, anchor)
+
+
+def _graph_owner(sch: Schedule, graph: fx.Graph) -> tuple[str, nn.Module]:
+    """``(path relative to sch, module)`` of the traced module under ``sch`` whose graph is ``graph``.
+
+    Raises:
+        ScheduleError: when no traced module under ``sch`` holds it.
+    """
+    for qn, m in sch.mod.named_modules():
+        if getattr(m, "graph", None) is graph and is_traced(m):
+            return qn, m
+    raise ScheduleError(
+        f"The nodes in target_ops are not in a traced graph under {_where(sch)}; call replace() on the "
+        "schedule you called find() on (or on an ancestor)."
+    )
+
+
+def _subgraph_result(group: list[fx.Node]) -> fx.Node:
+    """The one node of ``group`` (in graph order) whose value is used outside it.
+
+    Raises:
+        ScheduleError: when none or several are.
+    """
+    members = set(group)
+    out = [n for n in group if any(u not in members for u in n.users)]
+    if not out:
+        raise ScheduleError(f"The subgraph {', '.join(n.name for n in group)} has no result used outside it.")
+    if len(out) > 1:
+        raise ScheduleError(
+            f"The subgraph {', '.join(n.name for n in group)} has {len(out)} results used outside it "
+            f"({', '.join(n.name for n in out)}); one call can stand for one result per subgraph."
+        )
+    return out[0]
+
+
+def _collect_inputs(group: list[fx.Node], all_nodes: set[fx.Node], inputs: list[fx.Node]) -> None:
+    """Append to ``inputs`` the nodes outside every subgraph that ``group`` reads, in first-use order.
+
+    Raises:
+        ScheduleError: when ``group`` reads another subgraph's node (subgraphs feeding each other).
+    """
+    members = set(group)
+    for n in group:
+        for a in n.all_input_nodes:
+            if a in members:
+                continue
+            if a in all_nodes:
+                raise ScheduleError(
+                    f"Subgraphs that feed each other ({a.name} -> {n.name}) cannot be fused horizontally."
+                )
+            if a not in inputs:
+                inputs.append(a)
+
+
+def _anchor(
+    all_nodes: set[fx.Node], inputs: list[fx.Node], outs: list[fx.Node], order: dict[fx.Node, int]
+) -> tuple[str, fx.Node]:
+    """Where the one call goes: ``("before", first node)`` when every input is computed by then, else
+    ``("after", last input)``.
+
+    Raises:
+        ScheduleError: when a result is used before that point.
+    """
     first = min(all_nodes, key=order.__getitem__)
     last_in = max((order[a] for a in inputs), default=-1)
     anchor = ("before", first) if last_in < order[first] else ("after", max(inputs, key=order.__getitem__))
@@ -313,7 +360,7 @@ def plan_subgraphs(sch, target_ops) -> SubgraphPlan:
                     f"The subgraphs cannot become one call: {u.name} uses {out.name} before input "
                     f"{anchor[1].name} is computed."
                 )
-    return SubgraphPlan(owner_path, owner, groups, outs, inputs, order, anchor)
+    return anchor
 
 
 def _check_call_signature(
@@ -351,7 +398,7 @@ def _has(mod: nn.Module, attrs) -> bool:
     return any(getattr(mod, a, None) for a in attrs if not a.endswith(("_with_kwargs", "_always_called")))
 
 
-def move_hooks(moves, new: nn.Module) -> None:
+def move_hooks(moves: HookMoves, new: nn.Module) -> None:
     """Copy the hooks :func:`check_fusion_hooks` picked onto ``new`` (the old modules keep theirs)."""
     for old, kinds in moves:
         for kind in kinds:
@@ -363,7 +410,7 @@ def move_hooks(moves, new: nn.Module) -> None:
             new._is_full_backward_hook = old._is_full_backward_hook
 
 
-def check_fusion_hooks(owner: nn.Module, target_ops) -> list[tuple[nn.Module, list[str]]]:
+def check_fusion_hooks(owner: nn.Module, target_ops: TargetOps) -> HookMoves:
     """Which plain hooks of the modules a replaced subgraph calls move to the new module (Slapo's
     ``transfer_hooks_for_fusion``, Slapo 0.0.3 ``slapo/utils/common.py``): ``[(module, kinds)]`` with kinds
     among ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_post"``.
@@ -376,50 +423,65 @@ def check_fusion_hooks(owner: nn.Module, target_ops) -> list[tuple[nn.Module, li
             module in between.
     """
     subs = as_subgraphs(target_ops)
-    moves: list[tuple[nn.Module, list[str]]] = []
-
-    def mod_of(node):
-        if node.op != "call_module":
-            return None
-        try:
-            return owner.get_submodule(node.target) if isinstance(owner, nn.Module) else None
-        except AttributeError:
-            return None
-
     if len(subs) > 1:
-        for sub in subs:
-            for _, node in sub:
-                m = mod_of(node)
-                if m is not None and (_has(m, _FWD_PRE) or _has(m, _FWD_POST) or _has(m, _BWD)):
-                    raise ScheduleError(
-                        f"{node.target} carries hooks, which cannot be kept when several subgraphs become one "
-                        "call (horizontal fusion); remove them first."
-                    )
-        return moves
+        _refuse_hooks_in_horizontal_fusion(owner, subs)
+        return []
+    moves: HookMoves = []
     nodes = [n for _, n in subs[0]]
     for i, node in enumerate(nodes):
-        m = mod_of(node)
-        if m is None:
-            continue
-        first, last = i == 0, i == len(nodes) - 1
-        kinds = []
-        if _has(m, _FWD_PRE) or _has(m, _BWD):
-            if not first:
-                raise ScheduleError(
-                    f"{node.target} has a forward-pre or backward hook but is not the first op of the subgraph; "
-                    "the new module could not keep it."
-                )
-            kinds += ["fwd_pre", "bwd_post"]
-        if _has(m, _FWD_POST):
-            if not last:
-                raise ScheduleError(
-                    f"{node.target} has a forward hook but is not the last op of the subgraph; the new module "
-                    "could not keep it."
-                )
-            kinds.append("fwd_post")
-        if kinds:
-            moves.append((m, kinds))
+        m = _called_module(owner, node)
+        if m is not None:
+            kinds = _hook_kinds_kept(m, node, first=i == 0, last=i == len(nodes) - 1)
+            if kinds:
+                moves.append((m, kinds))
     return moves
+
+
+def _called_module(owner: nn.Module, node: fx.Node) -> nn.Module | None:
+    """The submodule of ``owner`` a ``call_module`` node calls, or None."""
+    if node.op != "call_module":
+        return None
+    try:
+        return owner.get_submodule(node.target) if isinstance(owner, nn.Module) else None
+    except AttributeError:
+        return None
+
+
+def _refuse_hooks_in_horizontal_fusion(owner: nn.Module, subs: list[list[tuple[str, fx.Node]]]) -> None:
+    """Raise ScheduleError for a module with a hook in one of several subgraphs (none could be kept)."""
+    for sub in subs:
+        for _, node in sub:
+            m = _called_module(owner, node)
+            if m is not None and (_has(m, _FWD_PRE) or _has(m, _FWD_POST) or _has(m, _BWD)):
+                raise ScheduleError(
+                    f"{node.target} carries hooks, which cannot be kept when several subgraphs become one "
+                    "call (horizontal fusion); remove them first."
+                )
+
+
+def _hook_kinds_kept(m: nn.Module, node: fx.Node, first: bool, last: bool) -> list[str]:
+    """The kinds of ``m``'s hooks that move to the new module: forward-pre and backward hooks of the first
+    op, forward hooks of the last.
+
+    Raises:
+        ScheduleError: for a hook elsewhere (the new module could not keep it).
+    """
+    kinds = []
+    if _has(m, _FWD_PRE) or _has(m, _BWD):
+        if not first:
+            raise ScheduleError(
+                f"{node.target} has a forward-pre or backward hook but is not the first op of the subgraph; "
+                "the new module could not keep it."
+            )
+        kinds += ["fwd_pre", "bwd_post"]
+    if _has(m, _FWD_POST):
+        if not last:
+            raise ScheduleError(
+                f"{node.target} has a forward hook but is not the last op of the subgraph; the new module "
+                "could not keep it."
+            )
+        kinds.append("fwd_post")
+    return kinds
 
 
 def _check_name(name: Any) -> None:
@@ -427,7 +489,13 @@ def _check_name(name: Any) -> None:
         raise ScheduleError(f"A module name must be a Python identifier without dots, not {name!r}.")
 
 
-def apply_subgraphs(sch, plan: SubgraphPlan, new, name: str | None, concrete_args) -> fx.Node:
+def apply_subgraphs(
+    sch: Schedule,
+    plan: SubgraphPlan,
+    new: nn.Module | Callable[..., Any],
+    name: str | None,
+    concrete_args: dict[str, Any] | None,
+) -> fx.Node:
     """Replace the planned subgraphs by one ``call_module(name)`` (``new`` a module) or
     ``call_function(new)`` node; prune what became unused; refresh code and schedule."""
     owner, graph = plan.owner, edit_graph(plan.owner)
@@ -537,6 +605,54 @@ def _is_function(x) -> bool:
     return callable(x) and not isinstance(x, (nn.Module, type))
 
 
+def _check_whole_module(
+    sch: Schedule, new: Any, name: str | None, concrete_args: dict[str, Any] | None
+) -> None:
+    """Validate ``replace(new)`` without ``target_ops``: a module for this path (raises ScheduleError)."""
+    if _is_function(new):
+        raise ScheduleError("A function can only replace a found node or subgraph: pass target_ops=.")
+    if name is not None and name != sch.name:
+        raise ScheduleError(
+            f"name= only names a module replacing a subgraph; {_where(sch)} keeps its path when replaced."
+        )
+    if concrete_args:
+        raise ScheduleError("concrete_args only applies when replacing a subgraph (target_ops=).")
+    check_module_swap(sch, new)
+
+
+def _check_function_for_node(
+    sch: Schedule,
+    fn: Callable[..., Any],
+    target_ops: TargetOps,
+    node: fx.Node,
+    concrete_args: dict[str, Any] | None,
+) -> SubgraphPlan:
+    """Validate a function replacing the one found ``node``: a ``call_function`` whose arguments it takes
+    (raises ScheduleError)."""
+    plan = plan_subgraphs(sch, target_ops)
+    if node.op != "call_function":
+        raise ScheduleError(
+            f"A function can replace a call_function node, but {node.name} is a {node.op}; replace "
+            "the module at its path instead."
+        )
+    if _function_call_kwargs(fn, node, concrete_args) is None:
+        sig = _fn_signature(fn)
+        raise ScheduleError(
+            f"{_sig_text(getattr(fn, '__name__', 'the function'), sig)} cannot take the "
+            f"arguments of {node.name} ({len(node.args)} positional, keywords "
+            f"{', '.join(node.kwargs) or 'none'})."
+        )
+    return plan
+
+
+def _check_fresh_module(sch: Schedule, new: nn.Module, name: str | None) -> None:
+    """Raise ScheduleError for a new module already in the model, or a bad ``name``."""
+    if new is sch.mod or any(m is new for m in sch.get_top_schedule().mod.modules()):
+        raise ScheduleError("The new module is already in the model; pass a fresh module.")
+    if name is not None:
+        _check_name(name)
+
+
 # ------------------------------------------------------------------------------------------------
 # Primitives
 # ------------------------------------------------------------------------------------------------
@@ -582,21 +698,20 @@ class ReplacePrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+    def check(
+        cls,
+        sch: Schedule,
+        new_mod_or_func: nn.Module | Callable[..., Any],
+        target_ops: TargetOps | None = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> SubgraphPlan | None:
         if concrete_args is not None and (
             not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args)
         ):
             raise ScheduleError("concrete_args must be a dict from argument names to values.")
         if target_ops is None:
-            if _is_function(new_mod_or_func):
-                raise ScheduleError("A function can only replace a found node or subgraph: pass target_ops=.")
-            if name is not None and name != sch.name:
-                raise ScheduleError(
-                    f"name= only names a module replacing a subgraph; {_where(sch)} keeps its path when replaced."
-                )
-            if concrete_args:
-                raise ScheduleError("concrete_args only applies when replacing a subgraph (target_ops=).")
-            check_module_swap(sch, new_mod_or_func)
+            _check_whole_module(sch, new_mod_or_func, name, concrete_args)
             return None
         if isinstance(new_mod_or_func, type):
             raise ScheduleError(
@@ -608,28 +723,9 @@ class ReplacePrimitive(Primitive):
             )
         subs = as_subgraphs(target_ops)
         if _is_function(new_mod_or_func) and len(subs) == 1 and len(subs[0]) == 1:
-            node = subs[0][0][1]
-            plan = plan_subgraphs(sch, target_ops)
-            if node.op != "call_function":
-                raise ScheduleError(
-                    f"A function can replace a call_function node, but {node.name} is a {node.op}; replace "
-                    "the module at its path instead."
-                )
-            if _function_call_kwargs(new_mod_or_func, node, concrete_args) is None:
-                sig = _fn_signature(new_mod_or_func)
-                raise ScheduleError(
-                    f"{_sig_text(getattr(new_mod_or_func, '__name__', 'the function'), sig)} cannot take the "
-                    f"arguments of {node.name} ({len(node.args)} positional, keywords "
-                    f"{', '.join(node.kwargs) or 'none'})."
-                )
-            return plan
+            return _check_function_for_node(sch, new_mod_or_func, target_ops, subs[0][0][1], concrete_args)
         if isinstance(new_mod_or_func, nn.Module):
-            if new_mod_or_func is sch.mod or any(
-                m is new_mod_or_func for m in sch.get_top_schedule().mod.modules()
-            ):
-                raise ScheduleError("The new module is already in the model; pass a fresh module.")
-            if name is not None:
-                _check_name(name)
+            _check_fresh_module(sch, new_mod_or_func, name)
         plan = plan_subgraphs(sch, target_ops)
         if isinstance(new_mod_or_func, nn.Module):
             label = f"{type(new_mod_or_func).__name__}.forward"
@@ -641,7 +737,13 @@ class ReplacePrimitive(Primitive):
         return plan
 
     @staticmethod
-    def apply(sch, new_mod_or_func, target_ops=None, name=None, concrete_args=None):
+    def apply(
+        sch: Schedule,
+        new_mod_or_func: nn.Module | Callable[..., Any],
+        target_ops: TargetOps | None = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> nn.Module | fx.Node:
         plan = ReplacePrimitive.check(sch, new_mod_or_func, target_ops, name, concrete_args)
         subs = as_subgraphs(target_ops) if plan is not None else None
         # the model gets its own copies: later primitives must not change the user's objects
@@ -698,7 +800,12 @@ class ReplaceAllPrimitive(Primitive):
         return found
 
     @classmethod
-    def check(cls, sch, target_type, make_mod_fn):
+    def check(
+        cls,
+        sch: Schedule,
+        target_type: type[nn.Module] | tuple[type[nn.Module], ...],
+        make_mod_fn: Callable[[str, nn.Module], nn.Module],
+    ) -> list[tuple[str, Schedule]]:
         types_ = target_type if isinstance(target_type, tuple) else (target_type,)
         if not types_ or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types_):
             raise ScheduleError(
@@ -713,7 +820,11 @@ class ReplaceAllPrimitive(Primitive):
         return targets
 
     @staticmethod
-    def apply(sch, target_type, make_mod_fn):
+    def apply(
+        sch: Schedule,
+        target_type: type[nn.Module] | tuple[type[nn.Module], ...],
+        make_mod_fn: Callable[[str, nn.Module], nn.Module],
+    ) -> list[str]:
         targets = ReplaceAllPrimitive.check(sch, target_type, make_mod_fn)
         news = []
         for rel, sub in targets:
@@ -765,7 +876,13 @@ class FusePrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, subgraph, compiler="torch.compile", name="FusedModule"):
+    def check(
+        cls,
+        sch: Schedule,
+        subgraph: TargetOps,
+        compiler: str | None = "torch.compile",
+        name: str = "FusedModule",
+    ) -> SubgraphPlan:
         if compiler not in _COMPILERS:
             raise ScheduleError(f"Unknown compiler {compiler!r}; use 'torch.compile' or None.")
         _check_name(name)
@@ -778,7 +895,9 @@ class FusePrimitive(Primitive):
         return plan_subgraphs(sch, subgraph)
 
     @staticmethod
-    def apply(sch, subgraph, compiler="torch.compile", name="FusedModule"):
+    def apply(
+        sch: Schedule, subgraph: TargetOps, compiler: str | None = "torch.compile", name: str = "FusedModule"
+    ) -> fx.GraphModule:
         plan = FusePrimitive.check(sch, subgraph, compiler, name)
         if compiler == "TorchScript":
             warnings.warn(
@@ -810,7 +929,7 @@ class DecomposePrimitive(Primitive):
     positional = 0
 
     @classmethod
-    def check(cls, sch):
+    def check(cls, sch: Schedule) -> None:
         mod, where = sch.mod, _where(sch)
         if isinstance(mod, LinearWithSeparateBias):
             raise ScheduleError(f"{where} is already decomposed.")
@@ -835,7 +954,7 @@ class DecomposePrimitive(Primitive):
             )
 
     @staticmethod
-    def apply(sch):
+    def apply(sch: Schedule) -> nn.Module:
         DecomposePrimitive.check(sch)
         old = sch.mod
         with torch.device("meta"):

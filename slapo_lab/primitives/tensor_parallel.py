@@ -6,13 +6,14 @@ Megatron-LM's communication pairs (see :mod:`slapo_lab.sharding.sync_ops`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import ScheduleError
-from ..module_state import install_forward, module_meta, peek_meta
+from ..module_state import ModuleMeta, install_forward, module_meta, peek_meta
 from ..sharding import attention_site as _attention_site
 from ..sharding import experts as _experts  # noqa: F401 - registers the 3-D experts shard rule
 from ..sharding import feature_stats as _feature_stats  # noqa: F401 - registers the feature-axis norm rule
@@ -31,6 +32,9 @@ from ..sharding.rules import (
     stride_key,
 )
 from .base import Primitive, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
@@ -115,20 +119,13 @@ def _replicas(sites: list[ShardSite], axis: int, ws: int, full: str) -> int:
     return found.pop()
 
 
-def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
+def check_shard(sch: Schedule, tensor_name: str, axis: int) -> tuple[torch.Tensor, int]:
     """Validate a shard call; return the tensor and the normalised axis (raises ScheduleError)."""
     t = _tensor(sch, tensor_name)
     full = f"{sch.path + '.' if sch.path else ''}{tensor_name}"
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise ScheduleError(f"The shard axis of {full} must be an integer, not {axis!r}.")
-    experts = router_experts(sch.mod, sch.parent.mod if sch.parent is not None else None)
-    if experts is not None:
-        bank = f" of {sch.parent.path + '.' if sch.parent.path else ''}{experts}" if experts else ""
-        raise ScheduleError(
-            f"Cannot shard {full}: {_where(sch)} is the mixture-of-experts router{bank} (it scores every expert "
-            "for every token, and the softmax and top-k choice need all the scores on every rank), so it stays "
-            "whole."
-        )
+    _refuse_router(sch, full)
     if not -t.dim() <= axis < t.dim():
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: it has shape {tuple(t.shape)}, so the axis must be in "
@@ -137,6 +134,39 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
             else f"Cannot shard {full}: it is a scalar."
         )
     axis = axis % t.dim()
+    _refuse_sharded_again(sch, t, tensor_name, full)
+    ws = sch.world_size
+    _infer.ensure(sch)  # layouts of fused projections, read from the model's dataflow before its first shard
+    sites = _sites(sch, t, tensor_name)
+    for site in sites:  # attention heads first: the more telling reason
+        check_site = _rule_hook(site, "check_site")
+        reason = check_site(site, axis, ws) if check_site else None
+        if reason:
+            raise ScheduleError(f"Cannot shard {full} on axis {axis} across {ws} ranks: {reason}.")
+    _check_divisible(t, full, axis, ws, sites)
+    for mod, name in _owners(sch, t):
+        reason = get_shard_rule(mod).check(mod, name or tensor_name, axis)
+        if reason:
+            raise ScheduleError(f"Cannot shard {full} on axis {axis}: {reason}.")
+    return t, axis
+
+
+def _refuse_router(sch: Schedule, full: str) -> None:
+    """Raise ScheduleError when ``sch`` is a mixture-of-experts router (which stays whole)."""
+    experts = router_experts(sch.mod, sch.parent.mod if sch.parent is not None else None)
+    if experts is None:
+        return
+    bank = f" of {sch.parent.path + '.' if sch.parent.path else ''}{experts}" if experts else ""
+    raise ScheduleError(
+        f"Cannot shard {full}: {_where(sch)} is the mixture-of-experts router{bank} (it scores every expert "
+        "for every token, and the softmax and top-k choice need all the scores on every rank), so it stays "
+        "whole."
+    )
+
+
+def _refuse_sharded_again(sch: Schedule, t: torch.Tensor, tensor_name: str, full: str) -> None:
+    """Raise ScheduleError for a tensor already sharded (here or through a tie), or kept replicated by
+    ``sync(param_grads=True)``."""
     meta = peek_meta(sch.mod)
     if meta and tensor_name in meta.sharded:
         raise ScheduleError(
@@ -151,14 +181,11 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
             f"{full} has its gradient all-reduced by sync(param_grads=True) (a replicated parameter under "
             "sequence parallelism), so it must stay replicated."
         )
-    ws = sch.world_size
-    _infer.ensure(sch)  # layouts of fused projections, read from the model's dataflow before its first shard
-    sites = _sites(sch, t, tensor_name)
-    for site in sites:  # attention heads first: the more telling reason
-        check_site = _rule_hook(site, "check_site")
-        reason = check_site(site, axis, ws) if check_site else None
-        if reason:
-            raise ScheduleError(f"Cannot shard {full} on axis {axis} across {ws} ranks: {reason}.")
+
+
+def _check_divisible(t: torch.Tensor, full: str, axis: int, ws: int, sites: list[ShardSite]) -> None:
+    """Raise ScheduleError unless ``t``'s size on ``axis`` splits over ``ws`` ranks: into whole key/value heads
+    when replicated, block by block for a fused projection, else evenly."""
     stride = _stride(sites, axis, full)
     replicas = _replicas(sites, axis, ws, full)
     if replicas > 1:  # one whole key/value head per rank, shared by `replicas` ranks
@@ -168,31 +195,35 @@ def check_shard(sch, tensor_name, axis) -> tuple[torch.Tensor, int]:
                 f"{ws // replicas} key/value heads."
             )
     elif stride > 1:
-        sizes = block_sizes(t.shape[axis], stride)
-        odd = next((b for b in sizes if b % ws), None)
-        if odd is not None:
-            what = (
-                f"{len(sizes)} projections of size {sizes[0]}"
-                if len(set(sizes)) == 1
-                else f"{len(sizes)} projections of sizes {', '.join(map(str, sizes))}"
-            )
-            lay = fused_layout(sites[0])
-            label = {"kv": "fused k, v", "gate_up": "fused gate and up"}.get(
-                lay.parts if lay is not None else "", "fused q, k, v"
-            )
-            raise ScheduleError(
-                f"Cannot shard {full} on axis {axis}: it stores {what} back to back ({label}), and "
-                f"{odd} is not divisible by the world size {ws}."
-            )
+        _check_fused_blocks(t, full, axis, ws, stride, sites)
     if replicas == 1 and t.shape[axis] % ws:
         raise ScheduleError(
             f"Cannot shard {full} on axis {axis}: size {t.shape[axis]} is not divisible by the world size {ws}."
         )
-    for mod, name in _owners(sch, t):
-        reason = get_shard_rule(mod).check(mod, name or tensor_name, axis)
-        if reason:
-            raise ScheduleError(f"Cannot shard {full} on axis {axis}: {reason}.")
-    return t, axis
+
+
+def _check_fused_blocks(
+    t: torch.Tensor, full: str, axis: int, ws: int, stride: int, sites: list[ShardSite]
+) -> None:
+    """Raise ScheduleError when a block of a fused projection (``stride`` blocks back to back) does not split
+    over ``ws`` ranks."""
+    sizes = block_sizes(t.shape[axis], stride)
+    odd = next((b for b in sizes if b % ws), None)
+    if odd is None:
+        return
+    what = (
+        f"{len(sizes)} projections of size {sizes[0]}"
+        if len(set(sizes)) == 1
+        else f"{len(sizes)} projections of sizes {', '.join(map(str, sizes))}"
+    )
+    lay = fused_layout(sites[0])
+    label = {"kv": "fused k, v", "gate_up": "fused gate and up"}.get(
+        lay.parts if lay is not None else "", "fused q, k, v"
+    )
+    raise ScheduleError(
+        f"Cannot shard {full} on axis {axis}: it stores {what} back to back ({label}), and "
+        f"{odd} is not divisible by the world size {ws}."
+    )
 
 
 @register_primitive()
@@ -235,52 +266,20 @@ class ShardPrimitive(Primitive):
     positional = 1
 
     @classmethod
-    def check(cls, sch, tensor_name: str, axis: int) -> None:
+    def check(cls, sch: Schedule, tensor_name: str, axis: int) -> None:
         check_shard(sch, tensor_name, axis)
 
     @staticmethod
-    def apply(sch, tensor_name: str, axis: int):
+    def apply(sch: Schedule, tensor_name: str, axis: int) -> torch.Tensor:
         t, axis = check_shard(sch, tensor_name, axis)
         ws, rank = sch.world_size, sch.rank
         owners = _owners(sch, t)
         sites = _sites(sch, t, tensor_name)
         stride = _stride(sites, axis, tensor_name)
         replicas = _replicas(sites, axis, ws, tensor_name)
-        with torch.no_grad():
-            chunk = (
-                local_shard(t.detach(), axis, ws, rank, stride, replicas).clone() if ws > 1 else t.detach()
-            )
-        if isinstance(t, nn.Parameter):
-            new = nn.Parameter(chunk, requires_grad=t.requires_grad)
-            for k, v in t.__dict__.items():  # annotations survive
-                new.__dict__.setdefault(k, v)
-        else:
-            new = chunk
-        new.orig_shape = t.shape
-        new.shard_axis = axis
-        new.shard_stride = stride
-        if replicas > 1:
-            new.shard_replicas = replicas
+        new = _local_shard_of(t, axis, ws, rank, stride, replicas)
         for mod, name in owners:
-            name = name or tensor_name
-            if name in mod._parameters:
-                mod._parameters[name] = new
-            else:
-                mod._buffers[name] = new
-            module_meta(mod).sharded[name] = axis
-            rule = get_shard_rule(mod)
-            if getattr(rule, "needs_group", False):  # a rule whose forward communicates (feature_stats)
-                module_meta(mod).tp_group = sch.tp
-            rule.apply(mod, name, axis, ws, rank)
-            # a value the module cached from the unsharded parameter for eval (LeViT's attention biases)
-            _train_caches.drop(mod)
-            if replicas > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
-                _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
-            block_reps = block_replicas(stride, int(stride), ws) if ws > 1 else ()
-            if max(block_reps, default=1) > 1 and isinstance(new, nn.Parameter) and new.requires_grad:
-                _install_block_replica_grad_all_reduce(
-                    mod, name, axis, stride, ws, sch.tp.replica_group(max(block_reps))
-                )
+            _put_shard(sch, mod, name or tensor_name, new, axis, stride, replicas)
         for site in sites:
             apply_site = _rule_hook(site, "apply_site")
             if apply_site:
@@ -289,6 +288,107 @@ class ShardPrimitive(Primitive):
         if len(owners) > 1:
             sch.metadata.tie_weights[new] = [m for m, _ in owners]
         return new
+
+
+def _local_shard_of(
+    t: torch.Tensor, axis: int, ws: int, rank: int, stride: int, replicas: int
+) -> torch.Tensor:
+    """This rank's shard of ``t`` (a parameter like ``t``, its annotations kept), carrying ``orig_shape``,
+    ``shard_axis``, ``shard_stride`` and, for a replicated key/value head, ``shard_replicas``."""
+    with torch.no_grad():
+        chunk = local_shard(t.detach(), axis, ws, rank, stride, replicas).clone() if ws > 1 else t.detach()
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(chunk, requires_grad=t.requires_grad)
+        for k, v in t.__dict__.items():  # annotations survive
+            new.__dict__.setdefault(k, v)
+    else:
+        new = chunk
+    new.orig_shape = t.shape
+    new.shard_axis = axis
+    new.shard_stride = stride
+    if replicas > 1:
+        new.shard_replicas = replicas
+    return new
+
+
+def _put_shard(
+    sch: Schedule, mod: nn.Module, name: str, new: torch.Tensor, axis: int, stride: int, replicas: int
+) -> None:
+    """Put the shard ``new`` in ``mod`` as ``name``, let the module's shard rule adapt it, and all-reduce the
+    gradients of shards that several ranks hold."""
+    ws, rank = sch.world_size, sch.rank
+    if name in mod._parameters:
+        mod._parameters[name] = new
+    else:
+        mod._buffers[name] = new
+    module_meta(mod).sharded[name] = axis
+    rule = get_shard_rule(mod)
+    if getattr(rule, "needs_group", False):  # a rule whose forward communicates (feature_stats)
+        module_meta(mod).tp_group = sch.tp
+    rule.apply(mod, name, axis, ws, rank)
+    # a value the module cached from the unsharded parameter for eval (LeViT's attention biases)
+    _train_caches.drop(mod)
+    trainable = isinstance(new, nn.Parameter) and new.requires_grad
+    if replicas > 1 and trainable:
+        _install_replica_grad_all_reduce(mod, name, sch.tp.replica_group(replicas))
+    block_reps = block_replicas(stride, int(stride), ws) if ws > 1 else ()
+    if max(block_reps, default=1) > 1 and trainable:
+        _install_block_replica_grad_all_reduce(
+            mod, name, axis, stride, ws, sch.tp.replica_group(max(block_reps))
+        )
+
+
+def _register_custom_sync(mod: nn.Module, meta: ModuleMeta, mode: str, fn: Callable[..., Any]) -> None:
+    """Register the user's hook ``fn`` as the ``mode`` kind of hook of ``mod``."""
+    if mode == "fwd_pre":
+        h = mod.register_forward_pre_hook(fn)
+    elif mode == "fwd_post":
+        h = mod.register_forward_hook(fn)
+    else:
+        h = mod.register_full_backward_hook(fn)
+    meta.hooks.append(h)
+    meta.syncs.append((mode, getattr(fn, "__name__", "custom")))
+
+
+def _input_grad_all_reduce(g: Any) -> Callable[..., Any]:
+    """A forward-pre hook (with kwargs) routing every floating input through ``all_reduce_backward`` on ``g``
+    (Megatron's ``f``: the input gradients are summed over the ranks)."""
+
+    def pre(module, args, kw):
+        wrap = lambda x: (
+            sync_ops.all_reduce_backward(x, g)
+            if (isinstance(x, torch.Tensor) and x.is_floating_point())
+            else x
+        )
+        return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
+
+    return pre
+
+
+def _first_input_through(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward-pre hook (with kwargs) passing the module's first tensor input through ``fn``."""
+
+    def pre(module, args, kw):
+        idx = _first_tensor_index(args, kw)
+        if idx is None:
+            return None
+        if idx[0] == "arg":
+            args = (*args[: idx[1]], fn(args[idx[1]]), *args[idx[1] + 1 :])
+        else:
+            kw = dict(kw)
+            kw[idx[1]] = fn(kw[idx[1]])
+        return args, kw
+
+    return pre
+
+
+def _install_output_sync(mod: nn.Module, meta: ModuleMeta, op: str, fn: Callable[..., Any]) -> None:
+    """Apply the sync ``fn`` to ``mod``'s output: before the bias add for a reduce of a sharded
+    implementation's partial sums, else by a forward hook."""
+    if meta.output_type == "partial" and meta.impl is not None and op in ("all_reduce", "reduce_scatter"):
+        meta.partial_reducers.append(fn)  # reduce before the bias add
+    else:
+        meta.hooks.append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))
 
 
 def _first_tensor_index(args, kwargs):
@@ -379,9 +479,10 @@ def _check_param_grads(sch, mode, value) -> None:
         )
 
 
-def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
+def check_sync(
+    sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
     """Validate a sync call (raises ScheduleError with one sentence)."""
-    where = _where(sch)
     if mode not in SYNC_MODES:
         raise ScheduleError(f"Unknown sync mode {mode!r}; use one of {', '.join(SYNC_MODES)}.")
     if callable(sync_op_or_fn):
@@ -389,13 +490,7 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
             raise ScheduleError("A custom sync function takes no extra keyword arguments.")
         return
     op = sync_op_or_fn
-    if op not in SYNC_OPS:
-        raise ScheduleError(f"Unknown sync op {op!r}; use one of {', '.join(SYNC_OPS)} or a callable hook.")
-    extra = set(kwargs) - _OP_KWARGS[op]
-    if extra:
-        raise ScheduleError(f"sync op {op} does not take {', '.join(sorted(extra))}.")
-    if "axis" in kwargs and (isinstance(kwargs["axis"], bool) or not isinstance(kwargs["axis"], int)):
-        raise ScheduleError(f"The sync axis must be an integer, not {kwargs['axis']!r}.")
+    _check_sync_op(op, kwargs)
     if "param_grads" in kwargs:
         _check_param_grads(sch, mode, kwargs["param_grads"])
         return
@@ -403,10 +498,30 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
         raise ScheduleError(f"bwd_post supports only all_reduce (got {op}).")
     meta = peek_meta(sch.mod)
     if meta and (mode, op) in meta.syncs:
-        raise ScheduleError(f"{where} already has a {mode} {op}; a second one would apply it twice.")
+        raise ScheduleError(f"{_where(sch)} already has a {mode} {op}; a second one would apply it twice.")
+    _check_sync_fits_output(sch, mode, op, meta)
+    if mode == "fwd_pre" and op in ("all_reduce", "reduce_scatter"):
+        raise ScheduleError(f"fwd_pre supports all_gather and scatter on the input, not {op}.")
+
+
+def _check_sync_op(op: str, kwargs: dict[str, Any]) -> None:
+    """Raise ScheduleError for an unknown sync op, a keyword it does not take, or a non-integer axis."""
+    if op not in SYNC_OPS:
+        raise ScheduleError(f"Unknown sync op {op!r}; use one of {', '.join(SYNC_OPS)} or a callable hook.")
+    extra = set(kwargs) - _OP_KWARGS[op]
+    if extra:
+        raise ScheduleError(f"sync op {op} does not take {', '.join(sorted(extra))}.")
+    if "axis" in kwargs and (isinstance(kwargs["axis"], bool) or not isinstance(kwargs["axis"], int)):
+        raise ScheduleError(f"The sync axis must be an integer, not {kwargs['axis']!r}.")
+
+
+def _check_sync_fits_output(sch: Schedule, mode: str, op: str, meta: ModuleMeta | None) -> None:
+    """Raise ScheduleError for a sync that contradicts what the module's sharding makes of its output: a
+    reduce with nothing sharded below, a reduce of partitioned slices, a gather of partial sums, or an
+    all-reduced input gradient of a row-parallel layer."""
+    where = _where(sch)
     out_type = meta.output_type if meta else None
-    sharded_inside = _has_shard_below(sch.mod)
-    if op == "all_reduce" and not sharded_inside:
+    if op == "all_reduce" and not _has_shard_below(sch.mod):
         raise ScheduleError(
             f"{where} has no sharded parameters, so its {'output' if mode == 'fwd_post' else 'input gradient'} "
             f"is already complete on every rank and an all_reduce would multiply it by {sch.world_size}; "
@@ -427,8 +542,6 @@ def check_sync(sch, mode, sync_op_or_fn, kwargs) -> None:
             f"{where} is row parallel: its input is already split, so its input gradient must not be "
             "all-reduced; put bwd_post all_reduce on the column-parallel layer before it."
         )
-    if mode == "fwd_pre" and op in ("all_reduce", "reduce_scatter"):
-        raise ScheduleError(f"fwd_pre supports all_gather and scatter on the input, not {op}.")
 
 
 @register_primitive()
@@ -460,24 +573,16 @@ class SyncPrimitive(Primitive):
     positional = 0
 
     @classmethod
-    def check(cls, sch, mode: str, sync_op_or_fn: Any, **kwargs) -> None:
+    def check(cls, sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         check_sync(sch, mode, sync_op_or_fn, kwargs)
 
     @staticmethod
-    def apply(sch, mode: str, sync_op_or_fn: Any, **kwargs):
+    def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         check_sync(sch, mode, sync_op_or_fn, kwargs)
         mod = sch.mod
         meta = module_meta(mod)
         if callable(sync_op_or_fn):
-            fn = sync_op_or_fn
-            if mode == "fwd_pre":
-                h = mod.register_forward_pre_hook(fn)
-            elif mode == "fwd_post":
-                h = mod.register_forward_hook(fn)
-            else:
-                h = mod.register_full_backward_hook(fn)
-            meta.hooks.append(h)
-            meta.syncs.append((mode, getattr(fn, "__name__", "custom")))
+            _register_custom_sync(mod, meta, mode, sync_op_or_fn)
             return
         op = sync_op_or_fn
         g = sch.tp
@@ -485,41 +590,13 @@ class SyncPrimitive(Primitive):
             _install_param_grad_all_reduce(sch.mod, g)
             return
         if mode == "bwd_post":
-
-            def pre(module, args, kw):
-                wrap = lambda x: (
-                    sync_ops.all_reduce_backward(x, g)
-                    if (isinstance(x, torch.Tensor) and x.is_floating_point())
-                    else x
-                )
-                return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kw.items()}
-
-            meta.hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            meta.hooks.append(mod.register_forward_pre_hook(_input_grad_all_reduce(g), with_kwargs=True))
         elif mode == "fwd_pre":
-            fn = _op_fn(op, sch, kwargs)
-
-            def pre(module, args, kw):
-                idx = _first_tensor_index(args, kw)
-                if idx is None:
-                    return None
-                if idx[0] == "arg":
-                    args = (*args[: idx[1]], fn(args[idx[1]]), *args[idx[1] + 1 :])
-                else:
-                    kw = dict(kw)
-                    kw[idx[1]] = fn(kw[idx[1]])
-                return args, kw
-
-            meta.hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            meta.hooks.append(
+                mod.register_forward_pre_hook(_first_input_through(_op_fn(op, sch, kwargs)), with_kwargs=True)
+            )
         else:
-            fn = _op_fn(op, sch, kwargs)
-            if (
-                meta.output_type == "partial"
-                and meta.impl is not None
-                and op in ("all_reduce", "reduce_scatter")
-            ):
-                meta.partial_reducers.append(fn)  # reduce before the bias add
-            else:
-                meta.hooks.append(mod.register_forward_hook(lambda module, a, out: _map_output(out, fn)))
+            _install_output_sync(mod, meta, op, _op_fn(op, sch, kwargs))
         meta.syncs.append((mode, op))
         if mode == "fwd_post" and op in ("all_reduce", "all_gather"):
             meta.output_synced = True
@@ -602,7 +679,7 @@ class ForkRNGPrimitive(Primitive):
     name = "fork_rng"
 
     @staticmethod
-    def apply(sch):
+    def apply(sch: Schedule) -> None:
         meta = peek_meta(sch.mod)
         if meta and meta.fork_rng:
             raise ScheduleError(f"{_where(sch)} already runs under fork_rng().")

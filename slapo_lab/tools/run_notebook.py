@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
+from nbclient import NotebookClient
+
 
 def run(path: str | Path, timeout: int = 600, kernel: str = "python3") -> None:
     """Run every cell of ``path`` in a fresh kernel (cwd = the notebook's folder).
@@ -18,9 +21,6 @@ def run(path: str | Path, timeout: int = 600, kernel: str = "python3") -> None:
         nbclient.exceptions.CellExecutionError: the first failing cell.
         FileNotFoundError: if the notebook does not exist.
     """
-    import nbformat
-    from nbclient import NotebookClient
-
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(

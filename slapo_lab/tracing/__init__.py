@@ -219,6 +219,27 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.G
     """Export ``mod`` with torch.export, unflatten it, put leaves and tensors back and turn every graph into a
     :class:`TracedGraphModule` (the root a :class:`_CallGraphModule`); ``flatten=True`` then inlines them all
     into the root's graph."""
+    args, kwargs = _export_inputs(mod, rel, opts, example)
+    um, leaves = _unflatten_wired(mod, rel, opts, args, kwargs)
+    signature = um.module_call_graph[0].signature
+    reordered = {k: kwargs[k] for k in signature.in_spec.child(1).context} if kwargs else kwargs
+    flat_with_path, _ = pytree.tree_flatten_with_path((tuple(args), reordered))
+    placeholders = [n for n in um.graph.nodes if n.op == "placeholder"]
+    call = _CallInfo(orig_class(mod).__name__, mod, signature.in_spec, flat_with_path, placeholders)
+    for qn in leaves:
+        _set_path(um, qn, mod.get_submodule(qn))
+    _restore_tensors(um, mod, leaves)
+    _tidy_graphs(um, set(leaves))
+    gm = _to_graph_modules(um, mod, leaves, call, signature.out_spec)
+    if opts.flatten:
+        gm = _flatten_export(gm, mod, leaves)
+    _mark_orig(gm, mod)
+    return gm
+
+
+def _export_inputs(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` to export ``mod`` on: the recorded ``example`` with the root's concrete
+    arguments, on ``meta`` for a meta module, without ``None`` extras for dynamic shapes."""
     args, kwargs = example
     if rel == "" and opts.concrete_args:
         args, kwargs = _with_concrete(mod, args, kwargs, opts.concrete_args)
@@ -226,9 +247,20 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.G
         args, kwargs = _to_meta((args, kwargs))
     if opts.dynamic:
         kwargs = _without_none_extras(mod, kwargs)
+    return args, kwargs
+
+
+def _unflatten_wired(
+    mod: nn.Module, rel: str, opts: _Opts, args: tuple, kwargs: dict
+) -> tuple[Any, list[str]]:
+    """``(unflattened export, the leaves it preserves)``, tried until torch.export.unflatten wires every call
+    right (see :func:`_broken_call`): static shapes, then fewer preserved leaves (only those that must stay
+    modules).
+
+    Raises:
+        ScheduleError: when every attempt mis-wires a call (naming it).
+    """
     leaves = _export_leaves(mod, rel, opts)
-    # torch.export.unflatten can mis-wire calls (see _broken_call): fall back to static shapes, then to fewer
-    # preserved leaves (only those that must stay modules)
     needed = [q for q in leaves if _must_stay_leaf(mod.get_submodule(q), _join(rel, q), opts)]
     attempts = [(leaves, opts.dynamic), (leaves, False), (needed, opts.dynamic), (needed, False)]
     tried, broken = [], None
@@ -239,23 +271,17 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.G
         um = _export_unflatten(mod, args, kwargs, *attempt)
         broken = _broken_call(um, {q: mod.get_submodule(q) for q in attempt[0]})
         if broken is None:
-            leaves = attempt[0]
-            break
+            return um, attempt[0]
         log.debug("unflatten mis-wired the call of %s; exporting again", broken)
-    if broken is not None:
-        raise ScheduleError(
-            f"torch.export.unflatten calls {broken} with inputs its forward does not take (a PyTorch bug "
-            "with preserved module signatures); pass it in leaf_modules or trace a module below it."
-        )
-    signature = um.module_call_graph[0].signature
-    reordered = {k: kwargs[k] for k in signature.in_spec.child(1).context} if kwargs else kwargs
-    flat_with_path, _ = pytree.tree_flatten_with_path((tuple(args), reordered))
-    placeholders = [n for n in um.graph.nodes if n.op == "placeholder"]
-    call = _CallInfo(orig_class(mod).__name__, mod, signature.in_spec, flat_with_path, placeholders)
-    for qn in leaves:
-        _set_path(um, qn, mod.get_submodule(qn))
-    _restore_tensors(um, mod, leaves)
-    leaf_set = set(leaves)
+    raise ScheduleError(
+        f"torch.export.unflatten calls {broken} with inputs its forward does not take (a PyTorch bug "
+        "with preserved module signatures); pass it in leaf_modules or trace a module below it."
+    )
+
+
+def _tidy_graphs(um: nn.Module, leaf_set: set[str]) -> None:
+    """Make every unflattened graph but the leaves' deep-copyable, without the pytree plumbing around
+    preserved calls, and regenerate its code (dropping references to the cloned tensors)."""
     interp = _interp_types()
     for qn, sub in list(um.named_modules()):
         if not isinstance(sub, interp) or qn in leaf_set:
@@ -263,12 +289,26 @@ def _export_trace(mod: nn.Module, rel: str, opts: _Opts, example: tuple) -> fx.G
         if isinstance(getattr(sub, "graph", None), fx.Graph):
             _meta_vals(sub.graph)
             _simplify_pytree_calls(sub)
-            sub.finalize()  # regenerate its code, dropping references to the cloned tensors
-    gm = _to_graph_modules(um, mod, leaves, call, signature.out_spec)
-    if opts.flatten:
-        gm = _flatten_export(gm, mod, leaves)
-    _mark_orig(gm, mod)
-    return gm
+            sub.finalize()
+
+
+def _trace_until_paths(paths: Any, kwargs: dict[str, Any]) -> list[str]:
+    """``trace_until``'s ``paths`` as a list, checked with its keyword arguments.
+
+    Raises:
+        ScheduleError: for paths that are not a path or a non-empty list of them, or an unknown keyword.
+    """
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) for p in paths):
+        raise ScheduleError("trace_until() takes a module path or a non-empty list of module paths.")
+    allowed = {"tracer", "leaf_modules", "concrete_args", "example_inputs"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ScheduleError(
+            f"trace_until() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}."
+        )
+    return list(paths)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,16 +448,7 @@ class TracingMixin:
             raise ScheduleError(
                 f"trace_until() traces from the root; call it on the root schedule, not on {self.path}."
             )
-        if isinstance(paths, str):
-            paths = [paths]
-        if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) for p in paths):
-            raise ScheduleError("trace_until() takes a module path or a non-empty list of module paths.")
-        allowed = {"tracer", "leaf_modules", "concrete_args", "example_inputs"}
-        unknown = sorted(set(kwargs) - allowed)
-        if unknown:
-            raise ScheduleError(
-                f"trace_until() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}."
-            )
+        paths = _trace_until_paths(paths, kwargs)
         for p in paths:
             if p == "":
                 raise ScheduleError(
@@ -426,14 +457,7 @@ class TracingMixin:
             self[p]  # raises a ScheduleKeyError naming what exists
         if is_traced(self.mod):
             for p in paths:
-                parts = p.split(".")
-                for i in range(len(parts) + 1):
-                    m = self.get_module(".".join(parts[:i]))
-                    if not (is_traced(m) or _is_container(m) or (i == len(parts) and not list(m.children()))):
-                        raise ScheduleError(
-                            f"The root is already traced but {'.'.join(parts[:i])} is not, so trace_until({p!r}) "
-                            "cannot reach it; trace_until() must come before tracing the root."
-                        )
+                self._check_traced_down_to(p)
             return self.mod
         leaves = list(kwargs.pop("leaf_modules", None) or [])
         if isinstance(leaves, (str, type)):
@@ -441,6 +465,17 @@ class TracingMixin:
         for p in paths:
             leaves += [f"{p}.{c}" for c in self[p].child]
         return self.trace(recursive=True, flatten=False, leaf_modules=leaves, **kwargs)
+
+    def _check_traced_down_to(self, p: str) -> None:
+        """Raise ScheduleError unless the traced root's graphs reach down to path ``p``."""
+        parts = p.split(".")
+        for i in range(len(parts) + 1):
+            m = self.get_module(".".join(parts[:i]))
+            if not (is_traced(m) or _is_container(m) or (i == len(parts) and not list(m.children()))):
+                raise ScheduleError(
+                    f"The root is already traced but {'.'.join(parts[:i])} is not, so trace_until({p!r}) "
+                    "cannot reach it; trace_until() must come before tracing the root."
+                )
 
     # --- finding -----------------------------------------------------------------------------
     def _ensure_traced(self) -> None:

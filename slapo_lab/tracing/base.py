@@ -247,21 +247,27 @@ def _leaf_spec(opts: _Opts, top: nn.Module, leaf_modules, where: str) -> None:
                 raise ScheduleError(f"leaf_modules entry {entry.__name__} is not an nn.Module class.")
             types_.append(entry)
         elif isinstance(entry, str):
-            try:
-                sub = top.get_submodule(entry) if entry else None
-            except AttributeError:
-                sub = None
-            if sub is not None:
-                _add_leaf_path(opts, sub, entry)
-            elif entry in names:
-                opts.leaf_names.add(entry)
-            else:
-                raise ScheduleError(
-                    f"leaf_modules entry {entry!r} names no submodule path or module class under {where}."
-                )
+            _add_leaf_name(opts, top, entry, names, where)
         else:
             raise ScheduleError(f"leaf_modules entries must be paths, class names or classes, not {entry!r}.")
     opts.leaf_types = tuple(types_)
+
+
+def _add_leaf_name(opts: _Opts, top: nn.Module, entry: str, names: set[str], where: str) -> None:
+    """Add the ``leaf_modules`` string ``entry``: a submodule path of ``top``, else a class name among
+    ``names``; raises ScheduleError for neither."""
+    try:
+        sub = top.get_submodule(entry) if entry else None
+    except AttributeError:
+        sub = None
+    if sub is not None:
+        _add_leaf_path(opts, sub, entry)
+    elif entry in names:
+        opts.leaf_names.add(entry)
+    else:
+        raise ScheduleError(
+            f"leaf_modules entry {entry!r} names no submodule path or module class under {where}."
+        )
 
 
 def _add_leaf_path(opts: _Opts, mod: nn.Module, path: str) -> None:
@@ -275,14 +281,45 @@ def _add_leaf_path(opts: _Opts, mod: nn.Module, path: str) -> None:
 _VAR_POS, _VAR_KW = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
 
 
-def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, example_inputs) -> _Opts:
-    where = _where(sch)
-    if not isinstance(recursive, bool):
-        raise ScheduleError(f"recursive must be True or False, not {recursive!r}.")
-    if not isinstance(flatten, bool):
-        raise ScheduleError(f"flatten must be True or False, not {flatten!r}.")
-    # Slapo's tracer="pytorch": fx where it can, else torch.export -- on a HuggingFace model with its
-    # dummy_inputs recorded as example inputs when none were (Slapo's own tracer made up HF inputs too)
+def _concrete_values(mod: nn.Module, concrete_args: Any) -> dict[str, Any]:
+    """The concrete values of ``trace(concrete_args=...)`` for ``mod``'s forward.
+
+    Slapo's recipe (``{p.name: p.default for the other parameters}``) also names required and ``*``/``**``
+    parameters, with the value ``inspect.Parameter.empty``: those are not concrete values and are dropped.
+
+    Raises:
+        ScheduleError: for a value that is not a dict with string keys, or a name the forward does not take.
+    """
+    if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
+        raise ScheduleError("concrete_args must be a dict from forward() argument names to values.")
+    try:
+        params = inspect.signature(type(mod).forward).parameters
+    except (TypeError, ValueError):
+        params = None
+    concrete_args = {
+        k: v
+        for k, v in concrete_args.items()
+        if v is not inspect.Parameter.empty
+        and not (params is not None and k in params and params[k].kind in (_VAR_POS, _VAR_KW))
+    }
+    if params is not None and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(concrete_args) - set(params))
+        if unknown:
+            raise ScheduleError(
+                f"concrete_args names {', '.join(unknown)}, which {type(mod).__name__}.forward() does not take."
+            )
+    return concrete_args
+
+
+def _tracer_choice(tracer: Any) -> tuple[str, bool]:
+    """``(the tracer to use, whether it is Slapo's "pytorch")`` for ``trace(tracer=...)``.
+
+    Slapo's ``tracer="pytorch"``: fx where it can, else torch.export -- on a HuggingFace model with its
+    dummy_inputs recorded as example inputs when none were (Slapo's own tracer made up HF inputs too).
+
+    Raises:
+        ScheduleError: for ``"huggingface"`` (gone with transformers 5) or an unknown tracer.
+    """
     slapo_pytorch = tracer == "pytorch"
     if slapo_pytorch:
         tracer = "auto"
@@ -293,30 +330,20 @@ def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, exa
         )
     if tracer not in _TRACERS:
         raise ScheduleError(f"Unknown tracer {tracer!r}; use one of {', '.join(_TRACERS)}.")
+    return tracer, slapo_pytorch
+
+
+def _make_opts(sch, recursive, flatten, leaf_modules, tracer, concrete_args, example_inputs) -> _Opts:
+    where = _where(sch)
+    if not isinstance(recursive, bool):
+        raise ScheduleError(f"recursive must be True or False, not {recursive!r}.")
+    if not isinstance(flatten, bool):
+        raise ScheduleError(f"flatten must be True or False, not {flatten!r}.")
+    tracer, slapo_pytorch = _tracer_choice(tracer)
     if flatten and not recursive:
         raise ScheduleError("flatten=True inlines every submodule, so it needs recursive=True.")
     if concrete_args is not None:
-        if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
-            raise ScheduleError("concrete_args must be a dict from forward() argument names to values.")
-        try:
-            params = inspect.signature(type(sch.mod).forward).parameters
-        except (TypeError, ValueError):
-            params = None
-        # Slapo's recipe ({p.name: p.default for the other parameters}) also names required and
-        # */** parameters, with the value inspect.Parameter.empty: those are not concrete values
-        concrete_args = {
-            k: v
-            for k, v in concrete_args.items()
-            if v is not inspect.Parameter.empty
-            and not (params is not None and k in params and params[k].kind in (_VAR_POS, _VAR_KW))
-        }
-        if params is not None and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            unknown = sorted(set(concrete_args) - set(params))
-            if unknown:
-                raise ScheduleError(
-                    f"concrete_args names {', '.join(unknown)}, which {type(sch.mod).__name__}."
-                    f"forward() does not take."
-                )
+        concrete_args = _concrete_values(sch.mod, concrete_args)
     explicit = None
     if example_inputs is not None:
         explicit = _normalize_inputs(example_inputs, "example_inputs")

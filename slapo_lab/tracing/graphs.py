@@ -37,84 +37,118 @@ def _simplify_pytree_calls(owner: nn.Module) -> None:
     ``getitem(tree_flatten_spec(y, leaf_spec), 0)`` becomes ``y``, so a leaf's ``call_module`` node
     consumes and feeds the neighbouring ops directly (and patterns match across it).
     """
-    graph = owner.graph
-
-    class _Leaf:
-        __slots__ = ("i",)
-
-        def __init__(self, i: int) -> None:
-            self.i = i
-
-    def plain(x: Any) -> bool:  # a builtin container of leaves: can be written as a graph argument
-        if isinstance(x, _Leaf) or x is None:
-            return True
-        if type(x) in (tuple, list):
-            return all(plain(v) for v in x)
-        if type(x) is dict:
-            return all(isinstance(k, str) and plain(v) for k, v in x.items())
-        return False
-
-    def build(x: Any, flat: list) -> Any:
-        if isinstance(x, _Leaf):
-            return flat[x.i]
-        if type(x) in (tuple, list):
-            return type(x)(build(v, flat) for v in x)
-        if type(x) is dict:
-            return {k: build(v, flat) for k, v in x.items()}
-        return x
-
-    def resolve(node: fx.Node, struct: Any, flat: list) -> None:
-        for user in list(node.users):
-            if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not node:
-                continue
-            try:
-                sub = struct[user.args[1]]
-            except (KeyError, IndexError, TypeError):
-                continue
-            if isinstance(sub, _Leaf):
-                _replace_uses(user, flat[sub.i])
-            else:
-                resolve(user, sub, flat)
-                if user.users and plain(sub):
-                    _replace_uses(user, build(sub, flat))
-
     changed = False
-    for node in list(graph.nodes):
+    for node in list(owner.graph.nodes):
         if node.op != "call_function":
             continue
-        if (
-            node.target is pytree.tree_unflatten
-            and len(node.args) == 2
-            and isinstance(node.args[1], fx.Node)
-            and node.args[1].op == "get_attr"
-            and isinstance(node.args[0], (list, tuple))
-        ):
-            spec = _fetch(owner, node.args[1].target)
-            flat = list(node.args[0])
-            try:
-                struct = pytree.tree_unflatten([_Leaf(i) for i in range(len(flat))], spec)
-            except Exception as err:  # noqa: BLE001 - leave this call's plumbing as torch.export wrote it
-                log.debug("kept tree_unflatten %s: %s", node.name, _short(err))
-                continue
-            resolve(node, struct, flat)
-            changed = True
-        elif (
-            getattr(node.target, "__name__", "") == "tree_flatten_spec"
-            and len(node.args) == 2
-            and isinstance(node.args[0], fx.Node)
-            and node.args[0].op == "call_module"
-            and isinstance(node.args[1], fx.Node)
-            and node.args[1].op == "get_attr"
-        ):
-            spec = _fetch(owner, node.args[1].target)
-            if spec.is_leaf():
-                for user in list(node.users):
-                    if user.target is operator.getitem and user.args[1] == 0:
-                        user.replace_all_uses_with(node.args[0])
-                changed = True
-    if not changed:
-        return
-    # Drop what became dead (only pure pytree plumbing: getitem, tree_* and their spec get_attrs).
+        if _is_unflatten_call(node):
+            changed = _fold_unflatten(owner, node) or changed
+        elif _is_flatten_spec_call(node):
+            changed = _fold_flatten_spec(owner, node) or changed
+    if changed:
+        _drop_dead_pytree_nodes(owner.graph)
+
+
+class _Leaf:
+    """Leaf ``i`` of a flat list, in the structure a pytree spec unflattens it to."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def _plain(x: Any) -> bool:
+    """Whether ``x`` is a builtin container of leaves, which can be written as a graph argument."""
+    if isinstance(x, _Leaf) or x is None:
+        return True
+    if type(x) in (tuple, list):
+        return all(_plain(v) for v in x)
+    if type(x) is dict:
+        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
+    return False
+
+
+def _build(x: Any, flat: list) -> Any:
+    """The structure ``x`` with each leaf replaced by its value in ``flat``."""
+    if isinstance(x, _Leaf):
+        return flat[x.i]
+    if type(x) in (tuple, list):
+        return type(x)(_build(v, flat) for v in x)
+    if type(x) is dict:
+        return {k: _build(v, flat) for k, v in x.items()}
+    return x
+
+
+def _resolve_getitems(node: fx.Node, struct: Any, flat: list) -> None:
+    """Replace the ``getitem`` users of ``node`` (whose value has the structure ``struct`` of leaves of
+    ``flat``) by the leaf or plain container they pick, recursively."""
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not node:
+            continue
+        try:
+            sub = struct[user.args[1]]
+        except (KeyError, IndexError, TypeError):
+            continue
+        if isinstance(sub, _Leaf):
+            _replace_uses(user, flat[sub.i])
+        else:
+            _resolve_getitems(user, sub, flat)
+            if user.users and _plain(sub):
+                _replace_uses(user, _build(sub, flat))
+
+
+def _is_get_attr(x: Any) -> bool:
+    return isinstance(x, fx.Node) and x.op == "get_attr"
+
+
+def _is_unflatten_call(node: fx.Node) -> bool:
+    """``tree_unflatten([a, b, ...], <spec attribute>)``."""
+    return (
+        node.target is pytree.tree_unflatten
+        and len(node.args) == 2
+        and _is_get_attr(node.args[1])
+        and isinstance(node.args[0], (list, tuple))
+    )
+
+
+def _is_flatten_spec_call(node: fx.Node) -> bool:
+    """``tree_flatten_spec(<a call_module's result>, <spec attribute>)``."""
+    return (
+        getattr(node.target, "__name__", "") == "tree_flatten_spec"
+        and len(node.args) == 2
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "call_module"
+        and _is_get_attr(node.args[1])
+    )
+
+
+def _fold_unflatten(owner: nn.Module, node: fx.Node) -> bool:
+    """Make the ``getitem`` users of a ``tree_unflatten`` call read its flat arguments; whether it could."""
+    spec = _fetch(owner, node.args[1].target)
+    flat = list(node.args[0])
+    try:
+        struct = pytree.tree_unflatten([_Leaf(i) for i in range(len(flat))], spec)
+    except Exception as err:  # noqa: BLE001 - leave this call's plumbing as torch.export wrote it
+        log.debug("kept tree_unflatten %s: %s", node.name, _short(err))
+        return False
+    _resolve_getitems(node, struct, flat)
+    return True
+
+
+def _fold_flatten_spec(owner: nn.Module, node: fx.Node) -> bool:
+    """Make ``getitem(tree_flatten_spec(y, leaf_spec), 0)`` read ``y``; whether the spec was a leaf."""
+    spec = _fetch(owner, node.args[1].target)
+    if not spec.is_leaf():
+        return False
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] == 0:
+            user.replace_all_uses_with(node.args[0])
+    return True
+
+
+def _drop_dead_pytree_nodes(graph: fx.Graph) -> None:
+    """Erase what became dead, only pure pytree plumbing: getitem, tree_* and their spec get_attrs."""
     removable = {operator.getitem, pytree.tree_unflatten}
     for node in reversed(list(graph.nodes)):
         if node.users:
@@ -280,6 +314,17 @@ class _CallInfo:
         extra = dict(values.pop(self.var_kw, None) or {}) if self.var_kw else {}
         extra = {k: v for k, v in extra.items() if v is not None or k in self.kw_names}  # None = absent
         new_args = tuple(values.pop(n) for n in self.pos[: self.n_args])
+        new_kwargs = self._traced_keywords(values, extra)
+        self._check_defaults_left(values)
+        if extra:
+            raise TypeError(
+                f"{self.name} was traced without the keyword(s) {', '.join(extra)}, which this call passes."
+            )
+        return new_args, new_kwargs
+
+    def _traced_keywords(self, values: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        """The traced keywords, taken out of the bound ``values`` or the ``**kwargs`` ``extra``; raises
+        TypeError for one the call does not pass."""
         new_kwargs = {}
         for k in self.kw_names:
             if k in values:
@@ -290,17 +335,16 @@ class _CallInfo:
                 raise TypeError(
                     f"{self.name} was traced with the keyword {k}, which this call does not pass."
                 )
+        return new_kwargs
+
+    def _check_defaults_left(self, values: dict[str, Any]) -> None:
+        """Raise TypeError for a parameter of ``values`` (those the trace did not take) not at its default."""
         for k, v in values.items():
             default = self.sig.parameters[k].default
             if v is not default and (isinstance(v, torch.Tensor) or v != default):
                 raise TypeError(
                     f"{self.name} was traced with {k} left at its default, so it cannot take {k}={_short(repr(v), 60)}."
                 )
-        if extra:
-            raise TypeError(
-                f"{self.name} was traced without the keyword(s) {', '.join(extra)}, which this call passes."
-            )
-        return new_args, new_kwargs
 
     def flatten(self, args: tuple, kwargs: dict) -> list:
         """The flat graph inputs of a call ``(args, kwargs)``.
@@ -429,21 +473,8 @@ def _inline_call(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
     """Put the nodes of ``sub``'s graph in place of ``call`` (a ``call_module`` of ``sub``); their
     ``get_attr`` / ``call_module`` targets get the call's target as prefix."""
     prefix = call.target
-    env: dict[fx.Node, Any] = {}
-    args = list(call.args)
+    env = _inline_inputs(call, sub)
     out: Any = None
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for i, ph in enumerate(placeholders):
-        if i < len(args):
-            env[ph] = args[i]
-        elif ph.target in call.kwargs:
-            env[ph] = call.kwargs[ph.target]
-        elif ph.args:
-            env[ph] = ph.args[0]
-        else:
-            raise ScheduleError(
-                f"{prefix} cannot be inlined: its call gives no value for its input {ph.target}."
-            )
     with graph.inserting_before(call):
         for n in sub.graph.nodes:
             if n.op == "placeholder":
@@ -456,22 +487,51 @@ def _inline_call(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
                 new.target = f"{prefix}.{n.target}"
             env[n] = new
     if isinstance(out, (tuple, list)):
-        for user in list(call.users):
-            if (
-                user.op == "call_function"
-                and user.target is operator.getitem
-                and user.args[0] is call
-                and isinstance(user.args[1], int)
-            ):
-                _replace_uses(user, out[user.args[1]])
-                graph.erase_node(user)
-        if call.users:
-            with graph.inserting_before(call):
-                agg = graph.call_function(type(out), (list(out),))
-            call.replace_all_uses_with(agg)
+        _inline_results(graph, call, out)
     else:
         _replace_uses(call, out)
     graph.erase_node(call)
+
+
+def _inline_inputs(call: fx.Node, sub: fx.GraphModule) -> dict[fx.Node, Any]:
+    """``sub``'s placeholders -> what ``call`` passes them (positionally, by keyword, or their defaults).
+
+    Raises:
+        ScheduleError: for an input the call gives no value for.
+    """
+    env: dict[fx.Node, Any] = {}
+    args = list(call.args)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(args):
+            env[ph] = args[i]
+        elif ph.target in call.kwargs:
+            env[ph] = call.kwargs[ph.target]
+        elif ph.args:
+            env[ph] = ph.args[0]
+        else:
+            raise ScheduleError(
+                f"{call.target} cannot be inlined: its call gives no value for its input {ph.target}."
+            )
+    return env
+
+
+def _inline_results(graph: fx.Graph, call: fx.Node, out: tuple | list) -> None:
+    """Make the users of ``call`` read the inlined results ``out``: each ``getitem`` the element it picks, any
+    other use one rebuilt container."""
+    for user in list(call.users):
+        if (
+            user.op == "call_function"
+            and user.target is operator.getitem
+            and user.args[0] is call
+            and isinstance(user.args[1], int)
+        ):
+            _replace_uses(user, out[user.args[1]])
+            graph.erase_node(user)
+    if call.users:
+        with graph.inserting_before(call):
+            agg = graph.call_function(type(out), (list(out),))
+        call.replace_all_uses_with(agg)
 
 
 def _flat_containers(gm: nn.Module, originals: set[int]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import re
 import types
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -117,30 +118,40 @@ def op_key(node: fx.Node, owner: nn.Module):
     ``nn.GELU`` and HF's ``GELUActivation`` all read ``"gelu"``; None for non-compute nodes.
     A ``call_module`` of an unmapped class is keyed by its (original) class."""
     if node.op == "call_module":
-        try:
-            m = _fetch(owner, node.target)
-        except AttributeError:
-            return None
-        if isinstance(m, ModulePattern):
-            return ("module_regex", m.name)
-        cls = orig_class(m)
-        for t, key in _MODULE_OPS:
-            if issubclass(cls, t):
-                return key
-        return _HF_ACTIVATIONS.get(cls.__name__, ("module", cls))
+        return _module_key(node, owner)
     if node.op == "call_function":
-        t = node.target
-        if t is call_module:
-            return ("module_regex", node.args[0])
-        if t in _OPERATORS:
-            return _OPERATORS[t]
-        if isinstance(t, torch._ops.OpOverload):
-            return _op_name(t.overloadpacket.__name__)
-        name = getattr(t, "__name__", None)
-        return _op_name(name) if name else ("function", t)
+        return _function_key(node)
     if node.op == "call_method":
         return _op_name(node.target)
     return None
+
+
+def _module_key(node: fx.Node, owner: nn.Module) -> Any:
+    """:func:`op_key` of a ``call_module`` node: the op its (original) class computes, or the class."""
+    try:
+        m = _fetch(owner, node.target)
+    except AttributeError:
+        return None
+    if isinstance(m, ModulePattern):
+        return ("module_regex", m.name)
+    cls = orig_class(m)
+    for t, key in _MODULE_OPS:
+        if issubclass(cls, t):
+            return key
+    return _HF_ACTIVATIONS.get(cls.__name__, ("module", cls))
+
+
+def _function_key(node: fx.Node) -> Any:
+    """:func:`op_key` of a ``call_function`` node: an operator's or aten op's name, or the function's."""
+    t = node.target
+    if t is call_module:
+        return ("module_regex", node.args[0])
+    if t in _OPERATORS:
+        return _OPERATORS[t]
+    if isinstance(t, torch._ops.OpOverload):
+        return _op_name(t.overloadpacket.__name__)
+    name = getattr(t, "__name__", None)
+    return _op_name(name) if name else ("function", t)
 
 
 _SCALARS = (bool, int, float, str)

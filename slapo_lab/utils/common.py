@@ -14,6 +14,7 @@ from types import FunctionType
 from torch import nn
 
 from ..errors import ScheduleError
+from ..primitives.replace import check_fusion_hooks
 
 HOOK_TYPE_TO_ATTR = {
     "fwd_pre": "_forward_pre_hooks",
@@ -83,8 +84,6 @@ def transfer_hooks_for_fusion(sch, subgraphs, new_mod: nn.Module) -> None:
         ScheduleError: a hook that cannot be kept -- any hook in horizontal fusion, a ``fwd_post`` hook on the
             first module, a ``fwd_pre`` / ``bwd_post`` hook on the last, any hook on a module in between.
     """
-    from ..primitives.replace import check_fusion_hooks
-
     for src, kinds in check_fusion_hooks(sch.mod, subgraphs):
         transfer_hooks(src, new_mod, kinds)
 
