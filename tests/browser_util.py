@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import harness
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -43,7 +45,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 ARTIFACTS = REPO_ROOT / "artifacts"
 
 # Front-end plugins that would reach the internet or pop up notices in a fresh profile.

@@ -12,9 +12,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import harness
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "slapo_lab"
+ROOT = harness.REPO_ROOT / "slapo_lab"
 
 #: The engine packages whose public functions must be fully annotated (issue 25's list).
 ENGINE = ("schedule.py", "record.py", "primitives", "sharding", "export", "train")

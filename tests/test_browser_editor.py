@@ -20,11 +20,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import harness
 import pytest
 
 pytestmark = pytest.mark.browser
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 QUICKSTART = REPO_ROOT / "notebooks" / "quickstart.ipynb"
 
 SMALL_BERT_CELL = textwrap.dedent(

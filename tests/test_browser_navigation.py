@@ -22,13 +22,13 @@ import contextlib
 import re
 import textwrap
 import time
-from pathlib import Path
 
+import harness
 import pytest
 
 pytestmark = pytest.mark.browser
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 SCREENSHOT = REPO_ROOT / "docs" / "screenshots" / "graph_navigation.png"
 
 BIG_GRAPH_CELL = textwrap.dedent(

@@ -23,13 +23,13 @@ from __future__ import annotations
 import re
 import textwrap
 import time
-from pathlib import Path
 
+import harness
 import pytest
 
 pytestmark = pytest.mark.browser
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 SHOTS = REPO_ROOT / "docs" / "screenshots"
 WAIT = 60_000
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from pathlib import Path
 
+import harness
 import pytest
 import torch
 from harness import launch_results
@@ -26,7 +26,7 @@ import slapo_lab as sl
 from slapo_lab import presets
 
 warnings.filterwarnings("ignore")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 SCRIPT = ROOT / "tests" / "multirank" / "compile_train.py"
 TIMEOUT_S = 240
 CASES = [

@@ -10,14 +10,14 @@ one sentence. Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q test
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+import harness
 import ipywidgets as W
 import pytest
 
 from slapo_lab.editor.graph_widget import ACTIONS, GraphWidget
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO_ROOT
 Q = "encoder.layer.0.attention.self.query"
 
 

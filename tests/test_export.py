@@ -17,6 +17,7 @@ import sys
 import types
 from pathlib import Path
 
+import harness
 import pytest
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ from slapo_lab.record import SCHEMA_VERSION, Call
 from slapo_lab.train import preflight
 from slapo_lab.train.config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO_ROOT
 HOSTILE = ['a"b', "x\ny", "__import__('os')", "{i}", "c'd\\", "e}{", 'f"]); import os; ("']
 # the step line of slapo_lab.train (CPU: no MFU)
 STEP = re.compile(

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import pytest
 import torch
 
@@ -138,9 +139,7 @@ def _export_gpt2(folder, tp: int, launcher: str = "torchrun"):
 
 def _pp_env(env):
     env = dict(env)
-    env.setdefault(
-        "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
-    )
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO_ROOT / ".cache" / "torch_extensions"))
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return env
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 import warnings
-from pathlib import Path
 
+import harness
+import pp_models as M
 import pytest
 import torch
 from harness import launch_results, launch_torchrun
@@ -32,10 +32,8 @@ from harness import launch_results, launch_torchrun
 import slapo_lab as sl
 from slapo_lab.pipeline import partition_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 SCRIPT = ROOT / "tests" / "multirank" / "pp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import pp_models as M
 
 FAMILIES = list(M.FAMILIES)
 CKPT_FAMILIES = [f for f in FAMILIES if f != "fam_t5_dec"]  # the same T5 model as fam_t5_enc

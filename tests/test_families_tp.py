@@ -15,11 +15,11 @@ heads axis and shards the decoder (self and cross attention) and its (gated) fee
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
+import harness
 import pytest
 import torch
+import tp_train
 from harness import launch_results
 from torch import nn
 
@@ -28,10 +28,8 @@ from slapo_lab import presets
 from slapo_lab.export import export_script
 from slapo_lab.module_state import module_meta
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import tp_train
 
 FAMILY_CASES = [
     "roberta_megatron_tp",

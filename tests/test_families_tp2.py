@@ -13,20 +13,17 @@ and ViT pass their own ``--verify``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import harness
 import pytest
 import torch
+import tp_train  # the model builders shared with the multi-rank script
 from harness import launch_results
 
 import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.errors import ScheduleError
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "multirank"))
-import tp_train  # the model builders shared with the multi-rank script
+ROOT = harness.REPO_ROOT
 
 FAMILIES = ["qwen3", "mistral", "mixtral", "albert", "vit"]
 DECODERS = ("qwen3", "mistral", "mixtral")

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import copy
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import tp_train
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -30,9 +29,6 @@ from slapo_lab.numeric import numeric_check
 from slapo_lab.sharding.placements import ShardLayout, layout_of
 from slapo_lab.sharding.rules import BlockStride, local_shard, merge_shards
 from tests.harness import REPO_ROOT, launch_results
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
-import tp_train
 
 INPUTS = {
     "input_ids": torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(3)),

@@ -12,9 +12,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.REPO_ROOT
 
 
 def test_gpu_check_flow_runs_on_the_cpu(tmp_path):

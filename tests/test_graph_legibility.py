@@ -10,8 +10,8 @@ shapes after sharding.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+import harness
 import pytest
 import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
@@ -21,7 +21,7 @@ from slapo_lab import graph as g
 from slapo_lab.editor import GraphWidget
 from slapo_lab.graph import dataflow as _dataflow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO_ROOT
 # a large graph view (CSS px); the editor's default box is smaller, and the browser then keeps a
 # readable minimum scale and pans (test_browser_screens.py)
 BOX_W, BOX_H = 960, 720

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
+import harness
 import pytest
 
 from slapo_lab.editor import GraphWidget
 from slapo_lab.editor.graph_widget import MINIMAP_NODES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO_ROOT
 WIDGET_TS = REPO / "labextension" / "src" / "widget.ts"
 NODE_IDS = {"d1n0": "embeddings", "d1n1": "encoder", "d1n2": "pooler"}
 

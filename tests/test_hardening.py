@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import harness
 import pytest
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 import slapo_lab as sl
 from slapo_lab.call_order import set_example_inputs
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ARTIFACTS = harness.REPO_ROOT / "artifacts"
 RESULTS: dict[str, str] = {}
 
 

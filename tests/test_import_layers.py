@@ -12,7 +12,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "slapo_lab"
+import harness
+
+ROOT = harness.REPO_ROOT / "slapo_lab"
 
 #: Lowest first. A name is a module or a package (a package covers every module below it; the most specific
 #: name wins, so ``utils.common`` sits above the rest of ``utils``).

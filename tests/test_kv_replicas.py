@@ -11,10 +11,10 @@ layout and gradient norms, and an exported script at tp 4 with ``--verify --step
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
+import tp_train
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -27,8 +27,6 @@ from slapo_lab.utils import meta_copy
 from tests.harness import REPO_ROOT, launch_results
 
 MULTIRANK = REPO_ROOT / "tests" / "multirank"
-sys.path.insert(0, str(MULTIRANK))
-import tp_train
 
 ATTN = "model.layers.0.self_attn"
 

@@ -15,12 +15,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import harness
 import pytest
 
 from slapo_lab.editor import GraphWidget
 from slapo_lab.editor.graph_widget import MODULE_NAME, MODULE_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO_ROOT
 NODE_IDS = {"n_embed": "embeddings", "n_enc": "encoder.layer.0", "n_head": "lm_head"}
 
 

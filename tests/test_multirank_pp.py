@@ -20,12 +20,12 @@ Every launch is bounded (its process group is killed on timeout).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
+import harness
 import pytest
 from harness import launch_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 SCRIPT = ROOT / "tests" / "multirank" / "pp_train.py"
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 

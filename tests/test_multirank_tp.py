@@ -9,12 +9,11 @@ per-case tests below.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import harness
 import pytest
 from harness import launch_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 SCRIPT = ROOT / "tests" / "multirank" / "tp_train.py"
 TIMEOUT_S = 300
 CASES = [

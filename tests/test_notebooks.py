@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
+import harness
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = harness.REPO_ROOT / "notebooks"
 
 
 def _run(name, run_bounded, env, timeout):

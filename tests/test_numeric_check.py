@@ -7,24 +7,19 @@ two-rank suite trains, ✗ with the first differing (or failing) module for wron
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import tp_train
+from matrix_models import NanoGPT  # nanoGPT: its forward takes the head size from the width
 from torch import nn
 
 import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.numeric import numeric_check
 from slapo_lab.utils import meta_copy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tp_train
-from matrix_models import NanoGPT  # nanoGPT: its forward takes the head size from the width
 
 ALL_CASES = [c for c in tp_train.CASES.values() for c in ([c] if isinstance(c, tuple) else c)]
 ALL_CASES += [c for cases in tp_train.FAMILY_CASES.values() for c in cases]
@@ -334,7 +329,6 @@ def test_a_users_own_modules_get_a_right_megatron_preset_without_hugging_face_ho
 
 
 def _deberta_cut():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import matrix_models as M
 
     model = M.deberta_v2()

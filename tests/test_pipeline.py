@@ -5,9 +5,8 @@ cut-time errors of ``cut_pipeline_stage``, ``build_pipeline`` argument checks, `
 from __future__ import annotations
 
 import socket
-import sys
-from pathlib import Path
 
+import pp_models as M
 import pytest
 import torch
 from torch import nn
@@ -21,9 +20,6 @@ from slapo_lab.pipeline import (
     set_example_inputs,
     suggest_cuts,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
-import pp_models as M
 
 
 def _sched(name: str, cuts=(), seed: int = 0):
@@ -447,10 +443,7 @@ def test_model_inputs_and_traced_module_inputs_do_not_share_a_store():
 def test_balanced_cuts_span_every_stack_of_blocks():
     """Whisper's encoder and decoder are both cut between (the default cut used to land at encoder.layers.0,
     the middle of the encoder alone)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
     import tp_train
 
     from slapo_lab.pipeline import suggest_cuts

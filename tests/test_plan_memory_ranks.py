@@ -12,11 +12,11 @@ benchmark's.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+import harness
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO_ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_memory_ranks as bench

@@ -8,11 +8,10 @@ and a vocabulary that does not divide by the world size stays replicated with on
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import harness
 import pytest
 import torch
+import tp_train
 from harness import launch_results
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
@@ -20,9 +19,7 @@ import slapo_lab as sl
 from slapo_lab import presets
 from slapo_lab.errors import ScheduleError
 
-SCRIPT = Path(__file__).resolve().parent / "multirank" / "tp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import tp_train
+SCRIPT = harness.TESTS / "multirank" / "tp_train.py"
 
 
 def _bert():

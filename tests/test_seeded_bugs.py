@@ -18,10 +18,10 @@ import dataclasses
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from families import FAMILIES, Family
 from torch import nn
 
 import slapo_lab as sl
@@ -29,9 +29,6 @@ from slapo_lab import presets
 from slapo_lab.numeric import numeric_check
 from slapo_lab.record import Call
 from slapo_lab.utils import meta_copy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import FAMILIES, Family
 
 WS = 2
 BART = Family(

@@ -21,8 +21,8 @@ import os
 import re
 import shutil
 import sys
-from pathlib import Path
 
+import harness
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from torch import nn
 import slapo_lab as sl
 from slapo_lab import op
 
-HERE = Path(__file__).resolve().parent / "slapo_compat"
+HERE = harness.TESTS / "slapo_compat"
 sys.path.insert(0, str(HERE))
 import slapo_alias  # installs the ``slapo`` -> ``slapo_lab`` alias
 

@@ -12,6 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import harness
 import pytest
 
 import slapo_lab.train.config as config_module
@@ -28,7 +29,7 @@ from slapo_lab.train.config import (
     option_fields,
 )
 
-SNAPSHOT = Path(__file__).parent / "data" / "train_args_snapshot.json"
+SNAPSHOT = harness.TESTS / "data" / "train_args_snapshot.json"
 KINDS = {
     "torchrun": ("torchrun", False),
     "torchrun+pipeline": ("torchrun", True),
@@ -184,7 +185,7 @@ def test_parallel_section_yields_parallel_dims():
 
 
 # ---------------------------------------------------------------------------------------------- literal & scripts
-OLD_SCRIPT = Path(__file__).parent / "data" / "exported_before_trainconfig.py.txt"
+OLD_SCRIPT = harness.TESTS / "data" / "exported_before_trainconfig.py.txt"
 STEP = re.compile(r"^step (\d+)/(\d+) loss (\S+) \| lr (\S+)", re.MULTILINE)
 
 
