@@ -1,4 +1,4 @@
-"""Tiny random-weight models of issue 16's family matrix (tests/test_families_matrix.py).
+"""Tiny random-weight models of issue 16's family matrix (tests/families/test_families_matrix.py).
 
 Every matrix builder (named by family) takes no arguments (so that an exported script can name it as its
 ``factory``), seeds 0 and returns a model with random weights, no dropout and no KV cache: Gemma-3, Falcon
@@ -316,7 +316,7 @@ class _NanoBlock(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    """tests/test_numeric_check.py's nanoGPT: returns the logits."""
+    """tests/unit/numeric/test_numeric_check.py's nanoGPT: returns the logits."""
 
     def __init__(self, vocab: int = VOCAB, width: int = 64, heads: int = 4, layers: int = 3) -> None:
         super().__init__()

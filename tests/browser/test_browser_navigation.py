@@ -13,7 +13,7 @@ ScheduleEditor, and filler output so that the notebook scrolls. Checked, in orde
    typing in the editor's search box (full paths in the results, one sentence for no match).
 
 Screenshot: ``docs/screenshots/graph_navigation.png`` (the big graph after the search, minimap shown).
-Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q -s tests/test_browser_navigation.py``.
+Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q -s tests/browser/test_browser_navigation.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ driven, from the test):
 
 Screenshots: ``docs/screenshots/editor_panel_1280x800.png``, ``editor_context_menu.png``,
 ``editor_shortcuts.png``. Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q -s
-tests/test_browser_panel_keys.py``.
+tests/browser/test_browser_panel_keys.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ranked table → Apply a row → ✓ from the live numeric check → Export with
 A tiny Llama built from ``transformers.LlamaConfig`` (no downloads) on 1 node × 2 GPUs with one sequence per step:
 data parallelism cannot split it, so the plans that fit use the two GPUs for tensor or pipeline parallelism, and
 the test applies the best row the schedule primitives can record. Run: ``source scripts/env.sh &&
-.venv/bin/python -m pytest -q -s tests/test_browser_plan.py``. Screenshot: ``artifacts/editor_plan.png``.
+.venv/bin/python -m pytest -q -s tests/browser/test_browser_plan.py``. Screenshot: ``artifacts/editor_plan.png``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11, "readable graph": screenshots of the editor's graph in real JupyterLab (headless
+"""Screenshots of the editor's graph (the readable graph of issue 11) in real JupyterLab (headless
 Chromium), light and dark, for BERT (Megatron TP preset + a checkpoint + a cut, one layer selected)
 and the 70B Llama on meta (TP preset; the 80 layers expanded, then one layer opened).
 

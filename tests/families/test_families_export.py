@@ -1,6 +1,6 @@
 """Exported tensor-parallel scripts (Megatron preset + checkpoint preset) pass ``--verify`` on 2 gloo ranks for the
-families whose exported TP script no other suite launches (OPT and T5: test_families_tp.py; Qwen3, Mixtral and
-ViT: test_families_tp2.py; BERT and GPT-2: test_export_torchrun.py)."""
+families whose exported TP script no other suite launches (OPT and T5: test_families_tp_head_counts.py; Qwen3, Mixtral and
+ViT: test_families_tp_gqa_moe_vit.py; BERT and GPT-2: test_export_torchrun.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 16's "done when" matrix: every family the issue names, a hand-written module, and two more.
+"""The family matrix: editor, presets, numeric check and exported scripts on every family issue 16 names, a
+hand-written module, and two more.
 
 Families (tiny random-weight models, ``tests/matrix_models.py``): Gemma-3, Falcon (``new_decoder_architecture``
 with 2 KV heads, and the default multi-query config, its key/value head replicated), BLOOM, Whisper, CLIP, Phi-3, DeBERTa-v2, ResNet, GPT-J and

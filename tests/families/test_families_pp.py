@@ -1,4 +1,4 @@
-"""Issue 10: pipeline parallelism and activation checkpointing on every common Hugging Face family.
+"""Pipeline parallelism and activation checkpointing on every common Hugging Face family.
 
 Twelve families with tiny random configs (``tests/multirank/pp_models.py``: 2 blocks, hidden 64, 4
 heads, sequence 16, batch 4, no dropout): BERT, RoBERTa, ALBERT, OPT, GPT-Neo, GPT-2, T5 (a cut in the

@@ -1,4 +1,4 @@
-"""Issue 10: tensor parallelism for Qwen3, Mistral, Mixtral, ALBERT and ViT, and all-or-nothing presets.
+"""Tensor parallelism for Qwen3, Mistral, Mixtral, ALBERT and ViT, and all-or-nothing presets.
 
 Fast single-process tests: the editor opens each family with a dataflow graph (Mixtral's grouped_mm experts
 recorded on meta), the Megatron and checkpoint presets apply (ViT without a vocabulary), the schedules have

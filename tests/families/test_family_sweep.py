@@ -1,4 +1,4 @@
-"""Issue 23, "a sweep test over transformers' own families" (``tests/family_sweep.py`` is the harness).
+"""The sweep over transformers' own families (issue 23; ``tests/family_sweep.py`` is the harness).
 
 Every family of transformers' seq2seq, masked-LM, causal-LM and image-classification auto mappings is built
 tiny from its config class, gets the Megatron preset at TP 2 as the editor applies it, and the numeric check;

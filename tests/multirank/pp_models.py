@@ -1,4 +1,4 @@
-"""Small models, batches and losses shared by the pipeline tests (tests/test_pipeline.py, pp_train.py).
+"""Small models, batches and losses shared by the pipeline tests (tests/unit/pipeline/test_pipeline.py, pp_train.py).
 
 * ``bert``: HF ``BertModel`` (2-4 layers, hidden 64) + a linear classification head on the first token;
 * ``gpt2``: HF ``GPT2LMHeadModel`` with its tied ``lm_head`` / ``transformer.wte`` (causal-LM loss);

@@ -1,4 +1,4 @@
-"""Multi-rank tensor-parallel check, run by torchrun (see tests/test_multirank_tp.py).
+"""Multi-rank tensor-parallel check, run by torchrun (see tests/multirank/test_tensor_parallel_ranks.py).
 
     torchrun --nproc_per_node=2 tests/multirank/tp_train.py [all | bert gpt2 llama ...] [case names ...]
 
@@ -337,7 +337,7 @@ CASES = {
 
 
 # Families whose attention keeps head counts in attributes (issue 10); launched by name, not by "all"
-# (tests/test_families_tp.py).
+# (tests/families/test_families_tp_head_counts.py).
 FAMILY_CASES = {
     "roberta": [("roberta_megatron_tp", roberta_mlm_model, lambda s: presets.megatron_tp(s))],
     "opt": [

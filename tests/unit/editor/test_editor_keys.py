@@ -4,7 +4,7 @@ The browser sends ``{"event": "action", "action": ..., "node"?: token, "render"?
 GraphWidget; these tests feed such messages to the widget as the comm would and check that the editor
 runs the same methods as its buttons, that anything malformed is one sentence, what the
 ``action_reasons`` trait holds, and that ``editor.open()`` without a JupyterLab front end answers with
-one sentence. Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/test_editor_keys.py``.
+one sentence. Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/unit/editor/test_editor_keys.py``.
 """
 
 from __future__ import annotations

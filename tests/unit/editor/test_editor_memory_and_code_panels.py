@@ -1,4 +1,4 @@
-"""Issue 11 (speed at 70B, code panel, memory line): structural regressions, no timing.
+"""The editor's selection, memory line and code panel at 70B (issue 11): structural regressions, no timing.
 
 * a selection never runs graphviz (the browser draws the selection halo);
 * the memory line is one sentence naming the module and the reason, never an exception's text, and

@@ -1,4 +1,4 @@
-"""Issue 18: typed calls, clicks on the comm thread, undo/redo and autosave are serialised, so no call
+"""Editor calls from several threads (issue 18): typed calls, clicks on the comm thread, undo/redo and autosave are serialised, so no call
 that returned without error is ever lost.
 
 Four threads act on one editor at once, hundreds of times: two type primitives on ``editor.schedule``

@@ -1,4 +1,5 @@
-"""Issue 11: no lost schedules, undo/redo per user action, replay only primitives, one-sentence errors."""
+"""The editor's undo/redo per user action (issue 11): no lost schedules, replay of primitives only, one-sentence
+errors."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def _editor(bert, **kw):
 
 
 # ------------------------------------------------------------------ schedule_file restore
-# an unrestorable file is left as it is: tests/test_no_lost_work.py
+# an unrestorable file is left as it is: tests/unit/editor/test_schedule_file_conflicts.py
 
 
 def test_restore_keeps_actions_for_undo(bert, tmp_path):

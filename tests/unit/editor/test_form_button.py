@@ -1,5 +1,5 @@
 """FormButton: a click applies the page's values of its form before the click handlers run (the browser half,
-labextension/src/form_button.ts, sends them; tests/test_browser_editor.py shows the race it closes)."""
+labextension/src/form_button.ts, sends them; tests/browser/test_browser_editor.py shows the race it closes)."""
 
 from __future__ import annotations
 

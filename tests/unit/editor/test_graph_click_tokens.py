@@ -1,4 +1,4 @@
-"""Issue 18: graph click tokens are unique across drawings, so a stale token is ignored, never re-mapped.
+"""Graph click tokens (issue 18) are unique across drawings, so a stale token is ignored, never re-mapped.
 
 Tokens used to be positional (``n0, n1, ...``): after a redraw the same token named another module, and
 a message *without* a ``render`` id (a kernel-side driver, a fuzz case) carrying a token of the previous

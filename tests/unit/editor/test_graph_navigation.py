@@ -2,8 +2,8 @@
 :class:`GraphWidget`, the editor's search (full paths, one sentence for no match, graph highlight), and
 the constants the browser half must share with Python.
 
-Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/test_graph_navigation.py`` (a few
-seconds; the browser half is tested in ``tests/test_browser_navigation.py``).
+Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/unit/editor/test_graph_navigation.py`` (a few
+seconds; the browser half is tested in ``tests/browser/test_browser_navigation.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The graph widget: kernel side (simulated browser messages), installation, and a real browser.
 
-Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/test_labextension.py``
+Run: ``source scripts/env.sh && .venv/bin/python -m pytest -q tests/unit/editor/test_labextension.py``
 (``-m "not browser"`` skips the JupyterLab + Chromium test).
 """
 

@@ -1,4 +1,4 @@
-"""Issue 18: no lost work -- two editors on one file, outside edits, unrestorable files, failed writes,
+"""The editor's schedule file loses no work (issue 18): two editors on one file, outside edits, unrestorable files, failed writes,
 stale handles and an interrupted load. Each test failed on the main before the fix."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 18 "Consent before code": a schedule file is data, so the factory its ``meta.model`` names is never
+"""Consent before code (issue 18): a schedule file is data, so the factory its ``meta.model`` names is never
 imported or called without consent (``--trust-factory`` / ``trust_factory=True``), and even with consent
 only from the user's project folder, never from the standard library, site-packages or the interpreter.
 

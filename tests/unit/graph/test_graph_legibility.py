@@ -1,4 +1,4 @@
-"""Issue 11, "readable graph": computed properties of the rendered SVG and the graph widget's
+"""The readable graph (issue 11): computed properties of the rendered SVG and the graph widget's
 render ids (no browser needed; the screenshots are in test_browser_screens.py).
 
 Each test fails on the code before the fix: clicks carried no drawing id (a late click selected

@@ -1,6 +1,6 @@
 """Single-process tests of slapo_lab.pipeline: partitioning, stage counts, liveness, tied weights, the
 cut-time errors of ``cut_pipeline_stage``, ``build_pipeline`` argument checks, ``suggest_cuts``,
-``make_mesh`` and the DeepSpeed codecs. Multi-rank training is in test_multirank_pp.py."""
+``make_mesh`` and the DeepSpeed codecs. Multi-rank training is in test_pipeline_ranks.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16, items 8 and 9: pipelines that cannot be right are refused in one sentence; errors from
+"""Pipeline refusals (issue 16, items 8 and 9): pipelines that cannot be right are refused in one sentence; errors from
 transformers or the model become one sentence (or a working fallback).
 
 * BatchNorm (training) / a contrastive model (CLIP) as more than one micro-batch: refused by

@@ -1,4 +1,4 @@
-"""Issue 18: modules and tensors handed to primitives are copied before they enter the model.
+"""Modules and tensors handed to primitives are copied before they enter the model.
 
 ``sch["a.b"].replace(my_linear)`` followed by ``shard`` of the replaced module used to put the user's
 own ``nn.Linear`` into the model, so the shard sliced *its* weight ((64, 64) -> (32, 64)), and the

@@ -2,7 +2,7 @@
 
 Shapes and attributes after shard, strided shards of GPT-2's fused q/k/v, tied weights, attention-head
 divisibility errors, sync rejections, ``param_grads`` syncs, and the presets. The multi-rank numerics are
-in test_multirank_tp.py.
+in test_tensor_parallel_ranks.py.
 """
 
 from __future__ import annotations

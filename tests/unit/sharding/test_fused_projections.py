@@ -11,7 +11,7 @@
 * GPT-2's ``c_attn`` as before.
 
 Numerics: :func:`slapo_lab.numeric.numeric_check` over 2 and 4 simulated ranks against the unsharded model;
-the two-rank gloo training runs are in tests/test_presets_compose.py (``tp_train.py fused``).
+the two-rank gloo training runs are in tests/unit/presets/test_presets_compose.py (``tp_train.py fused``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 23 item 2: the tensor-parallel split read from one block's recorded dataflow, not from names.
+"""The tensor-parallel split read from one block's recorded dataflow, not from names.
 
 Tiny transformers 5.x models built from their config classes (no downloads):
 
@@ -259,7 +259,7 @@ def test_the_megatron_preset_is_right_on_the_family(family):
 def test_mamba_splits_without_example_inputs():
     # Mamba-1 typed without example inputs: the inference's own forward passes the model's cache to the mixer,
     # and the mixer's dependency runs each start from a copy of it (slapo_lab/sharding/mixers.py ``_fresh``);
-    # a one-group Mamba-2 splits too (tests/test_channel_mixers.py: its gated norm's statistics are summed)
+    # a one-group Mamba-2 splits too (tests/unit/sharding/test_channel_mixers.py: its gated norm's statistics are summed)
     sch = sl.create_schedule(_build("mamba"), world_size=2)
     presets.megatron_tp(sch)
     assert presets.replicated_dense(sch) is None  # every projection of every block sharded

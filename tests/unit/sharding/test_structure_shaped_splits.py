@@ -266,7 +266,7 @@ def test_levit_mlps_split_with_their_batch_norms_in_stages_the_check_cuts():
     assert (kinds[mlp + "linear_up.linear"], kinds[mlp + "linear_up.batch_norm"]) == ("column", "features")
     # LeViT's attention wraps its fused linear and a batch norm in one module class that its MLP uses too: the
     # shard rules see them under the attention module around them (slapo_lab/sharding/attention_site.py), so
-    # the attention is split as well (tests/test_vision_splits.py)
+    # the attention is split as well (tests/unit/sharding/test_vision_splits.py)
     notes = presets.megatron_tp(sch, vocab_parallel=False).notes
     assert not any(n.startswith("Kept whole: in every LevitResidualLayer") for n in notes), notes
     bn = sch[mlp + "linear_up.batch_norm"].mod
