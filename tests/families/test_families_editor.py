@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from families import FAMILIES
+from zoo.families import FAMILIES
 
 import slapo_lab as sl
 from slapo_lab.presets import find_blocks

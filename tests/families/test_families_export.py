@@ -7,8 +7,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from families import FAMILIES
 from harness import launch_torchrun
+from zoo.families import FAMILIES
 
 import slapo_lab as sl
 from slapo_lab import presets

@@ -1,7 +1,7 @@
 """The family matrix: editor, presets, numeric check and exported scripts on every family issue 16 names, a
 hand-written module, and two more.
 
-Families (tiny random-weight models, ``tests/matrix_models.py``): Gemma-3, Falcon (``new_decoder_architecture``
+Families (tiny random-weight models, ``tests/zoo/matrix.py``): Gemma-3, Falcon (``new_decoder_architecture``
 with 2 KV heads, and the default multi-query config, its key/value head replicated), BLOOM, Whisper, CLIP, Phi-3, DeBERTa-v2, ResNet, GPT-J and
 Qwen2 (the two the issue does not name), nanoGPT (its attention takes the head size from the input width:
 the Megatron preset cannot make it right, and the numeric check says so) and a hand-written decoder with
@@ -26,9 +26,9 @@ import dataclasses
 import re
 import warnings
 
-import matrix_models as M
 import pytest
 import torch
+import zoo.matrix as M
 from harness import REPO_ROOT, launch_results
 
 import slapo_lab as sl
@@ -69,9 +69,9 @@ CASES = {
     ),
     "phi3": Case(),
     "nanogpt": Case(
-        whole=(f"lm_head {OUTSIDE}",), numeric_fails_at="h.0.attn", factory="tests.matrix_models:nanogpt"
+        whole=(f"lm_head {OUTSIDE}",), numeric_fails_at="h.0.attn", factory="tests.zoo.matrix:nanogpt"
     ),
-    "custom": Case(whole=(f"lm_head {OUTSIDE}",), factory="tests.matrix_models:custom"),
+    "custom": Case(whole=(f"lm_head {OUTSIDE}",), factory="tests.zoo.matrix:custom"),
     "deberta_v2": Case(whole=(f"cls.predictions.transform.dense {OUTSIDE}",)),
     "resnet": Case(
         inputs="pixels",

@@ -23,7 +23,7 @@ from torch import nn
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the builders shared with tp_train.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from matrix_models import DECODER, mixtral_model, qwen3_model
+from zoo.matrix import DECODER, mixtral_model, qwen3_model
 
 VOCAB, SEQ, HIDDEN, CLASSES = 128, 8, 64, 5
 
@@ -225,7 +225,7 @@ def take(inputs, lo: int, n: int):
 # Tiny random configs (2 blocks, hidden 64, 4 heads, vocab 128, no dropout, no KV cache); the cut is
 # after the first block, so each family runs as 2 stages. ``FAMILY_SEQ`` tokens per sample (ViT:
 # a 32 x 32 image in 8 x 8 patches, i.e. 16 patches + CLS). The decoders' config, and the Qwen3 and
-# Mixtral builders, are tests/matrix_models.py's (tp_train.py builds the same models).
+# Mixtral builders, are tests/zoo/matrix.py's (tp_train.py builds the same models).
 FAMILY_SEQ = 16
 _DROP = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness, models
 from harness import apply_bert_tp
-from matrix_models import (  # the tiny HF builders tests/matrix_models.py shares (unseeded: run_case seeds)
+from zoo.matrix import (  # the tiny HF builders tests/zoo/matrix.py shares (unseeded: run_case seeds)
     bloom_model,
     deberta_v2_model,
     falcon_mqa,
@@ -35,7 +35,7 @@ from matrix_models import (  # the tiny HF builders tests/matrix_models.py share
     qwen3_model,
     whisper_model,
 )
-from matrix_models import decoder_cfg as _decoder_cfg
+from zoo.matrix import decoder_cfg as _decoder_cfg
 
 import slapo_lab as sl
 from slapo_lab import presets

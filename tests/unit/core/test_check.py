@@ -14,7 +14,7 @@ import re
 
 import harness
 import pytest
-from families import FAMILIES
+from zoo.families import FAMILIES
 
 import slapo_lab as sl
 

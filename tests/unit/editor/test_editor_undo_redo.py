@@ -3,8 +3,8 @@ errors."""
 
 import pytest
 import torch
-from families import FAMILIES
 from torch import nn
+from zoo.families import FAMILIES
 
 import slapo_lab as sl
 from slapo_lab.errors import ScheduleError

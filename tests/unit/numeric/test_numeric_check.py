@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import tp_train
-from matrix_models import NanoGPT  # nanoGPT: its forward takes the head size from the width
 from torch import nn
+from zoo.matrix import NanoGPT  # nanoGPT: its forward takes the head size from the width
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -329,7 +329,7 @@ def test_a_users_own_modules_get_a_right_megatron_preset_without_hugging_face_ho
 
 
 def _deberta_cut():
-    import matrix_models as M
+    import zoo.matrix as M
 
     model = M.deberta_v2()
     sch = sl.create_schedule(meta_copy(model), world_size=2)

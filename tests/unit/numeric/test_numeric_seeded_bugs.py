@@ -21,8 +21,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from families import FAMILIES, Family
 from torch import nn
+from zoo.families import FAMILIES, Family
 
 import slapo_lab as sl
 from slapo_lab import presets
