@@ -17,6 +17,8 @@ import harness
 import pytest
 import torch
 import tp_train  # the model builders shared with the multi-rank script
+import zoo.matrix
+import zoo.tp
 from harness import launch_results
 
 import slapo_lab as sl
@@ -181,7 +183,7 @@ def test_mixtral_hf_plan_covers_the_expert_parameter_entries():
 def test_a_config_plan_skips_layer_kinds_the_model_does_not_build():
     """Qwen3-MoE's plan also names the dense MLP (mlp.gate_proj ...) of its mlp_only_layers; an all-MoE config
     builds none, so those entries are skipped (as HF does) while an explicit plan must still match."""
-    sch = sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2)
+    sch = sl.create_schedule(zoo.tp.qwen3_moe_model(), world_size=2)
     plan = presets.hf_tp_plan(sch)
     assert plan["model.layers.*.mlp.gate_proj"] == "colwise" and "model.layers.0.mlp.gate_proj" not in sch
     presets.megatron_tp(sch, use_hf_plan=True, vocab_parallel=False)
@@ -189,7 +191,7 @@ def test_a_config_plan_skips_layer_kinds_the_model_does_not_build():
     assert ("model.layers.0.mlp.experts", "down_proj") in shards and len(shards) == 2 * (4 + 2)
     with pytest.raises(ScheduleError, match="matches no module"):
         presets.apply_hf_tp_plan(
-            sl.create_schedule(tp_train.qwen3_moe_model(), world_size=2),
+            sl.create_schedule(zoo.tp.qwen3_moe_model(), world_size=2),
             {"model.layers.*.mlp.gate_proj": "colwise"},
         )
 
@@ -225,7 +227,7 @@ def test_albert_shared_layer_and_vit_presets():
 def test_a_norm_over_all_heads_is_sharded_with_the_heads_and_sums_its_statistics():
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    model = Olmo2ForCausalLM(tp_train._decoder_cfg(Olmo2Config))
+    model = Olmo2ForCausalLM(zoo.matrix.decoder_cfg(Olmo2Config))
     sch = sl.create_schedule(model, world_size=2)
     hidden = model.config.hidden_size
     notes = presets.megatron_tp(sch).notes

@@ -20,6 +20,7 @@ import harness
 import pytest
 import torch
 import tp_train
+import zoo.tp
 from harness import launch_results
 from torch import nn
 
@@ -68,7 +69,7 @@ def _assert_refused(sch, fn, match, attrs=()):
 
 # --- the simulated schedule: per-rank head attributes -------------------------------------------------------
 def test_opt_preset_rewrites_head_counts():
-    model, sch = _sched(tp_train.opt_model)
+    model, sch = _sched(zoo.tp.opt_model)
     assert presets.detect_family(sch) == "opt"
     presets.megatron_tp(sch)
     for layer in model.model.decoder.layers:
@@ -81,7 +82,7 @@ def test_opt_preset_rewrites_head_counts():
 
 
 def test_gpt_neo_preset_rewrites_head_counts_and_runs():
-    model, sch = _sched(tp_train.gpt_neo_model)
+    model, sch = _sched(zoo.tp.gpt_neo_model)
     assert presets.detect_family(sch) == "gpt_neo"
     presets.megatron_tp(sch)
     for block in model.transformer.h:
@@ -94,7 +95,7 @@ def test_gpt_neo_preset_rewrites_head_counts_and_runs():
 
 @pytest.mark.parametrize("ff", ["relu", "gated-gelu"])
 def test_t5_preset_covers_encoder_decoder_and_head_tables(ff):
-    model, sch = _sched(lambda: tp_train.t5_model(ff))
+    model, sch = _sched(lambda: zoo.tp.t5_model(ff))
     assert presets.detect_family(sch) == "t5"
     calls = presets.megatron_tp(sch)
     attns = [m for m in model.modules() if type(m).__name__ == "T5Attention"]
@@ -133,7 +134,7 @@ def test_t5_preset_covers_encoder_decoder_and_head_tables(ff):
 
 @pytest.mark.parametrize("variant", ["MT5", "UMT5"])
 def test_t5_copies_are_the_t5_family(variant):
-    model, sch = _sched(lambda: tp_train.t5_model("gated-gelu", variant))
+    model, sch = _sched(lambda: zoo.tp.t5_model("gated-gelu", variant))
     assert presets.detect_family(sch) == "t5"
     calls = presets.megatron_tp(sch)
     attns = [m for m in model.modules() if type(m).__name__ == f"{variant}Attention"]
@@ -145,7 +146,7 @@ def test_t5_copies_are_the_t5_family(variant):
 
 
 def test_roberta_is_detected_and_keeps_its_reshape_attributes():
-    model, sch = _sched(tp_train.roberta_mlm_model)
+    model, sch = _sched(zoo.tp.roberta_mlm_model)
     assert presets.detect_family(sch) == "roberta"
     presets.megatron_tp(sch)
     attn = model.roberta.encoder.layer[0].attention.self
@@ -156,9 +157,9 @@ def test_roberta_is_detected_and_keeps_its_reshape_attributes():
 
 
 def test_replay_reproduces_the_rewrite():
-    model, sch = _sched(tp_train.t5_model)
+    model, sch = _sched(zoo.tp.t5_model)
     presets.megatron_tp(sch)
-    fresh, sch2 = _sched(tp_train.t5_model)
+    fresh, sch2 = _sched(zoo.tp.t5_model)
     sl.replay(sch2, sch.record.calls)
     for (p, a), (_, b) in zip(model.named_modules(), fresh.named_modules(), strict=False):
         if type(a).__name__ == "T5Attention":
@@ -172,7 +173,7 @@ def test_editor_preset_undo_redo_restore_head_attributes():
     torch.manual_seed(0)
     ids = torch.randint(1, tp_train.VOCAB, (2, 8))
     ed = sl.ScheduleEditor(
-        tp_train.t5_model(), example_inputs={"input_ids": ids, "decoder_input_ids": ids[:, :4]}, world_size=2
+        zoo.tp.t5_model(), example_inputs={"input_ids": ids, "decoder_input_ids": ids[:, :4]}, world_size=2
     )
 
     def heads():
@@ -187,7 +188,7 @@ def test_editor_preset_undo_redo_restore_head_attributes():
 
 
 def test_world_size_one_changes_nothing():
-    model, sch = _sched(tp_train.opt_model, ws=1)
+    model, sch = _sched(zoo.tp.opt_model, ws=1)
     presets.megatron_tp(sch, vocab_parallel=False)
     assert model.model.decoder.layers[0].self_attn.num_heads == 4
 
@@ -219,7 +220,7 @@ def test_heads_not_divisible_keep_the_attention_whole_and_the_rest_is_split():
 
 
 def test_t5_relative_bias_heads_not_divisible_refused():
-    model, sch = _sched(tp_train.t5_model, ws=8)  # 4 heads; the 32-wide projections would divide by 8
+    model, sch = _sched(zoo.tp.t5_model, ws=8)  # 4 heads; the 32-wide projections would divide by 8
     path = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"
     attn = model.encoder.block[0].layer[0].SelfAttention
     _assert_refused(
@@ -237,7 +238,7 @@ def test_t5_relative_bias_heads_not_divisible_refused():
 
 
 def test_family_must_match_the_model():
-    _, sch = _sched(tp_train.opt_model)
+    _, sch = _sched(zoo.tp.opt_model)
     _assert_refused(sch, lambda: presets.megatron_tp(sch, family="t5"), "expects T5Block or MT5Block")
 
 
@@ -387,7 +388,7 @@ GRAD_DIFF = re.compile(r"^Verify: gradients of (\d+) parameters: max abs diff (\
 def test_exported_family_script_verifies_on_two_ranks(
     family, tmp_path, run_bounded, torchrun_cmd, free_port, subprocess_env
 ):
-    make = {"opt": tp_train.opt_model, "t5": tp_train.t5_model}[family]
+    make = {"opt": zoo.tp.opt_model, "t5": zoo.tp.t5_model}[family]
     model, sch = _sched(make)
     presets.megatron_tp(sch)
     ids = torch.randint(2, tp_train.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -8,10 +8,10 @@ nanoGPT (its attention derives the head size from the input width, which no colu
 right) and :class:`CustomLM`, a plain decoder with separate q/k/v/o ``nn.Linear`` layers and an MLP, which the
 Megatron preset should shard right.
 
-It is also the one home of the tiny HF builders other test modules share: :data:`DECODER` (the tiny decoder
-config, also ``tests/multirank/pp_models.py``'s), :func:`decoder_cfg` and the unseeded, parameterised
-``*_model`` builders that ``tests/multirank/tp_train.py`` (and for Qwen3 / Mixtral ``pp_models.py``) import.
-This module imports nothing from the other test modules: exported scripts import it as ``tests.matrix_models``.
+It also holds what the zoo's other modules share: :data:`DECODER` (the tiny decoder config, also
+:mod:`zoo.pp`'s), :func:`decoder_cfg` (:mod:`zoo.tp`'s decoders) and the unseeded, parameterised ``*_model``
+builders that ``tests/multirank/tp_train.py`` (and for Qwen3 / Mixtral ``pp_models.py``) import.
+This module imports nothing from the other test modules: exported scripts import it as ``tests.zoo.matrix``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from harness import BERT_ROW as ROW
 from harness import apply_bert_tp
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from zoo.scale import llama2_70b_config, on_meta
 
 import slapo_lab as sl
 from slapo_lab.plan import estimate_activations, stage_assignment
@@ -306,16 +307,15 @@ H70, KV70, I70, V70, L70 = 8192, 8, 28672, 32000, 80
 
 @pytest.fixture(scope="module")
 def llama70b_tp8():
-    cfg = LlamaConfig(
-        num_hidden_layers=L70,
-        hidden_size=H70,
-        num_attention_heads=64,
-        num_key_value_heads=KV70,
-        intermediate_size=I70,
-        vocab_size=V70,
+    model = on_meta(llama2_70b_config(max_position_embeddings=2048))  # 2048: LlamaConfig's default, as before
+    cfg = model.config  # the hand counts below are written with these sizes
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (
+        L70,
+        H70,
+        I70,
+        V70,
     )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    assert cfg.num_key_value_heads == KV70
     sch = sl.create_schedule(model, world_size=8)
     for i in range(L70):
         p = f"model.layers.{i}"

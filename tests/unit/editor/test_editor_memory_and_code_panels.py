@@ -12,6 +12,7 @@ import re
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from zoo.scale import llama2_70b_config, llama3_70b_config, on_meta
 
 import slapo_lab as sl
 import slapo_lab.graph
@@ -116,17 +117,7 @@ def test_code_panel_folds_like_the_export_and_replays_the_same_record(editor, be
 
 
 def test_code_panel_of_llama70b_megatron_is_a_few_dozen_lines():
-    cfg = LlamaConfig(
-        num_hidden_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = on_meta(llama2_70b_config())
     ed = sl.ScheduleEditor(model, world_size=8)  # no inputs: the dataflow pass is not what this tests
     assert ed.apply_preset("megatron") is None
     calls = list(ed.schedule.record.calls)
@@ -252,18 +243,7 @@ def test_activations_of_a_large_model_are_estimated_in_the_background_and_the_vi
     shows the figure without a click."""
     import asyncio
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        vocab_size=128256,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = on_meta(llama3_70b_config(num_hidden_layers=2))
     ids = torch.zeros(1, 512, dtype=torch.long)
 
     async def cell():

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from zoo.scale import llama3_70b_config, on_meta
 
 import slapo_lab as sl
 from slapo_lab.errors import ScheduleError
@@ -276,20 +277,10 @@ def test_parameter_counts_read_in_their_unit():
 
 def test_verify_refuses_a_cpu_run_that_cannot_fit(tmp_path):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from slapo_lab.editor.verify_runner import cpu_verify_too_big
 
-    cfg = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = on_meta(llama3_70b_config())
     ed = sl.ScheduleEditor(model, example_inputs={"input_ids": torch.randint(0, 100, (1, 8))}, world_size=8)
     assert ed.verify(device="cpu", wait=True) is None and ed._runner is None
     assert ed.message.startswith(

@@ -14,7 +14,8 @@ import re
 import harness
 import pytest
 import torch
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertModel
+from zoo.scale import llama2_70b_config, on_meta
 
 import slapo_lab as sl
 from slapo_lab import graph as g
@@ -127,17 +128,7 @@ def test_bert_fitted_text_is_readable():
 
 @pytest.fixture(scope="module")
 def llama70b_flow():
-    cfg = LlamaConfig(
-        num_hidden_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = on_meta(llama2_70b_config())
     return g.record_dataflow(model, {"input_ids": torch.zeros(1, 4096, dtype=torch.long, device="meta")})
 
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import tp_train
+import zoo.tp
 from torch import nn
 from zoo.matrix import NanoGPT  # nanoGPT: its forward takes the head size from the width
+from zoo.scale import llama3_70b_config, on_meta
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -43,7 +45,7 @@ def test_every_right_schedule_of_the_suite_checks_equal(name, make, apply):
 
 
 def test_a_missing_reduce_is_found_at_the_layer_that_lacks_it():
-    model, sch = _scheduled(tp_train.bert_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.bert_model, lambda s: presets.megatron_tp(s))
     calls = [
         c
         for c in sch.record.calls
@@ -62,7 +64,7 @@ def test_the_embedding_scale_dropped_by_a_vocab_parallel_lookup_is_caught(monkey
     ignores the module's own forward, as the engine's once did."""
     from slapo_lab.sharding import rules
 
-    model, sch = _scheduled(tp_train.gemma3_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.gemma3_model, lambda s: presets.megatron_tp(s))
     inputs = tp_train.case_inputs("gemma3")
     assert numeric_check(model, sch.record.calls, 2, inputs).passed
 
@@ -93,25 +95,15 @@ def test_a_head_size_taken_from_the_width_fails_in_one_sentence_naming_the_atten
 
 
 def test_check_schedule_numeric_rebuilds_a_hugging_face_model_from_its_config():
-    _model, sch = _scheduled(tp_train.llama_model, lambda s: presets.megatron_tp(s))
+    _model, sch = _scheduled(zoo.tp.llama_model, lambda s: presets.megatron_tp(s))
     assert sl.check_schedule(sch, numeric=True) == []
     with pytest.raises(sl.ScheduleError, match=r"needs reference=<the unscheduled model>"):
         sl.check_schedule(sl.create_schedule(NanoGPT(), world_size=2), numeric=True)
 
 
 def test_a_70b_plan_is_checked_on_a_shrunk_copy_in_seconds():
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
-    with torch.device("meta"):
-        big = LlamaForCausalLM(cfg)
+    big = on_meta(llama3_70b_config())
     sch = sl.create_schedule(meta_copy(big), world_size=8)
     presets.megatron_tp(sch)
     presets.checkpoint_blocks(sch, every=2)
@@ -381,7 +373,7 @@ def test_a_gradient_only_difference_is_named_at_the_layer_whose_input_gradient_i
     """BERT's query without its bwd_post all-reduce: the forward is right, and its partial input gradient is
     small beside key's and value's (attention is nearly uniform at init), so the parameters' gradients differ by
     2e-6 only, under Verify's tolerance; the gradient the query sends back to its input is off by most of it."""
-    model, sch = _scheduled(tp_train.bert_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.bert_model, lambda s: presets.megatron_tp(s))
     path = "encoder.layer.0.attention.self.query"
     calls = _without(list(sch.record.calls), path, "sync", mode="bwd_post")
     report = numeric_check(model, calls, 2, tp_train.case_inputs("bert"))
@@ -393,7 +385,7 @@ def test_a_gradient_only_difference_is_named_at_the_layer_whose_input_gradient_i
 
 
 def test_a_forward_failure_is_named_at_the_module_whose_call_raised():
-    model, sch = _scheduled(tp_train.opt_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.opt_model, lambda s: presets.megatron_tp(s))
     path = "model.decoder.layers.0.fc1"
     calls = _without(
         list(sch.record.calls), path, "shard"
@@ -409,7 +401,7 @@ def test_a_forward_failure_is_named_at_the_module_whose_call_raised():
 def test_a_reduce_scatter_where_an_all_reduce_belongs_is_named_at_the_layer_not_the_block_that_fails():
     from slapo_lab.record import Call
 
-    model, sch = _scheduled(tp_train.gpt2_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.gpt2_model, lambda s: presets.megatron_tp(s))
     path = "transformer.h.0.mlp.c_proj"
     calls = [
         Call(path, "sync", (), {"mode": "fwd_post", "sync_op_or_fn": "reduce_scatter", "axis": 1})
@@ -422,7 +414,7 @@ def test_a_reduce_scatter_where_an_all_reduce_belongs_is_named_at_the_layer_not_
 
 
 def test_a_missing_gather_is_reported_with_both_shapes():
-    model, sch = _scheduled(tp_train.llama_model, lambda s: presets.megatron_tp(s))
+    model, sch = _scheduled(zoo.tp.llama_model, lambda s: presets.megatron_tp(s))
     calls = _without(list(sch.record.calls), "lm_head", "sync", sync_op_or_fn="all_gather")
     report = numeric_check(model, calls, 2, tp_train.case_inputs("llama"))
     assert report.status == "failed" and report.module == "lm_head", report.message
@@ -475,7 +467,7 @@ def test_an_unscheduled_copy_that_cannot_run_is_a_finding_not_an_exception():
 
 
 def test_every_refusal_names_its_module():
-    _model, sch = _scheduled(tp_train.llama_model, lambda s: None)
+    _model, sch = _scheduled(zoo.tp.llama_model, lambda s: None)
     q = sch["model.layers.0.self_attn.q_proj"]
     q.shard("weight", axis=0)
     with pytest.raises(sl.ScheduleError) as err:

@@ -9,6 +9,8 @@ import socket
 import pp_models as M
 import pytest
 import torch
+import zoo.matrix
+import zoo.pp
 from torch import nn
 
 import slapo_lab as sl
@@ -64,7 +66,7 @@ def test_hf_t5_nested_cuts():
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = M.t5()
+    model = zoo.pp.t5()
     inputs, _ = M.batch("t5", 0, 2)
     for cuts, n in (
         (["encoder.block.1", "encoder", "decoder.block.1"], 4),
@@ -227,9 +229,9 @@ class Twice(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blk = M.Block()
+        self.blk = zoo.pp.Block()
         self.unused = nn.Linear(4, 4)
-        self.head = nn.Linear(M.HIDDEN, 3)
+        self.head = nn.Linear(zoo.pp.HIDDEN, 3)
 
     def forward(self, x):
         return self.head(self.blk(self.blk(x)))
@@ -237,7 +239,7 @@ class Twice(nn.Module):
 
 def _twice_sched():
     sch = sl.create_schedule(Twice())
-    set_example_inputs(sch, torch.zeros(2, M.HIDDEN))
+    set_example_inputs(sch, torch.zeros(2, zoo.pp.HIDDEN))
     return sch
 
 
@@ -295,7 +297,7 @@ def test_unknown_order_defers_the_check_to_build():
     assert not call_order(sch).ok
     sch["blk"].cut_pipeline_stage()  # accepted: the order is unknown
     with pytest.raises(sl.ScheduleError, match="runs 2 times"):
-        partition_pipeline(sch, (torch.zeros(2, M.HIDDEN),))
+        partition_pipeline(sch, (torch.zeros(2, zoo.pp.HIDDEN),))
 
 
 # --- build_pipeline argument checks (no process group: a pipeline of one rank) ---------------------
@@ -448,7 +450,7 @@ def test_balanced_cuts_span_every_stack_of_blocks():
 
     from slapo_lab.pipeline import suggest_cuts
 
-    sch = sl.create_schedule(tp_train.whisper_model())
+    sch = sl.create_schedule(zoo.matrix.whisper_model())
     two = suggest_cuts(sch, 2, example_inputs=tp_train.case_inputs("whisper"))
     assert (
         two.paths == ["model.encoder.layers.1"] and two.blocks == "model.encoder.layers, model.decoder.layers"

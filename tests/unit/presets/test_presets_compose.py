@@ -12,6 +12,7 @@ import harness
 import pytest
 import torch
 import tp_train
+import zoo.matrix
 from harness import launch_results
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
@@ -137,7 +138,7 @@ def test_the_preset_says_which_dense_layers_stay_whole_and_why():
 def test_every_stack_of_blocks_is_found_and_a_model_without_a_vocabulary_embedding_gets_a_note():
     from transformers import CLIPConfig, CLIPModel
 
-    sch = sl.create_schedule(tp_train.whisper_model(), world_size=2)
+    sch = sl.create_schedule(zoo.matrix.whisper_model(), world_size=2)
     assert presets.find_blocks(sch) == [
         f"model.{s}.layers.{i}" for s in ("encoder", "decoder") for i in (0, 1)
     ]
@@ -165,7 +166,7 @@ def test_every_stack_of_blocks_is_found_and_a_model_without_a_vocabulary_embeddi
 
 
 def test_deberta_projections_are_recognised():
-    sch = sl.create_schedule(tp_train.deberta_v2_model(), world_size=2)
+    sch = sl.create_schedule(zoo.matrix.deberta_v2_model(), world_size=2)
     calls = presets.megatron_tp(sch)
     att = "deberta.encoder.layer.1.attention.self"
     for name in ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj"):

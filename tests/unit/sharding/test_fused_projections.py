@@ -21,7 +21,7 @@ import pickle
 
 import pytest
 import torch
-import tp_train
+import zoo.tp
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -82,7 +82,7 @@ FAMILIES = {
     "bloom": (_bloom, _bloom),
     "phi3": (_phi3, _phi3),
     "phi3_gqa": (lambda: _phi3(4, 2), lambda: _phi3(8, 4)),
-    "gpt2": (tp_train.gpt2_model, tp_train.gpt2_model),
+    "gpt2": (zoo.tp.gpt2_model, zoo.tp.gpt2_model),
 }
 
 

@@ -15,6 +15,8 @@ import re
 import pytest
 import torch
 import tp_train
+import zoo.matrix
+import zoo.tp
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -34,7 +36,7 @@ ATTN = "model.layers.0.self_attn"
 def _llama(heads=8, kv=2, head_dim=8, device="meta"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = tp_train._decoder_cfg(
+    cfg = zoo.matrix.decoder_cfg(
         LlamaConfig,
         num_attention_heads=heads,
         num_key_value_heads=kv,
@@ -121,10 +123,10 @@ def test_kv_heads_that_do_not_divide_the_degree_are_refused_in_one_sentence():
 
 # --- the Megatron preset and the numeric check --------------------------------------------------------------------
 CASES = [
-    ("llama", tp_train.llama_kv2_model, 4),
-    ("llama", tp_train.llama_kv2_model, 8),
-    ("qwen3_moe", tp_train.qwen3_moe_kv2_model, 4),
-    ("qwen3_moe", tp_train.qwen3_moe_kv2_model, 8),
+    ("llama", zoo.tp.llama_kv2_model, 4),
+    ("llama", zoo.tp.llama_kv2_model, 8),
+    ("qwen3_moe", zoo.tp.qwen3_moe_kv2_model, 4),
+    ("qwen3_moe", zoo.tp.qwen3_moe_kv2_model, 8),
 ]
 
 
@@ -146,7 +148,7 @@ def test_numeric_check_finds_a_missing_replica_reduce(monkeypatch):
     import slapo_lab.primitives.tensor_parallel as tpm
 
     torch.manual_seed(1234)
-    model = tp_train.llama_kv2_model()
+    model = zoo.tp.llama_kv2_model()
     sch = sl.create_schedule(meta_copy(model), world_size=4)
     presets.megatron_tp(sch)
     monkeypatch.setattr(tpm, "_install_replica_grad_all_reduce", lambda *a: None)
@@ -157,7 +159,7 @@ def test_numeric_check_finds_a_missing_replica_reduce(monkeypatch):
 def test_consolidate_gives_each_rank_its_kv_head():
     def build(ws, rank):
         with init_empty_weights():
-            model = tp_train.llama_kv2_model()
+            model = zoo.tp.llama_kv2_model()
         sch = sl.create_schedule(model, world_size=ws, rank=rank)
         if ws > 1:
             presets.megatron_tp(sch)
@@ -213,7 +215,7 @@ def test_exported_script_at_tp4_verifies_and_trains(
     from slapo_lab.export import export_script
 
     torch.manual_seed(0)
-    model = tp_train.qwen3_moe_kv2_model()
+    model = zoo.tp.qwen3_moe_kv2_model()
     sch = sl.create_schedule(model, world_size=4)
     presets.megatron_tp(sch)
     ids = torch.randint(0, tp_train.VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
