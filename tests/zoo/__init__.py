@@ -4,7 +4,8 @@ Real Hugging Face models built from their config classes (no hub access, random 
 modules, grouped by what they are for:
 
 * :mod:`zoo.families` -- :data:`~zoo.families.FAMILIES`, every common family at one size (2 blocks, hidden 64, 4
-  heads, 2 KV heads where the family has grouped-query attention) with its example inputs;
+  heads, 2 KV heads where the family has grouped-query attention) with its example inputs, and
+  :data:`~zoo.families.MORE` (BART, Qwen3-MoE) beside it;
 * :mod:`zoo.matrix` -- issue 16's family matrix (no-argument, seeded builders an exported script can name as its
   ``factory``: ``tests.zoo.matrix:nanogpt``) and the shared tiny decoder config :data:`~zoo.matrix.DECODER`;
 * :mod:`zoo.tp` -- the models of the two-rank tensor-parallel runs (``tests/multirank/tp_train.py``'s cases, hidden

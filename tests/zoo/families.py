@@ -160,3 +160,47 @@ FAMILIES = {
         ),
     )
 }
+
+_BART = Family(
+    "bart",
+    "BartConfig",
+    "BartForConditionalGeneration",
+    {
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "d_model": 64,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+        "dropout": 0.1,
+        "attention_dropout": 0.1,
+        "activation_dropout": 0.1,
+    },
+    inputs="seq2seq",
+)
+_QWEN3_MOE = Family(
+    "qwen3_moe",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    },
+)
+
+#: Families beside :data:`FAMILIES` (which the family-matrix tests iterate): an encoder-decoder with dropout on
+#: (BART) and a mixture of experts with a router and per-head q/k norms (Qwen3-MoE), for the numeric check's
+#: seeded bugs (``tests/unit/numeric/test_numeric_seeded_bugs.py``).
+MORE = {f.name: f for f in (_BART, _QWEN3_MOE)}

@@ -428,7 +428,7 @@ def test_a_missing_gather_is_reported_with_both_shapes():
 def test_an_encoder_decoder_of_equal_depths_checkpointing_a_decoder_block_checks_equal(family):
     """The shrunk copy keeps 1 encoder block and 2 decoder blocks; it used to cut both stacks to 1 through the
     config (a layer count equal to both depths) and then fail on its own replay ("No module 'decoder.block.1'")."""
-    from test_seeded_bugs import FAMS
+    from test_numeric_seeded_bugs import FAMS
 
     fam = FAMS[family]
     model = fam.build()
@@ -441,7 +441,7 @@ def test_an_encoder_decoder_of_equal_depths_checkpointing_a_decoder_block_checks
 
 
 def test_every_dropout_is_off_in_the_copy_and_the_users_config_keeps_its_own():
-    from test_seeded_bugs import FAMS
+    from test_numeric_seeded_bugs import FAMS
 
     from slapo_lab.numeric import dropout_off
 
@@ -482,7 +482,7 @@ def test_every_refusal_names_its_module():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_sharding_a_moe_router_is_refused_in_one_sentence_naming_it(family):
-    from test_seeded_bugs import FAMS
+    from test_numeric_seeded_bugs import FAMS
 
     sch = sl.create_schedule(meta_copy(FAMS[family].build()), world_size=2)
     for axis in (0, 1):
@@ -496,7 +496,7 @@ def test_sharding_a_moe_router_is_refused_in_one_sentence_naming_it(family):
 
 
 def test_a_checkpoint_on_a_block_that_skips_itself_by_pythons_random_is_caught():
-    from test_seeded_bugs import _layerdrop_cases
+    from test_numeric_seeded_bugs import _layerdrop_cases
 
     model, inputs, cases = _layerdrop_cases()
     right, bug = cases[0], cases[1]

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo.families import FAMILIES, Family
+from zoo.families import FAMILIES, MORE, Family
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -31,50 +31,11 @@ from slapo_lab.record import Call
 from slapo_lab.utils import meta_copy
 
 WS = 2
-BART = Family(
-    "bart",
-    "BartConfig",
-    "BartForConditionalGeneration",
-    {
-        "encoder_layers": 2,
-        "decoder_layers": 2,
-        "d_model": 64,
-        "encoder_attention_heads": 4,
-        "decoder_attention_heads": 4,
-        "encoder_ffn_dim": 128,
-        "decoder_ffn_dim": 128,
-        "vocab_size": 128,
-        "max_position_embeddings": 64,
-        "dropout": 0.1,
-        "attention_dropout": 0.1,
-        "activation_dropout": 0.1,
-    },
-    inputs="seq2seq",
-)
-QWEN3_MOE = Family(
-    "qwen3_moe",
-    "Qwen3MoeConfig",
-    "Qwen3MoeForCausalLM",
-    {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 64,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 64,
-    },
-)
 FAMS = {
     f.name: f
     for f in (
         *(FAMILIES[n] for n in ("bert", "gpt2", "llama", "t5", "mixtral", "opt", "vit")),
-        BART,
-        QWEN3_MOE,
+        *MORE.values(),
     )
 }
 
