@@ -25,7 +25,7 @@ TORCH_PIN=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
 "$PY" -m pip install -q -e ".[test]"
 # DeepSpeed without its CUDA ops (pipeline runtime "deepspeed").
 DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.19" || echo "[install] deepspeed not installed; its runtime tests will be skipped"
-# Slapo 0.0.3's wheel, unpacked (not installed): tests/test_slapo_compat.py runs its own tests and schedules.
+# Slapo 0.0.3's wheel, unpacked (not installed): tests/slapo_compat/test_slapo_compat.py runs its own tests and schedules.
 if [ ! -d "$ROOT/.cache/slapo/wheel/slapo/model_schedule" ]; then
   "$PY" -m pip download -q --no-deps slapo==0.0.3 -d "$ROOT/.cache/slapo"
   "$PY" -m zipfile -e "$ROOT/.cache/slapo/slapo-0.0.3-py3-none-any.whl" "$ROOT/.cache/slapo/wheel"

@@ -14,7 +14,7 @@ from harness import apply_bert_tp as apply_bert_tp_fn
 REPO_ROOT = harness.REPO_ROOT
 
 # The editor's live numeric check runs in background threads after every change; the suite creates hundreds of
-# editors, so it is off unless a test turns it on (tests/test_numeric_check.py passes live_check=True).
+# editors, so it is off unless a test turns it on (tests/unit/numeric/test_numeric_check.py passes live_check=True).
 os.environ.setdefault("SLAPO_LAB_LIVE_CHECK", "0")
 
 

@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (holds ``slapo_lab``, ``tests``, ``benchmarks``, ``notebooks``)."""
+TESTS = REPO_ROOT / "tests"
+"""The test tree: shared helpers at its root, ``data/``, ``multirank/`` (the scripts torchrun launches)."""
 
 BERT_COL = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
 BERT_ROW = ("attention.output.dense", "output.dense")

@@ -1,4 +1,4 @@
-"""The schedule check on real ranks, run by torchrun (see tests/test_check.py).
+"""The schedule check on real ranks, run by torchrun (see tests/unit/core/test_check.py).
 
     torchrun --nproc_per_node=2 tests/multirank/check_fixes.py
 

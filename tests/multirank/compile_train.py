@@ -1,4 +1,4 @@
-"""Multi-rank ``torch.compile`` check, run by torchrun (see tests/test_compile.py).
+"""Multi-rank ``torch.compile`` check, run by torchrun (see tests/multirank/test_compile.py).
 
     torchrun --nproc_per_node=2 tests/multirank/compile_train.py [--backend aot_eager] [case names ...]
 

@@ -1,4 +1,4 @@
-"""Multi-rank pipeline check, run by torchrun (see tests/test_multirank_pp.py).
+"""Multi-rank pipeline check, run by torchrun (see tests/multirank/test_pipeline_ranks.py).
 
     torchrun --nproc_per_node=N tests/multirank/pp_train.py CASE [CASE ...]
 

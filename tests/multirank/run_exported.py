@@ -1,4 +1,4 @@
-"""Run several exported training scripts one after another in one torchrun launch (tests/test_families_matrix.py).
+"""Run several exported training scripts one after another in one torchrun launch (tests/families/test_families_matrix.py).
 
     torchrun --nproc_per_node=2 tests/multirank/run_exported.py NAME=SCRIPT.py [NAME=SCRIPT.py ...] -- [ARGS ...]
 

@@ -1,4 +1,4 @@
-"""Multi-rank tensor-parallel check, run by torchrun (see tests/test_multirank_tp.py).
+"""Multi-rank tensor-parallel check, run by torchrun (see tests/multirank/test_tensor_parallel_ranks.py).
 
     torchrun --nproc_per_node=2 tests/multirank/tp_train.py [all | bert gpt2 llama ...] [case names ...]
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness, models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harness, the model zoo
 from harness import apply_bert_tp
-from matrix_models import (  # the tiny HF builders tests/matrix_models.py shares (unseeded: run_case seeds)
+from zoo.matrix import (  # the matrix's parameterised builders, shared
     bloom_model,
     deberta_v2_model,
     falcon_mqa,
@@ -35,7 +35,26 @@ from matrix_models import (  # the tiny HF builders tests/matrix_models.py share
     qwen3_model,
     whisper_model,
 )
-from matrix_models import decoder_cfg as _decoder_cfg
+from zoo.tp import (  # the tiny models of these runs (unseeded: run_case seeds)
+    albert_model,
+    bert_mlm_model,
+    bert_model,
+    falcon_old_layout_model,
+    gemma3_model,
+    gpt2_model,
+    gpt2_odd_vocab_model,
+    gpt_neo_model,
+    llama_kv2_model,
+    llama_model,
+    mistral_model,
+    opt_model,
+    phi3_gqa_model,
+    qwen3_moe_kv2_model,
+    qwen3_moe_model,
+    roberta_mlm_model,
+    t5_model,
+    vit_model,
+)
 
 import slapo_lab as sl
 from slapo_lab import presets
@@ -45,232 +64,6 @@ warnings.filterwarnings("ignore")
 ATOL = RTOL = 1e-5
 STEPS = 3
 BATCH, SEQ, VOCAB = 2, 8, 128
-
-
-def bert_model():
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertModel(cfg)
-
-
-def bert_mlm_model():
-    from transformers import BertConfig, BertForMaskedLM
-
-    cfg = BertConfig(
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(cfg)
-
-
-def gpt2_model():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-def llama_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def roberta_mlm_model():
-    from transformers import RobertaConfig, RobertaForMaskedLM
-
-    cfg = RobertaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=40,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-    )
-    return RobertaForMaskedLM(cfg)
-
-
-def opt_model(**kw):
-    """OPT; ``word_embed_proj_dim=16, do_layer_norm_before=False`` gives OPT-350M's layout (narrower embeddings
-    with project_in / project_out, post-norm blocks)."""
-    from transformers import OPTConfig, OPTForCausalLM
-
-    kw = {"word_embed_proj_dim": 32, **kw}
-    cfg = OPTConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        ffn_dim=64,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=1,
-        bos_token_id=2,
-        eos_token_id=2,
-        use_cache=False,
-        **kw,
-    )
-    return OPTForCausalLM(cfg)
-
-
-def gpt_neo_model():
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
-    cfg = GPTNeoConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        attention_types=[[["global", "local"], 1]],
-        window_size=4,
-        embed_dropout=0.0,
-        attention_dropout=0.0,
-        resid_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    return GPTNeoForCausalLM(cfg)
-
-
-def t5_model(ff: str = "relu", variant: str = "T5"):
-    """T5 (or its copies ``variant="MT5"`` / ``"UMT5"``, whose every layer has its own relative bias), with the
-    LM head tied to the shared embedding (T5's default; the decoder output is scaled by d_model ** -0.5)."""
-    import transformers
-
-    config_cls, model_cls = (
-        getattr(transformers, f"{variant}{n}") for n in ("Config", "ForConditionalGeneration")
-    )
-    cfg = config_cls(
-        num_layers=2,
-        num_decoder_layers=2,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_heads=4,
-        vocab_size=VOCAB,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        feed_forward_proj=ff,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
-    return model_cls(cfg)
-
-
-def mistral_model():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    return MistralForCausalLM(_decoder_cfg(MistralConfig))
-
-
-def gemma3_model():
-    """Gemma-3's word embedding scales its lookup by sqrt(hidden) (``Gemma3TextScaledWordEmbedding``): the
-    vocab-parallel forward must keep that scale (it dropped it: logits off by 0.187)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    return Gemma3ForCausalLM(_decoder_cfg(Gemma3TextConfig, head_dim=16, sliding_window=8))
-
-
-def qwen3_moe_model():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(
-        _decoder_cfg(
-            Qwen3MoeConfig, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2
-        )
-    )
-
-
-def albert_model():
-    from transformers import AlbertConfig, AlbertForMaskedLM
-
-    return AlbertForMaskedLM(
-        AlbertConfig(
-            num_hidden_layers=2,
-            hidden_size=64,
-            embedding_size=32,
-            intermediate_size=128,
-            num_attention_heads=4,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            classifier_dropout_prob=0.0,
-        )
-    )
-
-
-def vit_model():
-    from transformers import ViTConfig, ViTForImageClassification
-
-    return ViTForImageClassification(
-        ViTConfig(
-            num_hidden_layers=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-            num_labels=10,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
 
 
 def pixels(ids):
@@ -337,7 +130,7 @@ CASES = {
 
 
 # Families whose attention keeps head counts in attributes (issue 10); launched by name, not by "all"
-# (tests/test_families_tp.py).
+# (tests/families/test_families_tp_head_counts.py).
 FAMILY_CASES = {
     "roberta": [("roberta_megatron_tp", roberta_mlm_model, lambda s: presets.megatron_tp(s))],
     "opt": [
@@ -382,12 +175,6 @@ FAMILY_CASES.update(
 )
 
 
-def gpt2_odd_vocab_model():
-    """GPT-2 whose vocabulary (VOCAB + 1) does not divide by the world size: the preset keeps wte replicated."""
-    model = gpt2_model()
-    return type(model)(type(model.config)(**{**model.config.to_dict(), "vocab_size": VOCAB + 1}))
-
-
 def bert_typed_layer0_then_megatron(sch):
     """The quickstart: layer 0's attention sharded by hand first, then the Megatron preset completes the rest."""
     p = "encoder.layer.0.attention"
@@ -412,28 +199,6 @@ FAMILY_CASES["compose"] = [
 ]
 
 
-def falcon_old_layout_model(alibi: bool = False):
-    """Falcon without multi-query attention: query_key_value is per head [q, k, v] (sharded by heads); with
-    ``alibi`` the model folds a per-head bias into the attention mask (each rank takes its heads' slice)."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    return FalconForCausalLM(
-        FalconConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            multi_query=False,
-            alibi=alibi,
-            use_cache=False,
-        )
-    )
-
-
-def phi3_gqa_model():
-    return phi3_model(kv_heads=2)
-
-
 # issue 16 item 4: fused q/k/v and gate/up projections, their layout read from the attention module
 FAMILY_CASES["fused"] = [
     ("falcon_new_arch_megatron_tp", falcon_new_arch_model, lambda s: presets.megatron_tp(s)),
@@ -449,31 +214,6 @@ FAMILY_CASES["fused"] = [
     ("phi3_megatron_tp", phi3_model, lambda s: presets.megatron_tp(s)),
     ("phi3_gqa_megatron_tp", phi3_gqa_model, lambda s: presets.megatron_tp(s)),
 ]
-
-
-def llama_kv2_model():
-    """Llama with 8 query heads and 2 key/value heads: at tp 4 (or 8) each key/value head is replicated on 2
-    (4) ranks (issue 16 item 3, "more TP ranks than KV heads")."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(_decoder_cfg(LlamaConfig, num_attention_heads=8, head_dim=8))
-
-
-def qwen3_moe_kv2_model():
-    """Qwen3-MoE shaped like 30B-A3B's attention in small: 8 query heads, 2 key/value heads (per-head q/k norms),
-    so tp 4 replicates each key/value head on 2 ranks."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(
-        _decoder_cfg(
-            Qwen3MoeConfig,
-            num_attention_heads=8,
-            head_dim=8,
-            moe_intermediate_size=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    )
 
 
 # issue 16 item 3: more tensor-parallel ranks than key/value heads (run at 4 ranks: tp 4, 2 kv heads)

@@ -1,5 +1,5 @@
 """conftest.py for Slapo 0.0.3's own tests (copied at test time from the wheel into a temporary folder by
-``tests/test_slapo_compat.py``): the ``slapo`` alias, Slapo's known failures on slapo_lab (with reasons), CUDA
+``tests/slapo_compat/test_slapo_compat.py``): the ``slapo`` alias, Slapo's known failures on slapo_lab (with reasons), CUDA
 tests skipped as Slapo skips them without GPUs, and the two hub configs they load rebuilt offline.
 """
 
