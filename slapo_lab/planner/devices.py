@@ -8,7 +8,8 @@ plan can use that measured profile instead.
 
 Units: FLOP/s, bytes, bytes per second (one direction, per GPU), seconds.
 
-Sources of the built-in figures (vendor datasheets, by name):
+Sources of the built-in figures (vendor datasheets, by name; the peak FLOP/s are read from
+:data:`slapo_lab.hardware.PEAK_TFLOPS`, the table the training runtime's MFU uses too):
 
 * NVIDIA A100 40GB / 80GB SXM: "NVIDIA A100 Tensor Core GPU" datasheet (2021): BF16 312 TFLOPS dense, FP32
   19.5 TFLOPS, HBM2 1,555 GB/s (40GB) and HBM2e 2,039 GB/s (80GB); NVLink 3: 600 GB/s per GPU both directions
@@ -85,6 +86,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from ..hardware import peak_tflops_for
+
 __all__ = ["DEVICES", "DeviceProfile", "calibrate", "device_profile"]
 
 GiB = 1 << 30
@@ -150,11 +153,12 @@ class DeviceProfile:
         return self.fp32_flops if dtype == "fp32" else self.bf16_flops
 
 
-def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, attn, source):
+def _nv(name, lookup, gb, bw, nvlink, ib, eff, attn, source):
+    """A built-in profile; its peak FLOP/s are :data:`slapo_lab.hardware.PEAK_TFLOPS`' for the GPU ``lookup``."""
     return DeviceProfile(
         name=name,
-        bf16_flops=bf16 * 1e12,
-        fp32_flops=fp32 * 1e12,
+        bf16_flops=float(peak_tflops_for(lookup, "bf16") or 0.0) * 1e12,
+        fp32_flops=float(peak_tflops_for(lookup, "fp32") or 0.0) * 1e12,
         hbm_bytes=int(gb * GiB),
         hbm_bandwidth=bw * 1e12,
         intra_bandwidth=nvlink * 1e9,
@@ -170,19 +174,15 @@ def _nv(name, bf16, fp32, gb, bw, nvlink, ib, eff, attn, source):
 #: Built-in profiles by name (figures and sources in the module docstring). Memory sizes are the datasheets'
 #: "GB" read as GiB, as ``nvidia-smi`` shows them (an 80 GB H100 reports about 80 GiB less what the driver keeps).
 DEVICES: dict[str, DeviceProfile] = {
-    "A100-40GB": _nv(
-        "A100-40GB", 312, 19.5, 40, 1.555, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"
-    ),
-    "A100-80GB": _nv(
-        "A100-80GB", 312, 19.5, 80, 2.039, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"
-    ),
+    "A100-40GB": _nv("A100-40GB", "A100", 40, 1.555, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"),
+    "A100-80GB": _nv("A100-80GB", "A100", 80, 2.039, 300, 25, 0.859, 0.50, "NVIDIA A100 datasheet; DGX A100"),
     "H100-SXM": _nv(
-        "H100-SXM", 989, 67, 80, 3.35, 450, 50, 0.801, 0.35, "NVIDIA H100 datasheet (SXM5); DGX H100"
+        "H100-SXM", "H100", 80, 3.35, 450, 50, 0.801, 0.35, "NVIDIA H100 datasheet (SXM5); DGX H100"
     ),
-    "H100-PCIe": _nv("H100-PCIe", 756, 51, 80, 2.0, 64, 50, 0.801, 0.35, "NVIDIA H100 datasheet (PCIe)"),
-    "H200": _nv("H200", 989, 67, 141, 4.8, 450, 50, 0.801, 0.35, "NVIDIA H200 datasheet; DGX H200"),
-    "B200": _nv("B200", 2250, 80, 180, 8.0, 900, 50, 0.801, 0.35, "NVIDIA DGX B200 datasheet"),
-    "MI300X": _nv("MI300X", 1307.4, 163.4, 192, 5.3, 448, 50, 0.601, 0.35, "AMD Instinct MI300X datasheet"),
+    "H100-PCIe": _nv("H100-PCIe", "H100 PCIe", 80, 2.0, 64, 50, 0.801, 0.35, "NVIDIA H100 datasheet (PCIe)"),
+    "H200": _nv("H200", "H200", 141, 4.8, 450, 50, 0.801, 0.35, "NVIDIA H200 datasheet; DGX H200"),
+    "B200": _nv("B200", "B200", 180, 8.0, 900, 50, 0.801, 0.35, "NVIDIA DGX B200 datasheet"),
+    "MI300X": _nv("MI300X", "MI300X", 192, 5.3, 448, 50, 0.601, 0.35, "AMD Instinct MI300X datasheet"),
 }
 _ALIASES = {"H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-SXM5": "H100-SXM", "A100": "A100-80GB",
             "H200-141GB": "H200", "H200-SXM": "H200", "MI300": "MI300X"}  # fmt: skip

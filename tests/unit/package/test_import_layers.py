@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "foundation: graph, sharding and what they stand on",
         (
             "errors",
+            "hardware",
             "utils",
             "random",
             "inputs",
