@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import heads as _heads
-from . import infer as _infer
+from . import infer_registry as _infer
 from .shard_layout import ShardSite, make_stride
 
 # --- attention awareness ---------------------------------------------------------------------------

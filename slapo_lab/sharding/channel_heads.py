@@ -23,12 +23,18 @@ A convolution whose channels hold features of one projection in order (a depthwi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from .infer_maps import BlockSplit
+    from .infer_recorder import _Recorder, _Snapshot
 
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d"})
 
 
-def note_conv(rec, name: str, args, kwargs) -> None:
+def note_conv(rec: _Recorder, name: str, args: tuple, kwargs: dict) -> None:
     """Record, on ``rec`` (the recorder), a grouped convolution whose channels are disjoint groups of one
     projection's features: ``rec.channel_groups["module:param"] = (producer, [feature set per channel])``."""
     if name not in _CONVS:
@@ -66,7 +72,7 @@ def note_conv(rec, name: str, args, kwargs) -> None:
                 groups_[u[len("param:") :]] = (p, sets, c, t.numel() // c)
 
 
-def resolve(split, rec, roles: dict) -> None:
+def resolve(split: BlockSplit, rec: _Snapshot, roles: dict) -> None:
     """Add to ``split.head_params`` every recorded convolution whose channels are, in order, the heads of a
     projection of ``roles`` (``{producer: {role: [feature set per head]}}``, one attention's reading)."""
     for key, (p, sets, c, per) in getattr(rec, "channel_groups", {}).items():
@@ -81,7 +87,7 @@ def resolve(split, rec, roles: dict) -> None:
             break
 
 
-def embedding_rows(rec, args, kwargs, out, src) -> bool:
+def embedding_rows(rec: _Recorder, args: tuple, kwargs: dict, out: Any, src: frozenset[str]) -> bool:
     """``F.embedding(indices, weight)`` of a parameter ``weight`` inside the block (Granite Speech's Shaw
     relative-position table ``rel_pos_emb``, one row per distance over ``head_dim``): the output's map is the
     weight's map indexed by the same indices (their real values where the indices are a meta buffer's), so a

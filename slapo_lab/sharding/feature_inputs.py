@@ -34,23 +34,32 @@ from __future__ import annotations
 
 import inspect
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..module_state import module_meta
+from .heads import _install_input_slicer
+from .infer_recorder import note_outside_input
+from .infer_registry import _config_digest
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .infer_maps import BlockSplit
+    from .infer_recorder import _Recorder, _Snapshot
+    from .shard_layout import ShardSite
 
 _LOCK = threading.RLock()
 #: (parent class name, row linear's child name, parent config digest) -> ((argument, axis, features), ...)
 _REGISTRY: dict = {}
 
 
-def capture(block: nn.Module, rec) -> list:
+def capture(block: nn.Module, rec: _Recorder) -> list[RemovableHandle]:
     """A forward pre-hook on ``block`` (registered after the recorder's own, which resets it) that gives each
     floating tensor argument of the block other than its hidden states (the first positional argument, or a
     keyword naming ``hidden``) an ``"input::<name>"`` index map; returns the handles."""
-    from .infer import note_outside_input
-
     try:
         names = list(inspect.signature(type(block).forward).parameters)[1:]
     except (TypeError, ValueError):
@@ -84,11 +93,9 @@ def _aligned_axis(m: torch.Tensor, shape: tuple) -> int | None:
     return None
 
 
-def complete(split, block: nn.Module, snap) -> None:
+def complete(split: BlockSplit, block: nn.Module, snap: _Snapshot) -> None:
     """Note (``split.feature_inputs``: ``[(row linear path, argument, axis)]``) and register the per-feature
     arguments of ``block``'s row-parallel linears read from the recorded forward ``snap``."""
-    from .infer import _config_digest
-
     found = []
     for r_path, role in list(split.roles.items()):
         if role != "mlp_out" or r_path not in snap.linear_in:
@@ -133,12 +140,10 @@ def specs(parent: nn.Module | None, child: str) -> tuple:
     child ``child`` (read by :func:`complete`), or ``()``."""
     if parent is None:
         return ()
-    from .infer import _config_digest
-
     return _REGISTRY.get((type(parent).__name__, child, _config_digest(getattr(parent, "config", None))), ())
 
 
-def install(site, side: str | None, world_size: int, rank: int) -> None:
+def install(site: ShardSite, side: str | None, world_size: int, rank: int) -> None:
     """When ``site`` (a dense layer's weight) is sharded row-parallel (``side`` ``"in"``), cut the per-feature
     arguments its parent takes for it to this rank's features (once per parent and argument)."""
     if side != "in" or world_size == 1 or site.parent is None:
@@ -146,8 +151,6 @@ def install(site, side: str | None, world_size: int, rank: int) -> None:
     found = specs(site.parent, site.child_name)
     if not found:
         return
-    from .heads import _install_input_slicer
-
     meta = module_meta(site.parent)
     done = meta.feature_inputs
     for name, axis, feats in found:

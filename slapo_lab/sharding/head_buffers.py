@@ -23,13 +23,20 @@ index (a key/value head shared by grouped queries) or none is not noted (it stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .infer_maps import BlockSplit, _Info
+    from .infer_recorder import _Recorder, _Snapshot
 
 _MAX_MEETS = 64  # per block: enough for every decay of a chunked linear attention
 
 
-def names(block: nn.Module, is_dense) -> dict[int, str]:
+def names(block: nn.Module, is_dense: Callable[[nn.Module], bool]) -> dict[int, str]:
     """``{id(buffer): "module.rel:name"}`` for the floating-point buffers of ``block``'s modules that are not
     dense layers (``is_dense``); integer buffers (index tables) keep their own handling."""
     out = {}
@@ -47,7 +54,13 @@ def _at(m: torch.Tensor, h: int) -> set:
     return set(row[row >= 0].unique().tolist())
 
 
-def note_meet(rec, o: torch.Tensor, maps: dict, scores, get) -> None:
+def note_meet(
+    rec: _Recorder,
+    o: torch.Tensor,
+    maps: dict,
+    scores: tuple | None,
+    get: Callable[[torch.Tensor], _Info | None],
+) -> None:
     """Record where a buffer's map in ``maps`` (the maps of elementwise output ``o``) meets producer features,
     per index of ``o``'s axis -3; ``scores``: the output's score tag (pairs of operands of a product of two
     mapped values, read with ``get``)."""
@@ -84,7 +97,7 @@ def note_meet(rec, o: torch.Tensor, maps: dict, scores, get) -> None:
         rec.meets.append((key[len("param:") :], per_index))
 
 
-def note_attention(split, rec, roles: dict, n: int) -> None:
+def note_attention(split: BlockSplit, rec: _Snapshot, roles: dict, n: int) -> None:
     """Note in ``split.head_params`` each buffer whose recorded meets split its entries by the ``n`` heads of
     the attention whose producers' per-head features are ``roles`` (``{producer: {role: [set per head]}}``)."""
     head_of: dict = {}

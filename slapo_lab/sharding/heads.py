@@ -53,7 +53,6 @@ import functools
 import inspect
 import math
 import re
-import textwrap
 from functools import cache
 
 import torch
@@ -62,6 +61,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta, peek_meta
 from . import attention_site as _attention_site
+from .class_source import runtime_methods as _runtime_methods
+from .infer_registry import inferred_head_inputs
+from .sync_ops import TPGroup, all_reduce_backward
 
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 """Attribute names that hold the number of attention (query) heads."""
@@ -133,31 +135,6 @@ def register_attention_heads(class_name: str, attrs: tuple[str, ...] | list[str]
     if bad:
         raise ValueError(f"{bad[0]!r} is not a head-count or head-width attribute name slapo can rewrite.")
     _REGISTRY[class_name] = tuple(attrs)
-
-
-@cache
-def _runtime_methods(cls: type) -> tuple | None:
-    """The AST nodes of ``cls``'s methods other than ``__init__``, over the classes of ``cls.__mro__`` below
-    ``nn.Module`` (overridden ones included: ``super()`` may call them); None when a class has no source."""
-    out = []
-    for klass in cls.__mro__:
-        if (
-            klass in (nn.Module, object)
-            or not issubclass(klass, nn.Module)
-            or klass.__module__.startswith("torch.")
-        ):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            return None
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        out += [
-            fn
-            for fn in body
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != "__init__"
-        ]
-    return tuple(out)
 
 
 @cache
@@ -438,8 +415,6 @@ def _summed(t, group):
     gradient (only a tensor that is cut: its gradient from each rank covers that rank's heads)."""
     if group is None or not getattr(t, "requires_grad", False) or not torch.is_grad_enabled():
         return t
-    from .sync_ops import all_reduce_backward
-
     return all_reduce_backward(t, group)
 
 
@@ -555,7 +530,7 @@ def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
 
 
 def localise_heads(
-    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group=None
+    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group: TPGroup | None = None
 ) -> dict:
     """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
 
@@ -602,10 +577,8 @@ def localise_heads(
         width = heads * head_dim
         meta.hooks.extend(_install_width_scope(attn, width, width // world_size))
         rec["width"] = [width, width // world_size]
-    from . import infer as _infer
-
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
-    inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
+    inputs = (*inputs, *((n, a) for n, a in inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
         meta.hooks.append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
         rec["inputs"] = [n for n, _ in inputs]

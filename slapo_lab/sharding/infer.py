@@ -61,10 +61,10 @@ and :mod:`slapo_lab.sharding.infer_blocks` (which blocks, which inputs, and re-r
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
 import weakref
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -73,9 +73,9 @@ from ..call_order import _INPUTS_KEY, REFERENCE_KEY, VALUES_KEY
 from . import attention_site as _attention_site
 from . import feature_inputs as _feature_inputs
 from . import head_buffers as _head_buffers
+from . import mixers as _mixers
 from .infer_analyse import (
     _analyse,
-    _common_parent,  # noqa: F401 - score_terms imports it from here
     _feature_norm,
     _is_norm,
     _resolve_head_inputs,
@@ -88,49 +88,25 @@ from .infer_maps import (
     Layout,
     _dense_out,
     _Done,
-    _head_sets,  # noqa: F401 - score_terms imports it from here
     _Info,
     _is_dense,
-    _linear_maps,  # noqa: F401 - score_terms imports it from here
     _tensors,
-    _varies,  # noqa: F401 - head_axes imports it from here
 )
 from .infer_recorder import _Recorder, _Snapshot, note_outside_input
+from .infer_registry import (
+    _HEAD_INPUTS,
+    _HEADS,
+    _REGISTRY,
+    _config_digest,
+    inferred_head_inputs,
+    inferred_heads,
+    lookup,
+)
 
 # --------------------------------------------------------------------------------------------- running it
-_DIGESTS: dict[int, tuple] = {}  # id(config) -> (weak reference, digest): configs are read, not changed
-
-
-def _config_digest(cfg) -> str | None:
-    """A digest of a config's values (the registry's key), cached per config object."""
-    if cfg is None:
-        return None
-    hit = _DIGESTS.get(id(cfg))
-    if hit is not None and hit[0]() is cfg:
-        return hit[1]
-    digest = _compute_digest(cfg)
-    try:
-        _DIGESTS[id(cfg)] = (weakref.ref(cfg), digest)
-    except TypeError:  # not weakly referenceable: not cached
-        pass
-    return digest
-
-
-def _compute_digest(cfg) -> str:
-    try:
-        text = cfg.to_json_string(use_diff=False)
-    except Exception:  # noqa: BLE001
-        text = repr(sorted((k, repr(v)) for k, v in vars(cfg).items()))
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
 _LOCK = threading.RLock()
 _DONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # top model -> {block path: BlockSplit}
 _BY_DIGEST: dict = {}  # (top class, config digest, input shapes) -> {block path: BlockSplit}
-# (attention class name, child name, config digest) -> (role, Layout or None, refusal or None)
-_REGISTRY: dict = {}
-_HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
-_HEAD_INPUTS: dict = {}  # (attention class name, config digest) -> ((argument, heads axis), ...)
 
 
 def analyse(
@@ -154,9 +130,6 @@ def analyse(
 
 
 def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
-    # imported here, not at the top: a real cycle (mixers -> rules -> attention_layout -> infer)
-    from . import mixers as _mixers
-
     blocks = _stacks(model)
     if not blocks:
         return {}
@@ -368,29 +341,18 @@ def _register(model: nn.Module, result: dict) -> None:
                 _HEAD_INPUTS[key] = (*found, (hi.name, hi.axis))
 
 
-def lookup(parent: nn.Module | None, child: str) -> tuple | None:
-    """``(role, Layout or None, refusal or None)`` inferred for ``parent``'s child ``child``, or None."""
-    if parent is None:
-        return None
-    return _REGISTRY.get((type(parent).__name__, child, _config_digest(getattr(parent, "config", None))))
+class ScheduleLike(Protocol):
+    """What :func:`ensure` and :func:`block_split` read of a :class:`slapo_lab.schedule.Schedule` (a protocol: the
+    schedule sits a layer above sharding, which may not import it)."""
+
+    mod: nn.Module
+    path: str
+    _top: Any  # the schedule tree's shared state: ``extra`` holds the stored example inputs
+
+    def get_top_schedule(self) -> ScheduleLike: ...
 
 
-def inferred_heads(attn: nn.Module | None) -> tuple[int, int] | None:
-    """``(heads, key/value heads)`` read from the dataflow of ``attn``'s class (and config), or None."""
-    if attn is None:
-        return None
-    return _HEADS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))))
-
-
-def inferred_head_inputs(attn: nn.Module | None) -> tuple:
-    """``((argument name, heads axis), ...)``: the per-head tensor arguments ``attn``'s class (and config) takes,
-    built for all heads outside its block (MPT's ALiBi ``position_bias``), read from the dataflow; ``()`` if none."""
-    if attn is None:
-        return ()
-    return _HEAD_INPUTS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))), ())
-
-
-def ensure(sch) -> None:
+def ensure(sch: ScheduleLike) -> None:
     """Infer the split of the schedule's top model once (before its first shard), so the shard rules find the
     layouts of fused projections in any process."""
     top = sch.get_top_schedule()
@@ -422,7 +384,7 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     return merged
 
 
-def block_split(sch, block_path: str) -> BlockSplit | None:
+def block_split(sch: ScheduleLike, block_path: str) -> BlockSplit | None:
     """The :class:`BlockSplit` of the block at ``block_path`` (relative to ``sch``), read from the analysed
     block of the same structure (or the analysed block around it), or None when the dataflow could not be
     recorded."""

@@ -28,6 +28,7 @@ from .infer_maps import (
     HeadParam,
     Layout,
     _candidate_strides,
+    _common_parent,
     _dense_out,
     _fits,
     _head_sets,
@@ -399,18 +400,6 @@ def _feature_params(split: BlockSplit, rec, block: nn.Module) -> None:
         else:
             if linears:
                 split.feature_params[mod] = linears
-
-
-def _common_parent(paths: list[str]) -> str:
-    if not paths:
-        return ""
-    parts = [p.split(".") if p else [] for p in paths]
-    out = []
-    for xs in zip(*parts, strict=False):
-        if len(set(xs)) != 1:
-            break
-        out.append(xs[0])
-    return ".".join(out)
 
 
 def _head_owned(p: str, ms: list) -> tuple[str, int] | None:

@@ -516,7 +516,7 @@ class _Snapshot:
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
-def note_outside_input(rec, key: str, a: torch.Tensor) -> None:
+def note_outside_input(rec: _Recorder, key: str, a: torch.Tensor) -> None:
     """Map ``a``, a tensor from outside the analysed block passed to the module at ``key``'s
     ``"module path:argument"`` (``""`` for the block itself), so its entries show where they meet the
     features: floating point, at least 2-D and at most 2**20 entries, and not yet mapped, else nothing."""

@@ -83,9 +83,9 @@ import torch
 from torch import nn
 
 from ..module_state import install_forward, module_meta, peek_meta
-from . import infer
+from . import infer_registry
 from .experts import is_experts_module
-from .infer_maps import Layout
+from .infer_maps import BlockSplit, Layout
 from .mixer_attrs import _find_attrs, _fix_conv, _get_attr, _local_widths, _set_attr
 from .mixer_deps import (
     _dependencies,
@@ -105,7 +105,7 @@ from .mixer_plan import (
     _world_sizes,
     plan,
 )
-from .rules import _DEFAULT, _RULES, ShardRule, is_norm, register_shard_rule
+from .rules import _DEFAULT, _RULES, BlockStride, ShardRule, ShardSite, is_norm, register_shard_rule
 
 _LOCK = threading.RLock()
 _LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
@@ -115,7 +115,7 @@ _UNRUN: set = set()  # (mixer class, submodule) whose forward the mixer never ca
 _CLASSES: set = set()
 
 
-def complete(split, block: nn.Module, captured: dict) -> None:
+def complete(split: BlockSplit, block: nn.Module, captured: dict) -> None:
     """Add the mixers of ``block`` (paths in ``captured``) that the index maps could not split to ``split``:
     their input linears become ``"mlp_in"`` with their layout, the output linear ``"mlp_out"``, and
     ``split.mixers`` (``{mixer path: MixerDeps}``) keeps the dependencies for :func:`layers`."""
@@ -211,8 +211,8 @@ def _register_layout(mixer: nn.Module, child: str, lay) -> None:
     """The column layout of ``mixer``'s linear ``child`` for the shard rules (as infer registers an MLP input)."""
     parent_rel, _, name = child.rpartition(".")
     parent = mixer.get_submodule(parent_rel) if parent_rel else mixer
-    key = (type(parent).__name__, name, infer._config_digest(getattr(parent, "config", None)))
-    infer._REGISTRY[key] = ("mlp_in", lay, None)
+    key = (type(parent).__name__, name, infer_registry._config_digest(getattr(parent, "config", None)))
+    infer_registry._REGISTRY[key] = ("mlp_in", lay, None)
 
 
 def _owner_key(mixer: nn.Module, sub: str, name: str, shape) -> tuple:
@@ -255,7 +255,7 @@ def _shape_sig(mixer: nn.Module) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------- the dependencies
-def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
+def dependencies(mixer: nn.Module, args: tuple, kwargs: dict) -> MixerDeps | None:
     """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
     mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
     multiple, inputs without a gradient path).
@@ -304,7 +304,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
 
 
 # ------------------------------------------------------------------------------------------ preset layers
-def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
+def layers(split: BlockSplit, block_path: str, ws: int) -> list[tuple[str, str]]:
     """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
     ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
     layouts; ``";grad_sum"`` after them when the module's other parameters are replicated and sum their
@@ -336,7 +336,7 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
     return out
 
 
-def reason(split, rel: str, ws: int) -> str | None:
+def reason(split: BlockSplit, rel: str, ws: int) -> str | None:
     """Why the mixer around the linear ``rel`` (a path in the block) stays whole over ``ws`` ranks, or None."""
     for mrel, deps in (getattr(split, "mixers", None) or {}).items():
         if rel.startswith(mrel + "."):
@@ -365,7 +365,7 @@ class MixerRule(ShardRule):
                 return lay[ws], k
         return None, None
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return (
             type(mod).__name__ in _CLASSES
             and not _is_linear(mod)
@@ -383,16 +383,16 @@ class MixerRule(ShardRule):
         shape = tuple(getattr(t, "orig_shape", t.shape))
         return any(k[1] == type(mod).__name__ and k[2] == name and k[3] == shape for k in _LAYOUTS)
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         return None if self._registered(mod, name) else self._other(mod).check(mod, name, axis)
 
-    def check_site(self, site, axis, world_size):
+    def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         if self._registered(site.mod, site.name):
             return None
         other = getattr(self._other(site.mod), "check_site", None)
         return other(site, axis, world_size) if other else None
 
-    def stride(self, site, axis):
+    def stride(self, site: ShardSite, axis: int) -> int | BlockStride:
         for ws in _world_sizes(MAX_CHUNKS):
             lay, _ = self._layout(site, axis, ws)
             if lay is not None:
@@ -400,19 +400,19 @@ class MixerRule(ShardRule):
         other = getattr(self._other(site.mod), "stride", None)
         return other(site, axis) if other else 1
 
-    def replicas(self, site, axis, world_size):
+    def replicas(self, site: ShardSite, axis: int, world_size: int) -> int:
         if self._registered(site.mod, site.name):
             return 1
         other = getattr(self._other(site.mod), "replicas", None)
         return other(site, axis, world_size) if other else 1
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if not self._registered(mod, name):
             self._other(mod).apply(mod, name, axis, world_size, rank)
             return
         _fix_conv(mod, name, axis)
 
-    def apply_site(self, site, axis, world_size, rank):
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         lay, key = self._layout(site, axis, world_size)
         if lay is None:
             other = getattr(self._other(site.mod), "apply_site", None)
