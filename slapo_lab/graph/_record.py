@@ -31,6 +31,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+try:  # torch internals: where the helper moved, no constructor is known (the set is empty)
+    from torch.utils._device import _device_constructors as _torch_device_constructors
+except ImportError:  # pragma: no cover - torch internals moved
+    _torch_device_constructors = None
+
 _Tensor = torch.Tensor
 _META = torch.device("meta")
 _BOOL = torch.Tensor.__bool__
@@ -301,17 +306,16 @@ def _func_mutating(func) -> bool:
     return m
 
 
-_DEVICE_CTORS = None
+_DEVICE_CTORS: frozenset | None = None
 
 
-def _device_constructors():
+def _device_constructors() -> frozenset:
+    """The torch functions that take a ``device=`` and build a tensor (torch's own list), read once."""
     global _DEVICE_CTORS
     if _DEVICE_CTORS is None:
         try:
-            from torch.utils._device import _device_constructors as ctors
-
-            _DEVICE_CTORS = frozenset(ctors())
-        except (ImportError, AttributeError):  # pragma: no cover - torch internals moved
+            _DEVICE_CTORS = frozenset(_torch_device_constructors())
+        except (TypeError, AttributeError):  # pragma: no cover - torch internals moved
             _DEVICE_CTORS = frozenset()
     return _DEVICE_CTORS
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -115,14 +116,14 @@ def record_dataflow(
             raise
         first = err
     what = f"{type(model).__name__}'s forward pass failed on meta tensors in {first.where} ({first.reason})"
-    copy, why = _real_copy(model)
-    if copy is None:
+    real, why = _real_copy(model)
+    if real is None:
         raise DataflowError(
             f"{what} and {why}, so no dataflow was recorded; record it on a real model with real example "
             "inputs (record_dataflow(model, inputs))."
         ) from first
     try:
-        flow = _record(copy, _real_args(args), _real_args(kwargs), False, assume_bool)
+        flow = _record(real, _real_args(args), _real_args(kwargs), False, assume_bool)
     except DataflowError as err:
         raise DataflowError(
             f"{what} and on a small real copy in {err.where} ({err.reason}), so no dataflow was recorded; "
@@ -203,8 +204,6 @@ def _real_args(x, name: str = ""):
 
 def _real_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
     """A real CPU copy of ``model`` with the same module paths, shapes and modes, or ``(None, why not)``."""
-    import copy
-
     size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
     if size > REAL_FALLBACK_LIMIT:
         return None, (
