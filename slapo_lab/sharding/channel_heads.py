@@ -43,24 +43,13 @@ def note_conv(rec: _Recorder, name: str, args: tuple, kwargs: dict) -> None:
     w = args[1] if len(args) > 1 else kwargs.get("weight")
     b = args[2] if len(args) > 2 else kwargs.get("bias")
     groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+    if not _is_depthwise(x, w, groups):
         return
     c = x.shape[1]
-    if c < 2 or groups != c or w.shape[0] != c or w.shape[1] != 1:
-        return
     xi = rec.get(x)
     if xi is None:
         return
-    found = {}
-    for p, ms in xi.maps.items():
-        if p.startswith(("param:", "@", "input:", "cols:")):
-            continue
-        m = ms[0].movedim(1, 0).reshape(c, -1)
-        sets = [frozenset(v for v in row.unique().tolist() if v >= 0) for row in m]
-        if all(sets) and sum(map(len, sets)) == len(frozenset().union(*sets)) and max(map(len, sets)) > 1:
-            found[p] = (
-                sets  # disjoint groups of several features each (a channel holding one feature: not heads)
-            )
+    found = {p: sets for p, ms in xi.maps.items() if (sets := _channel_groups(p, ms, c)) is not None}
     if len(found) != 1:
         return
     ((p, sets),) = found.items()
@@ -70,6 +59,27 @@ def note_conv(rec: _Recorder, name: str, args: tuple, kwargs: dict) -> None:
         for u in inf.maps if inf is not None else ():
             if u.startswith("param:") and t.shape[0] == c:
                 groups_[u[len("param:") :]] = (p, sets, c, t.numel() // c)
+
+
+def _is_depthwise(x: object, w: object, groups: object) -> bool:
+    """Whether a convolution of input ``x`` (at least 3-D, 2 or more channels) and weight ``w`` is depthwise:
+    one group per channel, one input channel per output channel."""
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+        return False
+    c = x.shape[1]
+    return not (c < 2 or groups != c or w.shape[0] != c or w.shape[1] != 1)
+
+
+def _channel_groups(p: str, ms: list, c: int) -> list[frozenset] | None:
+    """The features of producer ``p`` (maps ``ms``) per channel of a convolution's ``c`` channels, when they are
+    disjoint groups of several features each (a channel holding one feature: not heads); else None."""
+    if p.startswith(("param:", "@", "input:", "cols:")):
+        return None
+    m = ms[0].movedim(1, 0).reshape(c, -1)
+    sets = [frozenset(v for v in row.unique().tolist() if v >= 0) for row in m]
+    if all(sets) and sum(map(len, sets)) == len(frozenset().union(*sets)) and max(map(len, sets)) > 1:
+        return sets
+    return None
 
 
 def resolve(split: BlockSplit, rec: _Snapshot, roles: dict) -> None:

@@ -101,38 +101,47 @@ def complete(split: BlockSplit, block: nn.Module, snap: _Snapshot) -> None:
         if role != "mlp_out" or r_path not in snap.linear_in:
             continue
         parent_rel, _, child = r_path.rpartition(".")
-        inf = snap.linear_in[r_path]
-        for p, ms in inf.maps.items():
-            if not p.startswith("input:"):
+        for p, ms in snap.linear_in[r_path].maps.items():
+            hit = _feature_argument(snap, p, ms, parent_rel)
+            if hit is None:
                 continue
-            key = p[len("input:") :]
-            shape = snap.input_shapes.get(key)
-            if shape is None or not ms:
-                continue
-            axis = _aligned_axis(ms[0], shape)
-            if axis is None:
-                continue
-            receivers = [key, *snap.input_aliases.get(key, [])]
-            at = next((w for w in receivers if w.rsplit(":", 1)[0] == parent_rel), None)
-            if at is None:
-                continue  # received above the row linear's parent, which its shard rule cannot reach
-            name = at.rsplit(":", 1)[1]
-            rshape = snap.input_shapes.get(at, shape)
-            axis -= len(shape) - len(
-                rshape
-            )  # the same trailing axes, if an outer module dropped leading ones
-            if axis < 0:
-                continue
+            name, axis = hit
             found.append((r_path, name, axis))
             parent = block.get_submodule(parent_rel) if parent_rel else block
-            reg = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
-            spec = (name, axis, int(ms[0].shape[-1]))
-            with _LOCK:
-                have = _REGISTRY.get(reg, ())
-                if spec not in have:
-                    _REGISTRY[reg] = (*have, spec)
+            _register(parent, child, (name, axis, int(ms[0].shape[-1])))
     if found:
         split.feature_inputs = found
+
+
+def _feature_argument(snap: _Snapshot, p: str, ms: list, parent_rel: str) -> tuple[str, int] | None:
+    """``(argument name, axis)`` of the outside input ``p`` (``"input:<module>:<argument>"``, maps ``ms``) of a
+    row linear, as the linear's parent at ``parent_rel`` receives it, when its entries follow the linear's input
+    features along that axis; None otherwise (received above the parent, which its shard rule cannot reach)."""
+    if not p.startswith("input:"):
+        return None
+    key = p[len("input:") :]
+    shape = snap.input_shapes.get(key)
+    if shape is None or not ms:
+        return None
+    axis = _aligned_axis(ms[0], shape)
+    if axis is None:
+        return None
+    receivers = [key, *snap.input_aliases.get(key, [])]
+    at = next((w for w in receivers if w.rsplit(":", 1)[0] == parent_rel), None)
+    if at is None:
+        return None  # received above the row linear's parent, which its shard rule cannot reach
+    rshape = snap.input_shapes.get(at, shape)
+    axis -= len(shape) - len(rshape)  # the same trailing axes, if an outer module dropped leading ones
+    return None if axis < 0 else (at.rsplit(":", 1)[1], axis)
+
+
+def _register(parent: nn.Module, child: str, spec: tuple[str, int, int]) -> None:
+    """Register ``spec`` (argument, axis, features) for ``parent``'s row-parallel child ``child`` (once)."""
+    reg = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
+    with _LOCK:
+        have = _REGISTRY.get(reg, ())
+        if spec not in have:
+            _REGISTRY[reg] = (*have, spec)
 
 
 def specs(parent: nn.Module | None, child: str) -> tuple:

@@ -283,6 +283,55 @@ def local_counts(heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
     return heads // world_size, local_kv
 
 
+def _wanted_attrs(attn: nn.Module, heads: int, known: tuple, read_attrs: set, registered: tuple) -> list[str]:
+    """The attributes of ``attn`` to rewrite per rank: the known head-count and width names it has and reads at
+    run time (or its class registered), another head count it reads (ProphetNet's ``num_attn_heads``: named as
+    one, and holding the module's ``heads``), and the widths it reshapes to (LeViT's ``out_dim_projection``)."""
+    wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
+    wanted += sorted(
+        a
+        for a in read_attrs
+        if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
+    )
+    wanted += _attention_site.width_attrs(attn, read_attrs, wanted)  # LeViT's out_dim_projection
+    return wanted
+
+
+def _head_dim_attr(attn: nn.Module) -> int | None:
+    """``attn``'s per-head width from its ``head_dim`` / ``attention_head_size`` / ``key_value_proj_dim``
+    attribute (the first positive int), or None."""
+    return next(
+        (
+            getattr(attn, a)
+            for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
+            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
+        ),
+        None,
+    )
+
+
+def _width_rewrite(
+    cls: type, a: str, v: object, sizes: tuple, registered: bool, compared: frozenset
+) -> tuple[tuple[int, int] | None, str | None]:
+    """``((global, local), None)`` for a width attribute ``a`` (value ``v``) of ``cls`` that holds the heads'
+    width (``sizes``: ``(heads, head_dim or None, world_size)``); ``(None, None)`` for one kept whole;
+    ``(None, reason)`` for a ``registered`` one that does not hold it."""
+    heads, head_dim, world_size = sizes
+    if not _int(v) or (a in compared and not registered):
+        return None, None  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
+    if a in group_widths(cls) and not registered:
+        return None, None  # the width of one of a fixed number of fused groups (CodeGen's mp_num), kept whole
+    hd = head_dim or (v // heads if v % heads == 0 else None)
+    if hd is None or v != heads * hd:
+        if registered:
+            return None, (
+                f"{cls.__name__}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
+                "hold, so slapo cannot rewrite it to this rank's share"
+            )
+        return None, None  # a model width that happens to be read, not the heads' width
+    return (v, v // world_size), None
+
+
 def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> tuple[dict, str | None]:
     """The per-rank rewrite of ``attn``'s head attributes: ``({name: (global, local)}, None)``, or
     ``({}, reason)`` when the module cannot be made consistent (a sentence fragment).
@@ -303,24 +352,9 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     if reason:
         return {}, reason
     registered = _registered(cls)
-    wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
-    # another head count the class reads at run time (ProphetNet's ``num_attn_heads``): named as one, and
-    # holding the module's heads
-    wanted += sorted(
-        a
-        for a in read_attrs
-        if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
-    )
-    wanted += _attention_site.width_attrs(attn, read_attrs, wanted)  # LeViT's out_dim_projection
+    wanted = _wanted_attrs(attn, heads, known, read_attrs, registered)
     compared = runtime_compared(cls) or frozenset()
-    head_dim = next(
-        (
-            getattr(attn, a)
-            for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
-            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
-        ),
-        None,
-    )
+    head_dim = _head_dim_attr(attn)
     local_q, local_kv = local_counts(heads, kv_heads, world_size)
     out: dict[str, tuple[int, int]] = {}
     for a in wanted:
@@ -336,19 +370,11 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
                 )
             out[a] = (v, local_kv if a in KV_HEAD_ATTRS else local_q)
         else:
-            if not _int(v) or (a in compared and a not in registered):
-                continue  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
-            if a in group_widths(cls) and a not in registered:
-                continue  # the width of one of a fixed number of fused groups (CodeGen's mp_num), kept whole
-            hd = head_dim or (v // heads if v % heads == 0 else None)
-            if hd is None or v != heads * hd:
-                if a in registered:
-                    return {}, (
-                        f"{name}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
-                        "hold, so slapo cannot rewrite it to this rank's share"
-                    )
-                continue  # a model width that happens to be read, not the heads' width
-            out[a] = (v, v // world_size)
+            pair, reason = _width_rewrite(cls, a, v, (heads, head_dim, world_size), a in registered, compared)
+            if reason:
+                return {}, reason
+            if pair is not None:
+                out[a] = pair
     for a in GROUP_ATTRS:
         v = getattr(attn, a, None)
         if _int(v) and kv_heads and v == heads // kv_heads and local_q // local_kv != v:

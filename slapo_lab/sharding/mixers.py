@@ -124,30 +124,11 @@ def complete(split: BlockSplit, block: nn.Module, captured: dict) -> None:
         mixer = block.get_submodule(rel)
         kids = [f"{rel}.{n}" for n, c in mixer.named_modules() if n and _is_linear(c)]
         paired = [k for k in kids if k in split.roles]
-        own = any(  # per-channel parameters besides the linears and the norms
-            p is not None
-            for sub, mod in mixer.named_modules()
-            if not _is_linear(mod) and not is_norm(mod)
-            for p in mod._parameters.values()
-        )
-        partial_mlp = (
-            paired
-            and (len(paired) < len(kids) or own)
-            and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
-        )  # an MLP pair the index maps found inside a mixer whose other input linears or whose per-channel
-        # parameters (RWKV's time_decay) they could not follow
+        partial_mlp = _partial_mlp(split, mixer, kids, paired)
         # one "head" read by the index maps (a linear-attention recurrence, Qwen3.5's gated DeltaNet, whose
         # scores the maps see as a single head) is no head split: the channels may still split
         one_head = split.attention.get(rel, (0, 0))[0] == 1 and not any(k in split.roles for k in kids)
-        if (
-            _has_experts(mixer)  # a mixture of experts: slapo_lab/sharding/experts.py
-            or any(
-                (k in split.roles and not partial_mlp) or (k in split.refused_roles and not one_head)
-                for k in kids
-            )
-            or any(rel.startswith(m + ".") for m in found)
-            or any((a == rel and not one_head) or a.startswith(rel + ".") for a in split.attention)
-        ):
+        if _maps_answer_stands(split, rel, mixer, kids, found, partial_mlp, one_head):
             continue  # an attention (split or refused by its heads) or an MLP: the index maps' answer stands
         try:
             deps = dependencies(mixer, args, kwargs)
@@ -160,42 +141,93 @@ def complete(split: BlockSplit, block: nn.Module, captured: dict) -> None:
             continue  # the index maps' MLP pair stands
         found[rel] = deps
         if p2.reason or deps.attrs is None:
-            for k in [*deps.outs, deps.row]:
-                split.unpaired.add(f"{rel}.{k}")
-                split.whole[f"{rel}.{k}"] = p2.reason or (
-                    f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
-                    "rank, so the mixer stays whole"
-                )
+            _keep_whole(split, rel, mixer, deps, p2)
             continue
         for k in paired:
             split.roles.pop(k, None)
             split.layouts.pop(k, None)
-        for k, fed in p2.low_rank.items():
-            split.whole[f"{rel}.{k}"] = (
-                f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
-                "parallel, its input gradient summed over the ranks): it stays whole"
-            )
         if one_head:
             split.attention.pop(rel, None)
             split.refusals.pop(rel, None)
             for k in kids:
                 split.refused_roles.pop(k, None)
-        for k, stride in p2.columns.items():
-            # "mlp_in": column parallel (registered by infer); "mixer_column": column parallel whose input
-            # gradient a gather sums, applied by layers() with the layout registered here
-            role = "mlp_in" if p2.kinds[k] == "column" else "mixer_column"
-            split.roles[f"{rel}.{k}"] = role
-            split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
-            split.whole.pop(f"{rel}.{k}", None)
-            if role != "mlp_in":
-                _register_layout(mixer, k, Layout("in", stride, None))
-        for k in p2.gathers:
-            split.roles[f"{rel}.{k}"] = "mixer_gather"
-            split.whole.pop(f"{rel}.{k}", None)
-        split.roles[f"{rel}.{deps.row}"] = "mlp_out"
-        split.whole.pop(f"{rel}.{deps.row}", None)
-        _register(mixer, deps)
+        _note_mixer_split(split, rel, mixer, deps, p2)
     split.mixers = found
+
+
+def _partial_mlp(split: BlockSplit, mixer: nn.Module, kids: list[str], paired: list[str]) -> bool:
+    """Whether the index maps found an MLP pair (``paired``) inside a mixer whose other input linears (of
+    ``kids``) or whose per-channel parameters (RWKV's time_decay) they could not follow."""
+    own = any(  # per-channel parameters besides the linears and the norms
+        p is not None
+        for sub, mod in mixer.named_modules()
+        if not _is_linear(mod) and not is_norm(mod)
+        for p in mod._parameters.values()
+    )
+    return bool(
+        paired
+        and (len(paired) < len(kids) or own)
+        and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
+    )
+
+
+def _maps_answer_stands(
+    split: BlockSplit,
+    rel: str,
+    mixer: nn.Module,
+    kids: list[str],
+    found: dict,
+    partial_mlp: bool,
+    one_head: bool,
+) -> bool:
+    """Whether the index maps' answer stands for the mixer at ``rel``: a mixture of experts
+    (slapo_lab/sharding/experts.py), an attention split or refused by its heads, an MLP, or a mixer inside one
+    already found."""
+    return bool(
+        _has_experts(mixer)
+        or any(
+            (k in split.roles and not partial_mlp) or (k in split.refused_roles and not one_head)
+            for k in kids
+        )
+        or any(rel.startswith(m + ".") for m in found)
+        or any((a == rel and not one_head) or a.startswith(rel + ".") for a in split.attention)
+    )
+
+
+def _keep_whole(split: BlockSplit, rel: str, mixer: nn.Module, deps: MixerDeps, p2: MixerPlan) -> None:
+    """The linears of a mixer no per-rank split of its channels exists for stay whole (``split.unpaired``)."""
+    for k in [*deps.outs, deps.row]:
+        split.unpaired.add(f"{rel}.{k}")
+        split.whole[f"{rel}.{k}"] = p2.reason or (
+            f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
+            "rank, so the mixer stays whole"
+        )
+
+
+def _note_mixer_split(split: BlockSplit, rel: str, mixer: nn.Module, deps: MixerDeps, p2: MixerPlan) -> None:
+    """The roles and layouts of a mixer's linears by its plan ``p2`` at 2 ranks: low-rank ones whole, column
+    parallel (``"mlp_in"``, or ``"mixer_column"`` whose input gradient a gather sums), gathered, and the output
+    linear ``"mlp_out"``."""
+    for k, fed in p2.low_rank.items():
+        split.whole[f"{rel}.{k}"] = (
+            f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
+            "parallel, its input gradient summed over the ranks): it stays whole"
+        )
+    for k, stride in p2.columns.items():
+        # "mlp_in": column parallel (registered by infer); "mixer_column": column parallel whose input
+        # gradient a gather sums, applied by layers() with the layout registered here
+        role = "mlp_in" if p2.kinds[k] == "column" else "mixer_column"
+        split.roles[f"{rel}.{k}"] = role
+        split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
+        split.whole.pop(f"{rel}.{k}", None)
+        if role != "mlp_in":
+            _register_layout(mixer, k, Layout("in", stride, None))
+    for k in p2.gathers:
+        split.roles[f"{rel}.{k}"] = "mixer_gather"
+        split.whole.pop(f"{rel}.{k}", None)
+    split.roles[f"{rel}.{deps.row}"] = "mlp_out"
+    split.whole.pop(f"{rel}.{deps.row}", None)
+    _register(mixer, deps)
 
 
 def _has_experts(mod: nn.Module) -> bool:
