@@ -26,10 +26,16 @@ offset and dtype.  Repeated layers therefore cost a dictionary lookup per op.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+try:  # torch internals: where the helper moved, no constructor is known (the set is empty)
+    from torch.utils._device import _device_constructors as _torch_device_constructors
+except ImportError:  # pragma: no cover - torch internals moved
+    _torch_device_constructors = None
 
 _Tensor = torch.Tensor
 _META = torch.device("meta")
@@ -301,17 +307,16 @@ def _func_mutating(func) -> bool:
     return m
 
 
-_DEVICE_CTORS = None
+_DEVICE_CTORS: frozenset | None = None
 
 
-def _device_constructors():
+def _device_constructors() -> frozenset:
+    """The torch functions that take a ``device=`` and build a tensor (torch's own list), read once."""
     global _DEVICE_CTORS
     if _DEVICE_CTORS is None:
         try:
-            from torch.utils._device import _device_constructors as ctors
-
-            _DEVICE_CTORS = frozenset(ctors())
-        except (ImportError, AttributeError):  # pragma: no cover - torch internals moved
+            _DEVICE_CTORS = frozenset(_torch_device_constructors())
+        except (TypeError, AttributeError):  # pragma: no cover - torch internals moved
             _DEVICE_CTORS = frozenset()
     return _DEVICE_CTORS
 
@@ -342,6 +347,51 @@ def _positional_names(mod) -> tuple:
     if not own:
         _POS_NAMES[cls] = names
     return names
+
+
+def _scan_call(args: tuple, kwargs: dict, ins: list, key: list) -> bool:
+    """:func:`_scan` every argument of a call into ``ins`` (tensors) and ``key`` (the cache key); False when the
+    call cannot be cached (an argument :func:`_scan` refuses, or a write: ``out=`` / ``inplace=True``)."""
+    ok = True
+    for a in args:
+        if not _scan(a, ins, key):
+            ok = False
+    if kwargs:
+        if "out" in kwargs or kwargs.get("inplace") is True:
+            ok = False
+        for k, v in kwargs.items():
+            key.append(k)
+            if not _scan(v, ins, key):
+                ok = False
+    return ok
+
+
+def _output_pairs(output: object) -> list[tuple[str, object]]:
+    """``[(name, value)]`` of a module's output: ``output``, its dict items, or ``output[i]``."""
+    if isinstance(output, _Tensor):
+        return [("output", output)]
+    if isinstance(output, dict):
+        return list(output.items())
+    if isinstance(output, (tuple, list)):
+        return [(f"output[{i}]", o) for i, o in enumerate(output)]
+    return []
+
+
+def _tensor_outputs(out: object) -> tuple | list:
+    """The tensors an op returned: ``out`` itself, or those of a tuple or list."""
+    if isinstance(out, _Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, _Tensor)]
+    return ()
+
+
+def _is_one_of(o: object, ins: list) -> bool:
+    """Whether ``o`` is (the same object as) one of ``ins``."""
+    for t in ins:
+        if t is o:
+            return True
+    return False
 
 
 class Recorder(TorchFunctionMode):
@@ -399,82 +449,73 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if (
-            self.assume_bool is not None
-            and func is _BOOL
-            and args
-            and isinstance(args[0], _Tensor)
-            and args[0].is_meta
-            and args[0].numel() == 1
-        ):
-            top = self.stack[-1]
-            self.assumptions.append((self.calls[top].path if top >= 0 else "", "__bool__"))
-            return self.assume_bool
         if func is _BOOL and args and isinstance(args[0], _Tensor) and args[0].is_meta:
-            self.meta_bool_failed = True
+            assumed = self._meta_bool(args[0])
+            if assumed is not None:
+                return assumed
         ins: list = []
-        out = None
-        cached = False
         recorded = func  # the op as the model called it (an override only computes its meta result)
         override = _META_OVERRIDES.get(func) if _META_OVERRIDES else None
         if override is not None and args and isinstance(args[0], _Tensor) and args[0].is_meta:
             func = override
         if self.use_cache and _func_cacheable(func):
-            key = [func]
-            ok = True
-            for a in args:
-                if not _scan(a, ins, key):
-                    ok = False
-            if kwargs:
-                if "out" in kwargs or kwargs.get("inplace") is True:
-                    ok = False
-                for k, v in kwargs.items():
-                    key.append(k)
-                    if not _scan(v, ins, key):
-                        ok = False
-            if ok and ins and torch.is_grad_enabled() is False:
-                key.append(torch.get_default_dtype())
-                key = tuple(key)
-                try:
-                    entry = _META_CACHE.get(key)
-                except TypeError:
-                    entry = None
-                    ok = False
-                if entry is not None:
-                    out = _materialize(entry, ins)
-                    cached = True
-                    self.cache_hits += 1
-                elif ok:
-                    out = func(*args, **kwargs)
-                    cached = True
-                    self.cache_misses += 1
-                    entry = _describe(out, ins)
-                    if entry is not None:
-                        if len(_META_CACHE) >= _META_CACHE_MAX:
-                            _META_CACHE.clear()
-                        _META_CACHE[key] = entry
+            out = self._call_cached(func, args, kwargs, ins)
         else:
             for a in args:
                 _collect(a, ins)
-            if kwargs:
-                for v in kwargs.values():
-                    _collect(v, ins)
-        if not cached:
+            for v in kwargs.values():
+                _collect(v, ins)
             out = func(*args, **kwargs)
-
-        if isinstance(out, _Tensor):
-            outs = (out,)
-        elif isinstance(out, (tuple, list)):
-            outs = [o for o in out if isinstance(o, _Tensor)]
-        else:
-            outs = ()
+        outs = _tensor_outputs(out)
         mutating = _func_mutating(func) or (
             bool(kwargs) and ("out" in kwargs or kwargs.get("inplace") is True)
         )
         if mutating and not outs and ins and getattr(func, "__name__", "") == "__setitem__":
             outs = (ins[0],)  # x[i] = y mutates x
-        if not outs:
+        if outs:
+            self._record_op(recorded, ins, outs, mutating)
+        return out
+
+    def _meta_bool(self, t: _Tensor) -> bool | None:
+        """``bool()`` of the meta tensor ``t``: the assumed value (noted in ``assumptions``) for a one-element
+        tensor when ``assume_bool`` is set; else None, and the call fails (``meta_bool_failed``)."""
+        if self.assume_bool is not None and t.numel() == 1:
+            top = self.stack[-1]
+            self.assumptions.append((self.calls[top].path if top >= 0 else "", "__bool__"))
+            return self.assume_bool
+        self.meta_bool_failed = True
+        return None
+
+    def _call_cached(self, func: Callable, args: tuple, kwargs: dict, ins: list) -> object:
+        """``func(*args, **kwargs)``, its meta result rebuilt from :data:`_META_CACHE` where the same op on the
+        same input shapes ran before (no grad, nothing written); ``ins`` gets the input tensors."""
+        key = [func]
+        ok = _scan_call(args, kwargs, ins, key)
+        if not (ok and ins and torch.is_grad_enabled() is False):
+            return func(*args, **kwargs)
+        key.append(torch.get_default_dtype())
+        key = tuple(key)
+        try:
+            entry = _META_CACHE.get(key)
+        except TypeError:
+            return func(*args, **kwargs)
+        if entry is not None:
+            out = _materialize(entry, ins)
+            self.cache_hits += 1
             return out
+        out = func(*args, **kwargs)
+        self.cache_misses += 1
+        entry = _describe(out, ins)
+        if entry is not None:
+            if len(_META_CACHE) >= _META_CACHE_MAX:
+                _META_CACHE.clear()
+            _META_CACHE[key] = entry
+        return out
+
+    def _record_op(self, recorded: Callable, ins: list, outs: tuple | list, mutating: bool) -> None:
+        """Record one op (``recorded``) from the tensor versions of ``ins`` to new versions of ``outs``; a
+        non-mutating op that returns an input as is (``x.to(same dtype)``, ``contiguous()``) makes no new
+        version, and an op that makes none is not recorded."""
         tid_of = self.tid_of
         in_tids = []
         for t in ins:
@@ -483,26 +524,13 @@ class Recorder(TorchFunctionMode):
                 tid = self._new_tid(t, -1)
             in_tids.append(tid)
         op = len(self.op_func)
-        out_tids = []
-        for o in outs:
-            if not mutating:
-                # a non-mutating op that returns an input as is (x.to(same dtype), contiguous()):
-                # same tensor version, nothing new to record
-                same = False
-                for t in ins:
-                    if t is o:
-                        same = True
-                        break
-                if same:
-                    continue
-            out_tids.append(self._new_tid(o, op))
+        out_tids = [self._new_tid(o, op) for o in outs if mutating or not _is_one_of(o, ins)]
         if not out_tids:
-            return out
+            return
         self.op_func.append(recorded)
         self.op_call.append(self.stack[-1])
         self.op_in.append(tuple(in_tids))
         self.op_out.append(tuple(out_tids))
-        return out
 
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, mod, args, kwargs):
@@ -539,30 +567,11 @@ class Recorder(TorchFunctionMode):
                 return
             ci = stack[j]
             call = self.calls[ci]
-            if isinstance(output, _Tensor):
-                pairs = [("output", output)]
-            elif isinstance(output, dict):
-                pairs = list(output.items())
-            elif isinstance(output, (tuple, list)):
-                pairs = [(f"output[{i}]", o) for i, o in enumerate(output)]
-            else:
-                pairs = []
             named = []
-            for name, obj in pairs:
+            for name, obj in _output_pairs(output):
                 leaves: list = []
                 _collect(obj, leaves)
-                tids = []
-                for t in leaves:
-                    tid = self._tid(t)
-                    if self.producer[tid] < call.start:
-                        # returned unchanged: re-version it inside this call
-                        op = len(self.op_func)
-                        self.op_func.append(PASSTHROUGH)
-                        self.op_call.append(ci)
-                        self.op_in.append((tid,))
-                        tid = self._new_tid(t, op)
-                        self.op_out.append((tid,))
-                    tids.append(tid)
+                tids = [self._output_tid(t, ci, call.start) for t in leaves]
                 if tids:
                     named.append((name, tuple(tids)))
             call.outputs = named
@@ -571,6 +580,20 @@ class Recorder(TorchFunctionMode):
                 self.calls[k].end = end
             del stack[j:]
         return
+
+    def _output_tid(self, t: _Tensor, ci: int, start: int) -> int:
+        """The version of ``t`` that call ``ci`` (whose ops start at ``start``) returns: a tensor returned
+        unchanged gets a new version made inside the call (a pass-through op)."""
+        tid = self._tid(t)
+        if self.producer[tid] >= start:
+            return tid
+        op = len(self.op_func)
+        self.op_func.append(PASSTHROUGH)
+        self.op_call.append(ci)
+        self.op_in.append((tid,))
+        tid = self._new_tid(t, op)
+        self.op_out.append((tid,))
+        return tid
 
     def innermost_path(self) -> str | None:
         """Path of the innermost module call still open (the one that raised), or None."""

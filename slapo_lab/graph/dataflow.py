@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -115,14 +116,14 @@ def record_dataflow(
             raise
         first = err
     what = f"{type(model).__name__}'s forward pass failed on meta tensors in {first.where} ({first.reason})"
-    copy, why = _real_copy(model)
-    if copy is None:
+    real, why = _real_copy(model)
+    if real is None:
         raise DataflowError(
             f"{what} and {why}, so no dataflow was recorded; record it on a real model with real example "
             "inputs (record_dataflow(model, inputs))."
         ) from first
     try:
-        flow = _record(copy, _real_args(args), _real_args(kwargs), False, assume_bool)
+        flow = _record(real, _real_args(args), _real_args(kwargs), False, assume_bool)
     except DataflowError as err:
         raise DataflowError(
             f"{what} and on a small real copy in {err.where} ({err.reason}), so no dataflow was recorded; "
@@ -201,41 +202,55 @@ def _real_args(x, name: str = ""):
     return x
 
 
+def _rebuilt_from_config(model: nn.Module) -> nn.Module | None:
+    """A transformers model rebuilt on the CPU from its config (real buffers: position ids, rotary tables), in
+    its floating dtype; None when ``model`` is none, the config does not rebuild it, or the parameters' names,
+    shapes or dtypes differ."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(type(model), "config_class"):
+        return None
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
+    try:
+        with torch.device("cpu"):
+            out = type(model)(copy.deepcopy(config))
+        dtypes = {d for _, _, d in shapes if d.is_floating_point}
+        if len(dtypes) == 1:
+            out = out.to(next(iter(dtypes)))
+        got = [(n, tuple(p.shape), p.dtype) for n, p in out.named_parameters(remove_duplicate=False)]
+    except Exception:  # noqa: BLE001 - a model its config does not rebuild: materialise a copy
+        return None
+    return out if got == shapes else None
+
+
+def _materialised_copy(model: nn.Module) -> nn.Module:
+    """A CPU copy of ``model`` with seeded random floating tensors (``N(0, 0.02)``) and zero integer ones.
+
+    Raises:
+        Exception: whatever copying or materialising the model raises (the caller reports it).
+    """
+    out = copy.deepcopy(model).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*out.parameters(), *out.buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+            else:
+                t.zero_()
+    return out
+
+
 def _real_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
     """A real CPU copy of ``model`` with the same module paths, shapes and modes, or ``(None, why not)``."""
-    import copy
-
     size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
     if size > REAL_FALLBACK_LIMIT:
         return None, (
             f"the model is too large for a real copy ({size / 1e6:.0f}M elements, the limit is "
             f"{REAL_FALLBACK_LIMIT / 1e6:.0f}M)"
         )
-    shapes = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
-    out = None
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(type(model), "config_class"):
-        try:  # a transformers model: its config rebuilds it with real buffers (position ids, rotary tables)
-            with torch.device("cpu"):
-                out = type(model)(copy.deepcopy(config))
-            dtypes = {d for _, _, d in shapes if d.is_floating_point}
-            if len(dtypes) == 1:
-                out = out.to(next(iter(dtypes)))
-            got = [(n, tuple(p.shape), p.dtype) for n, p in out.named_parameters(remove_duplicate=False)]
-            if got != shapes:
-                out = None
-        except Exception:  # noqa: BLE001 - a model its config does not rebuild: materialise a copy
-            out = None
+    out = _rebuilt_from_config(model)
     if out is None:
         try:
-            out = copy.deepcopy(model).to_empty(device="cpu")
-            gen = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                for t in [*out.parameters(), *out.buffers()]:
-                    if t.is_floating_point():
-                        t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
-                    else:
-                        t.zero_()
+            out = _materialised_copy(model)
         except Exception as err:  # noqa: BLE001 - reported as the reason
             return (
                 None,
@@ -246,6 +261,47 @@ def _real_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
     ):
         b.training = a.training
     return out, ""
+
+
+def _add_edge(edge_shapes: dict, u: str, v: str, shape: str) -> None:
+    """Note an edge ``u -> v`` carrying a tensor of ``shape`` (each distinct shape once)."""
+    lst = edge_shapes.setdefault((u, v), [])
+    if shape not in lst:
+        lst.append(shape)
+
+
+class _FrameSources:
+    """The source nodes of each tensor version inside one call's op range ``[s, e)``: an input's node, the node
+    whose call made it, or (made by an op of the frame's own forward) the sources of that op's inputs."""
+
+    def __init__(self, input_of: dict, producer: list, op_call: list, owner: dict, s: int, e: int) -> None:
+        self.input_of, self.producer, self.op_call, self.owner = input_of, producer, op_call, owner
+        self.s, self.e = s, e
+        self.src_op: dict[int, frozenset] = {}  # direct op -> source nodes
+
+    def sources(self, t: int) -> frozenset:
+        """The nodes tensor version ``t`` comes from (none when made outside the range)."""
+        inp = self.input_of.get(t)
+        if inp is not None:
+            return frozenset((inp,))
+        p = self.producer[t]
+        if p < self.s or p >= self.e:
+            return _EMPTY
+        node = self.owner.get(self.op_call[p])
+        if node is not None:
+            return frozenset((node,))
+        return self.src_op.get(p, _EMPTY)
+
+    def pass_through(self, o: int, ins: tuple) -> None:
+        """Op ``o`` of the frame's own forward: its outputs come from its inputs' sources."""
+        acc: set = set()
+        for t in ins:
+            acc.update(self.sources(t))
+        if acc:
+            self.src_op[o] = frozenset(acc)
+
+
+_EMPTY: frozenset = frozenset()
 
 
 class Dataflow:
@@ -467,26 +523,46 @@ class Dataflow:
         node_of_path: dict[str, str] = {}
         G = nx.DiGraph(path=path, model=self.model_type, frame=None)
 
-        # frames: the calls whose op ranges give the edges
+        frame_path, frames = self._frames(path)
+        if frames:
+            G.graph["frame"] = frame_path
+        self._add_input_nodes(G, path, frames)
+        for node, members in groups:
+            self._add_child_node(G, path, node, members)
+            for m in members:
+                node_of_path[m] = node
+        self._add_output_node(G, path, frames)
+        edge_shapes: dict[tuple[str, str], list[str]] = {}
+        for f in frames:
+            self._frame_edges(f, node_of_path, edge_shapes)
+        for (u, v), shapes in edge_shapes.items():
+            if u == v and G.nodes[u]["kind"] == "folded":
+                continue  # the chain inside a folded run
+            label = ", ".join(shapes[:_MAX_EDGE_SHAPES]) + (", …" if len(shapes) > _MAX_EDGE_SHAPES else "")
+            G.add_edge(u, v, label=label, shapes=list(shapes))
+        return G
+
+    def _frames(self, path: str) -> tuple[str, list[Call]]:
+        """``(frame path, its calls)``: the calls whose op ranges give the edges of ``path``'s level, those of
+        ``path`` or, when it never ran, of its nearest ancestor that did."""
         frame_path = path
         while frame_path not in self._calls_of and frame_path:
             frame_path = frame_path.rsplit(".", 1)[0] if "." in frame_path else ""
-        frames = [self.calls[i] for i in self._calls_of.get(frame_path, ())]
-        if frames:
-            G.graph["frame"] = frame_path
+        return frame_path, [self.calls[i] for i in self._calls_of.get(frame_path, ())]
 
+    def _add_input_nodes(self, G: nx.DiGraph, path: str, frames: list[Call]) -> None:
+        """One node per forward argument of the ``frames`` that holds tensors (``".input:<name>"``)."""
         input_names: list[str] = []
         for f in frames:
             for name, _ in f.inputs:
                 if name not in input_names:
                     input_names.append(name)
         for name in input_names:
-            shapes = self._input_shapes(frames, name)
             G.add_node(
                 INPUT_PREFIX + name,
                 path=path,
                 label=name,
-                sub=shapes,
+                sub=self._input_shapes(frames, name),
                 type="input",
                 kind="input",
                 params=0,
@@ -495,33 +571,36 @@ class Dataflow:
                 ran=True,
                 calls=len(frames),
             )
-        for node, members in groups:
-            snap = self._modules[members[0]]
-            calls = sum(len(self._calls_of.get(m, ())) for m in members)
-            folded = len(members) > 1
-            if folded:
-                rel = node[len(path) + 1 :] if path else node
-                label, sub = f"{snap.type} × {len(members)}", rel
-                params = sum(self.params(m) for m in members)
-            else:
-                rel = members[0][len(path) + 1 :] if path else members[0]
-                label, sub = rel, snap.type
-                params = self.params(members[0])
-            G.add_node(
-                node,
-                path=members[0],
-                label=label,
-                sub=sub,
-                type=snap.type,
-                kind="folded" if folded else "module",
-                params=params,
-                count=len(members),
-                members=list(members),
-                ran=any(m in self._active for m in members),
-                calls=calls,
-            )
-            for m in members:
-                node_of_path[m] = node
+
+    def _add_child_node(self, G: nx.DiGraph, path: str, node: str, members: list[str]) -> None:
+        """The node of a visible child of ``path``, or of a folded run of same-class ``members``."""
+        snap = self._modules[members[0]]
+        calls = sum(len(self._calls_of.get(m, ())) for m in members)
+        folded = len(members) > 1
+        if folded:
+            rel = node[len(path) + 1 :] if path else node
+            label, sub = f"{snap.type} × {len(members)}", rel
+            params = sum(self.params(m) for m in members)
+        else:
+            rel = members[0][len(path) + 1 :] if path else members[0]
+            label, sub = rel, snap.type
+            params = self.params(members[0])
+        G.add_node(
+            node,
+            path=members[0],
+            label=label,
+            sub=sub,
+            type=snap.type,
+            kind="folded" if folded else "module",
+            params=params,
+            count=len(members),
+            members=list(members),
+            ran=any(m in self._active for m in members),
+            calls=calls,
+        )
+
+    def _add_output_node(self, G: nx.DiGraph, path: str, frames: list[Call]) -> None:
+        """The ``".output"`` node, labelled with the shapes the ``frames`` returned."""
         out_shapes = []
         for f in frames:
             for _, tids in f.outputs:
@@ -543,16 +622,6 @@ class Dataflow:
             calls=len(frames),
         )
 
-        edge_shapes: dict[tuple[str, str], list[str]] = {}
-        for f in frames:
-            self._frame_edges(f, node_of_path, edge_shapes)
-        for (u, v), shapes in edge_shapes.items():
-            if u == v and G.nodes[u]["kind"] == "folded":
-                continue  # the chain inside a folded run
-            label = ", ".join(shapes[:_MAX_EDGE_SHAPES]) + (", …" if len(shapes) > _MAX_EDGE_SHAPES else "")
-            G.add_edge(u, v, label=label, shapes=list(shapes))
-        return G
-
     def _input_shapes(self, frames, name) -> str:
         shapes: list[str] = []
         for f in frames:
@@ -565,10 +634,48 @@ class Dataflow:
         return ", ".join(shapes[:_MAX_EDGE_SHAPES])
 
     def _frame_edges(self, f: Call, node_of_path: dict, edge_shapes: dict) -> None:
-        calls = self.calls
-        s = f.start
+        """Add to ``edge_shapes`` (``{(u, v): [shape, ...]}``) the edges between the nodes (``node_of_path``)
+        that the ops of call ``f`` show: a tensor made in ``u`` (or an input) used in ``v`` (or returned)."""
         e = f.end if f.end >= 0 else len(self._op_func)
-        # owner node / owner call of every call nested in f (pre-order: parents come first)
+        owner, owner_call = self._call_owners(f, node_of_path, e)
+        input_of: dict[int, str] = {}
+        for name, tids in f.inputs:
+            for t in tids:
+                input_of.setdefault(t, INPUT_PREFIX + name)
+        flow = _FrameSources(input_of, self._producer, self._op_call, owner, f.start, e)
+        op_call, op_in, shape = self._op_call, self._op_in, self._shape
+        for o in range(f.start, e):
+            node = owner.get(op_call[o])
+            if node is None:  # an op of f's own forward (or of a see-through module): pass sources through
+                flow.pass_through(o, op_in[o])
+                continue
+            oc_call = self.calls[owner_call[op_call[o]]]
+            self._op_edges(
+                op_in[o], node, (oc_call.start, oc_call.end if oc_call.end >= 0 else e), flow, edge_shapes
+            )
+        for _, tids in f.outputs:
+            for t in tids:
+                for u in flow.sources(t):
+                    _add_edge(edge_shapes, u, OUTPUT_NODE, shape_str(shape[t]))
+
+    def _op_edges(
+        self, ins: tuple, node: str, span: tuple[int, int], flow: _FrameSources, edge_shapes: dict
+    ) -> None:
+        """The edges into ``node`` of an op of its call (ops ``span``: ``[lo, hi)``) from the sources of its
+        inputs ``ins`` made outside that call."""
+        lo, hi = span
+        for t in ins:
+            if lo <= self._producer[t] < hi:
+                continue  # produced inside the same node call
+            for u in flow.sources(t):
+                _add_edge(edge_shapes, u, node, shape_str(self._shape[t]))
+
+    def _call_owners(
+        self, f: Call, node_of_path: dict, e: int
+    ) -> tuple[dict[int, str | None], dict[int, int]]:
+        """``(owner node, owner call)`` of every call nested in ``f`` (ops before ``e``; pre-order: parents come
+        first): the visible node a call belongs to and that node's call, None / -1 for see-through ones."""
+        calls = self.calls
         owner: dict[int, str | None] = {f.index: None}
         owner_call: dict[int, int] = {f.index: -1}
         ci = f.index + 1
@@ -583,61 +690,7 @@ class Dataflow:
                 owner[ci] = node
                 owner_call[ci] = ci if node is not None else -1
             ci += 1
-
-        input_of: dict[int, str] = {}
-        for name, tids in f.inputs:
-            for t in tids:
-                input_of.setdefault(t, INPUT_PREFIX + name)
-
-        producer = self._producer
-        op_call = self._op_call
-        op_in = self._op_in
-        shape = self._shape
-        src_op: dict[int, frozenset] = {}  # direct op -> source nodes
-        empty: frozenset = frozenset()
-
-        def sources(t: int) -> frozenset:
-            inp = input_of.get(t)
-            if inp is not None:
-                return frozenset((inp,))
-            p = producer[t]
-            if p < s or p >= e:
-                return empty
-            node = owner.get(op_call[p])
-            if node is not None:
-                return frozenset((node,))
-            return src_op.get(p, empty)
-
-        def add(u: str, v: str, t: int) -> None:
-            lst = edge_shapes.setdefault((u, v), [])
-            st = shape_str(shape[t])
-            if st not in lst:
-                lst.append(st)
-
-        for o in range(s, e):
-            c = op_call[o]
-            node = owner.get(c)
-            if node is None:
-                # an op of f's own forward (or of a see-through module): pass sources through
-                acc: set = set()
-                for t in op_in[o]:
-                    acc.update(sources(t))
-                if acc:
-                    src_op[o] = frozenset(acc)
-                continue
-            oc = owner_call[c]
-            oc_call = calls[oc]
-            lo, hi = oc_call.start, oc_call.end if oc_call.end >= 0 else e
-            for t in op_in[o]:
-                p = producer[t]
-                if lo <= p < hi:
-                    continue  # produced inside the same node call
-                for u in sources(t):
-                    add(u, node, t)
-        for _, tids in f.outputs:
-            for t in tids:
-                for u in sources(t):
-                    add(u, OUTPUT_NODE, t)
+        return owner, owner_call
 
     def module_tree(self) -> nx.DiGraph:
         """The module tree as snapshotted at record time (same form as :func:`module_tree`)."""

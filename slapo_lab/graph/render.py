@@ -188,6 +188,23 @@ def clear_layout_cache() -> None:
         _CACHE.misses = 0
 
 
+def _layers(G: nx.DiGraph) -> dict[int, list]:
+    """``{layer: [nodes]}``: the longest-path layers of the DAG ``G`` (``networkx.topological_generations``),
+    sources (inputs) placed just above their first consumer, not all in layer 0."""
+    layer: dict = {}
+    for i, gen in enumerate(nx.topological_generations(G)):
+        for n in gen:
+            layer[n] = i
+    for n in list(layer):
+        succ = [layer[m] for m in G.successors(n)]
+        if succ and G.in_degree(n) == 0:
+            layer[n] = min(succ) - 1
+    by_layer: dict[int, list] = {}
+    for n, i in layer.items():
+        by_layer.setdefault(i, []).append(n)
+    return by_layer
+
+
 # -- DOT generation --------------------------------------------------------------------------------
 def _node_style(node, attrs: Mapping, style: Mapping | None):
     kind = attrs.get("kind", "module")
@@ -211,16 +228,8 @@ def _node_style(node, attrs: Mapping, style: Mapping | None):
         if style.get("color") is not None:
             border = _check_colour(style["color"], "border", node)
         if style.get("penwidth") is not None:
-            try:
-                penwidth = float(style["penwidth"])
-            except (TypeError, ValueError):
-                raise ValueError(f"The penwidth for node {display(node)!r} must be a number.") from None
-            if not 0 <= penwidth <= 10:
-                raise ValueError(f"The penwidth for node {display(node)!r} must be between 0 and 10.")
-        raw = style.get("badges") or ()
-        if isinstance(raw, str):
-            raw = (raw,)
-        badges = [display(b, _MAX_BADGE) for b in list(raw)[:_MAX_BADGES]]
+            penwidth = _check_penwidth(style["penwidth"], node)
+        badges = _style_badges(style)
         if style.get("band") is not None:
             band = _check_colour(style["band"], "band", node)
         if style.get("dashed"):
@@ -228,6 +237,29 @@ def _node_style(node, attrs: Mapping, style: Mapping | None):
             penwidth = max(penwidth, 1.6)
         cut = bool(style.get("cut"))
     return kind, shape, gv_style, fill, border, penwidth, badges, band, cut
+
+
+def _check_penwidth(value: object, node: object) -> float:
+    """A node style's ``penwidth``: a number between 0 and 10.
+
+    Raises:
+        ValueError: when it is not a number, or outside that range (one sentence naming the node).
+    """
+    try:
+        penwidth = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"The penwidth for node {display(node)!r} must be a number.") from None
+    if not 0 <= penwidth <= 10:
+        raise ValueError(f"The penwidth for node {display(node)!r} must be between 0 and 10.")
+    return penwidth
+
+
+def _style_badges(style: Mapping) -> list[str]:
+    """A node style's badges (one string or several), each cut for display, at most ``_MAX_BADGES``."""
+    raw = style.get("badges") or ()
+    if isinstance(raw, str):
+        raw = (raw,)
+    return [display(b, _MAX_BADGE) for b in list(raw)[:_MAX_BADGES]]
 
 
 def badge_line(badges: list[str], limit: int = MAX_BADGE_LINE) -> str:
@@ -289,27 +321,32 @@ def _tooltip(node, attrs: Mapping, badges: list[str] = ()) -> str:
     elif kind == "output":
         lines = ["output", str(attrs.get("sub", ""))]
     else:
-        lines = [str(attrs.get("path", node)) or "(root)"]
-        if attrs.get("label") not in (None, attrs.get("path")) and not str(attrs.get("path", "")).endswith(
-            "." + str(attrs.get("label"))
-        ):
-            lines.append(str(attrs["label"]))
-        if kind == "folded":
-            members = attrs.get("members") or []
-            if members:
-                lines[0] = f"{members[0]} … {members[-1]}"
-        if attrs.get("type") and attrs.get("type") != attrs.get("label"):
-            lines.append(str(attrs["type"]))
-        if attrs.get("params") is not None:
-            lines.append(f"{int(attrs['params']):,} parameters")
-        if attrs.get("params_rank") is not None and attrs.get("params_rank") != attrs.get("params"):
-            lines.append(f"{int(attrs['params_rank']):,} on this rank")
-        if attrs.get("shapes"):
-            lines.append(str(attrs["shapes"]))
-        if attrs.get("ran") is False:
-            lines.append("did not run in the recorded forward")
-        lines.extend(badges)
+        lines = [*_module_tooltip(node, attrs, kind), *badges]
     return "\n".join(display(line, 200) for line in lines if line)
+
+
+def _module_tooltip(node: object, attrs: Mapping, kind: str) -> list[str]:
+    """The tooltip lines of a module (or folded run) node: its path (or member range), label, class, parameter
+    counts, shapes, and whether it ran."""
+    lines = [str(attrs.get("path", node)) or "(root)"]
+    if attrs.get("label") not in (None, attrs.get("path")) and not str(attrs.get("path", "")).endswith(
+        "." + str(attrs.get("label"))
+    ):
+        lines.append(str(attrs["label"]))
+    members = (attrs.get("members") or []) if kind == "folded" else []
+    if members:
+        lines[0] = f"{members[0]} … {members[-1]}"
+    if attrs.get("type") and attrs.get("type") != attrs.get("label"):
+        lines.append(str(attrs["type"]))
+    if attrs.get("params") is not None:
+        lines.append(f"{int(attrs['params']):,} parameters")
+    if attrs.get("params_rank") is not None and attrs.get("params_rank") != attrs.get("params"):
+        lines.append(f"{int(attrs['params_rank']):,} on this rank")
+    if attrs.get("shapes"):
+        lines.append(str(attrs["shapes"]))
+    if attrs.get("ran") is False:
+        lines.append("did not run in the recorded forward")
+    return lines
 
 
 def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = (), prefix: str = "n"):
@@ -353,17 +390,9 @@ def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = (), prefix:
     busy_any = False
     for j, (u, v, attrs) in enumerate(G.edges(data=True)):
         eid = f"e{j}"
-        lab = attrs.get("label")
-        tip = attrs.get("tooltip") or lab
-        if (u, v) in flat or G.out_degree(u) >= FAN or G.in_degree(v) >= FAN:
-            # one of many edges leaving / entering a node: no label (shape in the tooltip), and the
-            # graph is drawn with concentrate=true; labelled long fan-outs make dot very slow
-            busy_any = True
-            lab_s = f", tooltip={_dot_string(str(tip))}" if tip else ""
-        else:
-            lab_s = f", label=<{_html(lab, 80)}>" if lab else ""
-            if tip and tip != lab:
-                lab_s += f", tooltip={_dot_string(str(tip))}"
+        busy = (u, v) in flat or G.out_degree(u) >= FAN or G.in_degree(v) >= FAN
+        busy_any = busy_any or busy
+        lab_s = _edge_label(attrs, busy)
         if (u, v) in wrap or (rows and G.out_degree(u) >= FAN):
             # wrapped rows: the row-to-row edge and the fan-out of a shared source (the rotary
             # embedding feeding every layer) must not pull the rows out of their grid
@@ -377,6 +406,20 @@ def _build(G: nx.DiGraph, styles: Mapping | None, rows: list[list] = (), prefix:
     return tokens, node_ids, struct, looks, edges, busy_any
 
 
+def _edge_label(attrs: Mapping, busy: bool) -> str:
+    """An edge's DOT label and tooltip attributes; a ``busy`` edge (one of many leaving / entering a node) gets no
+    label (its shape is in the tooltip), and the graph is drawn with concentrate=true: labelled long fan-outs
+    make dot very slow."""
+    lab = attrs.get("label")
+    tip = attrs.get("tooltip") or lab
+    if busy:
+        return f", tooltip={_dot_string(str(tip))}" if tip else ""
+    lab_s = f", label=<{_html(lab, 80)}>" if lab else ""
+    if tip and tip != lab:
+        lab_s += f", tooltip={_dot_string(str(tip))}"
+    return lab_s
+
+
 def _chain_rows(G: nx.DiGraph, max_chain: int = MAX_CHAIN) -> list[list]:
     """Rows (lists of nodes) that wrap the long chains of ``G`` (empty when nothing is long).
 
@@ -387,18 +430,7 @@ def _chain_rows(G: nx.DiGraph, max_chain: int = MAX_CHAIN) -> list[list]:
     """
     if G.number_of_nodes() <= max_chain or not nx.is_directed_acyclic_graph(G):
         return []
-    layer: dict = {}
-    for i, gen in enumerate(nx.topological_generations(G)):
-        for n in gen:
-            layer[n] = i
-    # sources (inputs) sit just above their first consumer, not all in layer 0
-    for n in list(layer):
-        succ = [layer[m] for m in G.successors(n)]
-        if succ and G.in_degree(n) == 0:
-            layer[n] = min(succ) - 1
-    by_layer: dict[int, list] = {}
-    for n, i in layer.items():
-        by_layer.setdefault(i, []).append(n)
+    by_layer = _layers(G)
     runs: list[list] = []
     run: list = []
     for i in sorted(by_layer):

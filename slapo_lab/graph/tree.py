@@ -29,6 +29,30 @@ def join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def _container_kind(mod: nn.Module) -> str | None:
+    """``"list"``, ``"seq"`` or ``"dict"`` for a ModuleList, Sequential or ModuleDict; None otherwise."""
+    if isinstance(mod, nn.ModuleList):
+        return "list"
+    if isinstance(mod, nn.Sequential):
+        return "seq"
+    if isinstance(mod, nn.ModuleDict):
+        return "dict"
+    return None
+
+
+def _snapshot_one(path: str, mod: nn.Module) -> ModuleSnapshot:
+    """The :class:`ModuleSnapshot` of ``mod`` at ``path``: its class, container kind, own parameters and
+    buffers (``(name, id, shape, dtype, numel)``); children are added by :func:`snapshot`."""
+    snap = ModuleSnapshot(path, type(mod).__name__, container=_container_kind(mod))
+    for name, p in mod._parameters.items():
+        if p is not None:
+            snap.params.append((name, id(p), tuple(p.shape), p.dtype, p.numel()))
+    for name, b in mod._buffers.items():
+        if b is not None:
+            snap.buffers.append((name, id(b), tuple(b.shape), b.dtype, b.numel()))
+    return snap
+
+
 def snapshot(model: nn.Module) -> tuple[dict, dict]:
     """Walk ``named_children`` from the root.
 
@@ -40,21 +64,7 @@ def snapshot(model: nn.Module) -> tuple[dict, dict]:
     stack = [("", model, ())]
     while stack:
         path, mod, ancestors = stack.pop()
-        if isinstance(mod, nn.ModuleList):
-            container = "list"
-        elif isinstance(mod, nn.Sequential):
-            container = "seq"
-        elif isinstance(mod, nn.ModuleDict):
-            container = "dict"
-        else:
-            container = None
-        snap = ModuleSnapshot(path, type(mod).__name__, container=container)
-        for name, p in mod._parameters.items():
-            if p is not None:
-                snap.params.append((name, id(p), tuple(p.shape), p.dtype, p.numel()))
-        for name, b in mod._buffers.items():
-            if b is not None:
-                snap.buffers.append((name, id(b), tuple(b.shape), b.dtype, b.numel()))
+        snap = _snapshot_one(path, mod)
         modules[path] = snap
         path_of.setdefault(id(mod), path)
         kids = []

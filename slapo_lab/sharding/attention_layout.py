@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import heads as _heads
-from . import infer as _infer
+from . import infer_registry as _infer
 from .shard_layout import ShardSite, make_stride
 
 # --- attention awareness ---------------------------------------------------------------------------
@@ -247,24 +247,41 @@ def fused_layout(site: ShardSite) -> FusedLayout | None:
             "qkv" if blocks == 3 else "kv", blocks, None, "", "transformers GPT2Attention (split_size)"
         )
     if name == "gate_up_proj":
-        down = getattr(parent, "down_proj", None)
-        half = _global_in(down) if isinstance(down, nn.Module) else None
-        if half is not None and out == 2 * half:
-            return FusedLayout(
-                "gate_up", 2, None, "", "transformers modeling_phi3.py Phi3MLP.forward (chunk(2))"
-            )
-        return None
+        return _gate_up_layout(parent, out)
     if name == "query_key_value":
-        falcon = _falcon_layout(site, out)
-        if falcon is not None and falcon.refusal:  # multi-query: the dataflow may show a replicated split
-            inferred = _inferred_layout(site)
-            falcon = inferred if inferred is not None and inferred.refusal is None else falcon
+        falcon = _falcon_or_inferred(site, out)
         if falcon is not None:
             return falcon
     names = _class_names(parent)
     spec = next((v for k, v in _FUSED_QKV.items() if k in names), None)
     if spec is None or spec[0] != name:
         return _inferred_layout(site)
+    return _registered_qkv_layout(parent, out, spec)
+
+
+def _gate_up_layout(parent: nn.Module, out: int) -> FusedLayout | None:
+    """A gated MLP's ``gate_up_proj`` of ``out`` features whose sibling ``down_proj`` takes half of them (Phi-3's
+    ``Phi3MLP``): 2 equal blocks; else None."""
+    down = getattr(parent, "down_proj", None)
+    half = _global_in(down) if isinstance(down, nn.Module) else None
+    if half is not None and out == 2 * half:
+        return FusedLayout("gate_up", 2, None, "", "transformers modeling_phi3.py Phi3MLP.forward (chunk(2))")
+    return None
+
+
+def _falcon_or_inferred(site: ShardSite, out: int) -> FusedLayout | None:
+    """Falcon's ``query_key_value`` layout; where it refuses (multi-query), the layout the dataflow shows when
+    that one splits (a replicated split)."""
+    falcon = _falcon_layout(site, out)
+    if falcon is not None and falcon.refusal:  # multi-query: the dataflow may show a replicated split
+        inferred = _inferred_layout(site)
+        falcon = inferred if inferred is not None and inferred.refusal is None else falcon
+    return falcon
+
+
+def _registered_qkv_layout(parent: nn.Module, out: int, spec: tuple) -> FusedLayout | None:
+    """The layout of a fused q/k/v registered for ``parent``'s class (``spec``: ``(child name, "heads" or
+    "blocks", source)``), when ``out`` matches the module's head counts; else None."""
     counts, hd = attention_heads(parent), head_dim(parent)
     if counts is None or hd is None:
         return None

@@ -17,10 +17,24 @@ module of it (an ``attn_fn``), the result is the projections' parent, as before.
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
+from .class_source import runtime_methods
+from .infer_maps import _is_dense
+from .infer_registry import lookup
 
-def capture(bpath: str, block: nn.Module, rec) -> list:
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .infer_maps import BlockSplit
+    from .infer_recorder import _Recorder
+
+
+def capture(bpath: str, block: nn.Module, rec: _Recorder) -> list[RemovableHandle]:
     """Forward pre- and post-hooks on every module inside ``block`` (the block aside) that keep
     ``rec.site_stacks[bpath]`` (paths relative to the block) while it runs; the block's own pre-hook makes
     ``bpath`` the current block (``rec.site_block``). Returns the hook handles."""
@@ -51,7 +65,7 @@ def capture(bpath: str, block: nn.Module, rec) -> list:
     return handles
 
 
-def current(rec) -> str | None:
+def current(rec: _Recorder) -> str | None:
     """The innermost module (path relative to the block) running now, ``""`` for the block itself, or None
     when nothing was captured."""
     stacks = getattr(rec, "site_stacks", None)
@@ -78,7 +92,9 @@ def owner(parent: str, where: str | None) -> str:
     return ".".join(out)
 
 
-def register(block: nn.Module, split, registry: dict, digest) -> None:
+def register(
+    block: nn.Module, split: BlockSplit, registry: dict, digest: Callable[[Any], str | None]
+) -> None:
     """Make a projection that sits in a wrapper of its own inside its attention module visible to the shard
     rules under that attention module: ``registry[(attention class, path from it, config digest)]`` (the key
     :func:`slapo_lab.sharding.infer.lookup` reads) for every q / k / v / o role whose direct parent is not the
@@ -101,8 +117,6 @@ def output_width(attn: nn.Module) -> int | None:
     """The attention output's global width: the in-features of ``attn``'s output projection (the linear inside
     it with the inferred role ``"o"``, :func:`slapo_lab.sharding.infer.lookup`), read from its unsharded
     shape; None when it has none."""
-    from .infer import _is_dense, lookup
-
     for rel, m in attn.named_modules():
         if not rel or not _is_dense(m):
             continue
@@ -119,8 +133,6 @@ def lift(top: nn.Module, path: str, parent: nn.Module | None, child: str) -> tup
     """The ``(parent, child name)`` a shard rule should see for the module at ``path`` of ``top``: the attention
     module around it and the path from there, where :func:`register` registered that pair (the nearest
     ancestor, at most 3 levels up); else ``(parent, child)`` unchanged."""
-    from .infer import lookup
-
     parts = path.split(".") if path else []
     for j in range(len(parts) - 2, max(len(parts) - 5, -1), -1):
         try:
@@ -133,7 +145,7 @@ def lift(top: nn.Module, path: str, parent: nn.Module | None, child: str) -> tup
     return parent, child
 
 
-def width_attrs(attn: nn.Module, read_attrs, known) -> list[str]:
+def width_attrs(attn: nn.Module, read_attrs: Iterable[str], known: Collection[str]) -> list[str]:
     """The attributes (not in ``known``) that ``attn``'s class reshapes to at run time (``self.<name>`` as an
     argument of a ``view`` / ``reshape`` call in a method other than ``__init__``) and that hold the attention
     output's width read from the dataflow (:func:`output_width`): LeViT's ``reshape(batch, seq,
@@ -155,11 +167,7 @@ def width_attrs(attn: nn.Module, read_attrs, known) -> list[str]:
 def _reshaped_attrs(cls: type) -> set[str] | None:
     """``self`` attributes passed to a ``view`` / ``reshape`` call by ``cls``'s methods other than
     ``__init__``; None when the class has no source to read."""
-    import ast
-
-    from .heads import _runtime_methods
-
-    methods = _runtime_methods(cls)
+    methods = runtime_methods(cls)
     if methods is None:
         return None
     out = set()

@@ -23,12 +23,18 @@ A convolution whose channels hold features of one projection in order (a depthwi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from .infer_maps import BlockSplit
+    from .infer_recorder import _Recorder, _Snapshot
 
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d"})
 
 
-def note_conv(rec, name: str, args, kwargs) -> None:
+def note_conv(rec: _Recorder, name: str, args: tuple, kwargs: dict) -> None:
     """Record, on ``rec`` (the recorder), a grouped convolution whose channels are disjoint groups of one
     projection's features: ``rec.channel_groups["module:param"] = (producer, [feature set per channel])``."""
     if name not in _CONVS:
@@ -37,24 +43,13 @@ def note_conv(rec, name: str, args, kwargs) -> None:
     w = args[1] if len(args) > 1 else kwargs.get("weight")
     b = args[2] if len(args) > 2 else kwargs.get("bias")
     groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+    if not _is_depthwise(x, w, groups):
         return
     c = x.shape[1]
-    if c < 2 or groups != c or w.shape[0] != c or w.shape[1] != 1:
-        return
     xi = rec.get(x)
     if xi is None:
         return
-    found = {}
-    for p, ms in xi.maps.items():
-        if p.startswith(("param:", "@", "input:", "cols:")):
-            continue
-        m = ms[0].movedim(1, 0).reshape(c, -1)
-        sets = [frozenset(v for v in row.unique().tolist() if v >= 0) for row in m]
-        if all(sets) and sum(map(len, sets)) == len(frozenset().union(*sets)) and max(map(len, sets)) > 1:
-            found[p] = (
-                sets  # disjoint groups of several features each (a channel holding one feature: not heads)
-            )
+    found = {p: sets for p, ms in xi.maps.items() if (sets := _channel_groups(p, ms, c)) is not None}
     if len(found) != 1:
         return
     ((p, sets),) = found.items()
@@ -66,7 +61,28 @@ def note_conv(rec, name: str, args, kwargs) -> None:
                 groups_[u[len("param:") :]] = (p, sets, c, t.numel() // c)
 
 
-def resolve(split, rec, roles: dict) -> None:
+def _is_depthwise(x: object, w: object, groups: object) -> bool:
+    """Whether a convolution of input ``x`` (at least 3-D, 2 or more channels) and weight ``w`` is depthwise:
+    one group per channel, one input channel per output channel."""
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 3:
+        return False
+    c = x.shape[1]
+    return not (c < 2 or groups != c or w.shape[0] != c or w.shape[1] != 1)
+
+
+def _channel_groups(p: str, ms: list, c: int) -> list[frozenset] | None:
+    """The features of producer ``p`` (maps ``ms``) per channel of a convolution's ``c`` channels, when they are
+    disjoint groups of several features each (a channel holding one feature: not heads); else None."""
+    if p.startswith(("param:", "@", "input:", "cols:")):
+        return None
+    m = ms[0].movedim(1, 0).reshape(c, -1)
+    sets = [frozenset(v for v in row.unique().tolist() if v >= 0) for row in m]
+    if all(sets) and sum(map(len, sets)) == len(frozenset().union(*sets)) and max(map(len, sets)) > 1:
+        return sets
+    return None
+
+
+def resolve(split: BlockSplit, rec: _Snapshot, roles: dict) -> None:
     """Add to ``split.head_params`` every recorded convolution whose channels are, in order, the heads of a
     projection of ``roles`` (``{producer: {role: [feature set per head]}}``, one attention's reading)."""
     for key, (p, sets, c, per) in getattr(rec, "channel_groups", {}).items():
@@ -81,7 +97,7 @@ def resolve(split, rec, roles: dict) -> None:
             break
 
 
-def embedding_rows(rec, args, kwargs, out, src) -> bool:
+def embedding_rows(rec: _Recorder, args: tuple, kwargs: dict, out: Any, src: frozenset[str]) -> bool:
     """``F.embedding(indices, weight)`` of a parameter ``weight`` inside the block (Granite Speech's Shaw
     relative-position table ``rel_pos_emb``, one row per distance over ``head_dim``): the output's map is the
     weight's map indexed by the same indices (their real values where the indices are a meta buffer's), so a

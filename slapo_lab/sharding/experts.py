@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..module_state import install_forward, module_meta
-from .rules import ShardRule, ShardSite
+from .rules import _RULES, ShardRule, ShardSite, register_shard_rule
 
 UP_NAMES = ("gate_up_proj", "up_proj")
 DOWN_NAME = "down_proj"
@@ -111,10 +111,10 @@ class ExpertsRule(ShardRule):
     a row-parallel linear its input is replicated and ``bwd_post all_reduce`` on it is right.
     """
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return is_experts_module(mod)
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         want = intermediate_axis(mod, name)
         if want is None:
             return (
@@ -136,7 +136,7 @@ class ExpertsRule(ShardRule):
             return 2  # [gate; up] back to back: each rank keeps its slice of both
         return 1  # interleaved (GPT-OSS: is_concatenated=False): a contiguous slice holds pairs of both
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         meta = module_meta(mod)
         meta.replicated_input = True
         if name == DOWN_NAME:
@@ -157,8 +157,6 @@ __all__ = ["ExpertsRule", "intermediate_axis", "is_experts_module"]
 
 
 def _register() -> None:
-    from .rules import _RULES, register_shard_rule
-
     if not any(isinstance(r, ExpertsRule) for r in _RULES):  # once, even if this module is reloaded
         register_shard_rule(ExpertsRule())
 

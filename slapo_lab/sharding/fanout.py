@@ -17,8 +17,13 @@ for any refused attention; the block's MLP pair is unaffected.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def shared_heads_reason(roles: dict, rec, dense: dict, o_path: str | None) -> str | None:
+if TYPE_CHECKING:
+    from .infer_recorder import _Snapshot
+
+
+def shared_heads_reason(roles: dict, rec: _Snapshot, dense: dict, o_path: str | None) -> str | None:
     """Why an attention cannot split its heads because a projection of it also feeds another linear, or None.
 
     ``roles``: the attention's projections (``{producer: {role: [feature set per head]}}``); ``rec``: the

@@ -34,23 +34,32 @@ from __future__ import annotations
 
 import inspect
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..module_state import module_meta
+from .heads import _install_input_slicer
+from .infer_recorder import note_outside_input
+from .infer_registry import _config_digest
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .infer_maps import BlockSplit
+    from .infer_recorder import _Recorder, _Snapshot
+    from .shard_layout import ShardSite
 
 _LOCK = threading.RLock()
 #: (parent class name, row linear's child name, parent config digest) -> ((argument, axis, features), ...)
 _REGISTRY: dict = {}
 
 
-def capture(block: nn.Module, rec) -> list:
+def capture(block: nn.Module, rec: _Recorder) -> list[RemovableHandle]:
     """A forward pre-hook on ``block`` (registered after the recorder's own, which resets it) that gives each
     floating tensor argument of the block other than its hidden states (the first positional argument, or a
     keyword naming ``hidden``) an ``"input::<name>"`` index map; returns the handles."""
-    from .infer import note_outside_input
-
     try:
         names = list(inspect.signature(type(block).forward).parameters)[1:]
     except (TypeError, ValueError):
@@ -84,48 +93,55 @@ def _aligned_axis(m: torch.Tensor, shape: tuple) -> int | None:
     return None
 
 
-def complete(split, block: nn.Module, snap) -> None:
+def complete(split: BlockSplit, block: nn.Module, snap: _Snapshot) -> None:
     """Note (``split.feature_inputs``: ``[(row linear path, argument, axis)]``) and register the per-feature
     arguments of ``block``'s row-parallel linears read from the recorded forward ``snap``."""
-    from .infer import _config_digest
-
     found = []
     for r_path, role in list(split.roles.items()):
         if role != "mlp_out" or r_path not in snap.linear_in:
             continue
         parent_rel, _, child = r_path.rpartition(".")
-        inf = snap.linear_in[r_path]
-        for p, ms in inf.maps.items():
-            if not p.startswith("input:"):
+        for p, ms in snap.linear_in[r_path].maps.items():
+            hit = _feature_argument(snap, p, ms, parent_rel)
+            if hit is None:
                 continue
-            key = p[len("input:") :]
-            shape = snap.input_shapes.get(key)
-            if shape is None or not ms:
-                continue
-            axis = _aligned_axis(ms[0], shape)
-            if axis is None:
-                continue
-            receivers = [key, *snap.input_aliases.get(key, [])]
-            at = next((w for w in receivers if w.rsplit(":", 1)[0] == parent_rel), None)
-            if at is None:
-                continue  # received above the row linear's parent, which its shard rule cannot reach
-            name = at.rsplit(":", 1)[1]
-            rshape = snap.input_shapes.get(at, shape)
-            axis -= len(shape) - len(
-                rshape
-            )  # the same trailing axes, if an outer module dropped leading ones
-            if axis < 0:
-                continue
+            name, axis = hit
             found.append((r_path, name, axis))
             parent = block.get_submodule(parent_rel) if parent_rel else block
-            reg = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
-            spec = (name, axis, int(ms[0].shape[-1]))
-            with _LOCK:
-                have = _REGISTRY.get(reg, ())
-                if spec not in have:
-                    _REGISTRY[reg] = (*have, spec)
+            _register(parent, child, (name, axis, int(ms[0].shape[-1])))
     if found:
         split.feature_inputs = found
+
+
+def _feature_argument(snap: _Snapshot, p: str, ms: list, parent_rel: str) -> tuple[str, int] | None:
+    """``(argument name, axis)`` of the outside input ``p`` (``"input:<module>:<argument>"``, maps ``ms``) of a
+    row linear, as the linear's parent at ``parent_rel`` receives it, when its entries follow the linear's input
+    features along that axis; None otherwise (received above the parent, which its shard rule cannot reach)."""
+    if not p.startswith("input:"):
+        return None
+    key = p[len("input:") :]
+    shape = snap.input_shapes.get(key)
+    if shape is None or not ms:
+        return None
+    axis = _aligned_axis(ms[0], shape)
+    if axis is None:
+        return None
+    receivers = [key, *snap.input_aliases.get(key, [])]
+    at = next((w for w in receivers if w.rsplit(":", 1)[0] == parent_rel), None)
+    if at is None:
+        return None  # received above the row linear's parent, which its shard rule cannot reach
+    rshape = snap.input_shapes.get(at, shape)
+    axis -= len(shape) - len(rshape)  # the same trailing axes, if an outer module dropped leading ones
+    return None if axis < 0 else (at.rsplit(":", 1)[1], axis)
+
+
+def _register(parent: nn.Module, child: str, spec: tuple[str, int, int]) -> None:
+    """Register ``spec`` (argument, axis, features) for ``parent``'s row-parallel child ``child`` (once)."""
+    reg = (type(parent).__name__, child, _config_digest(getattr(parent, "config", None)))
+    with _LOCK:
+        have = _REGISTRY.get(reg, ())
+        if spec not in have:
+            _REGISTRY[reg] = (*have, spec)
 
 
 def specs(parent: nn.Module | None, child: str) -> tuple:
@@ -133,12 +149,10 @@ def specs(parent: nn.Module | None, child: str) -> tuple:
     child ``child`` (read by :func:`complete`), or ``()``."""
     if parent is None:
         return ()
-    from .infer import _config_digest
-
     return _REGISTRY.get((type(parent).__name__, child, _config_digest(getattr(parent, "config", None))), ())
 
 
-def install(site, side: str | None, world_size: int, rank: int) -> None:
+def install(site: ShardSite, side: str | None, world_size: int, rank: int) -> None:
     """When ``site`` (a dense layer's weight) is sharded row-parallel (``side`` ``"in"``), cut the per-feature
     arguments its parent takes for it to this rank's features (once per parent and argument)."""
     if side != "in" or world_size == 1 or site.parent is None:
@@ -146,8 +160,6 @@ def install(site, side: str | None, world_size: int, rank: int) -> None:
     found = specs(site.parent, site.child_name)
     if not found:
         return
-    from .heads import _install_input_slicer
-
     meta = module_meta(site.parent)
     done = meta.feature_inputs
     for name, axis, feats in found:

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..module_state import install_forward, module_meta
 from . import sync_ops
-from .rules import NormRule, ShardRule, get_shard_rule, is_norm, register_shard_rule
+from .rules import _RULES, NormRule, ShardRule, get_shard_rule, is_norm, register_shard_rule
 
 
 def _global_sum(t: torch.Tensor, g) -> torch.Tensor:
@@ -60,7 +60,7 @@ class GlobalFeatureStats(TorchFunctionMode):
     ``mean`` / ``sum`` / ``var`` / ``std`` over the last axis, and ``F.layer_norm`` / ``F.rms_norm`` over it,
     is computed over all ranks' features (see the module docstring)."""
 
-    def __init__(self, group, local: int, factor: int) -> None:
+    def __init__(self, group: sync_ops.TPGroup | None, local: int, factor: int) -> None:
         super().__init__()
         self.g, self.local, self.factor = group, local, factor
 
@@ -134,11 +134,8 @@ def _feature_forward(self: nn.Module, *args, **kwargs):
 
 def _has_own_rule(mod: nn.Module) -> bool:
     """Whether a rule other than the permissive default (and this one) claims ``mod``."""
-    from . import rules
-
     return any(
-        not isinstance(r, FeatureStatsRule) and type(r) is not ShardRule and r.matches(mod)
-        for r in rules._RULES
+        not isinstance(r, FeatureStatsRule) and type(r) is not ShardRule and r.matches(mod) for r in _RULES
     )
 
 
@@ -151,7 +148,7 @@ class FeatureStatsRule(NormRule):
 
     needs_group = True  # the shard primitive leaves the tensor-parallel group in the module's state
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         if is_norm(mod):
             return True
         if isinstance(mod, (nn.Linear, nn.Embedding)) or any(
@@ -161,13 +158,13 @@ class FeatureStatsRule(NormRule):
         own = [p for p in mod._parameters.values() if p is not None]
         return bool(own) and not _has_own_rule(mod)
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         t = getattr(mod, name, None)
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and axis == t.dim() - 1:
             return None
         return super().check(mod, name, axis) if is_norm(mod) else None
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         t = getattr(mod, name, None)
         if not isinstance(t, torch.Tensor) or axis != t.dim() - 1 or world_size <= 1:
             return
@@ -188,19 +185,19 @@ class DepthwiseConvRule(ShardRule):
     convolutions over k and v) sharded on axis 0 of its weight and bias: each rank filters its own channels, the
     output is partitioned on the channel axis. Other axes are refused (a filter is never split)."""
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return (
             isinstance(mod, nn.modules.conv._ConvNd)
             and mod.groups > 1
             and mod.groups == mod.in_channels == mod.out_channels
         )
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         if axis != 0:
             return f"a depthwise {type(mod).__name__} is split by channels (axis 0 of its {name}), not on axis {axis}"
         return None
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if name == "weight":
             mod.in_channels = mod.out_channels = mod.groups = mod.weight.shape[0]
         meta = module_meta(mod)

@@ -22,17 +22,22 @@ the pooled queries still show their heads; a reduction over features (a norm's s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+from .infer_maps import _Info, _varies
+
+if TYPE_CHECKING:
+    from .infer_recorder import _Recorder
 
 _REDUCE_OPS = frozenset({"max", "min", "amax", "amin", "sum", "mean"})
 
 
-def heads_axis(inf, t: torch.Tensor) -> int | None:
+def heads_axis(inf: _Info | None, t: torch.Tensor) -> int | None:
     """The axis (non-negative) of ``t`` (with index maps ``inf``) holding the heads, where axis ``-3`` does
     not split the projections' features apart and exactly one earlier axis does; else None (axis -3 is
     the heads, or nothing tells)."""
-    from .infer import _varies
-
     n = t.dim()
     if inf is None or n < 4 or _varies(inf, n - 3):
         return None
@@ -40,7 +45,9 @@ def heads_axis(inf, t: torch.Tensor) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def canonical_scores(rec, q: torch.Tensor, k: torch.Tensor, axis: int) -> tuple:
+def canonical_scores(
+    rec: _Recorder, q: torch.Tensor, k: torch.Tensor, axis: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, k)`` of a score matmul with their heads ``axis`` moved to ``-3`` (:func:`canonical`); the pair
     counts as attention only once its scores pass a softmax (:func:`note_softmax`, :func:`scores_of`)."""
     pair = (canonical(rec, q, axis), canonical(rec, k, axis))
@@ -48,7 +55,7 @@ def canonical_scores(rec, q: torch.Tensor, k: torch.Tensor, axis: int) -> tuple:
     return pair
 
 
-def note_softmax(rec, name: str, ins) -> None:
+def note_softmax(rec: _Recorder, name: str, ins: list[tuple[torch.Tensor, _Info]]) -> None:
     """A softmax over scores whose q / k :func:`canonical_scores` moved: they are an attention's."""
     pending = getattr(rec, "axis_pending", None)
     if not pending or name not in ("softmax", "log_softmax", "_softmax"):
@@ -60,7 +67,7 @@ def note_softmax(rec, name: str, ins) -> None:
                 confirmed[id(q)] = q
 
 
-def scores_of(rec, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def scores_of(rec: _Recorder, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(q, k, moved)`` for the scores about to be applied to v: the moved pair when its scores passed a
     softmax, else the operands as the score matmul had them (a chunk-wise linear attention or recurrence, such
     as Gated DeltaNet's or xLSTM's over ``(batch, heads, chunks, chunk, dim)``, has no softmax over keys: it
@@ -73,14 +80,14 @@ def scores_of(rec, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return q, k, False
 
 
-def canonical(rec, t: torch.Tensor, axis: int) -> torch.Tensor:
+def canonical(rec: _Recorder, t: torch.Tensor, axis: int) -> torch.Tensor:
     """``t`` with its heads ``axis`` moved to ``-3`` (the last two axes kept), its maps moved alike (a new
     tensor known to the recorder ``rec``)."""
     n = t.dim()
     return rec.canonical(t, [axis, n - 2, n - 1])
 
 
-def reduce_maps(rec, name: str, args, kwargs, out) -> bool:
+def reduce_maps(rec: _Recorder, name: str, args: tuple, kwargs: dict, out: Any) -> bool:
     """Give the values of a reduction (``name`` in ``max`` / ``min`` / ``amax`` / ``amin`` / ``sum`` /
     ``mean``) over one axis its input's index maps with that axis taken out, where every map is constant
     along it; True when it did."""
@@ -111,7 +118,5 @@ def reduce_maps(rec, name: str, args, kwargs, out) -> bool:
         maps[p] = kept
     if any(tuple(m.shape) != tuple(values.shape) for ms in maps.values() for m in ms):
         return False
-    from .infer import _Info
-
     rec.set(values, _Info(maps, inf.src, None))
     return True

@@ -23,13 +23,20 @@ index (a key/value head shared by grouped queries) or none is not noted (it stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .infer_maps import BlockSplit, _Info
+    from .infer_recorder import _Recorder, _Snapshot
 
 _MAX_MEETS = 64  # per block: enough for every decay of a chunked linear attention
 
 
-def names(block: nn.Module, is_dense) -> dict[int, str]:
+def names(block: nn.Module, is_dense: Callable[[nn.Module], bool]) -> dict[int, str]:
     """``{id(buffer): "module.rel:name"}`` for the floating-point buffers of ``block``'s modules that are not
     dense layers (``is_dense``); integer buffers (index tables) keep their own handling."""
     out = {}
@@ -47,7 +54,13 @@ def _at(m: torch.Tensor, h: int) -> set:
     return set(row[row >= 0].unique().tolist())
 
 
-def note_meet(rec, o: torch.Tensor, maps: dict, scores, get) -> None:
+def note_meet(
+    rec: _Recorder,
+    o: torch.Tensor,
+    maps: dict,
+    scores: tuple | None,
+    get: Callable[[torch.Tensor], _Info | None],
+) -> None:
     """Record where a buffer's map in ``maps`` (the maps of elementwise output ``o``) meets producer features,
     per index of ``o``'s axis -3; ``scores``: the output's score tag (pairs of operands of a product of two
     mapped values, read with ``get``)."""
@@ -56,60 +69,45 @@ def note_meet(rec, o: torch.Tensor, maps: dict, scores, get) -> None:
     bufs = [p for p in maps if p.startswith("param:") and p[len("param:") :] in rec.buffer_keys]
     if not bufs:
         return
-    prods = [(p, ms[0]) for p, ms in maps.items() if not p.startswith(("param:", "@", "input:", "cols:"))]
+    prods = _producer_maps(maps)
     for a, b in scores or ():
         for t in (a, b):
             inf = get(t) if isinstance(t, torch.Tensor) else None
-            if inf is None or t.dim() != o.dim() or t.shape[-3] != o.shape[-3]:
-                continue
-            prods += [
-                (p, ms[0])
-                for p, ms in inf.maps.items()
-                if not p.startswith(("param:", "@", "input:", "cols:"))
-            ]
+            if inf is not None and t.dim() == o.dim() and t.shape[-3] == o.shape[-3]:
+                prods += _producer_maps(inf.maps)
     if not prods:
         return
-    n = o.shape[-3]
     for key in bufs:
         mb = maps[key][0]
-        if mb.dim() != o.dim():
-            continue
-        per_index = []
-        for h in range(n):
-            feats: dict = {}
-            for p, m in prods:
-                if m.dim() == o.dim():
-                    feats.setdefault(p, set()).update(_at(m, h))
-            per_index.append((_at(mb, h), feats))
-        rec.meets.append((key[len("param:") :], per_index))
+        if mb.dim() == o.dim():
+            rec.meets.append((key[len("param:") :], _meets_per_index(mb, prods, o)))
 
 
-def note_attention(split, rec, roles: dict, n: int) -> None:
+def _producer_maps(maps: dict) -> list[tuple[str, torch.Tensor]]:
+    """``[(producer, its first map)]`` for the producers (linears) among ``maps``."""
+    return [(p, ms[0]) for p, ms in maps.items() if not p.startswith(("param:", "@", "input:", "cols:"))]
+
+
+def _meets_per_index(mb: torch.Tensor, prods: list, o: torch.Tensor) -> list[tuple[set, dict]]:
+    """Per index ``h`` of ``o``'s axis -3: ``(the buffer's entries there (map ``mb``), {producer: its features
+    there})``."""
+    per_index = []
+    for h in range(o.shape[-3]):
+        feats: dict = {}
+        for p, m in prods:
+            if m.dim() == o.dim():
+                feats.setdefault(p, set()).update(_at(m, h))
+        per_index.append((_at(mb, h), feats))
+    return per_index
+
+
+def note_attention(split: BlockSplit, rec: _Snapshot, roles: dict, n: int) -> None:
     """Note in ``split.head_params`` each buffer whose recorded meets split its entries by the ``n`` heads of
     the attention whose producers' per-head features are ``roles`` (``{producer: {role: [set per head]}}``)."""
-    head_of: dict = {}
-    for p, per_role in roles.items():
-        for sets in per_role.values():
-            if len(sets) != n:
-                continue
-            for h, s in enumerate(sets):
-                for f in s:
-                    head_of.setdefault((p, f), set()).add(h)
+    head_of = _heads_of_features(roles, n)
     if not head_of:
         return
-    found: dict = {}
-    for key, per_index in rec.meets:
-        cur = found.setdefault(key, [set() for _ in range(n)])
-        if cur is None:
-            continue
-        for entries, feats in per_index:
-            hs = set().union(*(head_of.get((p, f), set()) for p, fs in feats.items() for f in fs))
-            if not entries or not hs:
-                continue
-            if len(hs) != 1:
-                found[key] = None  # an index meeting several heads: not a per-head buffer
-                break
-            cur[next(iter(hs))] |= entries
+    found = {key: _buffer_heads(per_index, head_of, n) for key, per_index in _first_meets(rec.meets)}
     for key, sets in found.items():
         if sets is None or not all(sets):
             continue
@@ -119,6 +117,43 @@ def note_attention(split, rec, roles: dict, n: int) -> None:
         if any(hp[0] == mod and hp[1] == name for hp in split.head_params):
             continue
         split.head_params.append((mod, name, [frozenset(s) for s in sets], n))
+
+
+def _heads_of_features(roles: dict, n: int) -> dict[tuple[str, int], set[int]]:
+    """``{(producer, feature): the heads it belongs to}`` over the per-head feature sets of ``n`` heads in
+    ``roles``."""
+    head_of: dict = {}
+    for p, per_role in roles.items():
+        for sets in per_role.values():
+            if len(sets) != n:
+                continue
+            for h, s in enumerate(sets):
+                for f in s:
+                    head_of.setdefault((p, f), set()).add(h)
+    return head_of
+
+
+def _first_meets(meets: list) -> list[tuple[str, list]]:
+    """``meets`` grouped by buffer, in order of first appearance: ``[(buffer key, [per_index, ...])]``."""
+    grouped: dict = {}
+    for key, per_index in meets:
+        grouped.setdefault(key, []).append(per_index)
+    return list(grouped.items())
+
+
+def _buffer_heads(per_indexes: list, head_of: dict, n: int) -> list[set] | None:
+    """The buffer's entries per head read from its recorded meets ``per_indexes``, or None when an index meets
+    features of several heads (not a per-head buffer)."""
+    cur: list[set] = [set() for _ in range(n)]
+    for per_index in per_indexes:
+        for entries, feats in per_index:
+            hs = set().union(*(head_of.get((p, f), set()) for p, fs in feats.items() for f in fs))
+            if not entries or not hs:
+                continue
+            if len(hs) != 1:
+                return None  # an index meeting several heads: not a per-head buffer
+            cur[next(iter(hs))] |= entries
+    return cur
 
 
 __all__ = ["names", "note_attention", "note_meet"]

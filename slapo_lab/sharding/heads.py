@@ -53,7 +53,6 @@ import functools
 import inspect
 import math
 import re
-import textwrap
 from functools import cache
 
 import torch
@@ -62,6 +61,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..module_state import module_meta, peek_meta
 from . import attention_site as _attention_site
+from .class_source import runtime_methods as _runtime_methods
+from .infer_registry import inferred_head_inputs
+from .sync_ops import TPGroup, all_reduce_backward
 
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 """Attribute names that hold the number of attention (query) heads."""
@@ -133,31 +135,6 @@ def register_attention_heads(class_name: str, attrs: tuple[str, ...] | list[str]
     if bad:
         raise ValueError(f"{bad[0]!r} is not a head-count or head-width attribute name slapo can rewrite.")
     _REGISTRY[class_name] = tuple(attrs)
-
-
-@cache
-def _runtime_methods(cls: type) -> tuple | None:
-    """The AST nodes of ``cls``'s methods other than ``__init__``, over the classes of ``cls.__mro__`` below
-    ``nn.Module`` (overridden ones included: ``super()`` may call them); None when a class has no source."""
-    out = []
-    for klass in cls.__mro__:
-        if (
-            klass in (nn.Module, object)
-            or not issubclass(klass, nn.Module)
-            or klass.__module__.startswith("torch.")
-        ):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            return None
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        out += [
-            fn
-            for fn in body
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != "__init__"
-        ]
-    return tuple(out)
 
 
 @cache
@@ -306,6 +283,55 @@ def local_counts(heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
     return heads // world_size, local_kv
 
 
+def _wanted_attrs(attn: nn.Module, heads: int, known: tuple, read_attrs: set, registered: tuple) -> list[str]:
+    """The attributes of ``attn`` to rewrite per rank: the known head-count and width names it has and reads at
+    run time (or its class registered), another head count it reads (ProphetNet's ``num_attn_heads``: named as
+    one, and holding the module's ``heads``), and the widths it reshapes to (LeViT's ``out_dim_projection``)."""
+    wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
+    wanted += sorted(
+        a
+        for a in read_attrs
+        if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
+    )
+    wanted += _attention_site.width_attrs(attn, read_attrs, wanted)  # LeViT's out_dim_projection
+    return wanted
+
+
+def _head_dim_attr(attn: nn.Module) -> int | None:
+    """``attn``'s per-head width from its ``head_dim`` / ``attention_head_size`` / ``key_value_proj_dim``
+    attribute (the first positive int), or None."""
+    return next(
+        (
+            getattr(attn, a)
+            for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
+            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
+        ),
+        None,
+    )
+
+
+def _width_rewrite(
+    cls: type, a: str, v: object, sizes: tuple, registered: bool, compared: frozenset
+) -> tuple[tuple[int, int] | None, str | None]:
+    """``((global, local), None)`` for a width attribute ``a`` (value ``v``) of ``cls`` that holds the heads'
+    width (``sizes``: ``(heads, head_dim or None, world_size)``); ``(None, None)`` for one kept whole;
+    ``(None, reason)`` for a ``registered`` one that does not hold it."""
+    heads, head_dim, world_size = sizes
+    if not _int(v) or (a in compared and not registered):
+        return None, None  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
+    if a in group_widths(cls) and not registered:
+        return None, None  # the width of one of a fixed number of fused groups (CodeGen's mp_num), kept whole
+    hd = head_dim or (v // heads if v % heads == 0 else None)
+    if hd is None or v != heads * hd:
+        if registered:
+            return None, (
+                f"{cls.__name__}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
+                "hold, so slapo cannot rewrite it to this rank's share"
+            )
+        return None, None  # a model width that happens to be read, not the heads' width
+    return (v, v // world_size), None
+
+
 def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int) -> tuple[dict, str | None]:
     """The per-rank rewrite of ``attn``'s head attributes: ``({name: (global, local)}, None)``, or
     ``({}, reason)`` when the module cannot be made consistent (a sentence fragment).
@@ -326,24 +352,9 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
     if reason:
         return {}, reason
     registered = _registered(cls)
-    wanted = [a for a in known if a in registered or (a in read_attrs and hasattr(attn, a))]
-    # another head count the class reads at run time (ProphetNet's ``num_attn_heads``): named as one, and
-    # holding the module's heads
-    wanted += sorted(
-        a
-        for a in read_attrs
-        if a not in wanted and _HEAD_COUNT_NAME.fullmatch(a) and getattr(attn, a, None) == heads
-    )
-    wanted += _attention_site.width_attrs(attn, read_attrs, wanted)  # LeViT's out_dim_projection
+    wanted = _wanted_attrs(attn, heads, known, read_attrs, registered)
     compared = runtime_compared(cls) or frozenset()
-    head_dim = next(
-        (
-            getattr(attn, a)
-            for a in ("head_dim", "attention_head_size", "key_value_proj_dim")
-            if _int(getattr(attn, a, None)) and getattr(attn, a) > 0
-        ),
-        None,
-    )
+    head_dim = _head_dim_attr(attn)
     local_q, local_kv = local_counts(heads, kv_heads, world_size)
     out: dict[str, tuple[int, int]] = {}
     for a in wanted:
@@ -359,19 +370,11 @@ def plan_local_heads(attn: nn.Module, heads: int, kv_heads: int, world_size: int
                 )
             out[a] = (v, local_kv if a in KV_HEAD_ATTRS else local_q)
         else:
-            if not _int(v) or (a in compared and a not in registered):
-                continue  # compared with the input's width (FSMT's ``assert embed_dim == self.embed_dim``)
-            if a in group_widths(cls) and a not in registered:
-                continue  # the width of one of a fixed number of fused groups (CodeGen's mp_num), kept whole
-            hd = head_dim or (v // heads if v % heads == 0 else None)
-            if hd is None or v != heads * hd:
-                if a in registered:
-                    return {}, (
-                        f"{name}.{a} is {v}, not the {heads} heads x {head_dim} head size it should "
-                        "hold, so slapo cannot rewrite it to this rank's share"
-                    )
-                continue  # a model width that happens to be read, not the heads' width
-            out[a] = (v, v // world_size)
+            pair, reason = _width_rewrite(cls, a, v, (heads, head_dim, world_size), a in registered, compared)
+            if reason:
+                return {}, reason
+            if pair is not None:
+                out[a] = pair
     for a in GROUP_ATTRS:
         v = getattr(attn, a, None)
         if _int(v) and kv_heads and v == heads // kv_heads and local_q // local_kv != v:
@@ -438,8 +441,6 @@ def _summed(t, group):
     gradient (only a tensor that is cut: its gradient from each rank covers that rank's heads)."""
     if group is None or not getattr(t, "requires_grad", False) or not torch.is_grad_enabled():
         return t
-    from .sync_ops import all_reduce_backward
-
     return all_reduce_backward(t, group)
 
 
@@ -555,7 +556,7 @@ def recorded_heads(attn: nn.Module | None) -> tuple[int, int] | None:
 
 
 def localise_heads(
-    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group=None
+    attn: nn.Module, heads: int, kv_heads: int, world_size: int, rank: int = 0, group: TPGroup | None = None
 ) -> dict:
     """Rewrite ``attn``'s head attributes to this rank's share (once per module; later calls do nothing).
 
@@ -602,10 +603,8 @@ def localise_heads(
         width = heads * head_dim
         meta.hooks.extend(_install_width_scope(attn, width, width // world_size))
         rec["width"] = [width, width // world_size]
-    from . import infer as _infer
-
     inputs = _registered(type(attn), PER_HEAD_INPUTS)
-    inputs = (*inputs, *((n, a) for n, a in _infer.inferred_head_inputs(attn) if n not in dict(inputs)))
+    inputs = (*inputs, *((n, a) for n, a in inferred_head_inputs(attn) if n not in dict(inputs)))
     if inputs and world_size > 1:
         meta.hooks.append(_install_input_slicer(attn, inputs, heads, world_size, rank, group))
         rec["inputs"] = [n for n, _ in inputs]

@@ -61,10 +61,11 @@ and :mod:`slapo_lab.sharding.infer_blocks` (which blocks, which inputs, and re-r
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -73,9 +74,9 @@ from ..call_order import _INPUTS_KEY, REFERENCE_KEY, VALUES_KEY
 from . import attention_site as _attention_site
 from . import feature_inputs as _feature_inputs
 from . import head_buffers as _head_buffers
+from . import mixers as _mixers
 from .infer_analyse import (
     _analyse,
-    _common_parent,  # noqa: F401 - score_terms imports it from here
     _feature_norm,
     _is_norm,
     _resolve_head_inputs,
@@ -88,49 +89,25 @@ from .infer_maps import (
     Layout,
     _dense_out,
     _Done,
-    _head_sets,  # noqa: F401 - score_terms imports it from here
     _Info,
     _is_dense,
-    _linear_maps,  # noqa: F401 - score_terms imports it from here
     _tensors,
-    _varies,  # noqa: F401 - head_axes imports it from here
 )
 from .infer_recorder import _Recorder, _Snapshot, note_outside_input
+from .infer_registry import (
+    _HEAD_INPUTS,
+    _HEADS,
+    _REGISTRY,
+    _config_digest,
+    inferred_head_inputs,
+    inferred_heads,
+    lookup,
+)
 
 # --------------------------------------------------------------------------------------------- running it
-_DIGESTS: dict[int, tuple] = {}  # id(config) -> (weak reference, digest): configs are read, not changed
-
-
-def _config_digest(cfg) -> str | None:
-    """A digest of a config's values (the registry's key), cached per config object."""
-    if cfg is None:
-        return None
-    hit = _DIGESTS.get(id(cfg))
-    if hit is not None and hit[0]() is cfg:
-        return hit[1]
-    digest = _compute_digest(cfg)
-    try:
-        _DIGESTS[id(cfg)] = (weakref.ref(cfg), digest)
-    except TypeError:  # not weakly referenceable: not cached
-        pass
-    return digest
-
-
-def _compute_digest(cfg) -> str:
-    try:
-        text = cfg.to_json_string(use_diff=False)
-    except Exception:  # noqa: BLE001
-        text = repr(sorted((k, repr(v)) for k, v in vars(cfg).items()))
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
 _LOCK = threading.RLock()
 _DONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # top model -> {block path: BlockSplit}
 _BY_DIGEST: dict = {}  # (top class, config digest, input shapes) -> {block path: BlockSplit}
-# (attention class name, child name, config digest) -> (role, Layout or None, refusal or None)
-_REGISTRY: dict = {}
-_HEADS: dict = {}  # (attention class name, config digest) -> (heads, key/value heads)
-_HEAD_INPUTS: dict = {}  # (attention class name, config digest) -> ((argument, heads axis), ...)
 
 
 def analyse(
@@ -154,46 +131,123 @@ def analyse(
 
 
 def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> dict[str, BlockSplit]:
-    # imported here, not at the top: a real cycle (mixers -> rules -> attention_layout -> infer)
-    from . import mixers as _mixers
-
     blocks = _stacks(model)
     if not blocks:
         return {}
     inputs = _example_inputs(model, stored_inputs)
     if inputs is None:
         return {}
-    key = (
-        type(model).__qualname__,
-        _config_digest(getattr(model, "config", None)),
-        tuple((k, tuple(v.shape)) for k, v in inputs.items() if isinstance(v, torch.Tensor)),
-        # each block's structure too: a shrunk copy (the numeric check's, a stack cut inside a block) shares the
-        # config and the block paths but not what is inside them (LeViT's stages, each a block of layers)
-        tuple((p, _signature(b)) for p, b in blocks),
-    )
+    key = _cache_key(model, inputs, blocks)
     if key[1] is not None and key in _BY_DIGEST:
         result = _BY_DIGEST[key]
         _register(model, result)
         return result
     rec = _Recorder()
     rec.values = _real_buffers(model, real)
-    handles = []
-    pending = {p for p, _ in blocks}
-    dense_by_block: dict[str, dict] = {}
-    recs: dict[str, _Snapshot] = {}
-    mixer_args: dict[str, dict] = {}  # block path -> {candidate mixer path: its first call's arguments}
+    recording = _Recording(rec, blocks)
+    for bpath, block in blocks:
+        recording.hook(bpath, block)
+    _run_until_done(model, inputs, rec, recording.handles)
+    result = {}
+    for bpath, block in blocks:
+        snap = recording.snaps.get(bpath)
+        split = _read_block(block, snap, recording.dense_by_block[bpath], recording.mixer_args.get(bpath, {}))
+        if split is not None:
+            result[bpath] = split
+    if key[1] is not None and len(result) == len(blocks):
+        # only a complete reading stands for every model of this class and config: a forward that failed
+        # part-way (a meta copy whose expert kernel needs real values) leaves the unscheduled model to try
+        _BY_DIGEST[key] = result
+    _register(model, result)
+    return result
 
-    def make_hooks(bpath: str, block: nn.Module):
-        r = rec
+
+def _cache_key(model: nn.Module, inputs: dict, blocks: list) -> tuple:
+    """The key of :data:`_BY_DIGEST`: the model's class, its config's digest, the input shapes and each block's
+    structure (a shrunk copy, the numeric check's or a stack cut inside a block, shares the config and the block
+    paths but not what is inside them: LeViT's stages, each a block of layers)."""
+    return (
+        type(model).__qualname__,
+        _config_digest(getattr(model, "config", None)),
+        tuple((k, tuple(v.shape)) for k, v in inputs.items() if isinstance(v, torch.Tensor)),
+        tuple((p, _signature(b)) for p, b in blocks),
+    )
+
+
+def _run_until_done(model: nn.Module, inputs: dict, rec: _Recorder, handles: list) -> None:
+    """Run ``model`` forward once (eval mode, ``torch.no_grad``, recorded by ``rec``) until every block has run
+    (``_Done``) or it fails, then remove the hooks ``handles`` and restore each module's training mode."""
+    was_training = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), rec:
+            try:
+                model(**inputs)
+            except _Done:
+                pass
+    except Exception:  # noqa: BLE001, S110 - a model the inference cannot run: callers fall back to names
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in was_training.items():
+            m.training = t
+
+
+def _read_block(block: nn.Module, snap: _Snapshot | None, dense: dict, mixer_args: dict) -> BlockSplit | None:
+    """The :class:`BlockSplit` of ``block`` read from its recorded forward ``snap``, or None when it did not run or
+    the analysis cannot read it (names are then the hints)."""
+    if snap is None:
+        return None
+    try:
+        split = _analyse(snap, block, dense)
+        _resolve_head_params(split, block)
+        _resolve_head_inputs(split, snap.input_shapes, snap.input_aliases)
+        _mixers.complete(split, block, mixer_args)  # SSM mixers: slapo_lab/sharding/mixers.py
+        _feature_inputs.complete(split, block, snap)  # slapo_lab/sharding/feature_inputs.py
+    except Exception:  # noqa: BLE001 - a block the analysis cannot read: names are the hints
+        return None
+    return split
+
+
+class _Recording:
+    """The hooks that record the first forward of each of a model's blocks with ``rec``, and what they keep:
+    ``snaps`` (block path -> its :class:`_Snapshot`), ``dense_by_block`` (block path -> {path: linear}),
+    ``mixer_args`` (block path -> {candidate mixer path: its first call's arguments}) and ``handles``."""
+
+    def __init__(self, rec: _Recorder, blocks: list) -> None:
+        self.rec = rec
+        self.handles: list = []
+        self.pending = {p for p, _ in blocks}
+        self.dense_by_block: dict[str, dict] = {}
+        self.snaps: dict[str, _Snapshot] = {}
+        self.mixer_args: dict[str, dict] = {}
+
+    def hook(self, bpath: str, block: nn.Module) -> None:
+        """Install the hooks of the block at ``bpath`` (their order is the order they run in)."""
+        r = self.rec
         dense = {rel: m for rel, m in block.named_modules() if rel and _is_dense(m)}
-        dense_by_block[bpath] = dense
-        names = {}
+        self.dense_by_block[bpath] = dense
+        self.handles.extend(self._block_hooks(bpath, block))
+        self.handles.extend(_mixers.capture(block, self.mixer_args.setdefault(bpath, {})))
+        self.handles.extend(_feature_inputs.capture(block, r))  # per-feature block arguments
+        self.handles.extend(_attention_site.capture(bpath, block, r))  # where attention runs
+        for rel, m in dense.items():
+            self.handles.extend(_linear_hooks(r, rel, m))
+        arg_names: dict[str, list] = {}
         for rel, m in block.named_modules():
-            if _is_dense(m) or m is block:
-                continue
-            for pn, prm in m.named_parameters(recurse=False):
-                if prm is not None:
-                    names[id(prm)] = f"{rel}:{pn}"
+            if rel and not _is_dense(m):
+                hook = _outside_inputs_hook(r, rel, arg_names)
+                self.handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+        for rel, m in block.named_modules():
+            if rel and not _is_dense(m) and _is_norm(m):
+                self.handles.append(m.register_forward_hook(_norm_hook(r, dense)))
+
+    def _block_hooks(self, bpath: str, block: nn.Module) -> list:
+        """The block's own pre-hook (resets the recorder for it) and post-hook (keeps its snapshot; raises
+        ``_Done`` once every block has run)."""
+        r = self.rec
+        names = _param_names(block)
         buffers = _head_buffers.names(block, _is_dense)
         names.update(buffers)
         buffer_keys = set(buffers.values())
@@ -214,128 +268,101 @@ def _analyse_model(model: nn.Module, stored_inputs: dict | None, real=None) -> d
             r.out_src = set().union(
                 *(i.src for i in map(r.info.get, map(id, _tensors(_out))) if i is not None)
             )
-            recs[bpath] = _Snapshot(r)
-            pending.discard(bpath)
-            if not pending:
+            self.snaps[bpath] = _Snapshot(r)
+            self.pending.discard(bpath)
+            if not self.pending:
                 raise _Done
 
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(block.register_forward_hook(post, with_kwargs=True))
-        handles.extend(_mixers.capture(block, mixer_args.setdefault(bpath, {})))
-        handles.extend(_feature_inputs.capture(block, r))  # per-feature block arguments
-        handles.extend(_attention_site.capture(bpath, block, r))  # where attention runs
-        for rel, m in dense.items():
+        return [
+            block.register_forward_pre_hook(pre, with_kwargs=True),
+            block.register_forward_hook(post, with_kwargs=True),
+        ]
 
-            def lin_pre(_m, args, rel=rel):
-                r.ran.add(rel)
-                if args and isinstance(args[0], torch.Tensor):
-                    inf = r.get(args[0])
-                    if inf is not None:
-                        r.linear_in[rel] = inf
-                        r.linear_in_shape[rel] = tuple(args[0].shape)
 
-            feats = _dense_out(m)
+def _param_names(block: nn.Module) -> dict[int, str]:
+    """``{id(parameter): "module path:name"}`` for the parameters of ``block``'s modules other than its linears
+    (and the block itself)."""
+    names = {}
+    for rel, m in block.named_modules():
+        if _is_dense(m) or m is block:
+            continue
+        for pn, prm in m.named_parameters(recurse=False):
+            if prm is not None:
+                names[id(prm)] = f"{rel}:{pn}"
+    return names
 
-            def lin_post(_m, _args, out, rel=rel, feats=feats):
-                if isinstance(out, torch.Tensor) and out.shape[-1] == feats:
-                    prev = r.info.get(id(out))
-                    src = (prev.src if prev else frozenset()) | {rel}
-                    mp = torch.arange(feats).expand(*out.shape)
-                    r.set(out, _Info({rel: [mp]}, frozenset({rel}) | (src - src)))
 
-            handles.append(m.register_forward_pre_hook(lin_pre))
-            handles.append(m.register_forward_hook(lin_post))
-        arg_names: dict[str, list] = {}
-        for rel, m in block.named_modules():
-            if rel and not _is_dense(m):
+def _linear_hooks(r: _Recorder, rel: str, m: nn.Module) -> list:
+    """A linear's pre-hook (notes that it ran and its input's maps) and post-hook (its output features get a map
+    of their own, ``{rel: [feature index]}``)."""
 
-                def sub_pre(mod, args, kwargs, rel=rel):
-                    # tensors from outside the block reaching a module (MPT's ALiBi position_bias): mapped, so a
-                    # per-head one shows where it meets the attention scores
-                    if not r.active:
-                        return
-                    if rel not in arg_names:
-                        try:
-                            arg_names[rel] = list(inspect.signature(type(mod).forward).parameters)[1:]
-                        except (TypeError, ValueError):
-                            arg_names[rel] = []
-                    names_ = arg_names[rel]
-                    named = [(names_[j] if j < len(names_) else None, a) for j, a in enumerate(args) if j]
-                    for nm, a in [*named, *kwargs.items()]:
-                        if nm is None or "hidden" in nm or not isinstance(a, torch.Tensor):
-                            continue
-                        if (
-                            id(a) in r.input_of
-                        ):  # passed on inward (MPNet's position_bias: layer -> attention)
-                            r.input_shapes.setdefault(f"{rel}:{nm}", tuple(a.shape))
-                            r.input_aliases.setdefault(r.input_of[id(a)], []).append(f"{rel}:{nm}")
-                            continue
-                        note_outside_input(r, f"{rel}:{nm}", a)
+    def lin_pre(_m, args):
+        r.ran.add(rel)
+        if args and isinstance(args[0], torch.Tensor):
+            inf = r.get(args[0])
+            if inf is not None:
+                r.linear_in[rel] = inf
+                r.linear_in_shape[rel] = tuple(args[0].shape)
 
-                handles.append(m.register_forward_pre_hook(sub_pre, with_kwargs=True))
-        for rel, m in block.named_modules():
-            if rel and not _is_dense(m) and _is_norm(m):
+    feats = _dense_out(m)
 
-                def norm_post(_m, _args, out, rel=rel):
-                    # a norm over a projection's whole output needs all its features: no split through it, unless
-                    # its parameters follow those features (then it is sharded with them: feature_params)
-                    if not isinstance(out, torch.Tensor):
-                        return
-                    inf = r.info.get(id(out))
-                    if inf is None:
-                        return
-                    width = out.shape[-1]
-                    if _feature_norm(_m, width) and not any(
-                        isinstance(a, torch.Tensor) and id(a) in r.mixed for a in _args
-                    ):
-                        return
-                    keep = {p: ms for p, ms in inf.maps.items() if p not in dense or dense_feats(p) != width}
-                    r.set(out, _Info(keep, inf.src, inf.scores))
+    def lin_post(_m, _args, out):
+        if isinstance(out, torch.Tensor) and out.shape[-1] == feats:
+            prev = r.info.get(id(out))
+            src = (prev.src if prev else frozenset()) | {rel}
+            mp = torch.arange(feats).expand(*out.shape)
+            r.set(out, _Info({rel: [mp]}, frozenset({rel}) | (src - src)))
 
-                handles.append(m.register_forward_hook(norm_post))
+    return [m.register_forward_pre_hook(lin_pre), m.register_forward_hook(lin_post)]
 
-        def dense_feats(p):
-            return _dense_out(dense[p])
 
-    for bpath, block in blocks:
-        make_hooks(bpath, block)
-    was_training = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), rec:
+def _outside_inputs_hook(r: _Recorder, rel: str, arg_names: dict[str, list]) -> Callable:
+    """A forward pre-hook for the module at ``rel`` that maps the tensors from outside the block reaching it
+    (MPT's ALiBi position_bias), so a per-head one shows where it meets the attention scores; ``arg_names``
+    caches each module's forward argument names."""
+
+    def sub_pre(mod, args, kwargs):
+        if not r.active:
+            return
+        if rel not in arg_names:
             try:
-                model(**inputs)
-            except _Done:
-                pass
-    except Exception:  # noqa: BLE001, S110 - a model the inference cannot run: callers fall back to names
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-        for m, t in was_training.items():
-            m.training = t
-    result = {}
-    for bpath, block in blocks:
-        snap = recs.get(bpath)
-        if snap is None:
-            continue
-        try:
-            split = _analyse(snap, block, dense_by_block[bpath])
-            _resolve_head_params(split, block)
-            _resolve_head_inputs(split, snap.input_shapes, snap.input_aliases)
-            _mixers.complete(
-                split, block, mixer_args.get(bpath, {})
-            )  # SSM mixers: slapo_lab/sharding/mixers.py
-            _feature_inputs.complete(split, block, snap)  # slapo_lab/sharding/feature_inputs.py
-            result[bpath] = split
-        except Exception:  # noqa: BLE001, S112 - a block the analysis cannot read: names are the hints
-            continue
-    if key[1] is not None and len(result) == len(blocks):
-        # only a complete reading stands for every model of this class and config: a forward that failed
-        # part-way (a meta copy whose expert kernel needs real values) leaves the unscheduled model to try
-        _BY_DIGEST[key] = result
-    _register(model, result)
-    return result
+                arg_names[rel] = list(inspect.signature(type(mod).forward).parameters)[1:]
+            except (TypeError, ValueError):
+                arg_names[rel] = []
+        names_ = arg_names[rel]
+        named = [(names_[j] if j < len(names_) else None, a) for j, a in enumerate(args) if j]
+        for nm, a in [*named, *kwargs.items()]:
+            if nm is None or "hidden" in nm or not isinstance(a, torch.Tensor):
+                continue
+            if id(a) in r.input_of:  # passed on inward (MPNet's position_bias: layer -> attention)
+                r.input_shapes.setdefault(f"{rel}:{nm}", tuple(a.shape))
+                r.input_aliases.setdefault(r.input_of[id(a)], []).append(f"{rel}:{nm}")
+                continue
+            note_outside_input(r, f"{rel}:{nm}", a)
+
+    return sub_pre
+
+
+def _norm_hook(r: _Recorder, dense: dict) -> Callable:
+    """A norm's forward hook: a norm over a projection's whole output needs all its features, so the maps of the
+    projections of that width stop there (no split through it), unless its parameters follow those features
+    (then it is sharded with them: ``feature_params``)."""
+
+    def norm_post(_m, _args, out):
+        if not isinstance(out, torch.Tensor):
+            return
+        inf = r.info.get(id(out))
+        if inf is None:
+            return
+        width = out.shape[-1]
+        if _feature_norm(_m, width) and not any(
+            isinstance(a, torch.Tensor) and id(a) in r.mixed for a in _args
+        ):
+            return
+        keep = {p: ms for p, ms in inf.maps.items() if p not in dense or _dense_out(dense[p]) != width}
+        r.set(out, _Info(keep, inf.src, inf.scores))
+
+    return norm_post
 
 
 def _register(model: nn.Module, result: dict) -> None:
@@ -368,29 +395,18 @@ def _register(model: nn.Module, result: dict) -> None:
                 _HEAD_INPUTS[key] = (*found, (hi.name, hi.axis))
 
 
-def lookup(parent: nn.Module | None, child: str) -> tuple | None:
-    """``(role, Layout or None, refusal or None)`` inferred for ``parent``'s child ``child``, or None."""
-    if parent is None:
-        return None
-    return _REGISTRY.get((type(parent).__name__, child, _config_digest(getattr(parent, "config", None))))
+class ScheduleLike(Protocol):
+    """What :func:`ensure` and :func:`block_split` read of a :class:`slapo_lab.schedule.Schedule` (a protocol: the
+    schedule sits a layer above sharding, which may not import it)."""
+
+    mod: nn.Module
+    path: str
+    _top: Any  # the schedule tree's shared state: ``extra`` holds the stored example inputs
+
+    def get_top_schedule(self) -> ScheduleLike: ...
 
 
-def inferred_heads(attn: nn.Module | None) -> tuple[int, int] | None:
-    """``(heads, key/value heads)`` read from the dataflow of ``attn``'s class (and config), or None."""
-    if attn is None:
-        return None
-    return _HEADS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))))
-
-
-def inferred_head_inputs(attn: nn.Module | None) -> tuple:
-    """``((argument name, heads axis), ...)``: the per-head tensor arguments ``attn``'s class (and config) takes,
-    built for all heads outside its block (MPT's ALiBi ``position_bias``), read from the dataflow; ``()`` if none."""
-    if attn is None:
-        return ()
-    return _HEAD_INPUTS.get((type(attn).__name__, _config_digest(getattr(attn, "config", None))), ())
-
-
-def ensure(sch) -> None:
+def ensure(sch: ScheduleLike) -> None:
     """Infer the split of the schedule's top model once (before its first shard), so the shard rules find the
     layouts of fused projections in any process."""
     top = sch.get_top_schedule()
@@ -422,7 +438,7 @@ def _analyse_top(top) -> dict[str, BlockSplit]:
     return merged
 
 
-def block_split(sch, block_path: str) -> BlockSplit | None:
+def block_split(sch: ScheduleLike, block_path: str) -> BlockSplit | None:
     """The :class:`BlockSplit` of the block at ``block_path`` (relative to ``sch``), read from the analysed
     block of the same structure (or the analysed block around it), or None when the dataflow could not be
     recorded."""
@@ -431,12 +447,28 @@ def block_split(sch, block_path: str) -> BlockSplit | None:
     if not result:
         return None
     full = ".".join(p for p in (sch.path, block_path) if p)
+    found = _split_by_path(result, full)
+    if found is not None:
+        return found
+    return _split_by_structure(top, top.mod.get_submodule(full) if full else top.mod, full, result)
+
+
+def _split_by_path(result: dict[str, BlockSplit], full: str) -> BlockSplit | None:
+    """The split of the analysed block at ``full``, or of the part under ``full`` of the analysed block around
+    it; None when no analysed block holds ``full``."""
     if full in result:
         return result[full]
     for p, split in result.items():
         if full.startswith(p + "."):
             return _sub_split(split, full[len(p) + 1 :])
-    mod = top.mod.get_submodule(full) if full else top.mod
+    return None
+
+
+def _split_by_structure(
+    top: ScheduleLike, mod: nn.Module, full: str, result: dict[str, BlockSplit]
+) -> BlockSplit | None:
+    """The split of the block ``mod`` (at ``full``, not analysed itself) read from an analysed block of the same
+    structure, inside it, or around it (:func:`_around`); None when none fits."""
     sig = _signature(mod)
     for p, split in result.items():  # a block of an analysed structure (before a block analysed inside it:
         if _signature(top.mod.get_submodule(p)) == sig:  # Swin's third stage, whose first layer was analysed)

@@ -27,19 +27,9 @@ def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]
     seen: set = set()
     out = []
     for p, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or len(m) < 1:
+        if not _is_stack(m, mixed):
             continue
-        kids = list(m)
-        if mixed:
-            if len(kids) < 2 or len({type(k) for k in kids}) < 2:
-                continue
-            if not any(any(_is_dense(x) for x in k.modules()) for k in kids):
-                continue  # (a list beside convolution-only blocks, SwiftFormer's stages, is taken: those are skipped)
-        elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
-            continue
-        if isinstance(kids[0], (nn.ModuleList, nn.ModuleDict)):
-            continue  # a list of lists (Funnel's blocks): the blocks are inside, and they run
-        for j, kid in enumerate(kids):
+        for j, kid in enumerate(m):
             sig = _signature(kid)
             if sig in seen or (mixed and not any(_is_dense(x) for x in kid.modules())):
                 continue
@@ -50,8 +40,47 @@ def _stacks(model: nn.Module, mixed: bool = False) -> list[tuple[str, nn.Module]
     return out or (_stacks(model, True) if not mixed else [])
 
 
+def _is_stack(m: nn.Module, mixed: bool) -> bool:
+    """Whether ``m`` is a stack of blocks: an ``nn.ModuleList`` of blocks of one class holding a dense layer, or
+    (``mixed``) of several classes, some holding one; a list of lists (Funnel's blocks) is not (the blocks are
+    inside, and they run)."""
+    if not isinstance(m, nn.ModuleList) or len(m) < 1:
+        return False
+    kids = list(m)
+    if mixed:
+        if len(kids) < 2 or len({type(k) for k in kids}) < 2:
+            return False
+        if not any(any(_is_dense(x) for x in k.modules()) for k in kids):
+            return False  # (a list beside convolution-only blocks, SwiftFormer's stages, is taken: those are skipped)
+    elif len({type(k) for k in kids}) != 1 or not any(_is_dense(x) for x in kids[0].modules()):
+        return False
+    return not isinstance(kids[0], (nn.ModuleList, nn.ModuleDict))
+
+
 def _inside(mod: nn.Module, outer: nn.Module) -> bool:
     return any(mod is m for m in outer.modules())
+
+
+def _example_input(k: str, t: object, dev: torch.device, vocab: int) -> object:
+    """A one-sample example of the stored input ``k`` (``t``: a tensor, possibly on the meta device, or any
+    value, kept): random floats, remembered values, ones for a mask, zeros for an index into a table of
+    another size than the vocabulary (index 0 is valid in every table), random token ids below ``vocab``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    shape = (1, *t.shape[1:]) if t.dim() >= 1 else tuple(t.shape)
+    if dev.type == "meta":
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+    if t.is_floating_point():
+        return torch.randn(shape, dtype=t.dtype, device=dev)
+    if not t.is_meta:  # remembered values (call_order.VALUES_KEY): placeholder tokens
+        return t[:1].to(dev) if t.dim() >= 1 else t.to(dev)
+    if t.dtype == torch.bool or "mask" in k:
+        return torch.ones(shape, dtype=t.dtype, device=dev)
+    if "input_ids" not in k:
+        # another index tensor (positions, entity ids, token types): the stored meta tensor has no values and
+        # its table's size is not the vocabulary's, but index 0 is valid in every table
+        return torch.zeros(shape, dtype=t.dtype, device=dev)
+    return torch.randint(0, int(vocab), shape, dtype=t.dtype, device=dev)
 
 
 def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
@@ -59,27 +88,7 @@ def _example_inputs(model: nn.Module, stored: dict | None) -> dict | None:
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None) or 2
     if stored:
-        out = {}
-        for k, t in stored.items():
-            if not isinstance(t, torch.Tensor):
-                out[k] = t
-                continue
-            shape = (1, *t.shape[1:]) if t.dim() >= 1 else tuple(t.shape)
-            if dev.type == "meta":
-                out[k] = torch.empty(shape, dtype=t.dtype, device="meta")
-            elif t.is_floating_point():
-                out[k] = torch.randn(shape, dtype=t.dtype, device=dev)
-            elif not t.is_meta:  # remembered values (call_order.VALUES_KEY): placeholder tokens
-                out[k] = t[:1].to(dev) if t.dim() >= 1 else t.to(dev)
-            elif t.dtype == torch.bool or "mask" in k:
-                out[k] = torch.ones(shape, dtype=t.dtype, device=dev)
-            elif "input_ids" not in k:
-                # another index tensor (positions, entity ids, token types): the stored meta tensor has no values
-                # and its table's size is not the vocabulary's, but index 0 is valid in every table
-                out[k] = torch.zeros(shape, dtype=t.dtype, device=dev)
-            else:
-                out[k] = torch.randint(0, int(vocab), shape, dtype=t.dtype, device=dev)
-        return out
+        return {k: _example_input(k, t, dev, vocab) for k, t in stored.items()}
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

@@ -163,6 +163,19 @@ class BlockSplit:
     unpaired: set = field(default_factory=set)
 
 
+def _common_parent(paths: list[str]) -> str:
+    """The longest dotted prefix the module paths ``paths`` share (``""`` for none or no paths)."""
+    if not paths:
+        return ""
+    parts = [p.split(".") if p else [] for p in paths]
+    out = []
+    for xs in zip(*parts, strict=False):
+        if len(set(xs)) != 1:
+            break
+        out.append(xs[0])
+    return ".".join(out)
+
+
 class _Done(Exception):
     pass
 

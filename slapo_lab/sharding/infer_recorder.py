@@ -17,6 +17,9 @@ of the mechanism: PyTorch's ``torch.overrides`` (``__torch_function__`` modes). 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -44,6 +47,46 @@ from .infer_maps import (
     _tensors,
     _varies,
 )
+
+
+def _is_score_matmul(a: _Info | None, b: _Info | None, out: Any) -> bool:
+    """Whether a product of values mapped ``a`` and ``b`` (neither scores) of two linears' features is an
+    attention's scores (an output of at least 3 axes)."""
+    return (
+        a is not None
+        and b is not None
+        and a.scores is None
+        and _linear_maps(a)
+        and _linear_maps(b)
+        and isinstance(out, torch.Tensor)
+        and out.dim() >= 3
+    )
+
+
+def _broadcast_map(m: torch.Tensor, o: torch.Tensor) -> torch.Tensor | None:
+    """The index map ``m`` broadcast to the shape of ``o``, or None when it does not broadcast."""
+    if m.dim() > o.dim():
+        return None
+    try:
+        return torch.broadcast_to(m, o.shape) if tuple(m.shape) != tuple(o.shape) else m
+    except RuntimeError:
+        return None
+
+
+def _einsum_of_two(args: tuple, out: Any) -> tuple[list[torch.Tensor], str, str, str] | None:
+    """``(operands, subscripts of the first, of the second, of the output)`` of an ``einsum`` of two tensors
+    (an ellipsis expanded), or None for any other call."""
+    if not args or not isinstance(args[0], str) or not isinstance(out, torch.Tensor):
+        return None
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    eq = args[0].replace(" ", "")
+    if len(ops) != 2 or "->" not in eq or not all(isinstance(o, torch.Tensor) for o in ops):
+        return None
+    eq = _expand_ellipsis(eq, ops)
+    if eq is None:
+        return None
+    (s1, s2), so = eq.split("->")[0].split(","), eq.split("->")[1]
+    return ops, s1, s2, so
 
 
 class _Recorder(TorchFunctionMode):
@@ -138,7 +181,9 @@ class _Recorder(TorchFunctionMode):
         hit = self.values.get(id(t))
         return hit[1] if hit is not None and hit[0] is t else t
 
-    def note(self, func, args, kwargs, out) -> None:
+    def note(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        """Carry the index maps of one torch call's inputs to its output ``out`` (or note what it tells: a write,
+        an attention, a parameter applied to a producer's features)."""
         name = getattr(func, "__name__", "")
         if self.values:
             self.follow_values(func, args, kwargs, out)
@@ -147,39 +192,15 @@ class _Recorder(TorchFunctionMode):
             return
         if name in _FACTORY_OPS:
             return
-        if name == "__getitem__" and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
-            self.view_of[id(out)] = (args[0], args[1])
-            self.keep.append(out)
+        self._note_index_view(name, args, out)
         ins = [(t, self.get(t)) for t in _tensors((args, kwargs))]
         ins = [(t, i) for t, i in ins if i is not None]
         if not ins:
             return
         src = frozenset().union(*(i.src for _, i in ins))
-        if len(ins) > 1:  # a parameter (or a value made from one) applied to values some linear produced
-            for t, i in ins:
-                for u in (p for p in i.maps if p.startswith("param:") and p[6:] not in self.buffer_keys):
-                    prods = {
-                        p
-                        for t2, i2 in ins
-                        if t2 is not t
-                        for p in i2.maps
-                        if not p.startswith(("param:", "@", "input:"))
-                    }
-                    self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
-            if isinstance(out, torch.Tensor):
-                self.align(ins, out)
-                _channel_heads.note_conv(self, name, args, kwargs)  # heads as channels (channel_heads.py)
-                if name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src):
-                    return
-        if name in _ROUTE_OPS:  # the linears whose features reach a top-k choice route tokens
-            self.routers |= {
-                p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
-            }
-        if (
-            name == "topk"
-        ):  # a choice of tokens or experts: what follows derives from the choice, not the scores
-            self.topk_src |= {p for p in src if not p.startswith("@")}
-            src = frozenset()
+        if len(ins) > 1 and self._note_param_uses(name, args, kwargs, out, ins, src):
+            return
+        src = self._note_routing(name, ins, src)
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -187,6 +208,58 @@ class _Recorder(TorchFunctionMode):
             return
         if name == "einsum" and self.einsum(args, out, src):
             return
+        if self._note_product(name, args, kwargs, out, src):
+            return
+        outs = list(_tensors(out))
+        if outs:
+            self._carry_maps(func, name, args, kwargs, out, outs, ins, src)
+
+    def _note_index_view(self, name: str, args: tuple, out: Any) -> None:
+        """Remember ``out = t[index]`` (``view_of``), kept alive so its id is not reused."""
+        if name == "__getitem__" and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self.view_of[id(out)] = (args[0], args[1])
+            self.keep.append(out)
+
+    def _note_param_uses(
+        self, name: str, args: tuple, kwargs: dict, out: Any, ins: list, src: frozenset
+    ) -> bool:
+        """A parameter (or a value made from one) applied to values some linear produced: note the producers it
+        meets (``param_uses``), and a parameter that follows their features (:meth:`align`, a depthwise
+        convolution's :meth:`align_depthwise`); True when the call is fully handled."""
+        for t, i in ins:
+            for u in (p for p in i.maps if p.startswith("param:") and p[6:] not in self.buffer_keys):
+                prods = {
+                    p
+                    for t2, i2 in ins
+                    if t2 is not t
+                    for p in i2.maps
+                    if not p.startswith(("param:", "@", "input:"))
+                }
+                self.param_uses.setdefault(u[len("param:") :], set()).update(prods)
+        if not isinstance(out, torch.Tensor):
+            return False
+        self.align(ins, out)
+        _channel_heads.note_conv(self, name, args, kwargs)  # heads as channels (channel_heads.py)
+        return name in ("conv1d", "conv2d") and self.align_depthwise(args, kwargs, out, src)
+
+    def _note_routing(self, name: str, ins: list, src: frozenset) -> frozenset:
+        """The linears whose features reach a top-k choice route tokens (``routers``); after ``topk`` what
+        follows derives from the choice, not the scores: returns the sources the output keeps."""
+        if name in _ROUTE_OPS:
+            self.routers |= {
+                p for _, i in ins for p in i.maps if not p.startswith(("param:", "@", "cols:", "input:"))
+            }
+        if (
+            name == "topk"
+        ):  # a choice of tokens or experts: what follows derives from the choice, not the scores
+            self.topk_src |= {p for p in src if not p.startswith("@")}
+            return frozenset()
+        return src
+
+    def _note_product(self, name: str, args: tuple, kwargs: dict, out: Any, src: frozenset) -> bool:
+        """A product of two mapped values: the scores of q and k (tagged on the output), the scores applied to v
+        (an attention), or a weight over a linear's features (:func:`score_terms.param_matmul`); True when
+        handled."""
         mm = None
         if name in ("matmul", "bmm", "__matmul__") and len(args) >= 2:
             mm = (args[0], args[1])
@@ -195,36 +268,45 @@ class _Recorder(TorchFunctionMode):
                 kwargs.get("batch1", args[1] if len(args) > 1 else None),
                 kwargs.get("batch2", args[2] if len(args) > 2 else None),
             )
-        if mm is not None and all(isinstance(x, torch.Tensor) for x in mm):
-            a, b = self.get(mm[0]), self.get(mm[1])
-            if (
-                a is not None
-                and b is not None
-                and a.scores is None
-                and _linear_maps(a)
-                and _linear_maps(b)
-                and isinstance(out, torch.Tensor)
-                and out.dim() >= 3
-            ):
-                h = _head_axes.heads_axis(a, mm[0])  # heads not at -3 (Hiera's windows axis): head_axes.py
-                if h is not None:
-                    mm = _head_axes.canonical_scores(self, mm[0], mm[1], h)
-                self.set(out, _Info({}, src, ((mm[0], mm[1]),)))
-                return
-            if a is not None and a.scores is not None and b is not None and _linear_maps(b):
-                q, k, moved = _head_axes.scores_of(self, *a.scores[0])
-                extras = [mm[0]]
-                h, axes = _head_axes.heads_axis(b, mm[1]) if moved else None, None
-                if h is not None and isinstance(out, torch.Tensor):
-                    axes = (h + out.dim() - mm[1].dim(), out.dim() - 1)
-                    mm = (mm[0], _head_axes.canonical(self, mm[1], h))
-                self.attention(q, k, mm[1], extras, out, src, a.scores[1:], axes)
-                return
-            if _score_terms.param_matmul(self, mm, a, b, out, src):  # a weight over the features (Inkling)
-                return
-        outs = list(_tensors(out))
-        if not outs:
-            return
+        if mm is None or not all(isinstance(x, torch.Tensor) for x in mm):
+            return False
+        a, b = self.get(mm[0]), self.get(mm[1])
+        if _is_score_matmul(a, b, out):
+            h = _head_axes.heads_axis(a, mm[0])  # heads not at -3 (Hiera's windows axis): head_axes.py
+            if h is not None:
+                mm = _head_axes.canonical_scores(self, mm[0], mm[1], h)
+            self.set(out, _Info({}, src, ((mm[0], mm[1]),)))
+            return True
+        if a is not None and a.scores is not None and b is not None and _linear_maps(b):
+            self._scores_times_values(a, b, mm, out, src)
+            return True
+        # a weight over the features (Inkling)
+        return _score_terms.param_matmul(self, mm, a, b, out, src)
+
+    def _scores_times_values(self, a: _Info, b: _Info, mm: tuple, out: Any, src: frozenset) -> None:
+        """Scores (tagged ``a``) applied to v (``mm[1]``): an attention, its heads axis moved where the score
+        matmul moved it (:mod:`slapo_lab.sharding.head_axes`)."""
+        q, k, moved = _head_axes.scores_of(self, *a.scores[0])
+        extras = [mm[0]]
+        h, axes = _head_axes.heads_axis(b, mm[1]) if moved else None, None
+        if h is not None and isinstance(out, torch.Tensor):
+            axes = (h + out.dim() - mm[1].dim(), out.dim() - 1)
+            mm = (mm[0], _head_axes.canonical(self, mm[1], h))
+        self.attention(q, k, mm[1], extras, out, src, a.scores[1:], axes)
+
+    def _carry_maps(
+        self,
+        func: Callable,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        outs: list,
+        ins: list,
+        src: frozenset,
+    ) -> None:
+        """Carry the maps through an op that is no product: a pass-through, a shape op, a table lookup, a
+        constant pad, a complex view, a reduction over tokens, or anything elementwise."""
         scores = _merge_scores(i.scores for _, i in ins)
         if name in _PASS_OPS and len(outs) == 1 and ins[0][0] is args[0]:
             first = ins[0][1]
@@ -248,30 +330,33 @@ class _Recorder(TorchFunctionMode):
         if _head_axes.reduce_maps(self, name, args, kwargs, out):
             return  # pooling over tokens that hold the same features (Hiera's query pooling): head_axes.py
         for o in outs:  # elementwise (or anything else): carry maps that broadcast to the output
-            maps: dict = {}
-            for t, i in ins:
-                for p, ms in i.maps.items():
-                    for m in ms:
-                        if m.dim() > o.dim():
-                            continue
-                        try:
-                            mb = torch.broadcast_to(m, o.shape) if tuple(m.shape) != tuple(o.shape) else m
-                        except RuntimeError:
-                            continue
-                        if t.dim() <= o.dim() and _broadcasts(tuple(t.shape), tuple(o.shape)):
-                            lst = maps.setdefault(p, [])
-                            if len(lst) < _MAX_MAPS and not any(x is m for x in lst):
-                                lst.append(mb)
-            self.set(o, _Info(maps, src, scores))
-            if self.buffer_keys and maps:  # a per-head buffer applied to heads (head_buffers)
-                _head_buffers.note_meet(self, o, maps, scores, self.get)
-            if maps and any(
-                t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and _residual(self.get(t))
-                for t in _tensors((args, kwargs))
-            ):
-                self.mixed.add(id(o))
-            if scores is not None and _score_terms.is_term(maps):
-                self.score_extras.append((o, self.info[id(o)]))
+            self._carry_elementwise(o, ins, args, kwargs, src, scores)
+
+    def _carry_elementwise(
+        self, o: torch.Tensor, ins: list, args: tuple, kwargs: dict, src: frozenset, scores: tuple | None
+    ) -> None:
+        """Give the output ``o`` of an elementwise op (or anything else) the maps of its inputs that broadcast
+        to it; note a per-head buffer applied to heads, a residual mix and a score term."""
+        maps: dict = {}
+        for t, i in ins:
+            if t.dim() > o.dim() or not _broadcasts(tuple(t.shape), tuple(o.shape)):
+                continue
+            for p, ms in i.maps.items():
+                for m in ms:
+                    mb = _broadcast_map(m, o)
+                    lst = maps.setdefault(p, []) if mb is not None else None
+                    if lst is not None and len(lst) < _MAX_MAPS and not any(x is m for x in lst):
+                        lst.append(mb)
+        self.set(o, _Info(maps, src, scores))
+        if self.buffer_keys and maps:  # a per-head buffer applied to heads (head_buffers)
+            _head_buffers.note_meet(self, o, maps, scores, self.get)
+        if maps and any(
+            t.is_floating_point() and tuple(t.shape) == tuple(o.shape) and _residual(self.get(t))
+            for t in _tensors((args, kwargs))
+        ):
+            self.mixed.add(id(o))
+        if scores is not None and _score_terms.is_term(maps):
+            self.score_extras.append((o, self.info[id(o)]))
 
     def align(self, ins, out: torch.Tensor) -> None:
         """Note a parameter of one entry per feature (every axis but the last of size 1) applied elementwise to a
@@ -354,16 +439,10 @@ class _Recorder(TorchFunctionMode):
     def einsum(self, args, out, src) -> bool:
         """Attention written as two einsums (Funnel's ``bind,bjnd->bnij`` then ``bnij,bjnd->bind``): the
         operands are moved to the matmul layout (heads, rows, features last) and handled as two matmuls."""
-        if not args or not isinstance(args[0], str) or not isinstance(out, torch.Tensor):
+        parsed = _einsum_of_two(args, out)
+        if parsed is None:
             return False
-        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-        eq = args[0].replace(" ", "")
-        if len(ops) != 2 or "->" not in eq or not all(isinstance(o, torch.Tensor) for o in ops):
-            return False
-        eq = _expand_ellipsis(eq, ops)
-        if eq is None:
-            return False
-        (s1, s2), so = eq.split("->")[0].split(","), eq.split("->")[1]
+        ops, s1, s2, so = parsed
         a, b = self.get(ops[0]), self.get(ops[1])
         if a is None or b is None or len(set(s1)) != len(s1) or len(set(s2)) != len(s2):
             return False
@@ -422,42 +501,25 @@ class _Recorder(TorchFunctionMode):
         self.set(base, _Info(maps, bi.src | vi.src, bi.scores))
 
     def shape_op(self, func, args, kwargs, out, ins, src, scores) -> None:
+        """Run a shape op (view, permute, gather, ...) on each producer's index maps in place of the values, so
+        the output's maps follow the op; a map the op cannot follow is dropped."""
         producers = {}
         for _, i in ins:
             for p, ms in i.maps.items():
                 producers[p] = max(producers.get(p, 0), len(ms))
-        outs_struct = out
         results: dict = {}
         for p, n in producers.items():
             for j in range(n):
-
-                def sub(x, p=p, j=j):
-                    if isinstance(x, torch.Tensor):
-                        inf = self.info.get(id(x)) or (self.get(x) if id(x) in self.params else None)
-                        if inf is not None and p in inf.maps:
-                            ms = inf.maps[p]
-                            # a map broadcast by an elementwise op is an expanded view, which ``view`` cannot
-                            # reshape (Laguna's per-head gate, then ``.view(B, T, -1)``): a copy can
-                            m = ms[min(j, len(ms) - 1)]
-                            return m if m.is_contiguous() else m.contiguous()
-                        if inf is not None or x.is_floating_point():
-                            return torch.full(tuple(x.shape), -1, dtype=torch.long)
-                        if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
-                            if self.real(x).is_meta:  # no values (torch would gather a CPU map into garbage)
-                                return _score_terms.unknown_index(func, x)
-                            return self.real(x)
-                        return x.to("cpu")
-                    if isinstance(x, (list, tuple)):
-                        return type(x)(sub(y) for y in x)
-                    return x
-
                 try:
-                    mapped = func(*sub(list(args)), **{k: sub(v) for k, v in kwargs.items()})
+                    mapped = func(
+                        *self._map_arg(list(args), func, p, j),
+                        **{k: self._map_arg(v, func, p, j) for k, v in kwargs.items()},
+                    )
                 except Exception:  # noqa: BLE001, S112 - this map cannot follow the op: dropped
                     continue
                 for idx, m in enumerate(_tensors(mapped)):
                     results.setdefault(idx, {}).setdefault(p, []).append(m)
-        for idx, o in enumerate(_tensors(outs_struct)):
+        for idx, o in enumerate(_tensors(out)):
             maps = {
                 p: [m for m in ms if tuple(m.shape) == tuple(o.shape) and bool((m >= 0).any())]
                 for p, ms in results.get(idx, {}).items()
@@ -465,6 +527,32 @@ class _Recorder(TorchFunctionMode):
             self.set(o, _Info({p: ms for p, ms in maps.items() if ms}, src, scores))
             if scores is not None and _score_terms.is_term(maps):
                 self.score_extras.append((o, self.info[id(o)]))
+
+    def _map_arg(self, x: Any, func: Callable, p: str, j: int) -> Any:
+        """An argument of a shape op with each tensor replaced by the ``j``-th index map of producer ``p`` (-1
+        where it has none; an index tensor by its real, CPU values); lists and tuples element-wise."""
+        if isinstance(x, torch.Tensor):
+            return self._map_tensor(x, func, p, j)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._map_arg(y, func, p, j) for y in x)
+        return x
+
+    def _map_tensor(self, x: torch.Tensor, func: Callable, p: str, j: int) -> torch.Tensor:
+        """One tensor argument of a shape op in :meth:`_map_arg`."""
+        inf = self.info.get(id(x)) or (self.get(x) if id(x) in self.params else None)
+        if inf is not None and p in inf.maps:
+            ms = inf.maps[p]
+            # a map broadcast by an elementwise op is an expanded view, which ``view`` cannot reshape (Laguna's
+            # per-head gate, then ``.view(B, T, -1)``): a copy can
+            m = ms[min(j, len(ms) - 1)]
+            return m if m.is_contiguous() else m.contiguous()
+        if inf is not None or x.is_floating_point():
+            return torch.full(tuple(x.shape), -1, dtype=torch.long)
+        if x.device.type == "meta":  # an index buffer of a meta copy: the real one's values
+            if self.real(x).is_meta:  # no values (torch would gather a CPU map into garbage)
+                return _score_terms.unknown_index(func, x)
+            return self.real(x)
+        return x.to("cpu")
 
     def attention(self, q, k, v, extras, out, src, pairs=(), out_axes=None) -> None:
         i = self.n_attn
@@ -516,7 +604,7 @@ class _Snapshot:
         self.topk_src, self.out_src = set(r.topk_src), set(r.out_src)
 
 
-def note_outside_input(rec, key: str, a: torch.Tensor) -> None:
+def note_outside_input(rec: _Recorder, key: str, a: torch.Tensor) -> None:
     """Map ``a``, a tensor from outside the analysed block passed to the module at ``key``'s
     ``"module path:argument"`` (``""`` for the block itself), so its entries show where they meet the
     features: floating point, at least 2-D and at most 2**20 entries, and not yet mapped, else nothing."""

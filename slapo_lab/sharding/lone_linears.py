@@ -32,13 +32,18 @@ Sources: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``ColumnParall
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from .router import router_experts
 
+if TYPE_CHECKING:
+    from .infer_maps import BlockSplit
+
 
 def lone_linear_kind(
-    split, rel: str, mod: nn.Module | None = None, parent: nn.Module | None = None
+    split: BlockSplit, rel: str, mod: nn.Module | None = None, parent: nn.Module | None = None
 ) -> str | None:
     """``"column_gather"`` for the linear ``rel`` (path relative to its block) of ``split`` (a
     :class:`~slapo_lab.sharding.infer.BlockSplit`) that the recorded forward ran, that has no role and that

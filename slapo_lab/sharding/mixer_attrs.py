@@ -167,16 +167,42 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
     """The mixer attributes that make rank copies at world size 2 reproduce their chunks of ``x``, or None."""
     ws = 2
     p = plan(deps, ws)
+    ints = {k: v for k, v in _int_attrs(m, ws).items() if _read_at_run_time(m, k)}
+
+    def works(attempt) -> bool:
+        return _rank_copies_work(m, args, kwargs, x, deps, p, ws, {k: ints[k] for k in attempt})
+
+    t0 = time.perf_counter()
+    for attempt in _attr_tries(ints, _split_widths(p, deps, x))[:_MAX_TRIES]:
+        if time.perf_counter() - t0 > _MAX_SEARCH_S:
+            break
+        if works(attempt):
+            keep = set(attempt)
+            for k in sorted(attempt):  # the fewest: an attribute the forward does not read stays global
+                if works(keep - {k}):
+                    keep.discard(k)
+            return {k: ints[k] for k in sorted(keep)}
+    return None
+
+
+def _split_widths(p: MixerPlan, deps: MixerDeps, x: torch.Tensor) -> set[int]:
+    """The widths a split touches: the input linears' features, ``x``'s, and the blocks of each column layout
+    and parameter shard of plan ``p``."""
     widths = set(deps.feats.values()) | {x.shape[-1]}
     for stride in p.columns.values():
         widths |= set(getattr(stride, "sizes", ()) or ())
         if not getattr(stride, "sizes", None) and int(stride) > 1:
             widths |= {deps.feats[next(iter(p.columns))] // int(stride)}
     for key, (axis, stride) in p.shards.items():
-        size = deps.shapes[key][axis]
-        widths.add(size)
+        widths.add(deps.shapes[key][axis])
         widths |= set(getattr(stride, "sizes", ()) or ())
-    ints = {  # "submodule:attribute" (the mixer's own: ":attribute"); convolutions follow their weight instead
+    return widths
+
+
+def _int_attrs(m: nn.Module, ws: int) -> dict[str, int]:
+    """``{"submodule:attribute": value}`` (the mixer's own: ``":attribute"``) of the integer attributes of ``m``'s
+    modules and config that divide by ``ws``; convolutions follow their weight instead."""
+    ints = {
         f"{sub}:{k}": v
         for sub, mod in m.named_modules()
         if not _is_linear(mod) and not isinstance(mod, nn.modules.conv._ConvNd)
@@ -184,7 +210,12 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         if type(v) is int and v > 1 and v % ws == 0 and not k.startswith("_") and k != "layer_idx"
     }
     ints.update(_config_ints(m, ws))
-    ints = {k: v for k, v in ints.items() if _read_at_run_time(m, k)}
+    return ints
+
+
+def _attr_tries(ints: dict[str, int], widths: set[int]) -> list[frozenset]:
+    """The sets of attributes to try, in order: those equal to a split width first, then the nearest changes of
+    that set (every subset when there are few candidates)."""
     base = frozenset(k for k, v in ints.items() if v in widths)
     rest = sorted(set(ints) - base)
     tries = [base]
@@ -197,46 +228,44 @@ def _find_attrs(m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps) ->
         tries += [base | {k} for k in rest] + [base - {k} for k in sorted(base)]
         tries += [(base - {d}) | {a} for d in sorted(base) for a in rest]
         tries += [base | {a, b} for a, b in itertools.combinations(rest, 2)]
+    return tries
+
+
+def _rank_copies_work(
+    m: nn.Module, args, kwargs, x: torch.Tensor, deps: MixerDeps, p: MixerPlan, ws: int, attrs: dict
+) -> bool:
+    """Whether rank copies of ``m`` with the per-rank ``attrs`` each reproduce their chunk of ``x``, and the
+    ranks' inputs of each gathered linear make its full input."""
     half = x.shape[-1] // ws
+    inputs: list = []
+    for rank in range(ws):
+        local: dict = {}
+        try:
+            r = _rank_copy(m, deps, p, ws, rank, attrs)
+            _emulate_gathers(r, deps, p, local)
+            with torch.no_grad():
+                _, xr = _run(r, args, kwargs, None, deps.row)
+        except Exception:  # noqa: BLE001 - these attributes do not fit: the next try
+            return False
+        inputs.append(local)
+        want = x[..., rank * half : (rank + 1) * half]
+        if (
+            xr is None
+            or tuple(xr.shape) != tuple(want.shape)
+            or not torch.allclose(xr, want, atol=1e-5, rtol=1e-4)
+        ):
+            return False
+    return _gathers_complete(p, deps, inputs)
 
-    def works(attempt) -> bool:
-        attrs = {k: ints[k] for k in attempt}
-        inputs: list = []
-        for rank in range(ws):
-            local: dict = {}
-            try:
-                r = _rank_copy(m, deps, p, ws, rank, attrs)
-                _emulate_gathers(r, deps, p, local)
-                with torch.no_grad():
-                    _, xr = _run(r, args, kwargs, None, deps.row)
-            except Exception:  # noqa: BLE001 - these attributes do not fit: the next try
-                return False
-            inputs.append(local)
-            want = x[..., rank * half : (rank + 1) * half]
-            if (
-                xr is None
-                or tuple(xr.shape) != tuple(want.shape)
-                or not torch.allclose(xr, want, atol=1e-5, rtol=1e-4)
-            ):
-                return False
-        for g in p.gathers:  # the ranks' inputs of a gathered linear, concatenated, are its full input
-            parts = [loc.get(g) for loc in inputs]
-            full = deps.values[g][0]
-            if full is None or any(x is None for x in parts):
-                return False
-            cat = torch.cat(parts, dim=-1)
-            if tuple(cat.shape) != tuple(full.shape) or not torch.allclose(cat, full, atol=1e-5, rtol=1e-4):
-                return False
-        return True
 
-    t0 = time.perf_counter()
-    for attempt in tries[:_MAX_TRIES]:
-        if time.perf_counter() - t0 > _MAX_SEARCH_S:
-            break
-        if works(attempt):
-            keep = set(attempt)
-            for k in sorted(attempt):  # the fewest: an attribute the forward does not read stays global
-                if works(keep - {k}):
-                    keep.discard(k)
-            return {k: ints[k] for k in sorted(keep)}
-    return None
+def _gathers_complete(p: MixerPlan, deps: MixerDeps, inputs: list[dict]) -> bool:
+    """Whether the ranks' inputs of each gathered linear, concatenated, are its full input."""
+    for g in p.gathers:
+        parts = [loc.get(g) for loc in inputs]
+        full = deps.values[g][0]
+        if full is None or any(x is None for x in parts):
+            return False
+        cat = torch.cat(parts, dim=-1)
+        if tuple(cat.shape) != tuple(full.shape) or not torch.allclose(cat, full, atol=1e-5, rtol=1e-4):
+            return False
+    return True

@@ -249,13 +249,7 @@ def _dependencies(pristine: nn.Module, a, kw, order: list, g, norms: dict):
     ins = order[:-1]
     leaves = dict.fromkeys(ins)
     seen: dict = {}
-    bufs: dict = {}  # a per-feature buffer (Falcon-H1's mup_vector scales in_proj's outputs): a leaf, so its
-    # entries' dependencies are read like a parameter's
-    for sub, mod in m.named_modules():
-        for n, b in list(mod._buffers.items()):
-            if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel() > 1:
-                mod._buffers[n] = b.detach().clone().requires_grad_(True)
-                bufs.setdefault(sub, []).append(n)
+    bufs = _leaf_buffers(m)
     with torch.enable_grad():
         _, x = _run(m, a, kw, leaves, row, seen)
         if x is None or not x.requires_grad or any(v is None for v in leaves.values()):
@@ -264,44 +258,78 @@ def _dependencies(pristine: nn.Module, a, kw, order: list, g, norms: dict):
         k = next((c for c in (16, 8, 4, 2) if c <= MAX_CHUNKS and feats % c == 0), None)
         if k is None:
             return None
-        params = {}
-        for sub, mod in m.named_modules():
-            if sub in ins or sub == row:
-                continue  # (a linear whose weight the forward uses directly, Mamba's dt_proj, counts here)
-            for n, p in mod.named_parameters(recurse=False):
-                params[f"{sub}:{n}"] = p
-            for n in bufs.get(sub, ()):
-                params[f"{sub}:{n}"] = mod._buffers[n]
+        params = _mixer_params(m, ins, row, bufs)
         deps = MixerDeps(k, row)
         deps.feats = {p: leaves[p].shape[-1] for p in ins}
         deps.shapes = {key: tuple(p.shape) for key, p in params.items()}
-        for p in ins:
-            xin = seen.get(p)
-            deps.values[p] = (None if xin is None else xin.detach(), leaves[p].detach())
-            deps.feeds[p] = set()
-            if isinstance(xin, torch.Tensor) and xin.requires_grad:
-                gs = torch.autograd.grad(
-                    xin.sum(), [leaves[q] for q in ins], retain_graph=True, allow_unused=True
-                )
-                deps.feeds[p] = {q for q, gq in zip(ins, gs, strict=True) if gq is not None}
-        targets = [leaves[p] for p in ins] + list(params.values())
-        w = torch.rand(x.shape, generator=g) + 0.5
-        width = feats // k
-        for c in range(k):
-            loss = (x[..., c * width : (c + 1) * width] * w[..., c * width : (c + 1) * width]).sum()
-            grads = torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
-            for p, gr in zip(ins, grads[: len(ins)], strict=True):
-                nz = (
-                    torch.zeros(0, dtype=torch.long)
-                    if gr is None
-                    else torch.nonzero(gr.abs().reshape(-1, gr.shape[-1]).sum(0)).flatten()
-                )
-                deps.outs.setdefault(p, []).append(nz)
-            for key, gr in zip(params, grads[len(ins) :], strict=True):
-                nz = (
-                    torch.zeros(0, dtype=torch.long)
-                    if gr is None
-                    else torch.nonzero(gr.reshape(-1)).flatten()
-                )
-                deps.params.setdefault(key, []).append(nz)
+        _note_feeds(deps, ins, leaves, seen)
+        _note_chunk_deps(deps, x, ins, leaves, params, g)
     return deps, x
+
+
+def _leaf_buffers(m: nn.Module) -> dict[str, list[str]]:
+    """Make each floating buffer of ``m`` of more than one entry a leaf that requires a gradient (a per-feature
+    buffer, Falcon-H1's ``mup_vector`` scaling in_proj's outputs: its entries' dependencies are read like a
+    parameter's); returns ``{submodule path: [buffer names]}``."""
+    bufs: dict = {}
+    for sub, mod in m.named_modules():
+        for n, b in list(mod._buffers.items()):
+            if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel() > 1:
+                mod._buffers[n] = b.detach().clone().requires_grad_(True)
+                bufs.setdefault(sub, []).append(n)
+    return bufs
+
+
+def _mixer_params(m: nn.Module, ins: list, row: str, bufs: dict) -> dict[str, torch.Tensor]:
+    """``{"submodule:name": tensor}``: the parameters (and leaf buffers ``bufs``) of ``m``'s modules other than
+    the input linears ``ins`` and the output linear ``row``."""
+    params = {}
+    for sub, mod in m.named_modules():
+        if sub in ins or sub == row:
+            continue  # (a linear whose weight the forward uses directly, Mamba's dt_proj, counts here)
+        for n, p in mod.named_parameters(recurse=False):
+            params[f"{sub}:{n}"] = p
+        for n in bufs.get(sub, ()):
+            params[f"{sub}:{n}"] = mod._buffers[n]
+    return params
+
+
+def _note_feeds(deps: MixerDeps, ins: list, leaves: dict, seen: dict) -> None:
+    """``deps.values`` (each input linear's input and output) and ``deps.feeds`` (the input linears whose
+    outputs reach each one's input)."""
+    for p in ins:
+        xin = seen.get(p)
+        deps.values[p] = (None if xin is None else xin.detach(), leaves[p].detach())
+        deps.feeds[p] = set()
+        if isinstance(xin, torch.Tensor) and xin.requires_grad:
+            gs = torch.autograd.grad(
+                xin.sum(), [leaves[q] for q in ins], retain_graph=True, allow_unused=True
+            )
+            deps.feeds[p] = {q for q, gq in zip(ins, gs, strict=True) if gq is not None}
+
+
+def _nonzero_features(gr: torch.Tensor | None) -> torch.Tensor:
+    """The last-axis indices where the gradient ``gr`` is non-zero somewhere (none for no gradient)."""
+    if gr is None:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(gr.abs().reshape(-1, gr.shape[-1]).sum(0)).flatten()
+
+
+def _note_chunk_deps(
+    deps: MixerDeps, x: torch.Tensor, ins: list, leaves: dict, params: dict, g: torch.Generator
+) -> None:
+    """For each of the ``deps.chunks`` chunks of the output linear's input ``x``: the features of each input
+    linear (``deps.outs``) and the entries of each parameter (``deps.params``) it depends on (non-zero
+    gradients of a randomly weighted sum of the chunk)."""
+    k = deps.chunks
+    targets = [leaves[p] for p in ins] + list(params.values())
+    w = torch.rand(x.shape, generator=g) + 0.5
+    width = x.shape[-1] // k
+    for c in range(k):
+        loss = (x[..., c * width : (c + 1) * width] * w[..., c * width : (c + 1) * width]).sum()
+        grads = torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+        for p, gr in zip(ins, grads[: len(ins)], strict=True):
+            deps.outs.setdefault(p, []).append(_nonzero_features(gr))
+        for key, gr in zip(params, grads[len(ins) :], strict=True):
+            nz = torch.zeros(0, dtype=torch.long) if gr is None else torch.nonzero(gr.reshape(-1)).flatten()
+            deps.params.setdefault(key, []).append(nz)

@@ -173,84 +173,111 @@ def _plan(deps: MixerDeps, ws: int) -> MixerPlan:
         out.reason = f"its {deps.chunks} channel chunks do not split over {ws} ranks"
         return out
     for p, per in deps.outs.items():
-        fed = sorted(q for q in deps.outs if q != p and p in deps.feeds.get(q, ()))
-        if fed and not any(len(x) for x in per):
-            # a low-rank "a" whose output reaches the channels only through other input linears (Kimi's
-            # g_a_proj -> g_b_proj, f_a_proj -> f_b_proj): kept whole; the column-parallel linears it feeds sum
-            # their input gradients over the ranks, so its gradients are complete on every rank
-            out.low_rank[p] = fed
-            continue
-        n = deps.feats[p]
-        own = _owners(per, ws, n)
-        count = _ranks(own)
-        shared = int((count > 1).sum())
-        if bool((count == ws).all()) and n % ws == 0 and deps.feeds.get(p):
-            # every rank needs all its outputs (Mamba's x_proj: dt, B, C from all channels): computed from the
-            # gathered channels, its output features split and gathered again
-            out.gathers.add(p)
-            out.kinds[p] = "gather_linear"
-            continue
-        unused = int((count == 0).sum())
-        grouped = _grouped_layout(own.tolist(), ws) if shared and shared < n and not unused else None
-        if grouped is not None:  # parts shared by heads on different ranks (B, C): replicated on those ranks
-            out.columns[p] = grouped
-            continue
-        if shared or unused:
-            if shared == n:
-                what = (
-                    f"all {n} of {p}'s output features reach the channels of every rank (something between it and "
-                    f"{deps.row} mixes all channels, e.g. a gated norm over all of them: Mamba-2's with one group)"
-                )
-            elif shared:
-                what = (
-                    f"{shared} of {p}'s {n} output features reach the channels of several ranks, not as groups "
-                    "each held whole by consecutive ranks (as Mamba-2's B and C with fewer groups than ranks are)"
-                )
-            else:
-                what = f"{unused} of {p}'s {n} output features reach none of the output projection's inputs"
-            out.reason = f"{what}, so the mixer stays whole"
+        reason = _plan_input_linear(out, deps, p, per, ws)
+        if reason is not None:
+            out.reason = reason
             return out
-        stride = _runs_layout(_single(own), ws)
-        if stride is None:
-            out.reason = f"no column-parallel layout of {p} gives each rank the features its channels need"
-            return out
-        out.columns[p] = stride
     for p in out.columns:  # fed by a gathered output: its input gradient is summed by that gather's backward
         out.kinds[p] = "column_shard" if deps.feeds.get(p, set()) & out.gathers else "column"
     for key, per in deps.params.items():
-        shape = deps.shapes[key]
-        n = 1
-        for s in shape:
-            n *= s
-        own = _owners(per, ws, n)
-        count = _ranks(own)
-        if not bool((count > 0).any()):
-            continue
-        if bool((count[count > 0] == ws).all()):  # every rank needs it: replicated, gradients summed
-            out.grad_sum.add(key.rsplit(":", 1)[0])
-            continue
-        shared = bool((count != 1).any())
-        grid = own.view(shape)
-        found = None
-        for axis, size in enumerate(shape):
-            rows = grid.movedim(axis, 0).reshape(size, -1)
-            if not bool((rows == rows[:, :1]).all()):
-                continue  # a slice needed by several ranks
-            if shared:  # a depthwise convolution's B / C channels, shared like in_proj's B / C
-                stride = _grouped_layout(rows[:, 0].tolist(), ws)
-                if stride is not None:
-                    found = (axis, stride)
-                    break
-                continue
-            stride = _runs_layout(_single(rows[:, 0]), ws)
-            if stride is not None:
-                found = (axis, stride)
-                break
-        if found is None and shared:
-            out.reason = f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
+        reason = _plan_param(out, deps.shapes[key], key, per, ws)
+        if reason is not None:
+            out.reason = reason
             return out
-        if found is None:
-            out.reason = f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
-            return out
-        out.shards[key] = found
     return out
+
+
+def _plan_input_linear(out: MixerPlan, deps: MixerDeps, p: str, per: list, ws: int) -> str | None:
+    """Plan the input linear ``p`` (``per``: the channels each of its output features reaches) into ``out``: kept
+    whole as a low-rank "a", gathered, or column parallel (equal runs, or groups replicated on consecutive
+    ranks); returns why the mixer stays whole, or None."""
+    fed = sorted(q for q in deps.outs if q != p and p in deps.feeds.get(q, ()))
+    if fed and not any(len(x) for x in per):
+        # a low-rank "a" whose output reaches the channels only through other input linears (Kimi's
+        # g_a_proj -> g_b_proj, f_a_proj -> f_b_proj): kept whole; the column-parallel linears it feeds sum
+        # their input gradients over the ranks, so its gradients are complete on every rank
+        out.low_rank[p] = fed
+        return None
+    n = deps.feats[p]
+    own = _owners(per, ws, n)
+    count = _ranks(own)
+    shared = int((count > 1).sum())
+    if bool((count == ws).all()) and n % ws == 0 and deps.feeds.get(p):
+        # every rank needs all its outputs (Mamba's x_proj: dt, B, C from all channels): computed from the
+        # gathered channels, its output features split and gathered again
+        out.gathers.add(p)
+        out.kinds[p] = "gather_linear"
+        return None
+    unused = int((count == 0).sum())
+    grouped = _grouped_layout(own.tolist(), ws) if shared and shared < n and not unused else None
+    if grouped is not None:  # parts shared by heads on different ranks (B, C): replicated on those ranks
+        out.columns[p] = grouped
+        return None
+    if shared or unused:
+        return f"{_unsplit_features(deps, p, n, shared, unused)}, so the mixer stays whole"
+    stride = _runs_layout(_single(own), ws)
+    if stride is None:
+        return f"no column-parallel layout of {p} gives each rank the features its channels need"
+    out.columns[p] = stride
+    return None
+
+
+def _unsplit_features(deps: MixerDeps, p: str, n: int, shared: int, unused: int) -> str:
+    """What keeps input linear ``p``'s ``n`` output features from splitting: ``shared`` of them reach the
+    channels of several ranks, or ``unused`` reach none."""
+    if shared == n:
+        return (
+            f"all {n} of {p}'s output features reach the channels of every rank (something between it and "
+            f"{deps.row} mixes all channels, e.g. a gated norm over all of them: Mamba-2's with one group)"
+        )
+    if shared:
+        return (
+            f"{shared} of {p}'s {n} output features reach the channels of several ranks, not as groups "
+            "each held whole by consecutive ranks (as Mamba-2's B and C with fewer groups than ranks are)"
+        )
+    return f"{unused} of {p}'s {n} output features reach none of the output projection's inputs"
+
+
+def _plan_param(out: MixerPlan, shape: tuple, key: str, per: list, ws: int) -> str | None:
+    """Plan the mixer's parameter ``key`` (of ``shape``; ``per``: the channels each entry reaches) into ``out``:
+    unused, replicated with summed gradients, or sharded on the axis that splits it by the ranks' channels;
+    returns why the mixer stays whole, or None."""
+    n = 1
+    for s in shape:
+        n *= s
+    own = _owners(per, ws, n)
+    count = _ranks(own)
+    if not bool((count > 0).any()):
+        return None
+    if bool((count[count > 0] == ws).all()):  # every rank needs it: replicated, gradients summed
+        out.grad_sum.add(key.rsplit(":", 1)[0])
+        return None
+    shared = bool((count != 1).any())
+    found = _param_axis(own.view(shape), shape, shared, ws)
+    if found is None and shared:
+        return (
+            f"the entries of {key.replace(':', '.')} are shared by some ranks only, so the mixer stays whole"
+        )
+    if found is None:
+        return (
+            f"no axis of {key.replace(':', '.')} splits it by the ranks' channels, so the mixer stays whole"
+        )
+    out.shards[key] = found
+    return None
+
+
+def _param_axis(grid: torch.Tensor, shape: tuple, shared: bool, ws: int) -> tuple | None:
+    """``(axis, stride)``: the first axis of a parameter whose slices each belong to the ranks of one owner in
+    ``grid`` (the owning rank per entry), split in runs (or, where entries are ``shared``, in groups replicated on
+    consecutive ranks: a depthwise convolution's B / C channels, like in_proj's B / C); None when none does."""
+    for axis, size in enumerate(shape):
+        rows = grid.movedim(axis, 0).reshape(size, -1)
+        if not bool((rows == rows[:, :1]).all()):
+            continue  # a slice needed by several ranks
+        if shared:
+            stride = _grouped_layout(rows[:, 0].tolist(), ws)
+        else:
+            stride = _runs_layout(_single(rows[:, 0]), ws)
+        if stride is not None:
+            return (axis, stride)
+    return None

@@ -83,9 +83,9 @@ import torch
 from torch import nn
 
 from ..module_state import install_forward, module_meta, peek_meta
-from . import infer
+from . import infer_registry
 from .experts import is_experts_module
-from .infer_maps import Layout
+from .infer_maps import BlockSplit, Layout
 from .mixer_attrs import _find_attrs, _fix_conv, _get_attr, _local_widths, _set_attr
 from .mixer_deps import (
     _dependencies,
@@ -105,7 +105,7 @@ from .mixer_plan import (
     _world_sizes,
     plan,
 )
-from .rules import _DEFAULT, _RULES, ShardRule, is_norm, register_shard_rule
+from .rules import _DEFAULT, _RULES, BlockStride, ShardRule, ShardSite, is_norm, register_shard_rule
 
 _LOCK = threading.RLock()
 _LAYOUTS: dict = {}  # (owner class, param name, global shape) -> {ws: (axis, stride)}
@@ -115,7 +115,7 @@ _UNRUN: set = set()  # (mixer class, submodule) whose forward the mixer never ca
 _CLASSES: set = set()
 
 
-def complete(split, block: nn.Module, captured: dict) -> None:
+def complete(split: BlockSplit, block: nn.Module, captured: dict) -> None:
     """Add the mixers of ``block`` (paths in ``captured``) that the index maps could not split to ``split``:
     their input linears become ``"mlp_in"`` with their layout, the output linear ``"mlp_out"``, and
     ``split.mixers`` (``{mixer path: MixerDeps}``) keeps the dependencies for :func:`layers`."""
@@ -124,30 +124,11 @@ def complete(split, block: nn.Module, captured: dict) -> None:
         mixer = block.get_submodule(rel)
         kids = [f"{rel}.{n}" for n, c in mixer.named_modules() if n and _is_linear(c)]
         paired = [k for k in kids if k in split.roles]
-        own = any(  # per-channel parameters besides the linears and the norms
-            p is not None
-            for sub, mod in mixer.named_modules()
-            if not _is_linear(mod) and not is_norm(mod)
-            for p in mod._parameters.values()
-        )
-        partial_mlp = (
-            paired
-            and (len(paired) < len(kids) or own)
-            and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
-        )  # an MLP pair the index maps found inside a mixer whose other input linears or whose per-channel
-        # parameters (RWKV's time_decay) they could not follow
+        partial_mlp = _partial_mlp(split, mixer, kids, paired)
         # one "head" read by the index maps (a linear-attention recurrence, Qwen3.5's gated DeltaNet, whose
         # scores the maps see as a single head) is no head split: the channels may still split
         one_head = split.attention.get(rel, (0, 0))[0] == 1 and not any(k in split.roles for k in kids)
-        if (
-            _has_experts(mixer)  # a mixture of experts: slapo_lab/sharding/experts.py
-            or any(
-                (k in split.roles and not partial_mlp) or (k in split.refused_roles and not one_head)
-                for k in kids
-            )
-            or any(rel.startswith(m + ".") for m in found)
-            or any((a == rel and not one_head) or a.startswith(rel + ".") for a in split.attention)
-        ):
+        if _maps_answer_stands(split, rel, mixer, kids, found, partial_mlp, one_head):
             continue  # an attention (split or refused by its heads) or an MLP: the index maps' answer stands
         try:
             deps = dependencies(mixer, args, kwargs)
@@ -160,42 +141,93 @@ def complete(split, block: nn.Module, captured: dict) -> None:
             continue  # the index maps' MLP pair stands
         found[rel] = deps
         if p2.reason or deps.attrs is None:
-            for k in [*deps.outs, deps.row]:
-                split.unpaired.add(f"{rel}.{k}")
-                split.whole[f"{rel}.{k}"] = p2.reason or (
-                    f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
-                    "rank, so the mixer stays whole"
-                )
+            _keep_whole(split, rel, mixer, deps, p2)
             continue
         for k in paired:
             split.roles.pop(k, None)
             split.layouts.pop(k, None)
-        for k, fed in p2.low_rank.items():
-            split.whole[f"{rel}.{k}"] = (
-                f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
-                "parallel, its input gradient summed over the ranks): it stays whole"
-            )
         if one_head:
             split.attention.pop(rel, None)
             split.refusals.pop(rel, None)
             for k in kids:
                 split.refused_roles.pop(k, None)
-        for k, stride in p2.columns.items():
-            # "mlp_in": column parallel (registered by infer); "mixer_column": column parallel whose input
-            # gradient a gather sums, applied by layers() with the layout registered here
-            role = "mlp_in" if p2.kinds[k] == "column" else "mixer_column"
-            split.roles[f"{rel}.{k}"] = role
-            split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
-            split.whole.pop(f"{rel}.{k}", None)
-            if role != "mlp_in":
-                _register_layout(mixer, k, Layout("in", stride, None))
-        for k in p2.gathers:
-            split.roles[f"{rel}.{k}"] = "mixer_gather"
-            split.whole.pop(f"{rel}.{k}", None)
-        split.roles[f"{rel}.{deps.row}"] = "mlp_out"
-        split.whole.pop(f"{rel}.{deps.row}", None)
-        _register(mixer, deps)
+        _note_mixer_split(split, rel, mixer, deps, p2)
     split.mixers = found
+
+
+def _partial_mlp(split: BlockSplit, mixer: nn.Module, kids: list[str], paired: list[str]) -> bool:
+    """Whether the index maps found an MLP pair (``paired``) inside a mixer whose other input linears (of
+    ``kids``) or whose per-channel parameters (RWKV's time_decay) they could not follow."""
+    own = any(  # per-channel parameters besides the linears and the norms
+        p is not None
+        for sub, mod in mixer.named_modules()
+        if not _is_linear(mod) and not is_norm(mod)
+        for p in mod._parameters.values()
+    )
+    return bool(
+        paired
+        and (len(paired) < len(kids) or own)
+        and all(split.roles[k] in ("mlp_in", "mlp_out") for k in paired)
+    )
+
+
+def _maps_answer_stands(
+    split: BlockSplit,
+    rel: str,
+    mixer: nn.Module,
+    kids: list[str],
+    found: dict,
+    partial_mlp: bool,
+    one_head: bool,
+) -> bool:
+    """Whether the index maps' answer stands for the mixer at ``rel``: a mixture of experts
+    (slapo_lab/sharding/experts.py), an attention split or refused by its heads, an MLP, or a mixer inside one
+    already found."""
+    return bool(
+        _has_experts(mixer)
+        or any(
+            (k in split.roles and not partial_mlp) or (k in split.refused_roles and not one_head)
+            for k in kids
+        )
+        or any(rel.startswith(m + ".") for m in found)
+        or any((a == rel and not one_head) or a.startswith(rel + ".") for a in split.attention)
+    )
+
+
+def _keep_whole(split: BlockSplit, rel: str, mixer: nn.Module, deps: MixerDeps, p2: MixerPlan) -> None:
+    """The linears of a mixer no per-rank split of its channels exists for stay whole (``split.unpaired``)."""
+    for k in [*deps.outs, deps.row]:
+        split.unpaired.add(f"{rel}.{k}")
+        split.whole[f"{rel}.{k}"] = p2.reason or (
+            f"no per-rank values of {type(mixer).__name__}'s attributes reproduce its channels on each "
+            "rank, so the mixer stays whole"
+        )
+
+
+def _note_mixer_split(split: BlockSplit, rel: str, mixer: nn.Module, deps: MixerDeps, p2: MixerPlan) -> None:
+    """The roles and layouts of a mixer's linears by its plan ``p2`` at 2 ranks: low-rank ones whole, column
+    parallel (``"mlp_in"``, or ``"mixer_column"`` whose input gradient a gather sums), gathered, and the output
+    linear ``"mlp_out"``."""
+    for k, fed in p2.low_rank.items():
+        split.whole[f"{rel}.{k}"] = (
+            f"a low-rank projection whose output reaches the channels only through {', '.join(fed)} (column "
+            "parallel, its input gradient summed over the ranks): it stays whole"
+        )
+    for k, stride in p2.columns.items():
+        # "mlp_in": column parallel (registered by infer); "mixer_column": column parallel whose input
+        # gradient a gather sums, applied by layers() with the layout registered here
+        role = "mlp_in" if p2.kinds[k] == "column" else "mixer_column"
+        split.roles[f"{rel}.{k}"] = role
+        split.layouts[f"{rel}.{k}"] = Layout("in", stride, None)
+        split.whole.pop(f"{rel}.{k}", None)
+        if role != "mlp_in":
+            _register_layout(mixer, k, Layout("in", stride, None))
+    for k in p2.gathers:
+        split.roles[f"{rel}.{k}"] = "mixer_gather"
+        split.whole.pop(f"{rel}.{k}", None)
+    split.roles[f"{rel}.{deps.row}"] = "mlp_out"
+    split.whole.pop(f"{rel}.{deps.row}", None)
+    _register(mixer, deps)
 
 
 def _has_experts(mod: nn.Module) -> bool:
@@ -211,8 +243,8 @@ def _register_layout(mixer: nn.Module, child: str, lay) -> None:
     """The column layout of ``mixer``'s linear ``child`` for the shard rules (as infer registers an MLP input)."""
     parent_rel, _, name = child.rpartition(".")
     parent = mixer.get_submodule(parent_rel) if parent_rel else mixer
-    key = (type(parent).__name__, name, infer._config_digest(getattr(parent, "config", None)))
-    infer._REGISTRY[key] = ("mlp_in", lay, None)
+    key = (type(parent).__name__, name, infer_registry._config_digest(getattr(parent, "config", None)))
+    infer_registry._REGISTRY[key] = ("mlp_in", lay, None)
 
 
 def _owner_key(mixer: nn.Module, sub: str, name: str, shape) -> tuple:
@@ -255,7 +287,7 @@ def _shape_sig(mixer: nn.Module) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------- the dependencies
-def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
+def dependencies(mixer: nn.Module, args: tuple, kwargs: dict) -> MixerDeps | None:
     """The :class:`MixerDeps` of ``mixer`` (called with ``args`` / ``kwargs``, meta or real), or None when it is no
     mixer of this kind (fewer than one input linear before its last linear, features not a power-of-two
     multiple, inputs without a gradient path).
@@ -304,7 +336,7 @@ def dependencies(mixer: nn.Module, args, kwargs) -> MixerDeps | None:
 
 
 # ------------------------------------------------------------------------------------------ preset layers
-def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
+def layers(split: BlockSplit, block_path: str, ws: int) -> list[tuple[str, str]]:
     """``(path, kind)`` for the mixers' parameters of a block over ``ws`` ranks, one entry per module:
     ``"channel_params:<name>=<axis>,..."`` (shards on the axes :func:`plan` found; :class:`MixerRule` gives their
     layouts; ``";grad_sum"`` after them when the module's other parameters are replicated and sum their
@@ -336,7 +368,7 @@ def layers(split, block_path: str, ws: int) -> list[tuple[str, str]]:
     return out
 
 
-def reason(split, rel: str, ws: int) -> str | None:
+def reason(split: BlockSplit, rel: str, ws: int) -> str | None:
     """Why the mixer around the linear ``rel`` (a path in the block) stays whole over ``ws`` ranks, or None."""
     for mrel, deps in (getattr(split, "mixers", None) or {}).items():
         if rel.startswith(mrel + "."):
@@ -365,7 +397,7 @@ class MixerRule(ShardRule):
                 return lay[ws], k
         return None, None
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return (
             type(mod).__name__ in _CLASSES
             and not _is_linear(mod)
@@ -383,16 +415,16 @@ class MixerRule(ShardRule):
         shape = tuple(getattr(t, "orig_shape", t.shape))
         return any(k[1] == type(mod).__name__ and k[2] == name and k[3] == shape for k in _LAYOUTS)
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         return None if self._registered(mod, name) else self._other(mod).check(mod, name, axis)
 
-    def check_site(self, site, axis, world_size):
+    def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         if self._registered(site.mod, site.name):
             return None
         other = getattr(self._other(site.mod), "check_site", None)
         return other(site, axis, world_size) if other else None
 
-    def stride(self, site, axis):
+    def stride(self, site: ShardSite, axis: int) -> int | BlockStride:
         for ws in _world_sizes(MAX_CHUNKS):
             lay, _ = self._layout(site, axis, ws)
             if lay is not None:
@@ -400,19 +432,19 @@ class MixerRule(ShardRule):
         other = getattr(self._other(site.mod), "stride", None)
         return other(site, axis) if other else 1
 
-    def replicas(self, site, axis, world_size):
+    def replicas(self, site: ShardSite, axis: int, world_size: int) -> int:
         if self._registered(site.mod, site.name):
             return 1
         other = getattr(self._other(site.mod), "replicas", None)
         return other(site, axis, world_size) if other else 1
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if not self._registered(mod, name):
             self._other(mod).apply(mod, name, axis, world_size, rank)
             return
         _fix_conv(mod, name, axis)
 
-    def apply_site(self, site, axis, world_size, rank):
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         lay, key = self._layout(site, axis, world_size)
         if lay is None:
             other = getattr(self._other(site.mod), "apply_site", None)

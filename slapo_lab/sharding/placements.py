@@ -41,15 +41,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from .shard_layout import block_replicas, block_sizes, merge_shards
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ShardLayout", "fsdp_dim_for", "layout_of", "replica_mesh"]
 
 _REPLICA_MESHES: dict[tuple[int, int], tuple[object, object]] = {}  # (id(mesh), r) -> (mesh, unflattened)
 
 
-def replica_mesh(mesh, replicas: int):
+def replica_mesh(mesh: DeviceMesh, replicas: int) -> DeviceMesh:
     """The ``(dp, tp)`` ``mesh`` with its last (``tp``) dimension unflattened to ``(tp / r, r)``: dimension 1
     runs over the key/value groups, dimension 2 over the ``r`` ranks sharing one key/value head (consecutive
     tensor-parallel ranks, as :meth:`~slapo_lab.sharding.sync_ops.TPGroup.replica_group`).
@@ -160,8 +170,6 @@ class ShardLayout:
     @property
     def tp_block_sizes(self) -> tuple[int, ...]:
         """The global sizes of the blocks stored back to back on ``tp_axis`` (one block when not strided)."""
-        from .rules import block_sizes
-
         if self.tp_axis is None:
             return ()
         return tuple(block_sizes(self.shape[self.tp_axis], self.tp_stride))
@@ -170,15 +178,11 @@ class ShardLayout:
     def uneven_blocks(self) -> bool:
         """Whether the strided blocks have unequal sizes or some are replicated (no DTensor placement describes
         the layout)."""
-        from .rules import block_replicas
-
         sizes = self.tp_block_sizes
         return len(set(sizes)) > 1 or max(block_replicas(self.tp_stride, len(sizes), self.tp), default=1) > 1
 
     def _tp_runs(self) -> list[tuple[int, int]]:
         """Global ``(start, length)`` runs on ``tp_axis`` held by this rank, in local order."""
-        from .rules import block_replicas
-
         runs, start = [], 0
         sizes = self.tp_block_sizes
         for size, r in zip(sizes, block_replicas(self.tp_stride, len(sizes), self.tp_parts), strict=True):
@@ -250,8 +254,9 @@ class ShardLayout:
         Raises:
             ValueError: for blocks of unequal sizes (:attr:`uneven_blocks`), which no placement describes.
         """
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.placement_types import _StridedShard
+        # DTensor's module costs ~1.5 s to import; only the views below need it
+        from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 - heavy (~1.5 s), views only
+        from torch.distributed.tensor.placement_types import _StridedShard  # noqa: PLC0415 - as above
 
         if self.tp_sharded and self.uneven_blocks:
             raise ValueError(
@@ -271,7 +276,7 @@ class ShardLayout:
             return dp_place, tp_place, Replicate()
         return dp_place, tp_place
 
-    def dtensor(self, local: torch.Tensor, mesh) -> torch.Tensor:
+    def dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """``local`` as a DTensor on the 2-D ``(dp, tp)`` ``mesh`` (a view sharing its storage).
 
         Args:
@@ -283,7 +288,7 @@ class ShardLayout:
         Raises:
             ValueError: if ``local`` does not have the local shape, or for unequal blocks (:meth:`placements`).
         """
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - heavy (~1.5 s), views only
 
         self._check_local(local)
         if self.tp_sharded and self.tp_replicas > 1:
@@ -293,7 +298,7 @@ class ShardLayout:
             local, mesh, self.placements(), run_check=False, shape=full.shape, stride=full.stride()
         )
 
-    def norm_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
+    def norm_view(self, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """``local`` as a DTensor for reductions that do not depend on where each element lies (norms): the
         :meth:`dtensor` view, or, for unequal blocks (Phi-3's grouped q/k/v), a plain ``Shard(tp_axis)`` view.
         Every element of the full tensor is there exactly once (each rank holds its share of every block), in
@@ -302,7 +307,7 @@ class ShardLayout:
         Raises:
             ValueError: if ``local`` does not have the local shape.
         """
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415 - heavy (~1.5 s)
 
         if not (self.tp_sharded and self.uneven_blocks):
             return self.dtensor(local, mesh)
@@ -318,22 +323,20 @@ class ShardLayout:
             stride=full.stride(),
         )
 
-    def full_tensor(self, local: torch.Tensor, mesh) -> torch.Tensor:
+    def full_tensor(self, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """The whole tensor, gathered from every rank (a collective: every rank calls it), in the model's own
         layout; unequal blocks are put back in order with :func:`slapo_lab.sharding.rules.merge_shards`.
 
         Raises:
             ValueError: if ``local`` does not have the local shape.
         """
-        from .rules import merge_shards
-
         plain = self.norm_view(local, mesh).full_tensor()
         if not (self.tp_sharded and self.uneven_blocks):
             return plain
         parts = list(plain.chunk(self.tp, dim=self.tp_axis))
         return merge_shards(parts, self.tp_axis, self.tp_stride)
 
-    def checkpoint_view(self, local: torch.Tensor, mesh) -> torch.Tensor:
+    def checkpoint_view(self, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """``local`` as ``torch.distributed.checkpoint`` reads and writes it: :meth:`dtensor`, or for a
         strided layout a ``ShardedTensor`` with one local shard (a view of ``local``) per block.
 
@@ -344,10 +347,6 @@ class ShardLayout:
         if len(blocks) == 1:
             return self.dtensor(local, mesh)
         self._check_local(local)
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
         # The global description tiles the tensor once: the blocks of every (dp, tp) coordinate of this layout
         # (dp only where FSDP splits; data-parallel replicas hold copies, described at this rank's own dp
         # coordinate), each placed on the rank at that coordinate. No communication.
@@ -366,7 +365,7 @@ class ShardLayout:
                     md = ShardMetadata(list(offs), list(szs), where)
                     metas.append(md)
                     if (d, t) == (self.dp_rank, self.tp_rank):
-                        mine.append(Shard(local[index], md))
+                        mine.append(LocalShard(local[index], md))
         props = TensorProperties(
             dtype=local.dtype,
             layout=torch.strided,

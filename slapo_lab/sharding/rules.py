@@ -95,7 +95,7 @@ class ShardRule:
     def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         """Like :meth:`check` with the parent in view; the reason is shown after "across N ranks: "."""
 
-    def stride(self, site: ShardSite, axis: int) -> int:
+    def stride(self, site: ShardSite, axis: int) -> int | BlockStride:
         """How many equal blocks the tensor stores back to back along ``axis``, or a :class:`BlockStride` of
         unequal ones (see :func:`local_shard`)."""
         return 1
@@ -178,7 +178,7 @@ class DenseRule(ShardRule):
             return "out"
         return "in" if name == "weight" and axis == self.in_axis else None
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         meta = module_meta(mod)
         if name == "bias":
             if axis != 0:
@@ -195,21 +195,21 @@ class DenseRule(ShardRule):
             )
         return None
 
-    def check_site(self, site, axis, world_size):
+    def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         side = self._side(site.name, axis)
         reason = heads_reason(site, side, world_size)
         if reason is None and splits_heads(site, side):
             reason = local_heads_reason(site, world_size)
         return reason
 
-    def stride(self, site, axis):
+    def stride(self, site: ShardSite, axis: int) -> int | BlockStride:
         """A column-parallel shard of a fused projection (:func:`fused_layout`) is strided by its blocks."""
         if self._side(site.name, axis) != "out":
             return 1
         lay = fused_layout(site)
         return lay.stride if lay is not None and lay.refusal is None else 1
 
-    def replicas(self, site, axis, world_size):
+    def replicas(self, site: ShardSite, axis: int, world_size: int) -> int:
         """A separate key or value projection's output features with fewer key/value heads than ranks: each
         rank holds one whole key/value head, shared by :func:`kv_replicas` ranks."""
         if world_size == 1 or self._side(site.name, axis) != "out" or attention_role(site) not in ("k", "v"):
@@ -217,17 +217,19 @@ class DenseRule(ShardRule):
         n, kv = attention_heads(site.parent)
         return kv_replicas(n, kv, world_size)
 
-    def apply_site(self, site, axis, world_size, rank):
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         """A q/k/v (or output) projection split by heads: the parent's head attributes become per rank."""
         if splits_heads(site, self._side(site.name, axis)):
             localise_parent_heads(site, world_size, rank)
         _feature_inputs.install(site, self._side(site.name, axis), world_size, rank)
 
-    def set_features(self, mod, out_features: int | None = None, in_features: int | None = None) -> None:
+    def set_features(
+        self, mod: nn.Module, out_features: int | None = None, in_features: int | None = None
+    ) -> None:
         """Keep the module's own feature-count attributes equal to its (sharded) weight."""
         raise NotImplementedError
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if name != "weight":
             return
         if axis == self.out_axis:
@@ -247,10 +249,12 @@ class LinearRule(DenseRule):
     out_axis = 0
     row_forward = staticmethod(_row_parallel_linear)
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Linear)
 
-    def set_features(self, mod, out_features=None, in_features=None):
+    def set_features(
+        self, mod: nn.Module, out_features: int | None = None, in_features: int | None = None
+    ) -> None:
         if out_features is not None:
             mod.out_features = out_features
         if in_features is not None:
@@ -272,16 +276,18 @@ class Conv1DRule(DenseRule):
     out_axis = 1
     row_forward = staticmethod(_row_parallel_conv1d)
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
 
-    def set_features(self, mod, out_features=None, in_features=None):
+    def set_features(
+        self, mod: nn.Module, out_features: int | None = None, in_features: int | None = None
+    ) -> None:
         if out_features is not None:
             mod.nf = out_features
         if in_features is not None and hasattr(mod, "nx"):
             mod.nx = in_features
 
-    def apply_site(self, site, axis, world_size, rank):
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         super().apply_site(site, axis, world_size, rank)
         # the stride was decided (and recorded on the new weight) before apply() changed ``nf``
         blocks = getattr(site.mod.weight, "shard_stride", 1) if site.name == "weight" and axis == 1 else 1
@@ -312,10 +318,10 @@ class EmbeddingRule(ShardRule):
     rank as when its q/k/v are split (:mod:`slapo_lab.sharding.heads`).
     """
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Embedding)
 
-    def check_site(self, site, axis, world_size):
+    def check_site(self, site: ShardSite, axis: int, world_size: int) -> str | None:
         if world_size == 1 or not is_head_table(site, axis):
             return None
         n = attention_heads(site.parent)[0]
@@ -323,11 +329,11 @@ class EmbeddingRule(ShardRule):
             return f"the {n} attention heads do not divide by {world_size}"
         return local_heads_reason(site, world_size)
 
-    def apply_site(self, site, axis, world_size, rank):
+    def apply_site(self, site: ShardSite, axis: int, world_size: int, rank: int) -> None:
         if is_head_table(site, axis):
             localise_parent_heads(site, world_size, rank)
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if axis == 0:
             meta = module_meta(mod)
             meta.vocab_start = rank * mod.weight.shape[0]
@@ -346,10 +352,10 @@ class EmbeddingRule(ShardRule):
 class Conv2dRule(ShardRule):
     """``nn.Conv2d`` (weight ``(out, in, kh, kw)``): axis 0 = output channels, axis 1 = input channels."""
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Conv2d)
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         if name == "weight" and axis > 1:
             return "only the channel axes 0 (output) and 1 (input) of a Conv2d weight can be sharded"
         if name == "bias" and module_meta(mod).sharded.get("weight") == 1:
@@ -358,7 +364,7 @@ class Conv2dRule(ShardRule):
             return "grouped convolutions cannot be sharded by channel"
         return None
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         if name != "weight":
             return
         if axis == 0:
@@ -374,10 +380,10 @@ class Conv2dRule(ShardRule):
 class BatchNormRule(ShardRule):
     """``nn.BatchNorm2d``: per-channel statistics, so channel sharding is exact (input split on axis 1)."""
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.modules.batchnorm._BatchNorm)
 
-    def apply(self, mod, name, axis, world_size, rank):
+    def apply(self, mod: nn.Module, name: str, axis: int, world_size: int, rank: int) -> None:
         t = getattr(mod, name)
         if t is not None and t.dim() == 1:
             mod.num_features = t.shape[0]
@@ -387,11 +393,11 @@ class BatchNormRule(ShardRule):
 class NormRule(ShardRule):
     """LayerNorm / RMSNorm: statistics span the whole normalised dimension, so sharding is refused."""
 
-    def matches(self, mod):
+    def matches(self, mod: nn.Module) -> bool:
         name = type(mod).__name__
         return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or (name.endswith(("LayerNorm", "RMSNorm")))
 
-    def check(self, mod, name, axis):
+    def check(self, mod: nn.Module, name: str, axis: int) -> str | None:
         t = getattr(mod, name, None)
         shape = getattr(mod, "normalized_shape", None)
         per_head = (

@@ -23,7 +23,15 @@ heads' relative-position features.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+from .infer_maps import _common_parent, _head_sets, _Info, _linear_maps
+
+if TYPE_CHECKING:
+    from .infer_recorder import _Recorder
 
 __all__ = ["is_term", "note_roles", "param_matmul", "run_strides", "unknown_index"]
 
@@ -36,14 +44,19 @@ def is_term(maps: dict) -> bool:
     return any(p.startswith(("param:", "input:")) or not p.startswith(_NOT_LINEAR) for p in maps)
 
 
-def param_matmul(rec, mm: tuple, a, b, out, src) -> bool:
+def param_matmul(
+    rec: _Recorder,
+    mm: tuple[torch.Tensor, torch.Tensor],
+    a: _Info | None,
+    b: _Info | None,
+    out: Any,
+    src: frozenset[str],
+) -> bool:
     """``x @ W`` with ``x`` a linear's output and ``W`` a 2-D parameter (Inkling's ``InklingRelativeLogits``:
     ``relative_states (B, T, heads, d_rel) @ proj (d_rel, extent)``): each output element mixes the features of
     its own row of ``x``, every other axis (the heads among them) kept, so it takes the map of the row's first
     feature (enough for the heads a value reaches; :func:`note_roles` completes the features), for the linear and
     for any parameter applied to ``x`` before. True when handled."""
-    from .infer import _Info, _linear_maps
-
     x, w = mm
     if a is None or b is None or a.scores is not None or not _linear_maps(a) or _linear_maps(b):
         return False
@@ -60,7 +73,7 @@ def param_matmul(rec, mm: tuple, a, b, out, src) -> bool:
     return True
 
 
-def unknown_index(func, index: torch.Tensor) -> torch.Tensor:
+def unknown_index(func: Callable[..., Any], index: torch.Tensor) -> torch.Tensor:
     """The index a map follows for an index made on the meta device, which has no values (ProphetNet's
     relative-position buckets come from position ids the meta forward computes): for ``gather`` /
     ``take_along_dim`` zeros, so each output element stands for one element of its own row along the gathered
@@ -106,8 +119,6 @@ def note_roles(
         scores of several heads (ProphetNet's predict stream gathers its relative-position rows in another
         order than it reads them back, so head h's scores get other heads' terms): the linear then joins
         ``roles`` so the refusal keeps it whole with the attention; None otherwise."""
-    from .infer import _common_parent, _head_sets
-
     # the attention module the event's own q / k / v belong to: a term another attention's scores left behind
     # (an extra noted after that attention's last event) is not this one's
     base = _common_parent([r.rpartition(".")[0] for r in roles if r in dense])

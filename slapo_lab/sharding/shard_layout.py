@@ -13,6 +13,7 @@ these names.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ class BlockStride(int):
     __str__ = __repr__
 
 
-def make_stride(sizes) -> int:
+def make_stride(sizes: Iterable[int]) -> int:
     """The ``shard_stride`` of a tensor storing blocks of ``sizes`` back to back: ``len(sizes)`` when they are
     equal (a plain int), else a :class:`BlockStride`."""
     sizes = [int(s) for s in sizes]
@@ -86,7 +87,7 @@ def make_stride(sizes) -> int:
     return len(sizes) if len(set(sizes)) == 1 else BlockStride(sizes)
 
 
-def block_sizes(n: int, stride) -> list[int]:
+def block_sizes(n: int, stride: int | Sequence[int]) -> list[int]:
     """The global sizes of the blocks a tensor of ``n`` features along its shard axis stores back to back.
 
     ``stride``: an int (that many equal blocks), a :class:`BlockStride`, or a sequence of block sizes
@@ -108,12 +109,12 @@ def block_sizes(n: int, stride) -> list[int]:
     return list(sizes)
 
 
-def stride_key(stride) -> tuple:
+def stride_key(stride: int) -> tuple[int, tuple[int, ...] | None, tuple[int, ...] | None]:
     """A hashable key that tells strides apart by their blocks (``3`` and ``BlockStride(4, 2, 2)`` differ)."""
     return (int(stride), getattr(stride, "sizes", None), getattr(stride, "groups", None))
 
 
-def block_replicas(stride, blocks: int, world_size: int) -> tuple[int, ...]:
+def block_replicas(stride: int, blocks: int, world_size: int) -> tuple[int, ...]:
     """On how many consecutive ranks each of a stride's ``blocks`` blocks is shared over ``world_size`` ranks:
     1, but ``world_size / g`` for a block of a :class:`BlockStride` holding ``g`` key/value head groups, fewer
     than the ranks.
@@ -133,7 +134,7 @@ def block_replicas(stride, blocks: int, world_size: int) -> tuple[int, ...]:
 
 
 def local_shard(
-    t: torch.Tensor, axis: int, world_size: int, rank: int, stride=1, replicas: int = 1
+    t: torch.Tensor, axis: int, world_size: int, rank: int, stride: int | Sequence[int] = 1, replicas: int = 1
 ) -> torch.Tensor:
     """This rank's shard of ``t`` along ``axis`` (a view for a plain or an equal-block stride).
 
@@ -170,7 +171,9 @@ def local_shard(
     )
 
 
-def merge_shards(parts: list[torch.Tensor], axis: int, stride=1, replicas: int = 1) -> torch.Tensor:
+def merge_shards(
+    parts: list[torch.Tensor], axis: int, stride: int | Sequence[int] = 1, replicas: int = 1
+) -> torch.Tensor:
     """Inverse of :func:`local_shard`: the full tensor from every rank's shard, in rank order.
 
     ``stride``: as for :func:`local_shard` (a :class:`BlockStride` or a sequence holds the *global* block
