@@ -373,15 +373,15 @@ def _collective_worker(
 
 def collective_times(
     sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5, host: tuple | None = None
-) -> tuple[dict[int, float], float] | tuple[dict[int, float], float, dict]:
+) -> tuple[dict[int, float], float, dict | None]:
     """Seconds (the fastest of ``repeats``) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
     (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``, one thread each), for each ``n`` in ``sizes`` (and under
     the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the
     fraction of the largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none,
     1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1. The processes
     run on the caller's ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of
-    :func:`host_rates`), every process first measures :func:`host_rates` at the same time, and a third item is
-    returned: the slowest rank's figures (:func:`_slowest`)."""
+    :func:`host_rates`), every process first measures :func:`host_rates` at the same time, and the third item
+    returned is the slowest rank's figures (:func:`_slowest`; None without ``host``)."""
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -407,9 +407,7 @@ def collective_times(
         kind, _rank, value = queue.get()
         got[kind].append(value)
     times, overlap = got["links"][0]
-    if host is None:
-        return times, overlap
-    return times, overlap, _slowest(got["host"])
+    return times, overlap, (_slowest(got["host"]) if host is not None else None)
 
 
 def op_overhead(device=None, n: int = 2000) -> float:
@@ -495,9 +493,10 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     sizes = (256, 512, 1024, 2048) if quick else (256, 512, 1024, 2048, 4096)
     if cuda:
         rates = host_rates(sizes, device)
-        times, overlap = collective_times()
+        times, overlap, _ = collective_times()
     else:  # a CPU's ranks share it: each rank's figures measured while the others run too
-        times, overlap, rates = collective_times(host=sizes)
+        times, overlap, shared = collective_times(host=sizes)
+        rates = shared or {}
     by_size = rates["by_size"]
     best = max(by_size.values())
     fp32, bf16 = (rates["other"], best) if cuda else (best, rates["other"])
