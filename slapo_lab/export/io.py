@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch import nn
 
 from .. import __version__
-from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
+from ..record import SCHEMA, SCHEMA_VERSION, Call, Recorder, dumps, gc_paused
 from ..spec import (
     ExportError,
     check_factory,
@@ -56,8 +57,8 @@ class ScheduleFile(NamedTuple):
 
 
 def save_schedule(
-    path,
-    calls,
+    path: str | os.PathLike,
+    calls: Sequence[Call] | Recorder,
     model: nn.Module | None = None,
     example_inputs: dict | None = None,
     world_size: int | None = None,
@@ -121,7 +122,7 @@ def _reject_constant(name: str):
 
 
 @gc_paused()  # parsed JSON and Call objects hold no cycles: collecting meanwhile only re-scans them
-def load_schedule(path) -> ScheduleFile:
+def load_schedule(path: str | os.PathLike) -> ScheduleFile:
     """Read and fully validate a schedule file written by :func:`save_schedule`.
 
     A file is bounded: one larger than :data:`MAX_SCHEDULE_BYTES` (32 MiB) is refused before it is

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..spec import transformers_class
 from .lifeline import check
@@ -73,8 +75,8 @@ class Checkpointer:
         folder: str | os.PathLike,
         modules: list[tuple[nn.Module, dict[int, tuple]]],
         optimizer: torch.optim.Optimizer | None,
-        scheduler,
-        mesh,
+        scheduler: LRScheduler | None,
+        mesh: DeviceMesh,
         layout_key: str,
         keep: int = 0,
         run_info: dict | None = None,
@@ -232,7 +234,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def save_hf(
     folder: str | os.PathLike,
     tensors: dict[str, tuple[torch.Tensor, Any]],
-    mesh,
+    mesh: DeviceMesh,
     dtype: torch.dtype,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:

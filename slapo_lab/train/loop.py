@@ -52,7 +52,7 @@ from .losses import (
 )
 from .parallel import LayoutError
 from .phases import say_phase
-from .preflight import failed, preflight, speaks_errors
+from .preflight import Checked, failed, preflight, speaks_errors
 from .process import RunError, backend, device_of, init_process_group
 from .run import Run, TorchStepper
 
@@ -91,7 +91,7 @@ def main(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
-    checked=None,
+    checked: Checked | None = None,
 ) -> int:
     """Train the model of an exported script; the one call an exported script makes.
 

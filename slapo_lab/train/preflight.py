@@ -140,7 +140,7 @@ def example_sizes(spec: dict) -> tuple[int | None, int | None]:
     return batch, seq
 
 
-def data_files(path) -> list[Path]:
+def data_files(path: str | os.PathLike) -> list[Path]:
     """The files ``--data path`` names: the file itself, or a directory's top-level ``.txt`` / ``.jsonl`` /
     ``.parquet`` files in sorted order (hidden files and other extensions skipped).
 
@@ -171,7 +171,7 @@ def data_files(path) -> list[Path]:
     return [p]
 
 
-def has_tokenizer(folder) -> bool:
+def has_tokenizer(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a vocabulary ``AutoTokenizer.from_pretrained`` can build a tokenizer from
     (``tokenizer.json``, ``vocab.json`` / ``vocab.txt``, a sentencepiece or tiktoken model)."""
     try:
@@ -181,7 +181,7 @@ def has_tokenizer(folder) -> bool:
     return any(n in _TOKENIZER_FILES or n.endswith(_TOKENIZER_SUFFIXES) for n in names)
 
 
-def read_model_config(spec: dict, model_path) -> dict | None:
+def read_model_config(spec: dict, model_path: str | os.PathLike | None) -> dict | None:
     """The model's config as a dict: ``config.json`` of ``model_path`` when given, else the script's spec
     (None for a factory-built model).
 
@@ -250,7 +250,7 @@ def position_limit(config: dict | None) -> tuple[str, int] | None:
     return min(nested, key=lambda kv: kv[1]) if nested else None
 
 
-def weights_fingerprint(model_path) -> dict | None:
+def weights_fingerprint(model_path: str | os.PathLike | None) -> dict | None:
     """A cheap identity of a Hugging Face directory's weights: the ``*.safetensors`` names and byte sizes and
     the SHA-256 of ``model.safetensors.index.json`` (no tensor is read). None without a model path."""
     if model_path is None:
@@ -298,12 +298,12 @@ def layout_problem(
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def step_dir(folder, step: int) -> Path:
+def step_dir(folder: str | os.PathLike, step: int) -> Path:
     """``<folder>/step-<step, 8 digits>``."""
     return Path(folder) / f"step-{step:08d}"
 
 
-def latest_checkpoint(folder) -> tuple[int, Path] | None:
+def latest_checkpoint(folder: str | os.PathLike | None) -> tuple[int, Path] | None:
     """The newest complete checkpoint in ``folder`` as ``(step, path)``, or None.
 
     Complete means: named ``step-NNNNNNNN`` (not ``.partial``) and holding DCP's ``.metadata``.
@@ -320,7 +320,7 @@ def latest_checkpoint(folder) -> tuple[int, Path] | None:
     return best
 
 
-def read_run_info(path) -> dict:
+def read_run_info(path: str | os.PathLike) -> dict:
     """A checkpoint's ``run.json`` as a dict ({} when it is missing or unreadable: a checkpoint of an older run)."""
     try:
         info = json.loads((Path(path) / RUN_INFO).read_text(encoding="utf-8"))
@@ -512,7 +512,7 @@ def preflight(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
-    **_ignored,
+    **_ignored: Any,
 ) -> Checked | int:
     """Parse the command line of an exported script and run the checks; the arguments of
     :func:`slapo_lab.train.main`.
