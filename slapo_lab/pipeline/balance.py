@@ -25,10 +25,20 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..blocks import find_blocks
-from ..call_order import _split_inputs, _strip_schedule, dummy_inputs
+from ..call_order import (
+    _INPUTS_KEY,
+    _OpCounter,
+    _split_inputs,
+    _strip_schedule,
+    cached_call_order,
+    dummy_inputs,
+    record_call_order,
+)
 from ..errors import ScheduleError
+from ..utils import meta_copy, to_meta
 
 BY = ("params", "flops", "time")
 
@@ -61,8 +71,6 @@ def block_stacks(sch) -> tuple[str, list[str]]:
     Raises:
         ScheduleError: the model has fewer than two repeated blocks.
     """
-    from ..call_order import cached_call_order
-
     top = sch.get_top_schedule()
     blocks = find_blocks(top)
     if len(blocks) < 2:
@@ -114,15 +122,11 @@ def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[i
 
 def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats: int) -> list[float]:
     """Cost of [before the first block, block 0, ..., block n-1, after the last block]."""
-    from ..utils import meta_copy, to_meta
-
     args, kwargs = _split_inputs(inputs)
     n = len(blocks)
     if by == "params":
         return _param_costs(model, blocks, args, kwargs)
     if by == "flops":
-        from torch.utils.flop_counter import FlopCounterMode
-
         copy = meta_copy(model)
         _strip_schedule(copy)
         counter = FlopCounterMode(display=False)
@@ -140,8 +144,6 @@ def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats
                     lambda mod, a, o, i=i: marks.append((2 * i + 1, counter.get_total_flops()))
                 )
             )
-        from ..call_order import _OpCounter
-
         with torch.no_grad(), _OpCounter(), counter:
             copy(*to_meta(args), **to_meta(kwargs))
         total = counter.get_total_flops()
@@ -198,8 +200,6 @@ def _from_marks(marks, n: int, total: float) -> list[float]:
 
 
 def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[float]:
-    from ..call_order import record_call_order
-
     n = len(blocks)
     order = record_call_order(model, args=args, kwargs=kwargs)
     block_ids = {b: i for i, b in enumerate(blocks)}
@@ -290,8 +290,6 @@ def suggest_cuts(
         )
     inputs = example_inputs
     if inputs is None:
-        from ..call_order import _INPUTS_KEY
-
         inputs = top._top.extra.get(_INPUTS_KEY)
     if inputs is None:
         inputs = dummy_inputs(model)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..call_order import _split_inputs, check_cuts, record_call_order, stage_ops
 from ..errors import ScheduleError
+from ..module_state import peek_meta
+from ..random import checkpoint as _ckpt
+from ..verify import flatten_outputs
 from ._collectives import exportable_sync_ops
 from .coupling import batchnorm_single_value, coupling_refusal, single_value_refusal
 
@@ -49,8 +53,6 @@ def _torch_internal_deprecations():
     module: its ``_IR.pipe_split`` deep-copies an fx codegen holding a ``LeafSpec``, whose construction torch 2.13
     deprecates ("``isinstance(treespec, LeafSpec)`` is deprecated"); nothing a user can change, printed once
     per rank otherwise."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning
@@ -69,8 +71,6 @@ def default_output_fn(out: Any) -> torch.Tensor:
     Raises:
         ScheduleError: if the output holds no floating-point tensor.
     """
-    from ..verify import flatten_outputs
-
     items = flatten_outputs(out)
     if not items:
         raise ScheduleError(
@@ -184,7 +184,7 @@ class PipelinePartition:
 
 @contextlib.contextmanager
 def _split_hooks(root: nn.Module, cuts: list[str]):
-    from torch.distributed.pipelining import pipe_split
+    from torch.distributed.pipelining import pipe_split  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a run that splits loads it
 
     handles = []
 
@@ -604,8 +604,6 @@ def _checkpointed_class(base: type) -> type:
 
         def forward(self, *args, **kwargs):
             if torch.is_grad_enabled():
-                from ..random import checkpoint as _ckpt
-
                 return _ckpt(base.forward, self, *args, **kwargs)
             return base.forward(self, *args, **kwargs)
 
@@ -621,8 +619,6 @@ def _checkpointed_class(base: type) -> type:
 
 def _checkpointed_paths(model: nn.Module) -> list[str]:
     """Paths of the submodules of ``model`` that the ``checkpoint`` primitive marked."""
-    from ..module_state import peek_meta
-
     out = []
     for qn, m in model.named_modules():
         meta = peek_meta(m)
@@ -794,7 +790,7 @@ def partition_pipeline(
             one value per channel; ``torch.export`` failing on the model; a stage count that differs from
             the cuts.
     """
-    from torch.distributed.pipelining import pipeline
+    from torch.distributed.pipelining import pipeline  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a run that splits loads it
 
     sch = sch.get_top_schedule()
     cuts = list(sch.metadata.primitives["cut_pipeline_stage"])

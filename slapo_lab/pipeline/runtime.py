@@ -19,14 +19,16 @@ Runtimes (the ``target``):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from ..errors import ScheduleError
+from .deepspeed_runtime import _dry_run_codecs, build_deepspeed, deepspeed_eval_step, deepspeed_train_step
 from .partition import PipelinePartition, partition_pipeline
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -174,8 +176,6 @@ class PipelineModel:
             float: the mean of the micro-batch losses, the same on every rank of the pipeline.
         """
         if self.target == "deepspeed":
-            from .deepspeed_runtime import deepspeed_train_step
-
             return deepspeed_train_step(self, args, kwargs, target)
         for m in self.stage_modules:
             m.train()
@@ -200,8 +200,6 @@ class PipelineModel:
         """Run one full batch forward only (``schedule.eval``, dropout off) and return the mean micro-batch
         loss, the same on every rank of the pipeline (torch target)."""
         if self.target == "deepspeed":
-            from .deepspeed_runtime import deepspeed_eval_step
-
             return deepspeed_eval_step(self, args, kwargs, target)
         for m in self.stage_modules:
             m.eval()
@@ -257,8 +255,6 @@ def deepspeed_from(
     Raises:
         ScheduleError: as :func:`build_pipeline` for DeepSpeed, or ``pm`` was not built for it.
     """
-    from .deepspeed_runtime import build_deepspeed
-
     codecs = getattr(pm.partition, "ds_codecs", None)
     if codecs is None:
         raise ScheduleError(
@@ -278,15 +274,11 @@ def deepspeed_from(
 
 def _graph_modules(module: nn.Module):
     """The modules of ``module`` that run an fx graph: GraphModules, and torch.export's InterpreterModules."""
-    from torch import fx
-
     return [m for m in module.modules() if isinstance(getattr(m, "graph", None), fx.Graph)]
 
 
 def _recompile(gm: nn.Module) -> None:
     """Regenerate the code of a module whose graph changed (an InterpreterModule runs its ``graph_module``)."""
-    from torch import fx
-
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
     elif isinstance(getattr(gm, "graph_module", None), fx.GraphModule):
@@ -331,8 +323,6 @@ def _retarget_devices(module: nn.Module, device: torch.device) -> None:
     """Rewrite the ``meta`` device constants ``torch.export`` baked into a stage's graphs (``x.to(x.device)``
     in rotary embeddings ...) when it traced the model on the meta device, so the stage runs on ``device``
     (the rule of ``torch.export.passes.move_to_device_pass``, applied to the split graph modules)."""
-    from torch import fx
-
     meta = torch.device("meta")
 
     def swap(a):
@@ -375,8 +365,6 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
     """Make ``module``'s forward run under bf16 autocast and return its floating outputs in float32 (the
     dtype the stages were traced with, which the receiving stage's buffers expect). Setting the module's
     ``autocast_bf16`` attribute to False turns it off (Verify runs in float32)."""
-    import types
-
     inner = module.forward
     module.autocast_bf16 = True
 
@@ -508,14 +496,10 @@ def build_pipeline(
     partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
     stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
     codecs = None
-    if (
-        target == "deepspeed" or deepspeed_later
-    ):  # how values travel between DeepSpeed stages: one micro-batch
-        from .deepspeed_runtime import (
-            _dry_run_codecs,  # through every stage, while they are all alike (all meta,
-        )
-
-        codecs = partition.ds_codecs = _dry_run_codecs(partition)  # or all real)
+    if target == "deepspeed" or deepspeed_later:
+        # how values travel between DeepSpeed stages: one micro-batch through every stage, while they are all
+        # alike (all meta, or all real)
+        codecs = partition.ds_codecs = _dry_run_codecs(partition)
     if prepare_stages is not None:
         prepare_stages(partition, stage_ids)
         for i in stage_ids:
@@ -525,8 +509,6 @@ def build_pipeline(
             _autocast_forward(partition.stage_module(i), torch.device(device).type)
     pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
     if target == "deepspeed":
-        from .deepspeed_runtime import build_deepspeed
-
         build_deepspeed(
             pm,
             loss_fn,
@@ -538,7 +520,11 @@ def build_pipeline(
             lr_scheduler=lr_scheduler,
         )
         return pm
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a pipeline run loads it
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     dev = torch.device(device)
     if pp == 1:
@@ -546,7 +532,7 @@ def build_pipeline(
         # Pipe.build_stage warm up by sending to their neighbour's rank, i.e. to themselves, which gloo
         # refuses ("Pair is not connected"); PipelineStage passes values between stages of one rank
         # in memory and infers their shapes from the first micro-batch.
-        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import PipelineStage  # noqa: PLC0415 - 2.5 s to import: only a pipeline run loads it
 
         pm.stages = [
             PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pp_group)
