@@ -91,25 +91,8 @@ def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[i
     ``allowed[i]``: a cut may follow item ``i``. Returns the indices of the items that end groups 0..k-2.
     """
     n = len(costs)
-    pre = [0.0]
-    for c in costs:
-        pre.append(pre[-1] + c)
-    inf = float("inf")
-    # best[j][i]: minimal max cost splitting the first i items into j groups; arg for reconstruction
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    arg = [[-1] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(1, n + 1):
-            for m in range(j - 1, i):
-                if m > 0 and not allowed[m - 1]:
-                    continue
-                if best[j - 1][m] == inf:
-                    continue
-                v = max(best[j - 1][m], pre[i] - pre[m])
-                if v < best[j][i] or (v == best[j][i] and arg[j][i] != -1 and m > arg[j][i]):
-                    best[j][i], arg[j][i] = v, m
-    if best[k][n] == inf:
+    best, arg = _partition_table(costs, k, allowed)
+    if best[k][n] == float("inf"):
         raise ScheduleError(f"Cannot place {k - 1} cuts between the blocks.")
     cuts, i = [], n
     for j in range(k, 0, -1):
@@ -118,6 +101,30 @@ def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[i
             cuts.append(m - 1)
         i = m
     return sorted(cuts)
+
+
+def _partition_table(
+    costs: list[float], k: int, allowed: list[bool]
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The dynamic program of :func:`_linear_partition`: ``best[j][i]``, the minimal largest group cost of the
+    first ``i`` items in ``j`` groups, and ``arg[j][i]``, where its last group starts (the latest on ties)."""
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    arg = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(1, n + 1):
+            for m in range(j - 1, i):
+                if (m > 0 and not allowed[m - 1]) or best[j - 1][m] == inf:
+                    continue
+                v = max(best[j - 1][m], pre[i] - pre[m])
+                if v < best[j][i] or (v == best[j][i] and arg[j][i] != -1 and m > arg[j][i]):
+                    best[j][i], arg[j][i] = v, m
+    return best, arg
 
 
 def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats: int) -> list[float]:
@@ -205,29 +212,10 @@ def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[floa
     block_ids = {b: i for i, b in enumerate(blocks)}
     costs = [0.0] * (n + 2)
     if not order.ok:  # fall back on definition order: everything before the list = first stage
-        names = [nm for nm, _ in model.named_modules()]
-        first = names.index(blocks[0])
-        last_block_end = max(
-            i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks)
-        )
-        where = {}
-        for i, nm in enumerate(names):
-            where[nm] = 0 if i < first else (n + 1 if i > last_block_end else None)
-        for bi, b in enumerate(blocks):
-            costs[bi + 1] = float(sum(p.numel() for p in model.get_submodule(b).parameters()))
-        counted = set()
-        for nm, m in model.named_modules():
-            seg = where.get(nm)
-            if seg is None:
-                continue
-            for p in m.parameters(recurse=False):
-                if (seg, id(p)) not in counted:
-                    counted.add((seg, id(p)))
-                    costs[seg] += p.numel()
-        return costs
+        return _param_costs_by_definition(model, blocks)
     b_enter = [order.calls[b][0][0] for b in blocks]
     b_exit = [order.calls[b][-1][1] for b in blocks]
-    counted = set()
+    counted: set[tuple[int, int]] = set()
     for nm, m in model.named_modules(remove_duplicate=False):
         own = list(m.parameters(recurse=False))
         if not own or nm not in order.calls:
@@ -243,11 +231,39 @@ def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[floa
                 seg = n + 1
             else:
                 seg = next(i + 1 for i in range(n) if s < b_exit[i])
-        for p in own:
-            if (seg, id(p)) not in counted:
-                counted.add((seg, id(p)))
-                costs[seg] += p.numel()
+        _add_params(costs, counted, seg, own)
     return costs
+
+
+def _param_costs_by_definition(model: nn.Module, blocks: list[str]) -> list[float]:
+    """:func:`_param_costs` where the call order is unknown: a module defined before the first block costs in
+    the first segment, one defined after the last block in the last, each block its parameters."""
+    n = len(blocks)
+    costs = [0.0] * (n + 2)
+    names = [nm for nm, _ in model.named_modules()]
+    first = names.index(blocks[0])
+    last_block_end = max(
+        i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks)
+    )
+    where = {}
+    for i, nm in enumerate(names):
+        where[nm] = 0 if i < first else (n + 1 if i > last_block_end else None)
+    for bi, b in enumerate(blocks):
+        costs[bi + 1] = float(sum(p.numel() for p in model.get_submodule(b).parameters()))
+    counted: set[tuple[int, int]] = set()
+    for nm, m in model.named_modules():
+        seg = where.get(nm)
+        if seg is not None:
+            _add_params(costs, counted, seg, m.parameters(recurse=False))
+    return costs
+
+
+def _add_params(costs: list[float], counted: set[tuple[int, int]], seg: int, params) -> None:
+    """Add the element counts of ``params`` to ``costs[seg]``, each parameter once per segment."""
+    for p in params:
+        if (seg, id(p)) not in counted:
+            counted.add((seg, id(p)))
+            costs[seg] += p.numel()
 
 
 def suggest_cuts(
