@@ -447,47 +447,9 @@ def check(cfg: TrainConfig, *, spec: dict, tp: int, stages: int, launcher: str, 
     problem = layout_problem(tp, stages, world, cfg.parallel.dp, cfg.parallel.stages_per_rank, hint)
     if problem:
         raise PreflightError(problem)
-    model_path, data, eval_data = cfg.model.model_path, cfg.data.data, cfg.eval.eval_data
-    config = read_model_config(spec, model_path)
-    text = data != "synthetic" or eval_data
-    for option, path in (
-        ("--data", data if data != "synthetic" else None),
-        ("--eval-data", eval_data),
-    ):
-        if path is None:
-            continue
-        try:
-            data_files(path)
-        except DataError as err:
-            raise PreflightError(str(err).replace("pass --data", f"pass {option}")) from None
-    if text:
-        tok = cfg.model.tokenizer_dir
-        if tok is None:
-            raise PreflightError(
-                f"{'--data' if data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
-                "DIR (or a --model-path with tokenizer files)."
-            )
-        if not Path(tok).is_dir():
-            raise PreflightError(
-                f"The tokenizer directory {tok} does not exist; pass --tokenizer a directory written by "
-                "tokenizer.save_pretrained(DIR)."
-            )
-        if not has_tokenizer(tok):
-            where = "model directory" if tok == model_path else "tokenizer directory"
-            raise PreflightError(
-                f"The {where} {tok} holds no tokenizer files (tokenizer.json, vocab.json, vocab.txt or a "
-                "sentencepiece model); pass --tokenizer DIR, a directory written by tokenizer.save_pretrained(DIR)."
-            )
-    limit = position_limit(config)
-    if limit is not None:
-        key, most = limit
-        for option, n in (("seq_len", cfg.data.seq_len), ("verify_seq_len", cfg.verify.verify_seq_len)):
-            if n is not None and n > most:
-                where = f"{model_path}/config.json" if model_path else "the model's config"
-                raise PreflightError(
-                    f"--{option.replace('_', '-')} {n} is longer than the {most} positions the model embeds "
-                    f"({key} in {where}); use --{option.replace('_', '-')} {most} or less."
-                )
+    config = read_model_config(spec, cfg.model.model_path)
+    _check_text_inputs(cfg)
+    _check_positions(cfg, config)
     out = Checked(cfg, world=world, record=run_record(cfg, spec, config))
     if cfg.checkpoint.checkpoint_dir and not cfg.checkpoint.no_resume:
         latest = latest_checkpoint(cfg.checkpoint.checkpoint_dir)
@@ -499,6 +461,64 @@ def check(cfg: TrainConfig, *, spec: dict, tp: int, stages: int, launcher: str, 
             out.record.update(origin)
             out.notes.extend(notes)
     return out
+
+
+def _check_text_inputs(cfg: TrainConfig) -> None:
+    """The files of ``--data`` / ``--eval-data`` exist, and text data has a tokenizer directory with a vocabulary.
+
+    Raises:
+        PreflightError: the first problem, in one sentence naming the option.
+    """
+    model_path, data, eval_data = cfg.model.model_path, cfg.data.data, cfg.eval.eval_data
+    for option, path in (
+        ("--data", data if data != "synthetic" else None),
+        ("--eval-data", eval_data),
+    ):
+        if path is None:
+            continue
+        try:
+            data_files(path)
+        except DataError as err:
+            raise PreflightError(str(err).replace("pass --data", f"pass {option}")) from None
+    if not (data != "synthetic" or eval_data):
+        return
+    tok = cfg.model.tokenizer_dir
+    if tok is None:
+        raise PreflightError(
+            f"{'--data' if data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
+            "DIR (or a --model-path with tokenizer files)."
+        )
+    if not Path(tok).is_dir():
+        raise PreflightError(
+            f"The tokenizer directory {tok} does not exist; pass --tokenizer a directory written by "
+            "tokenizer.save_pretrained(DIR)."
+        )
+    if not has_tokenizer(tok):
+        where = "model directory" if tok == model_path else "tokenizer directory"
+        raise PreflightError(
+            f"The {where} {tok} holds no tokenizer files (tokenizer.json, vocab.json, vocab.txt or a "
+            "sentencepiece model); pass --tokenizer DIR, a directory written by tokenizer.save_pretrained(DIR)."
+        )
+
+
+def _check_positions(cfg: TrainConfig, config: dict | None) -> None:
+    """``--seq-len`` and ``--verify-seq-len`` fit the positions the model embeds (its config's limit, if any).
+
+    Raises:
+        PreflightError: one sentence naming the option, the limit and where it is read.
+    """
+    limit = position_limit(config)
+    if limit is None:
+        return
+    key, most = limit
+    for option, n in (("seq_len", cfg.data.seq_len), ("verify_seq_len", cfg.verify.verify_seq_len)):
+        if n is not None and n > most:
+            model_path = cfg.model.model_path
+            where = f"{model_path}/config.json" if model_path else "the model's config"
+            raise PreflightError(
+                f"--{option.replace('_', '-')} {n} is longer than the {most} positions the model embeds "
+                f"({key} in {where}); use --{option.replace('_', '-')} {most} or less."
+            )
 
 
 def preflight(

@@ -129,15 +129,23 @@ def allocate(
         except RuntimeError:
             if module is None:
                 raise
-        for mod in module.modules():
-            for name, value in mod._parameters.items():
-                if value is p:
-                    mod._parameters[name] = new
-        for table in tables:
-            for key, value in table.items():
-                if value is p:
-                    table[key] = new
+        _replace_parameter(p, new, module, tables)
         t.param = new
+
+
+def _replace_parameter(
+    old: nn.Parameter, new: nn.Parameter, module: nn.Module, tables: Iterable[dict]
+) -> None:
+    """Put ``new`` in every parameter slot of ``module``'s submodules and every value of ``tables`` that holds
+    ``old``."""
+    for mod in module.modules():
+        for name, value in mod._parameters.items():
+            if value is old:
+                mod._parameters[name] = new
+    for table in tables:
+        for key, value in table.items():
+            if value is old:
+                table[key] = new
 
 
 def init_random(sch: Schedule, targets: list[Target], seed: int) -> None:
