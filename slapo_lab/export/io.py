@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch import nn
 
 from .. import __version__
-from ..record import SCHEMA, SCHEMA_VERSION, Call, dumps, gc_paused
+from ..record import SCHEMA, SCHEMA_VERSION, Call, Recorder, dumps, gc_paused
 from ..spec import (
     ExportError,
     check_factory,
@@ -56,8 +57,8 @@ class ScheduleFile(NamedTuple):
 
 
 def save_schedule(
-    path,
-    calls,
+    path: str | os.PathLike,
+    calls: Sequence[Call] | Recorder,
     model: nn.Module | None = None,
     example_inputs: dict | None = None,
     world_size: int | None = None,
@@ -121,7 +122,7 @@ def _reject_constant(name: str):
 
 
 @gc_paused()  # parsed JSON and Call objects hold no cycles: collecting meanwhile only re-scans them
-def load_schedule(path) -> ScheduleFile:
+def load_schedule(path: str | os.PathLike) -> ScheduleFile:
     """Read and fully validate a schedule file written by :func:`save_schedule`.
 
     A file is bounded: one larger than :data:`MAX_SCHEDULE_BYTES` (32 MiB) is refused before it is
@@ -137,6 +138,17 @@ def load_schedule(path) -> ScheduleFile:
             another schema, a version newer than this slapo-lab reads, or any bad call or meta entry.
     """
     path = Path(os.fspath(path)).expanduser()
+    data = _parse_json(path, _read_bounded(path))
+    meta = _check_envelope(path, data)
+    return ScheduleFile(_validate_entries(path, data["calls"], meta), meta)
+
+
+def _read_bounded(path: Path) -> str:
+    """The text of the file at ``path``, refused over :data:`MAX_SCHEDULE_BYTES` before it is read.
+
+    Raises:
+        ExportError: a missing, unreadable, oversized or non-UTF-8 file (one sentence).
+    """
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -147,14 +159,22 @@ def load_schedule(path) -> ScheduleFile:
                 f"that slapo-lab reads per schedule file (at most {MAX_SCHEDULE_CALLS:,} calls; a 70B Llama's "
                 "Megatron schedule has about 1,100)."
             )
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except FileNotFoundError:
         raise ExportError(f"The schedule file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
         raise ExportError(f"Cannot read the schedule file {path}: {reason}.") from None
+
+
+def _parse_json(path: Path, text: str) -> Any:
+    """``json.loads(text)`` without NaN or infinities.
+
+    Raises:
+        ExportError: invalid or too deeply nested JSON (one sentence naming ``path``).
+    """
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
         raise ExportError(
             f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})."
@@ -163,6 +183,16 @@ def load_schedule(path) -> ScheduleFile:
         raise ExportError(f"{path} is not valid JSON ({err}).") from None
     except RecursionError:
         raise ExportError(f"{path} nests its JSON too deeply to be a schedule file.") from None
+
+
+def _check_envelope(path: Path, data: Any) -> dict:
+    """Check the file's schema, version, ``meta`` object and list of calls (within :data:`MAX_SCHEDULE_CALLS`);
+    returns ``meta``.
+
+    Raises:
+        ExportError: another schema, an invalid or newer version, a ``meta`` that is no object, no list of
+            calls, or too many calls (one sentence).
+    """
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ExportError(f'{path} is not a slapo-lab schedule file (no "schema": "{SCHEMA}").')
     version = data.get("version")
@@ -183,8 +213,18 @@ def load_schedule(path) -> ScheduleFile:
             f"{path} has {len(data['calls']):,} calls; slapo-lab reads at most {MAX_SCHEDULE_CALLS:,} calls "
             "per schedule file (a 70B Llama's Megatron schedule has about 1,100)."
         )
+    return meta
+
+
+def _validate_entries(path: Path, calls: list, meta: dict) -> list[Call]:
+    """The calls as :class:`Call` objects, after checking them and the ``meta`` entries export reads.
+
+    Raises:
+        ExportError: a bad call, model spec, input spec or world size, or a too deeply nested one (one sentence
+            naming ``path``).
+    """
     try:
-        calls = validate_calls(data["calls"])
+        checked = validate_calls(calls)
         if "model" in meta:
             validate_model_spec(meta["model"])
         if "inputs" in meta:
@@ -197,4 +237,4 @@ def load_schedule(path) -> ScheduleFile:
         raise ExportError(
             f"{path} nests a call argument or meta entry too deeply to be a schedule file."
         ) from None
-    return ScheduleFile(calls, meta)
+    return checked

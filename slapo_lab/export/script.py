@@ -21,6 +21,7 @@ import pprint
 import re
 import tempfile
 import textwrap
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from ..pipeline.coupling import (
     export_batchnorm_refusal,
     single_value_refusal,
 )
+from ..record import Call, Recorder
 from ..spec import (
     ExportError,
     build_hf,
@@ -196,7 +198,7 @@ def _check_batch_coupling(spec: dict, inputs: dict, stages: int, defaults: dict,
 
 def render_script(
     spec: dict,
-    calls,
+    calls: Sequence[Call | dict] | Recorder,
     inputs: dict,
     world_size: int,
     launcher: str = "torchrun",
@@ -343,21 +345,25 @@ def export_config(inputs: dict, defaults: dict) -> TrainConfig:
         raise ExportError(f"The export options do not go together: {str(err).rstrip('.')}.") from None
 
 
-def pipeline_stages(calls) -> int:
+def pipeline_stages(calls: Iterable[Call] | Recorder) -> int:
     """The number of pipeline stages the calls describe: the distinct cut paths + 1 (1 without cuts)."""
     calls = getattr(calls, "calls", calls)
     cuts = {c.path for c in calls if getattr(c, "primitive", None) == "cut_pipeline_stage"}
     return len(cuts) + 1
 
 
-def processes(calls, world_size: int) -> int:
+def processes(calls: Iterable[Call] | Recorder, world_size: int) -> int:
     """Processes one replica of the schedule needs: tensor-parallel width x pipeline stages
     (:attr:`ParallelDims.replica <slapo_lab.parallel_dims.ParallelDims.replica>`)."""
     return ParallelDims(world_size, pipeline_stages(calls)).replica
 
 
 def launch_command(
-    calls, world_size: int, script: str = "train.py", launcher: str = "torchrun", device: str | None = "cuda"
+    calls: Iterable[Call] | Recorder,
+    world_size: int,
+    script: str = "train.py",
+    launcher: str = "torchrun",
+    device: str | None = "cuda",
 ) -> str:
     """The one-node command that launches an exported script (``tp x pp`` processes, no data parallelism);
     ``device=None``: the launch for this machine (:func:`launch_here`)."""
@@ -387,9 +393,9 @@ def launch_here(n: int, script: str, launcher: str = "torchrun", gpus: int | Non
 
 
 def export_script(
-    path,
+    path: str | os.PathLike,
     model: nn.Module,
-    calls,
+    calls: Sequence[Call],
     example_inputs: dict,
     world_size: int,
     launcher: str = "torchrun",
@@ -397,7 +403,7 @@ def export_script(
     defaults: dict | None = None,
     *,
     force: bool = False,
-    report=None,
+    report: numeric.NumericReport | None = None,
 ) -> Path:
     """Write the training script for ``model`` scheduled by ``calls`` to ``path``.
 
@@ -441,7 +447,13 @@ def export_script(
     return path.resolve()
 
 
-def refuse_failing_schedule(model: nn.Module, calls, example_inputs: dict, world_size: int, report=None):
+def refuse_failing_schedule(
+    model: nn.Module,
+    calls: Iterable[Call],
+    example_inputs: dict,
+    world_size: int,
+    report: numeric.NumericReport | None = None,
+) -> numeric.NumericReport:
     """Run the numeric check on ``calls`` (or take ``report``) and raise when it marks them ✗.
 
     ``model`` is the unscheduled model the calls were recorded on; a model the calls already changed in place

@@ -20,7 +20,10 @@ Sources: Slapo ``slapo/pipeline.py`` (seed 002); PyTorch ``torch/distributed/pip
 ``deepspeed/runtime/pipe``.
 """
 
+from torch import nn
+
 from ..call_order import CallOrder, call_order, check_cuts, record_call_order, set_example_inputs
+from ..errors import ScheduleError
 from .balance import CutSuggestion, suggest_cuts
 from .mesh import PipelineMesh, make_mesh
 from .partition import PipelinePartition, StageInfo, default_output_fn, partition_pipeline
@@ -68,10 +71,6 @@ def analyze_tie_weights(top_mod, is_pipeline_partitioned):
     Raises:
         ScheduleError: ``top_mod`` is not an ``nn.Module``.
     """
-    from torch import nn
-
-    from ..errors import ScheduleError
-
     if not isinstance(top_mod, nn.Module):
         raise ScheduleError(f"analyze_tie_weights() takes an nn.Module, not {type(top_mod).__name__}.")
     if not is_pipeline_partitioned:

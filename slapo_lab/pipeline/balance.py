@@ -25,10 +25,20 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..blocks import find_blocks
-from ..call_order import _split_inputs, _strip_schedule, dummy_inputs
+from ..call_order import (
+    _INPUTS_KEY,
+    _OpCounter,
+    _split_inputs,
+    _strip_schedule,
+    cached_call_order,
+    dummy_inputs,
+    record_call_order,
+)
 from ..errors import ScheduleError
+from ..utils import meta_copy, to_meta
 
 BY = ("params", "flops", "time")
 
@@ -61,8 +71,6 @@ def block_stacks(sch) -> tuple[str, list[str]]:
     Raises:
         ScheduleError: the model has fewer than two repeated blocks.
     """
-    from ..call_order import cached_call_order
-
     top = sch.get_top_schedule()
     blocks = find_blocks(top)
     if len(blocks) < 2:
@@ -83,25 +91,8 @@ def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[i
     ``allowed[i]``: a cut may follow item ``i``. Returns the indices of the items that end groups 0..k-2.
     """
     n = len(costs)
-    pre = [0.0]
-    for c in costs:
-        pre.append(pre[-1] + c)
-    inf = float("inf")
-    # best[j][i]: minimal max cost splitting the first i items into j groups; arg for reconstruction
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    arg = [[-1] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(1, n + 1):
-            for m in range(j - 1, i):
-                if m > 0 and not allowed[m - 1]:
-                    continue
-                if best[j - 1][m] == inf:
-                    continue
-                v = max(best[j - 1][m], pre[i] - pre[m])
-                if v < best[j][i] or (v == best[j][i] and arg[j][i] != -1 and m > arg[j][i]):
-                    best[j][i], arg[j][i] = v, m
-    if best[k][n] == inf:
+    best, arg = _partition_table(costs, k, allowed)
+    if best[k][n] == float("inf"):
         raise ScheduleError(f"Cannot place {k - 1} cuts between the blocks.")
     cuts, i = [], n
     for j in range(k, 0, -1):
@@ -112,17 +103,37 @@ def _linear_partition(costs: list[float], k: int, allowed: list[bool]) -> list[i
     return sorted(cuts)
 
 
+def _partition_table(
+    costs: list[float], k: int, allowed: list[bool]
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The dynamic program of :func:`_linear_partition`: ``best[j][i]``, the minimal largest group cost of the
+    first ``i`` items in ``j`` groups, and ``arg[j][i]``, where its last group starts (the latest on ties)."""
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    arg = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(1, n + 1):
+            for m in range(j - 1, i):
+                if (m > 0 and not allowed[m - 1]) or best[j - 1][m] == inf:
+                    continue
+                v = max(best[j - 1][m], pre[i] - pre[m])
+                if v < best[j][i] or (v == best[j][i] and arg[j][i] != -1 and m > arg[j][i]):
+                    best[j][i], arg[j][i] = v, m
+    return best, arg
+
+
 def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats: int) -> list[float]:
     """Cost of [before the first block, block 0, ..., block n-1, after the last block]."""
-    from ..utils import meta_copy, to_meta
-
     args, kwargs = _split_inputs(inputs)
     n = len(blocks)
     if by == "params":
         return _param_costs(model, blocks, args, kwargs)
     if by == "flops":
-        from torch.utils.flop_counter import FlopCounterMode
-
         copy = meta_copy(model)
         _strip_schedule(copy)
         counter = FlopCounterMode(display=False)
@@ -140,8 +151,6 @@ def _segment_costs(model: nn.Module, blocks: list[str], inputs, by: str, repeats
                     lambda mod, a, o, i=i: marks.append((2 * i + 1, counter.get_total_flops()))
                 )
             )
-        from ..call_order import _OpCounter
-
         with torch.no_grad(), _OpCounter(), counter:
             copy(*to_meta(args), **to_meta(kwargs))
         total = counter.get_total_flops()
@@ -198,36 +207,15 @@ def _from_marks(marks, n: int, total: float) -> list[float]:
 
 
 def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[float]:
-    from ..call_order import record_call_order
-
     n = len(blocks)
     order = record_call_order(model, args=args, kwargs=kwargs)
     block_ids = {b: i for i, b in enumerate(blocks)}
     costs = [0.0] * (n + 2)
     if not order.ok:  # fall back on definition order: everything before the list = first stage
-        names = [nm for nm, _ in model.named_modules()]
-        first = names.index(blocks[0])
-        last_block_end = max(
-            i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks)
-        )
-        where = {}
-        for i, nm in enumerate(names):
-            where[nm] = 0 if i < first else (n + 1 if i > last_block_end else None)
-        for bi, b in enumerate(blocks):
-            costs[bi + 1] = float(sum(p.numel() for p in model.get_submodule(b).parameters()))
-        counted = set()
-        for nm, m in model.named_modules():
-            seg = where.get(nm)
-            if seg is None:
-                continue
-            for p in m.parameters(recurse=False):
-                if (seg, id(p)) not in counted:
-                    counted.add((seg, id(p)))
-                    costs[seg] += p.numel()
-        return costs
+        return _param_costs_by_definition(model, blocks)
     b_enter = [order.calls[b][0][0] for b in blocks]
     b_exit = [order.calls[b][-1][1] for b in blocks]
-    counted = set()
+    counted: set[tuple[int, int]] = set()
     for nm, m in model.named_modules(remove_duplicate=False):
         own = list(m.parameters(recurse=False))
         if not own or nm not in order.calls:
@@ -243,11 +231,39 @@ def _param_costs(model: nn.Module, blocks: list[str], args, kwargs) -> list[floa
                 seg = n + 1
             else:
                 seg = next(i + 1 for i in range(n) if s < b_exit[i])
-        for p in own:
-            if (seg, id(p)) not in counted:
-                counted.add((seg, id(p)))
-                costs[seg] += p.numel()
+        _add_params(costs, counted, seg, own)
     return costs
+
+
+def _param_costs_by_definition(model: nn.Module, blocks: list[str]) -> list[float]:
+    """:func:`_param_costs` where the call order is unknown: a module defined before the first block costs in
+    the first segment, one defined after the last block in the last, each block its parameters."""
+    n = len(blocks)
+    costs = [0.0] * (n + 2)
+    names = [nm for nm, _ in model.named_modules()]
+    first = names.index(blocks[0])
+    last_block_end = max(
+        i for i, nm in enumerate(names) if any(nm == b or nm.startswith(b + ".") for b in blocks)
+    )
+    where = {}
+    for i, nm in enumerate(names):
+        where[nm] = 0 if i < first else (n + 1 if i > last_block_end else None)
+    for bi, b in enumerate(blocks):
+        costs[bi + 1] = float(sum(p.numel() for p in model.get_submodule(b).parameters()))
+    counted: set[tuple[int, int]] = set()
+    for nm, m in model.named_modules():
+        seg = where.get(nm)
+        if seg is not None:
+            _add_params(costs, counted, seg, m.parameters(recurse=False))
+    return costs
+
+
+def _add_params(costs: list[float], counted: set[tuple[int, int]], seg: int, params) -> None:
+    """Add the element counts of ``params`` to ``costs[seg]``, each parameter once per segment."""
+    for p in params:
+        if (seg, id(p)) not in counted:
+            counted.add((seg, id(p)))
+            costs[seg] += p.numel()
 
 
 def suggest_cuts(
@@ -290,8 +306,6 @@ def suggest_cuts(
         )
     inputs = example_inputs
     if inputs is None:
-        from ..call_order import _INPUTS_KEY
-
         inputs = top._top.extra.get(_INPUTS_KEY)
     if inputs is None:
         inputs = dummy_inputs(model)

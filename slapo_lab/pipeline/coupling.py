@@ -28,6 +28,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..call_order import _strip_schedule
+from ..utils import meta_copy, to_meta
+
 
 def _batch_stats(m: nn.Module) -> bool:
     """Whether the BatchNorm ``m`` normalises with batch statistics (training mode, or no running stats)."""
@@ -78,8 +81,6 @@ def batchnorm_single_value(
     Returns None when no BatchNorm would fail, or when the model cannot run on meta tensors (then nothing
     is known).
     """
-    from ..call_order import _strip_schedule
-    from ..utils import meta_copy, to_meta
 
     def counted(m: nn.Module) -> bool:
         return isinstance(m, _BatchNorm) and (all_batchnorms or _batch_stats(m))

@@ -179,8 +179,8 @@ def build_deepspeed(
             supported on this target); non-tensor inputs; DeepSpeed missing.
     """
     try:
-        import deepspeed
-        from deepspeed.runtime.pipe.topology import ProcessTopology
+        import deepspeed  # noqa: PLC0415 - DeepSpeed is a heavy optional dependency: only target='deepspeed' loads it
+        from deepspeed.runtime.pipe.topology import ProcessTopology  # noqa: PLC0415 - optional DeepSpeed, as above
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ScheduleError(
             "target='deepspeed' needs DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed)."
@@ -252,8 +252,8 @@ def pipeline_module_class():
     global _MODULE_CLASS
     if _MODULE_CLASS is not None:
         return _MODULE_CLASS
-    import deepspeed.comm as ds_dist
-    from deepspeed.runtime.pipe.module import PipelineModule
+    import deepspeed.comm as ds_dist  # noqa: PLC0415 - DeepSpeed is a heavy optional dependency: only target='deepspeed' loads it
+    from deepspeed.runtime.pipe.module import PipelineModule  # noqa: PLC0415 - optional DeepSpeed, as above
 
     class SlapoPipelineModule(PipelineModule):
         def __init__(self, partition, **kwargs) -> None:

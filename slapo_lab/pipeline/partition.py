@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..call_order import _split_inputs, check_cuts, record_call_order, stage_ops
 from ..errors import ScheduleError
+from ..module_state import peek_meta
+from ..random import checkpoint as _ckpt
+from ..verify import flatten_outputs
 from ._collectives import exportable_sync_ops
+from .carry import normalize_pipe
 from .coupling import batchnorm_single_value, coupling_refusal, single_value_refusal
 
 
@@ -49,8 +54,6 @@ def _torch_internal_deprecations():
     module: its ``_IR.pipe_split`` deep-copies an fx codegen holding a ``LeafSpec``, whose construction torch 2.13
     deprecates ("``isinstance(treespec, LeafSpec)`` is deprecated"); nothing a user can change, printed once
     per rank otherwise."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning
@@ -69,8 +72,6 @@ def default_output_fn(out: Any) -> torch.Tensor:
     Raises:
         ScheduleError: if the output holds no floating-point tensor.
     """
-    from ..verify import flatten_outputs
-
     items = flatten_outputs(out)
     if not items:
         raise ScheduleError(
@@ -184,7 +185,7 @@ class PipelinePartition:
 
 @contextlib.contextmanager
 def _split_hooks(root: nn.Module, cuts: list[str]):
-    from torch.distributed.pipelining import pipe_split
+    from torch.distributed.pipelining import pipe_split  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a run that splits loads it
 
     handles = []
 
@@ -262,60 +263,82 @@ def _inline_wrapper_hops(gm: fx.GraphModule) -> fx.GraphModule:
         node = next((n for n in g.nodes if _hop_parts(n) is not None), None)
         if node is None:
             break
-        body_node, operands, detach = _hop_parts(node)
-        if detach:
-            _refuse_trainable_in_no_grad(gm, node, operands)
-        body = gm.get_submodule(body_node.target)
-        env: dict[fx.Node, Any] = {}
-        phs = [n for n in body.graph.nodes if n.op == "placeholder"]
-        env.update(zip(phs, operands, strict=False))
-        results = None
-        with g.inserting_before(node):
-            for b in body.graph.nodes:
-                if b.op == "placeholder":
-                    continue
-                if b.op == "output":
-                    results = fx.node.map_arg(b.args[0], env.__getitem__)
-                    continue
-                if b.op == "get_attr":  # a nested wrapper's body: hoist it onto gm under a fresh name
-                    k = 0
-                    while hasattr(gm, f"_inlined_{body_node.target}_{k}"):
-                        k += 1
-                    name = f"_inlined_{body_node.target}_{k}"
-                    gm.add_submodule(name, body.get_submodule(b.target))
-                    new = g.get_attr(name)
-                    new.meta = dict(b.meta)
-                else:
-                    new = g.node_copy(b, env.__getitem__)
-                    if not new.meta.get("nn_module_stack") and node.meta.get("nn_module_stack"):
-                        new.meta["nn_module_stack"] = dict(node.meta["nn_module_stack"])
-                env[b] = new
-            outs = list(results) if isinstance(results, (tuple, list)) else [results]
-            if detach:
-                for i, x in enumerate(outs):
-                    if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
-                        d = g.call_function(torch.ops.aten.detach.default, (x,))
-                        d.meta = {
-                            k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")
-                        }
-                        outs[i] = d
-        for u in list(node.users):
-            if u.op == "call_function" and u.target is operator.getitem:
-                u.replace_all_uses_with(outs[u.args[1]])
-                g.erase_node(u)
-        if node.users:  # used as a whole (not seen in HF models): rebuild the tuple
-            raise ScheduleError(
-                "The exported model uses a no_grad/autocast region's result as a whole; "
-                "the pipeline partitioner cannot inline it."
-            )
-        g.erase_node(node)
-        if not body_node.users:
-            g.erase_node(body_node)
-            if not any(n.op == "get_attr" and n.target == body_node.target for n in g.nodes):
-                delattr(gm, body_node.target)
+        _inline_hop(gm, node)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _inline_hop(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Replace the wrapper HOP call ``node`` by a copy of its body (outputs detached for a no-grad region), and
+    drop its body from ``gm`` once nothing else calls it."""
+    g = gm.graph
+    body_node, operands, detach = _hop_parts(node)
+    if detach:
+        _refuse_trainable_in_no_grad(gm, node, operands)
+    with g.inserting_before(node):
+        results = _copy_hop_body(gm, node, body_node, operands)
+        outs = list(results) if isinstance(results, (tuple, list)) else [results]
+        if detach:
+            outs = _detached(g, outs)
+    for u in list(node.users):
+        if u.op == "call_function" and u.target is operator.getitem:
+            u.replace_all_uses_with(outs[u.args[1]])
+            g.erase_node(u)
+    if node.users:  # used as a whole (not seen in HF models): rebuild the tuple
+        raise ScheduleError(
+            "The exported model uses a no_grad/autocast region's result as a whole; "
+            "the pipeline partitioner cannot inline it."
+        )
+    g.erase_node(node)
+    if not body_node.users:
+        g.erase_node(body_node)
+        if not any(n.op == "get_attr" and n.target == body_node.target for n in g.nodes):
+            delattr(gm, body_node.target)
+
+
+def _copy_hop_body(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, operands) -> Any:
+    """Copy the nodes of the HOP's body at the graph's insertion point, its placeholders bound to ``operands``
+    (a node keeps its own ``nn_module_stack``, else takes the call's); returns the body's output mapped to
+    the copies."""
+    g = gm.graph
+    body = gm.get_submodule(body_node.target)
+    env: dict[fx.Node, Any] = {}
+    phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    env.update(zip(phs, operands, strict=False))
+    results = None
+    for b in body.graph.nodes:
+        if b.op == "placeholder":
+            continue
+        if b.op == "output":
+            results = fx.node.map_arg(b.args[0], env.__getitem__)
+            continue
+        if b.op == "get_attr":  # a nested wrapper's body: hoist it onto gm under a fresh name
+            k = 0
+            while hasattr(gm, f"_inlined_{body_node.target}_{k}"):
+                k += 1
+            name = f"_inlined_{body_node.target}_{k}"
+            gm.add_submodule(name, body.get_submodule(b.target))
+            new = g.get_attr(name)
+            new.meta = dict(b.meta)
+        else:
+            new = g.node_copy(b, env.__getitem__)
+            if not new.meta.get("nn_module_stack") and node.meta.get("nn_module_stack"):
+                new.meta["nn_module_stack"] = dict(node.meta["nn_module_stack"])
+        env[b] = new
+    return results
+
+
+def _detached(g: fx.Graph, outs: list) -> list:
+    """``outs`` with each tensor-valued node replaced by an ``aten.detach`` of it (inserted at the graph's
+    insertion point): no gradient flows through a ``set_grad_enabled(False)`` region's outputs."""
+    outs = list(outs)
+    for i, x in enumerate(outs):
+        if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+            d = g.call_function(torch.ops.aten.detach.default, (x,))
+            d.meta = {k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+            outs[i] = d
+    return outs
 
 
 def _chunk0(x, n: int):
@@ -369,231 +392,6 @@ def _prune_unused_params(stage: nn.Module) -> None:
                 del sub._parameters[attr]
 
 
-def _contiguous_val(val):
-    if isinstance(val, torch.Tensor) and not val.is_contiguous():
-        return val.contiguous()
-    return val
-
-
-def _output_node(g: fx.Graph) -> fx.Node:
-    return next(n for n in g.nodes if n.op == "output")
-
-
-def _add_passthrough(split: fx.GraphModule, stage_node: fx.Node, value: fx.Node) -> fx.Node:
-    """Make ``stage_node``'s stage also return its input ``value`` (a contiguous copy); return the new getitem."""
-    sub = split.get_submodule(stage_node.target)
-    g = sub.graph
-    pos = list(stage_node.args).index(value)
-    ph = [n for n in g.nodes if n.op == "placeholder"][pos]
-    out = _output_node(g)
-    with g.inserting_before(out):
-        cl = g.call_function(torch.ops.aten.clone.default, (ph,), {"memory_format": torch.contiguous_format})
-    cl.meta["val"] = _contiguous_val(ph.meta.get("val"))
-    top = split.graph
-    res = out.args[0]
-    if isinstance(res, (tuple, list)):
-        new_idx = len(res)
-        out.args = (tuple(res) + (cl,),)
-    else:  # single output -> tuple: existing users read item 0
-        out.args = ((res, cl),)
-        with top.inserting_after(stage_node):
-            gi0 = top.call_function(operator.getitem, (stage_node, 0))
-        stage_node.replace_all_uses_with(gi0, delete_user_cb=lambda u: u is not gi0)
-        new_idx = 1
-    last = max((u for u in stage_node.users), key=lambda u: _position(top, u), default=stage_node)
-    with top.inserting_after(last if _position(top, last) > _position(top, stage_node) else stage_node):
-        gi = top.call_function(operator.getitem, (stage_node, new_idx))
-    sub.recompile()
-    return gi
-
-
-def _position(g: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(g.nodes):
-        if n is node:
-            return i
-    return -1
-
-
-def _value_meta(split: fx.GraphModule, v: fx.Node):
-    """The recorded example value (``meta["val"]``) of a value of the top split graph."""
-    if v.op == "placeholder":
-        for u in v.users:
-            if u.op == "call_module":
-                sub = split.get_submodule(u.target)
-                return [n for n in sub.graph.nodes if n.op == "placeholder"][list(u.args).index(v)].meta.get(
-                    "val"
-                )
-        return None
-    if v.op == "call_function" and v.target is operator.getitem:
-        res = _output_node(split.get_submodule(v.args[0].target).graph).args[0]
-        x = res[v.args[1]]
-    else:
-        x = _output_node(split.get_submodule(v.target).graph).args[0]
-    return x.meta.get("val") if isinstance(x, fx.Node) else None
-
-
-def _add_input(split: fx.GraphModule, stage_node: fx.Node, value: fx.Node, val) -> None:
-    """Give ``stage_node``'s stage one more input (unused inside) fed with ``value``."""
-    sub = split.get_submodule(stage_node.target)
-    g = sub.graph
-    phs = [n for n in g.nodes if n.op == "placeholder"]
-    with g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes))):
-        ph = g.placeholder(f"carry_{value.name}")
-    ph.meta["val"] = val
-    stage_node.args = tuple(stage_node.args) + (value,)
-    sub.recompile()
-
-
-def _next_carry(top: fx.Graph, sidx: dict):
-    """A value whose consumers are not just the next stage: ``(value, producer stage, consumer stages)``."""
-    for v in top.nodes:
-        if v.op == "placeholder":
-            prod = 0
-        elif v.op == "call_function" and v.target is operator.getitem and v.args[0] in sidx:
-            prod = sidx[v.args[0]]
-        elif v.op == "call_module" and not any(
-            u.op == "call_function" and u.target is operator.getitem for u in v.users
-        ):
-            prod = sidx[v]
-        else:
-            continue
-        consumers = {sidx[u] for u in v.users if u.op == "call_module"}
-        if v.op == "placeholder":
-            if consumers - {0}:
-                return v, prod, consumers
-        elif consumers - {prod + 1}:
-            return v, prod, consumers
-    return None
-
-
-def _align_outputs(split: fx.GraphModule, stage_nodes: list[fx.Node]) -> None:
-    """Order each stage's outputs as the next stage reads them.
-
-    The runtime matches point-to-point messages by posting order only: the sender posts its outputs
-    by index, the receiver its inputs by placeholder position. Two same-shaped tensors (a hidden
-    state and a carried skip value) would silently swap unless both orders agree.
-    """
-    top = split.graph
-    for i, node in enumerate(stage_nodes[:-1]):
-        getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
-        if len(getitems) < 2:
-            continue
-        nxt = stage_nodes[i + 1]
-        pos = {a: k for k, a in enumerate(nxt.args) if isinstance(a, fx.Node)}
-        order = sorted(getitems, key=lambda u: (pos.get(u, len(pos)), u.args[1]))
-        if [u.args[1] for u in order] == list(range(len(order))) and list(node.users) == order:
-            continue
-        sub = split.get_submodule(node.target)
-        out = _output_node(sub.graph)
-        res = list(out.args[0])
-        out.args = (tuple(res[u.args[1]] for u in order),)
-        sub.recompile()
-        anchor = node
-        for k, old in enumerate(order):
-            with top.inserting_after(anchor):
-                new = top.call_function(operator.getitem, (node, k))
-            new.meta = dict(old.meta)
-            anchor = new
-        news = [u for u in node.users if u not in getitems]
-        for old, new in zip(order, news, strict=False):
-            old.replace_all_uses_with(new)
-            top.erase_node(old)
-
-
-def _add_root_input(split: fx.GraphModule, stage0: fx.Node, v: fx.Node) -> None:
-    """Make stage 0 take the model input ``v`` too (a placeholder of the same name, in model order)."""
-    top_order = {n: i for i, n in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
-    sub = split.get_submodule(stage0.target)
-    g = sub.graph
-    phs = [n for n in g.nodes if n.op == "placeholder"]
-    args = list(stage0.args)
-    k = next((i for i, a in enumerate(args) if top_order.get(a, -1) > top_order[v]), len(args))
-    val = _value_meta(split, v)
-    if k < len(phs):
-        with g.inserting_before(phs[k]):
-            ph = g.placeholder(v.target)
-    else:
-        with g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes))):
-            ph = g.placeholder(v.target)
-    ph.meta["val"] = val
-    args.insert(k, v)
-    stage0.args = tuple(args)
-    sub.recompile()
-
-
-def _normalize_pipe(pipe) -> None:
-    """Adapt the split for ``torch.distributed.pipelining``'s stage runtime (in place).
-
-    * Only adjacent stages talk (the multi-stage schedules reject other sends, and a value with
-      several consumers gets no backward: "Backward of skip connections not supported yet"). A
-      value produced by stage ``i`` and read by stage ``j > i + 1`` -- a skip connection, T5's
-      encoder output, an attention mask -- is therefore carried through stages ``i + 1 .. j - 1``:
-      each passes a contiguous copy on (Slapo's liveness forwarding, torchgpipe's skip layout, made
-      explicit). Gradients of the copies flow back along the same chain, so they sum correctly.
-    * Model inputs reach only stage 0; one read later (T5's ``decoder_input_ids``) becomes an input of
-      stage 0 as well and is carried from there the same way.
-    * Every stage output is made contiguous (and so is the receiving placeholder's recorded value,
-      from which receive buffers are allocated): gloo sends only contiguous tensors, and exported
-      values can be expanded views (BERT's attention mask has stride 0).
-    """
-    split = pipe.split_gm
-    top = split.graph
-    stage_nodes = [n for n in top.nodes if n.op == "call_module"]
-    sidx = {n: i for i, n in enumerate(stage_nodes)}
-    while True:
-        job = _next_carry(top, sidx)
-        if job is None:
-            break
-        v, prod, consumers = job
-        if v.op == "placeholder" and 0 not in consumers:
-            _add_root_input(split, stage_nodes[0], v)
-        last = max(consumers)
-        start = 1 if v.op == "placeholder" else prod + 1
-        val = _contiguous_val(_value_meta(split, v))
-        cur = v
-        holder = stage_nodes[start - 1]  # the stage holding `cur` (as output or input) before stage `start`
-        for s in range(start, last + 1):
-            node = stage_nodes[s]
-            if v.op == "placeholder" or s - 1 != prod:
-                cur = _add_passthrough(split, holder, cur)  # the previous stage passes its input on
-            if s in consumers:
-                node.args = tuple(cur if a is v else a for a in node.args)
-            else:
-                _add_input(split, node, cur, val)
-            holder = node
-    _align_outputs(split, stage_nodes)
-    # contiguous outputs and receive buffers
-    for n in stage_nodes:
-        sub = split.get_submodule(n.target)
-        g = sub.graph
-        out = _output_node(g)
-        res = out.args[0]
-        items = list(res) if isinstance(res, (tuple, list)) else [res]
-        changed = False
-        for i, x in enumerate(items):
-            val = x.meta.get("val") if isinstance(x, fx.Node) else None
-            if isinstance(val, torch.Tensor) and not val.is_contiguous():
-                with g.inserting_before(out):
-                    c = g.call_method("contiguous", (x,))
-                c.meta["val"] = val.contiguous()
-                items[i] = c
-                changed = True
-        if changed:
-            out.args = (tuple(items),) if isinstance(res, (tuple, list)) else (items[0],)
-        for ph in g.nodes:
-            if ph.op == "placeholder" and isinstance(ph.meta.get("val"), torch.Tensor):
-                ph.meta["val"] = _contiguous_val(ph.meta["val"])
-        sub.recompile()
-    # stage 0 takes its inputs positionally, in model-input order (the runtime may hand keyword
-    # arguments to every local stage, so none of them accepts any)
-    sub0 = split.get_submodule(stage_nodes[0].target)
-    if type(sub0.graph._codegen) is not fx.graph.CodeGen:
-        sub0.graph._codegen = fx.graph.CodeGen()
-        sub0.recompile()
-    top.lint()
-    split.recompile()
-
-
 _CKPT_CLASSES: dict[type, type] = {}
 
 
@@ -604,8 +402,6 @@ def _checkpointed_class(base: type) -> type:
 
         def forward(self, *args, **kwargs):
             if torch.is_grad_enabled():
-                from ..random import checkpoint as _ckpt
-
                 return _ckpt(base.forward, self, *args, **kwargs)
             return base.forward(self, *args, **kwargs)
 
@@ -621,8 +417,6 @@ def _checkpointed_class(base: type) -> type:
 
 def _checkpointed_paths(model: nn.Module) -> list[str]:
     """Paths of the submodules of ``model`` that the ``checkpoint`` primitive marked."""
-    from ..module_state import peek_meta
-
     out = []
     for qn, m in model.named_modules():
         meta = peek_meta(m)
@@ -672,12 +466,7 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
     stage is the one PyTorch's ``Pipe.replicated_params`` reports where it has one, else the first in
     model order.
     """
-    pref: dict[tuple[int, str], str] = {}
-    for mapping in replicated:
-        for sub, q in mapping.items():
-            orig = _orig_name(q)
-            if orig is not None:
-                pref[(int(sub.rsplit("_", 1)[1]), orig)] = orig
+    pref = _replicated_names(replicated)
     alias: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         alias.setdefault(id(p), []).append(name)
@@ -686,21 +475,35 @@ def _tie_within_stages(model: nn.Module, stages: list[StageInfo], replicated) ->
         group: dict[int, str] = {}
         for st in stages:
             held = [n for n in names if n in st.params]
-            if not held:
-                continue
-            keep_name = next((n for n in held if (st.index, n) in pref), held[0])
-            keep = st.params[keep_name]
-            for n in held:
-                p = st.params[n]
-                if p is keep:
-                    continue
-                owner, _, attr = (ROOT_PREFIX + n).rpartition(".")
-                st.module.get_submodule(owner)._parameters[attr] = keep
-                st.params[n] = keep
-            group[st.index] = keep_name
+            if held:
+                group[st.index] = _retie(st, held, next((n for n in held if (st.index, n) in pref), held[0]))
         if len(group) > 1:
             tied.append(group)
     return tied
+
+
+def _replicated_names(replicated) -> set[tuple[int, str]]:
+    """``(stage, model name)`` of every copy ``Pipe.replicated_params`` reports (``[{"submod_<stage>": fqn}]``)."""
+    pref: set[tuple[int, str]] = set()
+    for mapping in replicated:
+        for sub, q in mapping.items():
+            orig = _orig_name(q)
+            if orig is not None:
+                pref.add((int(sub.rsplit("_", 1)[1]), orig))
+    return pref
+
+
+def _retie(st: StageInfo, held: list[str], keep_name: str) -> str:
+    """Point every name of ``held`` in stage ``st`` at the one parameter ``keep_name`` holds; returns
+    ``keep_name``."""
+    keep = st.params[keep_name]
+    for n in held:
+        if st.params[n] is keep:
+            continue
+        owner, _, attr = (ROOT_PREFIX + n).rpartition(".")
+        st.module.get_submodule(owner)._parameters[attr] = keep
+        st.params[n] = keep
+    return keep_name
 
 
 _CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")
@@ -731,7 +534,6 @@ def _analyze_split(split_gm: fx.GraphModule, n: int):
                 producer[nd.name] = (stage_of[nd.name], None)
         elif nd.op == "call_function" and nd.target is operator.getitem and nd.args[0].name in stage_of:
             producer[nd.name] = (stage_of[nd.args[0].name], nd.args[1])
-    def_order = {nd.name: i for i, nd in enumerate(nodes)}
     inputs = [[a.name for a in nd.args if isinstance(a, fx.Node)] for nd in stage_nodes]
     outputs: list[list[str]] = [[] for _ in range(n)]
     for v, (s, _k) in producer.items():
@@ -739,6 +541,20 @@ def _analyze_split(split_gm: fx.GraphModule, n: int):
             outputs[s].append(v)
     for s in range(n):
         outputs[s].sort(key=lambda v: producer[v][1] if producer[v][1] is not None else -1)
+    liveness = _liveness(nodes, inputs, producer, input_names, n)
+    return inputs, outputs, liveness, input_names, producer
+
+
+def _liveness(
+    nodes: list[fx.Node],
+    inputs: list[list[str]],
+    producer: dict[str, tuple[int, int | None]],
+    input_names: list[str],
+    n: int,
+) -> list[list[str]]:
+    """The values live at each stage boundary ``b`` (0: the model inputs): produced before stage ``b`` and used
+    by a stage from ``b`` on or by the output, in definition order."""
+    def_order = {nd.name: i for i, nd in enumerate(nodes)}
     out_node = next(nd for nd in nodes if nd.op == "output")
     final: list[str] = []
     fx.node.map_arg(out_node.args, lambda x: final.append(x.name) or x)
@@ -751,7 +567,7 @@ def _analyze_split(split_gm: fx.GraphModule, n: int):
         live = [v for v in producer if producer[v][0] < b and v in users_after[b]]
         live.sort(key=lambda v: def_order[v])
         liveness.append(live)
-    return inputs, outputs, liveness, input_names, producer
+    return liveness
 
 
 def _check_batch_coupling(model: nn.Module, n_microbatches: int, mb_args: tuple, mb_kwargs: dict) -> None:
@@ -794,8 +610,6 @@ def partition_pipeline(
             one value per channel; ``torch.export`` failing on the model; a stage count that differs from
             the cuts.
     """
-    from torch.distributed.pipelining import pipeline
-
     sch = sch.get_top_schedule()
     cuts = list(sch.metadata.primitives["cut_pipeline_stage"])
     if not cuts:
@@ -810,29 +624,10 @@ def partition_pipeline(
     if order.ok:
         cuts, _ = stage_ops(cuts, order)
     root = _Root(model, output_fn or default_output_fn)
-    flags = [(m, m.training) for m in model.modules()]
-    # exported in training mode; BatchNorm a training model put in eval mode stays frozen (running stats)
-    frozen = (
-        [m for m in model.modules() if isinstance(m, _BatchNorm) and not m.training] if model.training else []
-    )
-    model.train()
-    for m in frozen:
-        m.eval()
-    try:
-        _check_batch_coupling(model, n_microbatches, mb_args, mb_kwargs)
-        with _split_hooks(root, cuts), exportable_sync_ops(), _torch_internal_deprecations():
-            pipe = pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
-    except ScheduleError:
-        raise
-    except Exception as err:  # torch.export failures
-        msg = f"{type(err).__name__}: {err}".splitlines()[0][:400]
-        raise ScheduleError(f"Could not capture the model for pipelining with torch.export ({msg}).") from err
-    finally:
-        for m, training in flags:
-            m.training = training
+    pipe = _export_pipe(model, root, cuts, n_microbatches, mb_args, mb_kwargs)
     n = pipe.num_stages
     if n == len(cuts) + 1:
-        _normalize_pipe(pipe)
+        normalize_pipe(pipe)
     if n != len(cuts) + 1:
         raise ScheduleError(
             f"The {len(cuts)} cuts produced {n} pipeline stages instead of {len(cuts) + 1}: a cut "
@@ -853,26 +648,64 @@ def partition_pipeline(
         mod = pipe.get_stage_module(i)
         _prune_unused_params(mod)
         _keep_checkpoints(mod, ckpt_paths)
-        params = {}
-        for name, p in mod.named_parameters(remove_duplicate=False):
-            orig = _orig_name(name)
-            if orig is None:
-                continue
-            held = params.get(orig)
-            if held is not None:  # a further call's alias (``key_proj@1``): one parameter per name and stage
-                if held is not p:
-                    owner, _, attr = name.rpartition(".")
-                    mod.get_submodule(owner)._parameters[attr] = held
-                continue
-            src = orig_params.get(orig)
-            if src is not None and p is not src:  # a replicated (tied) copy: keep the annotations
-                for k, v in src.__dict__.items():
-                    p.__dict__.setdefault(k, v)
-            params[orig] = p
-        stages.append(StageInfo(i, mod, params, ins[i], outs[i]))
+        stages.append(StageInfo(i, mod, _stage_params(mod, orig_params), ins[i], outs[i]))
     tied = _tie_within_stages(model, stages, pipe.replicated_params)
     for st in stages:
         st.n_params = sum(p.numel() for p in {id(p): p for p in st.params.values()}.values())
     return PipelinePartition(
         pipe, cuts, stages, tied, liveness, input_names, tuple(mb_args), dict(mb_kwargs), producer
     )
+
+
+def _export_pipe(model: nn.Module, root: nn.Module, cuts: list[str], n_microbatches: int, mb_args, mb_kwargs):
+    """``torch.distributed.pipelining.pipeline`` of ``root`` split at ``cuts``, exported on one micro-batch in
+    training mode (BatchNorm that a training model put in eval mode stays frozen: running statistics); the
+    modules' training flags are restored afterwards.
+
+    Raises:
+        ScheduleError: micro-batches the model's batch coupling cannot honour, or torch.export failing.
+    """
+    from torch.distributed.pipelining import pipeline  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a run that splits loads it
+
+    flags = [(m, m.training) for m in model.modules()]
+    frozen = (
+        [m for m in model.modules() if isinstance(m, _BatchNorm) and not m.training] if model.training else []
+    )
+    model.train()
+    for m in frozen:
+        m.eval()
+    try:
+        _check_batch_coupling(model, n_microbatches, mb_args, mb_kwargs)
+        with _split_hooks(root, cuts), exportable_sync_ops(), _torch_internal_deprecations():
+            return pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
+    except ScheduleError:
+        raise
+    except Exception as err:  # torch.export failures
+        msg = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        raise ScheduleError(f"Could not capture the model for pipelining with torch.export ({msg}).") from err
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _stage_params(mod: nn.Module, orig_params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """``{original name: parameter}`` of one stage module, each name once: a further call's alias
+    (``key_proj@1``) is pointed at the stage's one parameter, and a replicated (tied) copy takes the original's
+    annotations."""
+    params: dict[str, nn.Parameter] = {}
+    for name, p in mod.named_parameters(remove_duplicate=False):
+        orig = _orig_name(name)
+        if orig is None:
+            continue
+        held = params.get(orig)
+        if held is not None:  # a further call's alias (``key_proj@1``): one parameter per name and stage
+            if held is not p:
+                owner, _, attr = name.rpartition(".")
+                mod.get_submodule(owner)._parameters[attr] = held
+            continue
+        src = orig_params.get(orig)
+        if src is not None and p is not src:  # a replicated (tied) copy: keep the annotations
+            for k, v in src.__dict__.items():
+                p.__dict__.setdefault(k, v)
+        params[orig] = p
+    return params

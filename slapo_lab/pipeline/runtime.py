@@ -19,14 +19,16 @@ Runtimes (the ``target``):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from ..errors import ScheduleError
+from .deepspeed_runtime import _dry_run_codecs, build_deepspeed, deepspeed_eval_step, deepspeed_train_step
 from .partition import PipelinePartition, partition_pipeline
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -174,8 +176,6 @@ class PipelineModel:
             float: the mean of the micro-batch losses, the same on every rank of the pipeline.
         """
         if self.target == "deepspeed":
-            from .deepspeed_runtime import deepspeed_train_step
-
             return deepspeed_train_step(self, args, kwargs, target)
         for m in self.stage_modules:
             m.train()
@@ -200,8 +200,6 @@ class PipelineModel:
         """Run one full batch forward only (``schedule.eval``, dropout off) and return the mean micro-batch
         loss, the same on every rank of the pipeline (torch target)."""
         if self.target == "deepspeed":
-            from .deepspeed_runtime import deepspeed_eval_step
-
             return deepspeed_eval_step(self, args, kwargs, target)
         for m in self.stage_modules:
             m.eval()
@@ -257,8 +255,6 @@ def deepspeed_from(
     Raises:
         ScheduleError: as :func:`build_pipeline` for DeepSpeed, or ``pm`` was not built for it.
     """
-    from .deepspeed_runtime import build_deepspeed
-
     codecs = getattr(pm.partition, "ds_codecs", None)
     if codecs is None:
         raise ScheduleError(
@@ -278,15 +274,11 @@ def deepspeed_from(
 
 def _graph_modules(module: nn.Module):
     """The modules of ``module`` that run an fx graph: GraphModules, and torch.export's InterpreterModules."""
-    from torch import fx
-
     return [m for m in module.modules() if isinstance(getattr(m, "graph", None), fx.Graph)]
 
 
 def _recompile(gm: nn.Module) -> None:
     """Regenerate the code of a module whose graph changed (an InterpreterModule runs its ``graph_module``)."""
-    from torch import fx
-
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
     elif isinstance(getattr(gm, "graph_module", None), fx.GraphModule):
@@ -331,8 +323,6 @@ def _retarget_devices(module: nn.Module, device: torch.device) -> None:
     """Rewrite the ``meta`` device constants ``torch.export`` baked into a stage's graphs (``x.to(x.device)``
     in rotary embeddings ...) when it traced the model on the meta device, so the stage runs on ``device``
     (the rule of ``torch.export.passes.move_to_device_pass``, applied to the split graph modules)."""
-    from torch import fx
-
     meta = torch.device("meta")
 
     def swap(a):
@@ -375,8 +365,6 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
     """Make ``module``'s forward run under bf16 autocast and return its floating outputs in float32 (the
     dtype the stages were traced with, which the receiving stage's buffers expect). Setting the module's
     ``autocast_bf16`` attribute to False turns it off (Verify runs in float32)."""
-    import types
-
     inner = module.forward
     module.autocast_bf16 = True
 
@@ -463,6 +451,43 @@ def build_pipeline(
             micro-batches that BatchNorm or a contrastive loss cannot honour (see
             :func:`~slapo_lab.pipeline.partition_pipeline`); no optimizer for DeepSpeed.
     """
+    _check_arguments(target, schedule, stages_per_rank, loss_fn)
+    if pp_group is None:
+        pp_group = _default_pp_group()
+    pp = _group_size(pp_group)
+    pp_rank = _group_rank(pp_group)
+    if n_microbatches is None:
+        n_microbatches = max(pp, 1) * stages_per_rank if schedule == "Interleaved1F1B" else max(pp, 1)
+    _check_layout(sch, target, schedule, pp_group, pp, stages_per_rank, n_microbatches)
+    partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
+    stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    codecs = None
+    if target == "deepspeed" or deepspeed_later:
+        # how values travel between DeepSpeed stages: one micro-batch through every stage, while they are all
+        # alike (all meta, or all real)
+        codecs = partition.ds_codecs = _dry_run_codecs(partition)
+    _prepare_stage_modules(partition, stage_ids, prepare_stages, autocast_bf16, torch.device(device))
+    pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
+    if target == "deepspeed":
+        build_deepspeed(
+            pm,
+            loss_fn,
+            optimizer,
+            ds_config or {},
+            example_inputs,
+            device,
+            codecs=codecs,
+            lr_scheduler=lr_scheduler,
+        )
+        return pm
+    _build_torch_schedule(pm, pp, schedule, loss_fn, torch.device(device))
+    if optimizer is not None:
+        pm.optimizer = optimizer(pm.parameters())
+    return pm
+
+
+def _check_arguments(target: str, schedule: str, stages_per_rank: int, loss_fn: Callable) -> None:
+    """Refuse an unknown target or schedule, a bad ``stages_per_rank`` or a missing ``loss_fn`` (one sentence)."""
     if target not in TARGETS:
         raise ScheduleError(f"Unknown pipeline target {target!r}; use one of {', '.join(TARGETS)}.")
     if schedule not in SCHEDULES:
@@ -471,12 +496,13 @@ def build_pipeline(
         raise ScheduleError(f"stages_per_rank must be a positive integer, not {stages_per_rank!r}.")
     if not callable(loss_fn):
         raise ScheduleError("build_pipeline needs loss_fn(output, target) -> scalar loss.")
-    if pp_group is None:
-        pp_group = _default_pp_group()
-    pp = _group_size(pp_group)
-    pp_rank = _group_rank(pp_group)
-    if n_microbatches is None:
-        n_microbatches = max(pp, 1) * stages_per_rank if schedule == "Interleaved1F1B" else max(pp, 1)
+
+
+def _check_layout(
+    sch, target: str, schedule: str, pp_group, pp: int, stages_per_rank: int, n_microbatches: int
+) -> None:
+    """Refuse micro-batches, stages per rank or a stage count the pipeline group and schedule cannot run, or a
+    missing process group (one sentence)."""
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ScheduleError(f"n_microbatches must be a positive integer, not {n_microbatches!r}.")
     if stages_per_rank > 1 and target == "deepspeed":
@@ -505,55 +531,51 @@ def build_pipeline(
             "initialised: launch with torchrun (or call dist.init_process_group, world size 1 "
             "for all stages in one process) first."
         )
-    partition = partition_pipeline(sch, example_inputs, n_microbatches, output_fn)
-    stage_ids = [pp_rank + k * pp for k in range(stages_per_rank)]
-    codecs = None
-    if (
-        target == "deepspeed" or deepspeed_later
-    ):  # how values travel between DeepSpeed stages: one micro-batch
-        from .deepspeed_runtime import (
-            _dry_run_codecs,  # through every stage, while they are all alike (all meta,
-        )
 
-        codecs = partition.ds_codecs = _dry_run_codecs(partition)  # or all real)
+
+def _prepare_stage_modules(
+    partition: PipelinePartition,
+    stage_ids: list[int],
+    prepare_stages: Callable[[PipelinePartition, list[int]], None] | None,
+    autocast_bf16: bool,
+    device: torch.device,
+) -> None:
+    """Run the caller's ``prepare_stages`` hook on this rank's stages (then move their graphs' meta device
+    constants to ``device``), and wrap their forwards in bf16 autocast when asked."""
     if prepare_stages is not None:
         prepare_stages(partition, stage_ids)
         for i in stage_ids:
-            _retarget_devices(partition.stage_module(i), torch.device(device))
+            _retarget_devices(partition.stage_module(i), device)
     if autocast_bf16:
         for i in stage_ids:
-            _autocast_forward(partition.stage_module(i), torch.device(device).type)
-    pm = PipelineModel(partition, target, stage_ids, pp_group, dp_group, n_microbatches)
-    if target == "deepspeed":
-        from .deepspeed_runtime import build_deepspeed
+            _autocast_forward(partition.stage_module(i), device.type)
 
-        build_deepspeed(
-            pm,
-            loss_fn,
-            optimizer,
-            ds_config or {},
-            example_inputs,
-            device,
-            codecs=codecs,
-            lr_scheduler=lr_scheduler,
-        )
-        return pm
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    dev = torch.device(device)
+def _build_torch_schedule(
+    pm: PipelineModel, pp: int, schedule: str, loss_fn: Callable, dev: torch.device
+) -> None:
+    """Give ``pm`` this rank's ``torch.distributed.pipelining`` stages (``pm.stages``) and the schedule that
+    runs them (``pm.schedule``)."""
+    from torch.distributed.pipelining import (  # noqa: PLC0415 - torch.distributed.pipelining takes 2.5 s to import: only a pipeline run loads it
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    partition, stage_ids, n_microbatches = pm.partition, pm.stage_ids, pm.n_microbatches
     if pp == 1:
         # every stage on this one rank (Interleaved1F1B, stages_per_rank = stages): the traced stages of
         # Pipe.build_stage warm up by sending to their neighbour's rank, i.e. to themselves, which gloo
         # refuses ("Pair is not connected"); PipelineStage passes values between stages of one rank
         # in memory and infers their shapes from the first micro-batch.
-        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import PipelineStage  # noqa: PLC0415 - 2.5 s to import: only a pipeline run loads it
 
         pm.stages = [
-            PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pp_group)
+            PipelineStage(partition.stage_module(i), i, partition.num_stages, dev, group=pm.pp_group)
             for i in stage_ids
         ]
     else:
-        pm.stages = [partition.pipe.build_stage(i, dev, pp_group) for i in stage_ids]
+        pm.stages = [partition.pipe.build_stage(i, dev, pm.pp_group) for i in stage_ids]
     if schedule == "Interleaved1F1B":
         pm.schedule = ScheduleInterleaved1F1B(pm.stages, n_microbatches, loss_fn=loss_fn)
     else:
@@ -561,6 +583,3 @@ def build_pipeline(
         one = n_microbatches == 1 and partition.num_stages > 1
         cls = ScheduleGPipe if schedule == "GPipe" or one else Schedule1F1B
         pm.schedule = cls(pm.stages[0], n_microbatches, loss_fn=loss_fn)
-    if optimizer is not None:
-        pm.optimizer = optimizer(pm.parameters())
-    return pm

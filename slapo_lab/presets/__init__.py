@@ -196,68 +196,13 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
     """One application of :func:`megatron_tp` region by region (:mod:`slapo_lab.preset_check`), leaving out
     the regions whose keys ``skip`` holds; a region a primitive refuses raises ``RegionRefused``."""
     n = len(sch.record)
-    region_of_call: list = []
-    owned: dict = {}
+    runner = _RegionRunner(sch, skip)
     notes: list[str] = []
-
-    done: set = set()
-
-    def run(region, fn) -> None:
-        if region.key in skip:
-            return
-        k = len(sch.record)
-        try:
-            fn()
-        except EarlierCallConflict:
-            raise
-        except ScheduleError as err:
-            if region.key in done:  # the same layers applied in an earlier block of this class: what differs
-                raise  # here is a call made before the preset, so the preset is refused as a whole
-            raise RegionRefused(region, str(err)) from None
-        done.add(region.key)
-        region_of_call.extend([region] * (len(sch.record) - k))
-        for c in sch.record.calls[k:]:
-            owned.setdefault(c.path, region)
-
     if use_hf_plan:
         plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
-        run(plan, lambda: apply_hf_tp_plan(sch))
+        runner.run(plan, lambda: apply_hf_tp_plan(sch))
     for b in blocks if not use_hf_plan else ():
-        layers = layers_of[b]
-        cls = type(sch[b].mod).__name__
-        rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
-        kinds = dict(rel_layers)
-        # a module with several kinds (GPT-OSS-style sinks on an MLA attention that also takes Megatron's f:
-        # ``head_param`` then ``attention_f``) gets each of them, in block_layers' order
-        queues: dict = {}
-        for r, k in rel_layers:
-            queues.setdefault(r, []).append(k)
-        for region, rels in layer_regions(cls, rel_layers):
-            if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
-                kinds[r] == "row" for r in rels
-            ):  # a row-parallel layer with no column-parallel partner can never be right: leave it
-                continue
-            paths = [f"{b}.{r}" if b else r for r in rels]
-            for p in paths:
-                owned[p] = region
-            full = next((p for p, r in zip(paths, rels, strict=True) if kinds[r] == "qk_norm_full"), None)
-            if full is not None:
-                reason = (
-                    f"{full} normalises q or k over all attention heads' features, so splitting the heads across "
-                    "ranks would change its result."
-                )
-                run(region, functools.partial(_raise, reason))
-                continue
-            run(
-                region,
-                functools.partial(
-                    _apply_layers,
-                    sch,
-                    paths,
-                    [queues[r].pop(0) if len(queues[r]) > 1 else queues[r][0] for r in rels],
-                    sequence_parallel,
-                ),
-            )
+        _block_regions(runner, sch, b, layers_of[b], sequence_parallel)
     if vocab_parallel:
         vocab = vocab_size(sch)
         if vocab is None:
@@ -271,7 +216,7 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
                 f"world size {sch.world_size} (pad the vocabulary to a multiple of {sch.world_size} to shard it)."
             )
         else:
-            run(OUTSIDE, lambda: vocab_parallel_embeddings(sch))
+            runner.run(OUTSIDE, lambda: vocab_parallel_embeddings(sch))
     if sequence_parallel:
         pre = f"{base}." if base else ""
 
@@ -281,8 +226,78 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
                 sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False
             )
 
-        run(OUTSIDE, scatter_gather)
-    return Applied(_since(sch, n), region_of_call, owned, notes)
+        runner.run(OUTSIDE, scatter_gather)
+    return Applied(_since(sch, n), runner.region_of_call, runner.owned, notes)
+
+
+class _RegionRunner:
+    """Runs the calls of one region at a time and remembers which region made each call and owns each path."""
+
+    def __init__(self, sch, skip) -> None:
+        self.sch = sch
+        self.skip = skip
+        self.region_of_call: list = []
+        self.owned: dict = {}
+        self.done: set = set()
+
+    def run(self, region, fn) -> None:
+        """``fn()`` for ``region`` unless it is skipped; a refusal raises ``RegionRefused`` (an earlier call's
+        conflict, or a refusal in a region an earlier block of its class applied, is raised as it is)."""
+        if region.key in self.skip:
+            return
+        k = len(self.sch.record)
+        try:
+            fn()
+        except EarlierCallConflict:
+            raise
+        except ScheduleError as err:
+            if (
+                region.key in self.done
+            ):  # the same layers applied in an earlier block of this class: what differs
+                raise  # here is a call made before the preset, so the preset is refused as a whole
+            raise RegionRefused(region, str(err)) from None
+        self.done.add(region.key)
+        self.region_of_call.extend([region] * (len(self.sch.record) - k))
+        for c in self.sch.record.calls[k:]:
+            self.owned.setdefault(c.path, region)
+
+
+def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel: bool) -> None:
+    """Apply the layers of block ``b`` (its :func:`block_layers`) region by region through ``runner``."""
+    cls = type(sch[b].mod).__name__
+    rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
+    kinds = dict(rel_layers)
+    # a module with several kinds (GPT-OSS-style sinks on an MLA attention that also takes Megatron's f:
+    # ``head_param`` then ``attention_f``) gets each of them, in block_layers' order
+    queues: dict = {}
+    for r, k in rel_layers:
+        queues.setdefault(r, []).append(k)
+    for region, rels in layer_regions(cls, rel_layers):
+        if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
+            kinds[r] == "row" for r in rels
+        ):  # a row-parallel layer with no column-parallel partner can never be right: leave it
+            continue
+        paths = [f"{b}.{r}" if b else r for r in rels]
+        for p in paths:
+            runner.owned[p] = region
+        full = next((p for p, r in zip(paths, rels, strict=True) if kinds[r] == "qk_norm_full"), None)
+        if full is not None:
+            reason = (
+                f"{full} normalises q or k over all attention heads' features, so splitting the heads across "
+                "ranks would change its result."
+            )
+            runner.run(region, functools.partial(_raise, reason))
+            continue
+        runner.run(
+            region,
+            functools.partial(
+                _apply_layers,
+                sch,
+                paths,
+                [queues[r].pop(0) if len(queues[r]) > 1 else queues[r][0] for r in rels],
+                sequence_parallel,
+            ),
+        )
 
 
 def _raise(reason: str) -> None:

@@ -65,6 +65,33 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
         raise ScheduleError(
             "The model's config has no base_model_tp_plan; use megatron_tp(sch, family=...) instead."
         )
+    compiled = _compile_plan(plan)
+    targets, hit = _plan_targets(sch, plan, compiled)
+    packed = next((p for p, kind in targets if kind == "packed_column"), None)
+    if packed is not None:
+        raise ScheduleError(
+            f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
+            "has no preset mapping; it is supported for the weights of an experts module only."
+        )
+    missing = [pat for pat, _, _ in compiled if pat not in hit]
+    if missing and from_config and hit:
+        # a config's plan covers every layer kind of the family (Qwen3-MoE's dense mlp.gate_proj exists only
+        # with mlp_only_layers): entries for kinds this model does not build are skipped, as HF does
+        missing = []
+    if missing:
+        raise ScheduleError(f"The tensor-parallel plan entry {missing[0]!r} matches no module.")
+    n = len(sch.record)
+    for p, kind in targets:
+        _apply_hf_kind(sch, p, kind)
+    return _since(sch, n)
+
+
+def _compile_plan(plan: dict[str, str]) -> list[tuple[str, re.Pattern, str]]:
+    """``(pattern, regex, kind)`` per plan entry (``*`` matches one path component).
+
+    Raises:
+        ScheduleError: a style with no mapping.
+    """
     compiled = []
     for pat, style in plan.items():
         if style not in _HF_STYLES:
@@ -74,6 +101,14 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
             )
         rx = re.compile("^" + r"\.".join("[^.]+" if c == "*" else re.escape(c) for c in pat.split(".")) + "$")
         compiled.append((pat, rx, _HF_STYLES[style]))
+    return compiled
+
+
+def _plan_targets(
+    sch, plan: dict[str, str], compiled: list[tuple[str, re.Pattern, str]]
+) -> tuple[list[tuple[str, str]], set[str]]:
+    """``(targets, hit)``: ``(module path, kind)`` of every module the first matching entry names, in tree order,
+    and the patterns that matched (a parameter entry of an experts module counts: experts_parallel shards it)."""
     targets = []
     hit = set()
     for p, _node in sch.named_schedules():
@@ -94,29 +129,18 @@ def apply_hf_tp_plan(sch, plan: dict[str, str] | None = None) -> list[Call]:
         }
         if owners and owners <= experts:
             hit.add(pat)  # a parameter of an experts module that experts_parallel shards
-    packed = next((p for p, kind in targets if kind == "packed_column"), None)
-    if packed is not None:
-        raise ScheduleError(
-            f"HF tensor-parallel style 'packed_colwise' on the module {packed} (a fused projection) "
-            "has no preset mapping; it is supported for the weights of an experts module only."
-        )
-    missing = [pat for pat, _, _ in compiled if pat not in hit]
-    if missing and from_config and hit:
-        # a config's plan covers every layer kind of the family (Qwen3-MoE's dense mlp.gate_proj exists only
-        # with mlp_only_layers): entries for kinds this model does not build are skipped, as HF does
-        missing = []
-    if missing:
-        raise ScheduleError(f"The tensor-parallel plan entry {missing[0]!r} matches no module.")
-    n = len(sch.record)
-    for p, kind in targets:
-        if kind == "row":
-            row_parallel(sch, p)
-        elif kind == "grad_allreduce":
-            _ensure_sync(sch[p], "bwd_post", "all_reduce", param_grads=True)
-        elif kind == "experts":
-            experts_parallel(sch, p)
-        else:
-            column_parallel(sch, p)
-            if kind == "column_gather":
-                _ensure_sync(sch[p], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
-    return _since(sch, n)
+    return targets, hit
+
+
+def _apply_hf_kind(sch, p: str, kind: str) -> None:
+    """The primitives of one plan kind on the module ``p``."""
+    if kind == "row":
+        row_parallel(sch, p)
+    elif kind == "grad_allreduce":
+        _ensure_sync(sch[p], "bwd_post", "all_reduce", param_grads=True)
+    elif kind == "experts":
+        experts_parallel(sch, p)
+    else:
+        column_parallel(sch, p)
+        if kind == "column_gather":
+            _ensure_sync(sch[p], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)

@@ -245,67 +245,113 @@ def apply_layer(sch, path: str, kind: str, sequence_parallel: bool = False) -> N
     Raises:
         ScheduleError: the first primitive call that refuses.
     """
-    if kind == "column":
-        column_parallel(sch, path, sequence_parallel)
-    elif kind == "column_shard":  # column parallel whose input gradient the attention module's f sums
-        node, rule = _dense(sch, path, "column_parallel")
-        _ensure_shard(node, "weight", rule.out_axis)
-        if getattr(node.mod, "bias", None) is not None:
-            _ensure_shard(node, "bias", 0)
-    elif kind == "attention_f":
-        _ensure_sync(sch[path], "bwd_post", "all_reduce")
-    elif kind == "grad_sum":
-        _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
-    elif kind == "features":
-        # a norm over a split layer's features: its parameters are sharded like them, and its statistics are
-        # summed over the ranks (slapo_lab/sharding/feature_stats.py)
-        node = sch[path]
-        conv = isinstance(
-            node.mod, nn.modules.conv._ConvNd
-        )  # a depthwise convolution: one filter per channel
-        for name, prm in list(node.mod._parameters.items()):
-            if prm is not None:
-                _ensure_shard(node, name, 0 if conv else prm.dim() - 1)
-        _shard_running_stats(node)
-    elif kind == "row":
-        row_parallel(sch, path, sequence_parallel)
-    elif kind == "heads":  # a per-head table (T5's relative_attention_bias): this rank's heads' columns
-        _ensure_shard(sch[path], "weight", 1)
-    elif kind.startswith("head_param:"):  # a parameter with one entry per head on an axis (Swin's relative
-        # position table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads
-        for one in kind[len("head_param:") :].split(";"):  # several on one module (DeBERTa's q_bias, v_bias)
-            name, axis = one.split(":")
-            _ensure_shard(sch[path], name, int(axis))
-        _shard_running_stats(sch[path])
-    elif kind == "column_gather":
-        # a linear whose features reach no head and no row-parallel partner (Swin's patch-merging
-        # downsample.reduction): column parallel, its output gathered; see slapo_lab/sharding/lone_linears.py
-        column_parallel(sch, path)
-        _ensure_sync(sch[path], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
-    elif kind == "gather_linear":
-        # a mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
-        # input channels gathered, its output features split, its output gathered (the gathers' backward
-        # reduce-scatters sum the ranks' partial gradients); see slapo_lab/sharding/mixers.py
-        node, rule = _dense(sch, path, "column_parallel")
-        _ensure_shard(node, "weight", rule.out_axis)
-        if getattr(node.mod, "bias", None) is not None:
-            _ensure_shard(node, "bias", 0)
-        _ensure_sync(node, "fwd_pre", "all_gather", axis=-1)
-        _ensure_sync(node, "fwd_post", "all_gather", axis=-1)
-    elif kind.startswith("channel_params:"):
-        # a mixer's per-channel / per-head parameters (A_log, D, dt_bias, a depthwise conv1d, a grouped norm:
-        # slapo_lab/sharding/mixers.py), each on its axis; then, with ";grad_sum", its replicated ones sum gradients
-        spec, _, extra = kind.split(":", 1)[1].partition(";")
-        for item in spec.split(","):
-            name, axis = item.split("=")
-            _ensure_shard(sch[path], name, int(axis))
-        if extra == "grad_sum":
-            _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
-    elif kind == "experts":
-        experts_parallel(sch, path)
+    apply = _APPLY_KIND.get(kind) or next((f for pre, f in _APPLY_PREFIX if kind.startswith(pre)), None)
+    if apply is not None:
+        apply(sch, path, kind, sequence_parallel)
     elif kind == "head_norm" or sequence_parallel:  # a head norm sees this rank's heads only; under
         # sequence parallelism a norm sees this rank's tokens only: either way, sum its gradients over the ranks
         _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+
+
+def _column(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    column_parallel(sch, path, sequence_parallel)
+
+
+def _row(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    row_parallel(sch, path, sequence_parallel)
+
+
+def _column_shard(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """Column parallel whose input gradient the attention module's f sums: the weight and bias sharded only."""
+    node, rule = _dense(sch, path, "column_parallel")
+    _ensure_shard(node, "weight", rule.out_axis)
+    if getattr(node.mod, "bias", None) is not None:
+        _ensure_shard(node, "bias", 0)
+
+
+def _attention_f(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    _ensure_sync(sch[path], "bwd_post", "all_reduce")
+
+
+def _grad_sum(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+
+
+def _features(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """A norm over a split layer's features: its parameters are sharded like them, and its statistics are
+    summed over the ranks (slapo_lab/sharding/feature_stats.py)."""
+    node = sch[path]
+    conv = isinstance(node.mod, nn.modules.conv._ConvNd)  # a depthwise convolution: one filter per channel
+    for name, prm in list(node.mod._parameters.items()):
+        if prm is not None:
+            _ensure_shard(node, name, 0 if conv else prm.dim() - 1)
+    _shard_running_stats(node)
+
+
+def _heads(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """A per-head table (T5's relative_attention_bias): this rank's heads' columns."""
+    _ensure_shard(sch[path], "weight", 1)
+
+
+def _head_params(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """``head_param:<name>:<axis>;...``: parameters with one entry per head on an axis (Swin's relative position
+    table, GPT-OSS's sinks, Cohere's q/k norm weights), read from the dataflow: this rank's heads. A module may
+    hold several (DeBERTa's q_bias, v_bias)."""
+    for one in kind[len("head_param:") :].split(";"):
+        name, axis = one.split(":")
+        _ensure_shard(sch[path], name, int(axis))
+    _shard_running_stats(sch[path])
+
+
+def _column_gather(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """A linear whose features reach no head and no row-parallel partner (Swin's patch-merging
+    downsample.reduction): column parallel, its output gathered; see slapo_lab/sharding/lone_linears.py."""
+    column_parallel(sch, path)
+    _ensure_sync(sch[path], "fwd_post", "all_gather", axis=-1, tensor_parallel_output_grad=False)
+
+
+def _gather_linear(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """A mixer's linear whose whole output every rank needs (Mamba's x_proj: dt, B, C from all channels): its
+    input channels gathered, its output features split, its output gathered (the gathers' backward
+    reduce-scatters sum the ranks' partial gradients); see slapo_lab/sharding/mixers.py."""
+    node, rule = _dense(sch, path, "column_parallel")
+    _ensure_shard(node, "weight", rule.out_axis)
+    if getattr(node.mod, "bias", None) is not None:
+        _ensure_shard(node, "bias", 0)
+    _ensure_sync(node, "fwd_pre", "all_gather", axis=-1)
+    _ensure_sync(node, "fwd_post", "all_gather", axis=-1)
+
+
+def _channel_params(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    """``channel_params:<name>=<axis>,...[;grad_sum]``: a mixer's per-channel / per-head parameters (A_log, D,
+    dt_bias, a depthwise conv1d, a grouped norm: slapo_lab/sharding/mixers.py), each on its axis; then, with
+    ``;grad_sum``, its replicated ones sum gradients."""
+    spec, _, extra = kind.split(":", 1)[1].partition(";")
+    for item in spec.split(","):
+        name, axis = item.split("=")
+        _ensure_shard(sch[path], name, int(axis))
+    if extra == "grad_sum":
+        _ensure_sync(sch[path], "bwd_post", "all_reduce", param_grads=True)
+
+
+def _experts(sch, path: str, kind: str, sequence_parallel: bool) -> None:
+    experts_parallel(sch, path)
+
+
+#: :func:`apply_layer` by kind: ``fn(sch, path, kind, sequence_parallel)``; then by the kinds' prefixes.
+_APPLY_KIND = {
+    "column": _column,
+    "column_shard": _column_shard,
+    "attention_f": _attention_f,
+    "grad_sum": _grad_sum,
+    "features": _features,
+    "row": _row,
+    "heads": _heads,
+    "column_gather": _column_gather,
+    "gather_linear": _gather_linear,
+    "experts": _experts,
+}
+_APPLY_PREFIX = (("head_param:", _head_params), ("channel_params:", _channel_params))
 
 
 def _shard_running_stats(node) -> None:

@@ -98,77 +98,85 @@ def block_layers(sch, block_path: str) -> list[tuple[str, str]]:
     for rel, node in block.named_schedules():
         if not rel:
             continue
-        path = f"{block_path}.{rel}" if block_path else rel
-        mod = node.mod
-        if isinstance(mod, nn.Linear) or is_conv1d(mod):
-            fused, refusal = _fused_kind(node)
-            role = split.roles.get(rel) if split is not None else None
-            if refusal:
-                kind = None
-            elif role is not None:  # read from the block's dataflow (slapo_lab/sharding/infer.py)
-                kind = _role_kind(role)
-                if (
-                    kind
-                    and role not in ("mlp_in", "mlp_out")
-                    and _undivided(split, rel, sch.world_size, block)
-                ):
-                    kind = (
-                        None  # an attention whose heads do not divide stays whole (replicated_dense says why)
-                    )
-            elif fused and (split is None or not split.attention):
-                kind = fused  # a layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
-            elif (
-                split is not None
-                and (split.roles or split.whole)
-                and (rel in split.whole or rel in split.ran)
-                and (split.attention or rel in split.whole or _classify(rel) is None)
-            ):
-                # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
-                # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
-                # -- or, where nothing keeps it whole, column parallel with its output gathered (lone_linears.py)
-                kind = lone_linear_kind(split, rel, mod, node.parent.mod if node.parent is not None else None)
-            else:
-                kind = _classify(rel)  # names are hints where the dataflow says nothing
-            if kind:
-                out.append((path, kind))
-        elif split is not None and rel in split.feature_params:
-            out.append((path, "features"))  # a norm over a split projection's features: sharded with them
-        elif rel in heads:
-            kept = [
-                hp for hp in heads[rel] if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block)
-            ]
-            if kept:  # one kind per module: "head_param:q_bias:0;v_bias:0"
-                out.append((path, "head_param:" + ";".join(f"{hp.name}:{hp.axis}" for hp in kept)))
-        elif is_norm(mod) and any(p is not None for p in mod._parameters.values()):
-            kind = _norm_kind(node)
-            if kind == "norm" and split is not None and rel in split.grad_sum:
-                kind = "head_norm"  # applied to a column-parallel output: its gradients are partial sums
-            if (
-                kind == "head_norm"
-                and split is not None
-                and _undivided(split, f"{rel}.w", sch.world_size, block)
-            ):
-                kind = "norm"  # its attention stays whole: its gradients are whole too
-            out.append((path, kind))
-        elif (
-            split is not None
-            and rel in split.grad_sum
-            and not _is_experts(mod)
-            and not _undivided(split, f"{rel}.w", sch.world_size, block)
-        ):
-            out.append((path, "grad_sum"))
-        elif _is_experts(mod):
-            out.append((path, "experts"))
-        elif isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
-            out.append((path, "heads"))
-    if split is not None and split.feature_params:
+        kind = _layer_kind(sch, block, split, heads, rel, node)
+        if kind:
+            out.append((f"{block_path}.{rel}" if block_path else rel, kind))
+    return out if split is None else _split_layers(sch, block, block_path, split, out)
+
+
+def _layer_kind(sch, block, split, heads: dict, rel: str, node) -> str | None:
+    """The kind :func:`block_layers` gives the module ``rel`` of ``block`` (None: left out)."""
+    mod = node.mod
+    if isinstance(mod, nn.Linear) or is_conv1d(mod):
+        return _linear_kind(sch, block, split, rel, node)
+    if split is not None and rel in split.feature_params:
+        return "features"  # a norm over a split projection's features: sharded with them
+    if rel in heads:
+        kept = [hp for hp in heads[rel] if not _undivided(split, f"{rel}.{hp.name}", sch.world_size, block)]
+        # one kind per module: "head_param:q_bias:0;v_bias:0"
+        return "head_param:" + ";".join(f"{hp.name}:{hp.axis}" for hp in kept) if kept else None
+    if is_norm(mod) and any(p is not None for p in mod._parameters.values()):
+        return _block_norm_kind(sch, block, split, rel, node)
+    if (
+        split is not None
+        and rel in split.grad_sum
+        and not _is_experts(mod)
+        and not _undivided(split, f"{rel}.w", sch.world_size, block)
+    ):
+        return "grad_sum"
+    if _is_experts(mod):
+        return "experts"
+    if isinstance(mod, nn.Embedding) and node.parent is not None and _is_head_table(node):
+        return "heads"
+    return None
+
+
+def _linear_kind(sch, block, split, rel: str, node) -> str | None:
+    """``"column"`` / ``"row"`` for a linear (or HF ``Conv1D``) of the block, None where it stays replicated."""
+    fused, refusal = _fused_kind(node)
+    role = split.roles.get(rel) if split is not None else None
+    if refusal:
+        return None
+    if role is not None:  # read from the block's dataflow (slapo_lab/sharding/infer.py)
+        kind = _role_kind(role)
+        if kind and role not in ("mlp_in", "mlp_out") and _undivided(split, rel, sch.world_size, block):
+            return None  # an attention whose heads do not divide stays whole (replicated_dense says why)
+        return kind
+    if fused and (split is None or not split.attention):
+        return fused  # a layout read from the attention module's attributes (Falcon, BLOOM, Phi-3)
+    if (
+        split is not None
+        and (split.roles or split.whole)
+        and (rel in split.whole or rel in split.ran)
+        and (split.attention or rel in split.whole or _classify(rel) is None)
+    ):
+        # the dataflow ran it and paired it with nothing: it stays whole -- unless the dataflow saw no
+        # attention at all in the block (MRA's custom sparse attention kernels): names are the hints there
+        # -- or, where nothing keeps it whole, column parallel with its output gathered (lone_linears.py)
+        return lone_linear_kind(split, rel, node.mod, node.parent.mod if node.parent is not None else None)
+    return _classify(rel)  # names are hints where the dataflow says nothing
+
+
+def _block_norm_kind(sch, block, split, rel: str, node) -> str:
+    """:func:`_norm_kind` of a norm of the block, corrected by what the block's split shards around it."""
+    kind = _norm_kind(node)
+    if kind == "norm" and split is not None and rel in split.grad_sum:
+        kind = "head_norm"  # applied to a column-parallel output: its gradients are partial sums
+    if kind == "head_norm" and split is not None and _undivided(split, f"{rel}.w", sch.world_size, block):
+        kind = "norm"  # its attention stays whole: its gradients are whole too
+    return kind
+
+
+def _split_layers(sch, block, block_path: str, split, out: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``out`` with what the block's split adds: features entries, SSM mixers, shared attention."""
+    if split.feature_params:
         out = _feature_layers(block_path, split, out)
-    if split is not None and getattr(split, "mixers", None):  # SSM mixers (slapo_lab/sharding/mixers.py)
+    if getattr(split, "mixers", None):  # SSM mixers (slapo_lab/sharding/mixers.py)
         cut = len(block_path) + 1 if block_path else 0
         out = [(p, k) for p, k in out if mixers.reason(split, p[cut:], sch.world_size) is None]
         mine = mixers.layers(split, block_path, sch.world_size)
         out = [x for x in out if x[0] not in {p for p, _ in mine}] + mine
-    if split is not None and split.shared:
+    if split.shared:
         out = _shared_attention(block, block_path, split, out)
     return out
 
@@ -277,13 +285,7 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
     outside: list[str] = []
     splits: dict = {}
     for path, node in sch.named_schedules():
-        mod = node.mod
-        if not (isinstance(mod, nn.Linear) or is_conv1d(mod)) or getattr(mod, "weight", None) is None:
-            continue
-        meta = peek_meta(mod)
-        if (meta and meta.sharded) or getattr(mod.weight, "shard_axis", None) is not None:
-            continue
-        if exclude_noted and path in kept:
+        if not _is_whole_dense(node.mod) or (exclude_noted and path in kept):
             continue
         block = next((b for b in blocks if path.startswith(b + ".")), None)
         if block is None:
@@ -298,8 +300,19 @@ def replicated_dense(sch, exclude_noted: bool = False) -> str | None:
                     or "not a recognised q/k/v, output or MLP projection"
                 )
                 inside[rel] = why
-    if not inside and not outside:
-        return None
+    return _kept_whole_sentence(inside, outside) if inside or outside else None
+
+
+def _is_whole_dense(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a dense layer (``nn.Linear`` / HF ``Conv1D`` with a weight) that no call sharded."""
+    if not (isinstance(mod, nn.Linear) or is_conv1d(mod)) or getattr(mod, "weight", None) is None:
+        return False
+    meta = peek_meta(mod)
+    return not ((meta and meta.sharded) or getattr(mod.weight, "shard_axis", None) is not None)
+
+
+def _kept_whole_sentence(inside: dict[str, str], outside: list[str]) -> str:
+    """:func:`replicated_dense`'s sentence: the layers within a block grouped by reason, then those outside."""
     parts = []
     by_reason: dict[str, list[str]] = {}
     for rel, why in inside.items():

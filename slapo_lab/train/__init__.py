@@ -27,8 +27,12 @@ call into :func:`slapo_lab.train.main`; everything else lives here, as importabl
 The shard representation the ecosystem sees is :mod:`slapo_lab.sharding.placements` (DTensor views).
 """
 
+from __future__ import annotations
 
-def main(**kwargs) -> int:
+from typing import Any
+
+
+def main(**kwargs: Any) -> int:
     """The entry point of exported scripts: the launch checks of :mod:`slapo_lab.train.preflight` (no torch
     imported yet: a bad input fails in a second), then :func:`slapo_lab.train.loop.main` (imported only then).
 

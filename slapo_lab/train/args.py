@@ -9,6 +9,7 @@ combination is refused by argparse with the config's one sentence and exit statu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,28 +58,13 @@ def build_parser(
     present = set()
     for name, (section, f) in option_fields().items():
         meta = f.metadata
-        if meta["only"] == "deepspeed" and launcher != "deepspeed":
-            continue
-        if meta["only"] == "pipeline" and not pipeline:
+        if (meta["only"] == "deepspeed" and launcher != "deepspeed") or (
+            meta["only"] == "pipeline" and not pipeline
+        ):
             continue
         if section.TITLE not in groups:
             groups[section.TITLE] = p.add_argument_group(section.TITLE)
-        kind = option_type(name)
-        kwargs: dict[str, Any] = {"default": f.default, "dest": name}
-        if meta["hidden"]:
-            kwargs["help"] = argparse.SUPPRESS
-        elif meta["help"]:
-            kwargs["help"] = meta["help"].replace("%", "%%")
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
-        else:
-            if kind is not str:
-                kwargs["type"] = kind
-            if meta["choices"] is not None:
-                kwargs["choices"] = meta["choices"]
-            if meta["metavar"] is not None:
-                kwargs["metavar"] = meta["metavar"]
-        groups[section.TITLE].add_argument(*(meta["flags"] or (flag(name),)), **kwargs)
+        groups[section.TITLE].add_argument(*(meta["flags"] or (flag(name),)), **_argument(name, f))
         present.add(name)
     if isinstance(defaults, TrainConfig):
         defaults = defaults.changed()
@@ -89,6 +75,28 @@ def build_parser(
             raise ValueError(f"unknown default option(s) {', '.join(unknown)}")
         p.set_defaults(**defaults)
     return p
+
+
+def _argument(name: str, f: dataclasses.Field) -> dict[str, Any]:
+    """``add_argument``'s keyword arguments for the option ``name`` (its :class:`TrainConfig` field ``f``): its
+    default, help (hidden ones suppressed), a flag pair or switch for a bool, else its type, choices and metavar."""
+    meta = f.metadata
+    kind = option_type(name)
+    kwargs: dict[str, Any] = {"default": f.default, "dest": name}
+    if meta["hidden"]:
+        kwargs["help"] = argparse.SUPPRESS
+    elif meta["help"]:
+        kwargs["help"] = meta["help"].replace("%", "%%")
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        return kwargs
+    if kind is not str:
+        kwargs["type"] = kind
+    if meta["choices"] is not None:
+        kwargs["choices"] = meta["choices"]
+    if meta["metavar"] is not None:
+        kwargs["metavar"] = meta["metavar"]
+    return kwargs
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> TrainConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -142,7 +143,7 @@ def setup_data(run: Run) -> None:
 
 
 @contextlib.contextmanager
-def main_first():
+def main_first() -> Iterator[None]:
     """Rank 0 runs the block first (tokenises into the datasets cache); the others then read it."""
     if not is_rank0():
         dist.barrier()
@@ -254,7 +255,7 @@ def _setup_pipeline(run: Run, sch, blocks) -> None:
     run.module = nn.ModuleList([run.pm.partition.stage_module(i) for i in run.pm.stage_ids])
 
 
-def materialise(run: Run, module: nn.Module, targets: list, fsdp: bool, tables=()) -> None:
+def materialise(run: Run, module: nn.Module, targets: list, fsdp: bool, tables: Iterable[dict] = ()) -> None:
     """Storage for ``targets`` (FSDP2: ``to_empty``, keeping the real buffers), then values from
     ``--model-path`` or the seeded initialisation."""
     if fsdp:
@@ -282,7 +283,7 @@ def materialise(run: Run, module: nn.Module, targets: list, fsdp: bool, tables=(
         init_random(run.sch, targets, run.cfg.data.seed)
 
 
-def fake_parameters(model: nn.Module, device: str):
+def fake_parameters(model: nn.Module, device: str | torch.device) -> FakeTensorMode:
     """Replace ``model``'s meta parameters by fake tensors on ``device`` (``FakeTensorMode``: shapes, dtypes and
     the device, no storage), tied ones by one fake tensor, annotations kept; returns the fake mode."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..spec import transformers_class
 from .lifeline import check
@@ -73,8 +75,8 @@ class Checkpointer:
         folder: str | os.PathLike,
         modules: list[tuple[nn.Module, dict[int, tuple]]],
         optimizer: torch.optim.Optimizer | None,
-        scheduler,
-        mesh,
+        scheduler: LRScheduler | None,
+        mesh: DeviceMesh,
         layout_key: str,
         keep: int = 0,
         run_info: dict | None = None,
@@ -232,7 +234,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def save_hf(
     folder: str | os.PathLike,
     tensors: dict[str, tuple[torch.Tensor, Any]],
-    mesh,
+    mesh: DeviceMesh,
     dtype: torch.dtype,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
@@ -315,24 +317,7 @@ def convert_to_hf(
     Raises:
         ConvertError: not a complete checkpoint of this runtime (one sentence).
     """
-
-    path = Path(checkpoint)
-    if path.is_dir() and not (path / ".metadata").is_file():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            if (path / "latest").is_file():
-                raise ConvertError(
-                    f"{path} is a DeepSpeed checkpoint; convert it with the zero_to_fp32.py DeepSpeed "
-                    "wrote beside it, or train with the torchrun script and --save-hf."
-                )
-            raise ConvertError(
-                f"{path} holds no complete checkpoint (a step-NNNNNNNN directory with .metadata)."
-            )
-        path = latest[1]
-    if not (path / ".metadata").is_file() or not (path / RUN_INFO).is_file():
-        raise ConvertError(
-            f"{path} is not a complete slapo-lab checkpoint (it needs .metadata and {RUN_INFO})."
-        )
+    path = _complete_checkpoint(Path(checkpoint))
     info = json.loads((path / RUN_INFO).read_text(encoding="utf-8"))
     spec = info.get("model") or {}
     src_dtype = info.get("source_dtype", "float32")
@@ -353,13 +338,7 @@ def convert_to_hf(
         raise ConvertError(f"{path} holds no model tensors.")
     size = {n: meta.state_dict_metadata["model." + n].size for n in names}
     nbytes = {n: torch.Size(size[n]).numel() * torch.empty((), dtype=want).element_size() for n in names}
-    groups, used = [[]], 0
-    for n in names:
-        if used and used + nbytes[n] > max_shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(n)
-        used += nbytes[n]
+    groups = _shard_groups(names, nbytes, max_shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = len(groups)
@@ -395,3 +374,42 @@ def convert_to_hf(
         config.dtype = want
         copy_hf_extras(info.get("model_path"), info.get("tokenizer"), out, config)
     return out
+
+
+def _complete_checkpoint(path: Path) -> Path:
+    """``path`` if it is a complete checkpoint, else the newest complete one in the ``--checkpoint-dir`` it names.
+
+    Raises:
+        ConvertError: a DeepSpeed checkpoint, a folder without a complete checkpoint, or one lacking
+            ``.metadata`` or ``run.json`` (one sentence).
+    """
+    if path.is_dir() and not (path / ".metadata").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            if (path / "latest").is_file():
+                raise ConvertError(
+                    f"{path} is a DeepSpeed checkpoint; convert it with the zero_to_fp32.py DeepSpeed "
+                    "wrote beside it, or train with the torchrun script and --save-hf."
+                )
+            raise ConvertError(
+                f"{path} holds no complete checkpoint (a step-NNNNNNNN directory with .metadata)."
+            )
+        path = latest[1]
+    if not (path / ".metadata").is_file() or not (path / RUN_INFO).is_file():
+        raise ConvertError(
+            f"{path} is not a complete slapo-lab checkpoint (it needs .metadata and {RUN_INFO})."
+        )
+    return path
+
+
+def _shard_groups(names: list[str], nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """``names`` in order, cut into safetensors files of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        if used and used + nbytes[n] > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += nbytes[n]
+    return groups

@@ -49,14 +49,17 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+from transformers import AutoTokenizer, DataCollatorForLanguageModeling, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import datasets  # datasets (and its pyarrow) load only in a run that reads text files
 
 from ..spec import objective_of  # noqa: F401 (re-exported: its home is the spec)
 from .preflight import DATA_HINT as _DATA_HINT  # noqa: F401 (re-exported)
@@ -171,7 +174,7 @@ def _load_run(files: list[Path], builder: str, cache_dir) -> list:
     return [ds for f in files for ds in _load_run([f], builder, cache_dir)]
 
 
-def load_corpus(files: list[Path], cache_dir=None):
+def load_corpus(files: list[Path], cache_dir: str | os.PathLike | None = None) -> datasets.Dataset | None:
     """The documents of ``files`` in order: a ``datasets.Dataset`` with one string column ``text``.
 
     Zero-byte files are skipped. Consecutive files of one kind are read by one ``load_dataset`` call.
@@ -199,7 +202,7 @@ def load_corpus(files: list[Path], cache_dir=None):
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def load_tokenizer(tokenizer_dir):
+def load_tokenizer(tokenizer_dir: str | os.PathLike | None) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(tokenizer_dir)`` of a local directory written by ``save_pretrained``.
 
     Raises:
@@ -226,7 +229,7 @@ def load_tokenizer(tokenizer_dir):
         ) from None
 
 
-def separator_id(tokenizer, tokenizer_dir) -> int:
+def separator_id(tokenizer: PreTrainedTokenizerBase, tokenizer_dir: str | os.PathLike | None) -> int:
     """The id put after every document: the tokenizer's EOS token, else its SEP token.
 
     Raises:
@@ -255,7 +258,9 @@ def _cache_file(ds, name: str) -> str | None:
     return os.path.join(os.path.dirname(files[0]["filename"]), name) if files else None
 
 
-def tokenize_documents(corpus, tokenizer, sep_id: int, tokenizer_key: str):
+def tokenize_documents(
+    corpus: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, sep_id: int, tokenizer_key: str
+) -> datasets.Dataset:
     """Tokenise ``corpus`` (column ``text``) in a batched, cached map: one row per non-blank document with
     ``input_ids`` (int32, the document's ids without special tokens, then ``sep_id``) and ``length``."""
     import datasets  # noqa: PLC0415 - datasets (and its pyarrow) load only in a run that reads text files
@@ -282,7 +287,7 @@ def tokenize_documents(corpus, tokenizer, sep_id: int, tokenizer_key: str):
     )
 
 
-def pack_sequences(docs, seq_len: int):
+def pack_sequences(docs: datasets.Dataset, seq_len: int) -> tuple[datasets.Dataset, int]:
     """Cut the token stream of ``docs`` (rows of ``input_ids``, in order) into ``seq_len``-token rows in a
     batched, cached map over the sequence numbers; the final partial sequence is dropped.
 
@@ -346,18 +351,18 @@ class TokenData:
 
     def __init__(
         self,
-        packed,
+        packed: datasets.Dataset,
         *,
-        source,
-        files,
+        source: str | os.PathLike,
+        files: Iterable[str | os.PathLike],
         num_documents: int,
         num_tokens: int,
         seq_len: int,
         objective: str,
         seed: int,
-        tokenizer,
-        tokenizer_dir,
-    ):
+        tokenizer: PreTrainedTokenizerBase,
+        tokenizer_dir: str | os.PathLike,
+    ) -> None:
         self._packed = packed.with_format("numpy")
         self.source = str(source)
         self.files = [str(f) for f in files]
@@ -379,14 +384,14 @@ class TokenData:
     @classmethod
     def from_files(
         cls,
-        path,
-        tokenizer_dir,
+        path: str | os.PathLike,
+        tokenizer_dir: str | os.PathLike | None,
         seq_len: int,
         *,
         objective: str,
         seed: int,
         main_first: AbstractContextManager | None = None,
-        cache_dir=None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> TokenData:
         """Read, tokenise and pack the files of ``path`` (see the module docstring).
 
@@ -707,7 +712,7 @@ class BatchPlan:
         m = self.micro_batch_size
         return [mine[k * m : (k + 1) * m] for k in range(self.accumulation)], e
 
-    def micro_batches(self, data, step: int) -> list[dict[str, torch.Tensor]]:
+    def micro_batches(self, data: TokenData | SyntheticData, step: int) -> list[dict[str, torch.Tensor]]:
         """This replica's ``accumulation`` micro-batches of 0-based step ``step``: ``data.batch(...)`` dicts
         of ``micro_batch_size`` rows each (token data: ``input_ids`` / ``labels`` of shape
         ``(micro_batch_size, seq_len)``)."""
@@ -793,14 +798,14 @@ def eval_sample_count(data: TokenData, max_samples: int | None = None) -> int:
 def load_data(
     spec: str,
     *,
-    tokenizer_dir=None,
+    tokenizer_dir: str | os.PathLike | None = None,
     seq_len: int,
     objective: str | None,
     seed: int,
     input_spec: dict | None = None,
     main_first: AbstractContextManager | None = None,
     lm_labels: bool = False,
-    cache_dir=None,
+    cache_dir: str | os.PathLike | None = None,
     float_dtype: torch.dtype | None = None,
 ) -> TokenData | SyntheticData:
     """The training data of ``--data spec``: :class:`SyntheticData` for ``"synthetic"`` (from

@@ -18,6 +18,7 @@ Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (the parameter attribute
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,9 @@ from .losses import model_loss, split_target, to_device
 from .optim import make_optimizer, make_scheduler
 
 if TYPE_CHECKING:
+    from .parallel import Layout
     from .run import Run
+    from .weights import Target
 
 
 def ds_config(cfg: TrainConfig, micro: int, accumulation: int, dp: int) -> dict[str, Any]:
@@ -59,10 +62,10 @@ class ModelParallelUnit:
     """DeepSpeed's ``mpu``: the tensor-parallel group is the model-parallel group, the replicas are data
     parallel (DeepSpeed broadcasts weights and averages gradients between replicas, never across shards)."""
 
-    def __init__(self, layout) -> None:
+    def __init__(self, layout: Layout) -> None:
         self.mesh = layout.mesh
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
         return self.mesh.tp_group
 
     def get_model_parallel_rank(self) -> int:
@@ -71,7 +74,7 @@ class ModelParallelUnit:
     def get_model_parallel_world_size(self) -> int:
         return self.mesh.tp
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.mesh.dp_group
 
     def get_data_parallel_rank(self) -> int:
@@ -85,7 +88,7 @@ class ModelParallelUnit:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
-def mark_model_parallel(targets) -> int:
+def mark_model_parallel(targets: Iterable[Target]) -> int:
     """Set Megatron's attributes on every tensor-parallel shard (``tensor_model_parallel = True``,
     ``partition_dim``, ``partition_stride``; ``model_parallel = True`` for older DeepSpeed code paths) and
     ``False`` on replicated parameters; returns the number of shards marked.

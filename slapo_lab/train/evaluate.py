@@ -48,28 +48,11 @@ def evaluate(run: Run) -> tuple[float, int]:
     batches = [(mb, True) for mb in micro]
     if lay.fsdp:
         batches += [(batches[0][0] if batches else _eval_filler(run, group), False)] * (most - len(micro))
-    total = torch.zeros((), dtype=torch.float64)
-    tokens = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         if run.pm is not None:
-            for k in range(0, len(batches), group):
-                batch = to_device(cat_batches([b for b, _ in batches[k : k + group]]), run.device)
-                inputs, target = split_target(batch, 1, run.device)
-                with run.pipeline_loss.summed():  # the mean over micro-batches of their token sums
-                    loss = run.pm.eval_step(**inputs, target=target)
-                if batches[k][1]:
-                    total += loss * group
-                    tokens += labelled_tokens(target, objective)
+            total, tokens = _pipeline_sums(run, batches, group, objective)
         else:
-            run.module.eval()
-            for mb, counted in batches:
-                inputs, labels = split_target(to_device(mb, run.device), 1, run.device)
-                with run.autocast():
-                    logits = first_tensor(run.model(**run.forward_kwargs(inputs)))
-                if counted:
-                    total += token_losses(logits, labels, objective).double().sum().cpu()
-                    tokens += labelled_tokens(labels, objective)
-            run.module.train()
+            total, tokens = _module_sums(run, batches, objective)
     if lay.fsdp:
         # a forward without backward leaves FSDP2's root unsharded (then the optimizer's parameters are not the
         # module's, and a checkpoint cannot map them)
@@ -82,6 +65,43 @@ def evaluate(run: Run) -> tuple[float, int]:
         total, tokens = both[0].cpu(), both[1].cpu()
     rows = eval_sample_count(run.eval_data, run.cfg.eval.eval_samples)
     return (float(total / tokens) if float(tokens) else float("nan")), rows
+
+
+def _pipeline_sums(
+    run: Run, batches: list[tuple[dict, bool]], group: int, objective: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 token-loss sum and labelled-token count of the counted ``batches`` on the pipeline, ``group``
+    micro-batches per step."""
+    total = torch.zeros((), dtype=torch.float64)
+    tokens = torch.zeros((), dtype=torch.float64)
+    for k in range(0, len(batches), group):
+        batch = to_device(cat_batches([b for b, _ in batches[k : k + group]]), run.device)
+        inputs, target = split_target(batch, 1, run.device)
+        with run.pipeline_loss.summed():  # the mean over micro-batches of their token sums
+            loss = run.pm.eval_step(**inputs, target=target)
+        if batches[k][1]:
+            total += loss * group
+            tokens += labelled_tokens(target, objective)
+    return total, tokens
+
+
+def _module_sums(
+    run: Run, batches: list[tuple[dict, bool]], objective: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 token-loss sum and labelled-token count of the counted ``batches`` on the (unpipelined) model,
+    in eval mode."""
+    total = torch.zeros((), dtype=torch.float64)
+    tokens = torch.zeros((), dtype=torch.float64)
+    run.module.eval()
+    for mb, counted in batches:
+        inputs, labels = split_target(to_device(mb, run.device), 1, run.device)
+        with run.autocast():
+            logits = first_tensor(run.model(**run.forward_kwargs(inputs)))
+        if counted:
+            total += token_losses(logits, labels, objective).double().sum().cpu()
+            tokens += labelled_tokens(labels, objective)
+    run.module.train()
+    return total, tokens
 
 
 def _eval_filler(run: Run, group: int) -> dict:

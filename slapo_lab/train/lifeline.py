@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 EXIT_STATUS = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM, as a shell reports it
@@ -46,7 +47,7 @@ _LAUNCHED_BY = {"torchrun": ("TORCHELASTIC_RUN_ID",), "deepspeed": ("LOCAL_RANK"
 _state: dict = {"parent": None, "how": None, "thread": None}
 
 
-def launcher_of(environ=None) -> str | None:
+def launcher_of(environ: Mapping[str, str] | None = None) -> str | None:
     """The launcher that started this process, read from ``environ`` (default ``os.environ``):
     ``"torchrun"``, ``"deepspeed"`` or None (a plain ``python script.py``, a notebook)."""
     env = os.environ if environ is None else environ

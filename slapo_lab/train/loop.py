@@ -31,6 +31,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -52,7 +53,7 @@ from .losses import (
 )
 from .parallel import LayoutError
 from .phases import say_phase
-from .preflight import failed, preflight, speaks_errors
+from .preflight import Checked, failed, preflight, speaks_errors
 from .process import RunError, backend, device_of, init_process_group
 from .run import Run, TorchStepper
 
@@ -91,7 +92,7 @@ def main(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
-    checked=None,
+    checked: Checked | None = None,
 ) -> int:
     """Train the model of an exported script; the one call an exported script makes.
 
@@ -136,37 +137,35 @@ def main(
             return checked
     cfg = checked.config
     if cfg.launch.print_ds_config:
-        world = int(os.environ.get("WORLD_SIZE", ParallelDims(tp, stages).world_size))
-        dims = cfg.parallel.dims(tp, stages, world)
-        micro, accumulation = dims.micro_batches(
-            cfg.batch.global_batch_size, cfg.batch.micro_batch_size, stages
-        )
-        print(json.dumps(ds_config(cfg, micro, accumulation, dims.dp), indent=2))
+        _print_ds_config(cfg, tp, stages)
         return 0
-    device, error = device_of(cfg.parallel)
-    if not error and stages > 1 and device.startswith("cuda") and backend(cfg.parallel) == "gloo":
-        error = (
-            "error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
-            "process, or --device cpu."
-        )
+    device, error = _device(cfg, stages)
     if error:
         if speaks_errors():  # once per node, not once per rank
             print(error, file=sys.stderr, flush=True)
         return failed(2)
     init_process_group(cfg.parallel, device)
     say_phase("setup")
+    return _train(
+        checked,
+        spec=spec,
+        schedule_fn=schedule,
+        input_spec=input_spec,
+        tp=tp,
+        stages=stages,
+        launcher=launcher,
+        device=device,
+    )
+
+
+def _train(checked: Checked, **run_args: Any) -> int:
+    """Set up the :class:`Run` (``run_args``: its keyword arguments), Verify it when asked, train; returns the exit
+    status (a run, layout or spec error: its one sentence on rank 0, and 2). The process group is destroyed
+    at the end."""
+    cfg = checked.config
     run = None
     try:
-        run = Run(
-            cfg,
-            spec=spec,
-            schedule_fn=schedule,
-            input_spec=input_spec,
-            tp=tp,
-            stages=stages,
-            launcher=launcher,
-            device=device,
-        )
+        run = Run(cfg, **run_args)
         run.record = checked.record
         run.setup()
         if cfg.verify.verify:
@@ -185,3 +184,23 @@ def main(
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _print_ds_config(cfg: TrainConfig, tp: int, stages: int) -> None:
+    """Print the DeepSpeed config JSON this launch would use (``--print-ds-config``)."""
+    world = int(os.environ.get("WORLD_SIZE", ParallelDims(tp, stages).world_size))
+    dims = cfg.parallel.dims(tp, stages, world)
+    micro, accumulation = dims.micro_batches(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, stages)
+    print(json.dumps(ds_config(cfg, micro, accumulation, dims.dp), indent=2))
+
+
+def _device(cfg: TrainConfig, stages: int) -> tuple[str, str | None]:
+    """``(device, error)``: this rank's device (:func:`device_of`), and the one-sentence error when it cannot run
+    (gloo cannot send CUDA tensors between pipeline stages)."""
+    device, error = device_of(cfg.parallel)
+    if not error and stages > 1 and device.startswith("cuda") and backend(cfg.parallel) == "gloo":
+        error = (
+            "error: gloo cannot send CUDA tensors between pipeline stages; use --backend nccl with one GPU per "
+            "process, or --device cpu."
+        )
+    return device, error

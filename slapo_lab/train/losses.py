@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from ..verify import flatten_outputs
 from .process import RunError
 
 
-def first_tensor(outputs) -> torch.Tensor:
+def first_tensor(outputs: Any) -> torch.Tensor:
     """The first floating-point tensor of a model output (tensor, tuple or HF ModelOutput)."""
     items = [t for name, t in flatten_outputs(outputs) if name != "loss"]
     if not items:
@@ -58,7 +60,7 @@ def no_cache_kwargs(model: nn.Module) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def model_loss(outputs, seed: int) -> torch.Tensor:
+def model_loss(outputs: Any, seed: int) -> torch.Tensor:
     """The model's own loss (labels were given), else :func:`probe_loss` of its first output."""
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, dict):
@@ -112,7 +114,7 @@ class PipelineLoss:
         )
 
     @contextlib.contextmanager
-    def summed(self):
+    def summed(self) -> Iterator[PipelineLoss]:
         """Within the block, the loss is the float64 sum over labelled tokens."""
         self.sum = True
         try:

@@ -104,7 +104,7 @@ def _is_cuda(device) -> bool:
     return str(device).startswith("cuda")
 
 
-def peak_memory_mib(device) -> float:
+def peak_memory_mib(device: str | torch.device) -> float:
     """Peak memory of this process in MiB (2**20 bytes).
 
     ``device`` ``"cuda"`` / ``"cuda:N"`` / a ``torch.device``: ``torch.cuda.max_memory_allocated`` since the
@@ -119,7 +119,7 @@ def peak_memory_mib(device) -> float:
     return max(0.0, peak - _baseline_kib) / 1024
 
 
-def reset_peak_memory(device) -> bool:
+def reset_peak_memory(device: str | torch.device) -> bool:
     """Restart the peak count: ``torch.cuda.reset_peak_memory_stats`` on CUDA; on Linux, the peak resident set
     (``VmHWM``) by writing ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+). Returns whether it was reset
     (False where the system offers no way)."""
@@ -179,11 +179,11 @@ class MetricsLogger:
         self,
         rank: int,
         *,
-        log_dir=None,
+        log_dir: str | os.PathLike | None = None,
         total_steps: int,
         start_step: int = 0,
         progress: str = "auto",
-        device="cpu",
+        device: str | torch.device = "cpu",
         n_params: int,
         world_size: int,
         precision: str = "fp32",

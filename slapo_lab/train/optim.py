@@ -36,7 +36,7 @@ def make_optimizer(opts: OptimizerOptions, params: Sequence[torch.nn.Parameter])
     )
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int, total: int):
+def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int, total: int) -> S.LRScheduler:
     """The learning-rate schedule over ``total`` optimizer steps, from ``torch.optim.lr_scheduler``.
 
     ``warmup`` steps of ``LinearLR`` from ``lr / (warmup + 1)`` up to ``lr``, then ``constant``
@@ -58,7 +58,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
     return S.SequentialLR(optimizer, [warm, main], milestones=[warmup])
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], pp_group=None) -> torch.Tensor:
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The 2-norm of all gradients of the model, the same on every rank.
 
     Args:

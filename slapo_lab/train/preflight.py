@@ -140,7 +140,7 @@ def example_sizes(spec: dict) -> tuple[int | None, int | None]:
     return batch, seq
 
 
-def data_files(path) -> list[Path]:
+def data_files(path: str | os.PathLike) -> list[Path]:
     """The files ``--data path`` names: the file itself, or a directory's top-level ``.txt`` / ``.jsonl`` /
     ``.parquet`` files in sorted order (hidden files and other extensions skipped).
 
@@ -171,7 +171,7 @@ def data_files(path) -> list[Path]:
     return [p]
 
 
-def has_tokenizer(folder) -> bool:
+def has_tokenizer(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a vocabulary ``AutoTokenizer.from_pretrained`` can build a tokenizer from
     (``tokenizer.json``, ``vocab.json`` / ``vocab.txt``, a sentencepiece or tiktoken model)."""
     try:
@@ -181,7 +181,7 @@ def has_tokenizer(folder) -> bool:
     return any(n in _TOKENIZER_FILES or n.endswith(_TOKENIZER_SUFFIXES) for n in names)
 
 
-def read_model_config(spec: dict, model_path) -> dict | None:
+def read_model_config(spec: dict, model_path: str | os.PathLike | None) -> dict | None:
     """The model's config as a dict: ``config.json`` of ``model_path`` when given, else the script's spec
     (None for a factory-built model).
 
@@ -250,7 +250,7 @@ def position_limit(config: dict | None) -> tuple[str, int] | None:
     return min(nested, key=lambda kv: kv[1]) if nested else None
 
 
-def weights_fingerprint(model_path) -> dict | None:
+def weights_fingerprint(model_path: str | os.PathLike | None) -> dict | None:
     """A cheap identity of a Hugging Face directory's weights: the ``*.safetensors`` names and byte sizes and
     the SHA-256 of ``model.safetensors.index.json`` (no tensor is read). None without a model path."""
     if model_path is None:
@@ -298,12 +298,12 @@ def layout_problem(
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def step_dir(folder, step: int) -> Path:
+def step_dir(folder: str | os.PathLike, step: int) -> Path:
     """``<folder>/step-<step, 8 digits>``."""
     return Path(folder) / f"step-{step:08d}"
 
 
-def latest_checkpoint(folder) -> tuple[int, Path] | None:
+def latest_checkpoint(folder: str | os.PathLike | None) -> tuple[int, Path] | None:
     """The newest complete checkpoint in ``folder`` as ``(step, path)``, or None.
 
     Complete means: named ``step-NNNNNNNN`` (not ``.partial``) and holding DCP's ``.metadata``.
@@ -320,7 +320,7 @@ def latest_checkpoint(folder) -> tuple[int, Path] | None:
     return best
 
 
-def read_run_info(path) -> dict:
+def read_run_info(path: str | os.PathLike) -> dict:
     """A checkpoint's ``run.json`` as a dict ({} when it is missing or unreadable: a checkpoint of an older run)."""
     try:
         info = json.loads((Path(path) / RUN_INFO).read_text(encoding="utf-8"))
@@ -447,47 +447,9 @@ def check(cfg: TrainConfig, *, spec: dict, tp: int, stages: int, launcher: str, 
     problem = layout_problem(tp, stages, world, cfg.parallel.dp, cfg.parallel.stages_per_rank, hint)
     if problem:
         raise PreflightError(problem)
-    model_path, data, eval_data = cfg.model.model_path, cfg.data.data, cfg.eval.eval_data
-    config = read_model_config(spec, model_path)
-    text = data != "synthetic" or eval_data
-    for option, path in (
-        ("--data", data if data != "synthetic" else None),
-        ("--eval-data", eval_data),
-    ):
-        if path is None:
-            continue
-        try:
-            data_files(path)
-        except DataError as err:
-            raise PreflightError(str(err).replace("pass --data", f"pass {option}")) from None
-    if text:
-        tok = cfg.model.tokenizer_dir
-        if tok is None:
-            raise PreflightError(
-                f"{'--data' if data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
-                "DIR (or a --model-path with tokenizer files)."
-            )
-        if not Path(tok).is_dir():
-            raise PreflightError(
-                f"The tokenizer directory {tok} does not exist; pass --tokenizer a directory written by "
-                "tokenizer.save_pretrained(DIR)."
-            )
-        if not has_tokenizer(tok):
-            where = "model directory" if tok == model_path else "tokenizer directory"
-            raise PreflightError(
-                f"The {where} {tok} holds no tokenizer files (tokenizer.json, vocab.json, vocab.txt or a "
-                "sentencepiece model); pass --tokenizer DIR, a directory written by tokenizer.save_pretrained(DIR)."
-            )
-    limit = position_limit(config)
-    if limit is not None:
-        key, most = limit
-        for option, n in (("seq_len", cfg.data.seq_len), ("verify_seq_len", cfg.verify.verify_seq_len)):
-            if n is not None and n > most:
-                where = f"{model_path}/config.json" if model_path else "the model's config"
-                raise PreflightError(
-                    f"--{option.replace('_', '-')} {n} is longer than the {most} positions the model embeds "
-                    f"({key} in {where}); use --{option.replace('_', '-')} {most} or less."
-                )
+    config = read_model_config(spec, cfg.model.model_path)
+    _check_text_inputs(cfg)
+    _check_positions(cfg, config)
     out = Checked(cfg, world=world, record=run_record(cfg, spec, config))
     if cfg.checkpoint.checkpoint_dir and not cfg.checkpoint.no_resume:
         latest = latest_checkpoint(cfg.checkpoint.checkpoint_dir)
@@ -501,6 +463,64 @@ def check(cfg: TrainConfig, *, spec: dict, tp: int, stages: int, launcher: str, 
     return out
 
 
+def _check_text_inputs(cfg: TrainConfig) -> None:
+    """The files of ``--data`` / ``--eval-data`` exist, and text data has a tokenizer directory with a vocabulary.
+
+    Raises:
+        PreflightError: the first problem, in one sentence naming the option.
+    """
+    model_path, data, eval_data = cfg.model.model_path, cfg.data.data, cfg.eval.eval_data
+    for option, path in (
+        ("--data", data if data != "synthetic" else None),
+        ("--eval-data", eval_data),
+    ):
+        if path is None:
+            continue
+        try:
+            data_files(path)
+        except DataError as err:
+            raise PreflightError(str(err).replace("pass --data", f"pass {option}")) from None
+    if not (data != "synthetic" or eval_data):
+        return
+    tok = cfg.model.tokenizer_dir
+    if tok is None:
+        raise PreflightError(
+            f"{'--data' if data != 'synthetic' else '--eval-data'} needs a tokenizer: pass --tokenizer "
+            "DIR (or a --model-path with tokenizer files)."
+        )
+    if not Path(tok).is_dir():
+        raise PreflightError(
+            f"The tokenizer directory {tok} does not exist; pass --tokenizer a directory written by "
+            "tokenizer.save_pretrained(DIR)."
+        )
+    if not has_tokenizer(tok):
+        where = "model directory" if tok == model_path else "tokenizer directory"
+        raise PreflightError(
+            f"The {where} {tok} holds no tokenizer files (tokenizer.json, vocab.json, vocab.txt or a "
+            "sentencepiece model); pass --tokenizer DIR, a directory written by tokenizer.save_pretrained(DIR)."
+        )
+
+
+def _check_positions(cfg: TrainConfig, config: dict | None) -> None:
+    """``--seq-len`` and ``--verify-seq-len`` fit the positions the model embeds (its config's limit, if any).
+
+    Raises:
+        PreflightError: one sentence naming the option, the limit and where it is read.
+    """
+    limit = position_limit(config)
+    if limit is None:
+        return
+    key, most = limit
+    for option, n in (("seq_len", cfg.data.seq_len), ("verify_seq_len", cfg.verify.verify_seq_len)):
+        if n is not None and n > most:
+            model_path = cfg.model.model_path
+            where = f"{model_path}/config.json" if model_path else "the model's config"
+            raise PreflightError(
+                f"--{option.replace('_', '-')} {n} is longer than the {most} positions the model embeds "
+                f"({key} in {where}); use --{option.replace('_', '-')} {most} or less."
+            )
+
+
 def preflight(
     *,
     model: dict,
@@ -512,7 +532,7 @@ def preflight(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     title: str | None = None,
-    **_ignored,
+    **_ignored: Any,
 ) -> Checked | int:
     """Parse the command line of an exported script and run the checks; the arguments of
     :func:`slapo_lab.train.main`.

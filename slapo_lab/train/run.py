@@ -15,6 +15,7 @@ The stepper owns the optimizer step and the checkpoints: :class:`TorchStepper` (
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..random import set_random_seed
 from ..record import format_call
@@ -297,7 +299,9 @@ class Run:
             self.save_hf(cfg.checkpoint.save_hf)
         return 0
 
-    def stretch_schedule(self, optimizer, scheduler, state: dict, start: int):
+    def stretch_schedule(
+        self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, state: dict, start: int
+    ) -> LRScheduler:
         """The learning-rate schedule to resume with: the checkpoint's, or -- when the run now trains for another
         number of ``--steps`` than the one that saved it (its schedule ends there) -- a new one over the new
         total, advanced to ``start`` (and said so)."""
@@ -317,7 +321,7 @@ class Run:
         )
         return fresh
 
-    def resumed(self, path, state: dict, start: int) -> None:
+    def resumed(self, path: str | os.PathLike, state: dict, start: int) -> None:
         """Reseed when the checkpoint's layout differs (its RNG states are per rank), and say so; say when the
         checkpoint was saved by another schedule (its recorded calls in ``run.json``)."""
         lay = self.layout
@@ -454,5 +458,5 @@ class TorchStepper:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm, lr
 
-    def save(self, step: int, state: dict):
+    def save(self, step: int, state: dict) -> Path:
         return self.ckpt.save(step, state)

@@ -155,25 +155,45 @@ def run_verify(
     a, r, ok = _diff(torch.tensor(loss), torch.tensor(ref_loss), atol, rtol)
     report.outputs.append(Comparison("loss", a, r, ok, f"(scheduled {loss:.6f}, reference {ref_loss:.6f})"))
     if out is not None:
-        sched_outs = dict(flatten_outputs(out))
-        for name, t in flatten_outputs(ref_out):
-            if name == "loss":
-                continue
-            s = sched_outs.get(name)
-            if s is None:
-                report.outputs.append(
-                    Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)")
-                )
-                continue
-            a, r, ok = _diff(s, t, atol, rtol)
-            note_ = (
-                ""
-                if s.shape == t.shape
-                else f"(shape {tuple(s.shape)} vs {tuple(t.shape)}: a missing all_gather?)"
-            )
-            report.outputs.append(Comparison(name, a, r, ok, note_))
+        report.outputs += _compare_outputs(out, ref_out, atol, rtol)
     del out, ref_out
     # 3. gradients, one reference parameter at a time
+    grads = _compare_grads(ref_by_name, mine, atol, rtol)
+    report.weights = weights + [
+        Comparison(n, math.inf, 0.0, False, "(not in the reference)") for n in unknown
+    ]
+    report.grads = grads
+    _agree(report, device)
+    return report
+
+
+def _compare_outputs(out: Any, ref_out: Any, atol: float, rtol: float) -> list[Comparison]:
+    """One comparison per floating-point output of the reference (its loss aside), by name; an output the
+    scheduled model lacks, or of another shape (a missing all_gather?), is said so."""
+    found = []
+    sched_outs = dict(flatten_outputs(out))
+    for name, t in flatten_outputs(ref_out):
+        if name == "loss":
+            continue
+        s = sched_outs.get(name)
+        if s is None:
+            found.append(Comparison(name, math.inf, math.inf, False, "(missing in the scheduled output)"))
+            continue
+        a, r, ok = _diff(s, t, atol, rtol)
+        note_ = (
+            ""
+            if s.shape == t.shape
+            else f"(shape {tuple(s.shape)} vs {tuple(t.shape)}: a missing all_gather?)"
+        )
+        found.append(Comparison(name, a, r, ok, note_))
+    return found
+
+
+def _compare_grads(
+    ref_by_name: dict[str, Target], mine: dict[str, list[Target]], atol: float, rtol: float
+) -> list[Comparison]:
+    """One comparison per tensor of this rank against its piece of the reference gradient, one reference
+    parameter gathered at a time (a missing gradient counts as zeros; none on both sides is skipped)."""
     grads = []
     for name, ref in ref_by_name.items():
         g = ref.param.grad
@@ -189,12 +209,7 @@ def run_verify(
             a, r, ok = _diff(local_grad, want, atol, rtol)
             grads.append(Comparison(name, a, r, ok))
         del full
-    report.weights = weights + [
-        Comparison(n, math.inf, 0.0, False, "(not in the reference)") for n in unknown
-    ]
-    report.grads = grads
-    _agree(report, device)
-    return report
+    return grads
 
 
 def _agree(report: VerifyReport, device: str) -> None:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,12 +29,16 @@ from safetensors.torch import _getdtype
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from transformers import AutoTokenizer
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoTokenizer, PretrainedConfig
 
 from ..init import _init_full, init_empty_weights, param_seed
 from ..sharding.placements import ShardLayout
 from ..spec import build_from_spec
 from .preflight import PreflightError, read_model_config
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 
 class WeightsError(ValueError):
@@ -124,18 +129,26 @@ def allocate(
         except RuntimeError:
             if module is None:
                 raise
-        for mod in module.modules():
-            for name, value in mod._parameters.items():
-                if value is p:
-                    mod._parameters[name] = new
-        for table in tables:
-            for key, value in table.items():
-                if value is p:
-                    table[key] = new
+        _replace_parameter(p, new, module, tables)
         t.param = new
 
 
-def init_random(sch, targets: list[Target], seed: int) -> None:
+def _replace_parameter(
+    old: nn.Parameter, new: nn.Parameter, module: nn.Module, tables: Iterable[dict]
+) -> None:
+    """Put ``new`` in every parameter slot of ``module``'s submodules and every value of ``tables`` that holds
+    ``old``."""
+    for mod in module.modules():
+        for name, value in mod._parameters.items():
+            if value is old:
+                mod._parameters[name] = new
+    for table in tables:
+        for key, value in table.items():
+            if value is old:
+                table[key] = new
+
+
+def init_random(sch: Schedule, targets: list[Target], seed: int) -> None:
     """Fill ``targets`` with seeded random weights, the same full model on every layout.
 
     Every module owning a target is initialised at full size on the CPU under
@@ -204,7 +217,7 @@ def hf_index(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return out
 
 
-def load_hf(model_path: str, targets: list[Target], mesh) -> None:
+def load_hf(model_path: str, targets: list[Target], mesh: DeviceMesh) -> None:
     """Fill ``targets`` from a Hugging Face directory; each rank reads only its own slices.
 
     ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader`` into
@@ -250,7 +263,9 @@ def source_dtype(model_path: str | None) -> torch.dtype:
     return torch.float32
 
 
-def copy_hf_extras(model_path: str | None, tokenizer_dir: str | None, out: str | os.PathLike, config) -> None:
+def copy_hf_extras(
+    model_path: str | None, tokenizer_dir: str | None, out: str | os.PathLike, config: PretrainedConfig
+) -> None:
     """Write ``config`` (and the model directory's generation config) and the tokenizer files into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

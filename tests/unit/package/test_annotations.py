@@ -19,8 +19,6 @@ ROOT = harness.REPO_ROOT / "slapo_lab"
 
 #: The engine packages whose public functions must be fully annotated (issue 25's list).
 ENGINE = ("schedule.py", "record.py", "primitives", "sharding", "export", "train")
-#: Packages still being annotated: their test is a strict xfail, so it fails once they pass; the set only shrinks.
-TODO = {"export", "train"}
 
 
 def _modules(name: str) -> list[Path]:
@@ -75,13 +73,7 @@ def coverage(name: str) -> tuple[int, list[str]]:
     return count, bad
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="not annotated yet")) if n in TODO else n
-        for n in ENGINE
-    ],
-)
+@pytest.mark.parametrize("name", ENGINE)
 def test_public_functions_are_annotated(name):
     count, bad = coverage(name)
     print(f"{name}: {count - len(bad)}/{count} public functions fully annotated")
