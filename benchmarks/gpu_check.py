@@ -373,7 +373,7 @@ def step_hand(args, out: Path) -> dict:
     res = {"step_s": step, "tokens_per_s": tokens / step, "n_params": n, "loss_first": losses[0]}
     res["loss_last"] = losses[-1]
     if cuda:
-        from slapo_lab.train.metrics import peak_tflops_for
+        from slapo_lab.hardware import peak_tflops_for
 
         peak = peak_tflops_for(torch.cuda.get_device_name(0), "bf16")
         res["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20

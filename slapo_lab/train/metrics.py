@@ -8,7 +8,7 @@ recorded by :func:`mark_memory_baseline` (call it before the model is built), i.
 CPU peak cannot be reset.
 
 MFU (CUDA only): ``6 * n_params * tokens / seconds / (world_size * peak TFLOP/s * 1e12)``, the peak from
-``--peak-tflops`` or :data:`PEAK_TFLOPS` by device name and precision.
+``--peak-tflops`` or :data:`slapo_lab.hardware.PEAK_TFLOPS` by device name and precision.
 """
 
 from __future__ import annotations
@@ -24,21 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from ..hardware import PRECISIONS, peak_tflops_for
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-# Peak dense TFLOP/s per GPU by precision: (bf16 tensor core, TF32 tensor core, FP32 without tensor cores),
-# first matching name wins; None where the GPU lacks that path. Source: NVIDIA datasheets (H100 / H200 / B200,
-# A100, L40S, L40, L4, A10, V100, T4) and the Ada architecture whitepaper (RTX 4090); dense figures, i.e.
-# half the "with sparsity" ones; SXM parts unless named. --peak-tflops overrides the lookup.
-PEAK_TFLOPS = [
-    ("B200", (2250.0, 1100.0, None)), ("H200", (989.0, 494.0, 67.0)), ("H100 PCIe", (756.0, 378.0, 51.0)),
-    ("H100", (989.0, 494.0, 67.0)), ("H800", (989.0, 494.0, 67.0)), ("A100", (312.0, 156.0, 19.5)),
-    ("A800", (312.0, 156.0, 19.5)), ("L40S", (362.0, 183.0, 91.6)), ("L40", (181.0, 90.5, 90.5)),
-    ("L4", (121.0, 60.0, 30.3)), ("A10", (125.0, 62.5, 31.2)), ("RTX 4090", (165.0, 82.6, 82.6)),
-    ("V100", (None, None, 15.7)), ("T4", (None, None, 8.1)),
-]  # fmt: skip
-PRECISIONS = ("bf16", "tf32", "fp32")  # the columns of PEAK_TFLOPS
 PROGRESS_MODES = ("auto", "on", "off")
 CSV_COLUMNS = (
     "step",
@@ -52,20 +42,6 @@ CSV_COLUMNS = (
     "eval_loss",
 )
 CSV_NAME = "metrics.csv"
-
-
-def peak_tflops_for(device_name: str, precision: str) -> float | None:
-    """Peak dense TFLOP/s of one GPU named ``device_name`` (``torch.cuda.get_device_name()``) in
-    ``precision`` (``"bf16"``, ``"tf32"`` or ``"fp32"``), from :data:`PEAK_TFLOPS`; None when the GPU is
-    not listed or lacks that path.
-
-    Raises:
-        ValueError: for another precision.
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"The precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
-    column = PRECISIONS.index(precision)
-    return next((value[column] for key, value in PEAK_TFLOPS if key in device_name), None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,7 +137,7 @@ class MetricsLogger:
         device: the training device (``"cpu"``, ``"cuda"``, ``"cuda:0"``): CUDA memory and MFU there.
         n_params: parameters of the whole (unsharded) model, for MFU.
         world_size: processes (GPUs) of the run, for MFU.
-        precision: ``"fp32"``, ``"tf32"`` or ``"bf16"``: the column of :data:`PEAK_TFLOPS`.
+        precision: ``"fp32"``, ``"tf32"`` or ``"bf16"``: the column of :data:`slapo_lab.hardware.PEAK_TFLOPS`.
         peak_tflops: peak TFLOP/s of one GPU (``--peak-tflops``), overriding the table.
         predicted_step_s / predicted_peak_gib: a plan's predicted seconds per optimizer step and peak allocated
             GiB of the busiest rank (``--predicted-step-s`` / ``--predicted-peak-gib``, from

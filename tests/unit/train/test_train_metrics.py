@@ -10,11 +10,11 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from slapo_lab.hardware import peak_tflops_for
 from slapo_lab.train import metrics as M
 from slapo_lab.train.metrics import (
     CSV_COLUMNS,
     MetricsLogger,
-    peak_tflops_for,
 )
 
 HEADER = "step,loss,grad_norm,lr,tokens_per_s,samples_per_s,peak_mem_mib,mfu,eval_loss"
