@@ -9,7 +9,7 @@ there, nothing else changed) and for the built-in H100-SXM profile.
 
 Run: ``.venv/bin/python benchmarks/plan_sanity.py``. Goal (issue 26): within +-25 % on tokens/s/GPU and +-15 % on
 memory. No constant is fitted to this row; the constants and their sources are listed in
-``slapo_lab/planner/model.py`` (``ALLOCATOR_HEADROOM``, ``BACKWARD_WORKSET``, ``ADAM_BYTES_PER_ELEMENT``,
+``slapo_lab/planner/model.py`` (``ALLOCATOR_HEADROOM``, ``BACKWARD_WORKSET``,
 ``FSDP_PREFETCH_BLOCKS``) and ``slapo_lab/planner/devices.py`` (datasheet figures, ``matmul_efficiency`` from
 mamf-finder measurements, ``attention_efficiency`` from the FlashAttention-2 and -3 papers, ``memory_efficiency``,
 link latencies).

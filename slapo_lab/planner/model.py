@@ -70,16 +70,17 @@ Step time (seconds), the busiest stage:
   and 1F1B (``v = 1``) and interleaved 1F1B: with equal stages ``(pp - 1) / v`` stage-times, the fraction
   ``(pp - 1) / (m v + pp - 1)`` of the step (Narayanan et al., 2021, section 2.2); unequal stages (the head's
   stage is heavier) fill and drain with their own, shorter times;
-* optimizer: AdamW's elementwise update over the rank's share of the trainable elements, memory bound: on a GPU
-  one fused pass, :data:`ADAM_BYTES_PER_ELEMENT` bytes per element / (HBM bandwidth x memory_efficiency); on a
-  CPU the eager single-tensor update, its ops per tensor and bytes per element counted from AdamW itself
-  (:func:`adam_op_costs`), plus ``op_overhead`` per op.
+* optimizer: AdamW's elementwise update over the rank's share of the trainable elements (fp32 master weights),
+  memory bound, as ``slapo_lab.train`` builds it (``torch.optim.AdamW`` with its defaults): its op sequence's
+  bytes per element counted from AdamW itself (:func:`adam_op_costs`) / (HBM bandwidth x memory_efficiency),
+  plus ``op_overhead`` per op -- once per op on a GPU, where the default multi-tensor (``foreach``) kernels take
+  every tensor at once, per op and tensor on a CPU, where the single-tensor update runs.
 
 MFU: model FLOPs (``FlopCounterMode``'s forward + backward, no recompute, attention counted in full) per step
 over ``GPUs x peak x step time``.
 
 Constants, each with its source (none is fitted to a published run): :data:`ALLOCATOR_HEADROOM`,
-:data:`BACKWARD_WORKSET`, :data:`ADAM_BYTES_PER_ELEMENT`, :data:`VIRTUAL_STAGES`, :data:`FSDP_PREFETCH_BLOCKS`,
+:data:`BACKWARD_WORKSET`, :data:`VIRTUAL_STAGES`, :data:`FSDP_PREFETCH_BLOCKS`,
 and the device profile's ``matmul_efficiency`` / ``memory_efficiency`` / latencies (``devices.py``).
 """
 
@@ -102,7 +103,6 @@ from .devices import DeviceProfile, GiB, device_profile
 from .profile import ModelProfile, PartProfile, _tensors, profile_model
 
 __all__ = [
-    "ADAM_BYTES_PER_ELEMENT",
     "ALLOCATOR_HEADROOM",
     "BACKWARD_WORKSET",
     "CHECKPOINTS",
@@ -123,9 +123,6 @@ ALLOCATOR_HEADROOM = 0.15
 #: part saved for one micro-batch (each saved tensor has a gradient of its size at most); counted once, for the
 #: largest part of the stage (an upper-bound approximation of ours, not measured).
 BACKWARD_WORKSET = 1.0
-#: AdamW's update per trainable element when training in bf16: read fp32 master, bf16 grad, two fp32 moments;
-#: write master, moments and the bf16 parameter: 4 + 2 + 8 + 4 + 8 + 2 (``torch.optim.AdamW``'s arithmetic).
-ADAM_BYTES_PER_ELEMENT = 28
 #: fp32 temporaries of one parameter's size that AdamW's single-tensor update holds at once (``exp_avg_sq.sqrt()``
 #: and its quotient in ``torch/optim/adamw.py``, ``_single_tensor_adam``); the largest parameter tensor sets them.
 ADAM_TEMPORARIES = 2
@@ -461,17 +458,16 @@ class _Pricer:
         return t[0]
 
     def optimizer_time(self, elems: float, tensors: float) -> float:
-        """Seconds of AdamW's step over ``elems`` trainable elements in ``tensors`` tensors: on a GPU
-        (``launch_async``) one fused pass of :data:`ADAM_BYTES_PER_ELEMENT` per element (torchtitan's default
-        ``implementation="fused"``, a floor of one ``op_overhead`` per tensor); on a CPU the eager single-tensor
-        update ``torch.optim.AdamW(foreach=False)`` runs, priced from its own op sequence
+        """Seconds of AdamW's step over ``elems`` trainable elements in ``tensors`` tensors, as the training
+        runtime runs it (``torch.optim.AdamW`` with its defaults, fp32 master weights): its op sequence
         (:func:`adam_op_costs`: ops per tensor, bytes per element) at the memory bandwidth of the tensors'
-        working set plus ``op_overhead`` per op."""
+        working set, plus ``op_overhead`` per op -- per op on a GPU (``launch_async``: the default multi-tensor
+        kernels take every tensor of a group at once), per op and tensor on a CPU (the single-tensor update)."""
         if elems <= 0:
             return 0.0
+        ops, per_elem = adam_op_costs(4)
         if self.dev.launch_async:
-            return max(elems * ADAM_BYTES_PER_ELEMENT / self.bw, tensors * self.dev.op_overhead)
-        ops, per_elem = adam_op_costs(self.elem)
+            return elems * per_elem / self.bw + ops * self.dev.op_overhead
         each = elems / max(tensors, 1.0)  # the mean tensor's working set sets the bandwidth
         bw = float(self.bandwidth(np.array([each * per_elem / max(ops, 1)]))[0])
         return elems * per_elem / bw + tensors * ops * self.dev.op_overhead

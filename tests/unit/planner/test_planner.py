@@ -415,12 +415,24 @@ def test_collective_scale_and_overlap_price_data_parallel_traffic(tiny):
 
 
 def test_adam_op_costs_are_counted_from_adamw_itself():
-    from slapo_lab.planner.model import ADAM_BYTES_PER_ELEMENT, adam_op_costs
+    from slapo_lab.planner.model import adam_op_costs
 
     ops, per_elem = adam_op_costs(4)
-    # eager single-tensor AdamW: several passes per tensor (decay, lerp, mul + addcmul, sqrt, div/add, addcdiv),
-    # each reading and writing fp32: more bytes than the one fused pass the GPU profiles price
-    assert ops >= 6 and per_elem > ADAM_BYTES_PER_ELEMENT
+    # eager AdamW: several passes per tensor (decay, lerp, mul + addcmul, sqrt, div/add, addcdiv), each reading and
+    # writing fp32: more than the 28 bytes per element of one fused pass (read param, grad and two moments, write
+    # param and moments: 4 + 4 + 8 + 4 + 8)
+    assert ops >= 6 and per_elem > 28
+
+
+def test_the_optimizer_step_is_priced_from_adamw_on_a_gpu_too(tiny):
+    from slapo_lab.planner.model import _Pricer, adam_op_costs
+
+    ops, per_elem = adam_op_costs(4)
+    gpu = devices.DEVICES["H100-SXM"]
+    pr = _Pricer(tiny, sl.Cluster(nodes=1, gpus_per_node=1, gpu=gpu), SEQ, "bf16")
+    # the default multi-tensor kernels: the bytes of AdamW's op sequence, one launch per op for all the tensors
+    bw = gpu.hbm_bandwidth * gpu.memory_efficiency
+    assert pr.optimizer_time(1e9, 300) == pytest.approx(1e9 * per_elem / bw + ops * gpu.op_overhead)
 
 
 def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
