@@ -88,19 +88,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import presets
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from .devices import DeviceProfile, GiB, device_profile
-from .profile import ModelProfile, PartProfile, _tensors, profile_model
+from .pricer import Pricer
+from .profile import ModelProfile
 
 __all__ = [
     "ALLOCATOR_HEADROOM",
@@ -135,7 +133,6 @@ FSDP_PREFETCH_BLOCKS = 2
 SHARDS = ("none", "fsdp", "zero1", "zero2")
 PP_SCHEDULES = ("1F1B", "GPipe", "interleaved")
 CHECKPOINTS = ("none", "all", "selective")
-_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -342,203 +339,6 @@ class Estimate:
         )
 
 
-# --------------------------------------------------------------------------------------------------
-# pricing
-# --------------------------------------------------------------------------------------------------
-class _Pricer:
-    """Prices layouts of one model on one cluster at one sequence length; caches what layouts share."""
-
-    def __init__(self, model, cluster: Cluster, seq_len: int, dtype: str):
-        if dtype not in _ELEM:
-            raise ScheduleError(f"estimate: dtype must be one of {', '.join(_ELEM)}, not {dtype!r}.")
-        self.model = model
-        self.cluster = cluster
-        self.dev = cluster.device
-        self.seq_len = seq_len
-        self.dtype = dtype
-        self.elem = _ELEM[dtype]
-        self.peak = self.dev.flops(dtype) * self.dev.matmul_efficiency
-        attention = self.dev.attention_efficiency
-        self.attention_peak = None if attention is None else self.dev.flops(dtype) * attention
-        mm = self.dev.matmul_curve
-        self._mm_curve = (
-            (
-                np.log2([float(f) for f, _ in mm]),
-                self.dev.flops(dtype) * np.array([x for _, x in mm], dtype=float),
-            )
-            if mm
-            else None
-        )
-        self.bw = self.dev.hbm_bandwidth * self.dev.memory_efficiency
-        self._scale = dict(self.dev.collective_scale)
-        curve = self.dev.memory_curve
-        self._curve = (
-            (np.log2([float(n) for n, _ in curve] + [1e15]), np.array([v for _, v in curve] + [self.bw]))
-            if curve
-            else None
-        )
-        self._profiles: dict = {}
-        self._op_time: dict = {}
-        self._stage_cache: dict = {}
-        self.blocks: dict = {}
-        self.cuts: dict = {}
-        self.stages: dict = {}
-        self._flops: dict = {}
-
-    def model_flops(self, prof: ModelProfile) -> float:
-        """Model FLOPs (forward + backward) of one sequence through all ranks of a replica."""
-        got = self._flops.get(id(prof))
-        if got is None:
-            got = self._flops[id(prof)] = (
-                prof.total("fwd_flops") * prof.tp + prof.total("bwd_flops") * prof.tp
-            )
-        return got
-
-    # -- profiles
-    def profile(self, tp: int, sp: bool) -> ModelProfile:
-        key = (tp, sp)
-        if key not in self._profiles:
-            try:
-                self._profiles[key] = profile_model(self.model, tp, self.seq_len, self.dtype, sp)
-            except ScheduleError as err:
-                self._profiles[key] = err
-        got = self._profiles[key]
-        if isinstance(got, ScheduleError):
-            raise got
-        return got
-
-    # -- time of op rows for b sequences
-    def bandwidth(self, nbytes: np.ndarray) -> np.ndarray:
-        """Achieved bytes/s of ops moving ``nbytes`` each: the profile's ``memory_curve`` interpolated at
-        ``log2(bytes)`` (the memory bandwidth beyond its last point), or the memory bandwidth without a curve."""
-        if self._curve is None:
-            return np.full(np.shape(nbytes), self.bw)
-        xs, ys = self._curve
-        return np.interp(np.log2(np.maximum(nbytes, 1.0)), xs, ys)
-
-    def flop_rate(self, flops: np.ndarray, attention: np.ndarray) -> np.ndarray:
-        """Achieved FLOP/s of ops doing ``flops`` each: an attention kernel (``attention`` true) at the profile's
-        ``attention_efficiency`` of peak, a matmul at its ``matmul_curve`` interpolated at ``log2(FLOPs)`` (or
-        at ``matmul_efficiency`` of peak without a curve)."""
-        if self._mm_curve is None:
-            rate = np.full(np.shape(flops), self.peak)
-        else:
-            xs, ys = self._mm_curve
-            rate = np.interp(np.log2(np.maximum(flops, 1.0)), xs, ys)
-        if self.attention_peak is None:
-            return rate
-        return np.where(attention > 0, self.attention_peak, rate)
-
-    def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None) -> float:
-        """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / FLOP rate, bytes /
-        bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), plus the host's ``op_overhead``
-        per dispatched op (``n_ops``, views included; default one per row): added where the host runs the kernels
-        (a CPU), a floor per kernel where it queues them ahead (``launch_async``)."""
-        key = (id(rows), b, n_ops)
-        t = self._op_time.get(key)
-        if t is None:
-            if rows.size == 0:
-                t = 0.0
-            else:
-                nbytes = b * rows[:, 1] + rows[:, 2]
-                flops = b * rows[:, 0]
-                attention = rows[:, 3] if rows.shape[1] > 3 else np.zeros(len(rows))
-                rate = self.flop_rate(flops, attention)
-                roof = np.maximum(
-                    np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0),
-                    nbytes / self.bandwidth(nbytes),
-                )
-                oh = self.dev.op_overhead
-                if self.dev.launch_async:
-                    t = float(np.maximum(roof, oh).sum())
-                else:
-                    t = float(roof.sum()) + (len(rows) if n_ops is None else n_ops) * oh
-            self._op_time[key] = (t, rows)  # keep rows alive so the id stays theirs
-            return t
-        return t[0]
-
-    def optimizer_time(self, elems: float, tensors: float) -> float:
-        """Seconds of AdamW's step over ``elems`` trainable elements in ``tensors`` tensors, as the training
-        runtime runs it (``torch.optim.AdamW`` with its defaults, fp32 master weights): its op sequence
-        (:func:`adam_op_costs`: ops per tensor, bytes per element) at the memory bandwidth of the tensors'
-        working set, plus ``op_overhead`` per op -- per op on a GPU (``launch_async``: the default multi-tensor
-        kernels take every tensor of a group at once), per op and tensor on a CPU (the single-tensor update)."""
-        if elems <= 0:
-            return 0.0
-        ops, per_elem = adam_op_costs(4)
-        if self.dev.launch_async:
-            return elems * per_elem / self.bw + ops * self.dev.op_overhead
-        each = elems / max(tensors, 1.0)  # the mean tensor's working set sets the bandwidth
-        bw = float(self.bandwidth(np.array([each * per_elem / max(ops, 1)]))[0])
-        return elems * per_elem / bw + tensors * ops * self.dev.op_overhead
-
-    def link(self, n: int, within_node: bool) -> tuple[float, float]:
-        if within_node:
-            return self.dev.intra_bandwidth, self.dev.intra_latency
-        return self.dev.inter_bandwidth, self.dev.inter_latency
-
-    def collective(self, op: str, nbytes: float, n: int, within_node: bool) -> float:
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        bw, lat = self.link(n, within_node)
-        steps = 2 * math.log2(n)
-        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        # the backend's own all-gather / reduce-scatter against a ring (``DeviceProfile.collective_scale``)
-        return (factor * nbytes / bw + steps * lat) * self._scale.get(op, 1.0)
-
-    # -- one part at micro-batch b under a checkpoint flag
-    def part_cost(self, part: PartProfile, tp: int, b: int, ckpt: str) -> tuple[float, float, float, float]:
-        """(compute s, recompute s, tp comm s, saved bytes) of one micro-batch of ``b`` through ``part``."""
-        key = (id(part), tp, b, ckpt)
-        hit = self._stage_cache.get(key)
-        if hit is not None:
-            return hit
-        fwd_ops = part.fwd_ops or len(part.fwd)
-        compute = self.ops_time(part.fwd, b, fwd_ops) + self.ops_time(
-            part.bwd, b, part.bwd_ops or len(part.bwd)
-        )
-        if ckpt == "all":
-            recompute, saved = self.ops_time(part.recompute_all, b, fwd_ops), part.input_bytes * b
-        elif ckpt == "selective":
-            # the selectively recomputed ops' share of the forward's dispatches
-            n = round(fwd_ops * len(part.recompute_selective) / max(len(part.fwd), 1))
-            recompute, saved = self.ops_time(part.recompute_selective, b, n), part.selective_bytes * b
-        else:
-            recompute, saved = 0.0, part.saved_bytes * b
-        comm = sum(self.collective(op, nbytes * b, tp, True) for op, _phase, nbytes in part.comm)
-        out = (compute, recompute, comm, saved)
-        self._stage_cache[key] = out
-        return out
-
-
-@lru_cache(maxsize=4)
-def adam_op_costs(elem: int = 4) -> tuple[int, float]:
-    """``(aten ops per tensor, bytes moved per element)`` of one eager ``torch.optim.AdamW(foreach=False)`` step,
-    counted, not assumed: a second step (the first makes the state) on one 4096-element parameter of
-    ``elem`` bytes per element, under a dispatch mode that counts every op and sums the bytes of its tensor
-    inputs and outputs (scalar step counters included)."""
-
-    dtype = {2: torch.bfloat16, 4: torch.float32}.get(elem, torch.float32)
-    n = 4096
-    p = torch.nn.Parameter(torch.ones(n, dtype=dtype))
-    p.grad = torch.full((n,), 0.1, dtype=dtype)
-    opt = torch.optim.AdamW([p], lr=1e-4, foreach=False)
-    opt.step()
-
-    class Count(TorchDispatchMode):
-        ops, nbytes = 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            Count.ops += 1
-            Count.nbytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
-            return out
-
-    with Count():
-        opt.step()
-    return Count.ops, Count.nbytes / n
-
-
 def _checkpointed(i: int, checkpoint) -> str:
     if checkpoint in ("none", "all", "selective"):
         return checkpoint
@@ -593,7 +393,7 @@ class _Blocks:
     """Per-block figures of one (TP degree, sequence parallelism, micro-batch, checkpoint policy), in model
     order, with prefix sums for the stage ranges."""
 
-    def __init__(self, pr: _Pricer, prof: ModelProfile, tp: int, b: int, checkpoint):
+    def __init__(self, pr: Pricer, prof: ModelProfile, tp: int, b: int, checkpoint):
         seq = [p for p in prof.blocks for _ in range(p.count)]
         rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
         cost: dict = {}
@@ -683,7 +483,7 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
     return out
 
 
-def _check_layout(pr: _Pricer, layout: Layout, global_batch_size: int) -> tuple[ModelProfile, int, int]:
+def _check_layout(pr: Pricer, layout: Layout, global_batch_size: int) -> tuple[ModelProfile, int, int]:
     """``(profile, micro-batches, virtual stages)`` of a layout the cluster and model can run.
 
     Raises:
@@ -692,8 +492,9 @@ def _check_layout(pr: _Pricer, layout: Layout, global_batch_size: int) -> tuple[
     """
     cl = pr.cluster
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
-    if tp * pp * dp > cl.gpus:
-        raise ScheduleError(f"{layout.dims.describe()} needs {tp * pp * dp} GPUs; the cluster has {cl.gpus}.")
+    dims = layout.dims
+    if dims.world_size > cl.gpus:
+        raise ScheduleError(f"{dims.describe()} needs {dims.world_size} GPUs; the cluster has {cl.gpus}.")
     if tp > cl.gpus_per_node:
         raise ScheduleError(f"TP {tp} is beyond a node of {cl.gpus_per_node} GPUs.")
     if global_batch_size % (dp * b):
@@ -714,7 +515,7 @@ def _check_layout(pr: _Pricer, layout: Layout, global_batch_size: int) -> tuple[
     return prof, m, v
 
 
-def _stages(pr: _Pricer, prof: ModelProfile, layout: Layout, v: int) -> dict:
+def _stages(pr: Pricer, prof: ModelProfile, layout: Layout, v: int) -> dict:
     """The stage table (:func:`_stage_table`) of a layout: its blocks cut into ``pp x v`` chunks balanced on
     micro-batch-1 costs (the micro-batch scales every block alike); each piece cached on the pricer."""
     tp, pp, b, ck, sp = (
@@ -758,7 +559,7 @@ def _in_flight(layout: Layout, m: int, v: int):
     return in_flight * (1 + (pp - 1) / (pp * v)) if v > 1 else in_flight
 
 
-def _memory(pr: _Pricer, prof: ModelProfile, st: dict, layout: Layout, m: int, v: int) -> dict:
+def _memory(pr: Pricer, prof: ModelProfile, st: dict, layout: Layout, m: int, v: int) -> dict:
     """Per-stage bytes by category (arrays over the stages; see the module docstring)."""
     pp, dp, b, shard = layout.pp, layout.dp, layout.micro_batch_size, layout.shard
     div_p = dp if shard == "fsdp" else 1
@@ -818,13 +619,13 @@ def _memory(pr: _Pricer, prof: ModelProfile, st: dict, layout: Layout, m: int, v
     return cats
 
 
-def _dp_exposed(pr: _Pricer, layout: Layout, st: dict, busiest: int, m: int) -> float:
+def _dp_exposed(pr: Pricer, layout: Layout, st: dict, busiest: int, m: int) -> float:
     """Seconds of the busiest stage's data-parallel traffic that compute does not hide (the device's
     ``comm_overlap`` of it runs under compute)."""
     dp, shard = layout.dp, layout.shard
     if dp == 1:
         return 0.0
-    within_node_dp = layout.tp * layout.pp * dp <= pr.cluster.gpus_per_node
+    within_node_dp = layout.dims.world_size <= pr.cluster.gpus_per_node
     compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
     params, trainable = float(st["params"][busiest]), float(st["trainable"][busiest])
     ov = pr.dev.comm_overlap
@@ -851,10 +652,10 @@ def _dp_exposed(pr: _Pricer, layout: Layout, st: dict, busiest: int, m: int) -> 
     return m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
 
 
-def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
+def _price(pr: Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence)."""
     cl, dev = pr.cluster, pr.dev
-    tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    pp, dp, b = layout.pp, layout.dp, layout.micro_batch_size
     prof, m, v = _check_layout(pr, layout, global_batch_size)
     st = _stages(pr, prof, layout, v)
     cats = _memory(pr, prof, st, layout, m, v)
@@ -862,7 +663,7 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     p2p = 0.0
     if pp > 1:
         boundary = max(prof.pre.output_bytes, *(p.output_bytes for p in prof.blocks)) * b
-        bw, lat = pr.link(2, tp * pp <= cl.gpus_per_node)
+        bw, lat = pr.link(2, layout.dims.replica <= cl.gpus_per_node)
         p2p = 2 * (boundary / bw + lat) * v
     busiest = int(np.argmax(st["time"]))
     t_mb = float(st["time"][busiest]) + p2p
@@ -885,7 +686,7 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     }
     step = sum(parts_t.values())
     peak = float(total.max())
-    gpus = tp * pp * dp
+    gpus = layout.dims.world_size
     return Estimate(
         layout=layout,
         cluster=cl,
@@ -903,8 +704,8 @@ def _price(pr: _Pricer, layout: Layout, global_batch_size: int) -> Estimate:
 
 
 @lru_cache(maxsize=8)
-def _pricer_for(model, cluster: Cluster, seq_len: int, dtype: str) -> _Pricer:
-    return _Pricer(model, cluster, seq_len, dtype)
+def _pricer_for(model, cluster: Cluster, seq_len: int, dtype: str) -> Pricer:
+    return Pricer(model, cluster, seq_len, dtype)
 
 
 def estimate(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ScheduleError
+from ..parallel_dims import ParallelDims
 from ..schedule import Schedule
 from ..utils import human_bytes
 from .devices import GiB
@@ -200,9 +201,10 @@ def auto_plan(
     search = _Search(pr, global_batch_size)
     for t in tps:
         for p in pp or _divisors(n // t if n % t == 0 else 1, nblocks):
-            if n % (t * p):
+            dims = ParallelDims.for_world(n, t, p)
+            if dims is None:
                 continue
-            d = n // (t * p)
+            d = dims.dp
             scheds = pp_schedules if p > 1 else ("1F1B",)
             shs = shards if d > 1 else ("none",)
             sps = sequence_parallel if t > 1 else (False,)

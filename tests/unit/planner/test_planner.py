@@ -415,7 +415,7 @@ def test_collective_scale_and_overlap_price_data_parallel_traffic(tiny):
 
 
 def test_adam_op_costs_are_counted_from_adamw_itself():
-    from slapo_lab.planner.model import adam_op_costs
+    from slapo_lab.planner.pricer import adam_op_costs
 
     ops, per_elem = adam_op_costs(4)
     # eager AdamW: several passes per tensor (decay, lerp, mul + addcmul, sqrt, div/add, addcdiv), each reading and
@@ -425,18 +425,18 @@ def test_adam_op_costs_are_counted_from_adamw_itself():
 
 
 def test_the_optimizer_step_is_priced_from_adamw_on_a_gpu_too(tiny):
-    from slapo_lab.planner.model import _Pricer, adam_op_costs
+    from slapo_lab.planner.pricer import Pricer, adam_op_costs
 
     ops, per_elem = adam_op_costs(4)
     gpu = devices.DEVICES["H100-SXM"]
-    pr = _Pricer(tiny, sl.Cluster(nodes=1, gpus_per_node=1, gpu=gpu), SEQ, "bf16")
+    pr = Pricer(tiny, sl.Cluster(nodes=1, gpus_per_node=1, gpu=gpu), SEQ, "bf16")
     # the default multi-tensor kernels: the bytes of AdamW's op sequence, one launch per op for all the tensors
     bw = gpu.hbm_bandwidth * gpu.memory_efficiency
     assert pr.optimizer_time(1e9, 300) == pytest.approx(1e9 * per_elem / bw + ops * gpu.op_overhead)
 
 
 def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
-    from slapo_lab.planner.model import _Pricer
+    from slapo_lab.planner.pricer import Pricer
 
     sdpa = _tiny(eager=False)  # the fused kernel (its CPU flash variant here)
     prof = profile_model(sdpa, 1, SEQ, "fp32")
@@ -447,19 +447,19 @@ def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
     attn = block.fwd[block.fwd[:, 3] > 0]
     fast_memory = {"hbm_bandwidth": 1e18}  # compute-bound: the FLOP rate alone sets the time
     cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(**fast_memory))
-    as_matmul = _Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
+    as_matmul = Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
     cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(attention_efficiency=0.25, **fast_memory))
-    slow = _Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
+    slow = Pricer(sdpa, cl, SEQ, "fp32").ops_time(attn, 1)
     assert as_matmul == pytest.approx(attn[0, 0] / 1e11) and slow == pytest.approx(4 * as_matmul, rel=1e-6)
 
 
 def test_matmul_curve_prices_small_matmuls_slower():
-    from slapo_lab.planner.model import _Pricer
+    from slapo_lab.planner.pricer import Pricer
 
     rows = np.array([[2e6, 0.0, 0.0, 0.0], [2e12, 0.0, 0.0, 0.0]])  # a small and a large matmul, no bytes
     curve = ((2e6, 0.25), (2e9, 1.0))  # a quarter of the peak at 2 MFLOP, all of it from 2 GFLOP
     cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(matmul_curve=curve))
-    pr = _Pricer(_tiny(1), cl, SEQ, "fp32")
+    pr = Pricer(_tiny(1), cl, SEQ, "fp32")
     assert pr.ops_time(rows[:1], 1) == pytest.approx(2e6 / (0.25 * 1e11))
     assert pr.ops_time(rows[1:], 1) == pytest.approx(2e12 / 1e11)  # beyond the last point: its fraction
     mid = pr.flop_rate(np.array([2e6 * 1000**0.5]), np.zeros(1))[0]  # halfway in log FLOPs
