@@ -14,7 +14,7 @@ from types import FunctionType
 from torch import nn
 
 from ..errors import ScheduleError
-from ..primitives.replace import check_fusion_hooks
+from ..primitives.subgraphs import check_fusion_hooks
 
 HOOK_TYPE_TO_ATTR = {
     "fwd_pre": "_forward_pre_hooks",
