@@ -25,29 +25,23 @@ is the other stages' own micro-batch times.
 Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--json F]``;
 ``--replay F`` prices a saved run's profile and times again (no run; for changes to the model).
 
-NOT MET (2026-11-27, two cores shared with four other agents): the measurements are dominated by the machine's
-load (load average 5-30 over a run; the same layout's steps differ up to 2x between passes, and the order of the
-layouts changes from run to run), and so is the calibration (the 256 MiB copy measured 0.6-4.1 GB/s, the 4 MiB
-point 4-28 GB/s, in runs minutes apart). Runs of this benchmark (10 layouts, 6 steps each, 3 rounds):
+Spearman NOT MET, pick met. On a quiet machine (2026-11-27 06:53 UTC, load 2; the helpers' tests that loaded
+every earlier run had ended; ``benchmarks/results/plan_ranking_quiet.txt``): Spearman 0.35 (0.48 against each
+layout's fastest step); the planner's pick, TP 2 with one micro-batch of 4, measured 1.00x the best measured.
+Every layout is predicted at 0.57-0.76 of its measured median. The misses: TP with four micro-batches of one
+(predicted 4th, measured 9th of 10: 128 small all-reduces a step, each costing more while both ranks compute
+than gloo's idle 83 us) and the two pipelines (predicted 6th and 9th, measured 2nd and 3rd: their ratio is the
+highest, 0.73-0.76). Replaying the same run with the per-op host time measured in a real module stack
+(``nn.TransformerEncoderLayer`` x 4, forward + backward: 3.4 us per op against the tight ``torch.add`` loop's
+1.2 us) moves Spearman to 0.37 only: the host time is not what separates the layouts.
 
-* 02:44, load 8 -> 29: Spearman 0.33, pick ddp mbs 2 1.40x the best (GPipe 2 x 2); replayed with the FSDP
-  terms of the next commit: Spearman 0.48, pick 1.40x;
-* 02:58, load 10 -> 14 (calibration under load: copy 0.6 GB/s): Spearman -0.31, pick ddp mbs 2 1.46x the best
-  (GPipe 2 x 2);
-* 03:09, load 7 -> 11 (gloo's latency fitted as 0): Spearman -0.02, pick TP mbs 1 x 4 1.36x the best (GPipe
-  2 x 2).
-
-Across the runs the pipelines measure fastest (each rank holds half the model: half the optimizer, no
-gradient all-reduce) and FSDP slowest (gloo's all-gather / reduce-scatter); the predictions put FSDP last too but
-price the pipelines among the slowest, because of the phantom traffic below, which weighs on the head's stage.
-
-Before this work (2026-11-26): Spearman -0.49, pick 2.32x. What is left, found on the way: the profile counts
-``prim.device`` (a metadata query the fake-tensor pass dispatches, no kernel) as an op that moves its input's
-bytes, several logits-sized phantom passes per sequence. Without them (three lines in ``profile._Recorder``:
-no row for an op that returns no tensor) the two runs above replay at Spearman 0.64 / 0.56 and picks 1.24x /
-1.00x; but the GPU figures then move (torchtitan's row 1.02x -> 1.50x tok/s, outside +-25 %; ``gpu_check``'s
-H200 1B prediction 39,200 -> 63,700 tok/s against 36,740 measured eager): those matched partly thanks to the
-phantom traffic, so that change waits for the GPU costs it uncovers (attention kernels' efficiency, ...).
+Earlier runs, on two cores shared with four other agents (load 5-30; the same layout's steps differed up to 2x
+between passes): Spearman 0.33, -0.31 and -0.02, picks 1.36-1.46x. What changed since: the profile no longer
+counts ops that return no tensor (``prim.device``, several logits-sized phantom passes per sequence), the
+calibration measures matmul rates by size, a causal attention pass, and every host figure on both ranks at once
+(the ranks share the machine), gloo's latency is fitted on relative errors (it came out as 0 before), and the
+optimizer step is AdamW's own op sequence on every device. Before all of this (2026-11-26): Spearman -0.49, pick
+2.32x.
 """
 
 from __future__ import annotations
