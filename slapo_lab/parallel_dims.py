@@ -64,6 +64,11 @@ class ParallelDims:
         """Processes of the whole run: ``tp * pp * dp``."""
         return self.replica * self.dp
 
+    @property
+    def stage_ranks(self) -> int:
+        """Processes that hold one pipeline stage: ``tp * dp`` (its TP shards in every replica)."""
+        return self.tp * self.dp
+
     @classmethod
     def for_world(cls, world: int, tp: int = 1, pp: int = 1) -> ParallelDims | None:
         """The dims whose replicas of ``tp x pp`` fill ``world`` processes exactly, or None when ``tp * pp``

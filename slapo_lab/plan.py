@@ -59,6 +59,7 @@ from .activations import ActivationProfile, SavedProfile, estimate_activations, 
 from .blocks import block_stack
 from .errors import ScheduleError
 from .module_state import peek_meta
+from .parallel_dims import ParallelDims
 from .utils import human_bytes
 
 __all__ = [
@@ -326,9 +327,14 @@ class Plan:
     shard: str | None = None
 
     @property
+    def dims(self) -> ParallelDims:
+        """The plan's parallel degrees: TP ``world_size``, PP ``num_stages``, DP ``dp``."""
+        return ParallelDims(self.world_size, self.num_stages, self.dp)
+
+    @property
     def num_ranks(self) -> int:
-        """Ranks the plan covers: ``num_stages * world_size * dp`` (tp x pp x dp)."""
-        return self.num_stages * self.world_size * self.dp
+        """Ranks the plan covers: tp x pp x dp (``dims.world_size``)."""
+        return self.dims.world_size
 
     @property
     def total_bytes(self) -> int:
@@ -337,8 +343,8 @@ class Plan:
 
     @property
     def cluster_bytes(self) -> int:
-        """Bytes over all ranks (each stage's per-rank total times ``world_size * dp``)."""
-        return sum(s["total_bytes"] for s in self.per_stage) * self.world_size * self.dp
+        """Bytes over all ranks (each stage's per-rank total times the ranks that hold it, ``dims.stage_ranks``)."""
+        return sum(s["total_bytes"] for s in self.per_stage) * self.dims.stage_ranks
 
     def fits(self, gpu_bytes: float) -> bool:
         """Whether every rank's total fits in ``gpu_bytes`` (e.g. ``80 * 2**30``).
