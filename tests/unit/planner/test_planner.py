@@ -467,11 +467,16 @@ def test_matmul_curve_prices_small_matmuls_slower():
 
 
 def test_an_op_that_returns_no_tensor_moves_no_bytes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from slapo_lab.planner.profile import _Recorder
 
-    x = torch.ones(1024, 1024)
+    mode = FakeTensorMode(
+        allow_non_fake_inputs=True
+    )  # as the profile runs: fake tensors dispatch prim.device
+    x = mode.from_tensor(torch.ones(1024, 1024))
     rec = _Recorder(lambda: ("pre", "fwd"), set())
-    with rec:
+    with mode, rec:
         torch.ops.prim.device.default(x)  # a metadata query: no kernel, no traffic
         y = x * 2
     assert len(rec.rows) == 1 and rec.rows[0][3] == 2 * x.numel() * 4 and y.shape == x.shape
