@@ -154,11 +154,18 @@ class DeviceProfile:
 
 
 def _nv(name, lookup, gb, bw, nvlink, ib, eff, attn, source):
-    """A built-in profile; its peak FLOP/s are :data:`slapo_lab.hardware.PEAK_TFLOPS`' for the GPU ``lookup``."""
+    """A built-in profile; its peak FLOP/s are :data:`slapo_lab.hardware.PEAK_TFLOPS`' for the GPU ``lookup``.
+
+    Raises:
+        ValueError: ``lookup`` has no bf16 or fp32 figure in that table.
+    """
+    bf16, fp32 = peak_tflops_for(lookup, "bf16"), peak_tflops_for(lookup, "fp32")
+    if bf16 is None or fp32 is None:
+        raise ValueError(f"slapo_lab.hardware.PEAK_TFLOPS has no bf16 and fp32 figures for {lookup!r}.")
     return DeviceProfile(
         name=name,
-        bf16_flops=float(peak_tflops_for(lookup, "bf16") or 0.0) * 1e12,
-        fp32_flops=float(peak_tflops_for(lookup, "fp32") or 0.0) * 1e12,
+        bf16_flops=bf16 * 1e12,
+        fp32_flops=fp32 * 1e12,
         hbm_bytes=int(gb * GiB),
         hbm_bandwidth=bw * 1e12,
         intra_bandwidth=nvlink * 1e9,
@@ -496,7 +503,9 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         times, overlap, _ = collective_times()
     else:  # a CPU's ranks share it: each rank's figures measured while the others run too
         times, overlap, shared = collective_times(host=sizes)
-        rates = shared or {}
+        if shared is None:  # collective_times returns the host figures whenever host= is given
+            raise RuntimeError("calibrate(): the gloo processes returned no host figures.")
+        rates = shared
     by_size = rates["by_size"]
     best = max(by_size.values())
     fp32, bf16 = (rates["other"], best) if cuda else (best, rates["other"])

@@ -206,9 +206,15 @@ class _Recorder(TorchDispatchMode):
         """(activation bytes, weight bytes) an op reads and writes: a parameter, or a tensor of a parameter's
         shape (its gradient, which does not grow with the micro-batch), counts as weight."""
         act = wgt = 0
-        for t, is_input in [(t, True) for t in ins] + [(t, False) for t in outs]:
+        for t in ins:
             nbytes = t.numel() * t.element_size()
-            if self._weight_shaped(t) or (is_input and _key(t) in self.weights):
+            if _key(t) in self.weights or self._weight_shaped(t):
+                wgt += nbytes
+            else:
+                act += nbytes
+        for t in outs:
+            nbytes = t.numel() * t.element_size()
+            if self._weight_shaped(t):
                 wgt += nbytes
             else:
                 act += nbytes
