@@ -70,6 +70,16 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   profiles: empty (1: NCCL runs them as rings, the model of nccl-tests' ``doc/PERFORMANCE.md``). gloo on a CPU
   builds them from other collectives and :func:`calibrate` measures it (2026-11-27, 2 ranks, 32 MiB: all-reduce
   94 ms, all-gather 161 ms, reduce-scatter 165 ms, where a ring takes half the all-reduce).
+* ``optimizer_curve``: seconds per element of the training runtime's optimizer step (``torch.optim.AdamW`` with
+  its defaults) by parameter-tensor size, ``((elements per tensor, seconds per element), ...)`` ascending; a
+  tensor of ``n`` elements gets the figure interpolated at ``log n``. GPU profiles: empty (the step is priced
+  from AdamW's own op sequence at HBM bandwidth, :func:`slapo_lab.planner.pricer.adam_op_costs`).
+  :func:`calibrate` measures it (:func:`optimizer_rates`): on a CPU the step is not priced well by the copy
+  curve -- this project's 2-core CPU steps a 64 Ki-element tensor at 3.3 ns per element and a 16 Mi-element
+  one at 8.1, where AdamW's op sequence at the copy curve's bandwidth said 1.8 and 20.6.
+* Collectives are timed as a stream: the mean of back-to-back calls (:func:`_stream`), as a training step
+  issues them. On two gloo processes sharing two cores, a 256 KiB all-reduce takes 0.22 ms at its fastest and
+  1.2 ms on average (the waiting rank's wake-up), and a step pays the average.
 """
 
 from __future__ import annotations
@@ -120,6 +130,8 @@ class DeviceProfile:
             priced as a matmul of its FLOPs).
         matmul_curve: ``((FLOPs of one matmul, fraction of peak), ...)`` ascending (empty: ``matmul_efficiency``
             for every size).
+        optimizer_curve: ``((elements per tensor, seconds per element), ...)`` ascending, the optimizer step
+            measured by :func:`calibrate` (empty: priced from AdamW's op sequence).
         (Built-in values and their sources: the module docstring.)
     """
 
@@ -142,10 +154,11 @@ class DeviceProfile:
     collective_scale: tuple = ()
     attention_efficiency: float | None = None
     matmul_curve: tuple = ()
+    optimizer_curve: tuple = ()
 
     def __post_init__(self) -> None:
         # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
-        for name in ("memory_curve", "collective_scale", "matmul_curve"):
+        for name in ("memory_curve", "collective_scale", "matmul_curve", "optimizer_curve"):
             object.__setattr__(self, name, tuple(tuple(x) for x in getattr(self, name)))
 
     def flops(self, dtype: str) -> float:
@@ -271,6 +284,62 @@ def attention_flops(dtype=None, device=None, repeats: int = 3) -> float:
     return flops / 2 / _time(run, repeats)
 
 
+def optimizer_rates(
+    sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 24), total: int = 1 << 26, device=None
+) -> dict[int, float]:
+    """Seconds per element of ``torch.optim.AdamW``'s step (its defaults, as ``slapo_lab.train`` builds it: the
+    single-tensor loop on a CPU, the multi-tensor kernels on CUDA) over fp32 parameters of ``n`` elements each,
+    for each ``n`` in ``sizes``: ``total / n`` such tensors (at least one, at most 64: a small size's cost is the
+    per-tensor dispatch, which 64 tensors show, and a CPU whose ranks oversubscribe its cores pays a scheduler
+    slice per parallel op) with gradients, one step timed after the first (which makes the moments) and a
+    warm-up.
+
+    ``total`` (default 2^26 elements: 1 GiB of parameters, gradients and moments) puts the tensors, as a model's
+    are, beyond the caches. Each size's tensors are freed before the next size allocates: while a process holds
+    memory it no longer uses, AdamW's fresh ``sqrt`` output can reuse those pages (measured on this project's
+    CPU: a 16 Mi-element tensor then steps at 4.5 ns per element and faults no page, where a training process
+    faults 64 MiB of new pages per tensor each step and takes 7.5).
+
+    Returns:
+        ``{n: seconds per element}``.
+    """
+
+    cuda = device is not None and str(device).startswith("cuda")
+    out = {}
+    for n in sizes:
+        params = [
+            torch.nn.Parameter(torch.ones(n, device=device)) for _ in range(max(1, min(total // n, 64)))
+        ]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt.step()
+
+        def step(opt=opt):
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+
+        out[n] = _time(step, 1) / (n * len(params))
+        del step, opt, params  # freed before the next size allocates, as a training process holds one model
+    return out
+
+
+def _stream(fn, calls: int, loops: int = 3) -> float:
+    """Seconds per call of ``fn`` issued ``calls`` times back to back, the median over ``loops`` such streams
+    (after one warm-up call): what a training step pays for a collective it issues among others -- between
+    processes that share cores, the mean includes the waiting rank's wake-ups, which the fastest single call
+    hides."""
+    fn()
+    per = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls)
+    return sorted(per)[len(per) // 2]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -298,8 +367,9 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         dict: ``"by_size"`` (matmul FLOP/s by ``n`` for ``n`` in 64, 128 and ``sizes``, in the device's training
         dtype: bf16 on CUDA, fp32 on a CPU), ``"other"`` (the other dtype's best matmul FLOP/s), ``"attention"``
         (:func:`attention_flops` in the training dtype), ``"copy"`` (bytes/s of a 256 MiB ``clone``),
-        ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA) and ``"overhead"``
-        (:func:`op_overhead`, seconds per op).
+        ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA), ``"overhead"``
+        (:func:`op_overhead`, seconds per op) and ``"optimizer"`` (:func:`optimizer_rates`, seconds per
+        element by tensor size).
     """
     cuda = device is not None and str(device).startswith("cuda")
     train_dtype = torch.bfloat16 if cuda else torch.float32
@@ -317,12 +387,13 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         "copy": 2 * x.numel() * 4 / _time(clone, 3),
         "curve": {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
         "overhead": op_overhead(device),
+        "optimizer": optimizer_rates(device=device),
     }
 
 
 def _slowest(rates: list[dict]) -> dict:
-    """Per figure, the slowest rank's: the least FLOP/s and bytes/s, the most seconds per op (a step waits for
-    the slowest rank)."""
+    """Per figure, the slowest rank's: the least FLOP/s and bytes/s, the most seconds per op or element (a step
+    waits for the slowest rank)."""
     first = rates[0]
     return {
         "by_size": {n: min(r["by_size"][n] for r in rates) for n in first["by_size"]},
@@ -331,6 +402,7 @@ def _slowest(rates: list[dict]) -> dict:
         "copy": min(r["copy"] for r in rates),
         "curve": {n: min(r["curve"][n] for r in rates) for n in first["curve"]},
         "overhead": max(r["overhead"] for r in rates),
+        "optimizer": {n: max(r["optimizer"][n] for r in rates) for n in first["optimizer"]},
     }
 
 
@@ -347,20 +419,20 @@ def _collective_worker(
         for n in sizes:
             t = torch.ones(n // 4, dtype=torch.float32)
             dist.barrier()
-            times[n] = _time(lambda t=t: dist.all_reduce(t), repeats)
+            times[n] = _stream(lambda t=t: dist.all_reduce(t), repeats)
         # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
         big = torch.ones(max(sizes) // 4, dtype=torch.float32)
         half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
         dist.barrier()
-        times["all_gather"] = _time(lambda: dist.all_gather_single(big, half), repeats)
+        times["all_gather"] = _stream(lambda: dist.all_gather_single(big, half), repeats)
         dist.barrier()
-        times["reduce_scatter"] = _time(lambda: dist.reduce_scatter_single(half, big), repeats)
+        times["reduce_scatter"] = _stream(lambda: dist.reduce_scatter_single(half, big), repeats)
         # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
         # matrices for about as long as the all-reduce alone takes
         big = torch.ones(max(sizes) // 4, dtype=torch.float32)
         work = _matmul_loop(times[max(sizes)])
         dist.barrier()
-        t_comp = _time(work, repeats)
+        t_comp = _stream(work, 5)
 
         def both():
             h = dist.all_reduce(big, async_op=True)
@@ -368,7 +440,7 @@ def _collective_worker(
             h.wait()
 
         dist.barrier()
-        t_both = _time(both, repeats)
+        t_both = _stream(both, 5)
         t_comm = times[max(sizes)]
         times["size"] = max(sizes)
         overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
@@ -379,9 +451,9 @@ def _collective_worker(
 
 
 def collective_times(
-    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 5, host: tuple | None = None
+    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 20, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
-    """Seconds (the fastest of ``repeats``) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
+    """Seconds (per call of a stream of ``repeats``, :func:`_stream`) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
     (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``, one thread each), for each ``n`` in ``sizes`` (and under
     the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the
     fraction of the largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none,
@@ -403,7 +475,7 @@ def collective_times(
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(600)
     if any(p.exitcode != 0 for p in procs):
         for p in procs:
             if p.is_alive():
@@ -476,8 +548,9 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB
     ``clone`` (read + write); on a CPU also the cache: ``clone`` at working sets of 256 KiB to 64 MiB
     (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`) -- all of
-    them :func:`host_rates`. Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, fitted
-    as a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
+    them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
+    ``optimizer_curve``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
+    mean of a stream of calls (:func:`_stream`), fitted as a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
     (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the module docstring) -- on one machine the
     "intra" and "inter" links are the same loopback, so both get the fitted figures.
 
@@ -547,6 +620,7 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         collective_scale=scale,
         attention_efficiency=float(min(attention, 1.0)),
         matmul_curve=matmul_curve,
+        optimizer_curve=tuple((int(n), float(v)) for n, v in sorted(rates["optimizer"].items())),
     )
 
 

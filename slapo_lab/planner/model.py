@@ -51,7 +51,9 @@ Step time (seconds), the busiest stage:
   gives a matmul's rate at its own size, and its ``memory_curve`` the bandwidth at the op's own working set),
   plus the host's
   ``op_overhead`` per dispatched op (views included) where the host runs the kernels (a CPU), or as a floor per
-  kernel where it queues them ahead (a GPU), forward and backward, ``m`` times;
+  kernel where it queues them ahead (a GPU), forward and backward, ``m`` times; and from the second micro-batch
+  on, autograd's accumulation of each new gradient into ``.grad`` (an in-place add over the rank's gradients,
+  :meth:`Pricer.accumulate_time`);
 * recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
   outputs are not kept);
 * exposed communication: tensor-parallel syncs (not overlapped), pipeline sends of the boundary activation
@@ -397,7 +399,7 @@ class _Blocks:
         seq = [p for p in prof.blocks for _ in range(p.count)]
         rows = [(p, _checkpointed(i, checkpoint)) for i, p in enumerate(seq)]
         cost: dict = {}
-        compute, recompute, comm, saved, full, largest, params, train, big, tens = ([] for _ in range(10))
+        compute, recompute, comm, saved, full, largest, params, train, big = ([] for _ in range(9))
         for p, ck in rows:
             key = (id(p), ck)
             if key not in cost:
@@ -412,17 +414,17 @@ class _Blocks:
             params.append(p.param_bytes)
             train.append(p.trainable_elems)
             big.append(p.largest_param_elems)
-            tens.append(p.param_tensors)
         self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm, strict=False)]
         self.full, self.largest, self.params, self.big = full, largest, params, big
         self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
         self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
-        self.p_tensors = _acc(tens)
+        self.sizes = [p.param_sizes for p, _ in rows]
         self.n = len(seq)
 
 
 def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, post, b: int) -> dict:
-    """Per-stage sums of one cut (rank ``s`` holds chunks ``s, s + pp, ...``): numpy arrays over stages."""
+    """Per-stage sums of one cut (rank ``s`` holds chunks ``s, s + pp, ...``): numpy arrays over stages, and
+    ``"param_sizes"``, per stage the elements of each trainable tensor it holds."""
     starts = list(itertools.accumulate(chunks, initial=0))
     names = (
         "compute",
@@ -438,9 +440,9 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
         "big_param",
         "root",
         "root_train",
-        "tensors",
     )
     cols = {k: [] for k in names}
+    sizes = []
     for s in range(pp):
         ranges = [(starts[c], starts[c + 1]) for c in range(s, len(chunks), pp)]
         row = {
@@ -457,7 +459,6 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
             "root": 0.0,
             "root_train": 0.0,
-            "tensors": sum(blk.p_tensors[e] - blk.p_tensors[a] for a, e in ranges),
         }
         ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
         for part, (c, r, cm, sv) in ends:
@@ -470,14 +471,17 @@ def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, p
             row["trainable"] += part.trainable_elems
             row["root"] += part.param_bytes
             row["root_train"] += part.trainable_elems
-            row["tensors"] += part.param_tensors
             row["largest"] = max(row["largest"], part.saved_bytes * b)
             row["big_param"] = max(row["big_param"], part.largest_param_elems)
             if not row["unit"]:
                 row["unit"] = part.param_bytes
         for k in names:
             cols[k].append(row[k])
+        held = [n for a, e in ranges for part_sizes in blk.sizes[a:e] for n in part_sizes]
+        sizes.append(np.array(held + [n for part, _ in ends for n in part.param_sizes], dtype=float))
     out = {k: np.array(v, dtype=float) for k, v in cols.items()}
+    # per stage, the elements of each trainable tensor it steps (the optimizer's cost depends on the size)
+    out["param_sizes"] = sizes
     out["time"] = out["compute"] + out["recompute"] + out["comm"]
     out["zero"] = np.zeros(pp)
     return out
@@ -669,16 +673,21 @@ def _price(pr: Pricer, layout: Layout, global_batch_size: int) -> Estimate:
     t_mb = float(st["time"][busiest]) + p2p
     compute, recompute = float(st["compute"][busiest]), float(st["recompute"][busiest])
     comm_mb = float(st["comm"][busiest]) + p2p
-    div_o = dp if layout.shard != "none" else 1
+    # FSDP steps each rank's shard of every tensor; ZeRO-1/2 whole tensors, a dp-th of them per rank
+    fsdp = layout.shard == "fsdp"
     optimizer = pr.optimizer_time(
-        float(st["trainable"][busiest]) / div_o, float(st["tensors"][busiest]) / div_o
+        st["param_sizes"][busiest],
+        shard_dp=dp if fsdp else 1,
+        partition_dp=dp if layout.shard in ("zero1", "zero2") else 1,
     )
     # pipeline fill and drain: each other stage's micro-batch time once (1F1B and GPipe alike, Narayanan et al.
     # 2021, section 2.2, with the stages' own times instead of the busiest one's), over v chunks when interleaved
     stage_t = st["time"] + p2p
     bubble = (float(stage_t.sum()) - t_mb) / v if pp > 1 else 0.0
+    # every micro-batch after the first adds its gradients into the ones held (FSDP: the rank's shards)
+    accumulate = (m - 1) * pr.accumulate_time(st["param_sizes"][busiest], shard_dp=dp if fsdp else 1)
     parts_t = {
-        "compute": m * compute,
+        "compute": m * compute + accumulate,
         "recompute": m * recompute,
         "exposed_comm": m * comm_mb + _dp_exposed(pr, layout, st, busiest, m),
         "bubble": bubble,

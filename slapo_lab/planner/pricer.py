@@ -68,6 +68,10 @@ class Pricer:
             if curve
             else None
         )
+        opt = self.dev.optimizer_curve
+        self._opt_curve = (
+            (np.log2([float(n) for n, _ in opt]), np.array([v for _, v in opt], dtype=float)) if opt else None
+        )
         self._profiles: dict = {}
         self._op_time: dict = {}
         self._stage_cache: dict = {}
@@ -148,20 +152,57 @@ class Pricer:
             return t
         return t[0]
 
-    def optimizer_time(self, elems: float, tensors: float) -> float:
-        """Seconds of AdamW's step over ``elems`` trainable elements in ``tensors`` tensors, as the training
-        runtime runs it (``torch.optim.AdamW`` with its defaults, fp32 master weights): its op sequence
-        (:func:`adam_op_costs`: ops per tensor, bytes per element) at the memory bandwidth of the tensors'
-        working set, plus ``op_overhead`` per op -- per op on a GPU (``launch_async``: the default multi-tensor
-        kernels take every tensor of a group at once), per op and tensor on a CPU (the single-tensor update)."""
+    def optimizer_time(self, sizes: np.ndarray, shard_dp: int = 1, partition_dp: int = 1) -> float:
+        """Seconds of the optimizer step over trainable tensors of ``sizes`` elements each, as the training
+        runtime runs it (``torch.optim.AdamW`` with its defaults, fp32 master weights).
+
+        Args:
+            sizes: ``(k,)`` elements per tensor (one rank's tensor-parallel shards).
+            shard_dp: each tensor is split over this many ranks (FSDP: every rank steps its shard of each).
+            partition_dp: the tensors are partitioned over this many ranks (ZeRO-1/2: each rank steps whole
+                tensors, about a ``partition_dp``-th of them).
+
+        With the profile's measured ``optimizer_curve`` each tensor costs its elements times the seconds per
+        element measured at its size. Without it: AdamW's op sequence (:func:`adam_op_costs`: ops per tensor,
+        bytes per element) at the memory bandwidth of the tensors' working set, plus ``op_overhead`` per op --
+        per op on a GPU (``launch_async``: the default multi-tensor kernels take every tensor of a group at
+        once), per op and tensor on a CPU (the single-tensor update).
+        """
+        sizes = np.asarray(sizes, dtype=float) / shard_dp
+        elems, tensors = float(sizes.sum()), float(len(sizes))
         if elems <= 0:
             return 0.0
+        if self._opt_curve is not None:
+            xs, ys = self._opt_curve
+            per = np.interp(np.log2(np.maximum(sizes, 1.0)), xs, ys)
+            return float((sizes * per).sum()) / partition_dp
         ops, per_elem = adam_op_costs(4)
         if self.dev.launch_async:
-            return elems * per_elem / self.bw + ops * self.dev.op_overhead
+            return elems * per_elem / self.bw / partition_dp + ops * self.dev.op_overhead
         each = elems / max(tensors, 1.0)  # the mean tensor's working set sets the bandwidth
         bw = float(self.bandwidth(np.array([each * per_elem / max(ops, 1)]))[0])
-        return elems * per_elem / bw + tensors * ops * self.dev.op_overhead
+        return (elems * per_elem / bw + tensors * ops * self.dev.op_overhead) / partition_dp
+
+    def accumulate_time(self, sizes: np.ndarray, shard_dp: int = 1) -> float:
+        """Seconds of one gradient accumulation over trainable tensors of ``sizes`` elements each: autograd's
+        ``AccumulateGrad`` adds every micro-batch's gradient after the first into ``.grad`` in place (reads two
+        gradients, writes one, in the training dtype). ``shard_dp``: FSDP accumulates each rank's shard.
+
+        With the profile's measured ``optimizer_curve`` each tensor is priced at the rate AdamW's elementwise
+        passes reach over tensors of its size (that step's seconds per element, scaled by these bytes over the
+        step's bytes per element, :func:`adam_op_costs`): both sweep parameter-sized tensors in place, beyond
+        the caches. Without it: the bytes at the bandwidth of their working set (:meth:`bandwidth`), plus
+        ``op_overhead`` per tensor.
+        """
+        sizes = np.asarray(sizes, dtype=float) / shard_dp
+        if sizes.size == 0:
+            return 0.0
+        nbytes = 3 * self.elem * sizes
+        if self._opt_curve is not None:
+            xs, ys = self._opt_curve
+            per = np.interp(np.log2(np.maximum(sizes, 1.0)), xs, ys)
+            return float((sizes * per).sum()) * 3 * self.elem / adam_op_costs(4)[1]
+        return float((nbytes / self.bandwidth(nbytes)).sum()) + len(sizes) * self.dev.op_overhead
 
     def link(self, n: int, within_node: bool) -> tuple[float, float]:
         if within_node:

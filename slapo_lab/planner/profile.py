@@ -100,6 +100,8 @@ class PartProfile:
         largest_param_elems: elements of the part's largest trainable tensor.
         param_tensors: how many trainable tensors the part holds (an eager optimizer step dispatches its ops
             per tensor).
+        param_sizes: the elements of each trainable tensor (per tensor-parallel rank), in order (the optimizer
+            step's cost per element depends on the tensor's size).
         fwd_ops / bwd_ops: every aten op dispatched in the part's forward / backward, views and in-place ops
             included (each pays the host's per-op dispatch time, ``DeviceProfile.op_overhead``).
     """
@@ -122,6 +124,7 @@ class PartProfile:
     output_bytes: int = 0
     largest_param_elems: int = 0
     param_tensors: int = 0
+    param_sizes: tuple = ()
     fwd_ops: int = 0
     bwd_ops: int = 0
 
@@ -725,6 +728,7 @@ def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
     if t.requires_grad:
         prof.trainable_elems += t.numel()
         prof.param_tensors += 1
+        prof.param_sizes += (t.numel(),)
         prof.largest_param_elems = max(prof.largest_param_elems, t.numel())
 
 

@@ -387,7 +387,10 @@ def test_op_overhead_is_paid_per_dispatched_op_on_a_cpu_and_is_a_floor_on_a_gpu(
     oh = 1e-5
     base, slow = _est(tiny, _cpu_like()), _est(tiny, _cpu_like(op_overhead=oh))
     m = base.micro_batches
-    assert slow.time_parts["compute"] - base.time_parts["compute"] == pytest.approx(m * ops * oh, rel=1e-6)
+    # each gradient accumulation dispatches one add per tensor
+    tensors = sum(p.param_tensors * p.count for p in prof.parts)
+    paid = m * ops * oh + (m - 1) * tensors * oh
+    assert slow.time_parts["compute"] - base.time_parts["compute"] == pytest.approx(paid, rel=1e-6)
     # a GPU queues kernels ahead: each kernel row takes at least the overhead, views cost nothing
     gpu = _est(tiny, _cpu_like(op_overhead=oh, launch_async=True))
     assert (
@@ -432,7 +435,8 @@ def test_the_optimizer_step_is_priced_from_adamw_on_a_gpu_too(tiny):
     pr = Pricer(tiny, sl.Cluster(nodes=1, gpus_per_node=1, gpu=gpu), SEQ, "bf16")
     # the default multi-tensor kernels: the bytes of AdamW's op sequence, one launch per op for all the tensors
     bw = gpu.hbm_bandwidth * gpu.memory_efficiency
-    assert pr.optimizer_time(1e9, 300) == pytest.approx(1e9 * per_elem / bw + ops * gpu.op_overhead)
+    sizes = np.full(300, 1e9 / 300)
+    assert pr.optimizer_time(sizes) == pytest.approx(1e9 * per_elem / bw + ops * gpu.op_overhead)
 
 
 def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
@@ -489,9 +493,70 @@ def test_calibrated_attention_and_matmul_by_size_are_measured():
 
 def test_a_cpu_calibration_keeps_the_slowest_ranks_figures():
     fast = {"by_size": {64: 4e9, 128: 8e9}, "other": 2e9, "attention": 1e9, "copy": 8e9,
-            "curve": {1 << 18: 5e10}, "overhead": 1e-6}  # fmt: skip
+            "curve": {1 << 18: 5e10}, "overhead": 1e-6, "optimizer": {1 << 12: 9e-9, 1 << 24: 7e-9}}  # fmt: skip
     slow = {"by_size": {64: 3e9, 128: 9e9}, "other": 1e9, "attention": 2e9, "copy": 4e9,
-            "curve": {1 << 18: 6e10}, "overhead": 3e-6}  # fmt: skip
+            "curve": {1 << 18: 6e10}, "overhead": 3e-6, "optimizer": {1 << 12: 8e-9, 1 << 24: 8e-9}}  # fmt: skip
     got = devices._slowest([fast, slow])
     assert got == {"by_size": {64: 3e9, 128: 8e9}, "other": 1e9, "attention": 1e9, "copy": 4e9,
-                   "curve": {1 << 18: 5e10}, "overhead": 3e-6}  # fmt: skip
+                   "curve": {1 << 18: 5e10}, "overhead": 3e-6,
+                   "optimizer": {1 << 12: 9e-9, 1 << 24: 8e-9}}  # fmt: skip
+
+
+def test_the_measured_optimizer_curve_prices_each_tensor_at_its_own_size(tiny):
+    from slapo_lab.planner.pricer import Pricer, adam_op_costs
+
+    curve = ((1 << 12, 1e-8), (1 << 24, 2e-9))  # small tensors cost 5x more per element (per-tensor dispatch)
+    pr = Pricer(tiny, sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(optimizer_curve=curve)), SEQ, "fp32")
+    sizes = np.array([1 << 12, 1 << 24], dtype=float)
+    whole = (1 << 12) * 1e-8 + (1 << 24) * 2e-9
+    assert pr.optimizer_time(sizes) == pytest.approx(whole)
+    assert pr.optimizer_time(sizes, partition_dp=2) == pytest.approx(whole / 2)  # ZeRO: half the tensors
+    # FSDP: every tensor's shard, each priced at the shard's size (2^11 is below the curve: its first point)
+    shards = (1 << 11) * 1e-8 + (1 << 23) * np.interp(23, [12, 24], [1e-8, 2e-9])
+    assert pr.optimizer_time(sizes, shard_dp=2) == pytest.approx(shards)
+    # the gradient accumulation of a micro-batch: the same rate, scaled by its bytes (read 2, write 1) over AdamW's
+    _ops, per_elem = adam_op_costs(4)
+    assert pr.accumulate_time(sizes) == pytest.approx(whole * 12 / per_elem)
+
+
+def test_micro_batches_after_the_first_pay_the_gradient_accumulation(tiny):
+    from slapo_lab.planner.pricer import Pricer
+
+    dev = _cpu_like()
+    cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=dev)
+    lay = sl.Layout(tp=1, pp=1, dp=1, micro_batch_size=1)
+    one = sl.estimate(tiny, lay, cluster=cl, seq_len=SEQ, global_batch_size=1, dtype="fp32")
+    four = sl.estimate(tiny, lay, cluster=cl, seq_len=SEQ, global_batch_size=4, dtype="fp32")
+    assert four.micro_batches == 4
+    sizes = np.array([p.numel() for p in tiny.parameters() if p.requires_grad], dtype=float)
+    acc = Pricer(tiny, cl, SEQ, "fp32").accumulate_time(sizes)
+    assert acc > 0
+    assert four.time_parts["compute"] == pytest.approx(4 * one.time_parts["compute"] + 3 * acc)
+
+
+def test_the_profile_lists_each_trainable_tensor():
+    prof = profile_model(_tiny(1), 1, SEQ, "fp32")
+    for part in prof.parts:
+        assert len(part.param_sizes) == part.param_tensors
+        assert sum(part.param_sizes) == part.trainable_elems
+
+
+def test_optimizer_rates_measure_adamw_by_tensor_size():
+    got = devices.optimizer_rates(sizes=(1 << 8, 1 << 14), total=1 << 16)
+    assert set(got) == {1 << 8, 1 << 14} and all(0 < v < 1e-5 for v in got.values())
+    # 256 tensors of 256 elements dispatch AdamW's ops 64x as often as 4 tensors of 16 Ki for the same elements
+    assert got[1 << 8] > got[1 << 14]
+
+
+def test_collectives_are_timed_as_a_stream_not_at_their_fastest():
+    import time as _time
+
+    calls = []
+
+    def jittery():  # every other call waits 2 ms, as a rank does for its peer's wake-up
+        calls.append(1)
+        if len(calls) % 2:
+            _time.sleep(0.002)
+
+    assert devices._time(jittery, 10) < 0.0005  # the fastest call hides the waits
+    assert devices._stream(jittery, 10) > 0.0008  # a stream pays them: about 1 ms per call
