@@ -16,32 +16,41 @@ against the fastest measured, and the load average before and after. Goal: Spear
 What the calibrated profile brings to the step time (``slapo_lab/planner/devices.py``, ``model.py``): the host's
 time per dispatched aten op (a loop of tiny ``torch.add``), added per op on a CPU; achieved bandwidth by working
 set (``clone`` at 256 KiB to 64 MiB: the caches make small ops several times faster than the 256 MiB copy);
-gloo's all-gather and reduce-scatter against a ring (gloo builds them from other collectives: 2-5x); and how
-much of an asynchronous all-reduce a matmul loop hides (0-0.25 here: two ranks on two cores leave gloo no core).
-The profile counts weight gradients at their own size (not times the micro-batch), the optimizer is priced from
-eager AdamW's own op sequence, FSDP pays a latency per unit and FSDP2's copy-in/out, and the pipeline's bubble
-is the other stages' own micro-batch times.
+matmul rates by size and a causal attention pass; gloo's all-reduce as a stream of calls (the mean, which holds
+the waiting rank's wake-ups) and its all-gather and reduce-scatter against a ring; how much of an asynchronous
+all-reduce a matmul loop hides (0-0.25 here: two ranks on two cores leave gloo no core); and AdamW's step by
+tensor size (``optimizer_curve``). Every host figure is measured on both ranks at once (they share the machine).
+The model prices each trainable tensor's optimizer step at its own size, and every micro-batch after the first
+pays autograd's gradient accumulation; FSDP pays a latency per unit and FSDP2's copy-in/out, and the pipeline's
+bubble is the other stages' own micro-batch times.
 
 Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--json F]``;
 ``--replay F`` prices a saved run's profile and times again (no run; for changes to the model).
 
-Spearman NOT MET, pick met. On a quiet machine (2026-11-27 06:53 UTC, load 2; the helpers' tests that loaded
-every earlier run had ended; ``benchmarks/results/plan_ranking_quiet.txt``): Spearman 0.35 (0.48 against each
-layout's fastest step); the planner's pick, TP 2 with one micro-batch of 4, measured 1.00x the best measured.
-Every layout is predicted at 0.57-0.76 of its measured median. The misses: TP with four micro-batches of one
-(predicted 4th, measured 9th of 10: 128 small all-reduces a step, each costing more while both ranks compute
-than gloo's idle 83 us) and the two pipelines (predicted 6th and 9th, measured 2nd and 3rd: their ratio is the
-highest, 0.73-0.76). Replaying the same run with the per-op host time measured in a real module stack
-(``nn.TransformerEncoderLayer`` x 4, forward + backward: 3.4 us per op against the tight ``torch.add`` loop's
-1.2 us) moves Spearman to 0.37 only: the host time is not what separates the layouts.
+MET on a quiet machine (``benchmarks/results/plan_ranking_quiet.txt``; the runs' profiles and times are
+``plan_ranking_quiet_1.json`` and ``_2.json`` beside it): Spearman 0.94 (09:09 UTC) and 0.87 (09:53 UTC), the
+planner's pick (TP 2, one micro-batch of 4) measured 1.00x the best in both. Every layout is predicted at
+0.76-0.97 of its measured median.
+
+What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, not constants fitted to this table:
+
+* the optimizer step was priced from AdamW's op sequence at the copy curve's bandwidth of the mean tensor: 0.18 s
+  where the 56 M model's step takes 0.33-0.39 s. The 16 Mi-element embedding and head step at 7.5 ns per element
+  (each step faults a fresh 64 MiB ``sqrt`` output), the 0.3-2.8 Mi-element ones at 3-4 ns: ``calibrate`` now
+  times AdamW by tensor size, and each tensor is priced at its own;
+* the collectives were timed at their fastest call (a 256 KiB all-reduce: 0.22 ms), where a stream of them
+  averages 1.2 ms (the waiting rank wakes late): the fitted latency went from 83 us to 300-650 us;
+* gradient accumulation was not priced: each micro-batch after the first adds its gradients into ``.grad`` (an
+  in-place pass over every gradient, 35-50 ms a micro-batch on the full model here), which DDP with two
+  micro-batches, TP with four and both pipelines pay.
+
+Replaying the 06:53 run's measured times against a calibration with the first two changes gave 0.70, and 0.77
+with the third; the two fresh runs above then measured 0.94 and 0.87.
 
 Earlier runs, on two cores shared with four other agents (load 5-30; the same layout's steps differed up to 2x
-between passes): Spearman 0.33, -0.31 and -0.02, picks 1.36-1.46x. What changed since: the profile no longer
-counts ops that return no tensor (``prim.device``, several logits-sized phantom passes per sequence), the
-calibration measures matmul rates by size, a causal attention pass, and every host figure on both ranks at once
-(the ranks share the machine), gloo's latency is fitted on relative errors (it came out as 0 before), and the
-optimizer step is AdamW's own op sequence on every device. Before all of this (2026-11-26): Spearman -0.49, pick
-2.32x.
+between passes): Spearman 0.33, -0.31 and -0.02, picks 1.36-1.46x; before the profile stopped counting ops that
+return no tensor (``prim.device``) and the calibration measured matmul by size, attention and every host figure
+on both ranks at once (2026-11-26): Spearman -0.49, pick 2.32x.
 """
 
 from __future__ import annotations

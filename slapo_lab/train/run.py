@@ -165,9 +165,11 @@ class Run:
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             last = i == n - 1
+            # DDP all-reduces on the last micro-batch only; FSDP2 reduce-scatters every micro-batch and accumulates
+            # the sharded gradients (its default, as torchtitan trains: holding unsharded gradients over the
+            # micro-batches, ``set_requires_gradient_sync(False)``, would cost a whole replica's gradients per
+            # rank, which FSDP is chosen to avoid; the planner prices FSDP this way)
             sync = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
-            if lay.fsdp:
-                self.module.set_requires_gradient_sync(last)
             with sync:
                 with self.autocast():
                     out = self.model(**self.forward_kwargs(to_device(mb, self.device)))
