@@ -79,7 +79,9 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   one at 8.1, where AdamW's op sequence at the copy curve's bandwidth said 1.8 and 20.6.
 * Collectives are timed as a stream: the mean of back-to-back calls (:func:`_stream`), as a training step
   issues them. On two gloo processes sharing two cores, a 256 KiB all-reduce takes 0.22 ms at its fastest and
-  1.2 ms on average (the waiting rank's wake-up), and a step pays the average.
+  1.2 ms on average (the waiting rank's wake-up), and a step pays the average. The waits are heavy-tailed (up to
+  5 ms), so each size is a stream of 100 calls: with 20, four calibrations fitted latencies of 174-470 us, with
+  100 285-354 us.
 """
 
 from __future__ import annotations
@@ -432,7 +434,7 @@ def _collective_worker(
         big = torch.ones(max(sizes) // 4, dtype=torch.float32)
         work = _matmul_loop(times[max(sizes)])
         dist.barrier()
-        t_comp = _stream(work, 5)
+        t_comp = _stream(work, 20)
 
         def both():
             h = dist.all_reduce(big, async_op=True)
@@ -440,7 +442,7 @@ def _collective_worker(
             h.wait()
 
         dist.barrier()
-        t_both = _stream(both, 5)
+        t_both = _stream(both, 20)
         t_comm = times[max(sizes)]
         times["size"] = max(sizes)
         overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
@@ -451,7 +453,7 @@ def _collective_worker(
 
 
 def collective_times(
-    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 20, host: tuple | None = None
+    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 100, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
     """Seconds (per call of a stream of ``repeats``, :func:`_stream`) of a gloo ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes
     (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``, one thread each), for each ``n`` in ``sizes`` (and under
