@@ -27,10 +27,17 @@ bubble is the other stages' own micro-batch times.
 Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--json F]``;
 ``--replay F`` prices a saved run's profile and times again (no run; for changes to the model).
 
-MET on a quiet machine (``benchmarks/results/plan_ranking_quiet.txt``; the runs' profiles and times are
-``plan_ranking_quiet_1.json`` and ``_2.json`` beside it): Spearman 0.94 (09:09 UTC) and 0.87 (09:53 UTC), the
-planner's pick (TP 2, one micro-batch of 4) measured 1.00x the best in both. Every layout is predicted at
-0.76-0.97 of its measured median.
+Spearman met in 2 of 4 runs on a quiet machine, the pick in all 4 (``benchmarks/results/plan_ranking_quiet.txt``;
+each run's profile and times are ``plan_ranking_quiet_1.json`` to ``_4.json`` beside it): Spearman 0.94 (09:09 UTC),
+0.87 (09:53), 0.56 (10:00) and 0.61 (10:07; 0.77 against each layout's fastest step); the planner's pick (TP 2, one
+micro-batch of 4) measured 1.00x the best in every run. Every layout is predicted at 0.68-0.97 of its measured
+median. Eight of the ten layouts measure within 1.25-1.45 s, so a few per cent of noise reorders them. The
+steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three runs): per
+micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process, four
+micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
+accumulation aside), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
+when both ranks multiply matrices for 1.5-5 ms before each) than the stream of back-to-back calls the calibration
+times (1.2 ms).
 
 What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, not constants fitted to this table:
 
@@ -45,7 +52,7 @@ What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, no
   micro-batches, TP with four and both pipelines pay.
 
 Replaying the 06:53 run's measured times against a calibration with the first two changes gave 0.70, and 0.77
-with the third; the two fresh runs above then measured 0.94 and 0.87.
+with the third; the fresh runs above then measured 0.94, 0.87, 0.56 and 0.61.
 
 Earlier runs, on two cores shared with four other agents (load 5-30; the same layout's steps differed up to 2x
 between passes): Spearman 0.33, -0.31 and -0.02, picks 1.36-1.46x; before the profile stopped counting ops that
