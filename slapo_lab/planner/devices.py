@@ -287,14 +287,14 @@ def attention_flops(dtype=None, device=None, repeats: int = 3) -> float:
 
 
 def optimizer_rates(
-    sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 24), total: int = 1 << 26, device=None
+    sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 24), total: int = 1 << 26, device=None, repeats: int = 1
 ) -> dict[int, float]:
     """Seconds per element of ``torch.optim.AdamW``'s step (its defaults, as ``slapo_lab.train`` builds it: the
     single-tensor loop on a CPU, the multi-tensor kernels on CUDA) over fp32 parameters of ``n`` elements each,
     for each ``n`` in ``sizes``: ``total / n`` such tensors (at least one, at most 64: a small size's cost is the
     per-tensor dispatch, which 64 tensors show, and a CPU whose ranks oversubscribe its cores pays a scheduler
-    slice per parallel op) with gradients, one step timed after the first (which makes the moments) and a
-    warm-up.
+    slice per parallel op) with gradients, the fastest of ``repeats`` steps timed after the first (which makes
+    the moments) and a warm-up.
 
     ``total`` (default 2^26 elements: 1 GiB of parameters, gradients and moments) puts the tensors, as a model's
     are, beyond the caches. Each size's tensors are freed before the next size allocates: while a process holds
@@ -322,7 +322,7 @@ def optimizer_rates(
             if cuda:
                 torch.cuda.synchronize()
 
-        out[n] = _time(step, 1) / (n * len(params))
+        out[n] = _time(step, repeats) / (n * len(params))
         del step, opt, params  # freed before the next size allocates, as a training process holds one model
     return out
 
