@@ -31,7 +31,8 @@ Spearman met in 2 of 4 runs on a quiet machine, the pick in all 4 (``benchmarks/
 each run's profile and times are ``plan_ranking_quiet_1.json`` to ``_4.json`` beside it): Spearman 0.94 (09:09 UTC),
 0.87 (09:53), 0.56 (10:00) and 0.61 (10:07; 0.77 against each layout's fastest step); the planner's pick (TP 2, one
 micro-batch of 4) measured 1.00x the best in every run. Every layout is predicted at 0.68-0.97 of its measured
-median. Eight of the ten layouts measure within 1.25-1.45 s, so a few per cent of noise reorders them. The
+median. In each run eight of the ten layouts measure within 14-18 % of each other, so a few per cent of noise
+reorders them. The
 steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three runs): per
 micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process, four
 micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
@@ -46,7 +47,8 @@ What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, no
   (each step faults a fresh 64 MiB ``sqrt`` output), the 0.3-2.8 Mi-element ones at 3-4 ns: ``calibrate`` now
   times AdamW by tensor size, and each tensor is priced at its own;
 * the collectives were timed at their fastest call (a 256 KiB all-reduce: 0.22 ms), where a stream of them
-  averages 1.2 ms (the waiting rank wakes late): the fitted latency went from 83 us to 300-650 us;
+  averages 1.2 ms (the waiting rank wakes late): the fitted latency went from 83 us to 300-650 us with 20-call
+  streams, 285-354 us with the 100-call streams ``calibrate`` now times;
 * gradient accumulation was not priced: each micro-batch after the first adds its gradients into ``.grad`` (an
   in-place pass over every gradient, 35-50 ms a micro-batch on the full model here), which DDP with two
   micro-batches, TP with four and both pipelines pay.
