@@ -32,11 +32,11 @@ each run's profile and times are ``plan_ranking_quiet_1.json`` to ``_4.json`` be
 0.87 (09:53), 0.56 (10:00) and 0.61 (10:07; 0.77 against each layout's fastest step); the planner's pick (TP 2, one
 micro-batch of 4) measured 1.00x the best in every run. Every layout is predicted at 0.68-0.97 of its measured
 median. In each run eight of the ten layouts measure within 14-18 % of each other, so a few per cent of noise
-reorders them. The
-steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three runs): per
-micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process, four
-micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
-accumulation aside), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
+reorders them. The steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three
+runs): per micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process,
+four micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
+accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``: matmuls of 128 tokens run at 0.73 of
+the rate the square-matmul curve gives their FLOPs), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
 when both ranks multiply matrices for 1.5-5 ms before each) than the stream of back-to-back calls the calibration
 times (1.2 ms).
 
