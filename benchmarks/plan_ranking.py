@@ -35,8 +35,9 @@ median. In each run eight of the ten layouts measure within 14-18 % of each othe
 reorders them. The steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three
 runs): per micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process,
 four micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
-accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``: matmuls of 128 tokens run at 0.73 of
-the rate the square-matmul curve gives their FLOPs), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
+accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``, in the vocabulary-sized matmuls: the
+head's weight gradient, 512 x 128 @ 128 x 32000 into a fresh 64 MiB output, runs at 50 GFLOP/s and the logits at
+117, where a square matmul and the layers' 128-token matmuls reach 160-180), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
 when both ranks multiply matrices for 1.5-5 ms before each) than the stream of back-to-back calls the calibration
 times (1.2 ms).
 
