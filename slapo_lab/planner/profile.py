@@ -84,7 +84,6 @@ class PartProfile:
         name: ``"pre"``, ``"post"`` or the block class name.
         count: how many of it the model holds (1 for pre/post).
         param_elems / param_bytes: parameters per tensor-parallel rank (elements, bytes), each tensor once.
-        trainable_elems: the elements of those that require grad.
         fwd / bwd: ``(k, 4)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
             moved, weight bytes moved, 1.0 for a fused attention kernel else 0.0); causal attention counts half its FLOPs (the kernel skips the masked
             blocks: Dao, "FlashAttention-2", 2023, section 3.1).
@@ -97,11 +96,9 @@ class PartProfile:
         comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
         output_bytes: the part's output (the activation a pipeline boundary after it sends); for ``"post"``, the
             model's outputs but the scalar loss (a causal LM's logits).
-        largest_param_elems: elements of the part's largest trainable tensor.
-        param_tensors: how many trainable tensors the part holds (an eager optimizer step dispatches its ops
-            per tensor).
         param_sizes: the elements of each trainable tensor (per tensor-parallel rank), in order (the optimizer
-            step's cost per element depends on the tensor's size).
+            step's cost per element depends on the tensor's size); ``trainable_elems``, ``param_tensors`` and
+            ``largest_param_elems`` are read from it.
         fwd_ops / bwd_ops: every aten op dispatched in the part's forward / backward, views and in-place ops
             included (each pays the host's per-op dispatch time, ``DeviceProfile.op_overhead``).
     """
@@ -110,7 +107,6 @@ class PartProfile:
     count: int = 1
     param_elems: int = 0
     param_bytes: int = 0
-    trainable_elems: int = 0
     fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
     bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
     fwd_flops: float = 0.0
@@ -122,11 +118,24 @@ class PartProfile:
     recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
     comm: list = field(default_factory=list)
     output_bytes: int = 0
-    largest_param_elems: int = 0
-    param_tensors: int = 0
     param_sizes: tuple = ()
     fwd_ops: int = 0
     bwd_ops: int = 0
+
+    @property
+    def trainable_elems(self) -> int:
+        """Elements of the part's trainable tensors (per tensor-parallel rank)."""
+        return sum(self.param_sizes)
+
+    @property
+    def param_tensors(self) -> int:
+        """How many trainable tensors the part holds (an eager optimizer step dispatches its ops per tensor)."""
+        return len(self.param_sizes)
+
+    @property
+    def largest_param_elems(self) -> int:
+        """Elements of the part's largest trainable tensor (0 without one)."""
+        return max(self.param_sizes, default=0)
 
 
 @dataclass
@@ -726,10 +735,7 @@ def _add_param(prof: PartProfile, t: torch.Tensor) -> None:
     prof.param_elems += t.numel()
     prof.param_bytes += t.numel() * t.element_size()
     if t.requires_grad:
-        prof.trainable_elems += t.numel()
-        prof.param_tensors += 1
         prof.param_sizes += (t.numel(),)
-        prof.largest_param_elems = max(prof.largest_param_elems, t.numel())
 
 
 def describe(prof: ModelProfile) -> str:
