@@ -296,11 +296,12 @@ def optimizer_rates(
     slice per parallel op) with gradients, the fastest of ``repeats`` steps timed after the first (which makes
     the moments) and a warm-up.
 
-    ``total`` (default 2^26 elements: 1 GiB of parameters, gradients and moments) puts the tensors, as a model's
-    are, beyond the caches. Each size's tensors are freed before the next size allocates: while a process holds
-    memory it no longer uses, AdamW's fresh ``sqrt`` output can reuse those pages (measured on this project's
-    CPU: a 16 Mi-element tensor then steps at 4.5 ns per element and faults no page, where a training process
-    faults 64 MiB of new pages per tensor each step and takes 7.5).
+    With the default ``total`` of 2^26 elements, the two largest sizes hold 1 GiB of parameters, gradients and
+    moments, beyond the caches as a model's tensors are (their cost is bandwidth); the smaller sizes' 64 tensors
+    hold 64 MiB or less, and their cost is mostly the per-tensor dispatch. Each size's tensors are freed before
+    the next size allocates: while a process holds memory it no longer uses, AdamW's fresh ``sqrt`` output can
+    reuse those pages (measured on this project's CPU: a 16 Mi-element tensor then steps at 4.5 ns per element
+    and faults no page, where a training process faults 64 MiB of new pages per tensor each step and takes 7.5).
 
     Returns:
         ``{n: seconds per element}``.

@@ -173,9 +173,7 @@ class Pricer:
         if elems <= 0:
             return 0.0
         if self._opt_curve is not None:
-            xs, ys = self._opt_curve
-            per = np.interp(np.log2(np.maximum(sizes, 1.0)), xs, ys)
-            return float((sizes * per).sum()) / partition_dp
+            return self._measured_step(sizes) / partition_dp
         ops, per_elem = adam_op_costs(4)
         if self.dev.launch_async:
             return elems * per_elem / self.bw / partition_dp + ops * self.dev.op_overhead
@@ -197,12 +195,16 @@ class Pricer:
         sizes = np.asarray(sizes, dtype=float) / shard_dp
         if sizes.size == 0:
             return 0.0
-        nbytes = 3 * self.elem * sizes
         if self._opt_curve is not None:
-            xs, ys = self._opt_curve
-            per = np.interp(np.log2(np.maximum(sizes, 1.0)), xs, ys)
-            return float((sizes * per).sum()) * 3 * self.elem / adam_op_costs(4)[1]
+            return self._measured_step(sizes) * 3 * self.elem / adam_op_costs(4)[1]
+        nbytes = 3 * self.elem * sizes
         return float((nbytes / self.bandwidth(nbytes)).sum()) + len(sizes) * self.dev.op_overhead
+
+    def _measured_step(self, sizes: np.ndarray) -> float:
+        """Seconds of the measured optimizer step (``optimizer_curve``, interpolated at ``log2`` of each size)
+        over tensors of ``sizes`` elements each."""
+        xs, ys = self._opt_curve
+        return float((sizes * np.interp(np.log2(np.maximum(sizes, 1.0)), xs, ys)).sum())
 
     def link(self, n: int, within_node: bool) -> tuple[float, float]:
         if within_node:
