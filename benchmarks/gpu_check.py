@@ -581,7 +581,7 @@ def main(argv=None) -> int:
             )
             ok = proc.returncode == 0
             err = (proc.stderr or "").strip().splitlines()[-1:] if not ok else []
-            status[name] = {"status": "ok" if ok else f"failed: {' '.join(err)[:300]}"}
+            status[name] = {"status": "ok" if ok else f"failed: {' '.join(err)[:600]}"}
             (out / f"{name}.step.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         except subprocess.TimeoutExpired:
             status[name] = {"status": f"timed out after {left:.0f} s"}

@@ -88,7 +88,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
+import signal
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -343,12 +344,6 @@ def _stream(fn, calls: int, loops: int = 3) -> float:
     return sorted(per)[len(per) // 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _matmul_loop(seconds: float):
     """A callable multiplying 256 x 256 fp32 matrices for about ``seconds`` (count set on first call)."""
 
@@ -409,87 +404,123 @@ def _slowest(rates: list[dict]) -> dict:
     }
 
 
+def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tuple | None) -> None:
+    """The measurements of one :func:`collective_times` process, in its initialised gloo group."""
+    if host is not None:  # every rank measures at once, sharing the host as a run's ranks do
+        dist.barrier()
+        queue.put(("host", rank, host_rates(host)))
+    times = {}
+    for n in sizes:
+        t = torch.ones(n // 4, dtype=torch.float32)
+        dist.barrier()
+        times[n] = _stream(lambda t=t: dist.all_reduce(t), repeats)
+    # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
+    big = torch.ones(max(sizes) // 4, dtype=torch.float32)
+    half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
+    dist.barrier()
+    times["all_gather"] = _stream(lambda: dist.all_gather_single(big, half), repeats)
+    dist.barrier()
+    times["reduce_scatter"] = _stream(lambda: dist.reduce_scatter_single(half, big), repeats)
+    # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
+    # matrices for about as long as the all-reduce alone takes
+    big = torch.ones(max(sizes) // 4, dtype=torch.float32)
+    work = _matmul_loop(times[max(sizes)])
+    dist.barrier()
+    t_comp = _stream(work, 20)
+
+    def both():
+        h = dist.all_reduce(big, async_op=True)
+        work()
+        h.wait()
+
+    dist.barrier()
+    t_both = _stream(both, 20)
+    t_comm = times[max(sizes)]
+    times["size"] = max(sizes)
+    overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
+    if rank == 0:
+        queue.put(("links", rank, (times, min(1.0, max(0.0, overlap)))))
+
+
 def _collective_worker(
-    rank: int, world: int, port: int, sizes, repeats: int, queue, threads: int = 1, host: tuple | None = None
+    rank: int, world: int, init: str, sizes, repeats: int, queue, threads: int = 1, host: tuple | None = None
 ) -> None:
     torch.set_num_threads(threads)  # as the ranks of a CPU run will have them
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        if host is not None:  # every rank measures at once, sharing the host as a run's ranks do
-            dist.barrier()
-            queue.put(("host", rank, host_rates(host)))
-        times = {}
-        for n in sizes:
-            t = torch.ones(n // 4, dtype=torch.float32)
-            dist.barrier()
-            times[n] = _stream(lambda t=t: dist.all_reduce(t), repeats)
-        # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
-        big = torch.ones(max(sizes) // 4, dtype=torch.float32)
-        half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
-        dist.barrier()
-        times["all_gather"] = _stream(lambda: dist.all_gather_single(big, half), repeats)
-        dist.barrier()
-        times["reduce_scatter"] = _stream(lambda: dist.reduce_scatter_single(half, big), repeats)
-        # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
-        # matrices for about as long as the all-reduce alone takes
-        big = torch.ones(max(sizes) // 4, dtype=torch.float32)
-        work = _matmul_loop(times[max(sizes)])
-        dist.barrier()
-        t_comp = _stream(work, 20)
-
-        def both():
-            h = dist.all_reduce(big, async_op=True)
-            work()
-            h.wait()
-
-        dist.barrier()
-        t_both = _stream(both, 20)
-        t_comm = times[max(sizes)]
-        times["size"] = max(sizes)
-        overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
-        if rank == 0:
-            queue.put(("links", rank, (times, min(1.0, max(0.0, overlap)))))
+        _measure_links(rank, world, sizes, repeats, queue, host)
+    except Exception as err:  # any failure: the caller's sentence names it, then the process fails
+        first = (str(err).splitlines() or [""])[0][:200]  # its first line: the caller says one sentence
+        queue.put(("error", rank, f"{type(err).__name__}: {first}"))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _exit_reason(code: int | None) -> str:
+    """How a process ended, in words: ``"exit code 1"``, ``"signal SIGKILL"`` or ``"still running"``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def collective_times(
     sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 100, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
     """Seconds (per call of a stream of ``repeats``, :func:`_stream`) of a gloo ``all_reduce`` of ``n`` bytes
-    (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, ``tcp://127.0.0.1``), for each ``n``
-    in ``sizes`` (and under the keys ``"all_gather"`` / ``"reduce_scatter"`` those collectives' seconds at the
-    largest size, ``"size"``), and the fraction of the largest all-reduce that overlaps a matmul loop when issued
-    with ``async_op=True`` (0: none, 1: fully hidden): ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``,
-    clipped to 0..1. The processes run on the caller's ``torch.get_num_threads()`` threads each. With ``host``
-    (the matmul ``sizes`` of :func:`host_rates`), every process first measures :func:`host_rates` at the same time,
-    and the third item returned is the slowest rank's figures (:func:`_slowest`; None without ``host``)."""
+    (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://`` rendezvous in a
+    temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` / ``"reduce_scatter"``
+    those collectives' seconds at the largest size, ``"size"``), and the fraction of the largest all-reduce that
+    overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
+    ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1. The processes run on the caller's
+    ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of :func:`host_rates`), every
+    process first measures :func:`host_rates` at the same time, and the third item returned is the slowest rank's
+    figures (:func:`_slowest`; None without ``host``).
+
+    Raises:
+        RuntimeError: a process failed, or had not finished within 600 s, before every figure was in; the
+            sentence gives each rank's error and how each process ended. A process that fails in its teardown
+            after every figure is in is not an error.
+    """
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_collective_worker,
-            args=(r, world, port, tuple(sizes), repeats, queue, torch.get_num_threads(), host),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    if any(p.exitcode != 0 for p in procs):
+    got: dict = {"host": [], "links": [], "error": []}
+
+    def drain():  # read as the figures come: a full pipe would block its writer
+        while not queue.empty():
+            kind, rank, value = queue.get()
+            got[kind].append((rank, value))
+
+    with tempfile.TemporaryDirectory(prefix="slapo_lab_calibrate_") as tmp:
+        # a file rendezvous: no port to pick and lose to another process between picking and binding it
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        args = (world, init, tuple(sizes), repeats, queue, torch.get_num_threads(), host)
+        procs = [ctx.Process(target=_collective_worker, args=(r, *args)) for r in range(world)]
         for p in procs:
+            p.start()
+        deadline = time.monotonic() + 600
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            drain()
+            time.sleep(0.05)
+        for p in procs:
+            p.join(1)
             if p.is_alive():
                 p.kill()
-        raise RuntimeError("calibrate(): a gloo collective process failed; see its stderr.")
-    got: dict = {"host": [], "links": []}
-    while not queue.empty():
-        kind, _rank, value = queue.get()
-        got[kind].append(value)
-    times, overlap = got["links"][0]
-    return times, overlap, (_slowest(got["host"]) if host is not None else None)
+        drain()
+    complete = bool(got["links"]) and (host is None or len(got["host"]) == world)
+    if got["error"] or not complete:
+        # with every figure in, a process that failed only in its teardown (gloo's threads can abort an exit)
+        # cost nothing; anything else is named
+        said = "; ".join(f"rank {r}: {msg}" for r, msg in got["error"]) or "no error reported"
+        ends = ", ".join(f"rank {r} {_exit_reason(p.exitcode)}" for r, p in enumerate(procs))
+        raise RuntimeError(
+            f"calibrate(): a gloo collective process failed before its figures were in ({said}; {ends})."
+        )
+    times, overlap = got["links"][0][1]
+    return times, overlap, (_slowest([v for _r, v in got["host"]]) if host is not None else None)
 
 
 def op_overhead(device=None, n: int = 2000) -> float:
@@ -569,7 +600,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         DeviceProfile named ``"calibrated <cpu|gpu name>"``.
 
     Raises:
-        RuntimeError: a collective process failed (one sentence).
+        RuntimeError: a gloo process failed before its figures were in (:func:`collective_times`; one sentence
+            with each rank's error and how each process ended).
     """
 
     cuda = torch.cuda.is_available()

@@ -560,3 +560,18 @@ def test_collectives_are_timed_as_a_stream_not_at_their_fastest():
 
     assert devices._time(jittery, 10) < 0.0005  # the fastest call hides the waits
     assert devices._stream(jittery, 10) > 0.0008  # a stream pays them: about 1 ms per call
+
+
+def test_a_failed_collective_process_is_named_in_one_sentence():
+    # a host measurement that cannot run (a matmul size that is not a number) fails in both gloo processes
+    with pytest.raises(RuntimeError) as err:
+        devices.collective_times(sizes=(1 << 10,), repeats=2, host=("not a size",))
+    said = str(err.value)
+    assert said.startswith("calibrate(): a gloo collective process failed before its figures were in (")
+    assert "rank 0: TypeError" in said and "rank 0 exit code 1" in said and "\n" not in said
+
+
+def test_collective_times_measure_between_two_processes():
+    times, overlap, host = devices.collective_times(sizes=(1 << 10, 1 << 16), repeats=3)
+    assert set(times) == {1 << 10, 1 << 16, "all_gather", "reduce_scatter", "size"} and host is None
+    assert all(0 < times[n] < 1 for n in (1 << 10, 1 << 16)) and 0 <= overlap <= 1
