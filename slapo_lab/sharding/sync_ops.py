@@ -319,16 +319,6 @@ _d_scatter.register_autograd(_bwd_gather, setup_context=_setup_ctx)
 # --- simulated and width-1 groups: autograd functions around the plain collectives, which do not communicate
 # then (all-reduce: identity; all-gather: the chunk repeated; scatter / reduce-scatter: this rank's chunk); and
 # the all-reduce-in-backward of live groups outside export (see _AllReduceBackward) ---------------------------
-class _AllReduceForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g):
-        return _all_reduce(x, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class _AllReduceBackward(torch.autograd.Function):
     """Megatron's ``f`` on any group outside ``torch.export``: an alias in forward (a custom op must return a
     new tensor, and that copy would be saved by the layer after it: one more activation per column-parallel
@@ -389,10 +379,12 @@ def all_reduce_forward(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
 
     Args:
         x: any shape; the result has the same shape.
-        g: the tensor-parallel group; simulated or width 1: the identity.
+        g: the tensor-parallel group; simulated or width 1: the identity, ``x`` itself (an autograd Function
+            that returned its input would mark it a view its caller may not change in place, as Falcon's
+            parallel attention and MLP do).
     """
     if not g.live:
-        return _AllReduceForward.apply(x, g)
+        return x
     return _d_all_reduce_fwd(x, g.group.group_name, g.world_size, g.rank)
 
 
