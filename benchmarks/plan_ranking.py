@@ -16,8 +16,9 @@ against the fastest measured, and the load average before and after. Goal: Spear
 What the calibrated profile brings to the step time (``slapo_lab/planner/devices.py``, ``model.py``): the host's
 time per dispatched aten op (a loop of tiny ``torch.add``), added per op on a CPU; achieved bandwidth by working
 set (``clone`` at 256 KiB to 64 MiB: the caches make small ops several times faster than the 256 MiB copy);
-matmul rates by size and a causal attention pass; gloo's all-reduce as a stream of calls (the mean, which holds
-the waiting rank's wake-ups) and its all-gather and reduce-scatter against a ring; how much of an asynchronous
+matmul rates by size and a causal attention pass; gloo's all-reduce as a stream of calls, each after 2 ms of
+matmuls on both ranks as a step issues it (the mean, which holds the waiting rank's wake-ups and the ranks' skew),
+and its all-gather and reduce-scatter against a ring; how much of an asynchronous
 all-reduce a matmul loop hides (0-0.25 here: two ranks on two cores leave gloo no core); and AdamW's step by
 tensor size (``optimizer_curve``). Every host figure is measured on both ranks at once (they share the machine).
 The model prices each trainable tensor's optimizer step at its own size, and every micro-batch after the first
@@ -27,19 +28,26 @@ bubble is the other stages' own micro-batch times.
 Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--json F]``;
 ``--replay F`` prices a saved run's profile and times again (no run; for changes to the model).
 
-Spearman met in 2 of 4 runs on a quiet machine, the pick in all 4 (``benchmarks/results/plan_ranking_quiet.txt``;
-each run's profile and times are ``plan_ranking_quiet_1.json`` to ``_4.json`` beside it): Spearman 0.94 (09:09 UTC),
-0.87 (09:53), 0.56 (10:00) and 0.61 (10:07; 0.77 against each layout's fastest step); the planner's pick (TP 2, one
-micro-batch of 4) measured 1.00x the best in every run. Every layout is predicted at 0.68-0.97 of its measured
-median. In each run eight of the ten layouts measure within 14-18 % of each other, so a few per cent of noise
-reorders them. The steadiest miss is TP with four micro-batches of one (predicted 3rd-5th, measured 9th in three
-runs): per micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one process,
-four micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
-accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``, in the vocabulary-sized matmuls: the
-head's weight gradient, 512 x 128 @ 128 x 32000 into a fresh 64 MiB output, runs at 50 GFLOP/s and the logits at
-117, where a square matmul and the layers' 128-token matmuls reach 160-180), and its 140 small all-reduces a step cost more between compute (1.6-2.5 ms each for 256 KiB
-when both ranks multiply matrices for 1.5-5 ms before each) than the stream of back-to-back calls the calibration
-times (1.2 ms).
+Spearman met in 4 of 4 runs on a quiet machine, and the pick (``benchmarks/results/plan_ranking_quiet.txt``; each
+run's profile and times are ``plan_ranking_quiet_5.json`` to ``_8.json`` beside it): Spearman 0.94, 0.93, 0.93 and
+0.94 (13:00-13:19 UTC, back to back), and the planner's pick (TP 2, one micro-batch of 4) measured 1.00x the best
+in every run. Every layout is predicted at 0.78-0.93 of its measured median. The measured order itself is steady:
+the eight runs' measured medians agree with one another at Spearman 0.84-0.99, and each of the four new profiles
+ranks every one of the eight runs' measurements at 0.84-0.99.
+
+The four runs before (09:09-10:07 UTC, ``_1.json`` to ``_4.json``) timed each collective back to back: Spearman
+0.94, 0.87, 0.56 and 0.61. The misses came from the calibration, not the measurements: priced against each other's
+measured times, profiles 3 and 4 ranked every run at 0.45-0.82, profiles 1 and 2 at 0.79-1.00. Their fitted gloo
+latency spread over 200-654 us, and TP with four micro-batches of one (140 small all-reduces a step) moved with it.
+A step's small all-reduces cost 1.6-2.5 ms each between compute, where back-to-back calls cost 0.4-1.2 ms; timed
+after 1 to 3 ms of matmuls, a 1 KiB to 256 KiB all-reduce costs 1.0-2.4 ms (``devices.COLLECTIVE_BURST_S`` says
+which constant that is and what it changes). The calibration now times them that way: fitted latency 546-849 us.
+
+Left as it is: per micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one
+process, four micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced,
+gradient accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``, in the vocabulary-sized
+matmuls: the head's weight gradient, 512 x 128 @ 128 x 32000 into a fresh 64 MiB output, runs at 50 GFLOP/s and
+the logits at 117, where a square matmul and the layers' 128-token matmuls reach 160-180).
 
 What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, not constants fitted to this table:
 
@@ -49,13 +57,13 @@ What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, no
   times AdamW by tensor size, and each tensor is priced at its own;
 * the collectives were timed at their fastest call (a 256 KiB all-reduce: 0.22 ms), where a stream of them
   averages 1.2 ms (the waiting rank wakes late): the fitted latency went from 83 us to 300-650 us with 20-call
-  streams, 285-354 us with the 100-call streams ``calibrate`` now times;
+  streams, 285-354 us with 100-call streams (since timed after compute, above);
 * gradient accumulation was not priced: each micro-batch after the first adds its gradients into ``.grad`` (an
   in-place pass over every gradient, 35-50 ms a micro-batch on the full model here), which DDP with two
   micro-batches, TP with four and both pipelines pay.
 
 Replaying the 06:53 run's measured times against a calibration with the first two changes gave 0.70, and 0.77
-with the third; the fresh runs above then measured 0.94, 0.87, 0.56 and 0.61.
+with the third; fresh runs 1 to 4 then measured 0.94, 0.87, 0.56 and 0.61.
 
 Earlier runs, on two cores shared with four other agents (load 5-30; the same layout's steps differed up to 2x
 between passes): Spearman 0.33, -0.31 and -0.02, picks 1.36-1.46x; before the profile stopped counting ops that

@@ -344,6 +344,16 @@ def _stream(fn, calls: int, loops: int = 3) -> float:
     return sorted(per)[len(per) // 2]
 
 
+COLLECTIVE_BURST_S = 0.002
+"""Seconds of matmuls each rank runs before every timed collective call in :func:`collective_times`: a step
+issues its collectives between compute, not back to back. A judgement constant, of the order of one layer's
+compute between two tensor-parallel syncs at the sizes a CPU trains. What it changes, measured on this project's
+2-core CPU with 2 gloo ranks (stream medians of 50 calls, 3 runs): a 1 KiB to 256 KiB all-reduce costs 0.4-1.2 ms
+back to back, 1.0-1.4 ms after 1 ms of matmuls and 1.1-2.4 ms after 3 ms (the waiting rank's wake-up and the
+ranks' skew); an 8 MiB one 7.6-8.6 ms in all three. On a GPU machine the links are still timed with gloo between
+CPU processes, and the burst is CPU work as well."""
+
+
 def _matmul_loop(seconds: float):
     """A callable multiplying 256 x 256 fp32 matrices for about ``seconds`` (count set on first call)."""
 
@@ -409,18 +419,29 @@ def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tupl
     if host is not None:  # every rank measures at once, sharing the host as a run's ranks do
         dist.barrier()
         queue.put(("host", rank, host_rates(host)))
+    # each call follows a burst of compute, as a step issues its collectives between layers' compute: the
+    # collective's cost is the stream's time less the bursts' own
+    burst = _matmul_loop(COLLECTIVE_BURST_S)
+    dist.barrier()
+    alone = _stream(burst, repeats)
+
+    def in_step(call):
+        def run():
+            burst()
+            call()
+
+        dist.barrier()
+        return max(_stream(run, repeats) - alone, 1e-7)
+
     times = {}
     for n in sizes:
         t = torch.ones(n // 4, dtype=torch.float32)
-        dist.barrier()
-        times[n] = _stream(lambda t=t: dist.all_reduce(t), repeats)
+        times[n] = in_step(lambda t=t: dist.all_reduce(t))
     # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
     big = torch.ones(max(sizes) // 4, dtype=torch.float32)
     half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
-    dist.barrier()
-    times["all_gather"] = _stream(lambda: dist.all_gather_single(big, half), repeats)
-    dist.barrier()
-    times["reduce_scatter"] = _stream(lambda: dist.reduce_scatter_single(half, big), repeats)
+    times["all_gather"] = in_step(lambda: dist.all_gather_single(big, half))
+    times["reduce_scatter"] = in_step(lambda: dist.reduce_scatter_single(half, big))
     # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
     # matrices for about as long as the all-reduce alone takes
     big = torch.ones(max(sizes) // 4, dtype=torch.float32)
@@ -469,8 +490,9 @@ def _exit_reason(code: int | None) -> str:
 def collective_times(
     sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 100, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
-    """Seconds (per call of a stream of ``repeats``, :func:`_stream`) of a gloo ``all_reduce`` of ``n`` bytes
-    (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://`` rendezvous in a
+    """Seconds (per call of a stream of ``repeats``, :func:`_stream`; each call after
+    :data:`COLLECTIVE_BURST_S` of matmuls on every rank, whose own time is taken off) of a gloo ``all_reduce`` of
+    ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://`` rendezvous in a
     temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` / ``"reduce_scatter"``
     those collectives' seconds at the largest size, ``"size"``), and the fraction of the largest all-reduce that
     overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
@@ -584,7 +606,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`) -- all of
     them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
     ``optimizer_curve``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
-    mean of a stream of calls (:func:`_stream`), fitted as a ring (:func:`fit_link`), and on a CPU how much of an
+    mean of a stream of calls, each call after a burst of compute as a step issues it (:func:`collective_times`),
+    fitted as a ring (:func:`fit_link`), and on a CPU how much of an
     asynchronous all-reduce a matmul loop hides (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the
     module docstring) -- on one machine the "intra" and "inter" links are the same loopback, so both get the
     fitted figures.
