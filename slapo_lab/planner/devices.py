@@ -492,10 +492,10 @@ def collective_times(
 ) -> tuple[dict[int, float], float, dict | None]:
     """Seconds (per call of a stream of ``repeats``, :func:`_stream`; each call after
     :data:`COLLECTIVE_BURST_S` of matmuls on every rank, whose own time is taken off) of a gloo ``all_reduce`` of
-    ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://`` rendezvous in a
-    temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` / ``"reduce_scatter"``
-    those collectives' seconds at the largest size, ``"size"``), and the fraction of the largest all-reduce that
-    overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
+    ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://``
+    rendezvous in a temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` /
+    ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the fraction of the
+    largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
     ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1. The processes run on the caller's
     ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of :func:`host_rates`), every
     process first measures :func:`host_rates` at the same time, and the third item returned is the slowest rank's
@@ -607,10 +607,9 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
     ``optimizer_curve``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
     mean of a stream of calls, each call after a burst of compute as a step issues it (:func:`collective_times`),
-    fitted as a ring (:func:`fit_link`), and on a CPU how much of an
-    asynchronous all-reduce a matmul loop hides (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the
-    module docstring) -- on one machine the "intra" and "inter" links are the same loopback, so both get the
-    fitted figures.
+    fitted as a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
+    (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the module docstring) -- on one machine the
+    "intra" and "inter" links are the same loopback, so both get the fitted figures.
 
     On a CPU the ranks of a run share the machine (its cores, caches and memory bandwidth), so the two gloo
     processes measure :func:`host_rates` at the same time, and the profile keeps the slower one's figures. On a

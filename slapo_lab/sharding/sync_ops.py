@@ -317,7 +317,8 @@ _d_scatter.register_autograd(_bwd_gather, setup_context=_setup_ctx)
 
 
 # --- simulated and width-1 groups: autograd functions around the plain collectives, which do not communicate
-# then (all-reduce: identity; all-gather: the chunk repeated; scatter / reduce-scatter: this rank's chunk); and
+# then (all-gather: the chunk repeated; scatter / reduce-scatter: this rank's chunk; the forward all-reduce is
+# no function at all: all_reduce_forward returns x); and
 # the all-reduce-in-backward of live groups outside export (see _AllReduceBackward) ---------------------------
 class _AllReduceBackward(torch.autograd.Function):
     """Megatron's ``f`` on any group outside ``torch.export``: an alias in forward (a custom op must return a
