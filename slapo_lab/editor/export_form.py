@@ -21,9 +21,8 @@ from typing import Any
 from ..export import LAUNCHERS, ExportError, export_script
 from ..export.script import EXPORT_OPTIONS, launch_here
 from ..parallel_dims import ParallelDims
-from ..spec import input_spec
+from ..spec import input_spec, objective_of
 from ..train.config import BatchOptions, option_fields, option_type
-from ..train.data import objective_of
 from ..train.preflight import example_sizes, has_tokenizer
 
 __all__ = ["ExportForm"]

@@ -363,3 +363,14 @@ def test_export_is_the_widgets_export_and_its_launch_line_fits_this_machine(bert
     with pytest.raises(ExportError, match="not divisible by dp 3"):
         st.export("bad.py", dp=3, global_batch_size=4)
     assert not (tmp_path / "bad.py").exists()
+
+
+def test_the_editor_imports_no_training_data_module():
+    # the training runtime's data module imports transformers' collators and tokenizers (0.38 s of a cold
+    # editor's imports under python -X importtime); the Export form needs only the objective, whose home is the spec
+    code = "import sys, slapo_lab.editor; print(sorted(m for m in ('slapo_lab.train.data', 'datasets') if m in sys.modules))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
