@@ -94,7 +94,6 @@ EDITOR_MAY_USE = frozenset(
         "record",
         "spec",
         "train.config",
-        "train.data",
         "train.phases",
         "train.preflight",
         "utils",
