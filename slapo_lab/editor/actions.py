@@ -15,6 +15,7 @@ from .. import check as check_module
 from .. import check_primitive, presets
 from ..errors import ScheduleError
 from ..pipeline import suggest_cuts
+from ..record import gc_paused
 from .history import describe
 from .similar import similar_gate, similar_paths
 
@@ -43,13 +44,15 @@ class Actions:
         """Run ``fn()`` as one user action: the busy state ("Working: …", buttons off), one redraw at the end,
         recorded as one action named ``label`` (one Undo removes it; None: ``fn`` records its own), all or
         nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
-        caller says it in one sentence). Returns what ``fn`` returns."""
+        caller says it in one sentence). The garbage collector is paused meanwhile, and an action that leaves
+        many objects (a preset) runs the full collection they make due before it returns
+        (:func:`~slapo_lab.record.gc_paused`). Returns what ``fn`` returns."""
         st = self.state
         before = st.schedule.record.actions()
         n0 = len(st.schedule.record.calls)
         recording = st.schedule.record.action(label) if label is not None else contextlib.nullcontext()
         try:
-            with st._working(working or label or "working"), st._batch(), recording:
+            with gc_paused(settle=True), st._working(working or label or "working"), st._batch(), recording:
                 return fn()
         except BaseException:
             if len(st.schedule.record.calls) != n0:  # part of it applied: undo that part

@@ -108,7 +108,8 @@ class EditorState(SchedulePersistence):
     #: run the live numeric check in the background after each change (the widget editor's ``live_check``)
     live_check = False
 
-    @gc_paused()  # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all for nothing
+    @gc_paused(settle=True)  # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all
+    # for nothing; the one they bring on runs at the end (in a kernel, gc_deferred's, after the cell)
     def __init__(
         self,
         model: nn.Module,

@@ -317,6 +317,55 @@ def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
     assert gc.isenabled()
 
 
+def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at_its_end():
+    """gc_paused(settle=True): a block that leaves more new objects than an eighth of the oldest generation runs
+    one full collection at its end (so the click after a preset does not); a click-sized block runs none; and a
+    gc_deferred resume that falls inside a paused block waits for the block's end, then collects there."""
+    import asyncio
+    import gc
+    import time
+
+    from slapo_lab.record import gc_deferred, gc_paused
+
+    full = []
+
+    def seen(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(time.monotonic())
+
+    small = many = None
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        with gc_paused(settle=True):
+            small = [[] for _ in range(1000)]
+        assert gc.isenabled() and not full  # a click's worth: nothing collected
+        with gc_paused(settle=True):
+            many = [[] for _ in range(len(gc.get_objects(generation=2)) // 4)]
+            assert not full
+        assert gc.isenabled() and len(full) == 1  # collected once, at the end
+        full.clear()
+
+        async def cell():
+            with gc_deferred(asyncio.get_running_loop(), delay=0.1):
+                pass
+
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(cell())
+        finally:
+            loop.close()
+        assert not gc.isenabled()
+        with gc_paused():  # an action that outlasts the deferral
+            time.sleep(0.4)
+            assert not gc.isenabled() and not full  # the resume waits for the action
+            end = time.monotonic()
+        assert gc.isenabled() and len(full) == 1 and full[0] >= end  # the promised collection, at its end
+    finally:
+        gc.callbacks.remove(seen)
+        del small, many
+
+
 def test_export_is_the_widgets_export_and_its_launch_line_fits_this_machine(bert, tmp_path, monkeypatch):
     """Issue 24: the state has export (one implementation with the widget's), and the message's launch line
     says --device cpu where this machine lacks the GPUs (and the GPU launch beside it)."""
