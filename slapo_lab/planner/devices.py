@@ -77,6 +77,16 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   :func:`calibrate` measures it (:func:`optimizer_rates`): on a CPU the step is not priced well by the copy
   curve -- this project's 2-core CPU steps a 64 Ki-element tensor at 3.3 ns per element and a 16 Mi-element
   one at 8.1, where AdamW's op sequence at the copy curve's bandwidth said 1.8 and 20.6.
+* ``fresh_page_cost``: seconds per byte a host pays, beyond the write itself, the first time it writes memory the
+  allocator has just mapped -- the kernel's page faults. On a CPU, PyTorch allocates through glibc ``malloc``,
+  which maps every block of ``fresh_page_bytes`` or more afresh and unmaps it when freed (glibc
+  ``malloc/malloc.c``: ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on a 64-bit host, the ceiling of its dynamic mmap
+  threshold), so each such output faults in all its pages again. A matmul is priced by its FLOPs, so it pays
+  them on top (this project's 2-core CPU: a 62.5 MiB weight gradient, 32000 x 128 @ 128 x 512, takes 31 ms
+  into a reused output and 55 ms into a fresh one; a fill of the same bytes 9 ms and 34 ms). A memory-bound op
+  is priced at the ``memory_curve``, whose ``clone`` writes a fresh output too: it has them already. GPU
+  profiles: 0 (PyTorch's CUDA caching allocator reuses its blocks). :func:`calibrate` measures it
+  (:func:`first_touch_cost`).
 * Collectives are timed as a stream: the mean of back-to-back calls (:func:`_stream`), as a training step
   issues them. On two gloo processes sharing two cores, a 256 KiB all-reduce takes 0.22 ms at its fastest and
   1.2 ms on average (the waiting rank's wake-up), and a step pays the average. The waits are heavy-tailed (up to
@@ -135,6 +145,9 @@ class DeviceProfile:
             for every size).
         optimizer_curve: ``((elements per tensor, seconds per element), ...)`` ascending, the optimizer step
             measured by :func:`calibrate` (empty: priced from AdamW's op sequence).
+        fresh_page_cost: seconds per byte of first writes to memory freshly mapped for an op's output of
+            ``fresh_page_bytes`` or more, paid by FLOP-bound ops (0: none; module docstring).
+        fresh_page_bytes: the smallest output the host's allocator maps afresh (bytes).
         (Built-in values and their sources: the module docstring.)
     """
 
@@ -158,6 +171,8 @@ class DeviceProfile:
     attention_efficiency: float | None = None
     matmul_curve: tuple = ()
     optimizer_curve: tuple = ()
+    fresh_page_cost: float = 0.0
+    fresh_page_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
@@ -376,8 +391,8 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         dtype: bf16 on CUDA, fp32 on a CPU), ``"other"`` (the other dtype's best matmul FLOP/s), ``"attention"``
         (:func:`attention_flops` in the training dtype), ``"copy"`` (bytes/s of a 256 MiB ``clone``),
         ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA), ``"overhead"``
-        (:func:`op_overhead`, seconds per op) and ``"optimizer"`` (:func:`optimizer_rates`, seconds per
-        element by tensor size).
+        (:func:`op_overhead`, seconds per op), ``"optimizer"`` (:func:`optimizer_rates`, seconds per
+        element by tensor size) and ``"fresh"`` (a CPU's :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
     """
     cuda = device is not None and str(device).startswith("cuda")
     train_dtype = torch.bfloat16 if cuda else torch.float32
@@ -396,6 +411,7 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         "curve": {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
         "overhead": op_overhead(device),
         "optimizer": optimizer_rates(device=device),
+        "fresh": 0.0 if cuda else first_touch_cost(),
     }
 
 
@@ -411,6 +427,7 @@ def _slowest(rates: list[dict]) -> dict:
         "curve": {n: min(r["curve"][n] for r in rates) for n in first["curve"]},
         "overhead": max(r["overhead"] for r in rates),
         "optimizer": {n: max(r["optimizer"][n] for r in rates) for n in first["optimizer"]},
+        "fresh": max(r["fresh"] for r in rates),
     }
 
 
@@ -576,6 +593,22 @@ def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
     return out
 
 
+def first_touch_cost(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Seconds per byte that writing a freshly allocated CPU tensor of ``nbytes`` costs beyond writing one already
+    in use: the fastest ``torch.empty(n).fill_(0)`` less the fastest ``fill_`` of a kept tensor, over ``nbytes``
+    (0 if not slower). ``nbytes`` should be past the allocator's mmap threshold (``DeviceProfile.fresh_page_bytes``)."""
+    n = nbytes // 4
+    kept = torch.ones(n)
+
+    def fresh():
+        torch.empty(n).fill_(0)
+
+    def reuse():
+        kept.fill_(0)
+
+    return max(0.0, (_time(fresh, repeats) - _time(reuse, repeats)) / nbytes)
+
+
 def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of a ring all-reduce fitted to ``times`` (bytes -> seconds):
     ``t = 2 (w - 1) latency + 2 (w - 1) / w * bytes / bandwidth`` by least squares over the sizes, each weighted
@@ -605,7 +638,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     ``clone`` (read + write); on a CPU also the cache: ``clone`` at working sets of 256 KiB to 64 MiB
     (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`) -- all of
     them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
-    ``optimizer_curve``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
+    ``optimizer_curve``) and, on a CPU, the page faults of a fresh 64 MiB output (:func:`first_touch_cost`,
+    ``fresh_page_cost``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
     mean of a stream of calls, each call after a burst of compute as a step issues it (:func:`collective_times`),
     fitted as a ring (:func:`fit_link`), and on a CPU how much of an asynchronous all-reduce a matmul loop hides
     (``comm_overlap``; on a GPU NCCL's stream overlaps: 1.0, see the module docstring) -- on one machine the
@@ -679,6 +713,7 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         attention_efficiency=float(min(attention, 1.0)),
         matmul_curve=matmul_curve,
         optimizer_curve=tuple((int(n), float(v)) for n, v in sorted(rates["optimizer"].items())),
+        fresh_page_cost=float(rates["fresh"]),
     )
 
 

@@ -126,7 +126,9 @@ class Pricer:
 
     def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None) -> float:
         """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / FLOP rate, bytes /
-        bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), plus the host's ``op_overhead``
+        bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), the FLOP side with the page faults
+        of its outputs past the allocator's mmap threshold (``DeviceProfile.fresh_page_cost``: a CPU's), plus the
+        host's ``op_overhead``
         per dispatched op (``n_ops``, views included; default one per row): added where the host runs the kernels
         (a CPU), a floor per kernel where it queues them ahead (``launch_async``)."""
         key = (id(rows), b, n_ops)
@@ -139,10 +141,14 @@ class Pricer:
                 flops = b * rows[:, 0]
                 attention = rows[:, 3] if rows.shape[1] > 3 else np.zeros(len(rows))
                 rate = self.flop_rate(flops, attention)
-                roof = np.maximum(
-                    np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0),
-                    nbytes / self.bandwidth(nbytes),
-                )
+                busy = np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0)
+                if self.dev.fresh_page_cost > 0 and rows.shape[1] > 5:
+                    # a FLOP-bound op's outputs past the allocator's mmap threshold fault their pages in first
+                    big = self.dev.fresh_page_bytes
+                    act, wgt = b * rows[:, 4], rows[:, 5]
+                    fresh = np.where(act >= big, act, 0.0) + np.where(wgt >= big, wgt, 0.0)
+                    busy = busy + np.where(flops > 0, fresh * self.dev.fresh_page_cost, 0.0)
+                roof = np.maximum(busy, nbytes / self.bandwidth(nbytes))
                 oh = self.dev.op_overhead
                 if self.dev.launch_async:
                     t = float(np.maximum(roof, oh).sum())

@@ -59,6 +59,7 @@ from ..utils import human_bytes, meta_copy
 __all__ = ["SELECTIVE_SAVE", "ModelProfile", "PartProfile", "profile_model", "selective_policy"]
 
 aten = torch.ops.aten
+_COLS = 6  # the columns of an op row (PartProfile.fwd)
 
 _SDPA_CPU = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
@@ -84,14 +85,16 @@ class PartProfile:
         name: ``"pre"``, ``"post"`` or the block class name.
         count: how many of it the model holds (1 for pre/post).
         param_elems / param_bytes: parameters per tensor-parallel rank (elements, bytes), each tensor once.
-        fwd / bwd: ``(k, 4)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
-            moved, weight bytes moved, 1.0 for a fused attention kernel else 0.0); causal attention counts half its FLOPs (the kernel skips the masked
-            blocks: Dao, "FlashAttention-2", 2023, section 3.1).
+        fwd / bwd: ``(k, 6)`` float arrays, one row per aten op: (FLOPs the kernel does, activation bytes
+            moved, weight bytes moved, 1.0 for a fused attention kernel else 0.0, activation bytes of its outputs,
+            weight-shaped bytes of its outputs); activation bytes are per sequence, weight bytes per pass; causal
+            attention counts half its FLOPs (the kernel skips the masked blocks: Dao, "FlashAttention-2", 2023,
+            section 3.1).
         fwd_flops / bwd_flops: model FLOPs (``FlopCounterMode``'s count, causal attention in full) for MFU.
         saved_bytes: bytes autograd keeps for backward without checkpointing.
         input_bytes: the residual input (same shape as the output) a full checkpoint keeps.
         selective_bytes: what selective checkpointing keeps (``input_bytes`` + the kept op outputs).
-        recompute_all / recompute_selective: ``(k, 4)`` rows of the forward ops a full / selective checkpoint
+        recompute_all / recompute_selective: ``(k, 6)`` rows of the forward ops a full / selective checkpoint
             runs again in backward.
         comm: ``[(op, phase, bytes)]`` the tensor-parallel collectives of one pass (``phase`` fwd|bwd).
         output_bytes: the part's output (the activation a pipeline boundary after it sends); for ``"post"``, the
@@ -107,15 +110,15 @@ class PartProfile:
     count: int = 1
     param_elems: int = 0
     param_bytes: int = 0
-    fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
-    bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
+    fwd: np.ndarray = field(default_factory=lambda: np.zeros((0, _COLS)))
+    bwd: np.ndarray = field(default_factory=lambda: np.zeros((0, _COLS)))
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     saved_bytes: int = 0
     input_bytes: int = 0
     selective_bytes: int = 0
-    recompute_all: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
-    recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
+    recompute_all: np.ndarray = field(default_factory=lambda: np.zeros((0, _COLS)))
+    recompute_selective: np.ndarray = field(default_factory=lambda: np.zeros((0, _COLS)))
     comm: list = field(default_factory=list)
     output_bytes: int = 0
     param_sizes: tuple = ()
@@ -214,9 +217,10 @@ class _Recorder(TorchDispatchMode):
     def _weight_shaped(self, t: torch.Tensor) -> bool:
         return t.dim() >= 2 and tuple(t.shape) in self.param_shapes
 
-    def _bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
-        """(activation bytes, weight bytes) an op reads and writes: a parameter, or a tensor of a parameter's
-        shape (its gradient, which does not grow with the micro-batch), counts as weight."""
+    def _bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int, int, int]:
+        """(activation bytes, weight bytes) an op reads and writes, then (activation bytes, weight bytes) of its
+        outputs alone: a parameter, or a tensor of a parameter's shape (its gradient, which does not grow with
+        the micro-batch), counts as weight."""
         act = wgt = 0
         for t in ins:
             nbytes = t.numel() * t.element_size()
@@ -224,13 +228,14 @@ class _Recorder(TorchDispatchMode):
                 wgt += nbytes
             else:
                 act += nbytes
+        out_act = out_wgt = 0
         for t in outs:
             nbytes = t.numel() * t.element_size()
             if self._weight_shaped(t):
-                wgt += nbytes
+                out_wgt += nbytes
             else:
-                act += nbytes
-        return act, wgt
+                out_act += nbytes
+        return act + out_act, wgt + out_wgt, out_act, out_wgt
 
     def _kept(self, func, part: str) -> bool:
         """Whether selective checkpointing keeps this forward op's output (``random.SELECTIVE_SAVE``: every other
@@ -256,8 +261,7 @@ class _Recorder(TorchDispatchMode):
             # no kernel of its own worth counting
             return out
         flops, model_flops = _kernel_flops(packet, args, kwargs, out)
-        act, wgt = self._bytes(ins, outs)
-        out_bytes = sum(t.numel() * t.element_size() for t in outs)
+        act, wgt, out_act, out_wgt = self._bytes(ins, outs)
         kept = phase == "fwd" and self._kept(func, part)
         for t in outs:
             if _key(t) not in self.created:
@@ -265,7 +269,18 @@ class _Recorder(TorchDispatchMode):
                 self.alive.append(t)  # fake tensors (no data): kept so that no later storage reuses the key
         attention = float(_SDPA_CPU.get(packet, packet) in _ATTENTION)
         self.rows.append(
-            (part, phase, flops, act, wgt, kept, out_bytes, model_flops, outs if kept else (), attention)
+            (
+                part,
+                phase,
+                flops,
+                act,
+                wgt,
+                kept,
+                (out_act, out_wgt),
+                model_flops,
+                outs if kept else (),
+                attention,
+            )
         )
         return out
 
@@ -674,8 +689,8 @@ def _collect_ops(parts: dict[str, PartProfile], rows: list[tuple]) -> dict[str, 
     the outputs selective checkpointing keeps, per part (storage -> bytes)."""
     by: dict[tuple[str, str], list] = {}
     kept_out: dict[str, dict[int, int]] = {}
-    for part, phase, flops, act, wgt, kept, _out_bytes, mflops, outs, attention in rows:
-        by.setdefault((part, phase), []).append((flops, act, wgt, attention, kept))
+    for part, phase, flops, act, wgt, kept, (out_act, out_wgt), mflops, outs, attention in rows:
+        by.setdefault((part, phase), []).append((flops, act, wgt, attention, out_act, out_wgt, kept))
         prof = parts[part]
         if phase == "fwd":
             prof.fwd_flops += mflops
@@ -686,10 +701,12 @@ def _collect_ops(parts: dict[str, PartProfile], rows: list[tuple]) -> dict[str, 
                 kept_out.setdefault(part, {})[_key(t)] = t.untyped_storage().nbytes()
     for name, prof in parts.items():
         fwd = by.get((name, "fwd"), [])
-        prof.fwd = np.array([r[:4] for r in fwd], dtype=float).reshape(-1, 4)
-        prof.bwd = np.array([r[:4] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, 4)
+        prof.fwd = np.array([r[:_COLS] for r in fwd], dtype=float).reshape(-1, _COLS)
+        prof.bwd = np.array([r[:_COLS] for r in by.get((name, "bwd"), [])], dtype=float).reshape(-1, _COLS)
         prof.recompute_all = prof.fwd
-        prof.recompute_selective = np.array([r[:4] for r in fwd if not r[4]], dtype=float).reshape(-1, 4)
+        prof.recompute_selective = np.array([r[:_COLS] for r in fwd if not r[_COLS]], dtype=float).reshape(
+            -1, _COLS
+        )
     return kept_out
 
 

@@ -446,7 +446,7 @@ def test_sdpa_rows_are_flagged_and_priced_at_the_attention_efficiency():
     prof = profile_model(sdpa, 1, SEQ, "fp32")
     block = prof.blocks[0]
     # one attention kernel in the forward, one in the backward, and nothing else flagged
-    assert block.fwd.shape[1] == 4 and block.fwd[:, 3].sum() == 1 and block.bwd[:, 3].sum() == 1
+    assert block.fwd.shape[1] == 6 and block.fwd[:, 3].sum() == 1 and block.bwd[:, 3].sum() == 1
     assert prof.pre.fwd[:, 3].sum() == prof.post.fwd[:, 3].sum() == 0
     attn = block.fwd[block.fwd[:, 3] > 0]
     fast_memory = {"hbm_bandwidth": 1e18}  # compute-bound: the FLOP rate alone sets the time
@@ -493,13 +493,41 @@ def test_calibrated_attention_and_matmul_by_size_are_measured():
 
 def test_a_cpu_calibration_keeps_the_slowest_ranks_figures():
     fast = {"by_size": {64: 4e9, 128: 8e9}, "other": 2e9, "attention": 1e9, "copy": 8e9,
-            "curve": {1 << 18: 5e10}, "overhead": 1e-6, "optimizer": {1 << 12: 9e-9, 1 << 24: 7e-9}}  # fmt: skip
+            "curve": {1 << 18: 5e10}, "overhead": 1e-6, "optimizer": {1 << 12: 9e-9, 1 << 24: 7e-9},
+            "fresh": 3e-10}  # fmt: skip
     slow = {"by_size": {64: 3e9, 128: 9e9}, "other": 1e9, "attention": 2e9, "copy": 4e9,
-            "curve": {1 << 18: 6e10}, "overhead": 3e-6, "optimizer": {1 << 12: 8e-9, 1 << 24: 8e-9}}  # fmt: skip
+            "curve": {1 << 18: 6e10}, "overhead": 3e-6, "optimizer": {1 << 12: 8e-9, 1 << 24: 8e-9},
+            "fresh": 2e-10}  # fmt: skip
     got = devices._slowest([fast, slow])
     assert got == {"by_size": {64: 3e9, 128: 8e9}, "other": 1e9, "attention": 1e9, "copy": 4e9,
                    "curve": {1 << 18: 5e10}, "overhead": 3e-6,
-                   "optimizer": {1 << 12: 9e-9, 1 << 24: 8e-9}}  # fmt: skip
+                   "optimizer": {1 << 12: 9e-9, 1 << 24: 8e-9}, "fresh": 3e-10}  # fmt: skip
+
+
+def test_a_matmuls_fresh_output_past_the_mmap_threshold_pays_its_page_faults():
+    """A FLOP-bound op's outputs of ``fresh_page_bytes`` or more (activations at the micro-batch, weight-shaped
+    ones as they are) add ``fresh_page_cost`` per byte; smaller ones, memory-bound ops and GPU profiles none."""
+    from slapo_lab.planner.pricer import Pricer
+
+    mib = 1 << 20
+    # columns: FLOPs, activation bytes, weight bytes, attention, output activation bytes, output weight bytes
+    rows = np.array(
+        [
+            [2e9, 0.0, 0.0, 0.0, 0.0, 64 * mib],  # a head's weight gradient: 64 MiB at any micro-batch
+            [2e9, 0.0, 0.0, 0.0, 16 * mib, 0.0],  # logits: 16 MiB a sequence, past 32 MiB from two on
+            [0.0, 1e3, 0.0, 0.0, 0.0, 64 * mib],  # no FLOPs: the memory curve's fresh clone prices it already
+        ]
+    )
+    cost = 4e-10
+    cl = sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like(fresh_page_cost=cost))
+    pr = Pricer(_tiny(1), cl, SEQ, "fp32")
+    plain = Pricer(_tiny(1), sl.Cluster(nodes=1, gpus_per_node=2, gpu=_cpu_like()), SEQ, "fp32")
+    assert pr.ops_time(rows[:1], 1) - plain.ops_time(rows[:1], 1) == pytest.approx(64 * mib * cost)
+    assert pr.ops_time(rows[1:2], 1) == pytest.approx(plain.ops_time(rows[1:2], 1))  # 16 MiB: heap, reused
+    assert pr.ops_time(rows[1:2], 4) - plain.ops_time(rows[1:2], 4) == pytest.approx(64 * mib * cost)
+    assert pr.ops_time(rows[2:], 1) == pytest.approx(plain.ops_time(rows[2:], 1))
+    assert devices.DEVICES["H100-SXM"].fresh_page_cost == 0.0
+    assert 0.0 <= devices.first_touch_cost(repeats=1) < 1e-7  # seconds per byte: page faults, not a stall
 
 
 def test_the_measured_optimizer_curve_prices_each_tensor_at_its_own_size(tiny):
