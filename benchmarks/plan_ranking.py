@@ -43,11 +43,19 @@ A step's small all-reduces cost 1.6-2.5 ms each between compute, where back-to-b
 after 1 to 3 ms of matmuls, a 1 KiB to 256 KiB all-reduce costs 1.0-2.4 ms (``devices.COLLECTIVE_BURST_S`` says
 which constant that is and what it changes). The calibration now times them that way: fitted latency 546-849 us.
 
-Left as it is: per micro-batch, the full model measures about 0.1 s more fixed cost than the profile prices (one
-process, four micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced,
-gradient accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``, in the vocabulary-sized
-matmuls: the head's weight gradient, 512 x 128 @ 128 x 32000 into a fresh 64 MiB output, runs at 50 GFLOP/s and
-the logits at 117, where a square matmul and the layers' 128-token matmuls reach 160-180).
+Per micro-batch, the full model measured about 0.1 s more fixed cost than the profile priced (one process, four
+micro-batches of one against one of four: 4 x 0.348 - 1.18 = 0.21 s measured, 0.115 s priced, gradient
+accumulation aside; ``torch.profiler`` puts 121 ms of it in ``aten::mm``, in the vocabulary-sized matmuls). Part
+of it is the head's weight gradient: 32000 x 128 @ 128 x 512 into a fresh 62.5 MiB output takes 55 ms, into a
+reused one 31 ms -- the page faults of memory glibc maps afresh for every block of 32 MiB or more, which a fill
+of the same bytes shows too (34 ms against 9). ``calibrate`` now measures that cost per byte (``fresh_page_cost``,
+0.27-0.41 ns here) and the model adds it to FLOP-bound ops' outputs past the threshold: about 18 ms per micro-batch
+without TP (with TP 2 the gradient is 31 MiB, under it). Replayed, it moves the eight saved runs' Spearman by
+-0.06 to +0.05 and no pick; the rest of the gap (skinny matmuls' rate: 128 tokens reach 135 GFLOP/s into a reused
+output where a square matmul reaches 160-180) is left as it is.
+Three runs on 2026-11-27 16:35-16:48 UTC, on a slower and noisier machine (the same layout's median 1.3-1.5x the
+quiet runs', and its fastest step up to 25 % below its median): Spearman 0.81, 0.81 and 0.60; picks 1.00x, 1.09x
+and 1.07x the best, which was a different layout in each run (TP, 1F1B, GPipe).
 
 What moved it from 0.35 (06:53 UTC, the same machine, quiet) -- measurements, not constants fitted to this table:
 

@@ -593,20 +593,22 @@ def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
     return out
 
 
-def first_touch_cost(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+def first_touch_cost(nbytes: int = 64 << 20, repeats: int = 7) -> float:
     """Seconds per byte that writing a freshly allocated CPU tensor of ``nbytes`` costs beyond writing one already
-    in use: the fastest ``torch.empty(n).fill_(0)`` less the fastest ``fill_`` of a kept tensor, over ``nbytes``
-    (0 if not slower). ``nbytes`` should be past the allocator's mmap threshold (``DeviceProfile.fresh_page_bytes``)."""
+    in use: ``torch.empty(n).fill_(0)`` less a ``fill_`` of a kept tensor timed right after it, the median of
+    ``repeats`` such pairs (each pair meets the same load from other processes), over ``nbytes``; 0 if not slower.
+    ``nbytes`` should be past the allocator's mmap threshold (``DeviceProfile.fresh_page_bytes``)."""
     n = nbytes // 4
     kept = torch.ones(n)
-
-    def fresh():
+    torch.empty(n).fill_(0)  # warm-up
+    diffs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
         torch.empty(n).fill_(0)
-
-    def reuse():
+        t1 = time.perf_counter()
         kept.fill_(0)
-
-    return max(0.0, (_time(fresh, repeats) - _time(reuse, repeats)) / nbytes)
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    return max(0.0, sorted(diffs)[len(diffs) // 2] / nbytes)
 
 
 def fit_link(times: dict[int, float], world: int = 2) -> tuple[float, float]:
