@@ -67,9 +67,8 @@ def _release_gc(collect: bool = False, settle: bool = False) -> None:
         run, _gc_collect_owed = _gc_collect_owed, False
         new = gc.get_count()[0] - _gc_young0  # net new tracked objects since the first hold
     if not run and settle and new > max(gc.get_threshold()[0], _gc_oldest[0] / 8):
-        _gc_oldest[0] = len(
-            gc.get_objects(generation=2)
-        )  # 10-40 ms at 10^5-10^6 objects: only past the bounds
+        # counting the oldest generation takes 10-40 ms at 10^5-10^6 objects: only past both bounds
+        _gc_oldest[0] = len(gc.get_objects(generation=2))
         run = new > _gc_oldest[0] / 8
     if run:
         gc.collect()
@@ -94,12 +93,12 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
     objects that survived into the oldest generation since the last one exceed a quarter of that generation.
     The block's net new tracked objects (the youngest generation's count since the collector was paused,
     which nothing reset meanwhile) stand for its share of them; a block that made at least half of that
-    quarter (an eighth of the oldest generation) has brought the collection due or so near that the next few
-    clicks would, and pays it now. The oldest generation is counted only for a block past an eighth of its
-    size when last counted (counting it is 10-40 ms). At Llama-405B dimensions the Megatron preset leaves ~10^5 new objects on a
+    quarter (an eighth of the oldest generation) has brought the collection due, or so near that the next few
+    clicks would, and pays it now. At Llama-405B dimensions the Megatron preset leaves ~10^5 new objects on a
     heap of ~5 * 10^5, and the collection (0.2-0.3 s here) otherwise lands in the first clicks after it; a
-    BERT preset leaves ~10^4 on ~4 * 10^5 and collects nothing. Blocks that leave fewer objects than one
-    young collection's threshold (a click) skip the count of the oldest generation.
+    BERT preset leaves ~10^4 on ~4 * 10^5 and collects nothing. Counting the oldest generation takes 10-40 ms,
+    so a block is measured against it only past one young collection's threshold (a click is not) and past an
+    eighth of its size when last counted.
     """
     if not _hold_gc():
         yield

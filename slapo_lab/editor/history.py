@@ -123,10 +123,9 @@ class History:
         st._info(f"Replayed {n} recorded call{'s' if n != 1 else ''} at TP {degree} (was TP {old}).")
         return None
 
-    @gc_paused(
-        settle=True
-    )  # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans
-    # the heap; the fresh meta copy's objects make a full collection due, run at the end rather than in a click
+    # a replay allocates a few acyclic objects per call: collecting meanwhile re-scans the heap; the fresh meta
+    # copy's objects bring a full collection on, run at the end rather than in a click after it
+    @gc_paused(settle=True)
     def rebuild(self, actions, autosave: bool = True) -> None:
         """Fresh meta copy + schedule, replaying ``actions`` (:class:`~slapo_lab.record.Action` s, or plain calls:
         one action each). Only once every call has replayed does the root object ``state.schedule`` adopt the new

@@ -108,8 +108,9 @@ class EditorState(SchedulePersistence):
     #: run the live numeric check in the background after each change (the widget editor's ``live_check``)
     live_check = False
 
-    @gc_paused(settle=True)  # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all
-    # for nothing; the one they bring on runs at the end (in a kernel, gc_deferred's, after the cell)
+    # a 70B meta copy is ~10^5 objects: a full collection meanwhile re-scans them all for nothing; the one they
+    # bring on runs at the end (in a kernel, gc_deferred's, after the cell)
+    @gc_paused(settle=True)
     def __init__(
         self,
         model: nn.Module,
