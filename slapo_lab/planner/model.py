@@ -164,8 +164,8 @@ class Layout:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        try:  # kept: a search reads ``dims`` of every layout several times
-            object.__setattr__(self, "_dims", ParallelDims(self.tp, self.pp, self.dp))
+        try:
+            ParallelDims(self.tp, self.pp, self.dp)
         except ValueError as err:
             raise ScheduleError(f"Layout: {err}") from err
         if self.shard not in SHARDS:
@@ -190,8 +190,7 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        """The layout's :class:`~slapo_lab.parallel_dims.ParallelDims` (tp, pp, dp)."""
-        return self._dims
+        return ParallelDims(self.tp, self.pp, self.dp)
 
     def describe(self) -> str:
         """``tp 8 x pp 2 x dp 4, fsdp, mbs 1, checkpoint selective, 1F1B``."""
