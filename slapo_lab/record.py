@@ -38,7 +38,7 @@ _GC_LOCK = threading.Lock()
 _gc_holds = 0  # active gc_paused blocks + gc_deferred resumes still pending
 _gc_young0 = 0  # the youngest generation's count when the first hold began
 _gc_collect_owed = False  # a pending resume promised one full collection
-_gc_oldest = [0]  # the oldest generation's size when last counted (a lower bound that spares most counts)
+_gc_oldest = 0  # the oldest generation's size when last counted (a lower bound that spares most counts)
 
 
 def _hold_gc() -> bool:
@@ -57,7 +57,7 @@ def _hold_gc() -> bool:
 def _release_gc(collect: bool = False, settle: bool = False) -> None:
     """Let go of one hold. The last one turns the collector back on and runs a full collection if one was
     promised (``collect``, now or by an earlier hold) or, with ``settle``, if the holds made one due."""
-    global _gc_holds, _gc_collect_owed
+    global _gc_holds, _gc_collect_owed, _gc_oldest
     with _GC_LOCK:
         _gc_holds -= 1
         _gc_collect_owed = _gc_collect_owed or collect
@@ -66,13 +66,13 @@ def _release_gc(collect: bool = False, settle: bool = False) -> None:
         gc.enable()
         run, _gc_collect_owed = _gc_collect_owed, False
         new = gc.get_count()[0] - _gc_young0  # net new tracked objects since the first hold
-    if not run and settle and new > max(gc.get_threshold()[0], _gc_oldest[0] / 8):
+    if not run and settle and new > max(gc.get_threshold()[0], _gc_oldest / 8):
         # counting the oldest generation takes 10-40 ms at 10^5-10^6 objects: only past both bounds
-        _gc_oldest[0] = len(gc.get_objects(generation=2))
-        run = new > _gc_oldest[0] / 8
+        _gc_oldest = len(gc.get_objects(generation=2))
+        run = new > _gc_oldest / 8
     if run:
         gc.collect()
-        _gc_oldest[0] = len(gc.get_objects(generation=2))
+        _gc_oldest = len(gc.get_objects(generation=2))
 
 
 @contextlib.contextmanager

@@ -80,9 +80,8 @@ def test_the_calibrated_step_times_rank_ten_measured_layouts():
     assert got, out
     assert float(got.group(1)) >= 0.7
     pick = float(got.group(2))
-    if (
-        pick > 1.15
-    ):  # met in 6 of 7 runs on 2026-11-27: the miss is the model's, so the issue stays open on it
+    # met in 6 of 7 runs on 2026-11-27: the miss is the model's, so the issue stays open on it
+    if pick > 1.15:
         pytest.xfail(
             f"the planner's pick measured {pick}x the best (goal <= 1.15x): the CPU step-time model prices the "
             "fixed cost of each micro-batch (the vocabulary-sized matmuls) below what a layout of four micro-"
