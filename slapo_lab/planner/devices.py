@@ -457,8 +457,11 @@ def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tupl
     # all-gather and reduce-scatter of the largest size (a backend may build them from other collectives)
     big = torch.ones(max(sizes) // 4, dtype=torch.float32)
     half = torch.ones(max(sizes) // 4 // world, dtype=torch.float32)
-    times["all_gather"] = in_step(lambda: dist.all_gather_single(big, half))
-    times["reduce_scatter"] = in_step(lambda: dist.reduce_scatter_single(half, big))
+    # torch 2.13 names them *_single and deprecates the *_tensor names, which older releases (2.11) alone have
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    times["all_gather"] = in_step(lambda: gather(big, half))
+    times["reduce_scatter"] = in_step(lambda: scatter(half, big))
     # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
     # matrices for about as long as the all-reduce alone takes
     big = torch.ones(max(sizes) // 4, dtype=torch.float32)
