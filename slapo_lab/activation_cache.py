@@ -12,8 +12,10 @@ the cut-down model runs one pass, and the saved bytes of the whole model are put
   and whether it is the first block of its signature (the first to save a tensor made before the stack for its
   kind: a rotary table, a mask). The cut-down keeps the first block of each context and the block before it, and
   the last block, in model order, so each measured block, and what runs after the stack, sees in the cut-down what
-  it sees in the model. Measured contexts are cached per state outside the blocks and gathered over passes, so a
-  click whose contexts were all seen before (checkpointing one more block of a run) needs no pass.
+  it sees in the model. A block whose signature no other block has also runs twice in a row (the second time a
+  copy), measuring the context the next click down the stack makes. Measured contexts are cached per state
+  outside the blocks and gathered over passes, so a click whose contexts were all seen before (checkpointing one
+  more block of a run, or the block after the only checkpointed one) needs no pass.
 
 A block's signature is everything that changes what it saves: its recorded calls (relative to the block), its
 submodules' classes and schedule state (checkpoint and its policy, a replaced forward), its parameters' per-rank
@@ -29,6 +31,8 @@ cut-down would run every block anyway. The ``"estimate"`` pass does not depend o
 
 from __future__ import annotations
 
+import collections
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,13 +140,26 @@ def _keep(contexts: list[tuple]) -> tuple[list[int], dict[tuple, int]]:
     that in the cut-down it follows a block of the same signature as in the model), and the last block (what runs
     after the stack sees an output of the same kind). Returns the kept positions and, per context, the position
     among the kept ones of the block that measures it. The first block of each signature is kept (its context is
-    new), so every kept first-of-its-kind block has the same kinds before it in the cut-down as in the model."""
+    new), so every kept first-of-its-kind block has the same kinds before it in the cut-down as in the model.
+
+    A signature that one block alone has (one block just checkpointed) also gets the context the next click down
+    the stack makes, a block of it after a block of it: that block is kept twice in a row (a position repeated in
+    the list; :func:`_cut_down_copy` runs a copy of it there). So a person who checkpoints blocks one after another
+    pays one pass, on the first click, not two. A pattern of kinds (a sliding-window layer every third block)
+    repeats its kinds and gets no copy."""
     first: dict[tuple, int] = {}
     for k, ctx in enumerate(contexts):
         first.setdefault(ctx, k)
     kept = sorted({k for v in first.values() for k in (v - 1, v) if k >= 0} | {len(contexts) - 1})
-    where = {k: j for j, k in enumerate(kept)}
-    return kept, {ctx: where[k] for ctx, k in first.items()}
+    count = collections.Counter(sig for sig, _, _ in contexts)
+    twice = {
+        k: (sig, sig, None) for (sig, _, seen), k in first.items() if seen is not None and count[sig] == 1
+    }
+    kept = [k for k in kept for _ in range(2 if k in twice else 1)]
+    where = {k: j for j, k in enumerate(kept)}  # a repeated position: its last, the copy
+    source = {ctx: kept.index(k) for ctx, k in first.items()}
+    source.update({ctx: where[k] for k, ctx in twice.items()})
+    return kept, source
 
 
 @dataclass
@@ -250,7 +267,7 @@ def _composition(top, example_inputs) -> _Composition | None:
         sigs = _block_signatures(lists[path], indices, rel_calls[s], len(outside))
         ctxs = _contexts(sigs)
         kept, source = _keep(ctxs)
-        saving = saving or (len(indices) >= 3 and len(kept) < len(indices))
+        saving = saving or (len(indices) >= 3 and len(set(kept)) < len(indices))
         stacks.append(_Stack(path, indices, sigs, ctxs, kept, source))
     if not saving:
         return None
@@ -318,8 +335,9 @@ def _block_signatures(
 
 
 def _cut_down_copy(top, comp: _Composition) -> nn.Module:
-    """A meta copy of ``top.mod`` whose stacks hold only their kept blocks, renumbered ``0 .. k-1`` (the model is
-    restored before this returns)."""
+    """A meta copy of ``top.mod`` whose stacks hold only their kept blocks, renumbered ``0 .. k-1``; a block kept
+    twice in a row (:func:`_keep`) is a copy of itself the second time (the model is restored before this
+    returns)."""
     saved = []
     try:
         for st in comp.stacks:
@@ -329,11 +347,17 @@ def _cut_down_copy(top, comp: _Composition) -> nn.Module:
             lst._modules.clear()
             for j, k in enumerate(st.kept):
                 lst._modules[str(j)] = mods[str(st.indices[k])]
-        return meta_copy(top.mod)
+        cut = meta_copy(top.mod)
     finally:
         for lst, mods in saved:
             lst._modules.clear()
             lst._modules.update(mods)
+    for st in comp.stacks:
+        lst = cut.get_submodule(st.path)
+        for j in range(1, len(st.kept)):
+            if st.kept[j] == st.kept[j - 1]:  # the same block object twice: run a copy of it
+                lst._modules[str(j)] = copy.deepcopy(lst._modules[str(j - 1)])
+    return cut
 
 
 def _run_composed(top, comp: _Composition, example_inputs, cancelled=None) -> _Parts:

@@ -39,6 +39,17 @@ _gc_holds = 0  # active gc_paused blocks + gc_deferred resumes still pending
 _gc_young0 = 0  # the youngest generation's count when the first hold began
 _gc_collect_owed = False  # a pending resume promised one full collection
 _gc_oldest = 0  # the oldest generation's size when last counted (a lower bound that spares most counts)
+_gc_pending = 0  # net new objects our holds left since the last full collection (see _on_full_collection)
+
+
+def _on_full_collection(phase: str, info: dict) -> None:
+    """A ``gc.callbacks`` hook: any full collection, ours or CPython's own, clears what our holds left."""
+    global _gc_pending
+    if phase == "stop" and info.get("generation") == 2:
+        _gc_pending = 0
+
+
+gc.callbacks.append(_on_full_collection)
 
 
 def _hold_gc() -> bool:
@@ -57,7 +68,7 @@ def _hold_gc() -> bool:
 def _release_gc(collect: bool = False, settle: bool = False) -> None:
     """Let go of one hold. The last one turns the collector back on and runs a full collection if one was
     promised (``collect``, now or by an earlier hold) or, with ``settle``, if the holds made one due."""
-    global _gc_holds, _gc_collect_owed, _gc_oldest
+    global _gc_holds, _gc_collect_owed, _gc_oldest, _gc_pending
     with _GC_LOCK:
         _gc_holds -= 1
         _gc_collect_owed = _gc_collect_owed or collect
@@ -65,11 +76,12 @@ def _release_gc(collect: bool = False, settle: bool = False) -> None:
             return
         gc.enable()
         run, _gc_collect_owed = _gc_collect_owed, False
-        new = gc.get_count()[0] - _gc_young0  # net new tracked objects since the first hold
-    if not run and settle and new > max(gc.get_threshold()[0], _gc_oldest / 8):
+        # net new tracked objects since the first hold, added to what earlier holds left uncollected
+        _gc_pending += max(gc.get_count()[0] - _gc_young0, 0)
+    if not run and settle and _gc_pending > max(gc.get_threshold()[0], _gc_oldest / 8):
         # counting the oldest generation takes 10-40 ms at 10^5-10^6 objects: only past both bounds
         _gc_oldest = len(gc.get_objects(generation=2))
-        run = new > _gc_oldest / 8
+        run = _gc_pending > _gc_oldest / 8
     if run:
         gc.collect()
         _gc_oldest = len(gc.get_objects(generation=2))
@@ -91,14 +103,16 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
     the end of the block, the full collection the block brings on, so a click soon after it does not pay for
     it. CPython's rule (``Modules/gcmodule.c``, ``gc_collect_generations``) runs a full collection once the
     objects that survived into the oldest generation since the last one exceed a quarter of that generation.
-    The block's net new tracked objects (the youngest generation's count since the collector was paused,
-    which nothing reset meanwhile) stand for its share of them; a block that made at least half of that
-    quarter (an eighth of the oldest generation) has brought the collection due, or so near that the next few
-    clicks would, and pays it now. At Llama-405B dimensions the Megatron preset leaves ~10^5 new objects on a
-    heap of ~5 * 10^5, and the collection (0.2-0.3 s here) otherwise lands in the first clicks after it; a
-    BERT preset leaves ~10^4 on ~4 * 10^5 and collects nothing. Counting the oldest generation takes 10-40 ms,
-    so a block is measured against it only past one young collection's threshold (a click is not) and past an
-    eighth of its size when last counted.
+    The blocks' net new tracked objects (the youngest generation's count since the collector was paused,
+    which nothing reset meanwhile), summed over every block since the last full collection (ours or CPython's,
+    seen through ``gc.callbacks``), stand for those survivors; once they reach half of that quarter (an eighth
+    of the oldest generation), the collection is due, or so near that the next few clicks would bring it on,
+    and the block that got there pays it now. At Llama-405B dimensions the Megatron preset leaves ~10^5 new
+    objects on a heap of ~5 * 10^5, and the collection (0.2-0.5 s here) otherwise lands in the first clicks
+    after it; a script's editor constructor and preset leave 7 * 10^4 and 8 * 10^4, each under the bound
+    alone, and the preset's end collects for both. A BERT preset leaves ~10^4 on ~4 * 10^5 and collects
+    nothing. Counting the oldest generation takes 10-40 ms, so it is counted only past one young collection's
+    threshold (a click is not) and past an eighth of its size when last counted.
     """
     if not _hold_gc():
         yield

@@ -124,21 +124,25 @@ def test_the_composed_pass_equals_the_whole_pass_per_stage(family, variant):
             ]
 
 
-def test_checkpointing_the_next_block_needs_no_new_pass():
-    """Checkpointing blocks one after another from the first (as a person clicks down the stack): after two clicks
-    every context is known (first checkpointed block, checkpointed after checkpointed, first plain block after a
-    checkpointed one, plain after plain), so the third click is answered from the cache with no pass; the plan
-    matches the whole pass."""
+@pytest.mark.parametrize("start", [0, 2])
+def test_checkpointing_the_next_block_needs_no_new_pass(start):
+    """Checkpointing blocks one after another (as a person clicks down the stack), from the first block or from one
+    in the middle: the first click's pass also measures a checkpointed block after a checkpointed one (on a copy of
+    the first), so every later click is answered from the cache with no pass, and each plan matches the whole
+    pass."""
     sch, inputs = _schedule("llama8", "tp")
-    for i in (0, 1):
+    sch[f"model.layers.{start}"].checkpoint()
+    first = plan(sch, example_inputs=inputs, activation="autograd")
+    assert first.activation != "cached"
+    _, comp = _entry(sch, inputs, "autograd")
+    assert comp is not None and comp.stacks[0].kept.count(start) == 2  # kept twice: the second time, a copy
+    for i in range(start + 1, start + 4):
         sch[f"model.layers.{i}"].checkpoint()
-        plan(sch, example_inputs=inputs, activation="autograd")
-    sch["model.layers.2"].checkpoint()
-    assert is_composed(sch, inputs) and has_cached_profile(sch, inputs)
-    pl = plan(sch, example_inputs=inputs, activation="autograd")
-    assert pl.activation == "cached"
-    whole = plan(sch, example_inputs=inputs, activation="autograd", cache=False)
-    assert whole.per_stage[0]["activation_bytes"] == pl.per_stage[0]["activation_bytes"]
+        assert is_composed(sch, inputs) and has_cached_profile(sch, inputs)
+        pl = plan(sch, example_inputs=inputs, activation="autograd")
+        assert pl.activation == "cached"
+        whole = plan(sch, example_inputs=inputs, activation="autograd", cache=False)
+        assert whole.per_stage[0]["activation_bytes"] == pl.per_stage[0]["activation_bytes"]
 
 
 class _Kind(nn.Module):

@@ -319,7 +319,9 @@ def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
 
 def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at_its_end():
     """gc_paused(settle=True): a block that leaves more new objects than an eighth of the oldest generation runs
-    one full collection at its end (so the click after a preset does not); a click-sized block runs none; and a
+    one full collection at its end (so the click after a preset does not); a click-sized block runs none; two
+    blocks under the bound alone but past it together (a script's editor and its preset) collect at the second's
+    end; and a
     gc_deferred resume that falls inside a paused block waits for the block's end, then collects there."""
     import asyncio
     import gc
@@ -344,6 +346,14 @@ def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at
             many = [[] for _ in range(len(gc.get_objects(generation=2)) // 4)]
             assert not full
         assert gc.isenabled() and len(full) == 1  # collected once, at the end
+        full.clear()
+        n = len(gc.get_objects(generation=2)) // 8 * 7 // 10  # 70 % of an eighth of the oldest generation
+        with gc_paused(settle=True):
+            first = [[] for _ in range(n)]
+        assert not full  # one block under the bound: nothing collected
+        with gc_paused(settle=True):
+            second = [[] for _ in range(n)]
+        assert len(full) == 1 and len(first) == len(second)  # both past it: the second pays for the two
         full.clear()
 
         async def cell():
