@@ -164,8 +164,8 @@ class Layout:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        try:
-            ParallelDims(self.tp, self.pp, self.dp)
+        try:  # kept: a search reads ``dims`` of every layout several times
+            object.__setattr__(self, "_dims", ParallelDims(self.tp, self.pp, self.dp))
         except ValueError as err:
             raise ScheduleError(f"Layout: {err}") from err
         if self.shard not in SHARDS:
@@ -190,7 +190,8 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.tp, self.pp, self.dp)
+        """The layout's :class:`~slapo_lab.parallel_dims.ParallelDims` (tp, pp, dp)."""
+        return self._dims
 
     def describe(self) -> str:
         """``tp 8 x pp 2 x dp 4, fsdp, mbs 1, checkpoint selective, 1F1B``."""
@@ -656,11 +657,14 @@ def _dp_exposed(pr: Pricer, layout: Layout, st: dict, busiest: int, m: int) -> f
     return m * (traffic - ov * min(traffic, compute + recompute) + 2 * ag / units + copy_t)
 
 
-def _price(pr: Pricer, layout: Layout, global_batch_size: int) -> Estimate:
-    """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence)."""
+def _price(
+    pr: Pricer, layout: Layout, global_batch_size: int, checked: tuple[ModelProfile, int, int] | None = None
+) -> Estimate:
+    """The :class:`Estimate` of ``layout`` (raises ScheduleError with the rejection sentence); ``checked``: what
+    :func:`_check_layout` returned for it, if the caller has it."""
     cl, dev = pr.cluster, pr.dev
     pp, dp, b = layout.pp, layout.dp, layout.micro_batch_size
-    prof, m, v = _check_layout(pr, layout, global_batch_size)
+    prof, m, v = checked or _check_layout(pr, layout, global_batch_size)
     st = _stages(pr, prof, layout, v)
     cats = _memory(pr, prof, st, layout, m, v)
     total = sum(cats.values())

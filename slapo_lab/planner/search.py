@@ -11,9 +11,11 @@ reasons grouped (one sentence per kind, with a count and the closest example).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,9 +25,15 @@ from ..parallel_dims import ParallelDims
 from ..schedule import Schedule
 from ..utils import human_bytes
 from .devices import GiB
-from .model import CHECKPOINTS, Cluster, Estimate, Layout, _price, _pricer_for
+from .model import CHECKPOINTS, Cluster, Estimate, Layout, _check_layout, _price, _pricer_for
 
 __all__ = ["Plan", "Rejection", "auto_plan"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_key(sentence: str) -> str:
+    """A rejection sentence with its numbers blanked: the key of its group (sentences repeat across a search)."""
+    return re.sub(r"\d+(\.\d+)?", "N", sentence)
 
 
 @dataclass
@@ -112,17 +120,21 @@ class _Search:
         self.fits: list[Estimate] = []
         self.groups: dict[str, Rejection] = {}
         self.priced = self.costed = 0
+        # _check_layout reads neither the shard nor the checkpoint: its answer (or refusal) per rest of a layout
+        self._checked: dict[tuple, tuple | str] = {}
 
-    def reject(self, layout: Layout | None, sentence: str, over: float = 0.0) -> None:
+    def reject(self, layout: Layout | None, sentence: str | Callable[[], str], over: float = 0.0) -> None:
         """Count a rejected layout in its group (the sentence with its numbers blanked; every "does not fit" in
-        one group, which says the closest miss)."""
-        key = "fit" if over else re.sub(r"\d+(\.\d+)?", "N", sentence)
-        g = self.groups.setdefault(key, Rejection(sentence))
+        one group, which says the closest miss: its ``sentence`` is a callable, made only for a closer miss)."""
+        key = "fit" if over else _group_key(str(sentence))
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = Rejection(sentence if isinstance(sentence, str) else "")
         g.count += 1
         if len(g.layouts) < 3:
             g.layouts.append(layout)
         if over and over < g._closest:
-            g._closest, g.sentence = over, sentence
+            g._closest, g.sentence = over, sentence if isinstance(sentence, str) else sentence()
 
     def price(self, *fields) -> None:
         """Price the :class:`Layout` of ``fields`` and keep it, or say why not."""
@@ -132,8 +144,27 @@ class _Search:
         except ScheduleError as err:
             self.reject(None, str(err))
             return
+        lay = layout
+        key = (
+            lay.tp,
+            lay.pp,
+            lay.dp,
+            lay.micro_batch_size,
+            lay.sequence_parallel,
+            lay.pp_schedule == "interleaved",
+        )
+        checked = self._checked.get(key)
+        if checked is None:
+            try:
+                checked = _check_layout(self.pr, layout, self.global_batch_size)
+            except ScheduleError as err:
+                checked = str(err)
+            self._checked[key] = checked
+        if isinstance(checked, str):
+            self.reject(layout, checked)
+            return
         try:
-            est = _price(self.pr, layout, self.global_batch_size)
+            est = _price(self.pr, layout, self.global_batch_size, checked)
         except ScheduleError as err:
             self.reject(layout, str(err))
             return
@@ -141,13 +172,15 @@ class _Search:
         hbm = self.pr.cluster.device.hbm_bytes
         if not est.fits:
             over_b = est.peak_memory_bytes - hbm
-            busiest = int(np.argmax(sum(est.stage_memory.values())))
-            self.reject(
-                layout,
-                f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
-                f"{busiest} of {human_bytes(hbm)}; closest: {layout.describe()}).",
-                over_b / GiB,
-            )
+
+            def sentence() -> str:
+                busiest = int(np.argmax(sum(est.stage_memory.values())))
+                return (
+                    f"does not fit by {human_bytes(over_b)} ({human_bytes(est.peak_memory_bytes)} on stage "
+                    f"{busiest} of {human_bytes(hbm)}; closest: {layout.describe()})."
+                )
+
+            self.reject(layout, sentence, over_b / GiB)
             return
         self.fits.append(est)
 
