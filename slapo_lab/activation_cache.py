@@ -32,7 +32,6 @@ cut-down would run every block anyway. The ``"estimate"`` pass does not depend o
 from __future__ import annotations
 
 import collections
-import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -356,7 +355,7 @@ def _cut_down_copy(top, comp: _Composition) -> nn.Module:
         lst = cut.get_submodule(st.path)
         for j in range(1, len(st.kept)):
             if st.kept[j] == st.kept[j - 1]:  # the same block object twice: run a copy of it
-                lst._modules[str(j)] = copy.deepcopy(lst._modules[str(j - 1)])
+                lst._modules[str(j)] = meta_copy(lst._modules[str(j - 1)])
     return cut
 
 

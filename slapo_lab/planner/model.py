@@ -520,6 +520,19 @@ def _check_layout(pr: Pricer, layout: Layout, global_batch_size: int) -> tuple[M
     return prof, m, v
 
 
+def _check_key(layout: Layout) -> tuple:
+    """The fields of ``layout`` that :func:`_check_layout` reads (not the shard, not the checkpoint): layouts that
+    share them get the same answer."""
+    return (
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.micro_batch_size,
+        layout.sequence_parallel,
+        layout.pp_schedule == "interleaved",
+    )
+
+
 def _stages(pr: Pricer, prof: ModelProfile, layout: Layout, v: int) -> dict:
     """The stage table (:func:`_stage_table`) of a layout: its blocks cut into ``pp x v`` chunks balanced on
     micro-batch-1 costs (the micro-batch scales every block alike); each piece cached on the pricer."""

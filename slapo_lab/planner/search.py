@@ -25,7 +25,7 @@ from ..parallel_dims import ParallelDims
 from ..schedule import Schedule
 from ..utils import human_bytes
 from .devices import GiB
-from .model import CHECKPOINTS, Cluster, Estimate, Layout, _check_layout, _price, _pricer_for
+from .model import CHECKPOINTS, Cluster, Estimate, Layout, _check_key, _check_layout, _price, _pricer_for
 
 __all__ = ["Plan", "Rejection", "auto_plan"]
 
@@ -120,7 +120,7 @@ class _Search:
         self.fits: list[Estimate] = []
         self.groups: dict[str, Rejection] = {}
         self.priced = self.costed = 0
-        # _check_layout reads neither the shard nor the checkpoint: its answer (or refusal) per rest of a layout
+        # _check_layout's answer (or refusal) per _check_key: it reads neither the shard nor the checkpoint
         self._checked: dict[tuple, tuple | str] = {}
 
     def reject(self, layout: Layout | None, sentence: str | Callable[[], str], over: float = 0.0) -> None:
@@ -144,15 +144,7 @@ class _Search:
         except ScheduleError as err:
             self.reject(None, str(err))
             return
-        lay = layout
-        key = (
-            lay.tp,
-            lay.pp,
-            lay.dp,
-            lay.micro_batch_size,
-            lay.sequence_parallel,
-            lay.pp_schedule == "interleaved",
-        )
+        key = _check_key(layout)
         checked = self._checked.get(key)
         if checked is None:
             try:

@@ -321,8 +321,8 @@ def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at
     """gc_paused(settle=True): a block that leaves more new objects than an eighth of the oldest generation runs
     one full collection at its end (so the click after a preset does not); a click-sized block runs none; two
     blocks under the bound alone but past it together (a script's editor and its preset) collect at the second's
-    end; and a
-    gc_deferred resume that falls inside a paused block waits for the block's end, then collects there."""
+    end; and a gc_deferred resume that falls inside a paused block waits for the block's end, then collects
+    there."""
     import asyncio
     import gc
     import time
