@@ -260,21 +260,39 @@ def _time(fn, repeats: int) -> float:
     return min(times)
 
 
+MATMUL_LOOP_S = 0.005
+"""Seconds each timed run of :func:`matmul_flops` lasts at least (as many calls as that takes): a single small
+call (a 256 x 256 fp32 matmul, 0.2 ms on this project's CPU) timed alone reads a neighbour's burst of memory
+traffic whole, and the best of five such calls read 0.60-0.69 of the large sizes' rate at 128 and 256 in one
+calibration of 2026-11-27 where the others read 0.84-1.00."""
+
+
 def matmul_flops(sizes=(256, 512, 1024, 2048), dtype=None, device=None, repeats: int = 5) -> dict[int, float]:
-    """Achieved FLOP/s of an ``n x n @ n x n`` ``torch.matmul`` (``2 n^3`` FLOPs) for each ``n`` in ``sizes``."""
+    """Achieved FLOP/s of an ``n x n @ n x n`` ``torch.matmul`` (``2 n^3`` FLOPs) for each ``n`` in ``sizes``:
+    the fastest of ``repeats`` runs, each a loop of calls lasting at least :data:`MATMUL_LOOP_S` (one call when a
+    single call lasts that long), timed to the device's end."""
 
     dtype = dtype or torch.float32
+    cuda = device is not None and str(device).startswith("cuda")
     out = {}
     for n in sizes:
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
 
-        def run(a=a, b=b):
+        def once(a=a, b=b):
             torch.matmul(a, b)
-            if a.is_cuda:
+            if cuda:
                 torch.cuda.synchronize()
 
-        out[n] = 2 * n**3 / _time(run, repeats)
+        calls = max(1, int(MATMUL_LOOP_S / max(_time(once, 1), 1e-9)))
+
+        def run(a=a, b=b, calls=calls):
+            for _ in range(calls):
+                torch.matmul(a, b)
+            if cuda:
+                torch.cuda.synchronize()
+
+        out[n] = 2 * n**3 * calls / _time(run, repeats)
     return out
 
 
@@ -359,6 +377,28 @@ def _stream(fn, calls: int, loops: int = 3) -> float:
     return sorted(per)[len(per) // 2]
 
 
+def _paired(base, fn, calls: int, loops: int = 3) -> float:
+    """Seconds per call that ``fn`` takes beyond ``base`` (``fn`` runs ``base`` and something more): in each of
+    ``loops`` pairs, a stream of ``calls`` of ``base`` and one of ``fn`` timed back to back (after a barrier of
+    the default group), the median of the pairs' differences. A pair meets one load: on a host whose neighbours
+    take memory bandwidth in bursts, a difference of two streams timed seconds apart carries the bursts' noise
+    whole (measured on this project's 2-core CPU, 2026-11-27, before the pairs: the fitted gloo bandwidth
+    1.7-2.4 GB/s and the overlap 0.08-0.51 over six calibrations within an hour; after, four read 1.1-1.7 GB/s
+    and 0.00-0.10)."""
+    diffs = []
+    for _ in range(loops):
+        dist.barrier()
+        alone = _stream(base, calls, loops=1)
+        dist.barrier()
+        diffs.append(_stream(fn, calls, loops=1) - alone)
+    return sorted(diffs)[len(diffs) // 2]
+
+
+OVERLAP_LOOPS = 5
+"""How many back-to-back triples (compute alone, the all-reduce alone, both) :func:`collective_times` times for
+``comm_overlap``; the median fraction is kept."""
+
+
 COLLECTIVE_BURST_S = 0.002
 """Seconds of matmuls each rank runs before every timed collective call in :func:`collective_times`: a step
 issues its collectives between compute, not back to back. A judgement constant, of the order of one layer's
@@ -383,7 +423,7 @@ def _matmul_loop(seconds: float):
     return run
 
 
-def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
+def host_rates(sizes=(256, 512, 1024, 2048), device=None, sync=None) -> dict:
     """What one process achieves on ``device`` (None: the CPU), as :func:`calibrate` records it.
 
     Returns:
@@ -393,6 +433,9 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA), ``"overhead"``
         (:func:`op_overhead`, seconds per op), ``"optimizer"`` (:func:`optimizer_rates`, seconds per
         element by tensor size) and ``"fresh"`` (a CPU's :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
+
+    ``sync``: called before each of those measurements (the gloo processes of :func:`collective_times` pass a
+    barrier, so that every rank measures the same thing at the same time, as a step's ranks run the same ops).
     """
     cuda = device is not None and str(device).startswith("cuda")
     train_dtype = torch.bfloat16 if cuda else torch.float32
@@ -403,16 +446,22 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
-    return {
-        "by_size": matmul_flops((64, 128, *sizes), train_dtype, device),
-        "other": max(matmul_flops(sizes, torch.float32 if cuda else torch.bfloat16, device).values()),
-        "attention": attention_flops(train_dtype, device),
-        "copy": 2 * x.numel() * 4 / _time(clone, 3),
-        "curve": {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
-        "overhead": op_overhead(device),
-        "optimizer": optimizer_rates(device=device),
-        "fresh": 0.0 if cuda else first_touch_cost(),
+    measure = {
+        "by_size": lambda: matmul_flops((64, 128, *sizes), train_dtype, device),
+        "other": lambda: max(matmul_flops(sizes, torch.float32 if cuda else torch.bfloat16, device).values()),
+        "attention": lambda: attention_flops(train_dtype, device),
+        "copy": lambda: 2 * x.numel() * 4 / _time(clone, 3),
+        "curve": lambda: {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
+        "overhead": lambda: op_overhead(device),
+        "optimizer": lambda: optimizer_rates(device=device),
+        "fresh": lambda: 0.0 if cuda else first_touch_cost(),
     }
+    out = {}
+    for key, fn in measure.items():
+        if sync is not None:
+            sync()
+        out[key] = fn()
+    return out
 
 
 def _slowest(rates: list[dict]) -> dict:
@@ -435,20 +484,17 @@ def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tupl
     """The measurements of one :func:`collective_times` process, in its initialised gloo group."""
     if host is not None:  # every rank measures at once, sharing the host as a run's ranks do
         dist.barrier()
-        queue.put(("host", rank, host_rates(host)))
+        queue.put(("host", rank, host_rates(host, sync=dist.barrier)))
     # each call follows a burst of compute, as a step issues its collectives between layers' compute: the
-    # collective's cost is the stream's time less the bursts' own
+    # collective's cost is the stream's time less the bursts' own, each pair timed back to back (_paired)
     burst = _matmul_loop(COLLECTIVE_BURST_S)
-    dist.barrier()
-    alone = _stream(burst, repeats)
 
     def in_step(call):
         def run():
             burst()
             call()
 
-        dist.barrier()
-        return max(_stream(run, repeats) - alone, 1e-7)
+        return max(_paired(burst, run, repeats), 1e-7)
 
     times = {}
     for n in sizes:
@@ -462,23 +508,27 @@ def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tupl
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     times["all_gather"] = in_step(lambda: gather(big, half))
     times["reduce_scatter"] = in_step(lambda: scatter(half, big))
+    times["size"] = max(sizes)
     # overlap: an all-reduce of the largest size issued asynchronously while this process multiplies
-    # matrices for about as long as the all-reduce alone takes
-    big = torch.ones(max(sizes) // 4, dtype=torch.float32)
+    # matrices for about as long as the all-reduce alone takes; the three streams (compute alone, all-reduce
+    # alone, both) timed back to back, OVERLAP_LOOPS times, and the median of each loop's fraction
     work = _matmul_loop(times[max(sizes)])
-    dist.barrier()
-    t_comp = _stream(work, 20)
 
     def both():
         h = dist.all_reduce(big, async_op=True)
         work()
         h.wait()
 
-    dist.barrier()
-    t_both = _stream(both, 20)
-    t_comm = times[max(sizes)]
-    times["size"] = max(sizes)
-    overlap = (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9)
+    fractions, calls = [], min(20, repeats)
+    for _ in range(OVERLAP_LOOPS):
+        dist.barrier()
+        t_comp = _stream(work, calls, loops=1)
+        dist.barrier()
+        t_comm = _stream(lambda: dist.all_reduce(big), calls, loops=1)
+        dist.barrier()
+        t_both = _stream(both, calls, loops=1)
+        fractions.append((t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9))
+    overlap = sorted(fractions)[len(fractions) // 2]
     if rank == 0:
         queue.put(("links", rank, (times, min(1.0, max(0.0, overlap)))))
 
@@ -508,15 +558,17 @@ def _exit_reason(code: int | None) -> str:
 
 
 def collective_times(
-    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 100, host: tuple | None = None
+    sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 50, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
     """Seconds (per call of a stream of ``repeats``, :func:`_stream`; each call after
-    :data:`COLLECTIVE_BURST_S` of matmuls on every rank, whose own time is taken off) of a gloo ``all_reduce`` of
+    :data:`COLLECTIVE_BURST_S` of matmuls on every rank, whose own time, timed in a stream right before, is taken
+    off: :func:`_paired`) of a gloo ``all_reduce`` of
     ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://``
     rendezvous in a temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` /
     ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the fraction of the
     largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
-    ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to 0..1. The processes run on the caller's
+    ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` from three streams of 20 calls (at most
+    ``repeats``) timed back to back, the median of :data:`OVERLAP_LOOPS` such triples, clipped to 0..1. The processes run on the caller's
     ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of :func:`host_rates`), every
     process first measures :func:`host_rates` at the same time, and the third item returned is the slowest rank's
     figures (:func:`_slowest`; None without ``host``).

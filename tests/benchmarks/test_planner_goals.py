@@ -8,6 +8,9 @@ process, as a user runs it, and reading the figures it prints:
 * ``benchmarks/plan_ranking.py``: after ``sl.calibrate()``, ten layouts of a 56 M Llama on 2 gloo ranks, predicted
   step times against measured medians at Spearman >= 0.7, the planner's pick within 15 % of the best measured
   (an expected failure, with the figure, when the pick misses: the model's known gap, on which issue 26 is open);
+  the layouts are measured in rounds until their measured order agrees with itself (split-half, stepped up by
+  Spearman-Brown) at 0.9, at most six rounds: a median of six steps on a loaded host is not steady enough to rank
+  by;
 * ``benchmarks/editor_scale_bench.py --sizes 405b``: the editor at 405B dimensions after the Megatron preset (TP
   8): a click drawn in <= 50 ms (p95), the memory view current in <= 0.3 s (p95), ``EditorState.apply`` <= 0.1 s
   (p95) and a fresh editor, its own imports included, at its first view in <= 1.0 s (the best of three fresh
@@ -75,7 +78,19 @@ def test_planning_405b_on_16384_gpus_costs_ten_thousand_layouts_within_ten_secon
 
 
 def test_the_calibrated_step_times_rank_ten_measured_layouts():
-    out = _run("plan_ranking.py", "--rounds", "3", "--steps", "2")
+    # three rounds, and up to three more while the measured order agrees with itself at less than 0.9
+    out = _run(
+        "plan_ranking.py",
+        "--rounds",
+        "3",
+        "--max-rounds",
+        "6",
+        "--reliability",
+        "0.9",
+        "--steps",
+        "2",
+        timeout=1500,
+    )
     got = re.search(r"Spearman ([-\d.]+) .*?planner's pick \S+ measured [\d.]+ s = ([\d.]+)x the best", out)
     assert got, out
     assert float(got.group(1)) >= 0.7
