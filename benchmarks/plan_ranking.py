@@ -29,24 +29,31 @@ Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--ro
 [--reliability 0.9] [--json F]``; ``--replay F`` prices a saved run's profile and times again (no run; for
 changes to the model).
 
-How many rounds: ``--rounds``, then one more at a time, up to ``--max-rounds``, while the measured order agrees
-with itself at less than ``--reliability`` (:func:`reliability`: the layouts' medians over the first and the
-second step of every round, Spearman's correlation of the two, stepped up to the whole by Spearman-Brown). A
-ranking cannot be checked against medians that do not rank the layouts steadily themselves. The CI run of
-2026-11-27 (commit ``98e28af``) missed at Spearman 0.61 with the pick met. The same evening on this machine, three
-rounds measured 0.68, and their medians agreed with themselves at 0.77 (split-half 0.62): one layout's six steps
-spread over 1.13-1.69 s. The cause is the host's neighbours: a ``clone`` loop on two processes varied 0.37-0.51 s
-a pass where a matmul loop held within 5 %, and the wall time was the process's CPU time throughout (no steal),
-so it is memory bandwidth taken in bursts. Those medians ranked the four quiet runs' at 0.52-0.77. Two runs
-with the rounds added (23:02-23:21 UTC) went to six rounds each: Spearman 0.82 (reliability 0.90) and 0.70
-(reliability 0.82, pick 1.12x). Six rounds take about 450 s here against 210 s for three.
+How many rounds (``benchmarks/results/plan_ranking_loaded.txt`` and its five ``.json`` runs hold the figures
+below): ``--rounds``, then one more at a time, up to ``--max-rounds``, while the measured order agrees with itself
+at less than ``--reliability`` (:func:`reliability`: the layouts' medians over the first and the second step of
+every round, Spearman's correlation of the two, stepped up to the whole by Spearman-Brown). A ranking cannot be
+checked against medians that do not rank the layouts steadily themselves. The CI run of 2026-11-27 (commit
+``98e28af``) missed at Spearman 0.61 with the pick met. The same evening on this machine, three rounds measured
+0.68, and their medians agreed with themselves at 0.77 (split-half 0.62): one layout's six steps spread over
+1.13-1.69 s. The cause is the host's neighbours: a ``clone`` loop on two processes varied 0.37-0.51 s a pass where
+a matmul loop held within 5 %, and the wall time was the process's CPU time throughout (no steal), so it is memory
+bandwidth taken in bursts. Those medians agreed with the quiet runs' at Spearman 0.52-0.77. Two runs with the
+rounds added (23:02-23:21 UTC) went to six rounds each: Spearman 0.82 (reliability 0.90) and 0.70 (reliability
+0.82, pick 1.12x). Six rounds take about 450 s here against 210 s for three.
 
 The calibration's collectives are timed in pairs (``devices._paired``: the compute bursts alone, then the
 bursts with the collective, back to back, the median of three pairs; the overlap from three streams timed back
 to back, the median of five). Before, each was a difference of streams timed seconds apart. Two calibrations ten
 minutes apart that evening then read gloo at 2.35 and 1.74 GB/s and the overlap at 0.09 and 0.51; their profiles
 ranked the quiet runs' measurements at 0.75-0.84, picks 1.09-1.11x. The first paired profile (1.26 GB/s, overlap
-0.02) ranked them at 0.94-1.00, picks 1.00x, as the quiet runs' own profiles do (0.89-0.96).
+0.02) ranked them at 0.94-1.00, picks 1.00x, as the quiet runs' own profiles do (0.89-0.96). A fresh run
+with it (23:29 UTC) needed three rounds (reliability 0.95): Spearman 0.85, pick 1.05x. Then both ranks' host
+figures were measured phase by phase behind a barrier (``host_rates(sync=)``: before, one rank could time its
+matmuls while the other streamed its copies, and the profile keeps the slower rank's figure), and each matmul
+size over a loop of at least 5 ms (``devices.MATMUL_LOOP_S``). The next run (23:35 UTC, a busier host: every
+layout 1.1-1.3x slower than at 23:29) needed three rounds (0.91): Spearman 0.78, pick 1.00x, and every layout
+predicted at 0.82-1.07x its measured median, where every earlier run of the evening read 0.61-0.92x.
 
 Spearman met in 4 of 4 runs on a quiet machine, and the pick (``benchmarks/results/plan_ranking_quiet.txt``; each
 run's profile and times are ``plan_ranking_quiet_5.json`` to ``_8.json`` beside it): Spearman 0.94, 0.93, 0.93 and
