@@ -9,7 +9,7 @@ process, as a user runs it, and reading the figures it prints:
   step times against measured medians at Spearman >= 0.7, the planner's pick within 15 % of the best measured
   (an expected failure, with the figure, when the pick misses: the model's known gap, on which issue 26 is open);
   the layouts are measured in rounds until their measured order agrees with itself (split-half, stepped up by
-  Spearman-Brown) at 0.9, at most six rounds: a median of six steps on a loaded host is not steady enough to rank
+  Spearman-Brown) at 0.9, at most eight rounds: a median of six steps on a loaded host is not steady enough to rank
   by;
 * ``benchmarks/editor_scale_bench.py --sizes 405b``: the editor at 405B dimensions after the Megatron preset (TP
   8): a click drawn in <= 50 ms (p95), the memory view current in <= 0.3 s (p95), ``EditorState.apply`` <= 0.1 s
@@ -78,13 +78,14 @@ def test_planning_405b_on_16384_gpus_costs_ten_thousand_layouts_within_ten_secon
 
 
 def test_the_calibrated_step_times_rank_ten_measured_layouts():
-    # three rounds, and up to three more while the measured order agrees with itself at less than 0.9
+    # three rounds, and up to five more (80-90 s each here) while the measured order agrees with itself at less
+    # than 0.9
     out = _run(
         "plan_ranking.py",
         "--rounds",
         "3",
         "--max-rounds",
-        "6",
+        "8",
         "--reliability",
         "0.9",
         "--steps",
