@@ -560,18 +560,17 @@ def _exit_reason(code: int | None) -> str:
 def collective_times(
     sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 23), world: int = 2, repeats: int = 50, host: tuple | None = None
 ) -> tuple[dict[int, float], float, dict | None]:
-    """Seconds (per call of a stream of ``repeats``, :func:`_stream`; each call after
-    :data:`COLLECTIVE_BURST_S` of matmuls on every rank, whose own time, timed in a stream right before, is taken
-    off: :func:`_paired`) of a gloo ``all_reduce`` of
-    ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a ``file://``
-    rendezvous in a temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"`` /
-    ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the fraction of the
+    """Seconds (per call of a stream of ``repeats``, :func:`_stream`; each call after :data:`COLLECTIVE_BURST_S` of
+    matmuls on every rank, whose own time, timed in a stream right before, is taken off: :func:`_paired`) of a gloo
+    ``all_reduce`` of ``n`` bytes (fp32) between ``world`` local processes (``torch.multiprocessing`` spawn, a
+    ``file://`` rendezvous in a temporary folder), for each ``n`` in ``sizes`` (and under the keys ``"all_gather"``
+    / ``"reduce_scatter"`` those collectives' seconds at the largest size, ``"size"``), and the fraction of the
     largest all-reduce that overlaps a matmul loop when issued with ``async_op=True`` (0: none, 1: fully hidden):
-    ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` from three streams of 20 calls (at most
-    ``repeats``) timed back to back, the median of :data:`OVERLAP_LOOPS` such triples, clipped to 0..1. The processes run on the caller's
-    ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of :func:`host_rates`), every
-    process first measures :func:`host_rates` at the same time, and the third item returned is the slowest rank's
-    figures (:func:`_slowest`; None without ``host``).
+    ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` from three streams of 20 calls (at most ``repeats``)
+    timed back to back, the median of :data:`OVERLAP_LOOPS` such triples, clipped to 0..1. The processes run on the
+    caller's ``torch.get_num_threads()`` threads each. With ``host`` (the matmul ``sizes`` of :func:`host_rates`),
+    every process first measures :func:`host_rates` at the same time, and the third item returned is the slowest
+    rank's figures (:func:`_slowest`; None without ``host``).
 
     Raises:
         RuntimeError: a process failed, or had not finished within 600 s, before every figure was in; the
