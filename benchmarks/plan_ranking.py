@@ -174,9 +174,9 @@ def reliability(res: dict) -> tuple[float, float]:
     the full count by the Spearman-Brown formula ``2 r / (1 + r)`` (Spearman 1910, "Correlation calculated from
     faulty data"; Brown 1910). Returns ``(split-half, full)``; ``(-1, -1)`` before every layout has two steps.
 
-    It bounds what any prediction can score: against medians that agree with themselves at 0.66 (measured
-    2026-11-27, three rounds of two steps on a loaded host), even the layouts' true times would rank them at
-    about the square root of the full reliability."""
+    It bounds what any prediction can score: against medians that agree with themselves at 0.77 (split-half 0.62;
+    measured 2026-11-27, three rounds of two steps on a loaded host), even the layouts' true times would rank them
+    at about the square root of the full reliability."""
     halves: tuple[list[float], list[float]] = ([], [])
     for rows in res.values():
         if not rows or any("error" in r for r in rows):
