@@ -368,13 +368,22 @@ def _partition(costs: list[float], k: int) -> list[int]:
             i = j
         return sizes
 
+    def bottleneck(sizes: list[int]) -> float:
+        ends = list(itertools.accumulate(sizes, initial=0))
+        return max(prefix[e] - prefix[a] for a, e in itertools.pairwise(ends))
+
+    # bisection on the limit; a feasible one drops to the largest group sum its fill reached (the optimum is not
+    # above it), and the search ends once a hair below that is infeasible: it is the optimum
     lo, hi = max(costs), prefix[-1]
     for _ in range(30):
         mid = (lo + hi) / 2
-        if groups(mid) is None:
+        got = groups(mid)
+        if got is None:
             lo = mid
-        else:
-            hi = mid
+            continue
+        hi = min(mid, bottleneck(got))
+        if groups(hi * (1 - 1e-12)) is None:
+            break
     sizes = groups(hi * (1 + 1e-9)) or [n]
     while len(sizes) < k:  # split the largest group until there are k
         j = max(range(len(sizes)), key=lambda i: sizes[i])
@@ -416,73 +425,88 @@ class _Blocks:
             train.append(p.trainable_elems)
             big.append(p.largest_param_elems)
         self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm, strict=False)]
-        self.full, self.largest, self.params, self.big = full, largest, params, big
-        self.p_compute, self.p_recompute, self.p_comm = _acc(compute), _acc(recompute), _acc(comm)
-        self.p_saved, self.p_params, self.p_train = _acc(saved), _acc(params), _acc(train)
-        self.sizes = [p.param_sizes for p, _ in rows]
+        # prefix sums over the blocks (index ``i`` sums blocks ``[0, i)``), and per-block maxima with a trailing 0
+        # (``np.maximum.reduceat`` over a chunk that ends at the last block reads it, and it is no maximum)
+        self.prefix = {
+            "compute": np.array(_acc(compute)),
+            "recompute": np.array(_acc(recompute)),
+            "comm": np.array(_acc(comm)),
+            "saved": np.array(_acc(saved)),
+            "params": np.array(_acc(params)),
+            "trainable": np.array(_acc(train)),
+        }
+        self.peaks = {
+            "full": np.array(full + [0.0]),
+            "largest": np.array(largest + [0.0]),
+            "unit": np.array(params + [0], dtype=float),
+            "big_param": np.array(big + [0], dtype=float),
+        }
+        # every block's trainable tensor sizes, flattened in order, and where each block's start
+        self.flat_sizes = np.array([n for p, _ in rows for n in p.param_sizes], dtype=float)
+        self.size_at = np.array(_acc([len(p.param_sizes) for p, _ in rows]), dtype=int)
         self.n = len(seq)
+
+
+class _StageSizes:
+    """Per stage, the elements of each trainable tensor it holds (``(k,)`` float arrays), built when first read:
+    the search reads only the busiest stage's."""
+
+    def __init__(self, blk: _Blocks, ranges: list, ends: list):
+        self.blk, self.ranges, self.ends = blk, ranges, ends
+        self._built: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        got = self._built.get(s)
+        if got is None:
+            blk = self.blk
+            held = [blk.flat_sizes[blk.size_at[a] : blk.size_at[e]] for a, e in self.ranges[s]]
+            held += [np.array(part.param_sizes, dtype=float) for part in self.ends[s]]
+            got = self._built[s] = np.concatenate(held) if held else np.zeros(0)
+        return got
 
 
 def _stage_table(blk: _Blocks, chunks: list, pp: int, prof: ModelProfile, pre, post, b: int) -> dict:
     """Per-stage sums of one cut (rank ``s`` holds chunks ``s, s + pp, ...``): numpy arrays over stages, and
-    ``"param_sizes"``, per stage the elements of each trainable tensor it holds."""
-    starts = list(itertools.accumulate(chunks, initial=0))
-    names = (
-        "compute",
-        "recompute",
-        "comm",
-        "saved",
-        "params",
-        "trainable",
-        "full",
-        "largest",
-        "unit",
-        "nparts",
-        "big_param",
-        "root",
-        "root_train",
-    )
-    cols = {k: [] for k in names}
-    sizes = []
-    for s in range(pp):
-        ranges = [(starts[c], starts[c + 1]) for c in range(s, len(chunks), pp)]
-        row = {
-            "compute": sum(blk.p_compute[e] - blk.p_compute[a] for a, e in ranges),
-            "recompute": sum(blk.p_recompute[e] - blk.p_recompute[a] for a, e in ranges),
-            "comm": sum(blk.p_comm[e] - blk.p_comm[a] for a, e in ranges),
-            "saved": sum(blk.p_saved[e] - blk.p_saved[a] for a, e in ranges),
-            "params": sum(blk.p_params[e] - blk.p_params[a] for a, e in ranges),
-            "trainable": sum(blk.p_train[e] - blk.p_train[a] for a, e in ranges),
-            "full": max(max(blk.full[a:e], default=0.0) for a, e in ranges),
-            "largest": max(max(blk.largest[a:e], default=0.0) for a, e in ranges),
-            "unit": max(max(blk.params[a:e], default=0) for a, e in ranges),
-            "nparts": sum(e - a for a, e in ranges),
-            "big_param": max(max(blk.big[a:e], default=0) for a, e in ranges),
-            "root": 0.0,
-            "root_train": 0.0,
-        }
-        ends = ([(prof.pre, pre)] if s == 0 else []) + ([(prof.post, post)] if s == pp - 1 else [])
-        for part, (c, r, cm, sv) in ends:
+    ``"param_sizes"``, per stage the elements of each trainable tensor it holds (:class:`_StageSizes`).
+
+    ``chunks``: the blocks per chunk, ``pp x v`` of them (``v`` chunks per stage, interleaved); ``pre`` and
+    ``post``: :meth:`Pricer.part_cost` of the parts before the first block (on stage 0) and after the last (on
+    stage ``pp - 1``); ``b``: the micro-batch size, in sequences.
+    """
+    sizes = np.asarray(chunks, dtype=int)
+    v = len(chunks) // pp
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    a, e = starts[:-1], starts[1:]
+    out = {k: (pre_[e] - pre_[a]).reshape(v, pp).sum(axis=0) for k, pre_ in blk.prefix.items()}
+    for k, arr in blk.peaks.items():
+        # each chunk's largest block (0 for an empty chunk), then each stage's largest chunk
+        peak = np.where(sizes > 0, np.maximum.reduceat(arr, a), 0.0)
+        out[k] = peak.reshape(v, pp).max(axis=0)
+    out["nparts"] = sizes.reshape(v, pp).sum(axis=0).astype(float)
+    out["root"], out["root_train"] = np.zeros(pp), np.zeros(pp)
+    ends = [[] for _ in range(pp)]
+    ends[0].append((prof.pre, pre))
+    ends[pp - 1].append((prof.post, post))
+    for s in {0, pp - 1}:
+        for part, (c, r, cm, sv) in ends[s]:
             # pre/post run once per micro-batch and are freed by its backward on the same stage
-            row["compute"] += c
-            row["recompute"] += r
-            row["comm"] += cm
-            row["saved"] += sv
-            row["params"] += part.param_bytes
-            row["trainable"] += part.trainable_elems
-            row["root"] += part.param_bytes
-            row["root_train"] += part.trainable_elems
-            row["largest"] = max(row["largest"], part.saved_bytes * b)
-            row["big_param"] = max(row["big_param"], part.largest_param_elems)
-            if not row["unit"]:
-                row["unit"] = part.param_bytes
-        for k in names:
-            cols[k].append(row[k])
-        held = [n for a, e in ranges for part_sizes in blk.sizes[a:e] for n in part_sizes]
-        sizes.append(np.array(held + [n for part, _ in ends for n in part.param_sizes], dtype=float))
-    out = {k: np.array(v, dtype=float) for k, v in cols.items()}
-    # per stage, the elements of each trainable tensor it steps (the optimizer's cost depends on the size)
-    out["param_sizes"] = sizes
+            out["compute"][s] += c
+            out["recompute"][s] += r
+            out["comm"][s] += cm
+            out["saved"][s] += sv
+            out["params"][s] += part.param_bytes
+            out["trainable"][s] += part.trainable_elems
+            out["root"][s] += part.param_bytes
+            out["root_train"][s] += part.trainable_elems
+            out["largest"][s] = max(out["largest"][s], part.saved_bytes * b)
+            out["big_param"][s] = max(out["big_param"][s], part.largest_param_elems)
+            if not out["unit"][s]:
+                out["unit"][s] = part.param_bytes
+    ranges = [list(zip(a[s::pp].tolist(), e[s::pp].tolist(), strict=True)) for s in range(pp)]
+    out["param_sizes"] = _StageSizes(blk, ranges, [[part for part, _ in ends[s]] for s in range(pp)])
     out["time"] = out["compute"] + out["recompute"] + out["comm"]
     out["zero"] = np.zeros(pp)
     return out
@@ -520,17 +544,10 @@ def _check_layout(pr: Pricer, layout: Layout, global_batch_size: int) -> tuple[M
     return prof, m, v
 
 
-def _check_key(layout: Layout) -> tuple:
-    """The fields of ``layout`` that :func:`_check_layout` reads (not the shard, not the checkpoint): layouts that
-    share them get the same answer."""
-    return (
-        layout.tp,
-        layout.pp,
-        layout.dp,
-        layout.micro_batch_size,
-        layout.sequence_parallel,
-        layout.pp_schedule == "interleaved",
-    )
+def _check_key(tp, pp, dp, shard, micro_batch_size, checkpoint, pp_schedule, sequence_parallel) -> tuple:
+    """Of a :class:`Layout`'s fields (in its order), those :func:`_check_layout` reads (not the shard, not the
+    checkpoint): layouts that share them get the same answer."""
+    return (tp, pp, dp, micro_batch_size, sequence_parallel, pp_schedule == "interleaved")
 
 
 def _stages(pr: Pricer, prof: ModelProfile, layout: Layout, v: int) -> dict:

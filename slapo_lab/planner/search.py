@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
+from ..record import gc_paused
 from ..schedule import Schedule
 from ..utils import human_bytes
 from .devices import GiB
@@ -122,43 +123,57 @@ class _Search:
         self.priced = self.costed = 0
         # _check_layout's answer (or refusal) per _check_key: it reads neither the shard nor the checkpoint
         self._checked: dict[tuple, tuple | str] = {}
+        # Layout's refusal (or None) per combination of the fields after the degrees: the search's degrees are
+        # positive integers (ParallelDims.for_world made them), so only those fields can be refused
+        self._valid: dict[tuple, str | None] = {}
 
-    def reject(self, layout: Layout | None, sentence: str | Callable[[], str], over: float = 0.0) -> None:
-        """Count a rejected layout in its group (the sentence with its numbers blanked; every "does not fit" in
-        one group, which says the closest miss: its ``sentence`` is a callable, made only for a closer miss)."""
+    def reject(self, fields: tuple | None, sentence: str | Callable[[], str], over: float = 0.0) -> None:
+        """Count a rejected layout (its :class:`Layout` fields) in its group (the sentence with its numbers
+        blanked; every "does not fit" in one group, which says the closest miss: its ``sentence`` is a callable,
+        made only for a closer miss)."""
         key = "fit" if over else _group_key(str(sentence))
         g = self.groups.get(key)
         if g is None:
             g = self.groups[key] = Rejection(sentence if isinstance(sentence, str) else "")
         g.count += 1
         if len(g.layouts) < 3:
-            g.layouts.append(layout)
+            g.layouts.append(None if fields is None else Layout(*fields))
         if over and over < g._closest:
             g._closest, g.sentence = over, sentence if isinstance(sentence, str) else sentence()
 
     def price(self, *fields) -> None:
-        """Price the :class:`Layout` of ``fields`` and keep it, or say why not."""
+        """Price the :class:`Layout` of ``fields`` (its fields in order, degrees from the search) and keep it, or
+        say why not; the Layout is built only when it is priced or kept as an example of a refusal."""
         self.priced += 1
-        try:
-            layout = Layout(*fields)
-        except ScheduleError as err:
-            self.reject(None, str(err))
+        rest = fields[3:]
+        if rest not in self._valid:
+            try:
+                Layout(1, 1, 1, *rest)
+                self._valid[rest] = None
+            except ScheduleError as err:
+                self._valid[rest] = str(err)
+        invalid = self._valid[rest]
+        if invalid is not None:
+            self.reject(None, invalid)
             return
-        key = _check_key(layout)
+        key = _check_key(*fields)
         checked = self._checked.get(key)
+        layout = None
         if checked is None:
+            layout = Layout(*fields)
             try:
                 checked = _check_layout(self.pr, layout, self.global_batch_size)
             except ScheduleError as err:
                 checked = str(err)
             self._checked[key] = checked
         if isinstance(checked, str):
-            self.reject(layout, checked)
+            self.reject(fields, checked)
             return
+        layout = layout or Layout(*fields)
         try:
             est = _price(self.pr, layout, self.global_batch_size, checked)
         except ScheduleError as err:
-            self.reject(layout, str(err))
+            self.reject(fields, str(err))
             return
         self.costed += 1
         hbm = self.pr.cluster.device.hbm_bytes
@@ -172,11 +187,14 @@ class _Search:
                     f"{busiest} of {human_bytes(hbm)}; closest: {layout.describe()})."
                 )
 
-            self.reject(layout, sentence, over_b / GiB)
+            self.reject(fields, sentence, over_b / GiB)
             return
         self.fits.append(est)
 
 
+# the search allocates ~10^5 small objects without cycles (layouts, estimates, numpy arrays): each full collection
+# on the way re-scans the process's whole heap (torch, transformers, the model; ~0.2 s in a fresh process at 405B)
+@gc_paused()
 def auto_plan(
     model_or_schedule,
     cluster: Cluster | None = None,

@@ -104,6 +104,8 @@ def _meets_per_index(mb: torch.Tensor, prods: list, o: torch.Tensor) -> list[tup
 def note_attention(split: BlockSplit, rec: _Snapshot, roles: dict, n: int) -> None:
     """Note in ``split.head_params`` each buffer whose recorded meets split its entries by the ``n`` heads of
     the attention whose producers' per-head features are ``roles`` (``{producer: {role: [set per head]}}``)."""
+    if not rec.meets:  # no buffer met the heads' features: nothing to map (and no per-feature map to build)
+        return
     head_of = _heads_of_features(roles, n)
     if not head_of:
         return
