@@ -87,13 +87,18 @@ def cold(size: str) -> None:
     import torch  # the user's own imports: a notebook builds its model with them before the editor
     import transformers  # noqa: F401
 
-    t0 = time.perf_counter()  # the editor's own imports: slapo_lab and the editor (ipywidgets, graphviz ...)
-    import slapo_lab as sl
-    from slapo_lab.editor import ScheduleEditor  # noqa: F401
+    loop = asyncio.new_event_loop()
 
+    async def import_cell():  # the editor's own imports, in a cell as the kernel runs it (in its loop)
+        import slapo_lab as sl
+        from slapo_lab.editor import ScheduleEditor  # noqa: F401
+
+        return sl
+
+    t0 = time.perf_counter()  # the editor's own imports: slapo_lab and the editor (ipywidgets, graphviz ...)
+    sl = loop.run_until_complete(import_cell())
     t1 = time.perf_counter()
     model = build(size)
-    loop = asyncio.new_event_loop()
 
     async def cell():
         return sl.ScheduleEditor(

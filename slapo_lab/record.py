@@ -125,6 +125,16 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
         _release_gc(settle=settle and ok)
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop running this thread (a Jupyter kernel's, while a cell runs), or None (a script, a test)."""
+    import asyncio  # noqa: PLC0415 - the module imports it only for type checking
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def gc_deferred(loop: asyncio.AbstractEventLoop | None, delay: float = 1.0) -> Iterator[None]:
     """As :func:`gc_paused`, but inside a running asyncio ``loop`` (a Jupyter kernel's) the collector stays off

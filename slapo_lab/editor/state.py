@@ -17,7 +17,6 @@ redraw (:meth:`EditorState._refresh_all`) once the action, the cell or the click
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -33,6 +32,7 @@ from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from ..preset_check import set_reference
 from ..record import format_call, gc_paused
+from ..record import running_loop as _running_loop
 from ..utils import meta_copy
 from .actions import Actions
 from .background import BackgroundChecks
@@ -48,14 +48,6 @@ from .verify_controller import VerifyController
 __all__ = ["ACTIVATIONS", "EditorState", "similar_gate"]
 
 _log = logging.getLogger("slapo_lab.editor")
-
-
-def _running_loop():
-    """The asyncio loop running this thread (a Jupyter kernel's), or None (a script, a test)."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class EditorState(SchedulePersistence):

@@ -433,3 +433,36 @@ def test_the_editor_imports_no_training_data_module():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_importing_the_editor_in_a_cell_defers_its_collection_to_after_the_cell_once():
+    # a restarted kernel's first cell imports the editor: the full collection its ~10^5 new objects bring on runs
+    # a second after the cell (gc_deferred), not inside it; a later lookup of ScheduleEditor takes no hold
+    code = textwrap.dedent(
+        """
+        import asyncio, gc, time
+        import torch, transformers  # the heap a notebook holds before it imports the editor
+
+        full = []
+        gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(1))
+
+        async def cell():
+            import slapo_lab.editor
+            from slapo_lab.editor import ScheduleEditor
+            return gc.isenabled(), len(full)
+
+        async def later_cell():
+            from slapo_lab.editor import ScheduleEditor
+            return gc.isenabled()
+
+        loop = asyncio.new_event_loop()
+        on_in_cell, collected_in_cell = loop.run_until_complete(cell())
+        time.sleep(1.5)
+        print(on_in_cell, collected_in_cell, gc.isenabled(), len(full) >= 1, loop.run_until_complete(later_cell()))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "0", "True", "True", "True"], proc.stdout
