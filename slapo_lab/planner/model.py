@@ -425,8 +425,9 @@ class _Blocks:
             train.append(p.trainable_elems)
             big.append(p.largest_param_elems)
         self.time = [c + r + cm for c, r, cm in zip(compute, recompute, comm, strict=False)]
-        # prefix sums over the blocks (index ``i`` sums blocks ``[0, i)``), and per-block maxima with a trailing 0
-        # (``np.maximum.reduceat`` over a chunk that ends at the last block reads it, and it is no maximum)
+        # prefix sums over the blocks (index ``i`` sums blocks ``[0, i)``), and per-block maxima with a trailing 0:
+        # ``np.maximum.reduceat``'s last chunk runs to the array's end and an empty chunk at the end starts there
+        # (every figure is >= 0, so the 0 changes no maximum)
         self.prefix = {
             "compute": np.array(_acc(compute)),
             "recompute": np.array(_acc(recompute)),
@@ -441,7 +442,7 @@ class _Blocks:
             "unit": np.array(params + [0], dtype=float),
             "big_param": np.array(big + [0], dtype=float),
         }
-        # every block's trainable tensor sizes, flattened in order, and where each block's start
+        # every block's trainable tensor sizes, flattened in order, and the index where each block's sizes start
         self.flat_sizes = np.array([n for p, _ in rows for n in p.param_sizes], dtype=float)
         self.size_at = np.array(_acc([len(p.param_sizes) for p, _ in rows]), dtype=int)
         self.n = len(seq)
