@@ -385,13 +385,22 @@ def _paired(base, fn, calls: int, loops: int = 3) -> float:
     whole (measured on this project's 2-core CPU, 2026-11-27, before the pairs: the fitted gloo bandwidth
     1.7-2.4 GB/s and the overlap 0.08-0.51 over six calibrations within an hour; after, four read 1.1-1.7 GB/s
     and 0.00-0.10)."""
-    diffs = []
-    for _ in range(loops):
-        dist.barrier()
-        alone = _stream(base, calls, loops=1)
-        dist.barrier()
-        diffs.append(_stream(fn, calls, loops=1) - alone)
+    diffs = [with_fn - alone for alone, with_fn in _back_to_back((base, fn), calls, loops)]
     return sorted(diffs)[len(diffs) // 2]
+
+
+def _back_to_back(fns, calls: int, loops: int) -> list[tuple[float, ...]]:
+    """Per loop of ``loops``, the seconds per call of a stream of ``calls`` of each of ``fns``
+    (:func:`_stream`), timed one after the other, each after a barrier of the default group (so that every rank
+    times the same stream together)."""
+    out = []
+    for _ in range(loops):
+        times = []
+        for fn in fns:
+            dist.barrier()
+            times.append(_stream(fn, calls, loops=1))
+        out.append(tuple(times))
+    return out
 
 
 OVERLAP_LOOPS = 5
@@ -519,15 +528,10 @@ def _measure_links(rank: int, world: int, sizes, repeats: int, queue, host: tupl
         work()
         h.wait()
 
-    fractions, calls = [], min(20, repeats)
-    for _ in range(OVERLAP_LOOPS):
-        dist.barrier()
-        t_comp = _stream(work, calls, loops=1)
-        dist.barrier()
-        t_comm = _stream(lambda: dist.all_reduce(big), calls, loops=1)
-        dist.barrier()
-        t_both = _stream(both, calls, loops=1)
-        fractions.append((t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9))
+    triples = _back_to_back((work, lambda: dist.all_reduce(big), both), min(20, repeats), OVERLAP_LOOPS)
+    fractions = [
+        (t_comp + t_comm - t_both) / max(min(t_comp, t_comm), 1e-9) for t_comp, t_comm, t_both in triples
+    ]
     overlap = sorted(fractions)[len(fractions) // 2]
     if rank == 0:
         queue.put(("links", rank, (times, min(1.0, max(0.0, overlap)))))

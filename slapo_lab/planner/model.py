@@ -445,7 +445,6 @@ class _Blocks:
         # every block's trainable tensor sizes, flattened in order, and the index where each block's sizes start
         self.flat_sizes = np.array([n for p, _ in rows for n in p.param_sizes], dtype=float)
         self.size_at = np.array(_acc([len(p.param_sizes) for p, _ in rows]), dtype=int)
-        self.n = len(seq)
 
 
 class _StageSizes:
