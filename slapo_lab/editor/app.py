@@ -26,7 +26,7 @@ import ipywidgets as W
 import networkx as nx
 from torch import nn
 
-from ..record import gc_deferred
+from ..record import gc_deferred, running_loop
 from .export_panel import ExportPanel
 from .graph_panel import GraphPanel
 from .inspector_panel import SYNC_CHOICES, InspectorPanel
@@ -34,10 +34,7 @@ from .layout import panel_layout
 from .memory_panel import MemoryPanel
 from .persistence import serialized
 from .schedule_panel import SchedulePanel
-from .state import (
-    EditorState,
-    _running_loop,
-)
+from .state import EditorState
 from .style import folded_style, legend_html, module_style
 from .verify_panel import VerifyPanel
 
@@ -104,7 +101,7 @@ class ScheduleEditor(EditorState, W.VBox):
     ) -> None:
         # the meta copy, the dataflow and the widgets are ~10^5 objects and no garbage: no collection while they
         # are made, and in a kernel the full collection they cause runs a second after the cell, not inside it
-        with gc_deferred(_running_loop()):
+        with gc_deferred(running_loop()):
             self._init(model, example_inputs, world_size, rank, factory, schedule_file, live_check)
 
     def _init(self, model, example_inputs, world_size, rank, factory, schedule_file, live_check) -> None:
@@ -457,7 +454,7 @@ class ScheduleEditor(EditorState, W.VBox):
         reach the browser without waiting for them), at once outside one."""
         self.numeric_report = None  # the last live check was of another schedule
         self._refresh_cluster()
-        loop = _running_loop()
+        loop = running_loop()
         if loop is None:
             self._refresh_panels()
         elif not self._panels_pending:
@@ -486,7 +483,7 @@ class ScheduleEditor(EditorState, W.VBox):
         """After every change: the background work (:meth:`BackgroundChecks.schedule
         <slapo_lab.editor.background.BackgroundChecks.schedule>`; in a kernel also the call order, the
         activations and the spare copy)."""
-        self.background.schedule(kernel=_running_loop() is not None)
+        self.background.schedule(kernel=running_loop() is not None)
 
     def _show_numeric(self, phase: str, report=None) -> None:
         """The live numeric check's line under the message line (JupyterLab's theme colours)."""

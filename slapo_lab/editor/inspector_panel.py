@@ -16,8 +16,8 @@ import ipywidgets as W
 
 from .. import check_primitive, module_state
 from ..call_order import cached_call_order
+from ..record import running_loop
 from .form_button import FormButton
-from .state import _running_loop
 
 __all__ = ["SYNC_CHOICES", "InspectorPanel"]
 
@@ -262,7 +262,7 @@ class InspectorPanel:
         mode, op = self.sync.value
         reasons[self.btn_sync] = check_primitive(node, "sync", mode=mode, sync_op_or_fn=op)
         reasons[self.btn_ckpt] = check_primitive(node, "checkpoint")
-        if _running_loop() is not None and cached_call_order(ed.schedule) is None:
+        if running_loop() is not None and cached_call_order(ed.schedule) is None:
             reasons[self.btn_cut] = (
                 None  # recorded in the background (a kernel): the button checks when clicked
             )

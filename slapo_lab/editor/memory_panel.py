@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import ipywidgets as W
 
+from ..record import running_loop
 from .cluster import data_parallel, degrees_text, tp_choices
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .plan_panel import PlanPanel
-from .state import _running_loop
 
 __all__ = ["MemoryPanel", "set_silently"]
 
@@ -147,7 +147,7 @@ class MemoryPanel:
         why), never an exception's text (that goes to the log); the rest of the view is unaffected."""
         ed = self.editor
         _, _, note = self.layout()
-        kernel = _running_loop() is not None
+        kernel = running_loop() is not None
         pl = ed.price_memory(defer_whole_pass=kernel)
         # a model without a stack of blocks needs a whole meta forward: in a kernel the background runs it
         if ed.memory_pending:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import ipywidgets as W
 
 from ..planner import DEVICES
+from ..record import running_loop
 from .form_button import FormButton
-from .state import _running_loop
 
 __all__ = ["PlanPanel"]
 
@@ -116,7 +116,7 @@ class PlanPanel:
         }
         self.btn_plan.disabled = True
         self.status.value = f"<i>Planning {html.escape(str(shape))} of {html.escape(self.gpu.value)}…</i>"
-        if _running_loop() is None:
+        if running_loop() is None:
             self._run(request)
             return
         self._thread = threading.Thread(target=self._run, args=(request,), daemon=True, name="slapo-plan")

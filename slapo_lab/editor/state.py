@@ -31,8 +31,7 @@ from ..call_order import set_example_inputs
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from ..preset_check import set_reference
-from ..record import format_call, gc_paused
-from ..record import running_loop as _running_loop
+from ..record import format_call, gc_paused, running_loop
 from ..utils import meta_copy
 from .actions import Actions
 from .background import BackgroundChecks
@@ -453,7 +452,7 @@ class EditorState(SchedulePersistence):
         self._pending = True
         if self._batch_depth:
             return
-        loop = _running_loop()
+        loop = running_loop()
         if loop is None:
             self._flush()
         elif not self._flush_scheduled:  # in a kernel: after the cell or the click handler returns
