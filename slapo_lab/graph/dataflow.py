@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -11,6 +10,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from ..record import gc_paused
 from ._record import PASSTHROUGH, Call, Recorder
 from .tree import count_params, join, snapshot
 
@@ -138,33 +138,32 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, cache_meta_ops: bool, a
     rec = Recorder(path_of, use_cache=cache_meta_ops, assume_bool=assume_bool)
     handles = []
     # the pass allocates thousands of small objects; a full collection over a process holding a big
-    # import graph (transformers) costs more than the pass itself, and the pass makes no cycles
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        seen = set()
-        for mod in model.modules():
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            handles.append(mod.register_forward_pre_hook(rec.pre_hook, prepend=True, with_kwargs=True))
-            handles.append(mod.register_forward_hook(rec.post_hook, with_kwargs=True))
+    # import graph (transformers) costs more than the pass itself, and the pass makes no cycles. A hold, not
+    # gc.disable(): the editor records in a background thread, and its end must not turn the collector back on
+    # under another thread's paused or deferred block
+    with gc_paused():
         try:
-            with torch.no_grad(), rec:
-                output = model(*args, **kwargs)
-        except Exception as e:
-            where = rec.innermost_path()
-            where = f"module '{where}'" if where else "the model itself"
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-            err = DataflowError(f"The forward pass of {type(model).__name__} failed in {where} ({msg}).")
-            err.where, err.reason, err.meta_bool = where, msg, rec.meta_bool_failed
-            raise err from e
-    finally:
-        for h in handles:
-            h.remove()
-        if gc_was_enabled:
-            gc.enable()
+            seen = set()
+            for mod in model.modules():
+                if id(mod) in seen:
+                    continue
+                seen.add(id(mod))
+                handles.append(mod.register_forward_pre_hook(rec.pre_hook, prepend=True, with_kwargs=True))
+                handles.append(mod.register_forward_hook(rec.post_hook, with_kwargs=True))
+            try:
+                with torch.no_grad(), rec:
+                    output = model(*args, **kwargs)
+            except Exception as e:
+                where = rec.innermost_path()
+                where = f"module '{where}'" if where else "the model itself"
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+                err = DataflowError(f"The forward pass of {type(model).__name__} failed in {where} ({msg}).")
+                err.where, err.reason, err.meta_bool = where, msg, rec.meta_bool_failed
+                raise err from e
+        finally:
+            for h in handles:
+                h.remove()
     return Dataflow(model, modules, rec, output)
 
 

@@ -317,6 +317,48 @@ def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
     assert gc.isenabled()
 
 
+def test_a_dataflow_recorded_in_another_thread_does_not_turn_the_collector_on_under_a_held_block():
+    """record_dataflow pauses the collector with a counted hold, as gc_paused does, not gc.disable()/enable():
+    a pass that started before a block took its hold (a background thread's) must not turn the collector back
+    on inside that block when it ends. With the raw pair, the block saw the collector off, took no hold, and
+    the pass's end turned it on under it (a kernel-cell test read it on 0.05 s into a 0.2 s deferral)."""
+    import gc
+    import threading
+
+    from torch import nn
+
+    from slapo_lab.graph.dataflow import record_dataflow
+    from slapo_lab.record import gc_paused
+
+    entered, go = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            entered.set()
+            go.wait(10)
+            return self.lin(x)
+
+    assert gc.isenabled()
+    t = threading.Thread(target=record_dataflow, args=(Waits(), (torch.zeros(2, 4),)))
+    t.start()
+    try:
+        assert entered.wait(10)
+        assert not gc.isenabled()  # the pass holds it off
+        with gc_paused():
+            go.set()
+            t.join(10)
+            assert not t.is_alive()
+            assert not gc.isenabled()  # the pass ended inside the block: the block's hold keeps it off
+        assert gc.isenabled()
+    finally:
+        go.set()
+        t.join(10)
+
+
 def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at_its_end():
     """gc_paused(settle=True): a block that leaves more new objects than an eighth of the oldest generation runs
     one full collection at its end (so the click after a preset does not); a click-sized block runs none; two
