@@ -26,8 +26,8 @@ pays autograd's gradient accumulation; FSDP pays a latency per unit and FSDP2's 
 bubble is the other stages' own micro-batch times.
 
 Run: ``.venv/bin/python benchmarks/plan_ranking.py [--seq 128] [--steps 2] [--rounds 3] [--max-rounds 6]
-[--reliability 0.9] [--json F]``; ``--replay F`` prices a saved run's profile and times again (no run; for
-changes to the model).
+[--reliability 0.9] [--json F]``; ``--replay F`` prices a saved run's profile (since 2026-11-28 the one with the
+median links) and times again (no run; for changes to the model).
 
 How many rounds (``benchmarks/results/plan_ranking_loaded.txt`` and its five ``.json`` runs hold the figures
 below): ``--rounds``, then one more at a time, up to ``--max-rounds``, while the measured order agrees with itself
@@ -54,6 +54,18 @@ matmuls while the other streamed its copies, and the profile keeps the slower ra
 size over a loop of at least 5 ms (``devices.MATMUL_LOOP_S``). The next run (23:35 UTC, a busier host: every
 layout 1.1-1.3x slower than at 23:29) needed three rounds (0.91): Spearman 0.78, pick 1.00x, and every layout
 predicted at 0.82-1.07x its measured median, where every earlier run of the evening read 0.61-0.92x.
+
+The links are measured again after every round (``devices.link_sample``, about 20 s each), and the layouts are
+priced with each link figure's median over the calibration and those samples (``devices.with_median_links``); the
+run prints every sample. One calibration is a 30-second snapshot of a host whose neighbours come and go, and the
+fitted gloo latency moved most: over the thirteen saved runs below it read 0.20-1.08 ms, while each of those
+runs' measured steps ranks at 0.68-0.98 priced at 0.6 ms and at 0.70-0.98 priced at 0.9 ms (``--replay`` with the
+latency replaced); the misses were the low readings (0.20 and 0.35 ms: 0.56 and 0.61; the CI run of 2026-11-28,
+commit ``036acaf``, read 0.43 ms and ranked its measurements at 0.19, every TP layout priced at 0.69-0.73 of its
+measured median against 0.83-0.93 for DDP).
+The first run with the samples (2026-11-28 05:58 UTC) calibrated at 197 us, then read 890, 880 and 693 us after
+its three rounds: priced at the medians (787 us, 1.17 GB/s) Spearman 0.87, pick 1.00x (0.81 with the calibration
+alone, whose bandwidth read low as well).
 
 Spearman met in 4 of 4 runs on a quiet machine, and the pick (``benchmarks/results/plan_ranking_quiet.txt``; each
 run's profile and times are ``plan_ranking_quiet_5.json`` to ``_8.json`` beside it): Spearman 0.94, 0.93, 0.93 and
@@ -213,6 +225,7 @@ def main() -> None:
     import json
 
     import slapo_lab as sl
+    from slapo_lab.planner.devices import link_fields, link_sample, with_median_links
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=128)
@@ -252,33 +265,64 @@ def main() -> None:
         f"GB/s + {dev.intra_latency * 1e6:.0f} us ({scale} a ring), overlap {dev.comm_overlap:.2f} "
         f"({time.perf_counter() - t0:.0f} s)"
     )
-    cluster = sl.Cluster(nodes=1, gpus_per_node=pm.WORLD, gpu=dev)
     with torch.device("meta"):
         ref = pm.build()
-    ests = {}
-    for c in CASES:
-        assert c.micro_batch_size * c.dp * c.micro == GLOBAL_BATCH, c
-        ests[c.name] = sl.estimate(
-            ref, c.layout(), cluster=cluster, seq_len=args.seq, global_batch_size=GLOBAL_BATCH, dtype="fp32"
-        )
+
+    def estimates(dev) -> dict:
+        cluster = sl.Cluster(nodes=1, gpus_per_node=pm.WORLD, gpu=dev)
+        out = {}
+        for c in CASES:
+            assert c.micro_batch_size * c.dp * c.micro == GLOBAL_BATCH, c
+            out[c.name] = sl.estimate(
+                ref,
+                c.layout(),
+                cluster=cluster,
+                seq_len=args.seq,
+                global_batch_size=GLOBAL_BATCH,
+                dtype="fp32",
+            )
+        return out
+
+    ests = estimates(dev)
     if saved:
         res, load0, load1 = saved["results"], saved["load"][0], saved["load"][1]
     else:
         # round-robin: every round builds and times each layout once, so that load drifts hit all layouts alike;
-        # past --rounds, one more round at a time while the measured order is less reliable than --reliability
+        # past --rounds, one more round at a time while the measured order is less reliable than --reliability.
+        # After each round the links are measured once more (devices.link_sample), and the layouts are priced
+        # with each link figure's median over the calibration and those samples (devices.with_median_links)
         load0 = Path("/proc/loadavg").read_text().split()[:3]
         res = {c.name: [] for c in CASES}
+        samples = [link_fields(dev)]
         done = 0
         while done < args.rounds or (done < args.max_rounds and reliability(res)[1] < args.reliability):
-            todo = args.rounds if done == 0 else 1
-            measure_rounds(res, range(done, done + todo), args.seq, ests, args.steps)
-            done += todo
+            measure_rounds(res, range(done, done + 1), args.seq, ests, args.steps)
+            done += 1
+            samples.append(link_sample())
         load1 = Path("/proc/loadavg").read_text().split()[:3]
+        dev = with_median_links(dev, samples)
+        blocks = {c.name: ests[c.name].stage_blocks for c in CASES}
+        ests = estimates(dev)
+        moved = [c.name for c in CASES if ests[c.name].stage_blocks != blocks[c.name]]
+        lat = ", ".join(f"{s['intra_latency'] * 1e6:.0f}" for s in samples)
+        bws = ", ".join(f"{s['intra_bandwidth'] / 1e9:.2f}" for s in samples)
+        ovs = ", ".join(f"{s['comm_overlap']:.2f}" for s in samples)
+        print(
+            f"links, the calibration's and one after each round: gloo latency {lat} us, {bws} GB/s, overlap {ovs}; "
+            f"priced at the medians: {dev.intra_bandwidth / 1e9:.2f} GB/s + {dev.intra_latency * 1e6:.0f} us, "
+            f"overlap {dev.comm_overlap:.2f}"
+            + (
+                f" (the stages of {', '.join(moved)} moved: measured with the calibration's cut)"
+                if moved
+                else ""
+            )
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(
                     {
                         "profile": dataclasses.asdict(dev),
+                        "link_samples": samples,
                         "seq": args.seq,
                         "results": res,
                         "steps": args.steps,

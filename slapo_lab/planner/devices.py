@@ -99,6 +99,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -738,16 +739,9 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     attention = rates["attention"] / best
     copy = rates["copy"]
     curve = tuple(sorted(rates["curve"].items()))
-    size = times.pop("size")
-    slow = {op: times.pop(op) for op in ("all_gather", "reduce_scatter")}
-    bw, lat = fit_link(times)
-    # what the backend's all-gather / reduce-scatter take against the ring model of the fitted link (half an
-    # all-reduce's bytes, half its steps, for 2 ranks)
-    ring = size / 2 / bw + lat
-    scale = () if cuda else tuple((op, max(1.0, t / ring)) for op, t in slow.items())
+    links = _link_fields(times, overlap, cuda)
     if cuda:
         name, mem = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
-        overlap = 1.0  # NCCL runs on its own stream (module docstring)
     else:
         name, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # on CUDA the host's time to dispatch and launch one tiny kernel (it queues ahead of the GPU)
@@ -758,23 +752,96 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         fp32_flops=fp32,
         hbm_bytes=int(mem),
         hbm_bandwidth=copy,
-        intra_bandwidth=bw,
-        intra_latency=lat,
-        inter_bandwidth=bw,
-        inter_latency=lat,
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         source=f"sl.calibrate() on this machine ({time.strftime('%Y-%m-%d %H:%M')})",
         op_overhead=overhead,
         launch_async=cuda,
         memory_curve=tuple((int(n), float(v)) for n, v in curve),
-        comm_overlap=float(overlap),
-        collective_scale=scale,
         attention_efficiency=float(min(attention, 1.0)),
         matmul_curve=matmul_curve,
         optimizer_curve=tuple((int(n), float(v)) for n, v in sorted(rates["optimizer"].items())),
         fresh_page_cost=float(rates["fresh"]),
+        **links,
     )
+
+
+def _link_fields(times: dict, overlap: float, cuda: bool) -> dict:
+    """The :class:`DeviceProfile` fields of one :func:`collective_times` sample (``times`` as it returns them):
+    the ring fitted to the all-reduce sizes (:func:`fit_link`) for both the "intra" and the "inter" link (on one
+    machine both are the same loopback), the backend's all-gather / reduce-scatter against that ring at the
+    largest size (``collective_scale``; none on CUDA), and ``comm_overlap`` (1.0 on CUDA: NCCL runs on its own
+    stream, module docstring)."""
+    times = dict(times)
+    size = times.pop("size")
+    slow = {op: times.pop(op) for op in ("all_gather", "reduce_scatter")}
+    bw, lat = fit_link(times)
+    # what the backend's all-gather / reduce-scatter take against the ring model of the fitted link (half an
+    # all-reduce's bytes, half its steps, for 2 ranks)
+    ring = size / 2 / bw + lat
+    scale = () if cuda else tuple((op, max(1.0, t / ring)) for op, t in slow.items())
+    return {
+        "intra_bandwidth": bw,
+        "intra_latency": lat,
+        "inter_bandwidth": bw,
+        "inter_latency": lat,
+        "comm_overlap": 1.0 if cuda else float(min(1.0, max(0.0, overlap))),
+        "collective_scale": scale,
+    }
+
+
+def link_sample() -> dict:
+    """One more measurement of this machine's links, as :func:`calibrate` takes it (:func:`collective_times`
+    between two gloo processes on the caller's threads, fitted as :func:`calibrate` fits it): the
+    :class:`DeviceProfile` link fields (``intra_/inter_bandwidth`` bytes/s, ``intra_/inter_latency`` s,
+    ``comm_overlap``, ``collective_scale``). About 20 s on a 2-core CPU.
+
+    Raises:
+        RuntimeError: as :func:`collective_times`.
+    """
+    times, overlap, _ = collective_times()
+    return _link_fields(times, overlap, torch.cuda.is_available())
+
+
+def link_fields(profile: DeviceProfile) -> dict:
+    """``profile``'s link fields, as :func:`link_sample` returns them."""
+    return {k: getattr(profile, k) for k in _LINK_FIELDS}
+
+
+_LINK_FIELDS = (
+    "intra_bandwidth",
+    "intra_latency",
+    "inter_bandwidth",
+    "inter_latency",
+    "comm_overlap",
+    "collective_scale",
+)
+
+
+def with_median_links(profile: DeviceProfile, samples: list[dict]) -> DeviceProfile:
+    """``profile`` with each link field the median of ``samples`` (:func:`link_sample` / :func:`link_fields`
+    dicts; ``collective_scale`` per collective; an even count takes the mean of the middle two).
+
+    A host shared with neighbours that come and go moves one link measurement by several times (the fitted
+    gloo latency read 0.2-1.4 ms over fourteen calibrations of this project's 2-core CPU, 2026-11-27/28, where
+    the steps those runs measured price best at 0.6-0.9 ms); samples spread over the minutes a measurement
+    takes, a median of them, meet the load those minutes had.
+
+    Raises:
+        ValueError: ``samples`` is empty.
+    """
+    if not samples:
+        raise ValueError("with_median_links(): no link samples.")
+    out: dict = {}
+    for k in _LINK_FIELDS:
+        if k == "collective_scale":
+            ops = {op for s in samples for op, _v in s[k]}
+            out[k] = tuple(
+                (op, statistics.median(dict(s[k]).get(op, 1.0) for s in samples)) for op in sorted(ops)
+            )
+        else:
+            out[k] = float(statistics.median(s[k] for s in samples))
+    return dataclasses.replace(profile, **out)
 
 
 def replace(profile: DeviceProfile, **changes) -> DeviceProfile:

@@ -67,6 +67,35 @@ def test_fit_link_recovers_bandwidth_and_latency():
     assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
 
 
+def test_link_samples_are_priced_at_each_figures_median():
+    base = devices.DEVICES["H100-SXM"]
+    first = devices.link_fields(base)
+    assert first["intra_latency"] == base.intra_latency and first["collective_scale"] == base.collective_scale
+
+    def sample(lat, bw, overlap, gather):
+        return {
+            "intra_bandwidth": bw,
+            "intra_latency": lat,
+            "inter_bandwidth": bw,
+            "inter_latency": lat,
+            "comm_overlap": overlap,
+            "collective_scale": (("all_gather", gather), ("reduce_scatter", 3.0)),
+        }
+
+    # one low outlier per figure, as a quiet minute between busy ones reads it: the medians ignore it
+    got = devices.with_median_links(
+        base, [sample(2e-4, 2e9, 0.5, 1.2), sample(8e-4, 1e9, 0.1, 1.9), sample(9e-4, 1.2e9, 0.0, 1.5)]
+    )
+    assert (got.intra_latency, got.inter_latency, got.intra_bandwidth) == (8e-4, 8e-4, 1.2e9)
+    assert got.comm_overlap == 0.1 and got.collective_scale == (("all_gather", 1.5), ("reduce_scatter", 3.0))
+    assert got.bf16_flops == base.bf16_flops and got.name == base.name  # only the links move
+    # an even count: the mean of the middle two; a collective one sample lacks counts as a ring there (1.0)
+    two = devices.with_median_links(base, [sample(2e-4, 2e9, 0.5, 1.2), {**first, "intra_latency": 6e-4}])
+    assert two.intra_latency == pytest.approx(4e-4) and dict(two.collective_scale)["all_gather"] == 1.1
+    with pytest.raises(ValueError, match="no link samples"):
+        devices.with_median_links(base, [])
+
+
 def test_matmul_flops_measured():
     got = devices.matmul_flops(sizes=(64, 128), repeats=2)
     assert set(got) == {64, 128} and all(v > 1e6 for v in got.values())
