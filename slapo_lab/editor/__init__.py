@@ -2,8 +2,8 @@
 :class:`ScheduleEditor` (its JupyterLab widgets). The widgets are imported only when asked for, so that
 ``from slapo_lab.editor import EditorState`` needs no ipywidgets."""
 
-from ..record import gc_deferred as _gc_deferred
-from ..record import running_loop as _running_loop
+from ..utils.collector import gc_deferred as _gc_deferred
+from ..utils.collector import running_loop as _running_loop
 
 # Importing the editor makes ~10^5 objects and no garbage (modules, classes, networkx, ipywidgets): no
 # collection while they are made, and in a kernel the full collection they cause (0.1-0.2 s in a process that

@@ -15,7 +15,7 @@ from .. import check as check_module
 from .. import check_primitive, presets
 from ..errors import ScheduleError
 from ..pipeline import suggest_cuts
-from ..record import gc_paused
+from ..utils.collector import gc_paused
 from .history import describe
 from .similar import similar_gate, similar_paths
 
@@ -46,7 +46,7 @@ class Actions:
         nothing: if ``fn`` raises, the schedule is rebuilt as it was before and the exception propagates (the
         caller says it in one sentence). The garbage collector is paused meanwhile, and an action that leaves
         many objects (a preset) runs the full collection they make due before it returns
-        (:func:`~slapo_lab.record.gc_paused`). Returns what ``fn`` returns."""
+        (:func:`~slapo_lab.utils.collector.gc_paused`). Returns what ``fn`` returns."""
         st = self.state
         before = st.schedule.record.actions()
         n0 = len(st.schedule.record.calls)

@@ -26,7 +26,7 @@ import ipywidgets as W
 import networkx as nx
 from torch import nn
 
-from ..record import gc_deferred, running_loop
+from ..utils.collector import gc_deferred, running_loop
 from .export_panel import ExportPanel
 from .graph_panel import GraphPanel
 from .inspector_panel import SYNC_CHOICES, InspectorPanel

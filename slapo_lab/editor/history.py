@@ -14,8 +14,9 @@ import logging
 
 from .. import create_schedule
 from ..errors import ScheduleError
-from ..record import Action, format_call, gc_paused
+from ..record import Action, format_call
 from ..utils import meta_copy
+from ..utils.collector import gc_paused
 
 __all__ = ["History", "describe"]
 

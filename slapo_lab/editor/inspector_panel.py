@@ -16,7 +16,7 @@ import ipywidgets as W
 
 from .. import check_primitive, module_state
 from ..call_order import cached_call_order
-from ..record import running_loop
+from ..utils.collector import running_loop
 from .form_button import FormButton
 
 __all__ = ["SYNC_CHOICES", "InspectorPanel"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ipywidgets as W
 
-from ..record import running_loop
+from ..utils.collector import running_loop
 from .cluster import data_parallel, degrees_text, tp_choices
 from .costs import GPU_SIZES, cost_chart_svg, cost_summary, memory_failure
 from .plan_panel import PlanPanel

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import ipywidgets as W
 
 from ..planner import DEVICES
-from ..record import running_loop
+from ..utils.collector import running_loop
 from .form_button import FormButton
 
 __all__ = ["PlanPanel"]

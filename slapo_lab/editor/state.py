@@ -31,8 +31,9 @@ from ..call_order import set_example_inputs
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
 from ..preset_check import set_reference
-from ..record import format_call, gc_paused, running_loop
+from ..record import format_call
 from ..utils import meta_copy
+from ..utils.collector import gc_paused, running_loop
 from .actions import Actions
 from .background import BackgroundChecks
 from .cluster import ClusterShape, data_parallel

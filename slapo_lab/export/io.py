@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from .. import __version__
-from ..record import SCHEMA, SCHEMA_VERSION, Call, Recorder, dumps, gc_paused
+from ..record import SCHEMA, SCHEMA_VERSION, Call, Recorder, dumps
 from ..spec import (
     ExportError,
     check_factory,
@@ -34,6 +34,7 @@ from ..spec import (
     validate_input_spec,
     validate_model_spec,
 )
+from ..utils.collector import gc_paused
 from .script import write_text_atomic
 
 #: The most calls :func:`load_schedule` reads from one schedule file, and the most bytes (checked before

@@ -10,7 +10,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from ..record import gc_paused
+from ..utils.collector import gc_paused
 from ._record import PASSTHROUGH, Call, Recorder
 from .tree import count_params, join, snapshot
 

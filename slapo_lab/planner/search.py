@@ -22,9 +22,9 @@ import numpy as np
 
 from ..errors import ScheduleError
 from ..parallel_dims import ParallelDims
-from ..record import gc_paused
 from ..schedule import Schedule
 from ..utils import human_bytes
+from ..utils.collector import gc_paused
 from .devices import GiB
 from .model import CHECKPOINTS, Cluster, Estimate, Layout, _check_key, _check_layout, _price, _pricer_for
 

@@ -282,7 +282,7 @@ def test_in_a_kernel_the_constructors_garbage_collection_runs_after_the_cell():
 
     import pytest
 
-    from slapo_lab.record import gc_deferred
+    from slapo_lab.utils.collector import gc_deferred
 
     deadline = (
         time.monotonic() + 5
@@ -328,7 +328,7 @@ def test_a_dataflow_recorded_in_another_thread_does_not_turn_the_collector_on_un
     from torch import nn
 
     from slapo_lab.graph.dataflow import record_dataflow
-    from slapo_lab.record import gc_paused
+    from slapo_lab.utils.collector import gc_paused
 
     entered, go = threading.Event(), threading.Event()
 
@@ -369,7 +369,7 @@ def test_an_action_that_leaves_many_objects_runs_the_collection_they_bring_on_at
     import gc
     import time
 
-    from slapo_lab.record import gc_deferred, gc_paused
+    from slapo_lab.utils.collector import gc_deferred, gc_paused
 
     full = []
 

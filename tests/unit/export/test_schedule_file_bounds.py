@@ -17,7 +17,8 @@ import pytest
 import slapo_lab as sl
 from slapo_lab.export import ExportError
 from slapo_lab.export import io as schedule_io
-from slapo_lab.record import SCHEMA, SCHEMA_VERSION, Call, Recorder, format_call, gc_paused
+from slapo_lab.record import SCHEMA, SCHEMA_VERSION, Call, Recorder, format_call
+from slapo_lab.utils.collector import gc_paused
 
 
 def _write_compact(path, n: int):
