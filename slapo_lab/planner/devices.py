@@ -87,6 +87,16 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   is priced at the ``memory_curve``, whose ``clone`` writes a fresh output too: it has them already. GPU
   profiles: 0 (PyTorch's CUDA caching allocator reuses its blocks). :func:`calibrate` measures it
   (:func:`first_touch_cost`).
+* ``selective_op_overhead``: host seconds that torch's selective activation checkpointing adds to every op of a
+  checkpointed block's forward and of its recomputation, the saved ones too: ``create_selective_checkpoint_contexts``
+  runs a Python ``TorchDispatchMode`` (``torch/utils/checkpoint.py``, ``_CachingTorchDispatchMode`` and
+  ``_CachedTorchDispatchMode``) that calls the policy and keeps or fetches the op's output, in eager mode. Built-in
+  profiles: 10 us, measured on this project's CPU host with torch 2.13 (a loop of tiny ``torch.add`` inside the
+  mode against outside it, :func:`selective_op_overhead`: 9-15 us more per op, 2026-11-28), the same Python on
+  any host (an assumption: a GPU host's CPU is of the same order). It is why selective checkpointing runs
+  slower than full recomputation in eager mode where kernels are short: a 1.1 B Llama, batch 4 x 2048, bf16, on
+  an H200 took 1.48x the forward + backward without checkpointing under it and 1.26x under full recomputation
+  (``torch.utils.checkpoint``; 2026-11-28, torch 2.11), on the same kernels. :func:`calibrate` measures it.
 * Collectives are timed as a stream: the mean of back-to-back calls (:func:`_stream`), as a training step
   issues them. On two gloo processes sharing two cores, a 256 KiB all-reduce takes 0.22 ms at its fastest and
   1.2 ms on average (the waiting rank's wake-up), and a step pays the average. The waits are heavy-tailed (up to
@@ -149,6 +159,8 @@ class DeviceProfile:
         fresh_page_cost: seconds per byte of first writes to memory freshly mapped for an op's output of
             ``fresh_page_bytes`` or more, paid by FLOP-bound ops (0: none; module docstring).
         fresh_page_bytes: the smallest output the host's allocator maps afresh (bytes).
+        selective_op_overhead: host seconds added to every op dispatched under torch's selective-checkpoint
+            mode (a selectively checkpointed block's forward and its recomputation; module docstring).
         (Built-in values and their sources: the module docstring.)
     """
 
@@ -174,6 +186,7 @@ class DeviceProfile:
     optimizer_curve: tuple = ()
     fresh_page_cost: float = 0.0
     fresh_page_bytes: int = 32 << 20
+    selective_op_overhead: float = 10e-6
 
     def __post_init__(self) -> None:
         # a profile read back from JSON (``DeviceProfile(**json.load(...))``) has lists: keep it hashable
@@ -441,8 +454,8 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None, sync=None) -> dict:
         dtype: bf16 on CUDA, fp32 on a CPU), ``"other"`` (the other dtype's best matmul FLOP/s), ``"attention"``
         (:func:`attention_flops` in the training dtype), ``"copy"`` (bytes/s of a 256 MiB ``clone``),
         ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA), ``"overhead"``
-        (:func:`op_overhead`, seconds per op), ``"optimizer"`` (:func:`optimizer_rates`, seconds per
-        element by tensor size) and ``"fresh"`` (a CPU's :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
+        (:func:`op_overhead`, seconds per op), ``"selective"`` (:func:`selective_op_overhead`, seconds per op),
+        ``"optimizer"`` (:func:`optimizer_rates`, seconds per element by tensor size) and ``"fresh"`` (a CPU's :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
 
     ``sync``: called before each of those measurements (the gloo processes of :func:`collective_times` pass a
     barrier, so that every rank measures the same thing at the same time, as a step's ranks run the same ops).
@@ -463,6 +476,7 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None, sync=None) -> dict:
         "copy": lambda: 2 * x.numel() * 4 / _time(clone, 3),
         "curve": lambda: {} if cuda else copy_bandwidth([1 << k for k in range(18, 27, 2)]),
         "overhead": lambda: op_overhead(device),
+        "selective": lambda: selective_op_overhead(device),
         "optimizer": lambda: optimizer_rates(device=device),
         "fresh": lambda: 0.0 if cuda else first_touch_cost(),
     }
@@ -485,6 +499,7 @@ def _slowest(rates: list[dict]) -> dict:
         "copy": min(r["copy"] for r in rates),
         "curve": {n: min(r["curve"][n] for r in rates) for n in first["curve"]},
         "overhead": max(r["overhead"] for r in rates),
+        "selective": max(r["selective"] for r in rates),
         "optimizer": {n: max(r["optimizer"][n] for r in rates) for n in first["optimizer"]},
         "fresh": max(r["fresh"] for r in rates),
     }
@@ -635,6 +650,29 @@ def op_overhead(device=None, n: int = 2000) -> float:
     return _time(loop, 5) / n
 
 
+def selective_op_overhead(device=None, n: int = 2000) -> float:
+    """Seconds that torch's selective-checkpoint dispatch mode adds to one eager op: a loop of ``n`` tiny
+    ``torch.add`` (of a tensor that requires grad, as a block's ops take) inside the forward context of
+    ``create_selective_checkpoint_contexts`` with the policy :func:`slapo_lab.random.selective_policy` runs, less
+    the same loop outside it; each the fastest of 5 loops, never below 0."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts  # noqa: PLC0415
+
+    from ..random import selective_policy  # noqa: PLC0415
+
+    a = torch.ones(4, device=device, requires_grad=True)
+    b = torch.ones(4, device=device)
+
+    def loop():
+        for _ in range(n):
+            torch.add(a, b)
+
+    plain = _time(loop, 5)
+    forward, _recompute = create_selective_checkpoint_contexts(selective_policy())
+    with forward:
+        under = _time(loop, 5)
+    return max(under - plain, 0.0) / n
+
+
 def copy_bandwidth(sizes, repeats: int = 5) -> dict[int, float]:
     """Bytes/s of ``clone`` (read + write; a fresh output, as every op makes one) of an fp32 CPU tensor of ``n``
     bytes, for each ``n`` in ``sizes``; repeated enough that every size runs for about the same time."""
@@ -697,8 +735,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     a fraction of the best (``matmul_curve``); attention: a causal SDPA forward + backward
     (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB
     ``clone`` (read + write); on a CPU also the cache: ``clone`` at working sets of 256 KiB to 64 MiB
-    (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`) -- all of
-    them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
+    (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`), and what
+    torch's selective-checkpoint mode adds to it (:func:`selective_op_overhead`) -- all of them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
     ``optimizer_curve``) and, on a CPU, the page faults of a fresh 64 MiB output (:func:`first_touch_cost`,
     ``fresh_page_cost``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
     mean of a stream of calls, each call after a burst of compute as a step issues it (:func:`collective_times`),
@@ -762,6 +800,7 @@ def calibrate(quick: bool = True) -> DeviceProfile:
         matmul_curve=matmul_curve,
         optimizer_curve=tuple((int(n), float(v)) for n, v in sorted(rates["optimizer"].items())),
         fresh_page_cost=float(rates["fresh"]),
+        selective_op_overhead=float(rates["selective"]),
         **links,
     )
 

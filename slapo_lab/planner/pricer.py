@@ -124,14 +124,17 @@ class Pricer:
             return rate
         return np.where(attention > 0, self.attention_peak, rate)
 
-    def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None) -> float:
+    def ops_time(self, rows: np.ndarray, b: int, n_ops: int | None = None, extra_host: float = 0.0) -> float:
         """Seconds of op ``rows`` for ``b`` sequences: each op's roofline ``max(FLOPs / FLOP rate, bytes /
         bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), the FLOP side with the page faults
         of its outputs past the allocator's mmap threshold (``DeviceProfile.fresh_page_cost``: a CPU's), plus the
         host's ``op_overhead``
-        per dispatched op (``n_ops``, views included; default one per row): added where the host runs the kernels
-        (a CPU), a floor per kernel where it queues them ahead (``launch_async``)."""
-        key = (id(rows), b, n_ops)
+        per dispatched op (``n_ops``, views included; default one per row), and ``extra_host`` seconds more per op
+        (torch's selective-checkpoint mode: ``DeviceProfile.selective_op_overhead``): added where the host runs
+        the kernels (a CPU); where it queues them ahead (``launch_async``), a floor per kernel, and the host's
+        dispatches together (``n_ops`` of them) a floor for the whole (a kernel cannot start before it is
+        launched: a run of short kernels waits on the host)."""
+        key = (id(rows), b, n_ops, extra_host)
         t = self._op_time.get(key)
         if t is None:
             if rows.size == 0:
@@ -149,9 +152,10 @@ class Pricer:
                     fresh = np.where(act >= big, act, 0.0) + np.where(wgt >= big, wgt, 0.0)
                     busy = busy + np.where(flops > 0, fresh * self.dev.fresh_page_cost, 0.0)
                 roof = np.maximum(busy, nbytes / self.bandwidth(nbytes))
-                oh = self.dev.op_overhead
+                oh = self.dev.op_overhead + extra_host
                 if self.dev.launch_async:
-                    t = float(np.maximum(roof, oh).sum())
+                    # each kernel waits for its launch, and the host's dispatches (views too) bound the whole
+                    t = max(float(np.maximum(roof, oh).sum()), (len(rows) if n_ops is None else n_ops) * oh)
                 else:
                     t = float(roof.sum()) + (len(rows) if n_ops is None else n_ops) * oh
             self._op_time[key] = (t, rows)  # keep rows alive so the id stays theirs
@@ -240,9 +244,15 @@ class Pricer:
         if ckpt == "all":
             recompute, saved = self.ops_time(part.recompute_all, b, fwd_ops), part.input_bytes * b
         elif ckpt == "selective":
-            # the selectively recomputed ops' share of the forward's dispatches
-            n = round(fwd_ops * len(part.recompute_selective) / max(len(part.fwd), 1))
-            recompute, saved = self.ops_time(part.recompute_selective, b, n), part.selective_bytes * b
+            # torch's selective-checkpoint mode runs Python for every op of the forward and of the recomputation,
+            # the kept ones too (no kernel: their outputs come from its cache); priced here as recompute
+            sac = self.dev.selective_op_overhead
+            recompute = (
+                self.ops_time(part.recompute_selective, b, fwd_ops, sac)
+                + self.ops_time(part.fwd, b, fwd_ops, sac)
+                - self.ops_time(part.fwd, b, fwd_ops)
+            )
+            saved = part.selective_bytes * b
         else:
             recompute, saved = 0.0, part.saved_bytes * b
         comm = sum(self.collective(op, nbytes * b, tp, True) for op, _phase, nbytes in part.comm)
