@@ -476,7 +476,8 @@ def report(args, out: Path, status: dict) -> str:
         lines.append(
             f"Calibrated matmul by size (n x n, fraction of the best): {curve or 'not measured'}; causal SDPA "
             f"forward + backward at {attention if attention is None else f'{attention:.2f}'} of the best matmul "
-            f"rate; host launch {p.get('op_overhead', 0) * 1e6:.1f} us per op."
+            f"rate; host launch {p.get('op_overhead', 0) * 1e6:.1f} us per op, and "
+            f"{p.get('selective_op_overhead', 0) * 1e6:.1f} us more under selective checkpointing's dispatch mode."
         )
     lines += [
         "",

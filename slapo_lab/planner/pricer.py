@@ -129,11 +129,15 @@ class Pricer:
         bandwidth at its working set)`` (:meth:`flop_rate`, :meth:`bandwidth`), the FLOP side with the page faults
         of its outputs past the allocator's mmap threshold (``DeviceProfile.fresh_page_cost``: a CPU's), plus the
         host's ``op_overhead``
-        per dispatched op (``n_ops``, views included; default one per row), and ``extra_host`` seconds more per op
-        (torch's selective-checkpoint mode: ``DeviceProfile.selective_op_overhead``): added where the host runs
-        the kernels (a CPU); where it queues them ahead (``launch_async``), a floor per kernel, and the host's
-        dispatches together (``n_ops`` of them) a floor for the whole (a kernel cannot start before it is
-        launched: a run of short kernels waits on the host)."""
+        per dispatched op (``n_ops``, views included; default one per row), and ``extra_host`` seconds more per
+        dispatched op (torch's selective-checkpoint mode: ``DeviceProfile.selective_op_overhead``), all added where
+        the host runs the kernels (a CPU). Where it queues them ahead (``launch_async``), the rows run as a
+        two-stage line with an unbounded queue between: the host launches kernel ``i`` at ``H_i`` (``op_overhead``
+        per kernel and ``extra_host`` per dispatch before it, views' spread evenly over the rows), and the device
+        starts it once it is launched and kernel ``i - 1`` is done, so the last ends at
+        ``max_j (H_j + kernels j..end)`` (the departure time of a tandem queue; between ``max(kernels, host)``
+        and the sum of each op's ``max(kernel, host)``): short kernels after long ones hide their launches, a
+        run of short kernels waits on the host."""
         key = (id(rows), b, n_ops, extra_host)
         t = self._op_time.get(key)
         if t is None:
@@ -152,12 +156,14 @@ class Pricer:
                     fresh = np.where(act >= big, act, 0.0) + np.where(wgt >= big, wgt, 0.0)
                     busy = busy + np.where(flops > 0, fresh * self.dev.fresh_page_cost, 0.0)
                 roof = np.maximum(busy, nbytes / self.bandwidth(nbytes))
-                oh = self.dev.op_overhead + extra_host
+                oh, n = self.dev.op_overhead, (len(rows) if n_ops is None else n_ops)
                 if self.dev.launch_async:
-                    # each kernel waits for its launch, and the host's dispatches (views too) bound the whole
-                    t = max(float(np.maximum(roof, oh).sum()), (len(rows) if n_ops is None else n_ops) * oh)
+                    # the host launches kernel i at H_i (its dispatches so far); the device starts it once it is
+                    # launched and kernel i-1 is done, so the last one ends at max_j (H_j + kernels j..end)
+                    host = np.full(len(rows), (len(rows) * oh + n * extra_host) / len(rows))
+                    t = float((np.cumsum(host) + np.cumsum(roof[::-1])[::-1]).max())
                 else:
-                    t = float(roof.sum()) + (len(rows) if n_ops is None else n_ops) * oh
+                    t = float(roof.sum()) + n * (oh + extra_host)
             self._op_time[key] = (t, rows)  # keep rows alive so the id stays theirs
             return t
         return t[0]
