@@ -88,15 +88,17 @@ What the cost model needs beyond the datasheet, and the built-in GPU values of i
   profiles: 0 (PyTorch's CUDA caching allocator reuses its blocks). :func:`calibrate` measures it
   (:func:`first_touch_cost`).
 * ``selective_op_overhead``: host seconds that torch's selective activation checkpointing adds to every op of a
-  checkpointed block's forward and of its recomputation, the saved ones too: ``create_selective_checkpoint_contexts``
-  runs a Python ``TorchDispatchMode`` (``torch/utils/checkpoint.py``, ``_CachingTorchDispatchMode`` and
-  ``_CachedTorchDispatchMode``) that calls the policy and keeps or fetches the op's output, in eager mode. Built-in
-  profiles: 10 us, measured on this project's CPU host with torch 2.13 (a loop of tiny ``torch.add`` inside the
-  mode against outside it, :func:`selective_op_overhead`: 9-15 us more per op, 2026-11-28), the same Python on
-  any host (an assumption: a GPU host's CPU is of the same order). It is why selective checkpointing runs
-  slower than full recomputation in eager mode where kernels are short: a 1.1 B Llama, batch 4 x 2048, bf16, on
-  an H200 took 1.48x the forward + backward without checkpointing under it and 1.26x under full recomputation
-  (``torch.utils.checkpoint``; 2026-11-28, torch 2.11), on the same kernels. :func:`calibrate` measures it.
+  checkpointed block's forward and of its recomputation, the saved ones too:
+  ``create_selective_checkpoint_contexts`` runs a Python ``TorchDispatchMode`` (``torch/utils/checkpoint.py``,
+  ``_CachingTorchDispatchMode`` and ``_CachedTorchDispatchMode``) that calls the policy and keeps or fetches the
+  op's output, in eager mode. Built-in profiles: 10 us, measured on this project's CPU host with torch 2.13 (a
+  loop of tiny ``torch.add`` inside the mode against outside it, :func:`selective_op_overhead`: 9-15 us more per
+  op, 2026-11-28), the same Python on any host (an assumption: a GPU host's CPU is of the same order; the lent
+  H200's host measured 19 us). It is why selective checkpointing runs slower than full recomputation in eager
+  mode where kernels are short: a 1.1 B Llama, batch 4 x 2048, bf16, on an H200 took 1.48x the forward +
+  backward without checkpointing under it and 1.26x under full recomputation (``torch.utils.checkpoint``;
+  2026-11-28, torch 2.11, ``benchmarks/checkpoint_overhead.py``), on about the same kernels. :func:`calibrate`
+  measures it.
 * Collectives are timed as a stream: the mean of back-to-back calls (:func:`_stream`), as a training step
   issues them. On two gloo processes sharing two cores, a 256 KiB all-reduce takes 0.22 ms at its fastest and
   1.2 ms on average (the waiting rank's wake-up), and a step pays the average. The waits are heavy-tailed (up to
@@ -455,7 +457,8 @@ def host_rates(sizes=(256, 512, 1024, 2048), device=None, sync=None) -> dict:
         (:func:`attention_flops` in the training dtype), ``"copy"`` (bytes/s of a 256 MiB ``clone``),
         ``"curve"`` (a CPU's :func:`copy_bandwidth` at 256 KiB to 64 MiB; empty on CUDA), ``"overhead"``
         (:func:`op_overhead`, seconds per op), ``"selective"`` (:func:`selective_op_overhead`, seconds per op),
-        ``"optimizer"`` (:func:`optimizer_rates`, seconds per element by tensor size) and ``"fresh"`` (a CPU's :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
+        ``"optimizer"`` (:func:`optimizer_rates`, seconds per element by tensor size) and ``"fresh"`` (a CPU's
+        :func:`first_touch_cost`, seconds per byte; 0 on CUDA).
 
     ``sync``: called before each of those measurements (the gloo processes of :func:`collective_times` pass a
     barrier, so that every rank measures the same thing at the same time, as a step's ranks run the same ops).
@@ -736,7 +739,8 @@ def calibrate(quick: bool = True) -> DeviceProfile:
     (:func:`attention_flops`) over the best matmul rate (``attention_efficiency``); memory bandwidth: a 256 MiB
     ``clone`` (read + write); on a CPU also the cache: ``clone`` at working sets of 256 KiB to 64 MiB
     (``memory_curve``); the per-op dispatch time: a loop of tiny ``torch.add`` (:func:`op_overhead`), and what
-    torch's selective-checkpoint mode adds to it (:func:`selective_op_overhead`) -- all of them :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
+    torch's selective-checkpoint mode adds to it (:func:`selective_op_overhead`) -- all of them
+    :func:`host_rates`, which also times the optimizer step by tensor size (:func:`optimizer_rates`,
     ``optimizer_curve``) and, on a CPU, the page faults of a fresh 64 MiB output (:func:`first_touch_cost`,
     ``fresh_page_cost``). Links: a gloo ``all_reduce`` between two local processes of 1 KiB to 8 MiB, each the
     mean of a stream of calls, each call after a burst of compute as a step issues it (:func:`collective_times`),
@@ -861,10 +865,10 @@ def with_median_links(profile: DeviceProfile, samples: list[dict]) -> DeviceProf
     """``profile`` with each link field the median of ``samples`` (:func:`link_sample` / :func:`link_fields`
     dicts; ``collective_scale`` per collective; an even count takes the mean of the middle two).
 
-    A host shared with neighbours that come and go moves one link measurement by several times (the fitted
-    gloo latency read 0.2-1.4 ms over fourteen calibrations of this project's 2-core CPU, 2026-11-27/28, where
-    the steps those runs measured price best at 0.6-0.9 ms); samples spread over the minutes a measurement
-    takes, a median of them, meet the load those minutes had.
+    A host shared with neighbours that come and go moves one link measurement by several times: the fitted gloo
+    latency read 0.20-1.40 ms over fourteen calibrations of this project's 2-core CPU (2026-11-27/28;
+    ``benchmarks/plan_ranking.py``'s docstring), where the steps those runs measured rank best priced at 0.6-0.9
+    ms. Samples spread over the minutes a measurement takes, and their median, meet the load those minutes had.
 
     Raises:
         ValueError: ``samples`` is empty.

@@ -52,9 +52,9 @@ Step time (seconds), the busiest stage:
   plus the host's
   ``op_overhead`` per dispatched op (views included) where the host runs the kernels (a CPU), or, where it queues
   them ahead (a GPU), per kernel launch, each pass priced as a line of launches then kernels (a kernel starts once
-  launched and once the one before it ends: :meth:`Pricer.ops_time`), forward and backward, ``m`` times; and from the second micro-batch
-  on, autograd's accumulation of each new gradient into ``.grad`` (an in-place add over the rank's gradients,
-  :meth:`Pricer.accumulate_time`);
+  launched and once the one before it ends: :meth:`Pricer.ops_time`), forward and backward, ``m`` times; and from
+  the second micro-batch on, autograd's accumulation of each new gradient into ``.grad`` (an in-place add over
+  the rank's gradients, :meth:`Pricer.accumulate_time`);
 * recompute: the forward ops a checkpoint runs again (all of a checkpointed block's; selective: those whose
   outputs are not kept, and the host time torch's selective-checkpoint mode adds to every op of the forward and
   of the recomputation, ``DeviceProfile.selective_op_overhead``);
