@@ -78,8 +78,8 @@ def test_planning_405b_on_16384_gpus_costs_ten_thousand_layouts_within_ten_secon
 
 
 def test_the_calibrated_step_times_rank_ten_measured_layouts():
-    # three rounds, and up to five more (80-90 s each here) while the measured order agrees with itself at less
-    # than 0.9
+    # three rounds, and up to five more (80-90 s each here, and about 20 s of links measured again after each)
+    # while the measured order agrees with itself at less than 0.9
     out = _run(
         "plan_ranking.py",
         "--rounds",
