@@ -65,7 +65,10 @@ commit ``036acaf``, read 0.43 ms and ranked its measurements at 0.19, every TP l
 measured median against 0.83-0.93 for DDP).
 The first run with the samples (2026-11-28 05:58 UTC) calibrated at 197 us, then read 890, 880 and 693 us after
 its three rounds: priced at the medians (787 us, 1.17 GB/s) Spearman 0.87, pick 1.00x (0.81 with the calibration
-alone, whose bandwidth read low as well).
+alone, whose bandwidth read low as well). The next undisturbed run (06:31 UTC) read 916, 1157, 615 and 942 us:
+Spearman 0.77, pick 1.09x. Both are ``benchmarks/results/plan_ranking_links_1.json`` and ``_2.json``. A run in
+between (06:06 UTC) shared the machine with this session's own CPU profiling and calibrated the matmuls at 86.5
+GFLOP/s against 141-159 in the others; it read 0.04, and is not kept.
 
 Spearman met in 4 of 4 runs on a quiet machine, and the pick (``benchmarks/results/plan_ranking_quiet.txt``; each
 run's profile and times are ``plan_ranking_quiet_5.json`` to ``_8.json`` beside it): Spearman 0.94, 0.93, 0.93 and

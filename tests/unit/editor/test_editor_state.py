@@ -321,9 +321,11 @@ def test_a_dataflow_recorded_in_another_thread_does_not_turn_the_collector_on_un
     """record_dataflow pauses the collector with a counted hold, as gc_paused does, not gc.disable()/enable():
     a pass that started before a block took its hold (a background thread's) must not turn the collector back
     on inside that block when it ends. With the raw pair, the block saw the collector off, took no hold, and
-    the pass's end turned it on under it (a kernel-cell test read it on 0.05 s into a 0.2 s deferral)."""
+    the pass's end turned it on under it (the one way found for the kernel-cell deferral test above to read the
+    collector on 0.05 s into a 0.2 s deferral, as it did once in CI: nothing else in the package toggles it)."""
     import gc
     import threading
+    import time
 
     from torch import nn
 
@@ -331,6 +333,9 @@ def test_a_dataflow_recorded_in_another_thread_does_not_turn_the_collector_on_un
     from slapo_lab.utils.collector import gc_paused
 
     entered, go = threading.Event(), threading.Event()
+    deadline = time.monotonic() + 5  # a deferral left by an editor built in a loop before ends within 1 s
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     class Waits(nn.Module):
         def __init__(self):
