@@ -39,7 +39,7 @@ from .errors import ScheduleError
 from .numeric import numeric_check, remembered_inputs
 from .record import Call
 
-__all__ = ["KEPT_WHOLE_KEY", "Region", "gate", "layer_regions", "set_reference"]
+__all__ = ["KEPT_WHOLE_KEY", "Region", "WholeRefused", "gate", "layer_regions", "set_reference"]
 
 #: ``extra`` key of the schedule: ``{layer path: why a preset kept it whole}`` (read by
 #: :func:`slapo_lab.presets.replicated_dense` for the coverage note).
@@ -59,6 +59,8 @@ class Region:
         where: ``"every LlamaDecoderLayer"`` or ``"outside the repeated blocks"``.
         kept: how a note begins when the preset leaves the region out (``"Kept whole"``, ``"Not checkpointed"``).
         done: what the preset does to it, for "it fails the numeric check when <done>".
+        owner: the deepest module around the region's layers, relative to the block (``"self_attn"``; ``""``
+            for the block itself or a region outside the blocks).
     """
 
     key: tuple
@@ -66,6 +68,7 @@ class Region:
     where: str
     kept: str = "Kept whole"
     done: str = "split"
+    owner: str = ""
 
 
 OUTSIDE = Region(("", ("outside the blocks",)), "the embeddings and layers outside the blocks", "the model")
@@ -162,7 +165,7 @@ def layer_regions(block_cls: str, layers: list[tuple[str, str]]) -> list[tuple[R
         rels = [(p[len(owner) + 1 :] if owner else p) or _own(kinds.get(p, "")) for p in g]
         names = ", ".join(rels[:5]) + (f" and {len(rels) - 5} more" if len(rels) > 5 else "")
         label = f"{owner} ({names})" if owner else names
-        out.append((Region((block_cls, tuple(g)), label, f"every {block_cls}"), g))
+        out.append((Region((block_cls, tuple(g)), label, f"every {block_cls}", owner=owner), g))
     return out
 
 
@@ -229,6 +232,7 @@ def gate(
     sch,
     apply: Callable[[dict[tuple, str]], Applied],
     check: bool = True,
+    whole: str | None = None,
 ) -> tuple[list[Call], list[str]]:
     """Apply a region-wise preset, check it numerically, and keep whole the regions that make it fail.
 
@@ -238,6 +242,8 @@ def gate(
             to a reason, and returns :class:`Applied`; it raises :class:`RegionRefused` for a region a
             primitive refuses (the gate restores the schedule, keeps that region whole and applies again).
         check: run the numeric check (off: only refusals keep regions whole).
+        whole: when set, a failing check keeps no region whole: the preset is refused, with this sentence
+            followed by the check's (a layout whose regions are not independent: sequence parallelism).
 
     Returns:
         ``(calls, notes)``: the committed calls and one sentence per reason regions were kept whole (and
@@ -264,7 +270,7 @@ def gate(
             continue
         if not check or not applied.calls or sch.group is not None:
             break
-        why = _check_regions(sch, earlier, applied, before)
+        why = _checked(sch, earlier, applied, before, whole)
         if why is None:
             break
         if isinstance(why, str):  # the check could not run: commit what the preset made, and say so
@@ -355,6 +361,11 @@ def _regions_to_drop(
     return out
 
 
+class WholeRefused(ScheduleError):
+    """A preset checked as a whole (:func:`gate`'s ``whole``) fails the numeric check; the schedule is as
+    before the preset."""
+
+
 class RegionRefused(Exception):
     """A primitive refused a call of ``region``: keep it whole (``reason`` is the refusal's sentence)."""
 
@@ -364,12 +375,22 @@ class RegionRefused(Exception):
         self.reason = reason
 
 
-def _check_regions(sch, earlier: list[Call], applied: Applied, before):
+def _checked(sch, earlier: list[Call], applied: Applied, before, whole: str | None):
+    """:func:`_check_regions`; a :class:`WholeRefused` leaves the schedule as before the preset."""
+    try:
+        return _check_regions(sch, earlier, applied, before, whole)
+    except WholeRefused:
+        before.restore()
+        raise
+
+
+def _check_regions(sch, earlier: list[Call], applied: Applied, before, whole: str | None = None):
     """None when the preset's calls check ✓ (after ``earlier``); a list of ``(region, reason)`` whose removal
     makes them check ✓; or a sentence when the check cannot run.
 
     Raises:
-        ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails).
+        ScheduleError: when even no region of the preset checks ✓ (then ``earlier`` alone fails), or, with
+            ``whole``, when the calls fail the check (``whole`` then the check's sentence).
     """
     ref, from_config, undo = _reference(sch, len(earlier))
     if ref is None:
@@ -394,6 +415,8 @@ def _check_regions(sch, earlier: list[Call], applied: Applied, before):
             return None
         if report.status == "skipped":
             return report.message
+        if whole is not None:
+            raise WholeRefused(f"{whole} {_lower(report.message)}")
         order = list(dict.fromkeys(r for _, r in pairs))
         return _regions_to_drop(report, run, order, bool(earlier), applied)
     finally:

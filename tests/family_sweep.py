@@ -96,6 +96,8 @@ STARTUP_TIMEOUT = 300.0
 #: Parameters a tiny model may keep after shrinking (more means the shrinker missed a width).
 MAX_TINY_PARAMS = 12_000_000
 WORLD_SIZE = 2
+#: ``SLAPO_SWEEP_SP=1``: the preset with sequence parallelism (``benchmarks/sp_sweep.py``).
+SEQUENCE_PARALLEL = os.environ.get("SLAPO_SWEEP_SP") == "1"
 #: Seconds the numeric check's ranks may run (its own default, 60 s, is short on a loaded 2-core machine).
 CHECK_TIMEOUT = 100.0
 BATCH, SEQ, DEC_SEQ, IMAGE = 2, 16, 8, 32
@@ -896,7 +898,9 @@ def sweep_one(model_type: str) -> Result:
             set_example_inputs(sch, inputs)
             set_reference(sch, model)  # the preset checks against the user model, as in the editor
             try:
-                calls = presets.megatron_tp(sch, vocab_parallel=presets.has_vocab_embedding(sch))
+                calls = presets.megatron_tp(
+                    sch, vocab_parallel=presets.has_vocab_embedding(sch), sequence_parallel=SEQUENCE_PARALLEL
+                )
             except ScheduleError as err:
                 res.status, res.detail = "refused", str(err)
                 return res

@@ -185,16 +185,21 @@ def first_reshaped_module(ref: _Trace, sch: _Trace) -> tuple[str, tuple, tuple] 
     return None
 
 
-def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | None:
+def first_differing_input_grad(
+    ref: _Trace, sch: _Trace, rank: int = 0, world_size: int = 1
+) -> tuple[str, float] | None:
     """The first module, in the order autograd produced the scheduled copy's gradients, whose gradient for one
     of its inputs differs from the reference's by more than :data:`GRAD_RTOL` of its scale: ``(module,
     relative difference)``, else None. A wrong gradient spreads to every module before it, so the first one
     autograd produces is where it starts. Not a fault: a child's partial input gradient inside a module whose
     own ``bwd_post`` all-reduce sums its children's parts (its input gradient then agrees to
     :data:`GRAD_NOISE`), nor the partial gradient a gathered output's consumer receives inside a module whose
-    input gradient agrees, the gather's backward summing the ranks' parts (Mamba's ``x_proj``). Gradients of another shape (a row-parallel layer's slice of its input) are not
-    compared."""
-    rel = _relative_grad_differences(ref, sch)
+    input gradient agrees, the gather's backward summing the ranks' parts (Mamba's ``x_proj``), nor a child's
+    partial input gradient inside a module that all-gathers its input (sequence parallelism: the gather's
+    backward reduce-scatter sums the parts). A gradient ``world_size`` times shorter on the sequence axis (this
+    rank's slice of the sequence) is compared with rank ``rank``'s slice of the reference's; gradients of
+    another shape (a row-parallel layer's slice of its input) are not compared."""
+    rel = _relative_grad_differences(ref, sch, rank, world_size)
     worst: dict[str, float] = {}
     for (name, _call, _where), r in rel.items():
         worst[name] = max(worst.get(name, 0.0), r)
@@ -205,7 +210,10 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
         # partial sum reduced at its own boundary (a norm in a vocab-parallel embedding's forward, Inkling's
         # embed_norm, sees this rank's rows only, as its forward outputs are partial: parameters are compared)
         if r > GRAD_RTOL and not any(
-            ((_sums_children(sch, a) or _gathers_for(sch, name, a)) and worst.get(a, 1.0) <= GRAD_NOISE)
+            (
+                (_sums_children(sch, a) or _gathers_input(sch, a) or _gathers_for(sch, name, a))
+                and worst.get(a, 1.0) <= GRAD_NOISE
+            )
             or _reduces_partial(sch, a)
             for a in _ancestors(name)
         ):
@@ -213,13 +221,33 @@ def first_differing_input_grad(ref: _Trace, sch: _Trace) -> tuple[str, float] | 
     return None
 
 
-def _relative_grad_differences(ref: _Trace, sch: _Trace) -> dict[tuple, float]:
+def _slice_of(a: torch.Tensor, b: torch.Tensor, rank: int, world_size: int) -> torch.Tensor | None:
+    """``b``'s slice that rank ``rank`` holds when ``a`` is ``b`` split ``world_size`` ways on its sequence axis
+    (axis -2 of an activation of 3 or more axes: sequence parallelism), ``b`` itself for the same shape, else
+    None."""
+    if a.shape == b.shape:
+        return b
+    if a.dim() != b.dim() or world_size < 2:
+        return None
+    axes = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
+    # only the sequence of a (..., seq, features) activation: a split feature axis (a row layer's input) is
+    # this rank's features of a gradient it alone cannot complete, and flattened tokens come in rank order
+    if axes != [a.dim() - 2] or a.dim() < 3 or a.shape[axes[0]] * world_size != b.shape[axes[0]]:
+        return None
+    return b.chunk(world_size, axes[0])[rank]
+
+
+def _relative_grad_differences(
+    ref: _Trace, sch: _Trace, rank: int = 0, world_size: int = 1
+) -> dict[tuple, float]:
     """Input-gradient key -> its largest difference from the reference's, relative to the reference's scale
-    (gradients of another shape are left out), in the order autograd produced them."""
+    (a gradient of this rank's slice of a split axis is compared with that slice, gradients of another shape
+    are left out), in the order autograd produced them."""
     diffs: dict[tuple, tuple[float, float]] = {}
     for key in sch.grad_order:
         a, b = sch.grads[key], ref.grads.get(key)
-        if b is None or a.shape != b.shape:
+        b = _slice_of(a, b, rank, world_size) if b is not None else None
+        if b is None:
             continue
         d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
         diffs[key] = d, float(b.double().abs().max()) if b.numel() else 0.0
@@ -235,6 +263,14 @@ def _sums_children(sch: _Trace, name: str) -> bool:
     mod = sch.modules.get(name)
     meta = peek_meta(mod) if mod is not None else None
     return bool(meta) and ("bwd_post", "all_reduce") in meta.syncs
+
+
+def _gathers_input(sch: _Trace, name: str) -> bool:
+    """Whether module ``name`` all-gathers its input (fwd_pre all_gather: sequence parallelism), whose
+    backward reduce-scatter sums its children's partial input gradients."""
+    mod = sch.modules.get(name)
+    meta = peek_meta(mod) if mod is not None else None
+    return bool(meta) and ("fwd_pre", "all_gather") in meta.syncs
 
 
 def _reduces_partial(sch: _Trace, name: str) -> bool:
@@ -320,7 +356,7 @@ def _rank_run(base: nn.Module, calls: list[Call], inputs: dict, failures: dict, 
             report,
             first_differing_module(*traces),
             first_reshaped_module(*traces),
-            first_differing_input_grad(*traces),
+            first_differing_input_grad(*traces, rank, sch.world_size),
             _unjudged(sch.mod, traces[1]),
         )
     except BaseException as err:

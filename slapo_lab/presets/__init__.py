@@ -51,9 +51,10 @@ from ..call_order import _INPUTS_KEY
 from ..errors import ScheduleError
 from ..module_state import peek_meta
 from ..plan import estimate_activations
-from ..preset_check import OUTSIDE, Applied, Region, RegionRefused, gate, layer_regions
+from ..preset_check import OUTSIDE, Applied, Region, RegionRefused, WholeRefused, gate, layer_regions
 from ..primitives.checkpoint import POLICIES
 from ..record import Call
+from . import sequence
 from .hf_plan import apply_hf_tp_plan as apply_hf_tp_plan
 from .hf_plan import hf_tp_plan as hf_tp_plan
 from .parallel import COLUMN_NAMES as COLUMN_NAMES
@@ -61,7 +62,7 @@ from .parallel import HEAD_NORM_NAMES as HEAD_NORM_NAMES
 from .parallel import ROW_NAMES as ROW_NAMES
 from .parallel import EarlierCallConflict as EarlierCallConflict
 from .parallel import PresetCalls as PresetCalls
-from .parallel import _all_or_nothing, _ensure_sync, _since
+from .parallel import _all_or_nothing, _since
 from .parallel import apply_layer as apply_layer
 from .parallel import column_parallel as column_parallel
 from .parallel import experts_parallel as experts_parallel
@@ -73,15 +74,6 @@ from .roles import tp_block as tp_block
 from .vocab import has_vocab_embedding as has_vocab_embedding
 from .vocab import vocab_parallel_embeddings as vocab_parallel_embeddings
 from .vocab import vocab_size as vocab_size
-
-
-def _gpt2_base(sch) -> str:
-    for p, node in sch.named_schedules():
-        if type(node.mod).__name__ == "GPT2Model":
-            return p
-    raise ScheduleError(
-        "sequence parallelism presets need a GPT2Model (transformer.drop / transformer.ln_f)."
-    )
 
 
 @_all_or_nothing
@@ -142,16 +134,10 @@ def megatron_tp(
             f"family={family!r} expects {' or '.join(_BLOCK_CLASSES[family])} blocks and this model has "
             "none; pass family=None to detect the family."
         )
-    if sequence_parallel and fam != "gpt2":
-        raise ScheduleError(
-            f"The sequence-parallel preset exists for GPT-2 only (not {fam}): it needs a dropout after the "
-            "embeddings to scatter at and a final LayerNorm to gather at."
-        )
     if sequence_parallel and use_hf_plan:
         raise ScheduleError(
             "use_hf_plan does not combine with sequence_parallel: HF plans carry no sequence layout."
         )
-    base = _gpt2_base(sch) if sequence_parallel else ""
     blocks = find_blocks(sch)
     if not blocks and not use_hf_plan:
         raise ScheduleError(
@@ -161,13 +147,34 @@ def megatron_tp(
     # every block's layers are read once, before anything is split or checked: each application of the
     # gate then splits the same regions (the dataflow a block's split is read from is the unscheduled model's)
     layers_of = {b: block_layers(sch, b) for b in (blocks if not use_hf_plan else ())}
-    calls, notes = gate(
-        sch,
-        functools.partial(
-            _megatron_regions, sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, layers_of
-        ),
-        check=check,
-    )
+    # sequence parallelism gathers around each region's whole module first, then at its column layers
+    # (slapo_lab/presets/sequence.py); a layout that fails the numeric check is refused whole, with the
+    # first layout's sentence when neither checks
+    refused: WholeRefused | None = None
+    for wide in (True, False) if sequence_parallel and check else (True,):
+        regions = (
+            _megatron_regions,
+            sch,
+            blocks,
+            vocab_parallel,
+            sequence_parallel,
+            use_hf_plan,
+            layers_of,
+            wide,
+        )
+        try:
+            calls, notes = gate(
+                sch,
+                functools.partial(*regions),
+                check=check,
+                whole=_SP_REFUSED if sequence_parallel else None,
+            )
+            break
+        except WholeRefused as err:
+            refused = refused or err
+    else:
+        assert refused is not None
+        raise refused
     if not check and getattr(sch.get_top_schedule().mod, "config", None) is None and sch.world_size > 1:
         _refuse_width_derived_heads(sch)
     whole = replicated_dense(sch, exclude_noted=True)
@@ -192,7 +199,14 @@ def _any_sharded(sch) -> bool:
     return any(getattr(p, "shard_axis", None) is not None for p in sch.mod.parameters())
 
 
-def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, base, layers_of, skip):
+#: How a sequence-parallel preset that fails the numeric check is refused (the check's sentence follows).
+_SP_REFUSED = (
+    "Sequence parallelism is not applied: with it this model computes another result than the unsharded model "
+    "(apply the preset without sequence_parallel):"
+)
+
+
+def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, layers_of, wide, skip):
     """One application of :func:`megatron_tp` region by region (:mod:`slapo_lab.preset_check`), leaving out
     the regions whose keys ``skip`` holds; a region a primitive refuses raises ``RegionRefused``."""
     n = len(sch.record)
@@ -202,7 +216,7 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
         runner.run(plan, lambda: apply_hf_tp_plan(sch))
     for b in blocks if not use_hf_plan else ():
-        _block_regions(runner, sch, b, layers_of[b], sequence_parallel)
+        _block_regions(runner, sch, b, layers_of[b], sequence_parallel, wide)
     if vocab_parallel:
         vocab = vocab_size(sch)
         if vocab is None:
@@ -218,15 +232,7 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         else:
             runner.run(OUTSIDE, lambda: vocab_parallel_embeddings(sch))
     if sequence_parallel:
-        pre = f"{base}." if base else ""
-
-        def scatter_gather() -> None:
-            _ensure_sync(sch[f"{pre}drop"], "fwd_post", "scatter", axis=1)
-            _ensure_sync(
-                sch[f"{pre}ln_f"], "fwd_pre", "all_gather", axis=1, tensor_parallel_output_grad=False
-            )
-
-        runner.run(OUTSIDE, scatter_gather)
+        runner.run(OUTSIDE, lambda: sequence.scatter_gather(sch, blocks))
     return Applied(_since(sch, n), runner.region_of_call, runner.owned, notes)
 
 
@@ -248,7 +254,7 @@ class _RegionRunner:
         k = len(self.sch.record)
         try:
             fn()
-        except EarlierCallConflict:
+        except (EarlierCallConflict, sequence.LayoutRefused):
             raise
         except ScheduleError as err:
             if (
@@ -262,8 +268,9 @@ class _RegionRunner:
             self.owned.setdefault(c.path, region)
 
 
-def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel: bool) -> None:
-    """Apply the layers of block ``b`` (its :func:`block_layers`) region by region through ``runner``."""
+def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel: bool, wide: bool) -> None:
+    """Apply the layers of block ``b`` (its :func:`block_layers`) region by region through ``runner``; with
+    ``sequence_parallel``, laid out by :func:`slapo_lab.presets.sequence.block_layout`."""
     cls = type(sch[b].mod).__name__
     rel_layers = [(p[len(b) + 1 :] if b else p, k) for p, k in layers]
     kinds = dict(rel_layers)
@@ -272,7 +279,9 @@ def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel
     queues: dict = {}
     for r, k in rel_layers:
         queues.setdefault(r, []).append(k)
-    for region, rels in layer_regions(cls, rel_layers):
+    regions = layer_regions(cls, rel_layers)
+    layout = sequence.block_layout(cls, regions, kinds, runner.skip, wide) if sequence_parallel else None
+    for region, rels in regions:
         if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
             kinds[r] == "row" for r in rels
         ):  # a row-parallel layer with no column-parallel partner can never be right: leave it
@@ -288,25 +297,24 @@ def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel
             )
             runner.run(region, functools.partial(_raise, reason))
             continue
-        runner.run(
-            region,
-            functools.partial(
-                _apply_layers,
-                sch,
-                paths,
-                [queues[r].pop(0) if len(queues[r]) > 1 else queues[r][0] for r in rels],
-                sequence_parallel,
-            ),
-        )
+        todo = [queues[r].pop(0) if len(queues[r]) > 1 else queues[r][0] for r in rels]
+        how: list[tuple[str | None, bool]] = [(k, False) for k in todo]
+        if layout is not None:
+            how = [layout.layer_sp(region.key, r, k) for r, k in zip(rels, todo, strict=True)]
+        runner.run(region, functools.partial(_apply_layers, sch, paths, how))
+    if layout is not None:
+        runner.run(layout.region, functools.partial(sequence.apply_layout, sch, b, layout))
 
 
 def _raise(reason: str) -> None:
     raise ScheduleError(reason)
 
 
-def _apply_layers(sch, paths: list[str], kinds: list[str], sequence_parallel: bool) -> None:
-    for path, kind in zip(paths, kinds, strict=True):
-        apply_layer(sch, path, kind, sequence_parallel)
+def _apply_layers(sch, paths: list[str], how: list[tuple[str | None, bool]]) -> None:
+    """:func:`apply_layer` on each path with its ``(kind, sequence_parallel)`` (a None kind: nothing)."""
+    for path, (kind, sp) in zip(paths, how, strict=True):
+        if kind is not None:
+            apply_layer(sch, path, kind, sp)
 
 
 def _refuse_width_derived_heads(sch) -> None:

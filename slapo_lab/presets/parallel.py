@@ -161,12 +161,18 @@ def _ensure_sync(node, mode: str, op: str, **kwargs) -> None:
         node.sync(mode=mode, sync_op_or_fn=op, **kwargs)
 
 
+#: The axis sequence parallelism splits: the sequence of ``(batch, seq, hidden)``, and the tokens of a block
+#: that flattens them to ``(tokens, hidden)`` before its MLP (OPT): a token-wise region gathers and
+#: reduce-scatters them in the same order, so either layout comes back as it was.
+SEQUENCE_AXIS = -2
+
+
 @_all_or_nothing
 def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` column parallel (Megatron ``ColumnParallelLinear``).
 
     Weight on its output features, bias on axis 0, then ``bwd_post all_reduce`` -- or, with
-    ``sequence_parallel``, ``fwd_pre all_gather(axis=1)`` (whose backward reduce-scatter also sums the input
+    ``sequence_parallel``, ``fwd_pre all_gather(axis=-2)`` (whose backward reduce-scatter also sums the input
     gradient).
     """
     n = len(sch.record)
@@ -176,7 +182,7 @@ def column_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Cal
     if getattr(mod, "bias", None) is not None:
         _ensure_shard(node, "bias", 0)
     if sequence_parallel:
-        _ensure_sync(node, "fwd_pre", "all_gather", axis=1)
+        _ensure_sync(node, "fwd_pre", "all_gather", axis=SEQUENCE_AXIS)
     else:
         _ensure_sync(node, "bwd_post", "all_reduce")
     return _since(sch, n)
@@ -187,7 +193,7 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     """Make the ``nn.Linear`` / HF ``Conv1D`` at ``path`` row parallel (Megatron ``RowParallelLinear``).
 
     Weight on its input features, then ``fwd_post all_reduce`` -- or, with ``sequence_parallel``,
-    ``fwd_post reduce_scatter(axis=1)`` plus ``bwd_post all_reduce(param_grads=True)`` for the replicated bias
+    ``fwd_post reduce_scatter(axis=-2)`` plus ``bwd_post all_reduce(param_grads=True)`` for the replicated bias
     (added after the reduce-scatter, so it sees only this rank's tokens).
     """
     n = len(sch.record)
@@ -195,7 +201,7 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     mod = node.mod
     _ensure_shard(node, "weight", rule.in_axis)
     if sequence_parallel:
-        _ensure_sync(node, "fwd_post", "reduce_scatter", axis=1)
+        _ensure_sync(node, "fwd_post", "reduce_scatter", axis=SEQUENCE_AXIS)
         if getattr(mod, "bias", None) is not None:
             _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)
     else:

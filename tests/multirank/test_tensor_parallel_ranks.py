@@ -1,8 +1,8 @@
 """Tensor parallelism on 2 real ranks (torchrun, gloo on 127.0.0.1) against the single-process model.
 
 One torchrun launch runs every case of ``tests/multirank/tp_train.py`` (BERT, BERT-MLM with its tied
-decoder, GPT-2 by hand / preset / sequence parallel with the tied vocab-parallel head, Llama by preset /
-HF tp plan): inside ``sl.Verify`` (must pass), then three SGD steps whose losses, gathered gradients and
+decoder, GPT-2 by hand / preset / sequence parallel with the tied vocab-parallel head, Llama by preset / sequence
+parallel / HF tp plan): inside ``sl.Verify`` (must pass), then three SGD steps whose losses, gathered gradients and
 updated parameters must match the unscheduled copy within 1e-5 (fp32). The launch is shared by the
 per-case tests below.
 """
@@ -25,6 +25,7 @@ CASES = [
     "gpt2_sequence_parallel",
     "gpt2_sequence_parallel_checkpointed",
     "llama_megatron_tp",
+    "llama_sequence_parallel",
     "llama_hf_plan",
 ]
 

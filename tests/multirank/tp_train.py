@@ -120,6 +120,7 @@ CASES = {
     ],
     "llama": [
         ("llama_megatron_tp", llama_model, lambda s: presets.megatron_tp(s)),
+        ("llama_sequence_parallel", llama_model, lambda s: presets.megatron_tp(s, sequence_parallel=True)),
         (
             "llama_hf_plan",
             llama_model,

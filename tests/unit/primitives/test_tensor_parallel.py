@@ -180,11 +180,26 @@ def test_gpt2_sequence_parallel_preset(ws):
     sch = sl.create_schedule(m, world_size=ws)
     presets.megatron_tp(sch, sequence_parallel=True)
     code = sch.record.code()
-    assert 'sch["transformer.drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", axis=1)' in code
+    # the sequence (axis -2) is scattered on the first block's input and gathered on the last block's output
+    assert 'sch["transformer.h.0"].sync(mode="fwd_pre", sync_op_or_fn="scatter", axis=-2)' in code
     assert (
-        'sch["transformer.ln_f"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=1, '
+        'sch["transformer.h.1"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-2, '
         "tensor_parallel_output_grad=False)"
     ) in code
+    # each region gathers around its column and row layers; the row layers reduce-scatter
+    for region in ("attn", "mlp"):
+        assert (
+            f'sch["transformer.h.0.{region}"].sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=-2)'
+            in code
+        )
+    assert (
+        'sch["transformer.h.0.mlp.c_proj"].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=-2)'
+        in code
+    )
+    blocks = [line for line in code.splitlines() if '"transformer.h.' in line]
+    assert not [
+        b for b in blocks if b.endswith('sync_op_or_fn="all_reduce")')
+    ]  # no f: the gathers' backward sums
     assert (
         'sch["transformer.h.0.ln_1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)'
         in code
@@ -511,10 +526,9 @@ def test_param_grads_sync_is_exact_in_one_process_and_survives_deepcopy():
 # --- presets: errors, blocks, checkpoint -------------------------------------------------------------------
 def test_megatron_tp_errors():
     sch = sl.create_schedule(llama(device="meta"), world_size=2)
-    assert_unchanged(sch, lambda: presets.megatron_tp(sch, sequence_parallel=True), "GPT-2 only")
     assert_unchanged(sch, lambda: presets.megatron_tp(sch, family="no_such_family"), "Unknown model family")
     assert_unchanged(
-        sch, lambda: presets.megatron_tp(sch, use_hf_plan=True, sequence_parallel=True), "GPT-2 only"
+        sch, lambda: presets.megatron_tp(sch, use_hf_plan=True, sequence_parallel=True), "HF plans carry no"
     )
     tiny = sl.create_schedule(nn.Sequential(nn.Linear(4, 4)), world_size=2)
     assert_unchanged(tiny, lambda: presets.megatron_tp(tiny), "no repeated transformer blocks")

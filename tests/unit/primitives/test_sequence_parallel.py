@@ -1,0 +1,106 @@
+"""Sequence parallelism laid out from the model's structure (``slapo_lab/presets/sequence.py``), on real
+Hugging Face models built tiny from their configs (the family sweep's builder), judged by the numeric check
+(forward and every gradient against the unsharded model, 2 simulated ranks)."""
+
+from __future__ import annotations
+
+import family_sweep as fs
+import pytest
+import torch
+
+import slapo_lab as sl
+from slapo_lab import presets
+from slapo_lab.call_order import set_example_inputs
+from slapo_lab.numeric import numeric_check
+from slapo_lab.numeric.culprit import _slice_of
+from slapo_lab.preset_check import set_reference
+from slapo_lab.utils import meta_copy
+
+
+def _sp(family: str):
+    model, inputs = fs.build(family, fs.families()[family][1])
+    sch = sl.create_schedule(meta_copy(model), world_size=2)
+    set_example_inputs(sch, inputs)
+    set_reference(sch, model)
+    return model, inputs, sch
+
+
+def _syncs(sch, path: str) -> list[tuple]:
+    return [
+        (
+            c.kwargs.get("mode"),
+            c.kwargs.get("sync_op_or_fn"),
+            c.kwargs.get("axis"),
+            c.kwargs.get("tensor_parallel_output_grad"),
+            c.kwargs.get("param_grads"),
+        )
+        for c in sch.record.calls
+        if c.path == path and c.primitive == "sync"
+    ]
+
+
+def test_llama_gathers_at_the_attention_and_mlp_modules_and_checks_equal():
+    model, inputs, sch = _sp("llama")
+    presets.megatron_tp(sch, sequence_parallel=True)
+    b = "model.layers.0"
+    assert _syncs(sch, b) == [("fwd_pre", "scatter", -2, None, None)]
+    assert _syncs(sch, "model.layers.1")[-1] == ("fwd_post", "all_gather", -2, False, None)
+    # HF Llama reshapes q/k/v with its own input's sequence length: the gather is on self_attn's input,
+    # not on each projection, and the projections only shard (the gather's backward sums their gradients)
+    assert _syncs(sch, f"{b}.self_attn") == [("fwd_pre", "all_gather", -2, None, None)]
+    assert _syncs(sch, f"{b}.mlp") == [("fwd_pre", "all_gather", -2, None, None)]
+    assert _syncs(sch, f"{b}.self_attn.q_proj") == [] and _syncs(sch, f"{b}.mlp.up_proj") == []
+    assert _syncs(sch, f"{b}.self_attn.o_proj") == [("fwd_post", "reduce_scatter", -2, None, None)]
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        assert _syncs(sch, f"{b}.{norm}") == [("bwd_post", "all_reduce", None, None, True)]
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.status == "passed", report.message
+
+
+def test_bert_norm_after_the_row_layer_sums_its_gradient_and_checks_equal():
+    model, inputs, sch = _sp("bert")
+    presets.megatron_tp(sch, sequence_parallel=True)
+    b = next(c.path for c in sch.record.calls if c.path.endswith("layer.0"))
+    assert _syncs(sch, f"{b}.attention.self") == [("fwd_pre", "all_gather", -2, None, None)]
+    assert _syncs(sch, f"{b}.intermediate.dense")[-1] == ("fwd_pre", "all_gather", -2, None, None)
+    assert ("bwd_post", "all_reduce", None, None, True) in _syncs(sch, f"{b}.attention.output.LayerNorm")
+    assert numeric_check(model, sch.record.calls, 2, inputs).status == "passed"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_an_expert_bank_runs_on_the_whole_sequence_and_checks_equal(family):
+    """The experts' split is no column-to-row pair on the tokens (the router and the experts read flattened
+    tokens): the MoE module is an island, gathered in and scattered out, with plain TP inside (Qwen2-MoE's
+    shared expert too)."""
+    model, inputs, sch = _sp(family)
+    presets.megatron_tp(sch, sequence_parallel=True)
+    mlp = "model.layers.0.mlp"
+    assert _syncs(sch, mlp) == [
+        ("fwd_pre", "all_gather", -2, False, None),
+        ("fwd_post", "scatter", -2, None, None),
+    ]
+    assert ("fwd_post", "all_reduce", None, None, None) in _syncs(sch, f"{mlp}.experts")
+    assert _syncs(sch, f"{mlp}.gate") == []  # the router sees every token: its gradient is whole
+    report = numeric_check(model, sch.record.calls, 2, inputs)
+    assert report.status == "passed", report.message
+
+
+def test_a_model_where_it_changes_the_result_is_refused_whole():
+    """T5's cross-attention reads the encoder's sequence through k and v, whose input gradients the decoder's
+    gathers do not sum: the numeric check sees it and the preset is refused in one sentence, nothing kept."""
+    _model, _inputs, sch = _sp("t5")
+    with pytest.raises(sl.ScheduleError, match=r"^Sequence parallelism is not applied: .*EncDecAttention"):
+        presets.megatron_tp(sch, sequence_parallel=True)
+    assert len(sch.record) == 0
+    presets.megatron_tp(sch)  # without it the preset applies
+    assert len(sch.record) > 0
+
+
+def test_the_check_compares_a_sequence_slice_with_the_reference_slice():
+    full = torch.arange(24.0).reshape(2, 6, 2)
+    assert torch.equal(_slice_of(full[:, 3:], full, 1, 2), full[:, 3:])
+    assert torch.equal(_slice_of(full, full, 0, 2), full)
+    assert _slice_of(full[:, :2], full, 0, 2) is None  # a third is no rank's slice on 2 ranks
+    assert _slice_of(full[:1, :3], full, 0, 2) is None  # two axes differ
+    assert _slice_of(full[..., :1], full, 0, 2) is None  # features, not the sequence
+    assert _slice_of(full[0, :3], full[0], 0, 2) is None  # 2-D: flattened tokens come in rank order
