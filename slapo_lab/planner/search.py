@@ -86,11 +86,12 @@ class Plan:
 
     def table(self) -> str:
         """The ranked table and the why-not list, as text."""
-        head = f"{'#':>2}  {'layout':<62} {'peak GiB':>8} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"
+        w = max([62, *(len(e.layout.describe()) for e in self.candidates)])  # the layout column's width
+        head = f"{'#':>2}  {'layout':<{w}} {'peak GiB':>8} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"
         rows = [head, "-" * len(head)]
         for i, e in enumerate(self.candidates, 1):
             rows.append(
-                f"{i:>2}  {e.layout.describe():<62} {e.peak_memory_bytes / GiB:>8.1f} {e.step_time_s:>8.3f} "
+                f"{i:>2}  {e.layout.describe():<{w}} {e.peak_memory_bytes / GiB:>8.1f} {e.step_time_s:>8.3f} "
                 f"{e.tokens_per_s_per_gpu:>10,.0f} {e.mfu:>6.1%}"
             )
         if not self.candidates:

@@ -22,20 +22,20 @@ Megatron-LM tensor parallelism per transformer block (Slapo's canonical schedule
   logits is already complete on each rank: backward just keeps this rank's slice, a reduce-scatter would
   multiply it by the world size.)
 
-Sequence parallelism (``sequence_parallel=True``, GPT-2): between the tensor-parallel regions each rank holds
-a slice of the sequence (axis 1 of ``(batch, seq, hidden)``): ``scatter(axis=1)`` after the embeddings
-(``fwd_post`` on ``transformer.drop``), ``fwd_pre all_gather(axis=1)`` before each column-parallel layer (its
-backward reduce-scatter replaces *f*), ``fwd_post reduce_scatter(axis=1)`` after each row-parallel layer (replacing
-*g*), and ``fwd_pre all_gather(axis=1, tensor_parallel_output_grad=False)`` on ``transformer.ln_f`` to return to
-the full sequence. The LayerNorms inside the blocks and the row-parallel biases stay replicated but see only
-this rank's tokens, so their gradients are partial sums: ``sync(mode="bwd_post", sync_op_or_fn="all_reduce",
-param_grads=True)`` all-reduces them in backward (what Megatron does for its ``sequence_parallel`` parameters).
-The sequence length must divide by the world size.
+Sequence parallelism (``sequence_parallel=True``, any block stack): between the tensor-parallel regions each
+rank holds a slice of the sequence (axis -2): ``scatter`` on each stack's first block input, ``all_gather`` at
+each region's input (its backward reduce-scatter replaces *f*), ``reduce_scatter`` after each row-parallel
+layer (replacing *g*), ``all_gather(tensor_parallel_output_grad=False)`` on the last block's output; the
+replicated parameters that see this rank's tokens only (the blocks' norms, the row-parallel biases) sum their
+gradients (``sync(mode="bwd_post", sync_op_or_fn="all_reduce", param_grads=True)``, what Megatron does for
+its ``sequence_parallel`` parameters). Where each goes is read from the block's regions, with no family name:
+:mod:`~slapo_lab.presets.sequence`. The sequence length must divide by the world size.
 
 The package: this module holds the model-level presets (:func:`megatron_tp`, :func:`checkpoint_blocks`);
 :mod:`~slapo_lab.presets.parallel` the layer-level ones (column, row, experts parallel),
 :mod:`~slapo_lab.presets.roles` which layers of a block are split and how (:func:`block_layers`,
-:func:`tp_block`), :mod:`~slapo_lab.presets.vocab` the vocabulary-parallel embeddings and
+:func:`tp_block`), :mod:`~slapo_lab.presets.vocab` the vocabulary-parallel embeddings,
+:mod:`~slapo_lab.presets.sequence` the sequence-parallel layout and
 :mod:`~slapo_lab.presets.hf_plan` Hugging Face's own tensor-parallel plans.
 """
 
@@ -99,8 +99,9 @@ def megatron_tp(
             (GPT-2's 50257 on 4 ranks), or a model without an ``nn.Embedding`` from
             ``get_input_embeddings()`` (CLIP, a hand-written GPT), stays replicated, with a sentence in
             the result's ``notes``.
-        sequence_parallel: Megatron sequence parallelism between the TP regions (GPT-2 only; see the
-            module docstring).
+        sequence_parallel: Megatron sequence parallelism between the TP regions (see the module docstring).
+            It is checked as a whole: where the numeric check finds any difference (T5's cross-attention,
+            whose keys read the encoder's sequence), the preset is refused in one sentence.
         use_hf_plan: shard the blocks by the config's ``base_model_tp_plan`` (:func:`apply_hf_tp_plan`)
             instead of by names.
         check: check the calls numerically before they are committed (:func:`slapo_lab.preset_check.gate`):
@@ -118,9 +119,9 @@ def megatron_tp(
         PresetCalls: the recorded calls this preset made (a list) and its ``notes``.
 
     Raises:
-        ScheduleError: unknown family, sequence parallelism for a family other than GPT-2, no blocks found,
-            a tensor already sharded on another axis, or the first primitive call that fails (e.g. heads
-            not divisible by the world size).
+        ScheduleError: unknown family, sequence parallelism that cannot be laid out or changes the result,
+            no blocks found, a tensor already sharded on another axis, or the first primitive call that fails
+            (e.g. heads not divisible by the world size).
     """
     fam = family or detect_family(sch) or "generic"
     if fam not in (*FAMILIES, "generic"):
@@ -201,8 +202,8 @@ def _any_sharded(sch) -> bool:
 
 #: How a sequence-parallel preset that fails the numeric check is refused (the check's sentence follows).
 _SP_REFUSED = (
-    "Sequence parallelism is not applied: with it this model computes another result than the unsharded model "
-    "(apply the preset without sequence_parallel):"
+    "Sequence parallelism is not applied, because with it the numeric check does not pass (apply the preset "
+    "without sequence_parallel):"
 )
 
 

@@ -89,7 +89,9 @@ def test_a_model_where_it_changes_the_result_is_refused_whole():
     """T5's cross-attention reads the encoder's sequence through k and v, whose input gradients the decoder's
     gathers do not sum: the numeric check sees it and the preset is refused in one sentence, nothing kept."""
     _model, _inputs, sch = _sp("t5")
-    with pytest.raises(sl.ScheduleError, match=r"^Sequence parallelism is not applied: .*EncDecAttention"):
+    with pytest.raises(
+        sl.ScheduleError, match=r"^Sequence parallelism is not applied, because .*EncDecAttention"
+    ):
         presets.megatron_tp(sch, sequence_parallel=True)
     assert len(sch.record) == 0
     presets.megatron_tp(sch)  # without it the preset applies
