@@ -154,14 +154,19 @@ class Actions:
     def _run_preset(self, name: str, k: int) -> list[str]:
         """Run preset ``name``; returns its notes (sentences on what it left as it was)."""
         sch = self.state.schedule
-        if name in ("megatron", "hf_plan"):  # vocab parallel only where there is a vocabulary (not ViT)
+        if name in ("megatron", "megatron_sp", "hf_plan"):  # vocab parallel only with a vocabulary (not ViT)
             return presets.megatron_tp(
-                sch, use_hf_plan=name == "hf_plan", vocab_parallel=presets.has_vocab_embedding(sch)
+                sch,
+                use_hf_plan=name == "hf_plan",
+                sequence_parallel=name == "megatron_sp",
+                vocab_parallel=presets.has_vocab_embedding(sch),
             ).notes
         if name == "checkpoint":
             return presets.checkpoint_blocks(sch, every=int(k)).notes
         if name != "stages":
-            raise ScheduleError(f"unknown preset {name!r}; use megatron, hf_plan, checkpoint or stages.")
+            raise ScheduleError(
+                f"unknown preset {name!r}; use megatron, megatron_sp, hf_plan, checkpoint or stages."
+            )
         cuts = sch.metadata.primitives.get("cut_pipeline_stage") or []
         if cuts:
             raise ScheduleError(

@@ -107,6 +107,7 @@ class InspectorPanel:
         self.preset = W.Dropdown(
             options=[
                 ("Megatron tensor parallelism (every block)", "megatron"),
+                ("Megatron + sequence parallelism", "megatron_sp"),
                 ("HF base_model_tp_plan (from the config)", "hf_plan"),
                 ("checkpoint every k-th block", "checkpoint"),
                 ("cut into N balanced pipeline stages", "stages"),

@@ -383,7 +383,8 @@ class EditorState(SchedulePersistence):
         """Apply a preset through ordinary (recorded) primitive calls; all or nothing.
 
         Presets: ``"megatron"`` (column-parallel q/k/v and up projections, row-parallel output
-        projections with the right syncs, vocab-parallel embeddings), ``"hf_plan"`` (the config's
+        projections with the right syncs, vocab-parallel embeddings), ``"megatron_sp"`` (the same with
+        Megatron sequence parallelism between the regions, checked as a whole), ``"hf_plan"`` (the config's
         ``base_model_tp_plan``), ``"checkpoint"`` (every ``k``-th block), ``"stages"`` (``k`` balanced
         pipeline stages by parameters). Returns None or the one-sentence reason nothing changed.
         """

@@ -148,11 +148,11 @@ def megatron_tp(
     # every block's layers are read once, before anything is split or checked: each application of the
     # gate then splits the same regions (the dataflow a block's split is read from is the unscheduled model's)
     layers_of = {b: block_layers(sch, b) for b in (blocks if not use_hf_plan else ())}
-    # sequence parallelism gathers around each region's whole module first, then at its column layers
-    # (slapo_lab/presets/sequence.py); a layout that fails the numeric check is refused whole, with the
-    # first layout's sentence when neither checks
+    # sequence parallelism tries its layouts in turn (sequence.STYLES: around each region's module, then at
+    # its column layers) and keeps the first that checks; when none does it is refused whole, with the first
+    # layout's sentence
     refused: WholeRefused | None = None
-    for wide in (True, False) if sequence_parallel and check else (True,):
+    for style in sequence.STYLES if sequence_parallel and check else sequence.STYLES[:1]:
         regions = (
             _megatron_regions,
             sch,
@@ -161,7 +161,7 @@ def megatron_tp(
             sequence_parallel,
             use_hf_plan,
             layers_of,
-            wide,
+            style,
         )
         try:
             calls, notes = gate(
@@ -207,7 +207,7 @@ _SP_REFUSED = (
 )
 
 
-def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, layers_of, wide, skip):
+def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, layers_of, style, skip):
     """One application of :func:`megatron_tp` region by region (:mod:`slapo_lab.preset_check`), leaving out
     the regions whose keys ``skip`` holds; a region a primitive refuses raises ``RegionRefused``."""
     n = len(sch.record)
@@ -217,7 +217,7 @@ def _megatron_regions(sch, blocks, vocab_parallel, sequence_parallel, use_hf_pla
         plan = Region(("", ("base_model_tp_plan",)), "the config's base_model_tp_plan", "the model")
         runner.run(plan, lambda: apply_hf_tp_plan(sch))
     for b in blocks if not use_hf_plan else ():
-        _block_regions(runner, sch, b, layers_of[b], sequence_parallel, wide)
+        _block_regions(runner, sch, b, layers_of[b], sequence_parallel, style)
     if vocab_parallel:
         vocab = vocab_size(sch)
         if vocab is None:
@@ -269,7 +269,7 @@ class _RegionRunner:
             self.owned.setdefault(c.path, region)
 
 
-def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel: bool, wide: bool) -> None:
+def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel: bool, style: str) -> None:
     """Apply the layers of block ``b`` (its :func:`block_layers`) region by region through ``runner``; with
     ``sequence_parallel``, laid out by :func:`slapo_lab.presets.sequence.block_layout`."""
     cls = type(sch[b].mod).__name__
@@ -281,7 +281,7 @@ def _block_regions(runner: _RegionRunner, sch, b: str, layers, sequence_parallel
     for r, k in rel_layers:
         queues.setdefault(r, []).append(k)
     regions = layer_regions(cls, rel_layers)
-    layout = sequence.block_layout(cls, regions, kinds, runner.skip, wide) if sequence_parallel else None
+    layout = sequence.block_layout(cls, regions, kinds, runner.skip, style) if sequence_parallel else None
     for region, rels in regions:
         if not any(kinds[r] in ("column", "column_shard", "experts", "heads") for r in rels) and any(
             kinds[r] == "row" for r in rels

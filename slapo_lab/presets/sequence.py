@@ -49,6 +49,8 @@ from .parallel import SEQUENCE_AXIS, _ensure_sync
 #: Kinds whose split is not a column-to-row pair on the tokens (kind prefixes of ``block_layers``): their
 #: region runs on the whole sequence, as an island.
 ISLAND_KINDS = ("experts", "column_gather", "gather_linear", "channel_params", "features")
+#: The layouts :func:`block_layout` draws, in the order :func:`slapo_lab.presets.megatron_tp` tries them.
+STYLES = ("wide", "narrow")
 
 
 class LayoutRefused(ScheduleError):
@@ -108,14 +110,19 @@ class BlockLayout:
 
 
 def block_layout(
-    cls: str, regions: list[tuple[Region, list[str]]], kinds: dict, skip, wide: bool = True
+    cls: str, regions: list[tuple[Region, list[str]]], kinds: dict, skip, style: str = "wide"
 ) -> BlockLayout:
     """The :class:`BlockLayout` of one block of class ``cls`` from its regions (``[(Region, [relative layer
     paths])]``, :func:`slapo_lab.preset_check.layer_regions`) and their layers' ``kinds``; the regions whose
-    keys ``skip`` holds are kept whole (islands). With ``wide``, a Megatron region gathers at the module
-    around its column and row layers when no norm of the region is inside it (GPT-NeoX's ``attention``, which
-    reshapes with its own input's length around one fused ``query_key_value``); without, at its column layers
-    (see the module docstring): :func:`slapo_lab.presets.megatron_tp` tries the wide layout first.
+    keys ``skip`` holds are kept whole (islands). ``style`` is one of :data:`STYLES`:
+
+    * ``"wide"``: a Megatron region gathers at the module around its column and row layers when no norm of
+      the region is inside it (GPT-NeoX's ``attention``, which reshapes with its own input's length around one
+      fused ``query_key_value``), else as ``"narrow"``;
+    * ``"narrow"``: at its column layers' deepest common module, or at each column layer (see the module
+      docstring).
+
+    :func:`slapo_lab.presets.megatron_tp` tries them in this order and keeps the first that checks ✓.
 
     Raises:
         LayoutRefused: a region to run on the whole sequence that is not inside a module of its own (its
@@ -126,8 +133,8 @@ def block_layout(
     mode: dict[tuple, str] = {}
     for region, rels in regions:
         ks = [kinds[r] for r in rels]
-        dense = [k for k in ks if k in ("column", "column_shard", "row")]
-        pair = "row" in dense and len(set(dense)) > 1
+        dense = [r for r, k in zip(rels, ks, strict=True) if k in ("column", "column_shard", "row")]
+        pair = "row" in ks and any(k in ("column", "column_shard") for k in ks)
         if region.key in skip or any(k.startswith(ISLAND_KINDS) for k in ks) or (dense and not pair):
             if not region.owner:
                 raise LayoutRefused(
@@ -139,12 +146,11 @@ def block_layout(
         elif pair:
             f = [r for r, k in zip(rels, ks, strict=True) if k == "attention_f"]
             cols = [r for r, k in zip(rels, ks, strict=True) if k in ("column", "column_shard")]
-            dense = [r for r, k in zip(rels, ks, strict=True) if k in ("column", "column_shard", "row")]
             norms = [r for r, k in zip(rels, ks, strict=True) if k == "norm"]
             around = _common(dense)
             if f:
                 gather.append(f[0])
-            elif wide and around and not any(_under(n, around) for n in norms):
+            elif style != "narrow" and around and not any(_under(n, around) for n in norms):
                 gather.append(around)
             elif len(cols) > 1 and _common(cols):
                 gather.append(_common(cols))

@@ -106,3 +106,22 @@ def test_the_check_compares_a_sequence_slice_with_the_reference_slice():
     assert _slice_of(full[:1, :3], full, 0, 2) is None  # two axes differ
     assert _slice_of(full[..., :1], full, 0, 2) is None  # features, not the sequence
     assert _slice_of(full[0, :3], full[0], 0, 2) is None  # 2-D: flattened tokens come in rank order
+
+
+def test_the_editor_preset_records_it_or_says_in_one_sentence_why_not():
+    """The editor's "Megatron + sequence parallelism" preset: recorded calls on a Llama, checked ✓; on T5 one
+    sentence, the schedule as it was, and the plain preset still applies."""
+    model, inputs = fs.build("llama", fs.families()["llama"][1])
+    ed = sl.ScheduleEditor(model, example_inputs=inputs, world_size=2)
+    assert ed.apply_preset("megatron_sp") is None, ed.message
+    assert ed.message.startswith("Preset megatron_sp recorded")
+    assert 'sch["model.layers.0"].sync(mode="fwd_pre", sync_op_or_fn="scatter", axis=-2)' in ed.code
+    assert ed.numeric_check().status == "passed"
+    t5, t5_inputs = fs.build("t5", fs.families()["t5"][1])
+    ed = sl.ScheduleEditor(t5, example_inputs=t5_inputs, world_size=2)
+    msg = ed.apply_preset("megatron_sp")
+    assert msg == ed.message and msg.startswith(
+        "The megatron_sp preset was not applied: Sequence parallelism is not applied, because"
+    )
+    assert len(ed.schedule.record.calls) == 0
+    assert ed.apply_preset("megatron") is None, ed.message
