@@ -56,6 +56,7 @@ class Case:
     checkpoint: str | int = "none"
     pp_schedule: str = "1F1B"
     micro: int = 1
+    sequence_parallel: bool = False
 
     def layout(self):
         import slapo_lab as sl
@@ -68,6 +69,7 @@ class Case:
             micro_batch_size=self.micro_batch_size,
             checkpoint=self.checkpoint,
             pp_schedule=self.pp_schedule,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
@@ -84,6 +86,8 @@ CASES = [
     Case("tp_mbs8", tp=2, micro_batch_size=8),
     Case("tp_ckpt_mbs8", tp=2, checkpoint="all", micro_batch_size=8),
     Case("tp_micro3", tp=2, micro=3),
+    Case("tp_sp_mbs8", tp=2, micro_batch_size=8, sequence_parallel=True),
+    Case("tp_sp_ckpt_mbs8", tp=2, checkpoint="all", micro_batch_size=8, sequence_parallel=True),
     Case("pp_1f1b_micro2", pp=2, micro=2),
     Case("pp_1f1b_mbs4_micro4", pp=2, micro_batch_size=4, micro=4),
     Case("pp_gpipe_micro2", pp=2, pp_schedule="GPipe", micro=2),
@@ -157,7 +161,7 @@ def measure(case: Case, seq: int, stage_blocks: list[int], timed: int = 0) -> di
     model.train()
     sch = sl.create_schedule(model, group=mesh.tp_group)
     if case.tp > 1:
-        presets.megatron_tp(sch, check=False)
+        presets.megatron_tp(sch, check=False, sequence_parallel=case.sequence_parallel)
     if case.checkpoint != "none":
         presets.checkpoint_blocks(sch, every=1 if case.checkpoint == "all" else case.checkpoint, check=False)
     mbs, m = case.micro_batch_size, case.micro

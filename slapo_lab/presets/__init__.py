@@ -152,21 +152,14 @@ def megatron_tp(
     # its column layers) and keeps the first that checks; when none does it is refused whole, with the first
     # layout's sentence
     refused: WholeRefused | None = None
+    apply = functools.partial(
+        _megatron_regions, sch, blocks, vocab_parallel, sequence_parallel, use_hf_plan, layers_of
+    )
     for style in sequence.STYLES if sequence_parallel and check else sequence.STYLES[:1]:
-        regions = (
-            _megatron_regions,
-            sch,
-            blocks,
-            vocab_parallel,
-            sequence_parallel,
-            use_hf_plan,
-            layers_of,
-            style,
-        )
         try:
             calls, notes = gate(
                 sch,
-                functools.partial(*regions),
+                functools.partial(apply, style),
                 check=check,
                 whole=_SP_REFUSED if sequence_parallel else None,
             )
