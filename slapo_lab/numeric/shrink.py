@@ -102,7 +102,8 @@ def _plan_blocks(
         )
         if cut_last and last + 1 < len(members):  # a stage ends at the last kept block: keep the next one as
             last += 1  # itself too, or the copy's stage after the cut would be empty where the model's is not
-            alias[members[last]] = members[last]
+        for b in members[: last + 1]:  # a kept block runs its own calls, even one that shares an earlier
+            alias[b] = b  # block's (sequence parallelism's middle blocks, between the first and the last)
         keep[parent] = last + 1
     return keep, alias
 

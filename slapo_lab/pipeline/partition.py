@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -506,6 +507,10 @@ def _retie(st: StageInfo, held: list[str], keep_name: str) -> str:
     return keep_name
 
 
+#: One capture at a time: torch.export's dispatch-mode stack and module-hierarchy slot are process-wide, so two
+#: threads capturing at once (the editor's live check and a check a script asked for) break each other
+#: ("ProxyTorchDispatchMode slot already occupied", "_EXPORT_MODULE_HIERARCHY must not be None").
+_EXPORT_LOCK = threading.Lock()
 _CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")
 
 
@@ -676,7 +681,7 @@ def _export_pipe(model: nn.Module, root: nn.Module, cuts: list[str], n_microbatc
         m.eval()
     try:
         _check_batch_coupling(model, n_microbatches, mb_args, mb_kwargs)
-        with _split_hooks(root, cuts), exportable_sync_ops(), _torch_internal_deprecations():
+        with _EXPORT_LOCK, _split_hooks(root, cuts), exportable_sync_ops(), _torch_internal_deprecations():
             return pipeline(root, mb_args, mb_kwargs or None, split_policy=_inline_wrapper_hops)
     except ScheduleError:
         raise

@@ -64,13 +64,14 @@ def test_compiled_tp_blocks_match_eager(results, case):
     assert r["max_ref_loss_diff"] <= 1e-5 and len(r["loss"]) == 2 and r["n_sharded"] > 0, r
     # row-parallel outputs: all_reduce_fwd; column-parallel inputs: an alias whose backward is the plain all_reduce
     expected = {"slapo_lab_pp.all_reduce_fwd.default", "slapo_lab_pp.all_reduce.default"}
-    if (
-        "sequence_parallel" in case
-    ):  # all-gather before the column-parallel layers, reduce-scatter after the row ones
+    if "sequence_parallel" in case:
+        # all-gather before the column-parallel layers, reduce-scatter after the row ones, and the first block
+        # scatters the sequence on its input
         expected = {
             "slapo_lab_pp.all_reduce.default",
             "slapo_lab_pp.gather_fwd.default",
             "slapo_lab_pp.reduce_scatter_fwd.default",
+            "slapo_lab_pp.scatter_fwd.default",
         }
     assert set(r["tp_ops"]) == expected, r["tp_ops"]
 

@@ -125,3 +125,50 @@ def test_the_editor_preset_records_it_or_says_in_one_sentence_why_not():
     )
     assert len(ed.schedule.record.calls) == 0
     assert ed.apply_preset("megatron") is None, ed.message
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 16))}
+
+
+def test_the_check_of_a_deeper_model_keeps_the_middle_blocks_calls():
+    """Six blocks: the first scatters, the last gathers, the four between share one schedule. The check's copy
+    keeps the blocks up to the last distinct one, and each of them with its own calls (a middle block that
+    shares an earlier one's schedule used to run unsharded in the copy: "outputs first differ at layers.5")."""
+    from slapo_lab.blocks import find_blocks
+    from slapo_lab.numeric.shrink import _plan_blocks
+
+    model, inputs = _llama(6)
+    ed = sl.ScheduleEditor(model, example_inputs=inputs, world_size=2)
+    assert ed.apply_preset("megatron_sp") is None, ed.message
+    blocks = find_blocks(ed.schedule)
+    keep, alias = _plan_blocks(list(ed.schedule.record.calls), blocks)
+    assert keep == {"model.layers": 6} and all(alias[b] == b for b in blocks)
+    report = ed.numeric_check()
+    assert report.status == "passed" and "6 of 6 blocks" in report.message, report.message
+
+
+def test_with_pipeline_stages_it_checks_equal_while_the_live_check_runs():
+    """Sequence parallelism and two pipeline stages: the stages are captured with torch.export, which is not
+    thread-safe; a check asked for while the editor's live check captures too waits for it instead of failing
+    ("ProxyTorchDispatchMode slot already occupied")."""
+    model, inputs = _llama(4)
+    ed = sl.ScheduleEditor(model, example_inputs=inputs, world_size=2, live_check=True)
+    assert ed.apply_preset("megatron_sp") is None, ed.message
+    assert ed.apply_preset("stages", 2) is None, ed.message
+    report = ed.numeric_check()
+    assert report.status == "passed" and "as 2 pipeline stages" in report.message, report.message
+    ed.wait_background(120)
+    assert ed.numeric_report is not None and ed.numeric_report.status == "passed", ed.numeric_report
