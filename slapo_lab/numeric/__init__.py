@@ -188,10 +188,10 @@ def shrunk_copy(
     for b in blocks:  # the parameters every block of the stack has (T5's block 0 alone holds its bias table)
         common[stack_of[b]] = common.get(stack_of[b], set(params[b])) & set(params[b])
     shapes = {b: tuple((n, tuple(params[b][n].shape)) for n in sorted(common[stack_of[b]])) for b in blocks}
-    keep, alias = _plan_blocks(calls, blocks, shapes)
+    keep, alias, tails = _plan_blocks(calls, blocks, shapes)
     lengths = {p: sum(1 for b in blocks if (b.rsplit(".", 1)[0] if "." in b else "") == p) for p in keep}
-    mapped = _map_calls(calls, blocks, alias)
-    mapped_cuts = _map_calls(calls, blocks, alias, keep_cuts=True)
+    mapped = _map_calls(calls, blocks, alias, tails=tails)
+    mapped_cuts = _map_calls(calls, blocks, alias, keep_cuts=True, tails=tails)
     kept_blocks = (sum(keep.values()), len(blocks))
     _truncate(meta, keep)
     config = getattr(reference, "config", None)

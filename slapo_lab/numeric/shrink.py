@@ -2,7 +2,8 @@
 
 * Which blocks are kept: each stack of blocks (:func:`slapo_lab.blocks.find_blocks`) keeps the shortest prefix
   that holds one block of every distinct schedule (:func:`_plan_blocks`); the calls on later blocks are mapped
-  onto the kept block with the same schedule (:func:`_map_calls`).
+  onto the kept block with the same schedule (:func:`_map_calls`), and the syncs on a stack's last block itself
+  (sequence parallelism's gather) onto the last kept block.
 * A Hugging Face config rebuilt small (:func:`_shrink_config`): the same head and key/value head counts, a
   head dimension of :data:`SMALL_HEAD_DIM`, widths and a vocabulary that divide the tensor-parallel degree
   exactly when the original's do; the layer counts of every stack set to the kept blocks
@@ -68,31 +69,47 @@ def _block_of(path: str, blocks: list[str]) -> str | None:
     return None
 
 
-def _signature(calls: list[Call], block: str) -> tuple:
+def _signature(calls: list[Call], block: str, root_syncs: bool = True) -> tuple:
     out = []
     for c in calls:  # cuts included: a block that ends a stage is kept as itself, for the pipeline part
-        if _block_of(c.path, [block]) is None:
+        if _block_of(c.path, [block]) is None or (not root_syncs and _root_sync(c, block)):
             continue
         out.append((c.path[len(block) :], c.primitive, repr(c.args), repr(sorted(c.kwargs.items()))))
     return tuple(out)
 
 
+def _root_sync(c: Call, block: str) -> bool:
+    return c.path == block and c.primitive == "sync"
+
+
 def _plan_blocks(
     calls: list[Call], blocks: list[str], shapes: dict[str, tuple] | None = None
-) -> tuple[dict[str, int], dict[str, str]]:
-    """For each stack (a block's parent path): how many leading blocks to keep; and for each block path,
-    the kept block whose schedule it shares. Blocks of other parameter shapes (``shapes``: ConvNeXt's or
-    Swin's stages, each wider than the last) never stand in for each other."""
+) -> tuple[dict[str, int], dict[str, str], dict[str, str]]:
+    """For each stack (a block's parent path): how many leading blocks to keep; for each block path, the kept
+    block whose schedule it shares; and the stacks' ends whose own syncs move to the last kept block.
+
+    Blocks of other parameter shapes (``shapes``: ConvNeXt's or Swin's stages, each wider than the last) never
+    stand in for each other. Every kept block runs its own calls. A stack's last block whose schedule differs
+    from an earlier block's only by syncs on the block itself (sequence parallelism gathers the sequence on
+    the last block's output) is not kept: those syncs end the copy's shorter stack instead, on its last kept
+    block, so a deep stack is still checked on a few blocks.
+    """
     stacks: dict[str, list[str]] = {}
     for b in blocks:
         stacks.setdefault(b.rsplit(".", 1)[0] if "." in b else "", []).append(b)
     keep: dict[str, int] = {}
     alias: dict[str, str] = {}
+    tails: dict[str, str] = {}
     for parent, members in stacks.items():
         first_of: dict[tuple, str] = {}
         last = 0
         for i, b in enumerate(members):
             sig = (_signature(calls, b), (shapes or {}).get(b))
+            end = (_signature(calls, b, root_syncs=False), sig[1])
+            if i == len(members) - 1 and i > 1 and sig not in first_of and end in first_of:
+                alias[b] = first_of[end]
+                tails[b] = ""  # the last kept block, known after the loop
+                continue
             if sig not in first_of:
                 first_of[sig] = b
                 last = i
@@ -104,21 +121,31 @@ def _plan_blocks(
             last += 1  # itself too, or the copy's stage after the cut would be empty where the model's is not
         for b in members[: last + 1]:  # a kept block runs its own calls, even one that shares an earlier
             alias[b] = b  # block's (sequence parallelism's middle blocks, between the first and the last)
+        for b in members[last + 1 :]:
+            if b in tails:
+                tails[b] = members[last]
         keep[parent] = last + 1
-    return keep, alias
+    return keep, alias, tails
 
 
 def _map_calls(
-    calls: list[Call], blocks: list[str], alias: dict[str, str], keep_cuts: bool = False
+    calls: list[Call],
+    blocks: list[str],
+    alias: dict[str, str],
+    keep_cuts: bool = False,
+    tails: dict[str, str] | None = None,
 ) -> list[Call]:
     """The calls of the kept blocks (calls on a block that shares a kept block's schedule are dropped: the
-    kept block runs the same calls)."""
+    kept block runs the same calls); a stack end's own syncs (``tails``: block -> the last kept block of its
+    stack, :func:`_plan_blocks`) are made on that kept block."""
     out = []
     for c in calls:
         if c.primitive in _SKIPPED and not keep_cuts:
             continue
         b = _block_of(c.path, blocks)
         if b is not None and alias.get(b, b) != b:
+            if tails and b in tails and _root_sync(c, b):
+                out.append(Call(tails[b], c.primitive, c.args, dict(c.kwargs)))
             continue
         out.append(c)
     return out

@@ -143,21 +143,34 @@ def _llama(layers: int):
     return LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 16))}
 
 
-def test_the_check_of_a_deeper_model_keeps_the_middle_blocks_calls():
+def test_the_check_of_a_deeper_model_runs_on_two_blocks_that_end_with_the_gather():
     """Six blocks: the first scatters, the last gathers, the four between share one schedule. The check's copy
-    keeps the blocks up to the last distinct one, and each of them with its own calls (a middle block that
-    shares an earlier one's schedule used to run unsharded in the copy: "outputs first differ at layers.5")."""
+    keeps two blocks, the scatter on the first and the last block's gather on the second: the layout of a
+    two-block model (checked in seconds whatever the depth). Each kept block runs its own calls (a kept block
+    that shared an earlier one's schedule used to run unsharded in the copy)."""
     from slapo_lab.blocks import find_blocks
-    from slapo_lab.numeric.shrink import _plan_blocks
+    from slapo_lab.numeric.shrink import _map_calls, _plan_blocks
 
     model, inputs = _llama(6)
     ed = sl.ScheduleEditor(model, example_inputs=inputs, world_size=2)
     assert ed.apply_preset("megatron_sp") is None, ed.message
+    calls = list(ed.schedule.record.calls)
     blocks = find_blocks(ed.schedule)
-    keep, alias = _plan_blocks(list(ed.schedule.record.calls), blocks)
-    assert keep == {"model.layers": 6} and all(alias[b] == b for b in blocks)
+    keep, alias, tails = _plan_blocks(calls, blocks)
+    assert keep == {"model.layers": 2} and tails == {"model.layers.5": "model.layers.1"}
+    assert alias["model.layers.0"] == "model.layers.0" and alias["model.layers.1"] == "model.layers.1"
+    mapped = _map_calls(calls, blocks, alias, tails=tails)
+    gathers = [
+        c.path for c in mapped if c.kwargs.get("axis") == -2 and c.kwargs.get("sync_op_or_fn") == "all_gather"
+    ]
+    assert gathers[-1] == "model.layers.1" and "model.layers.5" not in {c.path for c in mapped}
     report = ed.numeric_check()
-    assert report.status == "passed" and "6 of 6 blocks" in report.message, report.message
+    assert report.status == "passed" and "2 of 6 blocks" in report.message, report.message
+    # a middle block whose schedule repeats an earlier one's, kept because a later block differs, runs its calls
+    ed.apply("checkpoint", path="model.layers.3")
+    keep, alias, _ = _plan_blocks(list(ed.schedule.record.calls), blocks)
+    assert keep == {"model.layers": 4} and alias["model.layers.2"] == "model.layers.2"
+    assert ed.numeric_check().status == "passed"
 
 
 def test_with_pipeline_stages_it_checks_equal_while_the_live_check_runs():
