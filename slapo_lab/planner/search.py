@@ -105,6 +105,19 @@ class Plan:
         return "\n".join(rows)
 
 
+def _sp_default(pr, tp: int) -> bool:
+    """Whether sequence parallelism is on by default at TP ``tp``: the preset lays it out on this model (its
+    profile at ``tp`` with it can be made). Off for a degree beyond a node or one the preset refuses, whose
+    layouts are then refused with the plain preset's sentence."""
+    if tp > pr.cluster.gpus_per_node:
+        return False
+    try:
+        pr.profile(tp, True)
+    except ScheduleError:
+        return False
+    return True
+
+
 def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
     return [d for d in (1 << i for i in range(20)) if d <= limit and n % d == 0]
 
@@ -210,7 +223,7 @@ def auto_plan(
     checkpoints: tuple = ("none", "all", "selective", *range(2, 17)),
     micro_batch_sizes: tuple = (1, 2, 4, 8, 16, 32),
     pp_schedules: tuple = ("1F1B", "GPipe", "interleaved"),
-    sequence_parallel: tuple = (False, True),
+    sequence_parallel: tuple | None = None,
 ) -> Plan:
     """Search the layouts of ``model_or_schedule`` on ``cluster`` and rank those that fit.
 
@@ -221,7 +234,11 @@ def auto_plan(
         top_k: how many candidates to return.
         tp / pp: degrees to try (default: TP powers of two within a node dividing the GPUs; PP every divisor of
             the GPUs left up to the number of blocks).
-        shards / checkpoints / micro_batch_sizes / pp_schedules / sequence_parallel: the other choices.
+        shards / checkpoints / micro_batch_sizes / pp_schedules: the other choices.
+        sequence_parallel: the values to search for TP > 1; None (the default): on wherever the tensor-parallel
+            preset can lay it out on this model, off otherwise, as Megatron-LM and torchtitan turn it on with
+            tensor parallelism (it cuts the activations between the regions by the TP degree for the same
+            bytes moved); ``(False, True)`` prices both.
 
     Returns:
         Plan: ``.candidates`` (Estimates, best tokens/s/GPU first), ``.rejected`` (grouped reasons), ``.priced``.
@@ -251,7 +268,7 @@ def auto_plan(
             d = dims.dp
             scheds = pp_schedules if p > 1 else ("1F1B",)
             shs = shards if d > 1 else ("none",)
-            sps = sequence_parallel if t > 1 else (False,)
+            sps = (False,) if t == 1 else sequence_parallel or (_sp_default(pr, t),)
             for sched, sh, ck, mbs, sp in itertools.product(scheds, shs, checkpoints, micro_batch_sizes, sps):
                 search.price(t, p, d, sh, mbs, ck, sched, sp)
     fits = sorted(search.fits, key=lambda e: -e.tokens_per_s_per_gpu)

@@ -675,3 +675,31 @@ def test_a_family_that_adds_in_place_after_a_row_parallel_layer_is_priced_at_tp(
         model, sl.Layout(tp=1, pp=1, dp=2), cluster=cl, seq_len=SEQ, global_batch_size=2, dtype="fp32"
     )
     assert est.time_parts["exposed_comm"] > 0 and 0 < est.peak_memory_bytes < one.peak_memory_bytes
+
+
+def test_sequence_parallelism_is_on_with_tensor_parallelism_unless_both_are_asked_for(tiny):
+    """The default search turns sequence parallelism on for every TP > 1 layout the preset can lay it out on
+    (Megatron-LM's and torchtitan's practice); ``sequence_parallel=(False, True)`` prices both, and the
+    sequence-parallel twin of a layout holds fewer activation bytes for the same parameters."""
+    cl = _small_cluster(gpus=2)
+    plan = sl.auto_plan(tiny, cluster=cl, seq_len=SEQ, global_batch_size=8, dtype="fp32", top_k=500)
+    tp2 = [e.layout for e in plan if e.layout.tp == 2]
+    assert tp2 and all(lay.sequence_parallel for lay in tp2)
+    assert all(not e.layout.sequence_parallel for e in plan if e.layout.tp == 1)
+    both = sl.auto_plan(
+        tiny,
+        cluster=cl,
+        seq_len=SEQ,
+        global_batch_size=8,
+        dtype="fp32",
+        top_k=500,
+        sequence_parallel=(False, True),
+    )
+    assert both.costed > plan.costed
+    assert {e.layout.sequence_parallel for e in both if e.layout.tp == 2} == {False, True}
+    on = sl.estimate(
+        tiny, sl.Layout(tp=2, pp=1, dp=1, sequence_parallel=True), cluster=cl, seq_len=SEQ, dtype="fp32"
+    )
+    off = sl.estimate(tiny, sl.Layout(tp=2, pp=1, dp=1), cluster=cl, seq_len=SEQ, dtype="fp32")
+    assert on.memory[0]["activations"] < off.memory[0]["activations"]
+    assert on.memory[0]["params"] == off.memory[0]["params"]
