@@ -21,7 +21,9 @@ allocator's blocks) for the same :class:`slapo_lab.Layout`. The table gives, per
 and their ratio, and every rank's ratio.
 
 Run: ``.venv/bin/python benchmarks/plan_memory_ranks.py [--seq 128] [--only NAME ...]`` (two processes,
-gloo on 127.0.0.1; the 16 layouts took 474 s on two shared cores).
+gloo on 127.0.0.1; the first 16 layouts took 474 s on two shared cores; the two sequence-parallel ones, with
+``--only tp_mbs8 tp_sp_mbs8 tp_ckpt_mbs8 tp_sp_ckpt_mbs8``, read 1.003 and 0.993 beside their plain TP twins' 1.008
+and 1.001, 90 s).
 """
 
 from __future__ import annotations
