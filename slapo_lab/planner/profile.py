@@ -312,7 +312,10 @@ def _is_causal(args, kwargs) -> bool:
 # the cut-down model
 # --------------------------------------------------------------------------------------------------
 def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
-    """``[(ModuleList path, indices kept, count of each kept index's class)]`` for every stack of blocks."""
+    """``[(ModuleList path, indices kept, how many blocks each kept index stands for)]`` for every stack of
+    blocks: the first block of each class, and the stack's last block too when it has syncs of its own the
+    first of its class lacks (sequence parallelism gathers the sequence on the last block's output; without
+    it the cut-down model's output stays split)."""
 
     out = []
     for parent, idxs in block_lists(sch):
@@ -324,8 +327,23 @@ def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
             first.setdefault(cls, i)
             counts[cls] = counts.get(cls, 0) + 1
         kept = sorted(first.values())
-        out.append((parent, kept, [counts[type(lst[i])] for i in kept]))
+        stands = {i: counts[type(lst[i])] for i in kept}
+        last = idxs[-1] if idxs else None
+        if (
+            last is not None
+            and last not in stands
+            and _own_syncs(lst[last]) - _own_syncs(lst[first[type(lst[last])]])
+        ):
+            stands[first[type(lst[last])]] -= 1
+            stands[last] = 1
+            kept.append(last)
+        out.append((parent, kept, [stands[i] for i in kept]))
     return out
+
+
+def _own_syncs(mod: nn.Module) -> set:
+    meta = peek_meta(mod)
+    return set(meta.syncs) if meta else set()
 
 
 @contextlib.contextmanager
@@ -454,7 +472,8 @@ def _profile(model, sch, tp, seq_len, dtype, sp) -> ModelProfile:
         ctx = contextlib.nullcontext()
     else:
         heads, kv = _heads(sch, stacks) if tp > 1 else (None, None)
-        run_model, run_stacks = model, stacks
+        # the cut-down list holds the kept blocks as 0, 1, ...
+        run_model, run_stacks = model, [(p, list(range(len(k))), c) for p, k, c in stacks]
         ctx = _cut_down(model, stacks)
     with ctx:
         parts = _measure(run_model, run_stacks, seq_len)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ScheduleError
+from ..module_state import peek_meta
 from ..parallel_dims import ParallelDims
 from ..schedule import Schedule
 from ..utils import human_bytes
@@ -105,10 +106,16 @@ class Plan:
         return "\n".join(rows)
 
 
-def _sp_default(pr, tp: int) -> bool:
-    """Whether sequence parallelism is on by default at TP ``tp``: the preset lays it out on this model (its
-    profile at ``tp`` with it can be made). Off for a degree beyond a node or one the preset refuses, whose
-    layouts are then refused with the plain preset's sentence."""
+def _sp_default(pr, tp: int, model_or_schedule) -> bool:
+    """Whether sequence parallelism is on by default at TP ``tp``: for a schedule, whether it has it (a
+    reduce-scatter after a row-parallel layer); for a model, whether the preset lays it out (its profile at
+    ``tp`` with it can be made). Off for a degree beyond a node or one the preset refuses, whose layouts are
+    then refused with the plain preset's sentence."""
+    if isinstance(model_or_schedule, Schedule):
+        return any(
+            ("fwd_post", "reduce_scatter") in getattr(peek_meta(m), "syncs", ())
+            for m in model_or_schedule.mod.modules()
+        )
     if tp > pr.cluster.gpus_per_node:
         return False
     try:
@@ -268,7 +275,7 @@ def auto_plan(
             d = dims.dp
             scheds = pp_schedules if p > 1 else ("1F1B",)
             shs = shards if d > 1 else ("none",)
-            sps = (False,) if t == 1 else sequence_parallel or (_sp_default(pr, t),)
+            sps = (False,) if t == 1 else sequence_parallel or (_sp_default(pr, t, model_or_schedule),)
             for sched, sh, ck, mbs, sp in itertools.product(scheds, shs, checkpoints, micro_batch_sizes, sps):
                 search.price(t, p, d, sh, mbs, ck, sched, sp)
     fits = sorted(search.fits, key=lambda e: -e.tokens_per_s_per_gpu)

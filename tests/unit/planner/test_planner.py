@@ -21,6 +21,7 @@ from slapo_lab.errors import ScheduleError
 from slapo_lab.planner import devices
 from slapo_lab.planner.model import ALLOCATOR_HEADROOM, _partition
 from slapo_lab.planner.profile import profile_model
+from slapo_lab.utils import meta_copy
 
 SEQ = 32
 
@@ -703,3 +704,12 @@ def test_sequence_parallelism_is_on_with_tensor_parallelism_unless_both_are_aske
     off = sl.estimate(tiny, sl.Layout(tp=2, pp=1, dp=1), cluster=cl, seq_len=SEQ, dtype="fp32")
     assert on.memory[0]["activations"] < off.memory[0]["activations"]
     assert on.memory[0]["params"] == off.memory[0]["params"]
+
+
+def test_a_schedule_is_planned_with_the_sequence_parallelism_it_has(tiny):
+    cl = _small_cluster(gpus=2)
+    for sp in (False, True):
+        sch = sl.create_schedule(meta_copy(tiny), world_size=2)
+        sl.presets.megatron_tp(sch, check=False, sequence_parallel=sp)
+        plan = sl.auto_plan(sch, cluster=cl, seq_len=SEQ, global_batch_size=8, dtype="fp32", top_k=50)
+        assert len(plan) and {e.layout.sequence_parallel for e in plan} == {sp}
