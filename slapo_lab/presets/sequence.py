@@ -2,12 +2,13 @@
 
 Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 MLSys 2023; Megatron-LM's ``megatron/core/tensor_parallel/mappings.py``) keeps one slice of the sequence
-(axis -2: the sequence of ``(batch, seq, hidden)``, the tokens of a flattened ``(tokens, hidden)``) per tensor-parallel rank wherever the tensor-parallel regions leave the
-activation replicated: the norms, the residual adds and dropout run on ``seq / world_size`` tokens. Where the
+(axis -2: the sequence of ``(batch, seq, hidden)``, the tokens of a flattened ``(tokens, hidden)``) per
+tensor-parallel rank wherever the tensor-parallel regions leave the activation replicated: the norms, the
+residual adds and dropout run on ``seq / world_size`` tokens. Where the
 tokens enter a region they are all-gathered (its backward reduce-scatters, which also sums the input gradient
 Megatron's *f* all-reduces), and the row-parallel output is reduce-scattered instead of all-reduced (*g*).
 
-:func:`block_layout` reads where each of this from one block's regions (:func:`slapo_lab.preset_check.
+:func:`block_layout` reads where each of these goes from one block's regions (:func:`slapo_lab.preset_check.
 layer_regions`), with no family name:
 
 * **stacks.** Each ``nn.ModuleList`` of blocks scatters the sequence on its first block's input and gathers
