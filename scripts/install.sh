@@ -23,6 +23,10 @@ fi
 TORCH_PIN=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
 "$PY" -m pip install -q "$TORCH_PIN"
 "$PY" -m pip install -q -e ".[test]"
+# byte-compile the package, as pip does when it installs a wheel (an editable install does not): every fresh
+# process (the CLI, an exported script, a benchmark) then imports it without compiling it first, also where
+# PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself. Python still recompiles a changed file.
+"$PY" -m compileall -q slapo_lab >/dev/null
 # DeepSpeed without its CUDA ops (pipeline runtime "deepspeed").
 DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed>=0.19" || echo "[install] deepspeed not installed; its runtime tests will be skipped"
 # Slapo 0.0.3's wheel, unpacked (not installed): tests/slapo_compat/test_slapo_compat.py runs its own tests and schedules.
