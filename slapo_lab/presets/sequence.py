@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ScheduleError
-from ..preset_check import Region
+from ..preset_check import Region, _common, _under
 from .parallel import SEQUENCE_AXIS, _ensure_sync
 
 #: Kinds whose split is not a column-to-row pair on the tokens (kind prefixes of ``block_layers``): their
@@ -56,21 +56,6 @@ STYLES = ("wide", "narrow")
 
 class LayoutRefused(ScheduleError):
     """Sequence parallelism cannot be laid out on this model (one sentence): the preset is refused whole."""
-
-
-def _under(path: str, owner: str) -> bool:
-    return path == owner or path.startswith(owner + ".")
-
-
-def _common(paths: list[str]) -> str:
-    """The deepest module (path relative to the block) holding every path of ``paths``."""
-    parts = [p.split(".")[:-1] for p in paths]
-    out: list[str] = []
-    for group in zip(*parts, strict=False):
-        if len(set(group)) != 1:
-            break
-        out.append(group[0])
-    return ".".join(out)
 
 
 @dataclasses.dataclass
