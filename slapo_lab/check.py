@@ -43,7 +43,7 @@ from torch import nn
 
 from .atomic import atomic
 from .errors import ScheduleError
-from .module_state import ModuleMeta, peek_meta
+from .module_state import ModuleMeta, has_sequence_parallel, peek_meta, syncs_of
 from .numeric import numeric_check, remembered_inputs
 from .primitives.tensor_parallel import PARAM_GRADS_OP
 from .record import Call, format_call
@@ -89,13 +89,8 @@ class Finding:
         return self.message
 
 
-def _syncs(mod: nn.Module) -> list[tuple[str, str]]:
-    meta = peek_meta(mod)
-    return list(meta.syncs) if meta else []
-
-
 def _has_sync(chain: list[nn.Module], pairs: set[tuple[str, str]]) -> bool:
-    return any(s in pairs for m in chain for s in _syncs(m))
+    return any(s in pairs for m in chain for s in syncs_of(m))
 
 
 def _sync(path: str, mode: str) -> Call:
@@ -230,7 +225,7 @@ class _StructuralCheck:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.sequence_parallel = "reduce_scatter" in {op for m in root.modules() for _, op in _syncs(m)}
+        self.sequence_parallel = has_sequence_parallel(root)
         self.findings: list[Finding] = []
         self.seen_attn: set[int] = set()
 
@@ -381,7 +376,7 @@ class _StructuralCheck:
             ]
             if not is_norm(child) or not params or hd is None or params[0].shape[-1] != hd:
                 continue  # not a per-head norm (ALBERT's attention.LayerNorm normalises the whole hidden state)
-            if ("bwd_post", PARAM_GRADS_OP) in _syncs(child):
+            if ("bwd_post", PARAM_GRADS_OP) in syncs_of(child):
                 continue
             path = f"{apath}.{name}" if apath else name
             fix = Call(

@@ -144,6 +144,18 @@ def peek_meta(mod: nn.Module) -> ModuleMeta | None:
     return mod.__dict__.get(META_ATTR)
 
 
+def syncs_of(mod: nn.Module) -> list[tuple[str, str]]:
+    """``(mode, op)`` of each sync on ``mod`` itself, in the order they were made (``[]`` for none)."""
+    meta = peek_meta(mod)
+    return list(meta.syncs) if meta else []
+
+
+def has_sequence_parallel(root: nn.Module) -> bool:
+    """Whether any module under ``root`` reduce-scatters its output: a row-parallel layer under sequence
+    parallelism (``sync(mode="fwd_post", sync_op_or_fn="reduce_scatter")``, the only mode that op takes)."""
+    return any(("fwd_post", "reduce_scatter") in syncs_of(m) for m in root.modules())
+
+
 # Argument types that are never a KV cache: checked first, so that the usual arguments of a block (tensors,
 # flags, None, the (cos, sin) tuple of rotary embeddings) take one ``isinstance`` that torch.compile traces.
 _NOT_A_CACHE = (torch.Tensor, bool, int, float, str, type(None), tuple, list, dict)

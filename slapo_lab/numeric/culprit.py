@@ -17,7 +17,7 @@ import copy
 import torch
 from torch import nn
 
-from ..module_state import peek_meta
+from ..module_state import peek_meta, syncs_of
 from ..record import Call, replay
 from ..schedule import create_schedule
 from ..verify import verify_models
@@ -260,17 +260,18 @@ def _relative_grad_differences(
 
 def _sums_children(sch: _Trace, name: str) -> bool:
     """Whether a bwd_post all-reduce on module ``name`` sums its children's input gradients."""
-    mod = sch.modules.get(name)
-    meta = peek_meta(mod) if mod is not None else None
-    return bool(meta) and ("bwd_post", "all_reduce") in meta.syncs
+    return ("bwd_post", "all_reduce") in _syncs_at(sch, name)
 
 
 def _gathers_input(sch: _Trace, name: str) -> bool:
     """Whether module ``name`` all-gathers its input (fwd_pre all_gather: sequence parallelism), whose
     backward reduce-scatter sums its children's partial input gradients."""
+    return ("fwd_pre", "all_gather") in _syncs_at(sch, name)
+
+
+def _syncs_at(sch: _Trace, name: str) -> list[tuple[str, str]]:
     mod = sch.modules.get(name)
-    meta = peek_meta(mod) if mod is not None else None
-    return bool(meta) and ("fwd_pre", "all_gather") in meta.syncs
+    return syncs_of(mod) if mod is not None else []
 
 
 def _reduces_partial(sch: _Trace, name: str) -> bool:

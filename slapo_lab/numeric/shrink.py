@@ -103,12 +103,13 @@ def _plan_blocks(
     for parent, members in stacks.items():
         first_of: dict[tuple, str] = {}
         last = 0
+        tail = None
         for i, b in enumerate(members):
             sig = (_signature(calls, b), (shapes or {}).get(b))
             end = (_signature(calls, b, root_syncs=False), sig[1])
             if i == len(members) - 1 and i > 1 and sig not in first_of and end in first_of:
                 alias[b] = first_of[end]
-                tails[b] = ""  # the last kept block, known after the loop
+                tail = b
                 continue
             if sig not in first_of:
                 first_of[sig] = b
@@ -121,9 +122,8 @@ def _plan_blocks(
             last += 1  # itself too, or the copy's stage after the cut would be empty where the model's is not
         for b in members[: last + 1]:  # a kept block runs its own calls, even one that shares an earlier
             alias[b] = b  # block's (sequence parallelism's middle blocks, between the first and the last)
-        for b in members[last + 1 :]:
-            if b in tails:
-                tails[b] = members[last]
+        if tail is not None:  # its own syncs end the copy's stack, on the last kept block
+            tails[tail] = members[last]
         keep[parent] = last + 1
     return keep, alias, tails
 

@@ -49,7 +49,7 @@ from ..activations import FlashSDPA
 from ..blocks import block_lists
 from ..errors import ScheduleError
 from ..inputs import inputs_from_config
-from ..module_state import peek_meta
+from ..module_state import peek_meta, syncs_of
 from ..random import MATMULS as _MATMULS
 from ..random import SELECTIVE_SAVE, selective_policy
 from ..schedule import Schedule, create_schedule
@@ -332,18 +332,13 @@ def _block_stacks(sch) -> list[tuple[str, list[int], list[int]]]:
         if (
             last is not None
             and last not in stands
-            and _own_syncs(lst[last]) - _own_syncs(lst[first[type(lst[last])]])
+            and set(syncs_of(lst[last])) - set(syncs_of(lst[first[type(lst[last])]]))
         ):
             stands[first[type(lst[last])]] -= 1
             stands[last] = 1
             kept.append(last)
         out.append((parent, kept, [stands[i] for i in kept]))
     return out
-
-
-def _own_syncs(mod: nn.Module) -> set:
-    meta = peek_meta(mod)
-    return set(meta.syncs) if meta else set()
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ScheduleError
-from ..module_state import peek_meta
+from ..module_state import has_sequence_parallel
 from ..parallel_dims import ParallelDims
 from ..schedule import Schedule
 from ..utils import human_bytes
@@ -112,10 +112,7 @@ def _sp_default(pr, tp: int, model_or_schedule) -> bool:
     ``tp`` with it can be made). Off for a degree beyond a node or one the preset refuses, whose layouts are
     then refused with the plain preset's sentence."""
     if isinstance(model_or_schedule, Schedule):
-        return any(
-            ("fwd_post", "reduce_scatter") in getattr(peek_meta(m), "syncs", ())
-            for m in model_or_schedule.mod.modules()
-        )
+        return has_sequence_parallel(model_or_schedule.mod)
     if tp > pr.cluster.gpus_per_node:
         return False
     try:
@@ -268,6 +265,7 @@ def auto_plan(
     checkpoints = tuple(c for c in checkpoints if c in CHECKPOINTS or (isinstance(c, int) and c < nblocks))
     search = _Search(pr, global_batch_size)
     for t in tps:
+        sps = (False,) if t == 1 else sequence_parallel or (_sp_default(pr, t, model_or_schedule),)
         for p in pp or _divisors(n // t if n % t == 0 else 1, nblocks):
             dims = ParallelDims.for_world(n, t, p)
             if dims is None:
@@ -275,7 +273,6 @@ def auto_plan(
             d = dims.dp
             scheds = pp_schedules if p > 1 else ("1F1B",)
             shs = shards if d > 1 else ("none",)
-            sps = (False,) if t == 1 else sequence_parallel or (_sp_default(pr, t, model_or_schedule),)
             for sched, sh, ck, mbs, sp in itertools.product(scheds, shs, checkpoints, micro_batch_sizes, sps):
                 search.price(t, p, d, sh, mbs, ck, sched, sp)
     fits = sorted(search.fits, key=lambda e: -e.tokens_per_s_per_gpu)

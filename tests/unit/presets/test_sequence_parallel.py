@@ -128,19 +128,13 @@ def test_the_editor_preset_records_it_or_says_in_one_sentence_why_not():
 
 
 def _llama(layers: int):
+    """A tiny Llama of ``layers`` blocks on the zoo's decoder config (2 key/value heads), and its inputs."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from zoo.matrix import DECODER, VOCAB
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 16))}
+    cfg = LlamaConfig(**{**DECODER, "num_hidden_layers": layers}, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, VOCAB, (2, 16))}
 
 
 def test_the_check_of_a_deeper_model_runs_on_two_blocks_that_end_with_the_gather():
