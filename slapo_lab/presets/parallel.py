@@ -18,7 +18,7 @@ from torch import nn
 
 from ..atomic import atomic
 from ..errors import ScheduleError
-from ..module_state import peek_meta
+from ..module_state import peek_meta, syncs_of
 from ..primitives.tensor_parallel import PARAM_GRADS_OP
 from ..record import Call
 from ..sharding.experts import UP_NAMES, intermediate_axis, is_experts_module
@@ -201,6 +201,11 @@ def row_parallel(sch, path: str, sequence_parallel: bool = False) -> list[Call]:
     mod = node.mod
     _ensure_shard(node, "weight", rule.in_axis)
     if sequence_parallel:
+        if ("fwd_post", "all_reduce") in syncs_of(mod):
+            raise EarlierCallConflict(
+                f"{path} already all-reduces its output (tensor parallelism without sequence parallelism, "
+                "e.g. the plain Megatron preset); undo that before applying sequence parallelism."
+            )
         _ensure_sync(node, "fwd_post", "reduce_scatter", axis=SEQUENCE_AXIS)
         if getattr(mod, "bias", None) is not None:
             _ensure_sync(node, "bwd_post", "all_reduce", param_grads=True)

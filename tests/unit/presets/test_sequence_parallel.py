@@ -98,6 +98,17 @@ def test_a_model_where_it_changes_the_result_is_refused_whole():
     assert len(sch.record) > 0
 
 
+def test_sequence_parallelism_over_the_plain_preset_names_the_earlier_all_reduce():
+    """A schedule that already has the plain Megatron preset: its row layers all-reduce, which sequence
+    parallelism would reduce-scatter; the SP preset says so in one sentence and records nothing."""
+    _model, _inputs, sch = _sp("qwen2")
+    presets.megatron_tp(sch)
+    n = len(sch.record)
+    with pytest.raises(sl.ScheduleError, match=r"o_proj already all-reduces its output .*; undo that before"):
+        presets.megatron_tp(sch, sequence_parallel=True)
+    assert len(sch.record) == n
+
+
 def test_the_check_compares_a_sequence_slice_with_the_reference_slice():
     full = torch.arange(24.0).reshape(2, 6, 2)
     assert torch.equal(_slice_of(full[:, 3:], full, 1, 2), full[:, 3:])
